@@ -1,0 +1,201 @@
+"""Measuring a training run: FLOPs and MFU, memory by category, timers and per-rank timelines.
+
+Everything a lesson plots comes from here, so each number says exactly what it counts.
+
+FLOPs. A matmul of an (m x k) by a (k x n) matrix costs 2·m·k·n FLOPs. Per token, the forward pass through
+the weight matrices costs 2·N and the backward 4·N (gradients for inputs and for weights), so 6·N in all,
+where N counts the parameters that take part in matmuls: every weight except the input embedding (a
+table lookup, no FLOPs); the LM head counts even when it shares its weight with the embedding. Attention
+adds, per layer and per token, QK^T and scores·V: 2·2·s·h forward, ×3 with backward = 12·s·h. So
+
+    FLOPs per token = 6·N + 12·L·h·s          (PaLM appendix B; we count the full s×s, not the causal half)
+
+MFU (model FLOPs utilisation) = tokens/s × FLOPs per token ÷ peak FLOP/s. Recomputation makes the machine
+do more work but does not change the model's FLOPs, so it lowers MFU: that is the point of the metric.
+The peak is the datasheet number where we know the device (H100/H200 bf16 dense: 989.5 TFLOP/s) and, on
+every device, the speed of one large matmul measured here (`measured_matmul_peak`): the honest ceiling.
+
+Memory. `memory_breakdown` counts bytes of parameters, gradients and optimizer state by walking the tensors;
+`ActivationCounter` counts the bytes autograd saves for the backward pass with saved-tensor hooks (each
+storage once; parameters excluded); the device's own peak (CUDA allocator) is added where there is one,
+and on the CPU the process's peak resident set size, which includes Python and torch themselves.
+"""
+import json
+import os
+import resource
+import time
+from contextlib import contextmanager
+
+import torch
+
+# bf16 dense datasheet peaks, FLOP/s. H200 uses the same compute die as H100 SXM.
+DATASHEET_PEAK_BF16 = {"H100": 989.5e12, "H200": 989.5e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+# ----------------------------------------------------------------------------------------------- FLOPs
+def flops_per_token(model_config, seq_len):
+    """Training FLOPs (forward + backward) per token: 6·N + 12·L·h·s (see ModelConfig.flops_per_token)."""
+    return model_config.flops_per_token(seq_len)
+
+
+def datasheet_peak(device):
+    """Datasheet bf16 dense peak of a known GPU, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in DATASHEET_PEAK_BF16.items() if key in name), None)
+
+
+_PEAK_CACHE = {}
+
+
+def measured_matmul_peak(device, dtype=torch.float32, n=None, repeats=None):
+    """FLOP/s of one large square matmul on this device: the practical ceiling for MFU."""
+    key = (str(device), dtype)
+    if key not in _PEAK_CACHE:
+        on_gpu = device.type == "cuda"
+        n = n or (8192 if on_gpu else 1024)
+        repeats = repeats or (20 if on_gpu else 5)
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        for _ in range(2):  # warm up (kernel selection, caches)
+            a @ b
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        sync(device)
+        _PEAK_CACHE[key] = 2 * n**3 * repeats / (time.perf_counter() - t0)
+    return _PEAK_CACHE[key]
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def optimizer_bytes(optimizer):
+    return sum(tensor_bytes(v for v in s.values() if torch.is_tensor(v)) for s in optimizer.state.values())
+
+
+def memory_breakdown(model, optimizer=None):
+    """Bytes of parameters, gradients and optimizer state held by this rank."""
+    params = list(model.parameters())
+    return {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(p.grad for p in params),
+        "optimizer": optimizer_bytes(optimizer) if optimizer is not None else 0,
+    }
+
+
+class ActivationCounter:
+    """Counts the bytes autograd saves for backward inside a `with` block.
+
+    A saved-tensor hook sees every tensor an autograd node keeps (inputs of a matmul, the mask of a
+    ReLU, ...). We count each underlying storage once and skip parameters, which are not activations.
+    With activation checkpointing only the checkpointed region's inputs are saved: the count drops.
+    """
+
+    def __init__(self, model=None):
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+        self.bytes = 0
+        self._seen = set()
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._params and ptr not in self._seen and t.device.type != "meta":
+            self._seen.add(ptr)
+            self.bytes += storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self._seen.clear()  # drop pointers; the storages may be freed and reused after backward
+
+
+def device_peak_bytes(device):
+    """Peak bytes allocated by torch on a CUDA device since the last reset, else None."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_device_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def process_peak_rss_bytes():
+    """Peak resident set size of this process (Linux reports KiB): Python + torch + tensors."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ------------------------------------------------------------------------------------ time and events
+class Timeline:
+    """Per-rank events (name, start, end in seconds since creation) for timeline / bubble plots."""
+
+    def __init__(self, device, rank=0, enabled=True):
+        self.device, self.rank, self.enabled = device, rank, enabled
+        self.t0 = time.perf_counter()
+        self.events = []
+
+    @contextmanager
+    def record(self, name, **info):
+        if not self.enabled:
+            yield
+            return
+        sync(self.device)  # on a GPU, time the work, not the launch
+        start = time.perf_counter() - self.t0
+        yield
+        sync(self.device)
+        self.events.append({"rank": self.rank, "name": name, "start": start,
+                            "end": time.perf_counter() - self.t0, **info})
+
+    def dump(self, path):
+        with open(path, "w") as f:
+            json.dump(self.events, f)
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one JSON object per optimizer step, written by one rank, flushed each line."""
+
+    def __init__(self, out_dir, enabled=True, append=False):
+        self.enabled = enabled
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if enabled:
+            os.makedirs(out_dir, exist_ok=True)
+            self._f = open(self.path, "a" if append else "w")
+
+    def write(self, record):
+        if self.enabled:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+
+    def close(self):
+        if self.enabled:
+            self._f.close()
+
+
+def read_metrics(out_dir):
+    """The per-step records and the summary of a run directory: (steps, summary)."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if "summary" not in r], next((r for r in rows if "summary" in r), None)
+
+
+def human_bytes(n):
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024

@@ -1,0 +1,370 @@
+"""A Llama-style decoder-only transformer, written to be read (and to match Hugging Face's Llama exactly).
+
+    input_ids [b, s]
+      -> embed_tokens                                   [b, s, h]      v·h parameters, no FLOPs (a lookup)
+      -> L x DecoderLayer  (pre-norm, two residual branches)
+           x = x + o_proj(Attention(RoPE(q_proj(n)), RoPE(k_proj(n)), v_proj(n)))   n = input_layernorm(x)
+           x = x + down_proj(silu(gate_proj(n)) * up_proj(n))                      n = post_attention_layernorm(x)
+      -> norm -> lm_head                                [b, s, v]      v·h parameters (shared when tied)
+
+Shapes (h = hidden_size, a = heads, k = KV heads, d = h/a = head_dim, i = intermediate_size):
+q_proj h->a·d, k_proj/v_proj h->k·d (grouped-query attention: each KV head serves a/k query heads; k = a
+is plain multi-head attention), o_proj a·d->h, gate/up_proj h->i, down_proj i->h. RMSNorm has one weight
+vector of size h and no bias; no Linear has a bias.
+
+Where parameters go, per layer: attention 2h² + 2h·k·d, MLP 3·h·i, norms 2h; plus v·h for the embedding and
+v·h again for an untied lm_head (`ModelConfig.num_params` counts them exactly). Where FLOPs go: each
+parameter in a matmul costs 2 FLOPs per token forward and 4 backward (the 6N rule), and attention adds
+QK^T and (softmax)V, 2·2·s·h per token per layer forward, hence 12·L·h·s per token for a training step
+(`ModelConfig.flops_per_token`).
+
+Positions enter only through RoPE, applied to q and k in the Hugging Face "rotate_half" layout (HF's
+checkpoint converter permutes q/k weights for it), so HF weights load as-is. cos/sin are recomputed in every
+forward from the positions (cheap: s·d/2 values) - no buffers, so a model built on the meta device and
+materialised with `to_empty` needs nothing special.
+
+The model knows nothing about parallelism. Things the parallel strategies may rely on:
+  * sub-module names equal HF's (minus the "model." prefix), so the state dict maps 1:1 to a checkpoint;
+  * attention reads head counts from the tensor shapes, so sharded (tensor-parallel) projections just work;
+  * `Attention.core(q, k, v, cos, sin)` is the one place where tokens see each other (context parallelism
+    swaps it); `forward(input_ids, position_ids=None)` takes explicit positions for the same reason;
+  * `init_weights(seed)` draws every parameter from a generator seeded by (seed, parameter name) only, so
+    every layout initialises identically. A strategy that shards a parameter may attach `p.full_shape` and
+    `p.take_shard(full) -> shard` to it; `init_weights` then draws the full tensor and keeps its shard.
+"""
+import json
+import math
+import zlib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    attn_impl: str = "sdpa"  # "sdpa": fused kernel; "eager": explicit softmax that stores the s×s scores
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; pick one of {sorted(PRESETS)}.")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def num_params(self) -> int:
+        """Exact parameter count of `Llama(self)` (a tied lm_head counts once)."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_hidden_layers * per_layer + h + head
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward) = 6·N_matmul + 12·L·h·s.
+
+        N_matmul counts the parameters used in a matmul: every Linear including lm_head, not the embedding
+        lookup and not the norm weights. The attention term counts the full s×s score matrix (PaLM's
+        convention), although causal kernels skip about half of it."""
+        h, L = self.hidden_size, self.num_hidden_layers
+        n_matmul = self.num_params() - (2 * L + 1) * h
+        if not self.tie_word_embeddings:
+            n_matmul -= self.vocab_size * h
+        return 6 * n_matmul + 12 * L * h * seq_len
+
+    def to_dict(self) -> dict:
+        """The Hugging Face `config.json` of this model (LlamaForCausalLM)."""
+        d = {k: v for k, v in asdict(self).items() if k != "attn_impl"}
+        d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                 head_dim=self.head_dim, attention_bias=False, mlp_bias=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})  # transformers >= 5
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        """Read a Hugging Face Llama `config.json` (transformers 4 or 5 spelling); reject what we don't model."""
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        heads = d["num_attention_heads"]
+        problems = [
+            f"rope_type={rope_type!r} (only plain RoPE)" if rope_type != "default" else "",
+            f"hidden_act={d.get('hidden_act')!r} (only silu)" if d.get("hidden_act", "silu") != "silu" else "",
+            "attention_bias/mlp_bias" if d.get("attention_bias") or d.get("mlp_bias") else "",
+            "head_dim != hidden_size/num_attention_heads"
+            if d.get("head_dim", d["hidden_size"] // heads) * heads != d["hidden_size"] else "",
+        ]
+        if any(problems):
+            raise ValueError(f"unsupported Llama config: {', '.join(p for p in problems if p)}.")
+        names = {f.name for f in fields(cls)} - {"attn_impl"}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs.setdefault("num_key_value_heads", heads)
+        kwargs["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        return cls(**kwargs)
+
+
+PRESETS = {
+    # Lessons and tests: byte-level vocabulary, fast on a laptop CPU.
+    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024),
+    # HuggingFaceTB/SmolLM-{135M,360M,1.7B} (tied embeddings), meta-llama/Meta-Llama-3-8B (untied).
+    "smollm-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                        tie_word_embeddings=True),
+    "smollm-360m": dict(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                        num_attention_heads=15, num_key_value_heads=5, max_position_embeddings=2048,
+                        tie_word_embeddings=True),
+    "smollm-1.7b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
+                        tie_word_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                      rope_theta=500000.0),
+}
+
+
+# ----------------------------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) * weight, computed in float32 (as HF does) and cast back."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(position_ids, head_dim: int, theta: float):
+    """cos, sin of shape [..., s, head_dim] for the given positions (HF layout: the d/2 frequencies twice)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim)
+    angles = position_ids.float()[..., None] * inv_freq  # [..., s, d/2]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each pair (x[j], x[j + d/2]) of every head by angle position·theta^(-2j/d)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.head_dim, self.attn_impl = d, config.attn_impl
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+
+    def forward(self, x, cos, sin, recompute: bool = False):
+        b, s, _ = x.shape
+        # [b, s, heads·d] -> [b, heads, s, d]; head counts come from the weights' shapes (TP shards them).
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if recompute:  # selective recomputation: drop the s×s part, recompute it in backward
+            out = checkpoint(self.core, q, k, v, cos, sin, use_reentrant=False)
+        else:
+            out = self.core(q, k, v, cos, sin)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def core(self, q, k, v, cos, sin):
+        """RoPE + causal softmax(q k^T / sqrt(d)) v. q: [b, a, s, d], k/v: [b, k, s, d] -> [b, a, s, d]."""
+        q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        groups = q.shape[1] // k.shape[1]
+        if self.attn_impl == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+        if self.attn_impl != "eager":
+            raise ValueError(f"unknown attn_impl {self.attn_impl!r}; use 'sdpa' or 'eager'.")
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [b, a, s, s]: the 5·a·s/h term
+        s_q, s_k = scores.shape[-2:]
+        future = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, selective: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, recompute=selective)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ------------------------------------------------------------------------------------------------ model
+class Llama(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.recompute = "none"  # "none" | "selective" | "full"; set by the trainer
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        """Make lm_head share the embedding matrix when the config says so (to_empty unties: we re-tie)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def to_empty(self, *, device, recurse: bool = True):
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # parameters() counts a tied matrix once
+
+    def forward(self, input_ids, position_ids=None):
+        """input_ids [b, s] (int64) -> logits [b, s, vocab]. position_ids default to 0..s-1."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute={self.recompute!r}; use 'none', 'selective' or 'full'.")
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            if self.recompute == "full":  # keep only each layer's input; redo the layer in backward
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, selective=self.recompute == "selective")
+        return self.lm_head(self.norm(x))
+
+    # ---------------------------------------------------------------------------------------- init
+    def init_std(self, name: str) -> float:
+        """std = initializer_range, divided by sqrt(2L) for the two projections that write into the
+        residual stream (o_proj, down_proj): GPT-2's scheme, keeping the residual's variance independent
+        of depth. Hugging Face's Llama init uses no such scaling; that only matters for training from
+        scratch, never for loading weights."""
+        std = self.config.initializer_range
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std /= math.sqrt(2 * self.config.num_hidden_layers)
+        return std
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0):
+        """Fill every parameter from `init_tensor(name, shape, seed, std)`: norms 1, the rest normal."""
+        self.tie_weights()
+        for name, p in self.named_parameters():  # a tied lm_head.weight is skipped: it is embed_tokens
+            shape = tuple(getattr(p, "full_shape", p.shape))
+            if name.endswith("norm.weight"):
+                full = torch.ones(shape)
+            else:
+                full = init_tensor(name, shape, seed, self.init_std(name))
+            take_shard = getattr(p, "take_shard", None)
+            p.copy_(take_shard(full) if take_shard is not None else full)
+        return self
+
+    # ---------------------------------------------------------------------------- Hugging Face I/O
+    @classmethod
+    def from_hf(cls, directory, dtype=None) -> "Llama":
+        """Load a Hugging Face Llama checkpoint directory (config.json + model.safetensors, or shards listed
+        in model.safetensors.index.json). dtype=None keeps the stored dtype."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        config = ModelConfig.from_hf_dict(json.loads((directory / "config.json").read_text()))
+        index = directory / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+            else ["model.safetensors"]
+        state = {}
+        for f in files:
+            for name, t in load_file(directory / f).items():
+                if not name.endswith("rotary_emb.inv_freq"):  # old checkpoints stored this buffer
+                    state[name.removeprefix("model.")] = t if dtype is None else t.to(dtype)
+        if config.tie_word_embeddings:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.tie_weights()
+        return model
+
+    def save_hf(self, directory):
+        """Write config.json + model.safetensors in the LlamaForCausalLM layout (one file, no sharding)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {}
+        for name, t in self.state_dict().items():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # HF stores a tied matrix once, as model.embed_tokens.weight
+            key = name if name.startswith("lm_head.") else "model." + name
+            state[key] = t.detach().cpu().contiguous()
+        hf_config = self.config.to_dict()
+        hf_config["torch_dtype"] = str(self.embed_tokens.weight.dtype).removeprefix("torch.")
+        (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def init_tensor(name: str, shape, seed: int, std: float) -> torch.Tensor:
+    """A float32 CPU tensor ~ N(0, std²) that depends only on (seed, name, shape), never on the process,
+    device or parallel layout. The generator's seed is a stable hash (crc32, not Python's randomised
+    hash()) of the seed and the parameter's name."""
+    g = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    return torch.randn(tuple(shape), generator=g) * std
+
+
+@torch.no_grad()
+def generate(model, input_ids, max_new_tokens: int, temperature: float = 1.0, top_k=None, generator=None):
+    """Append max_new_tokens sampled tokens to input_ids [b, s] (no KV cache: the whole context is re-run
+    each step, cropped to max_position_embeddings). temperature 0 = greedy. Sampling happens on the CPU so
+    a CPU `generator` works whatever the model's device."""
+    context_len = model.config.max_position_embeddings
+    for _ in range(max_new_tokens):
+        logits = model(input_ids[:, -context_len:])[:, -1].float().cpu()
+        if temperature == 0:
+            next_ids = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        input_ids = torch.cat([input_ids, next_ids.to(input_ids.device)], dim=1)
+    return input_ids
