@@ -1,0 +1,358 @@
+"""One dataclass holds every setting of a run; bad settings are rejected before any process starts talking.
+
+Where a setting comes from, lowest priority first:
+
+    Config() defaults  <  --config run.json  <  command-line flags (--tp 2 --steps 50 ...)
+
+`cli(argv)` parses and validates, and on a bad value prints ONE sentence and exits with status 2:
+
+    $ python -m picotron.train --tp 3
+    picotron: error: tp=3 does not divide num_attention_heads=8; pick tp in {1, 2, 4}.
+
+Every message names the value, the rule it breaks and a fix. Validation needs only the config and the world
+size (the WORLD_SIZE variable torchrun sets, else 1), so it runs before `torch.distributed` is initialised:
+a typo costs a second, not a hung 8-GPU job.
+
+The parallel degrees and the process grid
+-----------------------------------------
+    dp  data parallel      replicas of the model, each on different samples
+    pp  pipeline parallel  the layers cut into pp consecutive stages
+    cp  context parallel   the sequence cut into 2*cp chunks (zig-zag: rank r gets chunks r and 2cp-1-r)
+    tp  tensor parallel    every weight matrix cut into tp slices (heads, MLP columns, vocabulary)
+    ep  expert parallel    experts spread over the data-parallel ranks (ep divides dp)
+
+The world size must equal dp*pp*cp*tp; `picotron.mesh` lays the ranks out on that grid with tp varying
+fastest, so tensor-parallel peers (the chattiest) get neighbouring ranks, on one node.
+Strategies arrive lesson by lesson: `IMPLEMENTED` says which ones work today, later lessons flip entries.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Optional
+
+# Which strategies the code base supports so far. Each lesson that adds one flips its entry to True.
+IMPLEMENTED = {"dp": False, "tp": False, "pp": False, "cp": False, "ep": False, "zero": False, "sp": False}
+ARRIVES_WITH = {  # for the "not implemented yet" message
+    "dp": "data parallelism arrives with lesson 03", "zero": "ZeRO arrives with lesson 04",
+    "tp": "tensor parallelism arrives with lesson 05", "sp": "sequence parallelism arrives with lesson 05",
+    "cp": "context parallelism arrives with lesson 06", "pp": "pipeline parallelism arrives with lesson 07",
+    "ep": "expert parallelism arrives with lesson 08",
+}
+DTYPES = ("fp32", "bf16")
+RECOMPUTE = ("none", "selective", "full")
+PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
+ZERO_STAGES = (0, 1, 2, 3)
+DEVICES = ("auto", "cpu", "cuda")
+MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings")
+
+
+class ConfigError(ValueError):
+    """A setting breaks a rule; the message is one sentence: the value, the rule, a fix."""
+
+
+@dataclass
+class Config:
+    # model
+    preset: str = "tiny"
+    # parallel layout
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: bool = False
+    pp_schedule: str = "1f1b"
+    # batch and schedule
+    steps: int = 200
+    seq_len: int = 128
+    micro_batch_size: int = 16
+    grad_acc: int = 1
+    dtype: str = "fp32"
+    recompute: str = "none"
+    seed: int = 0
+    # output and checkpoints
+    out: str = "runs/default"
+    save_every: int = 0
+    resume: bool = False
+    # optimizer (AdamW, warm-up then cosine decay to min_lr)
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # logging, evaluation, data, runtime
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 8
+    data: str = "shakespeare"
+    tokenizer: str = "byte"
+    device: str = "auto"
+    timeout_s: int = 300
+    sample_tokens: int = 200
+    # optional model overrides (None = the preset's value)
+    vocab_size: Optional[int] = None
+    hidden_size: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    num_hidden_layers: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    attn_impl: Optional[str] = None
+
+    @property
+    def world_size(self):
+        """Processes this layout needs: one per cell of the (dp, pp, cp, tp) grid."""
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def global_batch_size(self):
+        """Sequences per optimizer step, summed over data-parallel ranks and accumulation steps."""
+        return self.dp * self.grad_acc * self.micro_batch_size
+
+    @property
+    def tokens_per_step(self):
+        return self.global_batch_size * self.seq_len
+
+    def model_config(self):
+        """The preset's `ModelConfig` with any overrides (hidden_size=..., ...) applied."""
+        from picotron.model import PRESETS, ModelConfig  # lazy: `--help` needs no torch
+
+        if self.preset not in PRESETS:
+            raise ConfigError(f"preset={self.preset!r} is not a known model; pick one of {', '.join(PRESETS)}.")
+        overrides = {k: getattr(self, k) for k in MODEL_FIELDS + ("attn_impl",) if getattr(self, k) is not None}
+        return dataclasses.replace(ModelConfig.from_preset(self.preset), **overrides)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values, source="the config"):
+        """Build from a plain dict (e.g. a JSON file), checking names and types; unknown keys are errors."""
+        return cls(**_checked(values, source))
+
+    @classmethod
+    def load(cls, path):
+        try:
+            with open(path) as f:
+                values = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"config file {path!r} cannot be read ({e.strerror}); check the --config path.") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not valid JSON (line {e.lineno}: {e.msg}); fix the file.") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {path!r} holds a {type(values).__name__}, not an object; "
+                              f"write {{\"field\": value, ...}}.")
+        return cls.from_dict(values, source=path)
+
+
+def _field_types():
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _checked(values, source):
+    types, out = _field_types(), {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in types:
+            raise ConfigError(f"{key!r} in {source} is not a setting; valid names are the fields of "
+                              f"picotron.config.Config ({', '.join(list(types)[:6])}, ...).")
+        kind = types[name]
+        optional = typing.get_origin(kind) is typing.Union
+        kind = typing.get_args(kind)[0] if optional else kind
+        ok = (value is None and optional) or (
+            isinstance(value, bool) if kind is bool else
+            isinstance(value, int) and not isinstance(value, bool) if kind is int else
+            isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
+            isinstance(value, kind))
+        if not ok:
+            raise ConfigError(f"{name}={value!r} in {source} has type {type(value).__name__} but must be "
+                              f"{kind.__name__}; fix the value in {source}.")
+        out[name] = float(value) if kind is float and value is not None else value
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- validation
+def _choices(xs):
+    return "{" + ", ".join(str(x) for x in xs) + "}"
+
+
+def _fits(n, limit=64):
+    """Degrees d <= limit (and <= n) that divide n, the candidates a message proposes."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def validate(cfg, world_size=None):
+    """Raise ConfigError for the first broken rule; `world_size` defaults to $WORLD_SIZE or 1."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_names(cfg)
+    _check_positive(cfg)
+    mc = cfg.model_config()
+    _check_model(cfg, mc)
+    _check_degrees(cfg, mc)
+    _check_implemented(cfg)
+    if world_size != cfg.world_size:
+        raise ConfigError(
+            f"world size {world_size} does not equal dp*pp*cp*tp = {cfg.dp}*{cfg.pp}*{cfg.cp}*{cfg.tp} = "
+            f"{cfg.world_size}; launch {cfg.world_size} process{'es' if cfg.world_size > 1 else ''} "
+            f"(torchrun --nproc_per_node {cfg.world_size} -m picotron.train ...) or change the degrees.")
+
+
+def _check_names(cfg):
+    from picotron.model import PRESETS
+
+    for name, value, allowed in [("preset", cfg.preset, tuple(PRESETS)), ("dtype", cfg.dtype, DTYPES),
+                                 ("recompute", cfg.recompute, RECOMPUTE), ("pp_schedule", cfg.pp_schedule, PP_SCHEDULES),
+                                 ("zero", cfg.zero, ZERO_STAGES), ("device", cfg.device, DEVICES),
+                                 ("attn_impl", cfg.attn_impl, (None, "sdpa", "eager"))]:
+        if value not in allowed:
+            shown = ", ".join(str(a) for a in allowed if a is not None)
+            raise ConfigError(f"{name}={value!r} is not one of the known values; pick one of {shown}.")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but no CUDA GPU is visible to torch; pass --device auto or --device cpu.")
+    if not (cfg.data == "shakespeare" or cfg.data.startswith("hf:") or os.path.exists(cfg.data)):
+        raise ConfigError(f"data={cfg.data!r} is neither 'shakespeare', 'hf:<dataset>' nor an existing file or "
+                          f"directory; pass --data shakespeare or the path of a .txt file.")
+
+
+def _check_positive(cfg):
+    at_least = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "steps": 1, "seq_len": 1, "micro_batch_size": 1,
+                "grad_acc": 1, "log_every": 1, "timeout_s": 1, "seed": 0, "save_every": 0, "warmup_steps": 0,
+                "eval_every": 0, "eval_batches": 0, "sample_tokens": 0}
+    at_least.update({k: 1 for k in MODEL_FIELDS})
+    for name, low in at_least.items():
+        value = getattr(cfg, name)
+        if value is not None and value < low:
+            flag = "--" + name.replace("_", "-")
+            what = "a positive integer" if low == 1 else "zero or more"
+            raise ConfigError(f"{name}={value} must be {what}; pass {flag} {low} or more.")
+    if not cfg.lr > 0:
+        raise ConfigError(f"lr={cfg.lr} must be positive; pass --lr 3e-3 (the default) or another positive rate.")
+    if not 0 <= cfg.min_lr <= cfg.lr:
+        raise ConfigError(f"min_lr={cfg.min_lr} must lie between 0 and lr={cfg.lr}; pass --min-lr {cfg.lr / 10:g}.")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must lie in [0, 1); pass --{name} 0.9 or 0.95.")
+    for name in ("weight_decay", "grad_clip"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must not be negative; pass --{name.replace('_', '-')} 0 "
+                              f"to switch it off.")
+    if cfg.eval_every and not cfg.eval_batches:
+        raise ConfigError(f"eval_every={cfg.eval_every} needs eval_batches >= 1 but eval_batches=0; pass "
+                          f"--eval-batches 8 or --eval-every 0 to skip evaluation.")
+
+
+def _check_model(cfg, mc):
+    if mc.hidden_size % mc.num_attention_heads:
+        raise ConfigError(f"hidden_size={mc.hidden_size} is not divisible by num_attention_heads="
+                          f"{mc.num_attention_heads}; pick num_attention_heads in {_choices(_fits(mc.hidden_size))}.")
+    if mc.num_attention_heads % mc.num_key_value_heads:
+        raise ConfigError(f"num_key_value_heads={mc.num_key_value_heads} does not divide num_attention_heads="
+                          f"{mc.num_attention_heads} (each KV head serves a whole group of query heads); pick "
+                          f"num_key_value_heads in {_choices(_fits(mc.num_attention_heads))}.")
+    if cfg.seq_len > mc.max_position_embeddings:
+        raise ConfigError(f"seq_len={cfg.seq_len} exceeds max_position_embeddings={mc.max_position_embeddings} of "
+                          f"preset {cfg.preset!r}; pass --seq-len {mc.max_position_embeddings} or less.")
+    if cfg.tokenizer == "byte" and mc.vocab_size < 256:
+        raise ConfigError(f"vocab_size={mc.vocab_size} is too small for the byte tokenizer, which needs 256 ids; "
+                          f"pass --vocab-size 256.")
+
+
+def _check_degrees(cfg, mc):
+    # Tensor parallel splits heads, KV heads, MLP columns and the vocabulary into tp equal slices.
+    tp_rules = [("num_attention_heads", mc.num_attention_heads), ("num_key_value_heads", mc.num_key_value_heads),
+                ("intermediate_size", mc.intermediate_size), ("vocab_size", mc.vocab_size)]
+    good_tp = [d for d in _fits(mc.num_attention_heads) if all(n % d == 0 for _, n in tp_rules)]
+    for name, n in tp_rules:
+        if n % cfg.tp:
+            raise ConfigError(f"tp={cfg.tp} does not divide {name}={n}; pick tp in {_choices(good_tp)}.")
+    if mc.num_hidden_layers % cfg.pp:
+        raise ConfigError(f"pp={cfg.pp} does not divide num_hidden_layers={mc.num_hidden_layers} (each stage gets "
+                          f"the same number of layers); pick pp in {_choices(_fits(mc.num_hidden_layers))}.")
+    if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
+        good = [c for c in _fits(cfg.seq_len // 2) if c > 0]
+        raise ConfigError(f"cp={cfg.cp} needs seq_len={cfg.seq_len} divisible by 2*cp={2 * cfg.cp} (zig-zag splits "
+                          f"the sequence into 2*cp chunks); pick cp in {_choices(good[:8])} or a seq_len that is a "
+                          f"multiple of {2 * cfg.cp}.")
+    if cfg.sp and cfg.tp > 1 and (cfg.seq_len // cfg.cp) % cfg.tp:
+        raise ConfigError(f"sp with tp={cfg.tp} needs the local sequence length seq_len/cp={cfg.seq_len // cfg.cp} "
+                          f"divisible by tp (the sequence is split over tp ranks); pass a seq_len that is a multiple "
+                          f"of {cfg.tp * cfg.cp}.")
+    if cfg.dp % cfg.ep:
+        raise ConfigError(f"ep={cfg.ep} does not divide dp={cfg.dp} (expert-parallel ranks are carved out of the "
+                          f"data-parallel ranks); pick ep in {_choices(_fits(cfg.dp))}.")
+
+
+def _check_implemented(cfg):
+    used = {"dp": cfg.dp > 1, "tp": cfg.tp > 1, "pp": cfg.pp > 1, "cp": cfg.cp > 1, "ep": cfg.ep > 1,
+            "zero": cfg.zero > 0, "sp": cfg.sp}
+    for name, on in used.items():
+        if on and not IMPLEMENTED[name]:
+            value = f"{name}={getattr(cfg, name)}" if name != "sp" else "--sp"
+            fix = "drop --sp" if name == "sp" else f"use {name}={0 if name == 'zero' else 1}"
+            raise ConfigError(f"{value} is not implemented yet ({ARRIVES_WITH[name]}); {fix}.")
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's full usage block
+        print(f"picotron: error: {message}; see --help.", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser():
+    """Flags mirror the Config fields in kebab case; defaults are suppressed so only given flags override."""
+    p = _Parser(prog="picotron", argument_default=argparse.SUPPRESS,
+                                description="Train a small Llama with any mix of dp/tp/pp/cp (python -m picotron.train).")
+    p.add_argument("--config", metavar="F.json", help="JSON file of settings; flags given here override it")
+    types = _field_types()
+    defaults = Config()
+    for name, kind in types.items():
+        optional = typing.get_origin(kind) is typing.Union
+        kind = typing.get_args(kind)[0] if optional else kind
+        flag = "--" + name.replace("_", "-")
+        helptext = f"default: {getattr(defaults, name)!r}" + (" (the preset's)" if optional else "")
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=helptext)
+        else:
+            p.add_argument(flag, type=kind, metavar=name.upper(), help=helptext)
+    return p
+
+
+def parse_args(argv=None):
+    """Config from defaults < --config file < flags. Not validated: call `validate` (or use `cli`)."""
+    ns = vars(build_parser().parse_args(argv))
+    path = ns.pop("config", None)
+    base = Config.load(path).to_dict() if path else {}
+    base.update(ns)
+    return Config.from_dict(base, source=path or "the command line")
+
+
+def cli(argv=None, world_size=None):
+    """parse_args + validate; a bad setting prints 'picotron: error: <one sentence>' and exits with status 2."""
+    try:
+        cfg = parse_args(argv)
+        validate(cfg, world_size)
+        return cfg
+    except ConfigError as e:
+        print(f"picotron: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+main_config = cli
+
+
+if __name__ == "__main__":  # python -m picotron.config --tp 2 ...: print the resolved, validated settings
+    print(json.dumps(cli(sys.argv[1:]).to_dict(), indent=2))

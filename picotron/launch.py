@@ -1,0 +1,339 @@
+"""Start N processes that talk to each other: a test helper (`run_on_ranks`) and a torchrun wrapper.
+
+run_on_ranks(fn, 4, x)   runs fn(x) in 4 fresh processes (ranks 0..3) that already share a gloo process
+                         group, and returns [result of rank 0, ..., result of rank 3]. Every multi-rank test
+                         and every lesson exercise checker goes through it, so it is built never to hang:
+
+    parent                                   child r (a clean interpreter: "forkserver" or "spawn")
+    ------                                   -------
+    TCPStore server on a free port  <------  connects as a client, init_process_group(rank=r)
+    wait on N pipes + N process handles      result = fn(*args, **kwargs)
+      ("ok", value)       -> keep it    <--  sends ("ok", result) or ("error", traceback text)
+      ("error", tb)       -> RankError       destroys the process group and exits
+      died, no message    -> RankError with its exit code
+      deadline passed     -> RankTimeout, with the Python stack where each late rank is stuck
+    finally: terminate, then kill, every child still alive, and reap it (no zombies)
+
+The parent owns the rendezvous store, so there is no race for the port between "find a free port" and
+"bind it". The process group's own timeout is the same deadline (plus 2 s, so the parent, which knows all
+ranks, is the one to report a hang), so a collective that waits for a dead peer also ends. Each child runs
+with OMP_NUM_THREADS=1 and torch.set_num_threads(1): four processes on two cores that each start a full
+thread pool run ~10x slower.
+
+`fn`, its arguments and its return value must be picklable: define fn at module level in an importable
+file (not a lambda, not in a notebook cell), and guard a script's own code with
+`if __name__ == "__main__":`, because spawned children re-import the main script.
+
+run_torchrun(script, 4, args) runs `python -m torch.distributed.run --standalone --nproc_per_node 4 script
+args` (what the lessons use), with a timeout, and raises with the tail of its output if it fails.
+"""
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class RankError(RuntimeError):
+    """A rank raised, or died, in run_on_ranks. Attributes: rank, traceback (text or None), exitcode."""
+
+    def __init__(self, message, rank=None, traceback=None, exitcode=None):
+        super().__init__(message)
+        self.rank, self.traceback, self.exitcode = rank, traceback, exitcode
+
+
+class RankTimeout(RankError):
+    """Some ranks had not finished by the deadline (most likely a hang); `ranks` lists them."""
+
+    def __init__(self, message, ranks=()):
+        super().__init__(message, rank=ranks[0] if ranks else None)
+        self.ranks = list(ranks)
+
+
+class TorchrunError(RuntimeError):
+    """run_torchrun failed or timed out; `output` holds everything it printed, `returncode` its exit status."""
+
+    def __init__(self, message, output="", returncode=None):
+        super().__init__(message)
+        self.output, self.returncode = output, returncode
+
+
+# --------------------------------------------------------------------------------------------- the child
+def _child(rank, world_size, env, payload, conn, backend, timeout_s, init_group, stack_file):
+    os.environ.update(env)  # before torch is imported in this process: OMP_NUM_THREADS, RANK, ...
+    if stack_file and hasattr(signal, "SIGUSR1"):  # the parent asks for our stack if we look stuck
+        faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=False)
+    dist = None
+    try:
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # in case torch was imported already
+        fn, args, kwargs = pickle.loads(payload)
+        if init_group:
+            import torch.distributed as dist
+
+            timeout = timedelta(seconds=timeout_s + 2)  # a hair after the parent's deadline: it reports the hang
+            if backend == "nccl":
+                torch.cuda.set_device(int(env["LOCAL_RANK"]))
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, False, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        result = fn(*args, **kwargs)
+        try:
+            conn.send(("ok", result))
+        except Exception as e:  # pickling failed before anything was written: say so instead
+            conn.send(("error", f"fn returned a value that cannot be sent back to the parent (it must be "
+                                f"picklable; move tensors to CPU or return plain numbers): {e!r}"))
+    except BaseException as e:  # also SystemExit / KeyboardInterrupt raised inside fn
+        tb = e.__traceback__.tb_next or e.__traceback__  # start below this function's own frame
+        conn.send(("error", "".join(traceback.format_exception(type(e), e, tb))))
+    finally:
+        conn.close()
+        if dist is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# -------------------------------------------------------------------------------------------- the parent
+def _free_port():
+    """A port that was free a moment ago (a small race remains; only used when init_group=False)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context(start_method=None):
+    """The multiprocessing context: "forkserver" where the OS has it, else "spawn".
+
+    Both start children from a clean interpreter, never from a fork of the caller (which may hold threads,
+    CUDA state or open process groups). spawn pays ~1.5 s per child to import torch (4 children on 2 cores:
+    ~3 s per launch); the fork server imports torch once and forks each child from it (~0.1 s per launch).
+    Only torch (and pytest/numpy if the caller uses them) is preloaded, never project code, so edits to
+    picotron or to an exercise file are seen by the next launch.
+    PICOTRON_START_METHOD=spawn (or start_method="spawn") selects spawn.
+    """
+    method = start_method or os.environ.get("PICOTRON_START_METHOD") or (
+        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed"] + [m for m in ("numpy", "pytest") if m in sys.modules])
+    return ctx
+
+
+def run_on_ranks(fn, world_size, *args, timeout_s=60, backend="gloo", init_group=True, start_method=None,
+                 **kwargs):
+    """Run fn(*args, **kwargs) on `world_size` fresh processes; return the list of results, by rank.
+
+    Each child has RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+    OMP_NUM_THREADS=1 in its environment and, unless init_group=False, an initialised default process group
+    (`backend`, timeout = timeout_s) that is destroyed after fn returns. With init_group=False fn must
+    initialise itself (e.g. `Mesh.init()` through env://). start_method: see `_context`.
+    Raises RankError (the failing rank and its traceback, or its exit code) or RankTimeout; in every case
+    all children are gone when this returns.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1.")
+    try:
+        payload = pickle.dumps((fn, args, kwargs))
+    except Exception as e:
+        raise TypeError(f"run_on_ranks could not pickle fn={fn!r} or its arguments ({e}); define fn at module "
+                        f"level in an importable .py file (not a lambda, closure or notebook cell).") from None
+    store = None
+    if init_group:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+    port = store.port if store is not None else _free_port()
+    common = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    ctx = _context(start_method)
+    procs, conns, ok = [], [], False
+    with tempfile.TemporaryDirectory(prefix="picotron-ranks-") as tmp:
+        try:
+            for rank in range(world_size):
+                env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_child, name=f"rank{rank}",
+                                args=(rank, world_size, env, payload, send, backend, timeout_s, init_group,
+                                      os.path.join(tmp, f"rank{rank}.stack")))
+                p.start()
+                send.close()  # only the child holds the sending end: its death closes the pipe
+                procs.append(p)
+                conns.append(recv)
+            results = _collect(procs, conns, timeout_s, tmp)
+            ok = True
+            return results
+        finally:
+            _stop(procs, grace_s=3.0 if ok else 0.0)
+            for c in conns:
+                c.close()
+            del store
+
+
+_PEER_GONE = ("closed by peer", "reset by peer", "Read error", "Write error", "Broken pipe")  # symptoms, not causes
+
+
+def _collect(procs, conns, timeout_s, tmp):
+    n, start = len(procs), time.monotonic()
+    results, failures = {}, []  # failures: (rank, message, traceback text or None, exit code or None)
+    pending = {conns[r]: r for r in range(n)}
+    sentinels = {procs[r].sentinel: r for r in range(n)}
+    grace_until = None  # after a first failure, listen briefly for the others' messages, then report
+    while pending:
+        now = time.monotonic()
+        until = grace_until if grace_until is not None else start + timeout_s
+        ready = wait(list(pending) + list(sentinels), timeout=max(0.0, until - now))
+        if not ready:
+            break
+        for obj in ready:
+            r = pending.get(obj, sentinels.get(obj))
+            if r is None or conns[r] not in pending:
+                continue  # already handled through its other handle
+            conn, message = conns[r], None
+            if conn.poll():  # a message, or end-of-file if the child died
+                try:
+                    message = conn.recv()
+                except EOFError:
+                    pass
+                except Exception as e:
+                    message = ("error", f"the parent could not unpickle rank {r}'s result: {e!r}")
+            elif obj is conn:
+                continue
+            if message is None:  # exited (or closed its pipe) without a word: it died hard
+                procs[r].join(5)
+                failures.append((r, f"rank {r} died without returning or raising ({_exit_reason(procs[r].exitcode)})",
+                                 None, procs[r].exitcode))
+            elif message[0] == "ok":
+                results[r] = message[1]
+            else:
+                failures.append((r, f"rank {r} raised an exception", message[1], None))
+            pending.pop(conn)
+            sentinels.pop(procs[r].sentinel, None)
+        if failures and grace_until is None:
+            grace_until = time.monotonic() + 0.3
+    if failures:  # report the likely cause first: a hard death, then an error that is not "my peer is gone"
+        failures.sort(key=lambda f: 0 if f[2] is None else 2 if any(m in f[2] for m in _PEER_GONE) else 1)
+        rank, message, tb, code = failures[0]
+        others = [f"rank {f[0]}" + (f" ({f[2].strip().splitlines()[-1][:100]})" if f[2] else "") for f in failures[1:]]
+        also = f" (also failed: {', '.join(others)})" if others else ""
+        text = f"{message}{also}:\n{tb}" if tb else f"{message}{also}; its own error output, if any, is above."
+        raise RankError(text, rank=rank, traceback=tb, exitcode=code)
+    if pending:
+        late = sorted(pending.values())
+        stacks = _stacks(procs, late, tmp)
+        who = f"rank {late[0]}" if len(late) == 1 else "ranks " + ", ".join(map(str, late))
+        done = f" (finished: {', '.join(map(str, sorted(results)))})" if results else ""
+        raise RankTimeout(f"{who} still running after {timeout_s:g} s: hang?{done}{stacks}", ranks=late)
+    return [results[r] for r in range(n)]
+
+
+def _exit_reason(code):
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stacks(procs, ranks, tmp):
+    """Ask the late ranks for their Python stacks (faulthandler on SIGUSR1) to show where they wait."""
+    if not hasattr(signal, "SIGUSR1"):
+        return ""
+    for r in ranks:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(0.2)
+    out = []
+    for r in ranks:
+        try:
+            with open(os.path.join(tmp, f"rank{r}.stack")) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        lines = text.splitlines()
+        cut = [i for i, line in enumerate(lines) if line.endswith(" in _child")]
+        text = "\n".join(lines[1:cut[0]] if cut else lines[1:])  # fn's frames only, innermost first
+        if text:
+            out.append(f"\n--- where rank {r} was (most recent call first) ---\n{text}")
+    return "".join(out)
+
+
+def _stop(procs, grace_s):
+    """Give children grace_s to exit on their own, then terminate and finally kill the rest; reap every one."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(1.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        p.close()
+
+
+# ------------------------------------------------------------------------------------------------ torchrun
+def torchrun_cmd(script, nproc, args=(), module=False):
+    """The torchrun command line: `python -m torch.distributed.run --standalone --nproc_per_node N script args`
+    (module=True runs `-m script`, e.g. torchrun_cmd("picotron.train", 4, ["--dp", "4"], module=True))."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return cmd + (["-m", str(script)] if module else [str(script)]) + [str(a) for a in args]
+
+
+def run_torchrun(script, nproc, args=(), timeout_s=600, module=False, env=None, cwd=None, check=True):
+    """Run torchrun with OMP_NUM_THREADS=1 and this repository on PYTHONPATH; return a CompletedProcess.
+
+    stdout and stderr are merged (in order) into `.stdout`. If it exits non-zero (check=True) or runs past
+    timeout_s, the whole process tree is stopped and TorchrunError carries the tail of the output.
+    """
+    cmd = torchrun_cmd(script, nproc, args, module)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, full_env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            cwd=cwd, start_new_session=True)  # own process group: a timeout stops all of it
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        out = _stop_tree(proc)
+        raise TorchrunError(f"{' '.join(cmd[3:])} still running after {timeout_s:g} s: hang? Last output:\n"
+                            f"{_tail(out)}", out, None) from None
+    except BaseException:  # e.g. Ctrl-C in a notebook: do not leave workers behind
+        _stop_tree(proc)
+        raise
+    if check and proc.returncode != 0:
+        raise TorchrunError(f"{' '.join(cmd[3:])} exited with code {proc.returncode}. Last output:\n{_tail(out)}",
+                            out, proc.returncode)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _stop_tree(proc):
+    for sig in (signal.SIGTERM, signal.SIGKILL if hasattr(signal, "SIGKILL") else signal.SIGTERM):
+        try:
+            if hasattr(os, "killpg"):
+                os.killpg(proc.pid, sig)
+            else:
+                proc.kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            return proc.communicate(timeout=5)[0] or ""
+        except subprocess.TimeoutExpired:
+            continue
+    return ""
+
+
+def _tail(text, lines=40):
+    return "\n".join((text or "").rstrip().splitlines()[-lines:])

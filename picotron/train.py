@@ -1,0 +1,201 @@
+"""The training loop: `python -m picotron.train --preset tiny --steps 200` (world size 1 needs no torchrun).
+
+One optimizer step, in order:
+
+    for each of grad_acc micro-batches:         # gradient accumulation: a big batch in small pieces
+        logits = model(x)                       # under bf16 autocast if --dtype bf16 (params stay fp32)
+        loss = cross_entropy(logits, y) / grad_acc
+        loss.backward()                         # gradients add up in p.grad
+    clip the global gradient norm to grad_clip
+    lr = warm-up then cosine schedule(step)
+    AdamW step, zero the gradients
+
+Mixed precision: the parameters, gradients and optimizer state stay fp32 (the "master weights"); autocast
+runs the matmuls in bf16 and keeps reductions (softmax, norms, the loss) in fp32. bf16 has fp32's exponent
+range, so no loss scaling is needed.
+
+Every step writes one line to OUT/metrics.jsonl (loss, lr, grad_norm, tokens, tokens_per_s, mfu, memory by
+category), every `log_every` steps a progress line, every `eval_every` steps the validation loss, and at the
+end a summary line and a short text sample from the trained model.
+"""
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from picotron import config as config_mod
+from picotron import data, metrics
+from picotron.mesh import Mesh
+from picotron.model import Llama, generate
+
+
+def lr_at(step, cfg):
+    """Linear warm-up over `warmup_steps`, then cosine decay from lr to min_lr at the last step (1-based)."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(1, cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(model, cfg, device):
+    """AdamW; weight decay on matrices only (not on norm gains)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+
+
+def clip_grad_norm(params, max_norm):
+    """Scale gradients so their global L2 norm is at most max_norm; return the norm before clipping.
+
+    "Global" means over every gradient of the model. Once parameters are sharded (tensor, pipeline, ZeRO)
+    each rank holds only part of them and the squared norms must be summed across ranks first.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale)
+    return total.item()
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, loader, n_batches, autocast, device):
+    model.eval()
+    losses = []
+    for x, y in loader.val_batches(n_batches):
+        with autocast():
+            losses.append(loss_fn(model(x.to(device)), y.to(device)).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def build_model(cfg, mesh):
+    """Build on the meta device (no memory, no init cost), then materialise and initialise on the device.
+
+    The initial values depend only on the seed and each parameter's name, never on the layout.
+    """
+    with torch.device("meta"):
+        model = Llama(cfg.model_config())
+    model.to_empty(device=mesh.device)
+    model.init_weights(cfg.seed)
+    model.recompute = cfg.recompute
+    return model
+
+
+def train(cfg, mesh):
+    """Run cfg.steps optimizer steps on this rank's part of the mesh; return the summary dict."""
+    device, is_logger = mesh.device, mesh.rank == 0
+    torch.manual_seed(cfg.seed)
+    tokenizer = data.get_tokenizer(cfg.tokenizer)
+    loader = data.DataLoader(data.TokenData(tokenizer.encode_tensor(data.load_text(cfg.data)), tokenizer.vocab_size),
+                             seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, grad_acc=cfg.grad_acc,
+                             dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
+    model = build_model(cfg, mesh)
+    optimizer = build_optimizer(model, cfg, device)
+    mc = model.config
+    use_bf16 = cfg.dtype == "bf16"
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+
+    tokens_per_step = mesh.dp_size * cfg.grad_acc * cfg.micro_batch_size * cfg.seq_len
+    flops_per_step = metrics.flops_per_token(mc, cfg.seq_len) * tokens_per_step
+    peak = metrics.measured_matmul_peak(device, torch.bfloat16 if use_bf16 else torch.float32)
+    datasheet = metrics.datasheet_peak(device)
+    log = metrics.MetricsLog(cfg.out, enabled=is_logger)
+    if is_logger:
+        print(f"picotron | {mesh} | model {cfg.preset}: {mc.num_params() / 1e6:.2f} M parameters | "
+              f"{tokens_per_step} tokens/step | {cfg.dtype} | recompute {cfg.recompute} | "
+              f"measured {peak / 1e9:.1f} GFLOP/s matmul peak", flush=True)
+
+    history, val_loss, t_start = [], None, time.perf_counter()
+    for step in range(1, cfg.steps + 1):
+        metrics.reset_device_peak(device)
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = 0.0
+        for micro_step in range(cfg.grad_acc):
+            x, y = (t.to(device, non_blocking=True) for t in loader.batch(step, micro_step))
+            if micro_step == 0:  # count what autograd saves for backward in one micro-batch
+                counter = metrics.ActivationCounter(model)
+            with autocast(), (counter if micro_step == 0 else nullcontext()):
+                loss = loss_fn(model(x), y) / cfg.grad_acc
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(list(model.parameters()), cfg.grad_clip)
+        mem = metrics.memory_breakdown(model)  # gradients still alive here
+        optimizer.step()
+        mem["optimizer"] = metrics.optimizer_bytes(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss_sum)  # .item(): waits for the device, so the step time below is honest
+        metrics.sync(device)
+        dt = time.perf_counter() - t0
+        mem.update(activations=counter.bytes, device_peak=metrics.device_peak_bytes(device),
+                   rss_peak=metrics.process_peak_rss_bytes())
+        record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                  "tokens": step * tokens_per_step, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
+                  "mfu": flops_per_step / dt / (peak * mesh.world_size), "mem": mem}
+        if datasheet:
+            record["mfu_datasheet"] = flops_per_step / dt / (datasheet * mesh.world_size)
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            val_loss = record["val_loss"] = evaluate(model, loader, cfg.eval_batches, autocast, device)
+        log.write(record)
+        history.append(record)
+        if is_logger and (step % cfg.log_every == 0 or step in (1, cfg.steps) or "val_loss" in record):
+            print(progress_line(record, cfg.steps), flush=True)
+
+    steady = history[1:] or history  # the first step pays for warm-up (allocations, kernel selection)
+    step_time = sum(r["step_time"] for r in steady) / len(steady)
+    summary = {"summary": True, "steps": cfg.steps, "final_loss": history[-1]["loss"], "val_loss": val_loss,
+               "tokens_per_s": tokens_per_step / step_time, "mfu": flops_per_step / step_time / (peak * mesh.world_size),
+               "peak_flops_measured": peak, "peak_flops_datasheet": datasheet,
+               "flops_per_token": metrics.flops_per_token(mc, cfg.seq_len), "num_params": mc.num_params(),
+               "elapsed_s": time.perf_counter() - t_start, "world_size": mesh.world_size,
+               "device": str(device), "mem": history[-1]["mem"]}
+    log.write(summary)
+    log.close()
+    if is_logger:
+        print(f"done: loss {history[0]['loss']:.3f} -> {summary['final_loss']:.3f}, val {val_loss or float('nan'):.3f}, "
+              f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}% of the measured matmul peak, "
+              f"{summary['elapsed_s']:.0f} s", flush=True)
+        if cfg.sample_tokens:
+            prompt = torch.tensor([tokenizer.encode("\n")], device=device)
+            with autocast():
+                out = generate(model, prompt, cfg.sample_tokens, temperature=0.8, top_k=40,
+                               generator=torch.Generator(device).manual_seed(cfg.seed))
+            print("---- sample ----\n" + tokenizer.decode(out[0].tolist()).strip() + "\n----------------", flush=True)
+    return summary
+
+
+def progress_line(r, steps):
+    mem = r["mem"]
+    peak = mem["device_peak"] if mem["device_peak"] is not None else mem["rss_peak"]
+    line = (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.2f} | "
+            f"{r['tokens_per_s']:>9,.0f} tok/s | MFU {100 * r['mfu']:5.1f}% | act {metrics.human_bytes(mem['activations'])}"
+            f" | peak {metrics.human_bytes(peak)}")
+    return line + (f" | val {r['val_loss']:.4f}" if "val_loss" in r else "")
+
+
+def main(argv=None):
+    cfg = config_mod.cli(argv)  # validated before any process group exists; bad input exits 2 with one sentence
+    mesh = Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, timeout_s=cfg.timeout_s,
+                     device=None if cfg.device == "auto" else cfg.device)
+    try:
+        train(cfg, mesh)
+    finally:
+        mesh.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
