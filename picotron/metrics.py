@@ -168,14 +168,22 @@ class Timeline:
 
 
 class MetricsLog:
-    """`metrics.jsonl`: one JSON object per optimizer step, written by one rank, flushed each line."""
+    """`metrics.jsonl`: one JSON object per optimizer step, written by one rank, flushed each line.
 
-    def __init__(self, out_dir, enabled=True, append=False):
+    `resume_step=k` keeps the lines of steps before k (a resumed run continues the same file; steps logged
+    after the checkpoint by the interrupted run are dropped, they are about to be redone)."""
+
+    def __init__(self, out_dir, enabled=True, resume_step=None):
         self.enabled = enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
         if enabled:
             os.makedirs(out_dir, exist_ok=True)
-            self._f = open(self.path, "a" if append else "w")
+            kept = []
+            if resume_step is not None and os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if json.loads(line).get("step", resume_step) < resume_step]
+            self._f = open(self.path, "w")
+            self._f.writelines(kept)
 
     def write(self, record):
         if self.enabled:
@@ -191,7 +199,7 @@ def read_metrics(out_dir):
     """The per-step records and the summary of a run directory: (steps, summary)."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if "summary" not in r], next((r for r in rows if "summary" in r), None)
+    return [r for r in rows if "summary" not in r], next((r for r in reversed(rows) if "summary" in r), None)
 
 
 def human_bytes(n):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from picotron import config as config_mod
-from picotron import data, metrics
+from picotron import checkpoint, data, metrics
 from picotron.mesh import Mesh
 from picotron.model import Llama, generate
 
@@ -111,14 +111,22 @@ def train(cfg, mesh):
     flops_per_step = metrics.flops_per_token(mc, cfg.seq_len) * tokens_per_step
     peak = metrics.measured_matmul_peak(device, torch.bfloat16 if use_bf16 else torch.float32)
     datasheet = metrics.datasheet_peak(device)
-    log = metrics.MetricsLog(cfg.out, enabled=is_logger)
+    start = 1
+    if cfg.resume and checkpoint.latest(cfg.out):
+        start = checkpoint.load(checkpoint.latest(cfg.out), model, optimizer, mesh) + 1
+        if is_logger:
+            print(f"resuming from {checkpoint.latest(cfg.out)} at step {start}", flush=True)
+    if start > cfg.steps:
+        raise SystemExit(f"picotron: the checkpoint in {cfg.out} is at step {start - 1} >= --steps {cfg.steps}; "
+                         f"nothing to do (raise --steps to train further).")
+    log = metrics.MetricsLog(cfg.out, enabled=is_logger, resume_step=start if start > 1 else None)
     if is_logger:
         print(f"picotron | {mesh} | model {cfg.preset}: {mc.num_params() / 1e6:.2f} M parameters | "
               f"{tokens_per_step} tokens/step | {cfg.dtype} | recompute {cfg.recompute} | "
               f"measured {peak / 1e9:.1f} GFLOP/s matmul peak", flush=True)
 
     history, val_loss, t_start = [], None, time.perf_counter()
-    for step in range(1, cfg.steps + 1):
+    for step in range(start, cfg.steps + 1):
         metrics.reset_device_peak(device)
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
@@ -152,6 +160,8 @@ def train(cfg, mesh):
             val_loss = record["val_loss"] = evaluate(model, loader, cfg.eval_batches, autocast, device)
         log.write(record)
         history.append(record)
+        if cfg.save_every and step % cfg.save_every == 0:
+            checkpoint.save(cfg.out, step, model, optimizer, cfg, mesh)
         if is_logger and (step % cfg.log_every == 0 or step in (1, cfg.steps) or "val_loss" in record):
             print(progress_line(record, cfg.steps), flush=True)
 
@@ -166,7 +176,8 @@ def train(cfg, mesh):
     log.write(summary)
     log.close()
     if is_logger:
-        print(f"done: loss {history[0]['loss']:.3f} -> {summary['final_loss']:.3f}, val {val_loss or float('nan'):.3f}, "
+        val = f"val {val_loss:.3f}, " if val_loss is not None else ""
+        print(f"done: loss {history[0]['loss']:.3f} -> {summary['final_loss']:.3f}, {val}"
               f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}% of the measured matmul peak, "
               f"{summary['elapsed_s']:.0f} s", flush=True)
         if cfg.sample_tokens:

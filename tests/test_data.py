@@ -2,6 +2,7 @@
 import hashlib
 import re
 import sys
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -83,9 +84,23 @@ def test_optional_packages_give_clear_errors(monkeypatch):
         load_text("hf:tiny_shakespeare")
 
 
-def test_hf_dataset_text_loader(tmp_path):
-    pytest.importorskip("datasets")
+def test_hf_dataset_text_loader(tmp_path, monkeypatch):
+    """`hf:<name>[:<config>]` goes through datasets.load_dataset. With the real package installed we load
+    a local file with its "text" builder; without it, a stand-in module checks what we ask it for."""
     (tmp_path / "a.txt").write_text("first line\nsecond line\n")
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        calls = []
+
+        def load_dataset(name, config, split, **kw):
+            calls.append((name, config, split, kw))
+            return {"text": ["first line", "second line"]}
+
+        monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+        assert load_text("hf:text:cfg", data_files="a.txt") == "first line\nsecond line"
+        assert calls == [("text", "cfg", "train", {"data_files": "a.txt"})]
+        return
     assert load_text("hf:text", data_files=str(tmp_path / "a.txt"),
                      cache_dir=str(tmp_path / "cache")) == "first line\nsecond line"
 

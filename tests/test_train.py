@@ -1,0 +1,154 @@
+"""The training loop: the metrics contract, learning, gradient accumulation, clipping, the schedule, bf16,
+exact resume, and the command line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from picotron import checkpoint, data
+from picotron.config import Config
+from picotron.mesh import Mesh
+from picotron.metrics import read_metrics
+from picotron.model import Llama, ModelConfig
+from picotron.train import build_model, clip_grad_norm, loss_fn, lr_at, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = dict(sample_tokens=0, log_every=1000, eval_every=0, seq_len=32, micro_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = Mesh.init()
+    yield m
+    m.destroy()
+
+
+def test_main_job_writes_the_metrics_contract_and_learns(tmp_path):
+    """The contract of DESIGN.md, through the real command line."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "picotron.train", "--preset", "tiny", "--steps", "30",
+                           "--out", str(out), "--eval-every", "15", "--sample-tokens", "20"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "---- sample ----" in proc.stdout
+    steps, summary = read_metrics(out)
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    for r in steps:
+        for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "mem"):
+            assert key in r, key
+        for key in ("params", "grads", "optimizer", "activations", "device_peak"):
+            assert key in r["mem"], key
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1.5
+    n = ModelConfig.from_preset("tiny").num_params()
+    assert steps[-1]["mem"]["params"] == 4 * n and steps[-1]["mem"]["grads"] == 4 * n
+    n_tensors = len(list(Llama(ModelConfig.from_preset("tiny")).parameters()))
+    assert steps[-1]["mem"]["optimizer"] == 8 * n + 4 * n_tensors  # Adam's two moments + a step count each
+    assert steps[-1]["mem"]["activations"] > 0
+    assert steps[0]["loss"] > 5.0 and steps[-1]["loss"] < steps[0]["loss"] - 2.0  # ln(256) = 5.55 at the start
+    assert steps[-1]["tokens"] == 30 * 16 * 128
+    assert summary["val_loss"] < steps[0]["loss"] - 2.0 and "val_loss" in steps[14]
+
+
+def test_gradient_accumulation_equals_the_big_batch():
+    """grad of mean loss over 8 rows == sum over 4 micro-batches of 2 rows of (loss / 4)."""
+    cfg = Config(seq_len=32, micro_batch_size=8)
+    torch.manual_seed(0)
+    model = Llama(cfg.model_config())
+    model.init_weights(0)
+    tokens = data.TokenData.load().train
+    x, y = data.get_batch(tokens, 1, 0, seq_len=32, micro_batch_size=8)
+    loss_fn(model(x), y).backward()
+    big = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for k in range(4):
+        (loss_fn(model(x[2 * k:2 * k + 2]), y[2 * k:2 * k + 2]) / 4).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, big[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_train_with_grad_acc_matches_one_big_micro_batch(mesh, tmp_path):
+    """The whole loop: micro_batch 8 x grad_acc 1 and micro_batch 2 x grad_acc 4 see the same rows."""
+    a = Config(steps=3, out=str(tmp_path / "a"), **{**FAST, "micro_batch_size": 8})
+    b = Config(steps=3, out=str(tmp_path / "b"), grad_acc=4, **{**FAST, "micro_batch_size": 2})
+    train(a, mesh), train(b, mesh)
+    la, lb = ([r["loss"] for r in read_metrics(c.out)[0]] for c in (a, b))
+    assert la == pytest.approx(lb, rel=1e-5)
+
+
+def test_clip_grad_norm_matches_torch():
+    torch.manual_seed(0)
+    p1, p2 = torch.nn.Parameter(torch.randn(10, 3)), torch.nn.Parameter(torch.randn(4))
+    q1, q2 = (torch.nn.Parameter(p.detach().clone()) for p in (p1, p2))
+    for p, q in ((p1, q1), (p2, q2)):
+        p.grad = torch.randn_like(p) * 3
+        q.grad = p.grad.clone()
+    ours = clip_grad_norm([p1, p2], 1.0)
+    theirs = torch.nn.utils.clip_grad_norm_([q1, q2], 1.0)
+    assert ours == pytest.approx(theirs.item(), rel=1e-6)
+    torch.testing.assert_close(p1.grad, q1.grad), torch.testing.assert_close(p2.grad, q2.grad)
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    cfg = Config(steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
+    lrs = [lr_at(s, cfg) for s in range(1, 101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recompute_trains_identically(mesh, tmp_path, recompute):
+    base = Config(steps=3, out=str(tmp_path / "none"), **FAST)
+    other = Config(steps=3, out=str(tmp_path / recompute), recompute=recompute, **FAST)
+    train(base, mesh), train(other, mesh)
+    (ra, _), (rb, _) = read_metrics(base.out), read_metrics(other.out)
+    assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-6)
+    assert rb[0]["mem"]["activations"] < ra[0]["mem"]["activations"]
+
+
+def test_bf16_autocast_trains_with_fp32_master_weights(mesh, tmp_path):
+    cfg = Config(steps=4, dtype="bf16", out=str(tmp_path / "bf16"), **FAST)
+    train(cfg, mesh)
+    steps, _ = read_metrics(cfg.out)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert steps[-1]["mem"]["params"] == 4 * cfg.model_config().num_params()  # fp32 master weights
+
+
+def test_resume_is_exact(mesh, tmp_path):
+    """8 steps straight == 4 steps, a checkpoint, a restart, 4 more steps: bit for bit."""
+    straight = Config(steps=8, out=str(tmp_path / "straight"), **FAST)
+    train(straight, mesh)
+    run = Config(steps=8, save_every=4, out=str(tmp_path / "resumed"), **FAST)
+    train(run, mesh)
+    ckpts = os.path.join(run.out, "checkpoints")
+    with open(os.path.join(ckpts, "latest"), "w") as f:  # pretend the run died after step 6
+        f.write("step_000004")
+    resumed = Config(steps=8, resume=True, out=run.out, **FAST)
+    train(resumed, mesh)
+    a, _ = read_metrics(straight.out)
+    b, _ = read_metrics(resumed.out)
+    assert [r["step"] for r in b] == list(range(1, 9))  # the redone steps replaced, not duplicated
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # exact, not approximate
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+
+
+def test_checkpoint_is_written_atomically(mesh, tmp_path):
+    cfg = Config(steps=2, save_every=1, out=str(tmp_path / "c"), **FAST)
+    train(cfg, mesh)
+    ckpts = sorted(os.listdir(os.path.join(cfg.out, "checkpoints")))
+    assert ckpts == ["latest", "step_000001", "step_000002"]  # no *.tmp left behind
+    assert checkpoint.latest(cfg.out).endswith("step_000002")
+    assert json.load(open(os.path.join(checkpoint.latest(cfg.out), "config.json")))["steps"] == 2
+
+
+def test_model_is_built_on_meta_and_initialised_by_name(mesh):
+    cfg = Config()
+    a, b = build_model(cfg, mesh), Llama(cfg.model_config())
+    b.init_weights(cfg.seed)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
