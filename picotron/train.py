@@ -121,7 +121,9 @@ def train(cfg, mesh):
                          f"nothing to do (raise --steps to train further).")
     log = metrics.MetricsLog(cfg.out, enabled=is_logger, resume_step=start if start > 1 else None)
     if is_logger:
-        print(f"picotron | {mesh} | model {cfg.preset}: {mc.num_params() / 1e6:.2f} M parameters | "
+        changed = [f"{k}={getattr(cfg, k)}" for k in config_mod.MODEL_FIELDS if getattr(cfg, k) is not None]
+        name = cfg.preset + (f" ({', '.join(changed)})" if changed else "")
+        print(f"picotron | {mesh} | model {name}: {mc.num_params() / 1e6:.2f} M parameters | "
               f"{tokens_per_step} tokens/step | {cfg.dtype} | recompute {cfg.recompute} | "
               f"measured {peak / 1e9:.1f} GFLOP/s matmul peak", flush=True)
 
