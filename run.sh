@@ -36,8 +36,8 @@ case "$cmd" in
   setup)   setup ;;
   test)    shift; setup; exec "$PY" -m pytest -q "$@" ;;
   lessons) setup; exec "$PY" -m jupyter notebook --notebook-dir lessons ;;
-  figures) setup; exec "$PY" -m picotron.figures ;;
-  train)   [ $# -gt 0 ] && shift; setup; exec "$PY" -m picotron.train --out runs/main "$@" ;;
-  -*)      setup; exec "$PY" -m picotron.train --out runs/main "$@" ;;
+  figures) setup; exec "$PY" figures/make.py ;;
+  train)   [ $# -gt 0 ] && shift; setup; exec "$PY" -m picotron.train --out runs/main --steps 600 --eval-every 100 "$@" ;;
+  -*)      setup; exec "$PY" -m picotron.train --out runs/main --steps 600 --eval-every 100 "$@" ;;
   *)       echo "usage: ./run.sh [train|test|lessons|figures|setup] [args]" >&2; exit 2 ;;
 esac

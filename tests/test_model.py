@@ -2,13 +2,12 @@
 import json
 
 import pytest
+import safetensors  # noqa: F401
 import torch
 import torch.nn.functional as F
+import transformers  # requirements.txt: the reference implementation, so never skipped
 
 from picotron.model import PRESETS, Llama, ModelConfig, generate, init_tensor
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
              num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500.0)
