@@ -158,7 +158,7 @@ def train(cfg, mesh):
                   "mfu": flops_per_step / dt / (peak * mesh.world_size), "mem": mem}
         if datasheet:
             record["mfu_datasheet"] = flops_per_step / dt / (datasheet * mesh.world_size)
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step in (start, cfg.steps)):
             val_loss = record["val_loss"] = evaluate(model, loader, cfg.eval_batches, autocast, device)
         log.write(record)
         history.append(record)
