@@ -111,11 +111,12 @@ def train(cfg, mesh):
     flops_per_step = metrics.flops_per_token(mc, cfg.seq_len) * tokens_per_step
     peak = metrics.measured_matmul_peak(device, torch.bfloat16 if use_bf16 else torch.float32)
     datasheet = metrics.datasheet_peak(device)
-    start = 1
-    if cfg.resume and checkpoint.latest(cfg.out):
-        start = checkpoint.load(checkpoint.latest(cfg.out), model, optimizer, mesh) + 1
-        if is_logger:
-            print(f"resuming from {checkpoint.latest(cfg.out)} at step {start}", flush=True)
+    start, folder = 1, checkpoint.latest(cfg.out) if cfg.resume else None
+    if folder:
+        start = checkpoint.load(folder, model, optimizer, mesh) + 1
+    if is_logger and cfg.resume:
+        print(f"resuming from {folder} at step {start}" if folder else
+              f"--resume: no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
     if start > cfg.steps:
         raise SystemExit(f"picotron: the checkpoint in {cfg.out} is at step {start - 1} >= --steps {cfg.steps}; "
                          f"nothing to do (raise --steps to train further).")
