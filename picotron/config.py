@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 # Which strategies the code base supports so far. Each lesson that adds one flips its entry to True.
-IMPLEMENTED = {"dp": False, "tp": False, "pp": False, "cp": False, "ep": False, "zero": False, "sp": False}
+IMPLEMENTED = {"dp": True, "tp": False, "pp": False, "cp": False, "ep": False, "zero": False, "sp": False}
 ARRIVES_WITH = {  # for the "not implemented yet" message
     "dp": "data parallelism arrives with lesson 03", "zero": "ZeRO arrives with lesson 04",
     "tp": "tensor parallelism arrives with lesson 05", "sp": "sequence parallelism arrives with lesson 05",
@@ -43,6 +43,7 @@ ARRIVES_WITH = {  # for the "not implemented yet" message
     "ep": "expert parallelism arrives with lesson 08",
 }
 DTYPES = ("fp32", "bf16")
+DP_IMPLS = ("naive", "overlap", "bucket", "ddp")
 RECOMPUTE = ("none", "selective", "full")
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -65,6 +66,8 @@ class Config:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    dp_impl: str = "bucket"   # naive | overlap | bucket | ddp (torch's DistributedDataParallel, to compare)
+    bucket_mb: float = 25.0
     zero: int = 0
     sp: bool = False
     pp_schedule: str = "1f1b"
@@ -211,7 +214,7 @@ def _check_names(cfg):
     from picotron.model import PRESETS
 
     for name, value, allowed in [("preset", cfg.preset, tuple(PRESETS)), ("dtype", cfg.dtype, DTYPES),
-                                 ("recompute", cfg.recompute, RECOMPUTE), ("pp_schedule", cfg.pp_schedule, PP_SCHEDULES),
+                                 ("recompute", cfg.recompute, RECOMPUTE), ("dp_impl", cfg.dp_impl, DP_IMPLS), ("pp_schedule", cfg.pp_schedule, PP_SCHEDULES),
                                  ("zero", cfg.zero, ZERO_STAGES), ("device", cfg.device, DEVICES),
                                  ("attn_impl", cfg.attn_impl, (None, "sdpa", "eager"))]:
         if value not in allowed:
@@ -245,7 +248,7 @@ def _check_positive(cfg):
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must lie in [0, 1); pass --{name} 0.9 or 0.95.")
-    for name in ("weight_decay", "grad_clip"):
+    for name in ("weight_decay", "grad_clip", "bucket_mb"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must not be negative; pass --{name.replace('_', '-')} 0 "
                               f"to switch it off.")

@@ -87,14 +87,17 @@ def _child(rank, world_size, env, payload, conn, backend, timeout_s, init_group,
             store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, False, timeout=timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         result = fn(*args, **kwargs)
+        # Plain pickle, by value: multiprocessing's own pickler would pass tensors as shared-memory handles
+        # that vanish when this process exits, before the parent reads them.
         try:
-            conn.send(("ok", result))
-        except Exception as e:  # pickling failed before anything was written: say so instead
-            conn.send(("error", f"fn returned a value that cannot be sent back to the parent (it must be "
-                                f"picklable; move tensors to CPU or return plain numbers): {e!r}"))
+            reply = pickle.dumps(("ok", result))
+        except Exception as e:
+            reply = pickle.dumps(("error", f"fn returned a value that cannot be sent back to the parent (it must "
+                                           f"be picklable; move tensors to CPU or return plain numbers): {e!r}"))
+        conn.send_bytes(reply)
     except BaseException as e:  # also SystemExit / KeyboardInterrupt raised inside fn
         tb = e.__traceback__.tb_next or e.__traceback__  # start below this function's own frame
-        conn.send(("error", "".join(traceback.format_exception(type(e), e, tb))))
+        conn.send_bytes(pickle.dumps(("error", "".join(traceback.format_exception(type(e), e, tb)))))
     finally:
         conn.close()
         if dist is not None and dist.is_initialized():
@@ -202,7 +205,7 @@ def _collect(procs, conns, timeout_s, tmp):
             conn, message = conns[r], None
             if conn.poll():  # a message, or end-of-file if the child died
                 try:
-                    message = conn.recv()
+                    message = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     pass
                 except Exception as e:

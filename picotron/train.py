@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from picotron import config as config_mod
-from picotron import checkpoint, data, metrics
+from picotron import checkpoint, data, data_parallel, metrics
 from picotron.mesh import Mesh
 from picotron.model import Llama, generate
 
@@ -99,9 +99,11 @@ def train(cfg, mesh):
     loader = data.DataLoader(data.TokenData(tokenizer.encode_tensor(data.load_text(cfg.data)), tokenizer.vocab_size),
                              seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, grad_acc=cfg.grad_acc,
                              dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
-    model = build_model(cfg, mesh)
+    model = raw = build_model(cfg, mesh)  # `raw`: the Llama itself, whatever wraps it for training
+    mc = raw.config
+    if mesh.dp_cp_size > 1:  # replicas: average gradients over dp x cp
+        model = data_parallel.wrap(raw, mesh, impl=cfg.dp_impl, bucket_mb=cfg.bucket_mb)
     optimizer = build_optimizer(model, cfg, device)
-    mc = model.config
     use_bf16 = cfg.dtype == "bf16"
 
     def autocast():
@@ -113,7 +115,7 @@ def train(cfg, mesh):
     datasheet = metrics.datasheet_peak(device)
     start, folder = 1, checkpoint.latest(cfg.out) if cfg.resume else None
     if folder:
-        start = checkpoint.load(folder, model, optimizer, mesh) + 1
+        start = checkpoint.load(folder, raw, optimizer, mesh) + 1
     if is_logger and cfg.resume:
         print(f"resuming from {folder} at step {start}" if folder else
               f"--resume: no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
@@ -140,15 +142,22 @@ def train(cfg, mesh):
             x, y = (t.to(device, non_blocking=True) for t in loader.batch(step, micro_step))
             if micro_step == 0:  # count what autograd saves for backward in one micro-batch
                 counter = metrics.ActivationCounter(model)
-            with autocast(), (counter if micro_step == 0 else nullcontext()):
+            last = micro_step == cfg.grad_acc - 1  # replicas exchange gradients once, after the last micro-batch
+            with autocast(), (counter if micro_step == 0 else nullcontext()), (
+                    model.no_sync() if hasattr(model, "no_sync") and not last else nullcontext()):
                 loss = loss_fn(model(x), y) / cfg.grad_acc
-            loss.backward()
+                loss.backward()
             loss_sum += loss.detach()
+        if hasattr(model, "finish_gradient_sync"):
+            model.finish_gradient_sync()  # wait for the outstanding gradient all-reduces
+        if mesh.dp_cp_size > 1:  # each replica saw its own rows: log the mean loss of the global batch
+            torch.distributed.all_reduce(loss_sum, group=mesh.dp_cp_group)
+            loss_sum /= mesh.dp_cp_size
         grad_norm = clip_grad_norm(list(model.parameters()), cfg.grad_clip)
         mem = metrics.memory_breakdown(model)  # gradients still alive here
         optimizer.step()
         mem["optimizer"] = metrics.optimizer_bytes(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # (DataParallel keeps its gradient buckets and zeroes them)
         loss_value = float(loss_sum)  # .item(): waits for the device, so the step time below is honest
         metrics.sync(device)
         dt = time.perf_counter() - t0
@@ -160,11 +169,11 @@ def train(cfg, mesh):
         if datasheet:
             record["mfu_datasheet"] = flops_per_step / dt / (datasheet * mesh.world_size)
         if cfg.eval_every and (step % cfg.eval_every == 0 or step in (start, cfg.steps)):
-            val_loss = record["val_loss"] = evaluate(model, loader, cfg.eval_batches, autocast, device)
+            val_loss = record["val_loss"] = evaluate(raw, loader, cfg.eval_batches, autocast, device)
         log.write(record)
         history.append(record)
         if cfg.save_every and step % cfg.save_every == 0:
-            checkpoint.save(cfg.out, step, model, optimizer, cfg, mesh)
+            checkpoint.save(cfg.out, step, raw, optimizer, cfg, mesh)
         if is_logger and (step % cfg.log_every == 0 or step in (1, cfg.steps) or "val_loss" in record):
             print(progress_line(record, cfg.steps), flush=True)
 
@@ -186,7 +195,7 @@ def train(cfg, mesh):
         if cfg.sample_tokens:
             prompt = torch.tensor([tokenizer.encode("\n")], device=device)
             with autocast():
-                out = generate(model, prompt, cfg.sample_tokens, temperature=0.8, top_k=40,
+                out = generate(raw, prompt, cfg.sample_tokens, temperature=0.8, top_k=40,
                                generator=torch.Generator(device).manual_seed(cfg.seed))
             print("---- sample ----\n" + tokenizer.decode(out[0].tolist()).strip() + "\n----------------", flush=True)
     return summary
