@@ -110,8 +110,9 @@ class _Bucket:
 class DataParallel(_Replicated):
     """Bucketed, overlapped gradient all-reduce (bucket_mb=0: one bucket per parameter)."""
 
-    def __init__(self, module, mesh, bucket_mb=25.0):
+    def __init__(self, module, mesh, bucket_mb=25.0, timeline=None):
         super().__init__(module, mesh)
+        self.timeline = timeline  # a metrics.Timeline: records when each bucket's all-reduce starts and ends
         self.buckets, self.bucket_of = [], {}
         params = [p for p in module.parameters() if p.requires_grad]
         current, size = [], 0
@@ -141,6 +142,14 @@ class DataParallel(_Replicated):
             if self.sync:
                 bucket.buffer.div_(self.size)
                 bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+                if self.timeline is not None:
+                    self._record(bucket)
+
+    def _record(self, bucket):
+        start, index = self.timeline.now(), self.buckets.index(bucket)
+        mib = bucket.buffer.numel() * bucket.buffer.element_size() / 2**20
+        bucket.work.get_future().then(  # runs when the all-reduce completes
+            lambda _: self.timeline.add(f"all-reduce bucket {index}", start, self.timeline.now(), bucket=index, mib=mib))
 
     def finish_gradient_sync(self):
         """Wait for every bucket's all-reduce: call after the last backward, before the optimizer step."""
@@ -156,7 +165,7 @@ class DataParallel(_Replicated):
             bucket.attach_views()  # in case someone replaced a p.grad
 
 
-def wrap(model, mesh, impl="bucket", bucket_mb=25.0):
+def wrap(model, mesh, impl="bucket", bucket_mb=25.0, timeline=None):
     """The trainer's entry point: wrap `model` for data parallelism over mesh.dp_cp_group.
 
     impl: "naive" (synchronous per-parameter), "overlap" (asynchronous per-parameter), "bucket" (asynchronous
@@ -164,7 +173,7 @@ def wrap(model, mesh, impl="bucket", bucket_mb=25.0):
     if impl == "naive":
         return NaiveDataParallel(model, mesh)
     if impl in ("overlap", "bucket"):
-        return DataParallel(model, mesh, bucket_mb=0 if impl == "overlap" else bucket_mb)
+        return DataParallel(model, mesh, bucket_mb=0 if impl == "overlap" else bucket_mb, timeline=timeline)
     if impl == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model, process_group=mesh.dp_cp_group, bucket_cap_mb=bucket_mb,
                                                   gradient_as_bucket_view=True,

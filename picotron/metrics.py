@@ -164,6 +164,14 @@ class Timeline:
         self.events.append({"rank": self.rank, "name": name, "start": start,
                             "end": time.perf_counter() - self.t0, **info})
 
+    def now(self):
+        return time.perf_counter() - self.t0
+
+    def add(self, name, start, end, **info):
+        """An event timed elsewhere (e.g. an asynchronous all-reduce, from its completion callback)."""
+        if self.enabled:
+            self.events.append({"rank": self.rank, "name": name, "start": start, "end": end, **info})
+
     def dump(self, path):
         with open(path, "w") as f:
             json.dump(self.events, f)
