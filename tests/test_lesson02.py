@@ -1,0 +1,176 @@
+"""Lesson 02: the alpha-beta model and trace helpers, the exercise checker (solutions pass; stubs, wrong values,
+wrong shapes, a non-tree broadcast and a hang are each reported with the rank and the reason), and the notebook
+end to end in FAST mode (it launches the benchmark with torchrun on 4 processes).
+
+Timings are never asserted: the benchmark's numbers are shown in the notebook, not tested.
+"""
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKER = ROOT / "lessons" / "exercises" / "check02.py"
+sys.path.insert(0, str(ROOT / "lessons"))
+
+import _common  # noqa: E402
+
+lesson = _common.load_lesson("02_collectives")
+
+
+# --------------------------------------------------------------------------------- the model (no processes)
+def test_fit_recovers_alpha_beta():
+    sizes = [2**k for k in range(10, 27)]
+    alpha, beta = 50e-6, 1 / 2e9
+    fit = lesson.fit_alpha_beta(sizes, [alpha + beta * n for n in sizes])
+    assert fit["alpha_us"] == pytest.approx(50.0, rel=1e-6)
+    assert fit["inv_beta_GBps"] == pytest.approx(2.0, rel=1e-6)
+    assert fit["max_rel_err"] < 1e-9
+    flat = lesson.fit_alpha_beta(sizes, [alpha] * len(sizes))  # latency-bound everywhere: beta stays positive
+    assert flat["beta"] > 0 and flat["alpha"] == pytest.approx(alpha, rel=1e-3)
+
+
+@pytest.mark.parametrize("n", [4, 8, 64, 512])
+def test_crossover_is_where_tree_and_ring_cost_the_same(n):
+    a, b = 20e-6, 1 / 50e9
+    x = lesson.crossover_bytes(n, a, b)
+    assert lesson.tree_allreduce_time(n, x, a, b) == pytest.approx(lesson.ring_allreduce_time(n, x, a, b), rel=1e-9)
+    assert lesson.tree_allreduce_time(n, x / 2, a, b) < lesson.ring_allreduce_time(n, x / 2, a, b)
+    assert lesson.tree_allreduce_time(n, 2 * x, a, b) > lesson.ring_allreduce_time(n, 2 * x, a, b)
+    assert lesson.crossover_bytes(3, a, b) is None  # 2 ring steps each way = 2 tree rounds each way: no latency gain
+    link = lesson.per_link(dict(alpha=2 * (n - 1) * a, beta=2 * (n - 1) / n * b), n)
+    assert link["alpha_step"] == pytest.approx(a) and link["beta_link"] == pytest.approx(b)
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_expected_bytes_of_the_tree(n):
+    N = 1000 * n
+    bcast = lesson.expected_sent("broadcast", n, N)
+    assert sum(bcast) == (n - 1) * N  # every rank but the root receives the whole tensor once
+    assert max(bcast) == math.ceil(math.log2(n)) * N if n > 1 else bcast == [0]
+    assert lesson.expected_sent("all_reduce", n, N) == [2 * (n - 1) * N // n] * n
+
+
+def test_encoding_decodes_sums():
+    for sources in ([0], [1, 3], [0, 1, 2, 3], [2, 5, 7]):
+        for chunk in range(8):
+            assert lesson.decode(sum(lesson.encode(r, chunk) for r in sources)) == (sources, chunk)
+
+
+# ------------------------------------------------------------------------------------------- the checker
+def run_checker(*args, timeout=120):
+    proc = subprocess.run([sys.executable, str(CHECKER), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_checker_passes_the_solutions():
+    code, out = run_checker("--solutions")
+    assert code == 0, out
+    assert "all checks passed" in out and "FAIL" not in out
+    for name in ("ring_all_gather", "ring_reduce_scatter", "tree_broadcast"):
+        for n in (2, 3, 4):
+            assert f"ok    {name} on {n} ranks" in out, out
+
+
+def test_checker_fails_the_stubs_naming_not_implemented():
+    code, out = run_checker()
+    assert code == 1, out
+    for name in ("ring_all_gather", "ring_reduce_scatter", "tree_broadcast"):
+        assert f"FAIL  {name} on 2 ranks: rank " in out, out
+    assert out.count("NotImplementedError: not written yet") == 3, out
+
+
+WRONG = '''
+import torch
+import torch.distributed as dist
+
+def _swap(a, dst, b, src):
+    for r in [dist.isend(a, dst), dist.irecv(b, src)]:
+        r.wait()
+
+def ring_all_gather(tensor):  # forgets its own piece: the output is one piece short
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pieces = [torch.empty_like(tensor) for _ in range(n)]
+    pieces[rank].copy_(tensor)
+    for step in range(n - 1):
+        _swap(pieces[(rank - step) % n], (rank + 1) % n, pieces[(rank - step - 1) % n], (rank - 1) % n)
+    return torch.cat(pieces[:rank] + pieces[rank + 1:])
+
+def ring_reduce_scatter(tensor):  # copies what it receives instead of adding it
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = [c.clone() for c in torch.tensor_split(tensor, n)]
+    for step in range(n - 1):
+        s, r = (rank - step - 1) % n, (rank - step - 2) % n
+        incoming = torch.empty_like(chunks[r])
+        _swap(chunks[s], (rank + 1) % n, incoming, (rank - 1) % n)
+        chunks[r] = incoming
+    return chunks[rank]
+
+def tree_broadcast(tensor, src):  # right values, but the source sends to everybody itself
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == src:
+        for dst in range(n):
+            if dst != src:
+                dist.send(tensor, dst)
+    else:
+        dist.recv(tensor, src)
+'''
+
+HANG = '''
+import torch
+import torch.distributed as dist
+
+def ring_all_gather(tensor):  # every rank waits to receive before anybody sends
+    rank, n = dist.get_rank(), dist.get_world_size()
+    incoming = torch.empty_like(tensor)
+    dist.recv(incoming, (rank - 1) % n)
+    dist.send(tensor, (rank + 1) % n)
+    return torch.cat([tensor, incoming])
+'''
+
+
+def test_checker_reports_wrong_values_shapes_and_pattern(tmp_path):
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text(WRONG)
+    code, out = run_checker("--module", str(wrong))
+    assert code == 1, out
+    assert "FAIL  ring_all_gather on 2 ranks, length 5 int64: rank 0 output has shape [5], expected [10]" in out, out
+    # n=2, length 12: rank 0 gets rank 1's chunk 0 (200, 201, ...) instead of the sum (300, 302, ...)
+    assert ("FAIL  ring_reduce_scatter on 2 ranks, length 12 int64: rank 0: element 0 is 200, expected 300 (5 more "
+            "elements differ) — rank 0's contribution is missing") in out, out
+    assert "ok    tree_broadcast on 2 ranks" in out  # one receiver: a star is a tree
+    assert ("FAIL  tree_broadcast on 4 ranks, length 5 int64, src 0: right values, but rank 0 sent 3 messages; in a "
+            "binomial tree no rank sends more than ceil(log2 4) = 2") in out, out
+
+
+def test_checker_reports_a_hang_within_its_timeout(tmp_path):
+    hang = tmp_path / "hang.py"
+    hang.write_text(HANG)
+    start = time.monotonic()
+    code, out = run_checker("--module", str(hang), "ring_all_gather", "--timeout", "4", timeout=60)
+    elapsed = time.monotonic() - start
+    assert code == 1, out
+    assert "FAIL  ring_all_gather on 2 ranks: hang: ranks 0, 1 are still waiting after 4 s" in out, out
+    assert "rank 0 waits in ring_all_gather, line 8: dist.recv(incoming, (rank - 1) % n)" in out, out
+    assert "on 3 ranks" not in out  # a hang ends the exercise: it would hang again
+    assert elapsed < 40, f"the checker took {elapsed:.0f} s to report a 4 s hang"
+
+
+# ------------------------------------------------------------------------------------------ the notebook
+def test_notebook_runs_in_fast_mode(monkeypatch):
+    import nbclient  # in requirements.txt: a missing package must fail this test, not skip it
+    import nbformat
+
+    monkeypatch.setenv("PICOTRON_FAST", "1")
+    nb = nbformat.read(ROOT / "lessons" / "02_collectives.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT / "lessons")}}).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "✗" not in text, text
+    assert text.count("✓") >= 8, text
+    assert "NotImplementedError: not written yet" in text  # the learner's stubs, checked at the end
