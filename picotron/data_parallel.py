@@ -151,6 +151,13 @@ class DataParallel(_Replicated):
         bucket.work.get_future().then(  # runs when the all-reduce completes
             lambda _: self.timeline.add(f"all-reduce bucket {index}", start, self.timeline.now(), bucket=index, mib=mib))
 
+    def forward(self, *args, **kwargs):
+        # A new forward while buckets are still being sent would let the next backward add into buffers in
+        # flight (wrong gradients, silently): finish the previous synchronisation first.
+        if any(b.work is not None for b in self.buckets):
+            self.finish_gradient_sync()
+        return self.module(*args, **kwargs)
+
     def finish_gradient_sync(self):
         """Wait for every bucket's all-reduce: call after the last backward, before the optimizer step."""
         for bucket in self.buckets:

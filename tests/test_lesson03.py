@@ -1,0 +1,110 @@
+"""Lesson 03: the exercise checker (the solutions pass; the stubs fail naming NotImplementedError; a wrong gradient is
+reported with its rank, its parameter and the likely cause; a hang with the waiting rank and its line), the
+timeline model the widget draws, and the notebook end to end in FAST mode.
+
+No timing is asserted: on a shared CPU timings are measurements, not pass/fail criteria.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKER = ROOT / "lessons" / "exercises" / "check03.py"
+SOLUTIONS = ROOT / "lessons" / "exercises" / "solutions" / "ex03_data_parallel.py"
+sys.path.insert(0, str(ROOT / "lessons"))
+
+
+def run_checker(*args, timeout=240):
+    proc = subprocess.run([sys.executable, str(CHECKER), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_checker_passes_the_solutions():
+    code, out = run_checker("--solutions")
+    assert code == 0, out
+    assert "all checks passed" in out and "FAIL" not in out
+    assert out.count("  ok  ") == 6, out  # 3 exercises x 2 world sizes
+
+
+def test_checker_fails_the_stubs_naming_not_implemented():
+    code, out = run_checker()
+    assert code == 1, out
+    for what in ("NaiveDP.average_gradient", "BucketedDP.on_gradient_ready", "BucketedDP.no_sync"):
+        assert f"FAIL  {what}" in out, out
+    assert out.count(" on 2 ranks: rank ") == out.count("NotImplementedError: not written yet") == 3, out
+    assert "on 3 ranks" not in out  # it stops at the first world size
+
+
+def wrong_solutions(tmp_path):
+    """The solutions with two bugs: rank 1 forgets to divide by the world size (after the all-reduce, so only its
+    own copy is off), and only rank 0 launches the bucket all-reduces (so it waits forever)."""
+    text = SOLUTIONS.read_text()
+    bugs = [("        p.grad.div_(self.world_size)  # all-reduce sums: divide first (or after), once\n"
+             "        dist.all_reduce(p.grad, group=self.group)",
+             "        dist.all_reduce(p.grad, group=self.group)\n"
+             "        if dist.get_rank() == 0:\n"
+             "            p.grad.div_(self.world_size)"),
+            ("            if self.sync:\n                bucket.buffer.div_",
+             "            if self.sync and dist.get_rank() == 0:\n                bucket.buffer.div_")]
+    for old, new in bugs:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "wrong.py"
+    path.write_text(text)
+    return path
+
+
+def test_checker_names_the_rank_of_a_wrong_gradient_and_of_a_hang(tmp_path):
+    code, out = run_checker("--module", str(wrong_solutions(tmp_path)), "average_gradient", "on_gradient_ready",
+                            "--timeout", "5")
+    assert code == 1, out
+    assert "FAIL  NaiveDP.average_gradient on 2 ranks: wrong gradient on rank 1 for parameter " in out, out
+    assert "off by a factor 2 = the world size: all_reduce SUMS the ranks' gradients" in out, out
+    assert "on 3 ranks: wrong gradient on rank 1 for parameter " in out and "off by a factor 3" in out, out
+    assert "hang: rank 0 still waiting after 5 s" in out, out
+    assert "rank 1 finished and waited for it" in out, out
+    assert "rank 0 waits in finish_gradient_sync, line " in out and "bucket.work.wait()" in out, out
+
+
+# ------------------------------------------------------------------------------------- the widget's model
+@pytest.fixture(scope="module")
+def lesson():
+    import _common
+
+    return _common.load_lesson("03_data_parallel")
+
+
+def test_model_timeline_one_bucket_is_all_exposed(lesson):
+    sizes, n = [4 * 1000] * 10, 4
+    buckets, exposed = lesson.model_timeline(sizes, backward_s=1.0, bucket_bytes=1e9, latency_s=0.01, busbw=1e6, n=n)
+    assert len(buckets) == 1 and buckets[0][0] == pytest.approx(1.0)  # ready when backward ends
+    assert exposed == pytest.approx(0.01 + 2 * (n - 1) / n * 40_000 / 1e6)
+
+
+def test_model_timeline_hides_all_but_the_last_bucket(lesson):
+    sizes = [1000] * 10
+    buckets, exposed = lesson.model_timeline(sizes, backward_s=1.0, bucket_bytes=0, latency_s=0.001, busbw=1e9, n=2)
+    assert len(buckets) == 10  # bucket_bytes=0: one per tensor
+    assert [b[0] for b in buckets] == pytest.approx([0.1 * (k + 1) for k in range(10)])
+    assert exposed == pytest.approx(0.001 + 1000 / 1e9)  # only the last tensor's all-reduce sticks out
+    _, slow = lesson.model_timeline(sizes, backward_s=1.0, bucket_bytes=0, latency_s=0.2, busbw=1e9, n=2)
+    assert slow > 0.2  # messages longer than the compute between them queue up
+
+
+# ------------------------------------------------------------------------------------- the notebook
+def test_notebook_runs_in_fast_mode(monkeypatch):
+    import nbclient  # in requirements.txt: a missing package must fail this test, not skip it
+    import nbformat
+
+    monkeypatch.setenv("PICOTRON_FAST", "1")
+    nb = nbformat.read(ROOT / "lessons" / "03_data_parallel.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT / "lessons")}}).execute()
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "✗" not in text, text
+    assert text.count("✓") >= 8, text
+    assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
