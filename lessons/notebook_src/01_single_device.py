@@ -5,17 +5,7 @@
 """
 import sys
 
-import nbformat as nbf
-
-cells = []
-
-
-def md(text):
-    cells.append(nbf.v4.new_markdown_cell(text.strip("\n")))
-
-
-def code(text):
-    cells.append(nbf.v4.new_code_cell(text.strip("\n")))
+from _nb import code, md, write
 
 
 md(r"""
@@ -440,7 +430,4 @@ from point-to-point messages, then lesson 03 uses them for data parallelism and 
 the three model-state bars measured here.
 """)
 
-nb = nbf.v4.new_notebook(cells=cells, metadata={
-    "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-    "language_info": {"name": "python"}})
-nbf.write(nb, sys.argv[1])
+write(sys.argv[1])

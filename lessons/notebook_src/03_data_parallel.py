@@ -5,17 +5,7 @@
 """
 import sys
 
-import nbformat as nbf
-
-cells = []
-
-
-def md(text):
-    cells.append(nbf.v4.new_markdown_cell(text.strip("\n")))
-
-
-def code(text):
-    cells.append(nbf.v4.new_code_cell(text.strip("\n")))
+from _nb import code, md, write
 
 
 md(r"""
@@ -549,7 +539,4 @@ the parameters — the same $2\Psi$ of traffic), ZeRO-2 also shards the gradient
 ≈ $3\Psi$.
 """)
 
-nb = nbf.v4.new_notebook(cells=cells, metadata={
-    "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-    "language_info": {"name": "python"}})
-nbf.write(nb, sys.argv[1])
+write(sys.argv[1])
