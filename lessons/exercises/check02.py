@@ -16,12 +16,10 @@ the outputs. The parent computes the expected outputs with plain torch (torch.ca
 compares.
 """
 import argparse
-import importlib.util
 import linecache
 import math
 import re
 import sys
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -30,6 +28,9 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import pic
 import torch  # noqa: E402
 
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
+
+sys.path.insert(0, str(HERE))  # the shared checker pieces
+from _checker import Report, _Failure, failure_message, load, where  # noqa: E402,F401
 
 LEARNER = HERE / "ex02_collectives.py"
 SOLUTIONS = HERE / "solutions" / "ex02_collectives.py"
@@ -53,28 +54,11 @@ def make_input(length, dtype, rank):
     return (100 * (rank + 1) + torch.arange(length)).to(getattr(torch, dtype))
 
 
-def load(path):
-    spec = importlib.util.spec_from_file_location(f"ex02_{abs(hash(str(path)))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # --------------------------------------------------------------------------------------- in each child
-class _Failure(Exception):
-    """Raised in a child with a one-line description; the parent reads it from the traceback text."""
-
-
 def _forbidden(name):
     def refuse(*args, **kwargs):
         raise RuntimeError(f"dist.{name} is the collective you are building: use only send/recv/isend/irecv")
     return refuse
-
-
-def _where(exc, path):
-    """' (line N: source)' of the innermost frame in the learner's file, or ''."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == Path(path).resolve()]
-    return f" (line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
 
 
 def _plain(value):
@@ -104,9 +88,9 @@ def _on_rank(path, name, cases):
         if hasattr(dist, builtin):
             setattr(dist, builtin, _forbidden(builtin))
     try:
-        fn = getattr(load(path), name)
+        fn = getattr(load(path, "ex02"), name)
     except Exception as e:  # noqa: BLE001
-        raise _Failure(f"cannot import {Path(path).name}: {type(e).__name__}: {e}{_where(e, path)}") from None
+        raise _Failure(f"cannot import {Path(path).name}: {type(e).__name__}: {e}{where(e, path)}") from None
     results = []
     for case in cases:
         x = make_input(case[0], case[1], rank)
@@ -115,7 +99,7 @@ def _on_rank(path, name, cases):
         try:
             returned = fn(x, case[2] % n) if name == "tree_broadcast" else fn(x)
         except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
-            raise _Failure(f"{label(case, n)}: {type(e).__name__}: {e}{_where(e, path)}") from None
+            raise _Failure(f"{label(case, n)}: {type(e).__name__}: {e}{where(e, path)}") from None
         out = x if name == "tree_broadcast" else returned
         results.append(dict(out=_plain(out), sends=list(sends), returned=type(returned).__name__,
                             input_changed=name != "tree_broadcast" and not torch.equal(x, original)))
@@ -244,14 +228,6 @@ COMPARE = {"ring_all_gather": compare_ring_all_gather, "ring_reduce_scatter": co
            "tree_broadcast": compare_tree_broadcast}
 
 
-def failure_message(e):
-    """One line from a RankError: the learner's exception as the child described it."""
-    found = re.findall(r"_Failure: (.*)", e.traceback or "")
-    if found:
-        return f"rank {e.rank}: {found[-1]}"
-    return str(e).splitlines()[0] + (f" {e.traceback.strip().splitlines()[-1]}" if e.traceback else "")
-
-
 def hang_message(e, path, timeout_s):
     """'hang: ranks 0, 2 still waiting after 10 s (...)' and, per late rank, the line of the learner's file
     where it waits (from the stacks run_on_ranks collects)."""
@@ -266,18 +242,6 @@ def hang_message(e, path, timeout_s):
             source = linecache.getline(frame.group(1), int(frame.group(2))).strip()
             lines.append(f"        rank {r} waits in {frame.group(3)}, line {frame.group(2)}: {source}")
     return "\n".join(lines)
-
-
-class Report:
-    def __init__(self):
-        self.failed = 0
-
-    def ok(self, what, detail=""):
-        print(f"  ok    {what}{detail}", flush=True)
-
-    def fail(self, what, why):
-        self.failed += 1
-        print(f"  FAIL  {what}: {why}", flush=True)
 
 
 def check_one(name, path, report, timeout_s):
@@ -315,7 +279,7 @@ def check(names=None, module=None, timeout_s=TIMEOUT_S):
         print(f"unknown exercise {unknown[0]!r}; pick from {', '.join(CASES)}")
         return False
     try:
-        mod = load(path)
+        mod = load(path, "ex02")
     except Exception as e:  # noqa: BLE001 - a syntax error in the learner's file
         print(f"cannot import {path}: {type(e).__name__}: {e}")
         return False

@@ -23,12 +23,10 @@ every rank's batches, and meets the other ranks at a store-based rendezvous befo
 in a collective shows up as a hang rather than as a peer that left.
 """
 import argparse
-import importlib.util
 import linecache
 import re
 import sys
 import time
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,6 +35,9 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import pic
 import torch  # noqa: E402
 
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
+
+sys.path.insert(0, str(HERE))  # the shared checker pieces
+from _checker import Report, _Failure, failure_message, load, where  # noqa: E402,F401
 
 LEARNER = HERE / "ex03_data_parallel.py"
 SOLUTIONS = HERE / "solutions" / "ex03_data_parallel.py"
@@ -48,18 +49,7 @@ EXERCISES = {"average_gradient": "NaiveDP.average_gradient",
              "no_sync": "BucketedDP.no_sync"}
 
 
-def load(path):
-    spec = importlib.util.spec_from_file_location(f"ex03_{abs(hash(str(path)))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # --------------------------------------------------------------------------------------- in each child
-class _Failure(Exception):
-    """Raised in a child with a one-line description; the parent reads it from the traceback text."""
-
-
 def _model():
     from picotron.model import Llama, ModelConfig
 
@@ -94,12 +84,6 @@ def _expected(n, step, k, rank):
         if r == rank:
             own = {name: p.grad.clone() for name, p in model.named_parameters()}
     return mean, own
-
-
-def _where(exc, path):
-    """' (line N: source)' of the innermost frame in the learner's file, or ''."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == Path(path).resolve()]
-    return f" (line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
 
 
 class _Work:
@@ -144,15 +128,15 @@ def _on_rank(path, name, ref_path):
 
     dist.all_reduce = all_reduce
     try:
-        mod = load(path)
+        mod = load(path, "ex03")
     except Exception as e:  # noqa: BLE001
-        raise _Failure(f"cannot import {Path(path).name}: {type(e).__name__}: {e}{_where(e, path)}") from None
+        raise _Failure(f"cannot import {Path(path).name}: {type(e).__name__}: {e}{where(e, path)}") from None
     try:
-        results = SCENARIOS[name](mod, load(ref_path), rank, n, ready, log)
+        results = SCENARIOS[name](mod, load(ref_path, "ex03"), rank, n, ready, log)
     except _Failure:
         raise
     except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
-        raise _Failure(f"{type(e).__name__}: {e}{_where(e, path)}") from None
+        raise _Failure(f"{type(e).__name__}: {e}{where(e, path)}") from None
     _rendezvous(n)
     return results
 
@@ -367,14 +351,6 @@ SUCCESS = {"average_gradient": "every rank holds the mean gradient of all ranks'
                       "exception and across nested blocks"}
 
 
-def failure_message(e):
-    """One line from a RankError: the learner's exception as the child described it."""
-    found = re.findall(r"_Failure: (.*)", e.traceback or "")
-    if found:
-        return f"rank {e.rank}: {found[-1]}"
-    return str(e).splitlines()[0] + (f" {e.traceback.strip().splitlines()[-1]}" if e.traceback else "")
-
-
 def hang_message(e, path, timeout_s):
     """'hang: rank 0 still waiting after 10 s ...' naming the ranks stuck in the learner's code and the line
     where each one waits (from the stacks run_on_ranks collects); ranks that finished wait at the rendezvous."""
@@ -412,18 +388,6 @@ def _innermost(stacks):
     return f" ({'; '.join(where)})" if where else ""
 
 
-class Report:
-    def __init__(self):
-        self.failed = 0
-
-    def ok(self, what, detail=""):
-        print(f"  ok    {what}{detail}", flush=True)
-
-    def fail(self, what, why):
-        self.failed += 1
-        print(f"  FAIL  {what}: {why}", flush=True)
-
-
 def check_one(name, path, report, timeout_s):
     for n in WORLD_SIZES:
         what = f"{EXERCISES[name]} on {n} ranks"
@@ -453,7 +417,7 @@ def check(names=None, module=None, timeout_s=TIMEOUT_S):
         print(f"unknown exercise {unknown[0]!r}; pick from {', '.join(EXERCISES)}")
         return False
     try:
-        load(path)
+        load(path, "ex03")
     except Exception as e:  # noqa: BLE001 - a syntax error in the learner's file
         print(f"cannot import {path}: {type(e).__name__}: {e}")
         return False
