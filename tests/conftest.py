@@ -6,6 +6,25 @@ module level in a test file (children import them by name), and the children inh
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+@pytest.fixture
+def run_notebook(monkeypatch):
+    """Execute lessons/<name>.ipynb top to bottom in FAST mode; return the text its code cells printed."""
+    import nbclient  # in requirements.txt: a missing package must fail the test, not skip it
+    import nbformat
+
+    def run(name, timeout=300):
+        monkeypatch.setenv("PICOTRON_FAST", "1")
+        lessons = os.path.join(ROOT, "lessons")
+        nb = nbformat.read(os.path.join(lessons, f"{name}.ipynb"), as_version=4)
+        nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                resources={"metadata": {"path": lessons}}).execute()
+        return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+    return run

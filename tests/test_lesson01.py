@@ -136,14 +136,7 @@ def test_checker_reports_wrong_values(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- the notebook
-def test_notebook_runs_in_fast_mode(monkeypatch):
-    import nbclient  # in requirements.txt: a missing package must fail this test, not skip it
-    import nbformat
-
-    monkeypatch.setenv("PICOTRON_FAST", "1")
-    nb = nbformat.read(ROOT / "lessons" / "01_single_device.ipynb", as_version=4)
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT / "lessons")}}).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+def test_notebook_runs_in_fast_mode(run_notebook):
+    text = run_notebook("01_single_device")
     assert "✗" not in text, text
     assert text.count("✓") >= 7

@@ -96,15 +96,8 @@ def test_model_timeline_hides_all_but_the_last_bucket(lesson):
 
 
 # ------------------------------------------------------------------------------------- the notebook
-def test_notebook_runs_in_fast_mode(monkeypatch):
-    import nbclient  # in requirements.txt: a missing package must fail this test, not skip it
-    import nbformat
-
-    monkeypatch.setenv("PICOTRON_FAST", "1")
-    nb = nbformat.read(ROOT / "lessons" / "03_data_parallel.ipynb", as_version=4)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT / "lessons")}}).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+def test_notebook_runs_in_fast_mode(run_notebook):
+    text = run_notebook("03_data_parallel", timeout=600)
     assert "✗" not in text, text
     assert text.count("✓") >= 8, text
     assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
