@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 # Which strategies the code base supports so far. Each lesson that adds one flips its entry to True.
-IMPLEMENTED = {"dp": True, "tp": False, "pp": False, "cp": False, "ep": False, "zero": False, "sp": False}
+IMPLEMENTED = {"dp": True, "tp": False, "pp": False, "cp": False, "ep": False, "zero": True, "sp": False}
 ARRIVES_WITH = {  # for the "not implemented yet" message
     "dp": "data parallelism arrives with lesson 03", "zero": "ZeRO arrives with lesson 04",
     "tp": "tensor parallelism arrives with lesson 05", "sp": "sequence parallelism arrives with lesson 05",

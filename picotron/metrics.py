@@ -106,14 +106,15 @@ class ActivationCounter:
     """
 
     def __init__(self, model=None):
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+        # A storage's identity (_cdata) survives ZeRO-3 freeing and re-gathering it; its data_ptr does not.
+        self._params = {p.untyped_storage()._cdata for p in model.parameters()} if model is not None else set()
         self.bytes = 0
         self._seen = set()
 
     def _pack(self, t):
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self._params and ptr not in self._seen and t.device.type != "meta":
+        if storage._cdata not in self._params and ptr not in self._seen and t.device.type != "meta":
             self._seen.add(ptr)
             self.bytes += storage.nbytes()
         return t

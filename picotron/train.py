@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from picotron import config as config_mod
-from picotron import checkpoint, data, data_parallel, metrics
+from picotron import checkpoint, data, data_parallel, metrics, zero
 from picotron.mesh import Mesh
 from picotron.model import Llama, generate
 
@@ -42,9 +42,12 @@ def lr_at(step, cfg):
 
 
 def build_optimizer(model, cfg, device):
-    """AdamW; weight decay on matrices only (not on norm gains)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """AdamW; weight decay on matrices only (not on norm gains). Under ZeRO it sees only this rank's shard."""
+    if hasattr(model, "optimizer_groups"):
+        decay, no_decay = model.optimizer_groups()
+    else:
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
@@ -91,8 +94,9 @@ def build_model(cfg, mesh):
     return model
 
 
-def train(cfg, mesh):
-    """Run cfg.steps optimizer steps on this rank's part of the mesh; return the summary dict."""
+def train(cfg, mesh, return_model=False):
+    """Run cfg.steps optimizer steps on this rank's part of the mesh; return the summary dict (and, with
+    return_model, the trained model as wrapped for training: tests and lessons inspect it)."""
     device, is_logger = mesh.device, mesh.rank == 0
     torch.manual_seed(cfg.seed)
     tokenizer = data.get_tokenizer(cfg.tokenizer)
@@ -101,7 +105,9 @@ def train(cfg, mesh):
                              dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
     model = raw = build_model(cfg, mesh)  # `raw`: the Llama itself, whatever wraps it for training
     mc = raw.config
-    if mesh.dp_cp_size > 1:  # replicas: average gradients over dp x cp
+    if cfg.zero:  # shard the optimizer state (1), + the gradients (2), + the parameters (3) over dp x cp
+        model = zero.wrap(raw, mesh, cfg.zero, bucket_mb=cfg.bucket_mb)
+    elif mesh.dp_cp_size > 1:  # replicas: average gradients over dp x cp
         model = data_parallel.wrap(raw, mesh, impl=cfg.dp_impl, bucket_mb=cfg.bucket_mb)
     optimizer = build_optimizer(model, cfg, device)
     use_bf16 = cfg.dtype == "bf16"
@@ -113,9 +119,10 @@ def train(cfg, mesh):
     flops_per_step = metrics.flops_per_token(mc, cfg.seq_len) * tokens_per_step
     peak = metrics.measured_matmul_peak(device, torch.bfloat16 if use_bf16 else torch.float32)
     datasheet = metrics.datasheet_peak(device)
+    saved = model if cfg.zero else raw  # what a checkpoint holds: ZeRO saves each rank's shards
     start, folder = 1, checkpoint.latest(cfg.out) if cfg.resume else None
     if folder:
-        start = checkpoint.load(folder, raw, optimizer, mesh) + 1
+        start = checkpoint.load(folder, saved, optimizer, mesh) + 1
     if is_logger and cfg.resume:
         print(f"resuming from {folder} at step {start}" if folder else
               f"--resume: no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
@@ -153,9 +160,15 @@ def train(cfg, mesh):
         if mesh.dp_cp_size > 1:  # each replica saw its own rows: log the mean loss of the global batch
             torch.distributed.all_reduce(loss_sum, group=mesh.dp_cp_group)
             loss_sum /= mesh.dp_cp_size
-        grad_norm = clip_grad_norm(list(model.parameters()), cfg.grad_clip)
-        mem = metrics.memory_breakdown(model)  # gradients still alive here
+        if hasattr(model, "clip_grad_norm"):  # ZeRO: the norm of every rank's gradient shard, all-reduced
+            grad_norm = model.clip_grad_norm(cfg.grad_clip)
+            mem = model.memory_breakdown()
+        else:
+            grad_norm = clip_grad_norm(list(model.parameters()), cfg.grad_clip)
+            mem = metrics.memory_breakdown(model)  # gradients still alive here
         optimizer.step()
+        if hasattr(model, "gather_updated_params"):  # ZeRO-1/2: each rank updated its chunk; share them
+            model.gather_updated_params()
         mem["optimizer"] = metrics.optimizer_bytes(optimizer)
         model.zero_grad(set_to_none=True)  # (DataParallel keeps its gradient buckets and zeroes them)
         loss_value = float(loss_sum)  # .item(): waits for the device, so the step time below is honest
@@ -173,7 +186,7 @@ def train(cfg, mesh):
         log.write(record)
         history.append(record)
         if cfg.save_every and step % cfg.save_every == 0:
-            checkpoint.save(cfg.out, step, raw, optimizer, cfg, mesh)
+            checkpoint.save(cfg.out, step, saved, optimizer, cfg, mesh)
         if is_logger and (step % cfg.log_every == 0 or step in (1, cfg.steps) or "val_loss" in record):
             print(progress_line(record, cfg.steps), flush=True)
 
@@ -198,7 +211,7 @@ def train(cfg, mesh):
                 out = generate(raw, prompt, cfg.sample_tokens, temperature=0.8, top_k=40,
                                generator=torch.Generator(device).manual_seed(cfg.seed))
             print("---- sample ----\n" + tokenizer.decode(out[0].tolist()).strip() + "\n----------------", flush=True)
-    return summary
+    return (summary, model) if return_model else summary
 
 
 def progress_line(r, steps):
