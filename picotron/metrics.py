@@ -144,6 +144,31 @@ def process_peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def malloc_returns_freed_memory(threshold=64 * 1024):
+    """CPU only (glibc): serve allocations above `threshold` bytes with mmap and give them back on free.
+
+    By default glibc raises that threshold each time a large block is freed, after which big tensors come
+    from a heap that never shrinks: resident memory then shows the high-water mark of the allocator, not the
+    tensors alive (ZeRO-3, which frees and re-gathers every layer, looks like it leaks). Call this before
+    measuring memory on a CPU. Returns False where it does not apply (not Linux/glibc)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, threshold)) and bool(libc.mallopt(-1, threshold))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def process_anon_rss_bytes():
+    """Resident anonymous memory of this process now (the heap: tensors, Python objects; not the code of
+    shared libraries, which counts in the RSS as soon as it is touched). Linux; None elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration):
+        return None
+
+
 # ------------------------------------------------------------------------------------ time and events
 class Timeline:
     """Per-rank events (name, start, end in seconds since creation) for timeline / bubble plots."""

@@ -82,6 +82,36 @@ def model_state_bytes(n_params, dtype="fp32", optimizer="adamw"):
     return {"params": 2 * n_params, "grads": 2 * n_params, "optimizer": (4 + moments) * n_params}
 
 
+def zero_model_state_bytes(n_params, zero=0, n=1, dtype="fp32", recipe="ours"):
+    """Model-state bytes per rank under ZeRO stage `zero` over n data-parallel ranks (ZeRO paper, fig. 1):
+
+        stage 0 (DP)  P + G + K        stage 1  P + G + K/n        stage 2  P + (G + K)/n    stage 3  (P + G + K)/n
+
+    recipe "ours": P = G = 4Ψ (fp32 parameters are their own master copy), K = 8Ψ (AdamW's two moments).
+    recipe "mixed": the textbook mixed precision of FORMULAS.md, P = G = 2Ψ, K = 12Ψ (fp32 master + moments).
+    Padding (each unit rounded up to a multiple of n elements) and Adam's 4-byte step counters come on top."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero!r}; use 0, 1, 2 or 3.")
+    if recipe == "ours":
+        P, G, K = 4 * n_params, 4 * n_params, 8 * n_params
+    elif recipe == "mixed":
+        P, G, K = 2 * n_params, 2 * n_params, 12 * n_params
+    else:
+        raise ValueError(f"recipe={recipe!r}; use 'ours' or 'mixed'.")
+    return {"params": P / n if zero >= 3 else P, "grads": G / n if zero >= 2 else G, "optimizer": K / n if zero >= 1 else K}
+
+
+def zero_comm_elements(n_params, zero=0, root_params=0):
+    """Elements covered by the collectives of one optimizer step (one micro-batch), per rank, in units of
+    whole buffers: DP all-reduces Ψ, which a ring does as a reduce-scatter plus an all-gather, so 2Ψ; ZeRO-1
+    and -2 reduce-scatter the gradients and all-gather the updated parameters: 2Ψ; ZeRO-3 all-gathers the
+    parameters for the forward and again for the backward and reduce-scatters the gradients: 3Ψ, minus the
+    root unit's second all-gather (it stays gathered from forward to backward). A ring sends (n-1)/n of each."""
+    if zero == 3:
+        return {"all_gather": 2 * n_params - root_params, "reduce_scatter": n_params}
+    return {"all_gather": n_params, "reduce_scatter": n_params}
+
+
 def activation_terms_per_layer(mc, seq_len, micro_batch_size, dtype="fp32", recompute="none"):
     """Bytes one decoder layer keeps for backward, by part (see the module docstring). Exact for our code."""
     _check(dtype, recompute)

@@ -102,6 +102,7 @@ class _Zero(nn.Module):
         self.sent = {"all_gather": 0, "reduce_scatter": 0}  # bytes of the full buffers each collective covers
         self.transient = self.transient_peak = 0  # bytes of gathered params + gradient buckets in flight
         self._pending = []  # reduce-scatters in flight: (unit, work, flat gradient buffer)
+        self._untimed = {}
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -117,16 +118,19 @@ class _Zero(nn.Module):
 
     def _make_pieces(self):
         """The optimizer's parameters: 1-D views of each unit's shard, their .grad views of the gradient shard."""
-        self.pieces = []  # (piece, is a matrix)
+        self.pieces = []  # (piece, is a matrix, unit, start, length)
         for unit in self.units:
             for p, start, length in unit.pieces():
-                piece = nn.Parameter(unit.shard[start:start + length])
-                piece.grad = unit.grad_shard[start:start + length]
-                self.pieces.append((piece, p.dim() >= 2))
+                self.pieces.append((nn.Parameter(unit.shard[start:start + length]), p.dim() >= 2, unit, start, length))
+        self._attach_piece_grads()
+
+    def _attach_piece_grads(self):
+        for piece, _, unit, start, length in self.pieces:
+            piece.grad = None if unit.grad_shard is None else unit.grad_shard[start:start + length]
 
     def optimizer_groups(self):
         """(pieces that get weight decay, pieces that do not): what to hand the optimizer."""
-        return [q for q, m in self.pieces if m], [q for q, m in self.pieces if not m]
+        return [q[0] for q in self.pieces if q[1]], [q[0] for q in self.pieces if not q[1]]
 
     def clip_grad_norm(self, max_norm):
         """Clip by the global gradient norm: squared norms of every shard, summed over the ranks once."""
@@ -154,53 +158,70 @@ class _Zero(nn.Module):
     def _trace(self, work, name):
         if self.timeline is not None:
             start, tl = self.timeline.now(), self.timeline
-            work.get_future().then(lambda _: tl.add(name, start, tl.now(), kind="comm"))
+            try:  # the end is recorded when the collective completes...
+                work.get_future().then(lambda _: tl.add(name, start, tl.now(), kind="comm"))
+            except RuntimeError:  # ...or, where the backend gives no future (gloo's reduce-scatter), when waited
+                self._untimed[id(work)] = (name, start)
+
+    def _complete(self, work):
+        work.wait()
+        if id(work) in self._untimed:
+            name, start = self._untimed.pop(id(work))
+            self.timeline.add(name, start, self.timeline.now(), kind="comm", end_observed_at_wait=True)
 
     def _track(self, nbytes):
         self.transient += nbytes
         self.transient_peak = max(self.transient_peak, self.transient)
 
     def _send_gradients(self, unit):
-        """Stages 2-3: copy the unit's fresh gradients into one flat buffer, free them, reduce-scatter it."""
-        flat = unit.flat([p.grad for p in unit.params])
+        """Stages 2-3: the unit's gradients as one flat buffer (ZeRO-3: autograd wrote them into it; ZeRO-2:
+        copied), the per-parameter gradients dropped, then an asynchronous reduce-scatter of the buffer."""
+        flat = unit.grad_flat if getattr(unit, "grad_flat", None) is not None else unit.flat([p.grad for p in unit.params])
+        unit.grad_flat = None
         for p in unit.params:
             p.grad = None
         flat.div_(self.n)  # the sum over ranks becomes the mean
         work = self._reduce_scatter(unit, flat[unit.lo:unit.hi], flat)  # in place: chunk r gets the sum
         self._pending.append((unit, work, flat))
         self._track(flat.numel() * flat.element_size())
-        self._drain(keep=2)  # at most two buffers in flight: memory stays bounded
+        self._drain(keep=1)  # at most two buffers in flight: memory stays bounded
 
     def _drain(self, keep=0):
         """Finish the oldest reduce-scatters (and any already done) and add their chunk to the gradient shard."""
         while self._pending and (len(self._pending) > keep or self._pending[0][1].is_completed()):
             unit, work, flat = self._pending.pop(0)
-            work.wait()
-            unit.grad_shard.add_(flat[unit.lo:unit.hi])
+            self._complete(work)
+            if unit.grad_shard is None:  # the first micro-batch of the step: allocated only now
+                unit.grad_shard = flat[unit.lo:unit.hi].clone()
+            else:
+                unit.grad_shard.add_(flat[unit.lo:unit.hi])
             self._track(-flat.numel() * flat.element_size())
 
     def finish_gradient_sync(self):
         """Wait for every reduce-scatter: call after the last backward, before clipping and the optimizer."""
         for unit in self.units:
             if unit.work is not None and self.stage == 1:
-                unit.work.wait()
+                self._complete(unit.work)
                 unit.work = None
         self._drain(keep=0)
+        self._attach_piece_grads()
 
     def zero_grad(self, set_to_none=True):
         """Zero the gradient shards in place (the optimizer's pieces keep views of them)."""
         for unit in self.units:
-            unit.grad_shard.zero_()
             if self.stage == 1:
-                unit.grad_full.zero_()
-            else:
+                unit.grad_full.zero_()  # the shard is a view of it
+            else:  # freed: between steps (and in the forward) stages 2-3 hold no gradient at all
+                unit.grad_shard = None
                 for p in unit.params:
                     p.grad = None
+        self._attach_piece_grads()
 
     def memory_breakdown(self):
         """Bytes this rank keeps between steps (our accounting), and the peak of the transient buffers."""
         params = sum(u.nbytes() if self.stage < 3 else u.shard.numel() * u.shard.element_size() for u in self.units)
-        grads = sum((u.grad_full if self.stage == 1 else u.grad_shard).nbytes for u in self.units)
+        grads = sum(0 if g is None else g.nbytes for g in (u.grad_full if self.stage == 1 else u.grad_shard
+                                                            for u in self.units))
         peak, self.transient_peak = self.transient_peak, self.transient
         return {"params": params, "grads": grads, "optimizer": 0, "zero_transient_peak": peak}
 
@@ -257,7 +278,7 @@ class ZeroDataParallel(_Zero):
                 p.grad = unit.grad_full[off:off + p.numel()].view_as(p)
             unit.grad_shard = unit.grad_full[unit.lo:unit.hi]
         else:  # only the chunk's gradient is kept
-            unit.grad_shard = torch.zeros(unit.chunk, dtype=unit.full.dtype, device=unit.full.device)
+            unit.grad_shard = None  # created by the first reduce-scatter of a step
         self.units.append(unit)
         for p in params:
             self.unit_of[p] = unit
@@ -283,7 +304,7 @@ class ZeroDataParallel(_Zero):
         """After the optimizer step: every rank sends its updated chunk to all (in place, one per bucket)."""
         works = [self._all_gather(u, u.full, u.shard) for u in self.units]
         for w in works:
-            w.wait()
+            self._complete(w)
 
 
 class Zero3(_Zero):
@@ -304,7 +325,7 @@ class Zero3(_Zero):
             unit = FlatUnit(name, params, self.rank, self.n)
             full = unit.flat([p.detach() for p in params])
             unit.shard = full[unit.lo:unit.hi].clone()  # this rank's fp32 parameters, kept for good
-            unit.grad_shard = torch.zeros_like(unit.shard)
+            unit.grad_shard = unit.grad_flat = None
             unit.full = full
             unit.use_as_storage(full)
             unit.state = "gathered"
@@ -332,7 +353,7 @@ class Zero3(_Zero):
 
     def _wait(self, unit):
         if unit.state == "gathering":
-            unit.work.wait()
+            self._complete(unit.work)
             unit.work, unit.state = None, "gathered"
 
     def _free(self, unit, count=True):
@@ -365,8 +386,19 @@ class Zero3(_Zero):
 
     def _root_pre_backward(self, grad):
         self.in_backward = True
+        self._grad_buffer(self.units[0])
         if self.prefetch and len(self.units) > 1:
             self._gather(self.units[-1])
+
+    def _grad_buffer(self, unit):
+        """At the start of a unit's backward: one zeroed flat buffer, each p.grad a view of it, so autograd
+        accumulates straight into what the reduce-scatter sends (no second copy of the gradients)."""
+        if unit.grad_flat is None:
+            self._drain(keep=0)  # the previous unit's reduce-scatter (overlapped with this unit's all-gather) is done
+            unit.grad_flat = torch.zeros_like(unit.full)
+            self._track(unit.nbytes())
+            for p, off in zip(unit.params, unit.offsets):
+                p.grad = unit.grad_flat[off:off + p.numel()].view_as(p)
 
     def _pre_forward(self, k, module, args):
         self._use(k)
@@ -381,6 +413,7 @@ class Zero3(_Zero):
 
     def _pre_backward(self, k, grad):
         self._use(k)
+        self._grad_buffer(self.units[k])
 
     def _grad_ready(self, p):
         unit = self.unit_of[p]
@@ -391,6 +424,7 @@ class Zero3(_Zero):
         k = self.units.index(unit)
         if k > 0:
             self._event(f"backward {unit.name}", k)
+        self._track(-unit.nbytes())  # _send_gradients counts the buffer again while it is in flight
         self._send_gradients(unit)
         self._free(unit)
 
