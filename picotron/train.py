@@ -205,11 +205,12 @@ def train(cfg, mesh, return_model=False):
         print(f"done: loss {history[0]['loss']:.3f} -> {summary['final_loss']:.3f}, {val}"
               f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}% of the measured matmul peak, "
               f"{summary['elapsed_s']:.0f} s", flush=True)
-        if cfg.sample_tokens:
-            prompt = torch.tensor([tokenizer.encode("\n")], device=device)
-            with autocast():
-                out = generate(raw, prompt, cfg.sample_tokens, temperature=0.8, top_k=40,
-                               generator=torch.Generator(device).manual_seed(cfg.seed))
+    if cfg.sample_tokens:  # every rank generates (the same text): under ZeRO-3 each forward gathers collectively
+        prompt = torch.tensor([tokenizer.encode("\n")], device=device)
+        with autocast():
+            out = generate(raw, prompt, cfg.sample_tokens, temperature=0.8, top_k=40,
+                           generator=torch.Generator(device).manual_seed(cfg.seed))
+        if is_logger:
             print("---- sample ----\n" + tokenizer.decode(out[0].tolist()).strip() + "\n----------------", flush=True)
     return (summary, model) if return_model else summary
 

@@ -41,6 +41,9 @@ reduce-scatter follows the last micro-batch. Stages 2 and 3 keep no full gradien
 every micro-batch and add into the gradient shard (`no_sync` changes nothing there).
 
 Global-norm clipping sums the squared norms of every rank's shard with one all-reduce (`clip_grad_norm`).
+
+Caveat (stage 3): every forward all-gathers collectively, so every rank must run the same forwards, evaluation
+and text generation included; a forward on rank 0 alone waits for the others until the timeout ends it.
 """
 import math
 from contextlib import contextmanager
