@@ -293,6 +293,9 @@ def _check_degrees(cfg, mc):
         raise ConfigError(f"sp with tp={cfg.tp} needs the local sequence length seq_len/cp={cfg.seq_len // cfg.cp} "
                           f"divisible by tp (the sequence is split over tp ranks); pass a seq_len that is a multiple "
                           f"of {cfg.tp * cfg.cp}.")
+    if cfg.zero and cfg.dp_impl != "bucket":
+        raise ConfigError(f"dp_impl={cfg.dp_impl!r} does not apply with zero={cfg.zero} (ZeRO replaces the data-parallel "
+                          f"wrapper: it reduce-scatters the gradients itself); drop --dp-impl or use zero=0.")
     if cfg.dp % cfg.ep:
         raise ConfigError(f"ep={cfg.ep} does not divide dp={cfg.dp} (expert-parallel ranks are carved out of the "
                           f"data-parallel ranks); pick ep in {_choices(_fits(cfg.dp))}.")

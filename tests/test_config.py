@@ -241,3 +241,10 @@ def test_config_module_prints_resolved_settings():
     r = _run("picotron.config", "--steps", "5", "--preset", "tiny")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["steps"] == 5
+
+
+def test_zero_rejects_a_data_parallel_implementation():
+    msg = error_of(dp=2, zero=2, dp_impl="ddp", world_size=2)
+    assert msg == ("dp_impl='ddp' does not apply with zero=2 (ZeRO replaces the data-parallel wrapper: it "
+                   "reduce-scatters the gradients itself); drop --dp-impl or use zero=0.")
+    validate(Config(dp=2, zero=3), 2)
