@@ -82,7 +82,7 @@ def reference():
     return get
 
 
-CASES = [(stage, dp, acc) for stage in (1, 2, 3) for dp, acc in ((2, 2), (3, 1), (4, 2))]
+CASES = [(stage, dp, acc) for stage in (1, 2, 3) for dp, acc in ((2, 2), (3, 2), (4, 2))]
 
 
 @pytest.mark.parametrize("stage,dp,grad_acc", CASES)
@@ -121,15 +121,17 @@ def check(ref, results, loss_rtol=1e-5, param_norm=None):
 
 def assert_params_close(p, ref, where):
     """Parameters after STEPS Adam steps. Adam divides by sqrt(v): where a gradient element is ~0, the order
-    of additions can flip its sign and move that element by up to 2·lr per step. So: all but 0.1% of the
-    elements within 1e-4 relative, none off by more than 2·lr·STEPS, and the tensor within 2e-4 in norm.
-    (A wrong chunk or offset fails all three at once.) Observed at dp=2, grad_acc=2, fp32: plain data
-    parallelism 1e-5 in norm, 2.7e-5 at most; ZeRO-1 1.1e-5, 4.2e-5; ZeRO-3 4.6e-5, 1.8e-4 (one element)."""
+    of additions can flip its sign and move that element by up to 2·lr per step. So: all but 1% of the
+    elements within 1e-4 relative, none off by more than 2·lr·STEPS, and the tensor within 1e-4 in norm
+    (a wrong chunk or offset fails all three at once). Plain data parallelism is no closer: measured at dp=3,
+    grad_acc=2, fp32, it has 0.27% of a tensor's elements beyond 1e-4 and 1.3e-5 in norm, as ZeRO-1/2/3 do
+    (0.25-0.27%, 1.1-1.3e-5); the worst ZeRO case seen, ZeRO-3 at dp=2, is 4.6e-5 in norm."""
     diff = (p - ref).abs()
     off = (diff > 1e-4 * ref.abs() + 1e-6).sum().item()
-    assert off <= 1e-3 * p.numel(), f"parameter after {STEPS} steps, {where}: {off} of {p.numel()} elements differ"
+    assert off <= 1e-2 * p.numel(), f"parameter after {STEPS} steps, {where}: {off} of {p.numel()} elements differ"
     assert diff.max() <= 2 * SMALL["lr"] * STEPS, f"parameter after {STEPS} steps, {where}: max diff {diff.max()}"
-    assert diff.norm() <= 2e-4 * ref.norm() + 1e-7, f"parameter after {STEPS} steps, {where}: norm of diff {diff.norm()}"
+    assert diff.norm() <= 1e-4 * ref.norm() + 1e-7, f"parameter after {STEPS} steps, {where}: norm of diff {diff.norm()}"
+
 
 
 # ---------------------------------------------------------------------------------- memory, bytes, timeline
