@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 # Which strategies the code base supports so far. Each lesson that adds one flips its entry to True.
-IMPLEMENTED = {"dp": True, "tp": False, "pp": False, "cp": False, "ep": False, "zero": True, "sp": False}
+IMPLEMENTED = {"dp": True, "tp": True, "pp": False, "cp": False, "ep": False, "zero": True, "sp": True}
 ARRIVES_WITH = {  # for the "not implemented yet" message
     "dp": "data parallelism arrives with lesson 03", "zero": "ZeRO arrives with lesson 04",
     "tp": "tensor parallelism arrives with lesson 05", "sp": "sequence parallelism arrives with lesson 05",
@@ -278,6 +278,10 @@ def _check_degrees(cfg, mc):
     tp_rules = [("num_attention_heads", mc.num_attention_heads), ("num_key_value_heads", mc.num_key_value_heads),
                 ("intermediate_size", mc.intermediate_size), ("vocab_size", mc.vocab_size)]
     good_tp = [d for d in _fits(mc.num_attention_heads) if all(n % d == 0 for _, n in tp_rules)]
+    if cfg.tp > mc.num_key_value_heads:
+        raise ConfigError(f"tp={cfg.tp} is more than num_key_value_heads={mc.num_key_value_heads} (every tensor-parallel "
+                          f"rank needs at least one whole KV head, and KV heads are not replicated); pick tp in "
+                          f"{_choices(good_tp)} or a model with at least {cfg.tp} KV heads.")
     for name, n in tp_rules:
         if n % cfg.tp:
             raise ConfigError(f"tp={cfg.tp} does not divide {name}={n}; pick tp in {_choices(good_tp)}.")

@@ -25,10 +25,11 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from picotron import config as config_mod
-from picotron import checkpoint, data, data_parallel, metrics, zero
+from picotron import checkpoint, data, data_parallel, metrics, tensor_parallel, zero
 from picotron.mesh import Mesh
 from picotron.model import Llama, generate
 
@@ -52,14 +53,24 @@ def build_optimizer(model, cfg, device):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
-def clip_grad_norm(params, max_norm):
+def clip_grad_norm(params, max_norm, tp_group=None):
     """Scale gradients so their global L2 norm is at most max_norm; return the norm before clipping.
 
     "Global" means over every gradient of the model. Once parameters are sharded (tensor, pipeline, ZeRO)
-    each rank holds only part of them and the squared norms must be summed across ranks first.
+    each rank holds only part of them and the squared norms must be summed across ranks first. With tensor
+    parallelism (`tp_group`), a parameter marked `tp_dim` is one slice of a matrix: the squared norms of those
+    are summed over the tp group; the others (the norm weights) are the same on every tp rank: counted once.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    if tp_group is None:
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    else:
+        def squares(sharded):
+            return sum((torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2 for p in params if p.grad is not None
+                        and (getattr(p, "tp_dim", None) is not None) == sharded), torch.zeros((), device=grads[0].device))
+        total = squares(sharded=True)
+        dist.all_reduce(total, group=tp_group)  # the slices of every sharded matrix...
+        total = (total + squares(sharded=False)).sqrt()  # ...and each replicated parameter once
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(scale)
@@ -71,12 +82,12 @@ def loss_fn(logits, targets):
 
 
 @torch.no_grad()
-def evaluate(model, loader, n_batches, autocast, device):
+def evaluate(model, loader, n_batches, autocast, device, criterion=loss_fn):
     model.eval()
     losses = []
     for x, y in loader.val_batches(n_batches):
         with autocast():
-            losses.append(loss_fn(model(x.to(device)), y.to(device)).item())
+            losses.append(criterion(model(x.to(device)), y.to(device)).item())
     model.train()
     return sum(losses) / len(losses)
 
@@ -84,10 +95,12 @@ def evaluate(model, loader, n_batches, autocast, device):
 def build_model(cfg, mesh):
     """Build on the meta device (no memory, no init cost), then materialise and initialise on the device.
 
-    The initial values depend only on the seed and each parameter's name, never on the layout.
+    The initial values depend only on the seed and each parameter's name, never on the layout: tensor
+    parallelism swaps in sharded layers while the model is still on meta, and each rank materialises its slice.
     """
     with torch.device("meta"):
         model = Llama(cfg.model_config())
+    tensor_parallel.apply(model, mesh, sp=cfg.sp)  # a no-op when tp = 1
     model.to_empty(device=mesh.device)
     model.init_weights(cfg.seed)
     model.recompute = cfg.recompute
@@ -103,8 +116,10 @@ def train(cfg, mesh, return_model=False):
     loader = data.DataLoader(data.TokenData(tokenizer.encode_tensor(data.load_text(cfg.data)), tokenizer.vocab_size),
                              seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, grad_acc=cfg.grad_acc,
                              dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
-    model = raw = build_model(cfg, mesh)  # `raw`: the Llama itself, whatever wraps it for training
+    model = raw = build_model(cfg, mesh)  # `raw`: the Llama itself (tp-sharded), whatever wraps it for training
     mc = raw.config
+    tp = mesh.tp_size > 1  # the tp ranks of a replica share dp_rank: the loader gives them the same rows
+    criterion = (lambda logits, y: tensor_parallel.loss_fn(logits, y, mesh)) if tp else loss_fn  # vocab-parallel
     if cfg.zero:  # shard the optimizer state (1), + the gradients (2), + the parameters (3) over dp x cp
         model = zero.wrap(raw, mesh, cfg.zero, bucket_mb=cfg.bucket_mb)
     elif mesh.dp_cp_size > 1:  # replicas: average gradients over dp x cp
@@ -152,7 +167,7 @@ def train(cfg, mesh, return_model=False):
             last = micro_step == cfg.grad_acc - 1  # replicas exchange gradients once, after the last micro-batch
             with autocast(), (counter if micro_step == 0 else nullcontext()), (
                     model.no_sync() if hasattr(model, "no_sync") and not last else nullcontext()):
-                loss = loss_fn(model(x), y) / cfg.grad_acc
+                loss = criterion(model(x), y) / cfg.grad_acc
                 loss.backward()
             loss_sum += loss.detach()
         if hasattr(model, "finish_gradient_sync"):
@@ -164,7 +179,7 @@ def train(cfg, mesh, return_model=False):
             grad_norm = model.clip_grad_norm(cfg.grad_clip)
             mem = model.memory_breakdown()
         else:
-            grad_norm = clip_grad_norm(list(model.parameters()), cfg.grad_clip)
+            grad_norm = clip_grad_norm(list(model.parameters()), cfg.grad_clip, mesh.tp_group if tp else None)
             mem = metrics.memory_breakdown(model)  # gradients still alive here
         optimizer.step()
         if hasattr(model, "gather_updated_params"):  # ZeRO-1/2: each rank updated its chunk; share them
@@ -182,7 +197,7 @@ def train(cfg, mesh, return_model=False):
         if datasheet:
             record["mfu_datasheet"] = flops_per_step / dt / (datasheet * mesh.world_size)
         if cfg.eval_every and (step % cfg.eval_every == 0 or step in (start, cfg.steps)):
-            val_loss = record["val_loss"] = evaluate(raw, loader, cfg.eval_batches, autocast, device)
+            val_loss = record["val_loss"] = evaluate(raw, loader, cfg.eval_batches, autocast, device, criterion)
         log.write(record)
         history.append(record)
         if cfg.save_every and step % cfg.save_every == 0:
@@ -205,10 +220,11 @@ def train(cfg, mesh, return_model=False):
         print(f"done: loss {history[0]['loss']:.3f} -> {summary['final_loss']:.3f}, {val}"
               f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}% of the measured matmul peak, "
               f"{summary['elapsed_s']:.0f} s", flush=True)
-    if cfg.sample_tokens:  # every rank generates (the same text): under ZeRO-3 each forward gathers collectively
+    if cfg.sample_tokens:  # every rank generates (the same text): under ZeRO-3 and tp each forward is collective
         prompt = torch.tensor([tokenizer.encode("\n")], device=device)
+        sampler = tensor_parallel.FullVocabLogits(raw, mesh, sp=cfg.sp) if tp else raw  # tp: gather the vocab
         with autocast():
-            out = generate(raw, prompt, cfg.sample_tokens, temperature=0.8, top_k=40,
+            out = generate(sampler, prompt, cfg.sample_tokens, temperature=0.8, top_k=40,
                            generator=torch.Generator(device).manual_seed(cfg.seed))
         if is_logger:
             print("---- sample ----\n" + tokenizer.decode(out[0].tolist()).strip() + "\n----------------", flush=True)

@@ -99,6 +99,7 @@ class _Zero(nn.Module):
         super().__init__()
         self.module, self.stage, self.timeline = module, stage, timeline
         self.group, self.n, self.rank = mesh.dp_cp_group, mesh.dp_cp_size, mesh.dp_cp_rank
+        self.tp_group = mesh.tp_group if getattr(mesh, "tp_size", 1) > 1 else None  # for clipping only
         self.sync = True
         self.units = []
         self.unit_of = {}  # parameter -> its unit
@@ -136,9 +137,23 @@ class _Zero(nn.Module):
         return [q[0] for q in self.pieces if q[1]], [q[0] for q in self.pieces if not q[1]]
 
     def clip_grad_norm(self, max_norm):
-        """Clip by the global gradient norm: squared norms of every shard, summed over the ranks once."""
-        square = sum(torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32) ** 2 for u in self.units)
-        dist.all_reduce(square, group=self.group)
+        """Clip by the global gradient norm: squared norms of every shard, summed over the ranks once.
+
+        With tensor parallelism each tp rank's model is itself a slice: the squares of tp-sharded parameters
+        (marked `tp_dim`) are summed over the tp group as well, those of tp-replicated ones counted once."""
+        if self.tp_group is None:
+            square = sum(torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32) ** 2 for u in self.units)
+            dist.all_reduce(square, group=self.group)
+        else:
+            parts = torch.zeros(2, device=self.units[0].grad_shard.device)  # [tp-sharded, tp-replicated]
+            for u in self.units:
+                for p, start, length in u.pieces():
+                    g = u.grad_shard[start:start + length]
+                    parts[int(getattr(p, "tp_dim", None) is None)] += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+            dist.all_reduce(parts, group=self.group)
+            sharded = parts[0].clone()
+            dist.all_reduce(sharded, group=self.tp_group)
+            square = sharded + parts[1]
         total = square.sqrt()
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for u in self.units:

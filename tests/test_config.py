@@ -64,13 +64,19 @@ def test_world_size_defaults_to_env(monkeypatch):
 
 @pytest.mark.parametrize("tp, name, value, fields", [
     (3, "num_attention_heads", 8, {}),
-    (8, "num_key_value_heads", 4, {}),
+    (4, "num_key_value_heads", 6, {"hidden_size": 192, "num_attention_heads": 12, "num_key_value_heads": 6}),
     (2, "intermediate_size", 385, {"intermediate_size": 385}),
     (2, "vocab_size", 257, {"vocab_size": 257}),
 ])
 def test_tp_must_divide_heads_kv_heads_mlp_and_vocab(tp, name, value, fields):
     msg = error_of(tp=tp, **fields)
     assert msg.startswith(f"tp={tp} does not divide {name}={value}; pick tp in {{1")
+
+
+def test_tp_needs_a_whole_kv_head_per_rank():
+    msg = error_of(tp=8)  # tiny: 8 query heads but 4 KV heads
+    assert msg == ("tp=8 is more than num_key_value_heads=4 (every tensor-parallel rank needs at least one whole KV "
+                   "head, and KV heads are not replicated); pick tp in {1, 2, 4} or a model with at least 8 KV heads.")
 
 
 def test_tp_message_matches_spec_example():

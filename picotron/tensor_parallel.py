@@ -1,0 +1,365 @@
+"""Tensor parallelism: every weight matrix cut into tp slices, each rank computing with its slice
+(Shoeybi et al. 2019, "Megatron-LM", section 3), and sequence parallelism on top of it (Korthikanti et al.
+2022, "Reducing Activation Recomputation in Large Transformer Models", section 4).
+
+The idea. A linear layer y = x Wᵀ can be split two ways. Column-parallel: rank r keeps the rows W_r of W (a
+slice of the OUTPUT features) and computes y_r = x W_rᵀ, its slice of y, from the whole x. Row-parallel: rank
+r keeps the columns of W that read ITS slice x_r of the input and computes a partial sum x_r W_rᵀ; the sum
+over ranks is y. Chain the two and the slice in between never has to be assembled:
+
+    MLP        x --f--> gate_r, up_r (column) --> silu(gate_r)·up_r --> down_r (row) --g--> y
+    attention  x --f--> q_r, k_r, v_r (column, whole heads) --> attention of rank r's heads --> o_r (row) --g--> y
+
+f and g are Megatron's conjugate operators, written below as autograd Functions:
+    f = copy_to_tp:      forward identity (x is already on every rank), backward all-reduce (each rank's
+                         gradient of x only covers its slice of the heads or columns: sum them)
+    g = reduce_from_tp:  forward all-reduce (sum the partial outputs), backward identity
+
+Communication per transformer layer (b·s·h activations of b sequences of s tokens, hidden size h): one g in
+attention and one in the MLP forward, one f of each backward: 2 all-reduces forward + 2 backward, each of
+b·s·h elements (a ring all-reduce sends 2(n-1)/n of that per rank). On top: the vocab-parallel embedding's
+all-reduce (forward), the LM head's f (backward) and three all-reduces of b·s numbers in the loss. Nothing
+is overlapped: these collectives sit on the critical path, which is why tp stays within one node.
+
+The vocabulary is split too: rank r owns rows [r·v/n, (r+1)·v/n) of the embedding (tokens outside its range
+look up zeros; the all-reduce fills them in) and of the LM head, whose logits stay sharded: the cross-entropy
+below needs only three all-reduces of one number per token (max, sum of exponentials, the target's logit),
+never the b·s·v logits.
+
+Sequence parallelism (--sp). Between the blocks, tensor parallelism leaves the residual stream and the
+RMSNorms replicated: n copies of the same b·s·h activations and the same work. SP cuts them along the
+sequence instead, each rank keeping s/n tokens. An all-reduce is a reduce-scatter followed by an all-gather,
+so g becomes a reduce-scatter along the sequence (sum the partial outputs, keep my tokens) and f an
+all-gather along the sequence (every rank needs all tokens for the matmuls and attention):
+
+    [b, s/n, h] -norm-> all-gather -> [b, s, h] -> column ... row -> reduce-scatter -> [b, s/n, h] -> + residual
+
+Same volume as before, per layer 2 all-gathers + 2 reduce-scatters forward and the same backward (the
+conjugates swap: all-gather forward / reduce-scatter backward and vice versa), and activation memory outside
+the blocks divided by n. The RMSNorm weights stay replicated but each rank sees only its tokens, so their
+gradients are partial: `SequenceParallelRMSNorm` passes its weight through f, whose backward all-reduces
+that gradient over tp (one all-reduce of h numbers per norm per backward).
+
+`apply(model, mesh, sp)` swaps the model's modules in place, on the meta device, before `to_empty` and
+`init_weights`: parameter names stay those of the unsharded model, and each sharded weight carries
+`full_shape`, `take_shard` (init_weights draws the full tensor and keeps this rank's slice, so every layout
+starts from the same weights) and `tp_dim`, the dimension it is cut along. Parameters without `tp_dim` are
+replicated over tp: global-norm clipping counts those once and sums the sharded ones over the tp group.
+Heads are never split: tp must divide the query heads and the KV heads (no KV-head replication here).
+"""
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from picotron.model import RMSNorm
+
+
+# --------------------------------------------------------------------------- the communication operators
+def _all_reduce(x, group, op=dist.ReduceOp.SUM):
+    x = x.clone(memory_format=torch.contiguous_format)  # a fresh buffer: the caller's tensor may be shared
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _all_gather_sequence(x, group):
+    """[b, s/n, ...] on each rank -> [b, s, ...], rank 0's tokens first. The collective concatenates along
+    dim 0, so the sequence goes first for it and back to dim 1 afterwards."""
+    n = dist.get_world_size(group)
+    local = x.transpose(0, 1).contiguous()
+    out = local.new_empty((n * local.shape[0],) + local.shape[1:])
+    dist.all_gather_single(out, local, group=group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_sequence(x, group):
+    """[b, s, ...] partial sums on each rank -> [b, s/n, ...]: the sum over ranks of this rank's tokens."""
+    n, s = dist.get_world_size(group), x.shape[1]
+    if s % n:
+        raise ValueError(f"sequence parallelism splits the sequence over tp={n} ranks but it has {s} tokens; "
+                         f"use a sequence length that is a multiple of {n}.")
+    full = x.transpose(0, 1).contiguous()
+    out = full.new_empty((s // n,) + full.shape[1:])
+    dist.reduce_scatter_single(out, full, group=group)
+    return out.transpose(0, 1)
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """sp's f: all-gather along the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """sp's g: reduce-scatter along the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_sequence(grad, ctx.group), None
+
+
+def enter_tp(x, group, sp=False):
+    """Into a tensor-parallel region (before column-parallel layers): f, or with sp the sequence all-gather."""
+    return GatherSequence.apply(x, group) if sp else CopyToTP.apply(x, group)
+
+
+def leave_tp(y, group, sp=False):
+    """Out of it (after a row-parallel layer): g, or with sp the sequence reduce-scatter."""
+    return ReduceScatterSequence.apply(y, group) if sp else ReduceFromTP.apply(y, group)
+
+
+# ------------------------------------------------------------------------------------------------- layers
+class _Sharded(nn.Module):
+    """Holds `weight`: this rank's slice, along dimension `dim`, of a matrix of shape `full_shape`."""
+
+    def __init__(self, full_shape, dim, mesh, device=None, dtype=None):
+        super().__init__()
+        self.full_shape, self.dim = tuple(full_shape), dim
+        self.group, self.rank, self.size = mesh.tp_group, mesh.tp_rank, mesh.tp_size
+        shape = list(self.full_shape)
+        shape[dim] //= self.size
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self._mark()
+
+    def take_shard(self, full):
+        return full.chunk(self.size, dim=self.dim)[self.rank]
+
+    def _mark(self):  # what Llama.init_weights, clipping and the tests read off the parameter
+        self.weight.full_shape, self.weight.take_shard, self.weight.tp_dim = self.full_shape, self.take_shard, self.dim
+
+    def _apply(self, fn, recurse=True):  # to_empty() from the meta device makes new Parameter objects: re-mark
+        super()._apply(fn, recurse)
+        self._mark()
+        return self
+
+    def extra_repr(self):
+        return f"full_shape={self.full_shape}, shard={tuple(self.weight.shape)}, split dim {self.dim} over tp={self.size}"
+
+
+class ColumnParallelLinear(_Sharded):
+    """y_r = x W_rᵀ: W's output features split over the ranks; the output stays split ([..., out/n]).
+
+    The input must first enter the tensor-parallel region (f, or the all-gather with sp). `enter=False` when
+    the caller has done it already, once for several layers reading the same input (q, k and v; gate and up):
+    three f's would all-reduce the input's gradient three times."""
+
+    def __init__(self, in_features, out_features, mesh, sp=False, enter=True, device=None, dtype=None):
+        super().__init__((out_features, in_features), 0, mesh, device, dtype)
+        self.sp, self.enter = sp, enter
+
+    def forward(self, x):
+        if self.enter:
+            x = enter_tp(x, self.group, self.sp)
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(_Sharded):
+    """y = Σ_r x_r W_rᵀ: W's input features split; takes this rank's slice of the input, returns the full
+    output (g), or with sp this rank's tokens of it (reduce-scatter)."""
+
+    def __init__(self, in_features, out_features, mesh, sp=False, device=None, dtype=None):
+        super().__init__((out_features, in_features), 1, mesh, device, dtype)
+        self.sp = sp
+
+    def forward(self, x):
+        return leave_tp(F.linear(x, self.weight), self.group, self.sp)
+
+
+class VocabParallelEmbedding(_Sharded):
+    """Rank r keeps the embedding rows of tokens [r·v/n, (r+1)·v/n); other tokens look up zeros, and the
+    all-reduce (with sp: the reduce-scatter along the sequence) adds the one rank that has each row."""
+
+    def __init__(self, num_embeddings, embedding_dim, mesh, sp=False, device=None, dtype=None):
+        super().__init__((num_embeddings, embedding_dim), 0, mesh, device, dtype)
+        self.sp = sp
+        self.lo = self.rank * (num_embeddings // self.size)
+
+    def forward(self, ids):
+        outside = (ids < self.lo) | (ids >= self.lo + self.weight.shape[0])
+        out = F.embedding((ids - self.lo).masked_fill(outside, 0), self.weight)
+        return leave_tp(out.masked_fill(outside[..., None], 0.0), self.group, self.sp)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """model.RMSNorm's arithmetic on this rank's tokens; the weight goes through f, so its gradient, a sum
+    over this rank's tokens only, is summed over the tp group in backward (before it is accumulated)."""
+
+    def __init__(self, size, eps, mesh):
+        super().__init__(size, eps)
+        self.group = mesh.tp_group
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return CopyToTP.apply(self.weight, self.group) * x32.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------- vocab-parallel loss
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from logits split over the vocabulary ([N, v/n] here, vocabulary offset lo).
+
+    loss = log Σ_v exp(z_v - m) - (z_target - m), m = max_v z_v. Three all-reduces of N numbers: the max, the
+    sum of exponentials, the target's logit (found on one rank, zero elsewhere). Backward needs none:
+    d loss / d z_v = softmax_v - [v = target], and each rank has its own columns of softmax."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, lo):
+        m = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        exp = (logits - m[:, None]).exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        inside = (targets >= lo) & (targets < lo + logits.shape[-1])
+        local = (targets - lo).masked_fill(~inside, 0)
+        target_logit = (logits.gather(1, local[:, None]).squeeze(1) - m).masked_fill(~inside, 0.0)
+        target_logit = _all_reduce(target_logit, group)
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), local, inside)  # softmax, this rank's columns
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local, inside = ctx.saved_tensors
+        grad = softmax.clone()
+        grad[torch.arange(len(local), device=grad.device), local] -= inside.to(grad.dtype)
+        return grad * grad_loss[:, None], None, None, None
+
+
+def loss_fn(logits, targets, mesh):
+    """Mean cross-entropy over all tokens from vocab-sharded logits [b, s, v/n] (train.loss_fn's twin)."""
+    v_local = logits.shape[-1]
+    losses = VocabParallelCrossEntropy.apply(logits.float().reshape(-1, v_local), targets.reshape(-1),
+                                             mesh.tp_group, mesh.tp_rank * v_local)
+    return losses.mean()
+
+
+class FullVocabLogits(nn.Module):
+    """model(ids) -> logits over the whole vocabulary (all-gathered over tp), for generation only. With sp the
+    ids are padded on the right to a multiple of tp: causal attention keeps earlier positions unaffected."""
+
+    def __init__(self, model, mesh, sp=False):
+        super().__init__()
+        self.model, self.config, self.mesh, self.sp = model, model.config, mesh, sp
+
+    def forward(self, ids):
+        s, n = ids.shape[1], self.mesh.tp_size
+        if self.sp and s % n:
+            ids = F.pad(ids, (0, n - s % n))
+        logits = self.model(ids)[:, :s].contiguous()
+        parts = [torch.empty_like(logits) for _ in range(n)]
+        dist.all_gather(parts, logits, group=self.mesh.tp_group)
+        return torch.cat(parts, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------- apply
+def check_divisible(config, tp):
+    """Raise ValueError unless tp splits heads, KV heads, MLP columns and the vocabulary into whole slices."""
+    kv = config.num_key_value_heads
+    if kv < tp:
+        raise ValueError(f"tp={tp} is more than num_key_value_heads={kv}: every tensor-parallel rank needs at "
+                         f"least one whole KV head and this code does not replicate them; use tp <= {kv} or a "
+                         f"model with at least {tp} KV heads.")
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if getattr(config, name) % tp:
+            raise ValueError(f"tp={tp} does not divide {name}={getattr(config, name)}; pick a tp that divides it.")
+
+
+def _enter_block(group, sp, module, args):
+    """Forward pre-hook on an attention or MLP block: its input enters the tp region once, for q, k and v."""
+    return (enter_tp(args[0], group, sp),) + tuple(args[1:])
+
+
+def _swap(parent, name, new):
+    """Replace parent.<name> by `new`; if the old module holds real weights (not meta), keep their slice."""
+    old = getattr(parent, name)
+    if old.weight.device.type != "meta":
+        with torch.no_grad():
+            new.weight.copy_(new.take_shard(old.weight) if hasattr(new, "take_shard") else old.weight)
+    setattr(parent, name, new)
+
+
+def apply(model, mesh, sp=False):
+    """Shard `model` (a Llama) over mesh.tp_group in place and return it; tp=1 leaves it untouched."""
+    n = mesh.tp_size
+    if n == 1:
+        return model
+    check_divisible(model.config, n)
+    w = model.embed_tokens.weight
+    kw = dict(device=w.device, dtype=w.dtype)
+
+    def column(lin, enter):
+        return ColumnParallelLinear(lin.in_features, lin.out_features, mesh, sp=sp, enter=enter, **kw)
+
+    def row(lin):
+        return RowParallelLinear(lin.in_features, lin.out_features, mesh, sp=sp, **kw)
+
+    def norm(old):
+        with torch.device(w.device):
+            return SequenceParallelRMSNorm(old.weight.shape[0], old.eps, mesh)
+
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):  # whole heads per rank: rows [r·a/n·d, (r+1)·a/n·d)
+            _swap(attn, name, column(getattr(attn, name), enter=False))
+        _swap(attn, "o_proj", row(attn.o_proj))
+        _swap(mlp, "gate_proj", column(mlp.gate_proj, enter=False))
+        _swap(mlp, "up_proj", column(mlp.up_proj, enter=False))
+        _swap(mlp, "down_proj", row(mlp.down_proj))
+        attn.register_forward_pre_hook(partial(_enter_block, mesh.tp_group, sp))
+        mlp.register_forward_pre_hook(partial(_enter_block, mesh.tp_group, sp))
+        if sp:
+            _swap(layer, "input_layernorm", norm(layer.input_layernorm))
+            _swap(layer, "post_attention_layernorm", norm(layer.post_attention_layernorm))
+    emb = model.embed_tokens
+    _swap(model, "embed_tokens", VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, mesh, sp=sp, **kw))
+    if sp:
+        _swap(model, "norm", norm(model.norm))
+    _swap(model, "lm_head", column(model.lm_head, enter=True))  # logits stay split over the vocabulary
+    model.tie_weights()  # tied: the LM head uses the embedding's shard (same rows, same split)
+    return model
+
+
+def gather_from_tp(t, dim, mesh):
+    """The full tensor from its tp slices along `dim` (None: replicated, a copy), e.g. a parameter or its
+    gradient: gather_from_tp(p.grad, p.tp_dim, mesh) with getattr(p, "tp_dim", None)."""
+    if dim is None or mesh.tp_size == 1:
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(mesh.tp_size)]
+    dist.all_gather(parts, t.detach().contiguous(), group=mesh.tp_group)
+    return torch.cat(parts, dim=dim)
