@@ -22,12 +22,12 @@ can also compute every other rank's, and the parent the expected answer), runs y
 ranks at a store-based rendezvous before returning, so a rank stuck in a collective shows up as a hang rather
 than as a peer that left.
 """
-import argparse
 import linecache
 import math
 import re
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE))  # the shared checker pieces
-from _checker import Report, _Failure, failure_message, load, where  # noqa: E402,F401
+from _checker import Report, _Failure, check_all, cli, failure_message, load, where  # noqa: E402,F401
 
 LEARNER = HERE / "ex04_zero.py"
 SOLUTIONS = HERE / "solutions" / "ex04_zero.py"
@@ -456,32 +456,12 @@ def check_one(name, path, report, timeout_s):
 def check(names=None, module=None, timeout_s=TIMEOUT_S):
     """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
     path = Path(module).resolve() if module else LEARNER
-    unknown = [n for n in names or () if n not in EXERCISES]
-    if unknown:
-        print(f"unknown exercise {unknown[0]!r}; pick from {', '.join(EXERCISES)}")
-        return False
-    try:
-        load(path, "ex04")
-    except Exception as e:  # noqa: BLE001 - a syntax error in the learner's file
-        print(f"cannot import {path}: {type(e).__name__}: {e}")
-        return False
-    report = Report()
-    for name in names or EXERCISES:
-        print(f"{name}  ({path.relative_to(HERE) if path.is_relative_to(HERE) else path})", flush=True)
-        check_one(name, path, report, timeout_s)
-    print("all checks passed" if not report.failed else f"{report.failed} check(s) failed")
-    return report.failed == 0
+    return check_all(names, path, EXERCISES, partial(check_one, timeout_s=timeout_s), "ex04")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Check lesson 04's exercises (on 1, 2 and 3 processes).")
-    p.add_argument("names", nargs="*", help=f"exercises to check (default all): {', '.join(EXERCISES)}")
-    p.add_argument("--solutions", action="store_true", help="check the reference solutions")
-    p.add_argument("--module", help="check this file instead of lessons/exercises/ex04_zero.py")
-    p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds before a launch counts as a hang")
-    args = p.parse_args(argv)
-    module = SOLUTIONS if args.solutions else args.module
-    return 0 if check(args.names, module, args.timeout) else 1
+    return cli(argv, "Check lesson 04's exercises (on 1, 2 and 3 processes).", check, EXERCISES,
+               LEARNER, SOLUTIONS, TIMEOUT_S)
 
 
 if __name__ == "__main__":
