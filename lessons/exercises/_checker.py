@@ -1,7 +1,9 @@
 """What the exercise checkers share: importing the learner's file afresh, turning a child's exception into
 one line, and the ok/FAIL report. Each checkNN.py adds its own cases and the messages that name mistakes."""
 import importlib.util
+import linecache
 import re
+import time
 import traceback
 from pathlib import Path
 
@@ -77,3 +79,51 @@ def cli(argv, description, check, exercises, learner, solutions, timeout_s):
     args = p.parse_args(argv)
     module = solutions if args.solutions else args.module
     return 0 if check(args.names, module, args.timeout) else 1
+
+
+def rendezvous(n, key):
+    """In a child: wait until all n ranks got here, through the process group's store (not a collective), so
+    that a rank stuck in a collective shows up as a hang rather than as a peer that left."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.add(key, 1)
+    while int(store.add(key, 0)) < n:
+        time.sleep(0.01)
+
+
+def hang_message(e, path, timeout_s,
+                 hint="a collective that not every rank calls, or calls in a different order or with different sizes?"):
+    """'hang: rank 0 still waiting after 10 s ...' naming the ranks stuck in the learner's code and the line
+    where each one waits (from the stacks run_on_ranks collects); ranks that finished wait at the rendezvous."""
+    name = Path(path).name
+    stuck, lines = [], []
+    stacks = dict(re.findall(r"--- where rank (\d+) was.*?---\n(.*?)(?=\n--- where rank|\Z)", str(e), re.S))
+    for r in e.ranks:
+        stack = stacks.get(str(r), "")
+        frame = re.search(rf'File "([^"]*{re.escape(name)})", line (\d+) in (\w+)', stack)
+        if frame:
+            stuck.append(r)
+            source = linecache.getline(frame.group(1), int(frame.group(2))).strip()
+            lines.append(f"        rank {r} waits in {frame.group(3)}, line {frame.group(2)}: {source}")
+        elif "rendezvous" not in stack:
+            stuck.append(r)
+    if not lines:
+        return (f"ranks {', '.join(map(str, e.ranks))} still running after {timeout_s:g} s, but none of them waits in "
+                f"{name}: the machine may just be busy (rerun with a longer --timeout){_innermost(stacks)}")
+    finished = [r for r in e.ranks if r not in stuck]
+    who = f"rank {stuck[0]}" if len(stuck) == 1 else "ranks " + ", ".join(map(str, stuck))
+    head = f"hang: {who} still waiting after {timeout_s:g} s ({hint})"
+    if finished:
+        head += f"; rank{'s' if len(finished) > 1 else ''} {', '.join(map(str, finished))} finished and waited for it"
+    return "\n".join([head] + lines)
+
+
+def _innermost(stacks):
+    """' (rank r was in f, file:line; ...)' from the stacks run_on_ranks collected, or ''."""
+    where = []
+    for r, stack in sorted(stacks.items()):
+        frame = re.search(r'File "([^"]*)", line (\d+) in (\w+)', stack)
+        if frame:
+            where.append(f"rank {r} was in {frame.group(3)}, {Path(frame.group(1)).name}:{frame.group(2)}")
+    return f" ({'; '.join(where)})" if where else ""

@@ -22,11 +22,8 @@ can also compute every other rank's, and the parent the expected answer), runs y
 ranks at a store-based rendezvous before returning, so a rank stuck in a collective shows up as a hang rather
 than as a peer that left.
 """
-import linecache
 import math
-import re
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -38,7 +35,8 @@ import torch  # noqa: E402
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE))  # the shared checker pieces
-from _checker import Report, _Failure, check_all, cli, failure_message, load, where  # noqa: E402,F401
+from _checker import (_Failure, check_all, cli, failure_message, hang_message, load,  # noqa: E402,F401
+                      rendezvous, where)
 
 LEARNER = HERE / "ex04_zero.py"
 SOLUTIONS = HERE / "solutions" / "ex04_zero.py"
@@ -94,16 +92,6 @@ def adam_grad(numel, n, step):
 
 
 # --------------------------------------------------------------------------------------- in each child
-def _rendezvous(n):
-    """Wait until every rank got here (through the process group's store, not a collective)."""
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    store.add("check04/done", 1)
-    while int(store.add("check04/done", 0)) < n:
-        time.sleep(0.01)
-
-
 def _on_rank(path, name, ref_path):
     """Runs on every rank: the scenario of exercise `name` with the file at `path`; returns its results, or
     raises _Failure with one line."""
@@ -123,7 +111,7 @@ def _on_rank(path, name, ref_path):
         raise
     except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
         raise _Failure(f"{type(e).__name__}: {e}{where(e, path)}") from None
-    _rendezvous(n)
+    rendezvous(n, "check04/done")
     return results
 
 
@@ -403,33 +391,6 @@ SUCCESS = {"shard_range": f"{sum(k for _, k in SHARD_CASES)} (numel, n, rank) ca
                                        f"the mean gradient",
            "sharded_adamw": f"{ADAM_STEPS} steps on units of {' and '.join(map(str, ADAM_NUMELS))} elements equal "
                             f"torch.optim.AdamW on the whole vector, on every rank, in place"}
-
-
-def hang_message(e, path, timeout_s):
-    """'hang: rank 0 still waiting after 10 s ...' naming the ranks stuck in the learner's code and the line
-    where each one waits (from the stacks run_on_ranks collects); ranks that finished wait at the rendezvous."""
-    name = Path(path).name
-    stuck, lines = [], []
-    stacks = dict(re.findall(r"--- where rank (\d+) was.*?---\n(.*?)(?=\n--- where rank|\Z)", str(e), re.S))
-    for r in e.ranks:
-        stack = stacks.get(str(r), "")
-        frame = re.search(rf'File "([^"]*{re.escape(name)})", line (\d+) in (\w+)', stack)
-        if frame:
-            stuck.append(r)
-            source = linecache.getline(frame.group(1), int(frame.group(2))).strip()
-            lines.append(f"        rank {r} waits in {frame.group(3)}, line {frame.group(2)}: {source}")
-        elif "_rendezvous" not in stack:
-            stuck.append(r)
-    if not lines:
-        return (f"ranks {', '.join(map(str, e.ranks))} still running after {timeout_s:g} s, but none of them waits in "
-                f"{name}: the machine may just be busy (rerun with a longer --timeout)")
-    finished = [r for r in e.ranks if r not in stuck]
-    who = f"rank {stuck[0]}" if len(stuck) == 1 else "ranks " + ", ".join(map(str, stuck))
-    head = (f"hang: {who} still waiting after {timeout_s:g} s (a collective that not every rank calls, or calls "
-            f"in a different order or with different sizes?)")
-    if finished:
-        head += f"; rank{'s' if len(finished) > 1 else ''} {', '.join(map(str, finished))} finished and waited for it"
-    return "\n".join([head] + lines)
 
 
 def check_one(name, path, report, timeout_s):
