@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (puts the repository root on sys.path)
+from _common import gather, run_interleaved, union_length  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -74,13 +75,6 @@ def tokens():
     """The embedded Shakespeare as byte tokens (what picotron.train reads), loaded once per process."""
     tok = data.get_tokenizer("byte")
     return data.TokenData(tok.encode_tensor(data.load_text("shakespeare")), tok.vocab_size)
-
-
-def gather(obj, mesh):
-    """Every rank's `obj`, as a list by rank (on every rank)."""
-    out = [None] * mesh.world_size
-    dist.all_gather_object(out, obj)
-    return out
 
 
 # ------------------------------------------------------------------------------------------ one variant
@@ -143,15 +137,6 @@ class Variant:
         if record:
             self.times.append(time.perf_counter() - t0)
         self.mem = mem
-
-
-def run_interleaved(variants, steps, warmup, group):
-    """warmup + steps steps of every variant, one step of each in turn, the order rotating every step."""
-    for s in range(warmup + steps):
-        k = s % len(variants)
-        for v in variants[k:] + variants[:k]:
-            dist.barrier(group)
-            v.step(s + 1, record=s >= warmup)
 
 
 def step_stats(times):
@@ -279,15 +264,6 @@ def overlap_stats(row):
     med["hidden_fraction"] = med["hidden_s"] / med["gather_s"] if med["gather_s"] else 0.0
     med["exposed_gather_s"] = med["gather_s"] - med["hidden_s"]
     return med
-
-
-def union_length(intervals):
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def _bench():
@@ -560,25 +536,6 @@ def plot_fsdp(fsdp, memory=None):
     return fig
 
 
-def plot_parity(pairs):
-    """pairs: {label: (losses, reference losses)}: both curves and their relative difference."""
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
-    for label, (got, ref) in pairs.items():
-        steps = range(1, len(got) + 1)
-        ax1.plot(steps, ref, "k-", lw=3, alpha=0.3)
-        ax1.plot(steps, got, "o--", ms=3, label=label)
-        ax2.semilogy(steps, [max(abs(a - b) / abs(b), 1e-9) for a, b in zip(got, ref)], "o-", ms=3, label=label)
-    ax1.set(xlabel="step", ylabel="loss", title="each stage (dashed) over one process (grey)")
-    ax1.legend(fontsize=7)
-    ax2.axhline(1e-5, color="#c44e52", ls="--", lw=1, label="parity standard 1e-5")
-    ax2.set(xlabel="step", ylabel="|Δloss| / loss", title="relative difference (1e-9: equal)", ylim=(1e-10, 1e-3))
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
-
-
 def plot_memory_model(n_params, n, stage, recipe="ours", capacity_gb=80.0, title=""):
     """The widget's figure: model states per GPU for DP and ZeRO-1/2/3 at n ranks (the chosen stage
     outlined), and the chosen stage's bytes per GPU against n, with the GPU's capacity as a line."""
@@ -608,6 +565,9 @@ def plot_memory_model(n_params, n, stage, recipe="ours", capacity_gb=80.0, title
     ax2.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+plot_parity = functools.partial(_common.plot_parity, what="each stage")  # for the notebook
 
 
 def main(argv=None):
