@@ -531,7 +531,7 @@ def plot_fsdp(fsdp, memory=None):
                     color="#55a868", label="model states")
         axes[2].set_xticks(list(x), ["ours (ZeRO-3)", "FSDP2"])
         axes[2].set(ylabel="MiB per rank (rank 0)", title="memory, each alone on 2 ranks")
-        axes[2].legend(fontsize=7)
+        axes[2].legend(fontsize=7, loc="center")
     fig.tight_layout()
     return fig
 
