@@ -58,7 +58,22 @@ def lesson01():
     save(lesson.plot_throughput(load("throughput")["results"]), "01_throughput.png")
 
 
+def lesson04(out=None):
+    """ZeRO: memory per stage against the formulas, the ZeRO-3 timeline, ours against FSDP2. `out`: a folder
+    that already holds the experiment's JSON files (then nothing is run)."""
+    lesson = _common.load_lesson("04_zero")
+    if out is None:
+        out = _common.run_dir("figures") / "04_zero"
+        for nproc, only in ((2, "memory,timeline,fsdp"), (4, "memory"), (1, "fsdp_memory")):
+            _common.launch("04_zero.py", ["--out", out, "--only", only], nproc=nproc, quiet=True)
+    load = lambda name: json.loads((Path(out) / f"{name}.json").read_text())["results"]
+    save(lesson.plot_memory({n: load(f"memory_dp{n}") for n in (2, 4)}), "04_memory.png")
+    save(lesson.plot_timeline(load("timeline")["rows"], title="ZeRO-3, one step, 2 ranks"), "04_timeline.png")
+    save(lesson.plot_fsdp(load("fsdp"), load("fsdp_memory")["memory"]), "04_fsdp.png")
+
+
 if __name__ == "__main__":
     os.chdir(_common.ROOT)
     main_job()
     lesson01()
+    lesson04()

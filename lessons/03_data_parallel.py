@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (puts the repository root on sys.path)
+from _common import gather, run_interleaved, union_length  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -148,22 +149,6 @@ class Variant:
             self.times.append(time.perf_counter() - t0)
 
 
-def run_interleaved(variants, steps, warmup, group):
-    """warmup + steps steps of every variant, one step of each in turn, the order rotating every step."""
-    for s in range(warmup + steps):
-        k = s % len(variants)
-        for v in variants[k:] + variants[:k]:
-            dist.barrier(group)
-            v.step(s + 1, record=s >= warmup)
-
-
-def gather(obj, mesh):
-    """Every rank's `obj`, as a list by rank (on every rank)."""
-    out = [None] * mesh.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def summarise(variants, mesh, tokens_per_step):
     """Per variant: each step's time (the slowest rank's), median, quartiles, tokens/s, every rank's events."""
     rows = []
@@ -197,15 +182,6 @@ def phases(row, rank=None):
             per_step.append(d)
         out.append({k: statistics.median(d[k] for d in per_step) for k in per_step[0]})
     return out[0] if rank is not None else {k: max(o[k] for o in out) for k in out[0]}
-
-
-def union_length(intervals):
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def grad_tensor_bytes(mc):
@@ -647,25 +623,6 @@ def plot_memory(runs):
     return fig
 
 
-def plot_parity(pairs):
-    """pairs: {label: (dp losses, single-process losses)}: both curves and their relative difference."""
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
-    for label, (dp, ref) in pairs.items():
-        steps = range(1, len(dp) + 1)
-        ax1.plot(steps, ref, "k-", lw=3, alpha=0.3)
-        ax1.plot(steps, dp, "o--", ms=3, label=label)
-        ax2.semilogy(steps, [max(abs(a - b) / abs(b), 1e-9) for a, b in zip(dp, ref)], "o-", ms=3, label=label)
-    ax1.set(xlabel="step", ylabel="loss", title="dp ranks (dashed) over one process (grey)")
-    ax1.legend(fontsize=7)
-    ax2.axhline(1e-5, color="#c44e52", ls="--", lw=1, label="parity standard 1e-5")
-    ax2.set(xlabel="step", ylabel="|Δloss| / loss", title="relative difference (1e-9: equal)", ylim=(1e-10, 1e-3))
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
-
-
 def plot_model_timeline(grad_bytes, backward_s, bucket_mb, latency_s, busbw, n=2, title=""):
     """The widget's figure: the modelled backward pass with its buckets' all-reduces (left), and the exposed
     communication against bucket size with the same inputs (right)."""
@@ -694,6 +651,9 @@ def plot_model_timeline(grad_bytes, backward_s, bucket_mb, latency_s, busbw, n=2
     ax2.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+plot_parity = functools.partial(_common.plot_parity, what="dp ranks")  # for the notebook
 
 
 def main(argv=None):

@@ -65,3 +65,55 @@ def show_source(obj, start=None, stop=None):
     first = next((i for i, line in enumerate(lines) if start and start in line), 0)
     last = next((i for i, line in enumerate(lines) if i >= first and stop and stop in line), len(lines) - 1)
     print("\n".join(lines[first:last + 1]))
+
+
+# ------------------------------------------------------------------------- what the experiment scripts share
+def gather(obj, mesh):
+    """Every rank's `obj` (anything picklable), as a list by rank, on every rank."""
+    import torch.distributed as dist
+
+    out = [None] * mesh.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_interleaved(variants, steps, warmup, group):
+    """warmup + steps steps of every variant (objects with .step(step, record)), one step of each in turn, the
+    order rotating every step and a barrier before each: slow drift of a shared machine hits all alike."""
+    import torch.distributed as dist
+
+    for s in range(warmup + steps):
+        k = s % len(variants)
+        for v in variants[k:] + variants[:k]:
+            dist.barrier(group)
+            v.step(s + 1, record=s >= warmup)
+
+
+def union_length(intervals):
+    """Total length covered by a list of (start, end) intervals, overlaps counted once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def plot_parity(pairs, what="each run"):
+    """pairs: {label: (losses, reference losses)}: both curves, and their relative difference against the
+    course's parity standard (1e-5)."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    for label, (got, ref) in pairs.items():
+        steps = range(1, len(got) + 1)
+        ax1.plot(steps, ref, "k-", lw=3, alpha=0.3)
+        ax1.plot(steps, got, "o--", ms=3, label=label)
+        ax2.semilogy(steps, [max(abs(a - b) / abs(b), 1e-9) for a, b in zip(got, ref)], "o-", ms=3, label=label)
+    ax1.set(xlabel="step", ylabel="loss", title=f"{what} (dashed) over one process (grey)")
+    ax1.legend(fontsize=7)
+    ax2.axhline(1e-5, color="#c44e52", ls="--", lw=1, label="parity standard 1e-5")
+    ax2.set(xlabel="step", ylabel="|Δloss| / loss", title="relative difference (1e-9: equal)", ylim=(1e-10, 1e-3))
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -107,7 +107,7 @@ def _no_sync_child():
     with Mesh.init(dp=2) as mesh:
         raw = build_model(cfg, mesh)
         model = data_parallel.DataParallel(raw, mesh)
-        x = torch.randint(0, 256, (2, 16)) + mesh.rank  # different data on each rank
+        x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(mesh.rank))  # differs by rank
         with model.no_sync():
             loss_fn(model(x), x).backward()
         local = raw.lm_head.weight.grad.clone()

@@ -1,7 +1,9 @@
 """What the exercise checkers share: importing the learner's file afresh, turning a child's exception into
 one line, and the ok/FAIL report. Each checkNN.py adds its own cases and the messages that name mistakes."""
 import importlib.util
+import linecache
 import re
+import time
 import traceback
 from pathlib import Path
 
@@ -42,3 +44,86 @@ class Report:
     def fail(self, what, why):
         self.failed += 1
         print(f"  FAIL  {what}: {why}", flush=True)
+
+
+def check_all(names, path, exercises, check_one, prefix):
+    """Check the named exercises (default: all of `exercises`) of the learner's file at `path`, one
+    `check_one(name, path, report)` each, printing ok / FAIL lines; True when everything passed."""
+    unknown = [n for n in names or () if n not in exercises]
+    if unknown:
+        print(f"unknown exercise {unknown[0]!r}; pick from {', '.join(exercises)}")
+        return False
+    try:
+        load(path, prefix)
+    except Exception as e:  # noqa: BLE001 - a syntax error in the learner's file
+        print(f"cannot import {path}: {type(e).__name__}: {e}")
+        return False
+    here = Path(__file__).resolve().parent
+    report = Report()
+    for name in names or exercises:
+        print(f"{name}  ({path.relative_to(here) if path.is_relative_to(here) else path})", flush=True)
+        check_one(name, path, report)
+    print("all checks passed" if not report.failed else f"{report.failed} check(s) failed")
+    return report.failed == 0
+
+
+def cli(argv, description, check, exercises, learner, solutions, timeout_s):
+    """The command line every checker shares: [names ...] [--solutions | --module FILE] [--timeout S]."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("names", nargs="*", help=f"exercises to check (default all): {', '.join(exercises)}")
+    p.add_argument("--solutions", action="store_true", help="check the reference solutions")
+    p.add_argument("--module", help=f"check this file instead of {Path(learner).relative_to(Path(learner).parents[2])}")
+    p.add_argument("--timeout", type=float, default=timeout_s, help="seconds before a launch counts as a hang")
+    args = p.parse_args(argv)
+    module = solutions if args.solutions else args.module
+    return 0 if check(args.names, module, args.timeout) else 1
+
+
+def rendezvous(n, key):
+    """In a child: wait until all n ranks got here, through the process group's store (not a collective), so
+    that a rank stuck in a collective shows up as a hang rather than as a peer that left."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.add(key, 1)
+    while int(store.add(key, 0)) < n:
+        time.sleep(0.01)
+
+
+def hang_message(e, path, timeout_s,
+                 hint="a collective that not every rank calls, or calls in a different order or with different sizes?"):
+    """'hang: rank 0 still waiting after 10 s ...' naming the ranks stuck in the learner's code and the line
+    where each one waits (from the stacks run_on_ranks collects); ranks that finished wait at the rendezvous."""
+    name = Path(path).name
+    stuck, lines = [], []
+    stacks = dict(re.findall(r"--- where rank (\d+) was.*?---\n(.*?)(?=\n--- where rank|\Z)", str(e), re.S))
+    for r in e.ranks:
+        stack = stacks.get(str(r), "")
+        frame = re.search(rf'File "([^"]*{re.escape(name)})", line (\d+) in (\w+)', stack)
+        if frame:
+            stuck.append(r)
+            source = linecache.getline(frame.group(1), int(frame.group(2))).strip()
+            lines.append(f"        rank {r} waits in {frame.group(3)}, line {frame.group(2)}: {source}")
+        elif "rendezvous" not in stack:
+            stuck.append(r)
+    if not lines:
+        return (f"ranks {', '.join(map(str, e.ranks))} still running after {timeout_s:g} s, but none of them waits in "
+                f"{name}: the machine may just be busy (rerun with a longer --timeout){_innermost(stacks)}")
+    finished = [r for r in e.ranks if r not in stuck]
+    who = f"rank {stuck[0]}" if len(stuck) == 1 else "ranks " + ", ".join(map(str, stuck))
+    head = f"hang: {who} still waiting after {timeout_s:g} s ({hint})"
+    if finished:
+        head += f"; rank{'s' if len(finished) > 1 else ''} {', '.join(map(str, finished))} finished and waited for it"
+    return "\n".join([head] + lines)
+
+
+def _innermost(stacks):
+    """' (rank r was in f, file:line; ...)' from the stacks run_on_ranks collected, or ''."""
+    where = []
+    for r, stack in sorted(stacks.items()):
+        frame = re.search(r'File "([^"]*)", line (\d+) in (\w+)', stack)
+        if frame:
+            where.append(f"rank {r} was in {frame.group(3)}, {Path(frame.group(1)).name}:{frame.group(2)}")
+    return f" ({'; '.join(where)})" if where else ""

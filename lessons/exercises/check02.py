@@ -15,11 +15,11 @@ and size), switches off the built-in collectives, runs your function on determin
 the outputs. The parent computes the expected outputs with plain torch (torch.cat, sum, tensor_split) and
 compares.
 """
-import argparse
 import linecache
 import math
 import re
 import sys
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE))  # the shared checker pieces
-from _checker import Report, _Failure, failure_message, load, where  # noqa: E402,F401
+from _checker import Report, _Failure, check_all, cli, failure_message, load, where  # noqa: E402,F401
 
 LEARNER = HERE / "ex02_collectives.py"
 SOLUTIONS = HERE / "solutions" / "ex02_collectives.py"
@@ -245,6 +245,9 @@ def hang_message(e, path, timeout_s):
 
 
 def check_one(name, path, report, timeout_s):
+    if not hasattr(load(path, "ex02"), name):
+        report.fail(name, f"{path.name} has no function {name}")
+        return
     cases = CASES[name]
     for n in WORLD_SIZES:
         what = f"{name} on {n} ranks"
@@ -274,35 +277,12 @@ def check_one(name, path, report, timeout_s):
 def check(names=None, module=None, timeout_s=TIMEOUT_S):
     """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
     path = Path(module).resolve() if module else LEARNER
-    unknown = [n for n in names or () if n not in CASES]
-    if unknown:
-        print(f"unknown exercise {unknown[0]!r}; pick from {', '.join(CASES)}")
-        return False
-    try:
-        mod = load(path, "ex02")
-    except Exception as e:  # noqa: BLE001 - a syntax error in the learner's file
-        print(f"cannot import {path}: {type(e).__name__}: {e}")
-        return False
-    report = Report()
-    for name in names or CASES:
-        print(f"{name}  ({path.relative_to(HERE) if path.is_relative_to(HERE) else path})", flush=True)
-        if not hasattr(mod, name):
-            report.fail(name, f"{path.name} has no function {name}")
-            continue
-        check_one(name, path, report, timeout_s)
-    print("all checks passed" if not report.failed else f"{report.failed} check(s) failed")
-    return report.failed == 0
+    return check_all(names, path, CASES, partial(check_one, timeout_s=timeout_s), "ex02")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Check lesson 02's exercises on 2, 3 and 4 processes.")
-    p.add_argument("names", nargs="*", help=f"exercises to check (default all): {', '.join(CASES)}")
-    p.add_argument("--solutions", action="store_true", help="check the reference solutions")
-    p.add_argument("--module", help="check this file instead of lessons/exercises/ex02_collectives.py")
-    p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds before a launch counts as a hang")
-    args = p.parse_args(argv)
-    module = SOLUTIONS if args.solutions else args.module
-    return 0 if check(args.names, module, args.timeout) else 1
+    return cli(argv, "Check lesson 02's exercises on 2, 3 and 4 processes.", check, CASES,
+               LEARNER, SOLUTIONS, TIMEOUT_S)
 
 
 if __name__ == "__main__":

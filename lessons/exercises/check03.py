@@ -22,11 +22,8 @@ Llama (2 layers, hidden 32) on this rank's batches, recomputes the expected mean
 every rank's batches, and meets the other ranks at a store-based rendezvous before returning, so a rank stuck
 in a collective shows up as a hang rather than as a peer that left.
 """
-import argparse
-import linecache
-import re
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,7 +34,8 @@ import torch  # noqa: E402
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE))  # the shared checker pieces
-from _checker import Report, _Failure, failure_message, load, where  # noqa: E402,F401
+from _checker import (_Failure, check_all, cli, failure_message, hang_message, load,  # noqa: E402,F401
+                      rendezvous, where)
 
 LEARNER = HERE / "ex03_data_parallel.py"
 SOLUTIONS = HERE / "solutions" / "ex03_data_parallel.py"
@@ -100,16 +98,6 @@ class _Work:
         return getattr(self._work, name)
 
 
-def _rendezvous(n):
-    """Wait until every rank got here (through the process group's store, not a collective)."""
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    store.add("check03/done", 1)
-    while int(store.add("check03/done", 0)) < n:
-        time.sleep(0.01)
-
-
 def _on_rank(path, name, ref_path):
     """Runs on every rank: the scenario of exercise `name` with the classes of the file at `path`; returns
     [{step, got, expected, own, log, ...}] (one entry per checked backward pass), or raises _Failure."""
@@ -137,7 +125,7 @@ def _on_rank(path, name, ref_path):
         raise
     except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
         raise _Failure(f"{type(e).__name__}: {e}{where(e, path)}") from None
-    _rendezvous(n)
+    rendezvous(n, "check03/done")
     return results
 
 
@@ -351,43 +339,6 @@ SUCCESS = {"average_gradient": "every rank holds the mean gradient of all ranks'
                       "exception and across nested blocks"}
 
 
-def hang_message(e, path, timeout_s):
-    """'hang: rank 0 still waiting after 10 s ...' naming the ranks stuck in the learner's code and the line
-    where each one waits (from the stacks run_on_ranks collects); ranks that finished wait at the rendezvous."""
-    name = Path(path).name
-    stuck, lines = [], []
-    stacks = dict(re.findall(r"--- where rank (\d+) was.*?---\n(.*?)(?=\n--- where rank|\Z)", str(e), re.S))
-    for r in e.ranks:
-        stack = stacks.get(str(r), "")
-        frame = re.search(rf'File "([^"]*{re.escape(name)})", line (\d+) in (\w+)', stack)
-        if frame:
-            stuck.append(r)
-            source = linecache.getline(frame.group(1), int(frame.group(2))).strip()
-            lines.append(f"        rank {r} waits in {frame.group(3)}, line {frame.group(2)}: {source}")
-        elif "_rendezvous" not in stack:
-            stuck.append(r)
-    if not lines:
-        return (f"ranks {', '.join(map(str, e.ranks))} still running after {timeout_s:g} s, but none of them waits in "
-                f"{name}: the machine may just be busy (rerun with a longer --timeout){_innermost(stacks)}")
-    finished = [r for r in e.ranks if r not in stuck]
-    who = f"rank {stuck[0]}" if len(stuck) == 1 else "ranks " + ", ".join(map(str, stuck))
-    head = (f"hang: {who} still waiting after {timeout_s:g} s (a collective that not every rank calls, or calls "
-            f"in a different order?)")
-    if finished:
-        head += f"; rank{'s' if len(finished) > 1 else ''} {', '.join(map(str, finished))} finished and waited for it"
-    return "\n".join([head] + lines)
-
-
-def _innermost(stacks):
-    """' (rank r was in f, file:line; ...)' from the stacks run_on_ranks collected, or ''."""
-    where = []
-    for r, stack in sorted(stacks.items()):
-        frame = re.search(r'File "([^"]*)", line (\d+) in (\w+)', stack)
-        if frame:
-            where.append(f"rank {r} was in {frame.group(3)}, {Path(frame.group(1)).name}:{frame.group(2)}")
-    return f" ({'; '.join(where)})" if where else ""
-
-
 def check_one(name, path, report, timeout_s):
     for n in WORLD_SIZES:
         what = f"{EXERCISES[name]} on {n} ranks"
@@ -412,32 +363,12 @@ def check_one(name, path, report, timeout_s):
 def check(names=None, module=None, timeout_s=TIMEOUT_S):
     """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
     path = Path(module).resolve() if module else LEARNER
-    unknown = [n for n in names or () if n not in EXERCISES]
-    if unknown:
-        print(f"unknown exercise {unknown[0]!r}; pick from {', '.join(EXERCISES)}")
-        return False
-    try:
-        load(path, "ex03")
-    except Exception as e:  # noqa: BLE001 - a syntax error in the learner's file
-        print(f"cannot import {path}: {type(e).__name__}: {e}")
-        return False
-    report = Report()
-    for name in names or EXERCISES:
-        print(f"{name}  ({path.relative_to(HERE) if path.is_relative_to(HERE) else path})", flush=True)
-        check_one(name, path, report, timeout_s)
-    print("all checks passed" if not report.failed else f"{report.failed} check(s) failed")
-    return report.failed == 0
+    return check_all(names, path, EXERCISES, partial(check_one, timeout_s=timeout_s), "ex03")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Check lesson 03's exercises on 2 and 3 processes.")
-    p.add_argument("names", nargs="*", help=f"exercises to check (default all): {', '.join(EXERCISES)}")
-    p.add_argument("--solutions", action="store_true", help="check the reference solutions")
-    p.add_argument("--module", help="check this file instead of lessons/exercises/ex03_data_parallel.py")
-    p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds before a launch counts as a hang")
-    args = p.parse_args(argv)
-    module = SOLUTIONS if args.solutions else args.module
-    return 0 if check(args.names, module, args.timeout) else 1
+    return cli(argv, "Check lesson 03's exercises on 2 and 3 processes.", check, EXERCISES,
+               LEARNER, SOLUTIONS, TIMEOUT_S)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""Lesson 04: the exercise checker (the solutions pass; the stubs fail naming NotImplementedError; wrong answers are
+reported with their rank, chunk and likely cause; a hang with the waiting rank and its line), the widget's memory
+model, and the notebook end to end in FAST mode.
+
+No timing is asserted: on a shared CPU timings are measurements, not pass/fail criteria.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from picotron import planner
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKER = ROOT / "lessons" / "exercises" / "check04.py"
+SOLUTIONS = ROOT / "lessons" / "exercises" / "solutions" / "ex04_zero.py"
+sys.path.insert(0, str(ROOT / "lessons"))
+
+
+def run_checker(*args, timeout=240):
+    proc = subprocess.run([sys.executable, str(CHECKER), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_checker_passes_the_solutions():
+    code, out = run_checker("--solutions")
+    assert code == 0, out
+    assert "all checks passed" in out and "FAIL" not in out
+    assert out.count("  ok  ") == 5, out  # shard_range once, the other two on 2 and 3 ranks
+
+
+def test_checker_fails_the_stubs_naming_not_implemented():
+    code, out = run_checker()
+    assert code == 1, out
+    for what in ("shard_range on many sizes", "reduce_scatter_gradients on 2 ranks", "ShardedAdamW.step on 2 ranks"):
+        assert f"FAIL  {what}: rank " in out, out
+    assert out.count("NotImplementedError: not written yet") == 3, out
+    assert "on 3 ranks" not in out  # it stops at the first world size
+
+
+def mutate(tmp_path, *bugs):
+    """The solutions with the given (old, new) replacements."""
+    text = SOLUTIONS.read_text()
+    for old, new in bugs:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "wrong.py"
+    path.write_text(text)
+    return path
+
+
+def test_checker_explains_wrong_chunks_and_a_missing_mean(tmp_path):
+    path = mutate(tmp_path,
+                  ("chunk = max(1, math.ceil(numel / n))", "chunk = max(1, numel // n)"),  # rounds down: misses elements
+                  ("    flat.div_(n)  # the sum", "    pass  # flat.div_(n)  # the sum"))  # a sum, not a mean
+    code, out = run_checker("--module", str(path), "shard_range", "reduce_scatter_gradients")
+    assert code == 1, out
+    assert "FAIL  shard_range on many sizes: shard_range(10, 4, 0) returned (0, 2), expected (0, 3)" in out, out
+    assert "Round UP, chunk = ceil(numel / n) = 3" in out, out
+    assert "FAIL  reduce_scatter_gradients on 2 ranks: unit 0 (3 tensors, 29 elements, n=2: chunk 15, padded 30), " \
+           "rank 0:" in out, out
+    assert "the SUM over the 2 ranks, not the mean: divide by n = 2 (once)" in out, out
+    assert "the SUM over the 3 ranks" in out, out  # and again on 3 ranks
+
+
+def test_checker_names_a_missing_all_gather_and_a_hang(tmp_path):
+    no_gather = mutate(tmp_path, ("        dist.all_gather_single(self.flat, p.clone(), group=self.group)",
+                                  "        pass"))
+    code, out = run_checker("--module", str(no_gather), "sharded_adamw")
+    assert code == 1, out
+    assert "FAIL  ShardedAdamW.step on 2 ranks: a unit of 29 elements (n=2: chunk 15, padded 30), rank 0, after step 1: " \
+           "chunk 1 (elements 15..29) is wrong" in out, out
+    assert "it still holds its values from before this step. Chunk 1 is rank 1's to update" in out, out
+
+    hang = mutate(tmp_path, ("        dist.all_gather_single(self.flat, p.clone(), group=self.group)",
+                             "        if self.rank == 0:\n"
+                             "            dist.all_gather_single(self.flat, p.clone(), group=self.group)"))
+    code, out = run_checker("--module", str(hang), "sharded_adamw", "--timeout", "5")
+    assert code == 1, out
+    assert "FAIL  ShardedAdamW.step on 2 ranks: hang: rank 0 still waiting after 5 s" in out, out
+    assert "rank 1 finished and waited for it" in out, out
+    assert "rank 0 waits in step, line " in out and "dist.all_gather_single(self.flat" in out, out
+    assert "on 3 ranks" not in out  # a hang is not retried on the next world size
+
+
+def test_checker_recognises_adam_without_bias_correction(tmp_path):
+    path = mutate(tmp_path, ("        bias1, bias2 = 1 - self.beta1 ** self.t, 1 - self.beta2 ** self.t",
+                             "        bias1, bias2 = 1.0, 1.0"))
+    code, out = run_checker("--module", str(path), "sharded_adamw")
+    assert code == 1, out
+    assert "after step 1: chunk 0 (elements 0..14) is wrong" in out, out
+    assert "matches Adam WITHOUT bias correction" in out, out
+
+
+# ------------------------------------------------------------------------------------- the widget's model
+@pytest.fixture(scope="module")
+def lesson():
+    import _common
+
+    return _common.load_lesson("04_zero")
+
+
+def test_memory_model_is_the_zero_paper_table(lesson):
+    psi, n = 7.5e9, 64  # the ZeRO paper's figure 1: 7.5 B parameters, 64 GPUs, K = 12
+    per = lesson.memory_per_gpu(psi, n, recipe="mixed")
+    assert [per[s]["total"] / 1e9 for s in range(4)] == pytest.approx([120, 31.4, 16.6, 1.875], rel=3e-3)
+    ours = lesson.memory_per_gpu(psi, n, recipe="ours")
+    assert ours[0]["total"] == 16 * psi and ours[3]["total"] == pytest.approx(16 * psi / n)
+    assert ours[2] == dict(planner.zero_model_state_bytes(psi, 2, n), total=4 * psi + 12 * psi / n)
+
+
+def test_smallest_dp_that_fits(lesson):
+    psi, cap = 8e9, 80e9  # Llama-3-8B-like, mixed precision: 128 GB of model states
+    assert lesson.smallest_dp_that_fits(psi, 0, cap, "mixed") is None  # plain DP never fits
+    assert lesson.smallest_dp_that_fits(psi, 3, cap, "mixed") == 2  # 64 GB each
+    assert lesson.smallest_dp_that_fits(psi, 1, cap, "mixed") == 2  # 32 + 96/2 = 80 GB: just fits
+    assert lesson.smallest_dp_that_fits(psi, 1, 79e9, "mixed") == 4  # 32 + 96/4 = 56 GB
+    assert lesson.smallest_dp_that_fits(psi, 1, 30e9, "mixed") is None  # 32 GB of params + grads: never
+
+
+def test_overlap_stats_counts_hidden_gather_time(lesson):
+    events = [dict(name="all-gather layer 1", start=0.0, end=2.0),
+              dict(name="forward layer 0", start=1.0, end=3.0, kind="compute"),
+              dict(name="all-gather layer 2", start=4.0, end=5.0)]
+    row = dict(events=[events], step_starts=[[0.0]])
+    o = lesson.overlap_stats(row)
+    assert o["n_gathers"] == 2 and o["gather_s"] == pytest.approx(3.0) and o["hidden_s"] == pytest.approx(1.0)
+    assert o["hidden_fraction"] == pytest.approx(1 / 3) and o["exposed_gather_s"] == pytest.approx(2.0)
+
+
+# ------------------------------------------------------------------------------------- the notebook
+def test_notebook_runs_in_fast_mode(run_notebook):
+    text = run_notebook("04_zero", timeout=600)
+    assert "✗" not in text, text
+    assert text.count("✓") >= 20, text
+    assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
