@@ -1,0 +1,891 @@
+"""Lesson 05, the experiment: tensor parallelism (+ sequence parallelism), measured. The collectives of every
+layer counted against Megatron's pattern, the activations and model states each rank keeps against the
+formulas with and without sp, throughput against tp, our tensor parallelism against torch's DTensor one, and
+the losses of tp = 2 and 4 against one process.
+
+    torchrun --nproc_per_node 2 lessons/05_tensor_parallel.py --out runs/lessons/05_tensor_parallel --only comm,memory
+    torchrun --nproc_per_node 4 lessons/05_tensor_parallel.py --only comm,memory,scaling,parity
+    torchrun --nproc_per_node 1 lessons/05_tensor_parallel.py --only memory,scaling,parity    # tp = 1
+    PICOTRON_FAST=1 torchrun ...        # short settings (CI, the notebook's FAST mode)
+
+Every experiment runs at tp = world size (dp = 1) and writes OUT/<name>_tp<N>.json (rank 0):
+    comm      one forward and backward (and the clipping) of the model with 2 and with 4 layers, sp off and on:
+              every all-reduce, all-gather and reduce-scatter the code asks torch.distributed for, with its
+              full-buffer bytes and the time spent in it (`CollectiveLog`). Per layer = (4 layers - 2 layers) / 2,
+              against `megatron_pattern`; what is left is the embedding, the LM head and the loss
+    memory    one step of each variant (sp off and on): the bytes autograd keeps for backward, by part of the
+              model (`PartCounter`, a per-module `metrics.ActivationCounter`), and the model states each rank
+              keeps, against `activation_parts` / `model_state_bytes` (exact for our code) and Korthikanti's
+    scaling   a few steps of sp off and sp on, interleaved: step time (the slowest rank's), tokens/s and the
+              time spent inside collectives
+    dtensor   ours against torch's DTensor tensor parallelism (`benchmarks/tp_vs_dtensor.compare`), steps
+              alternating, per-round throughput ratio
+    parity    picotron.train with --tp N, sp off and on; with one process, the single-process reference
+
+Every timed comparison runs its variants in ONE process group, one step of each in turn (order rotating), a
+barrier before every step; a step's time is the slowest rank's. The widget's functions (`shard_shapes`,
+`memory_per_rank`) need no processes, and the plot_* functions are imported by the notebook.
+"""
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402  (puts the repository root on sys.path)
+from _common import gather, run_interleaved  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from picotron import data, metrics, planner, tensor_parallel  # noqa: E402
+from picotron import train as trainer  # noqa: E402
+from picotron.config import Config  # noqa: E402
+from picotron.mesh import Mesh  # noqa: E402
+from picotron.model import Llama  # noqa: E402
+
+# "small": the tiny preset widened (3.3 M parameters), as in lessons 03 and 04: 8 heads, 4 KV heads, so tp = 1, 2, 4.
+SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),
+         "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
+MiB = 2**20
+COMM_LAYERS = (2, 4)  # the comm experiment's two depths: per layer = their difference / 2
+OPS = {"all_reduce": "all-reduce", "all_gather_single": "all-gather", "reduce_scatter_single": "reduce-scatter",
+       "all_gather": "all-gather (list)"}
+PARTS = ("params", "grads", "optimizer")
+PART_COLORS = dict(params="#4c72b0", grads="#dd8452", optimizer="#55a868", activations="#c44e52")
+LAYER_PARTS = ("norm (input)", "attention", "norm (post-attention)", "mlp")
+MODEL_PARTS = ("embedding", "final norm", "lm_head", "loss")
+
+
+def settings(fast, mesh):
+    """Model and batch of the experiments (every tp rank sees the whole batch), and the steps per variant."""
+    if mesh.device.type == "cuda":
+        return dict(size="medium", seq_len=1024, micro_batch_size=8, steps=10 if fast else 40, warmup=3,
+                    dtensor_steps=20 if fast else 100, parity_steps=10 if fast else 20, parity_seq_len=128)
+    return dict(size="small", seq_len=128, micro_batch_size=4, steps=3 if fast else 30, warmup=1 if fast else 3,
+                dtensor_steps=6 if fast else 60, parity_steps=10 if fast else 20, parity_seq_len=64)
+
+
+def make_cfg(size="small", **kw):
+    return Config(**{"preset": "tiny", "sample_tokens": 0, "eval_every": 0, **SIZES[size], **kw})
+
+
+@functools.lru_cache(maxsize=1)
+def tokens():
+    """The embedded Shakespeare as byte tokens (what picotron.train reads), loaded once per process."""
+    tok = data.get_tokenizer("byte")
+    return data.TokenData(tok.encode_tensor(data.load_text("shakespeare")), tok.vocab_size)
+
+
+# ------------------------------------------------------------------- shard shapes, without processes
+def fake_mesh(tp, rank):
+    """Enough of a Mesh for tensor_parallel.apply to build (not run) rank `rank`'s shard: no process group."""
+    return SimpleNamespace(tp_size=tp, tp_rank=rank, tp_group=None)
+
+
+def shard_shapes(mc, tp, sp=False):
+    """What every rank of tp holds: {rank: [dict(name, full, shard, dim, lo, hi, kind)]} for layer 0's
+    parameters, the embedding, the final norm and the LM head (a tied LM head is listed as the embedding's
+    matrix). Computed without processes: `tensor_parallel.apply` on a one-layer copy of the model on the meta
+    device, with a stand-in mesh per rank. dim: the dimension the tensor is cut along (None: replicated);
+    [lo, hi): this rank's rows (dim 0) or columns (dim 1) of the full matrix. Raises ValueError when tp does
+    not split the heads, KV heads, MLP columns and vocabulary into whole slices."""
+    tensor_parallel.check_divisible(mc, tp)
+    out = {}
+    for rank in range(tp):
+        with torch.device("meta"):
+            model = Llama(replace(mc, num_hidden_layers=1))
+        tensor_parallel.apply(model, fake_mesh(tp, rank), sp=sp)
+        rows = []
+        for name, p in model.named_parameters():
+            dim = getattr(p, "tp_dim", None) if tp > 1 else (None if p.dim() == 1 else _split_dim(name))
+            full = tuple(getattr(p, "full_shape", p.shape))
+            lo, hi = (0, full[0]) if dim is None else (rank * full[dim] // tp, (rank + 1) * full[dim] // tp)
+            rows.append(dict(name=name, full=full, shard=tuple(p.shape), dim=dim, lo=lo, hi=hi, kind=_kind(name)))
+        if mc.tie_word_embeddings:
+            emb = next(r for r in rows if r["name"] == "embed_tokens.weight")
+            rows.append(dict(emb, name="lm_head.weight", kind="tied to embed_tokens.weight"))
+        out[rank] = rows
+    return out
+
+
+def _split_dim(name):
+    """The dimension tensor parallelism would cut (shown at tp = 1 too): rows, except row-parallel layers."""
+    return 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+
+
+def _kind(name):
+    if name.endswith("norm.weight"):
+        return "replicated"
+    if name.startswith("embed_tokens"):
+        return "vocab-parallel (rows)"
+    if name.startswith("lm_head"):
+        return "column-parallel (vocabulary)"
+    return "row-parallel" if name.endswith(("o_proj.weight", "down_proj.weight")) else "column-parallel"
+
+
+def valid_tps(mc, candidates=(1, 2, 3, 4, 5, 6, 8, 16, 32, 64)):
+    """The degrees tensor_parallel.apply accepts for this model."""
+    ok = []
+    for t in candidates:
+        try:
+            tensor_parallel.check_divisible(mc, t)
+            ok.append(t)
+        except ValueError:
+            pass
+    return ok
+
+
+def params_per_rank(mc, tp):
+    """Parameters one rank holds: every matrix (and the embedding, the LM head) divided by tp; the
+    2L + 1 RMSNorm weight vectors replicated."""
+    replicated = (2 * mc.num_hidden_layers + 1) * mc.hidden_size
+    return (mc.num_params() - replicated) // tp + replicated
+
+
+# ------------------------------------------------------------------------------------------- formulas
+def model_state_bytes(mc, tp, recipe="ours"):
+    """Model-state bytes per rank at tensor-parallel degree tp. recipe "ours": fp32 params 4 + grads 4 + AdamW
+    moments 8 per parameter, + AdamW's 4-byte step counter per tensor (what our trainer holds); "mixed": the
+    textbook bf16 recipe 2 + 2 + 12 (FORMULAS.md)."""
+    n = params_per_rank(mc, tp)
+    if recipe == "mixed":
+        return dict(planner.model_state_bytes(n, "bf16"))
+    b = planner.model_state_bytes(n, "fp32")
+    b["optimizer"] += 4 * planner.param_tensors(mc)
+    return b
+
+
+def activation_parts(mc, seq_len, micro_batch_size, tp=1, sp=False):
+    """Bytes one rank keeps for backward, by part, in fp32 with sdpa attention and no recomputation: exact for
+    our code (the `memory` experiment checks it). {"per layer": {part: bytes}, "model": {part: bytes}}.
+
+    Per layer (s tokens, b sequences, h hidden, i MLP, a heads, k·d KV features; t = tp):
+        each norm              x, x·rsqrt, rsqrt: 8sbh + 4sb; with sp only this rank's s/t tokens: /t
+        attention              its input, whole (the norm's output; with sp the all-gather's): 4sbh, + q, k, v
+                               after RoPE and the output, of this rank's heads: 4sb(2h + 2kd)/t, + the
+                               logsumexp 4·a·sb/t
+        mlp                    its input, whole: 4sbh, + gate, silu(gate), up, their product: 16sb·i/t
+    Outside the layers: the embedding's token ids (t = 1: the loader's (s+1)-token rows, 8b(s+1); t > 1: the
+    shifted ids 8sb and the outside-my-rows mask sb), the RoPE tables 8sd (shared by the layers), the final
+    norm (as a norm), the LM head's whole input 4sbh, and the loss: t = 1 log-softmax 4sbv + targets 8sb + 4;
+    t > 1 this rank's softmax columns 4sbv/t, the local targets 8sb and their mask sb.
+    """
+    s, b, h, i, a, v = (seq_len, micro_batch_size, mc.hidden_size, mc.intermediate_size, mc.num_attention_heads,
+                        mc.vocab_size)
+    kd, t = mc.num_key_value_heads * mc.head_dim, tp
+    sbh, sb = s * b * h, s * b
+    norm = (8 * sbh + 4 * sb) / (t if sp else 1)
+    layer = {"norm (input)": norm,
+             "attention": 4 * sbh + (4 * sb * (2 * h + 2 * kd) + 4 * a * sb) / t,
+             "norm (post-attention)": norm,
+             "mlp": 4 * sbh + 16 * sb * i / t}
+    model = {"embedding": 8 * b * (s + 1) if t == 1 else 9 * sb,
+             "rope tables": 2 * s * mc.head_dim * 4,
+             "final norm": norm,
+             "lm_head": 4 * sbh,
+             "loss": 4 * sb * v + 8 * sb + 4 if t == 1 else 4 * sb * v / t + 9 * sb}
+    return {"per layer": layer, "model": model}
+
+
+def activation_bytes(mc, seq_len, micro_batch_size, tp=1, sp=False):
+    parts = activation_parts(mc, seq_len, micro_batch_size, tp, sp)
+    return mc.num_hidden_layers * sum(parts["per layer"].values()) + sum(parts["model"].values())
+
+
+def replicated_and_sharded(mc, seq_len, micro_batch_size, sp=False):
+    """Our per-layer formula as R + S/t (bytes): R kept whole on every rank, S divided by tp."""
+    one, two = (sum(activation_parts(mc, seq_len, micro_batch_size, t, sp)["per layer"].values()) for t in (1, 2))
+    sharded = 2 * (one - two)
+    return one - sharded, sharded
+
+
+def korthikanti_bytes_per_layer(s, b, h, a, tp=1, sp=False, flash=False):
+    """Korthikanti et al. 2022 (GPT, bf16, dropout, 4h MLP), per layer and rank: sbh(10 + 24/t + 5as/(ht));
+    with sp sbh/t (34 + 5as/h). flash=True drops the 5as/h term (scores never stored: flash attention, or
+    selective recomputation)."""
+    scores = 0 if flash else 5 * a * s / h
+    if sp:
+        return s * b * h / tp * (34 + scores)
+    return s * b * h * (10 + 24 / tp + scores / tp)
+
+
+def memory_per_rank(mc, tp, sp=False, seq_len=4096, micro_batch_size=1, flash=True):
+    """The widget's model: bytes per rank of model states (textbook mixed precision, 16 bytes per parameter
+    this rank holds) and of the layers' activations (Korthikanti's bf16 formula x L). Raises ValueError for a tp
+    the model does not allow."""
+    tensor_parallel.check_divisible(mc, tp)
+    out = model_state_bytes(mc, tp, recipe="mixed")
+    out["activations"] = mc.num_hidden_layers * korthikanti_bytes_per_layer(
+        seq_len, micro_batch_size, mc.hidden_size, mc.num_attention_heads, tp, sp, flash)
+    out["total"] = sum(out.values())
+    return out
+
+
+def megatron_pattern(b, s, h, sp, elem=4):
+    """Megatron's collectives per transformer layer and phase, {phase: {(op, bytes): calls}}: f and g once each
+    in attention and in the MLP. Without sp: 2 all-reduces of the b·s·h activation forward (the two g's) and 2
+    backward (the two f's). With sp each all-reduce becomes an all-gather (entering the block) and a
+    reduce-scatter (leaving it) of the same full buffer, forward and backward, plus (ours) the all-reduce of the
+    two norm weights' gradients (h numbers each) in backward."""
+    act = elem * b * s * h
+    if not sp:
+        return {"forward": {("all_reduce", act): 2}, "backward": {("all_reduce", act): 2}}
+    return {"forward": {("all_gather_single", act): 2, ("reduce_scatter_single", act): 2},
+            "backward": {("all_gather_single", act): 2, ("reduce_scatter_single", act): 2,
+                         ("all_reduce", elem * h): 2}}
+
+
+def ring_bytes_sent(op, nbytes, n):
+    """Bytes one rank sends for a collective over a full buffer of nbytes (ring algorithms, lesson 02)."""
+    return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes
+
+
+# ----------------------------------------------------------------------------------- measuring tools
+class CollectiveLog:
+    """While active, every all-reduce, all-gather and reduce-scatter asked of torch.distributed is recorded
+    as (phase, op, bytes of the full buffer, seconds inside the call); set `.phase` to label them. The full
+    buffer is the all-reduced tensor, an all-gather's output, a reduce-scatter's input. (gloo's collectives
+    block, so the seconds are the transfer plus the wait for the slowest peer; on a GPU we synchronise
+    around each call to get the same.)"""
+
+    def __init__(self, device):
+        self.device, self.phase, self.calls, self._originals = device, "forward", [], {}
+
+    def _counted(self, name, fn, /, *args, **kwargs):  # positional-only: dist.all_reduce has an `op` keyword
+        if name == "all_gather":
+            nbytes = len(args[0]) * args[1].numel() * args[1].element_size()
+        else:
+            t = args[1] if name == "reduce_scatter_single" else args[0]
+            nbytes = t.numel() * t.element_size()
+        metrics.sync(self.device)
+        t0 = time.perf_counter()
+        result = fn(*args, **kwargs)
+        metrics.sync(self.device)
+        self.calls.append((self.phase, name, nbytes, time.perf_counter() - t0))
+        return result
+
+    def __enter__(self):
+        for op in OPS:
+            self._originals[op] = getattr(dist, op)
+            setattr(dist, op, partial(self._counted, op, self._originals[op]))
+        return self
+
+    def __exit__(self, *exc):
+        for op, fn in self._originals.items():
+            setattr(dist, op, fn)
+
+    def counts(self, phase):
+        out = {}
+        for p, op, nbytes, _ in self.calls:
+            if p == phase:
+                out[(op, nbytes)] = out.get((op, nbytes), 0) + 1
+        return out
+
+    def seconds(self, phases=("forward", "backward", "step")):
+        return sum(c[3] for c in self.calls if c[0] in phases)
+
+
+class PartCounter(metrics.ActivationCounter):
+    """metrics.ActivationCounter that also attributes each saved storage to the part of the model running when
+    autograd saved it (forward hooks on the embedding, every layer's two norms, attention and MLP, the final
+    norm and the LM head; outside them: the loss). `.parts[label]`; `.bytes` is the total, as before."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.parts, self._stack, self._handles = {}, ["loss"], []
+        self._modules = [("embedding", model.embed_tokens), ("final norm", model.norm), ("lm_head", model.lm_head)]
+        for k, layer in enumerate(model.layers):
+            self._modules += [(f"{k}/norm (input)", layer.input_layernorm), (f"{k}/attention", layer.self_attn),
+                              (f"{k}/norm (post-attention)", layer.post_attention_layernorm), (f"{k}/mlp", layer.mlp)]
+
+    def _push(self, label, module, args):
+        self._stack.append(label)
+
+    def _pop(self, module, args, output):
+        self._stack.pop()
+
+    def _pack(self, t):
+        before = self.bytes
+        super()._pack(t)
+        if self.bytes > before:
+            self.parts[self._stack[-1]] = self.parts.get(self._stack[-1], 0) + self.bytes - before
+        return t
+
+    def __enter__(self):
+        for label, m in self._modules:
+            self._handles += [m.register_forward_pre_hook(partial(self._push, label)), m.register_forward_hook(self._pop)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return super().__exit__(*exc)
+
+    def summary(self, n_layers):
+        """{"per layer": the LAST layer's parts (the first layer's attention also holds the RoPE tables, which
+        all layers share), "model": embedding, final norm, lm_head, loss and "rope tables" (first layer's
+        attention minus the last's), "total"}."""
+        last = n_layers - 1
+        layer = {p: self.parts.get(f"{last}/{p}", 0) for p in LAYER_PARTS}
+        model = {p: self.parts.get(p, 0) for p in MODEL_PARTS}
+        model["rope tables"] = self.parts.get("0/attention", 0) - layer["attention"]
+        return {"per layer": layer, "model": model, "total": self.bytes}
+
+
+# ------------------------------------------------------------------------------------------ one variant
+class Variant:
+    """A tensor-parallel copy of the model (picotron.train's build_model, so tp = world size) with its
+    AdamW, the vocab-parallel loss, and a loader (every tp rank reads the same rows)."""
+
+    def __init__(self, name, cfg, mesh):
+        self.name, self.cfg, self.mesh, self.device = name, cfg, mesh, mesh.device
+        self.model = trainer.build_model(cfg, mesh)
+        self.optimizer = trainer.build_optimizer(self.model, cfg, mesh.device)
+        tp = mesh.tp_size > 1
+        self.criterion = partial(tensor_parallel.loss_fn, mesh=mesh) if tp else trainer.loss_fn
+        self.tp_group = mesh.tp_group if tp else None
+        self.loader = data.DataLoader(tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
+                                      grad_acc=1, dp_size=1, dp_rank=0, seed=cfg.seed)
+        self.log = CollectiveLog(mesh.device)
+        self.times, self.comm_times, self.losses = [], [], []
+        self.parts = self.states = None
+
+    def step(self, step, record=True, count=False):
+        x, y = (t.to(self.device) for t in self.loader.batch(step, 0))
+        counter = PartCounter(self.model) if count else None
+        metrics.sync(self.device)
+        t0 = time.perf_counter()
+        before = len(self.log.calls)
+        with self.log:
+            self.log.phase = "forward"
+            with counter if count else nullcontext():
+                loss = self.criterion(self.model(x), y)
+            self.log.phase = "backward"
+            loss.backward()
+            self.log.phase = "step"
+            trainer.clip_grad_norm(list(self.model.parameters()), self.cfg.grad_clip, self.tp_group)
+            states = metrics.memory_breakdown(self.model)
+            self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        self.losses.append(loss.item())
+        metrics.sync(self.device)
+        if record:
+            self.times.append(time.perf_counter() - t0)
+            self.comm_times.append(sum(c[3] for c in self.log.calls[before:]))
+        states["optimizer"] = metrics.optimizer_bytes(self.optimizer)
+        self.states = states
+        if count:
+            self.parts = counter.summary(len(self.model.layers))
+
+
+def step_stats(times):
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return dict(median=statistics.median(times), q1=q[0], q3=q[2])
+
+
+def slowest(values, mesh):
+    """Per step, the largest value over the ranks (a step takes as long as its slowest rank)."""
+    per_rank = gather(values, mesh)
+    return [max(r[i] for r in per_rank) for i in range(len(values))]
+
+
+def env_info(mesh, fast, st):
+    mc = make_cfg(st["size"]).model_config()
+    return dict(device=str(mesh.device), backend=mesh.backend, world_size=mesh.world_size, tp=mesh.tp_size,
+                torch=torch.__version__, threads=torch.get_num_threads(), cores=os.cpu_count(), fast=fast,
+                size=st["size"], model=SIZES[st["size"]], num_params=mc.num_params(), seq_len=st["seq_len"],
+                micro_batch_size=st["micro_batch_size"])
+
+
+def sp_variants(mesh):
+    return (False, True) if mesh.tp_size > 1 else (False,)
+
+
+def variant_name(tp, sp):
+    return f"tp={tp}" + (" + sp" if sp else "")
+
+
+# --------------------------------------------------------------------------------------------- experiments
+def exp_comm(mesh, fast, out):
+    """One forward + backward + clipping at 2 and 4 layers, sp off and on: every collective, counted."""
+    st = settings(fast, mesh)
+    rows = []
+    for sp in sp_variants(mesh):
+        per_depth = {}
+        for layers in COMM_LAYERS:
+            cfg = make_cfg(st["size"], tp=mesh.tp_size, sp=sp, seq_len=st["seq_len"],
+                           micro_batch_size=st["micro_batch_size"], num_hidden_layers=layers)
+            v = Variant(variant_name(mesh.tp_size, sp), cfg, mesh)
+            v.step(1)
+            per_depth[layers] = {p: v.log.counts(p) for p in ("forward", "backward", "step")}
+            calls = v.log.calls
+            del v
+        lo, hi = COMM_LAYERS
+        per_layer = {p: {k: (per_depth[hi][p].get(k, 0) - per_depth[lo][p].get(k, 0)) / (hi - lo)
+                         for k in set(per_depth[hi][p]) | set(per_depth[lo][p])} for p in per_depth[hi]}
+        per_layer = {p: {k: c for k, c in d.items() if c} for p, d in per_layer.items()}
+        outside = {p: {k: c for k, c in ((k, per_depth[lo][p].get(k, 0) - lo * per_layer[p].get(k, 0))
+                                         for k in set(per_depth[lo][p]) | set(per_layer[p])) if c}
+                   for p in per_depth[lo]}
+        b, s, h = st["micro_batch_size"], st["seq_len"], SIZES[st["size"]]["hidden_size"]
+        expected = megatron_pattern(b, s, h, sp)
+        row = dict(name=variant_name(mesh.tp_size, sp), sp=sp, b=b, s=s, h=h,
+                   per_layer=_keys_to_str(per_layer), outside=_keys_to_str(outside),
+                   expected=_keys_to_str(expected),
+                   matches=all(per_layer.get(p, {}) == expected[p] for p in ("forward", "backward")),
+                   calls=[list(c) for c in calls])  # the deeper model's calls, in order (for the table)
+        rows.append(row)
+        if mesh.rank == 0:
+            print(f"{row['name']:<10} per layer: " + " | ".join(
+                f"{p}: " + ", ".join(f"{c:g} {OPS[op]} of {nb / 1024:.0f} KiB" for (op, nb), c in sorted(per_layer[p].items()))
+                for p in ("forward", "backward")) + f"  -> Megatron's pattern: {'yes' if row['matches'] else 'NO'}",
+                flush=True)
+    return dict(settings=st, tp=mesh.tp_size, rows=rows)
+
+
+def _keys_to_str(d):
+    """{phase: {(op, bytes): calls}} -> {phase: {"op bytes": calls}} (JSON keys must be strings)."""
+    return {p: {f"{op} {nb}": c for (op, nb), c in sorted(inner.items())} for p, inner in d.items()}
+
+
+def parse_counts(d):
+    """The inverse of _keys_to_str: {phase: {(op, bytes): calls}}."""
+    return {p: {(k.split()[0], int(k.split()[1])): c for k, c in inner.items()} for p, inner in d.items()}
+
+
+def exp_memory(mesh, fast, out):
+    """One step of each variant: activations by part (and in total), model states per rank, with formulas."""
+    st = settings(fast, mesh)
+    rows = []
+    for sp in sp_variants(mesh):
+        cfg = make_cfg(st["size"], tp=mesh.tp_size, sp=sp, seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"])
+        v = Variant(variant_name(mesh.tp_size, sp), cfg, mesh)
+        v.step(1, record=False, count=True)
+        mc = v.model.config
+        formula = activation_parts(mc, st["seq_len"], st["micro_batch_size"], mesh.tp_size, sp)
+        row = dict(name=v.name, sp=sp, parts_by_rank=gather(v.parts, mesh), states_by_rank=gather(v.states, mesh),
+                   formula=formula, formula_total=activation_bytes(mc, st["seq_len"], st["micro_batch_size"],
+                                                                   mesh.tp_size, sp),
+                   formula_states=model_state_bytes(mc, mesh.tp_size),
+                   params_per_rank=sum(p.numel() for p in v.model.parameters()))
+        rows.append(row)
+        if mesh.rank == 0:
+            got = row["parts_by_rank"][0]
+            m = row["states_by_rank"][0]
+            print(f"{v.name:<10} rank 0: activations {got['total'] / MiB:6.2f} MiB (formula {row['formula_total'] / MiB:6.2f}), "
+                  f"per layer {sum(got['per layer'].values()) / MiB:5.2f} MiB | model states " +
+                  ", ".join(f"{k} {m[k] / MiB:.2f}" for k in PARTS) + " MiB", flush=True)
+        del v
+    return dict(settings=st, tp=mesh.tp_size, rows=rows)
+
+
+def exp_scaling(mesh, fast, out):
+    """Steps of sp off and sp on, interleaved: step time, tokens/s, time inside collectives."""
+    st = settings(fast, mesh)
+    variants = [Variant(variant_name(mesh.tp_size, sp),
+                        make_cfg(st["size"], tp=mesh.tp_size, sp=sp, seq_len=st["seq_len"],
+                                 micro_batch_size=st["micro_batch_size"]), mesh) for sp in sp_variants(mesh)]
+    run_interleaved(variants, st["steps"], st["warmup"], mesh.tp_group)
+    rows = []
+    tokens_per_step = st["micro_batch_size"] * st["seq_len"]
+    for v in variants:
+        times = slowest(v.times, mesh)
+        comm = slowest(v.comm_times, mesh)
+        row = dict(name=v.name, sp=v.cfg.sp, step_times=times, comm_times=comm, **step_stats(times),
+                   comm_median=statistics.median(comm), tokens_per_s=tokens_per_step / statistics.median(times),
+                   losses=v.losses)
+        rows.append(row)
+        if mesh.rank == 0:
+            print(f"{v.name:<10} {1e3 * row['median']:7.1f} ms/step (median of {len(times)}, quartiles "
+                  f"{1e3 * row['q1']:.1f}-{1e3 * row['q3']:.1f}), {row['tokens_per_s']:7,.0f} tokens/s, "
+                  f"{1e3 * row['comm_median']:6.1f} ms in collectives ({row['comm_median'] / row['median']:.0%})",
+                  flush=True)
+    return dict(settings=st, tp=mesh.tp_size, threads=torch.get_num_threads(), rows=rows)
+
+
+def _bench():
+    from benchmarks import tp_vs_dtensor  # the repository root is on sys.path (_common)
+
+    return tp_vs_dtensor
+
+
+def exp_dtensor(mesh, fast, out):
+    """Ours vs torch's DTensor tensor parallelism, one step of each in turn; per-round throughput ratio."""
+    st = settings(fast, mesh)
+    bench = _bench()
+    cfg = bench.make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], tp=mesh.tp_size)
+    rows = bench.compare(cfg, mesh, st["dtensor_steps"], warmup=st["warmup"] + 1)
+    med, q1, q3 = bench.paired(rows)
+    if mesh.rank == 0:
+        for r in rows:
+            print(f"{r['name']:<8} {1e3 * r['median']:7.2f} ms/step (median)", flush=True)
+        print(f"our throughput / DTensor's: median {med:.3f} of {len(rows[0]['step_times'])} paired rounds "
+              f"(quartiles {q1:.3f}-{q3:.3f})", flush=True)
+    return dict(settings=st, tp=mesh.tp_size, rows=rows,
+                ratio=dict(median=med, q1=q1, q3=q3, n=len(rows[0]["step_times"])))
+
+
+def exp_parity(mesh, fast, out):
+    """picotron.train at tp = world size, sp off and on (one process: the reference)."""
+    st = settings(fast, mesh)
+    t = mesh.tp_size
+    common = dict(steps=st["parity_steps"], seq_len=st["parity_seq_len"], micro_batch_size=2, warmup_steps=2,
+                  log_every=st["parity_steps"], lr=3e-3)
+    result = dict(settings=st, tp=t, losses={}, mem_by_rank={})
+    for sp in sp_variants(mesh):
+        name = "reference" if t == 1 else variant_name(t, sp)
+        cfg = make_cfg(st["size"], tp=t, sp=sp, out=str(Path(out) / f"parity_tp{t}{'_sp' if sp else ''}"), **common)
+        summary = trainer.train(cfg, mesh)
+        result["mem_by_rank"][name] = gather(summary["mem"], mesh)
+        if mesh.rank == 0:
+            result["losses"][name] = [r["loss"] for r in metrics.read_metrics(cfg.out)[0]]
+    return result
+
+
+EXPERIMENTS = ("comm", "memory", "scaling", "dtensor", "parity")
+NEEDS_TP = ("comm", "dtensor")  # meaningless with one process
+
+
+# ----------------------------------------------------------------------------- plots (for the notebook)
+RANK_COLORS = ["#8dd3c7", "#fdb462", "#bebada", "#fb8072", "#80b1d3", "#b3de69", "#fccde5", "#d9d9d9"]
+
+
+def _rank_color(r):
+    return RANK_COLORS[r % len(RANK_COLORS)]
+
+
+def plot_shards(mc, tp, sp=False, rank=0, title=""):
+    """Layer 0's matrices (drawn to one scale: width = input features, height = output features) and the
+    embedding and LM head (to their own scale), each cut into tp slices along the dimension tensor parallelism
+    splits, one colour per rank; replicated norm weights grey. Below each: its full shape and rank `rank`'s."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    shapes = shard_shapes(mc, tp, sp)
+    rows = shapes[rank]
+    layer = [r for r in rows if r["name"].startswith("layers.0.")]
+    outer = [r for r in rows if not r["name"].startswith("layers.")]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[4.2, 1.5]))
+
+    def draw(ax, items, scale, gap):
+        x = 0.0
+        for r in items:
+            full = r["full"]
+            if len(full) == 1:  # a norm weight: a thin bar, the same on every rank
+                w, hgt = 0.025, full[0] * scale
+                ax.add_patch(Rectangle((x, 0), w, hgt, facecolor="0.8", edgecolor="k", lw=0.6, hatch="...."))
+                label = f"{_short(r['name'])}\n[{full[0]}]\nreplicated"
+            else:
+                out_f, in_f = full
+                w, hgt = in_f * scale, out_f * scale
+                for k in range(tp):
+                    if r["dim"] == 1:  # columns (input features) split: vertical bands
+                        ax.add_patch(Rectangle((x + k * w / tp, 0), w / tp, hgt, facecolor=_rank_color(k),
+                                               edgecolor="k", lw=0.4))
+                    else:  # rows (output features / vocabulary) split: horizontal bands, rank 0 on top
+                        ax.add_patch(Rectangle((x, hgt - (k + 1) * hgt / tp), w, hgt / tp, facecolor=_rank_color(k),
+                                               edgecolor="k", lw=0.4))
+                shard = r["shard"]
+                label = f"{_short(r['name'])}\n{out_f:,}×{in_f:,}\nrank {rank}: {shard[0]:,}×{shard[1]:,}"
+                if r["kind"].startswith("tied"):
+                    label += "\n(= embedding)"
+            ax.text(x + w / 2, -0.03, label, ha="center", va="top", fontsize=7)
+            x += w + gap
+        ax.set_xlim(-gap / 2, x - gap / 2)
+        ax.set_ylim(-0.42, 1.02)
+        ax.set_aspect("equal", adjustable="datalim")
+        ax.axis("off")
+
+    mats = [r for r in layer if len(r["full"]) == 2]
+    scale = 1 / max(max(r["full"]) for r in mats)
+    draw(ax1, layer, scale, gap=0.12)
+    ax1.set_title(f"layer 0 (every layer alike), one scale; {mc.num_hidden_layers} layers", fontsize=9)
+    scale2 = 1 / max(max(r["full"]) for r in outer if len(r["full"]) == 2)
+    draw(ax2, [r for r in outer if r["name"] != "norm.weight"], scale2, gap=0.25)
+    ax2.set_title("embedding and LM head (own scale)", fontsize=9)
+    handles = [Rectangle((0, 0), 1, 1, facecolor=_rank_color(k), edgecolor="k", lw=0.4, label=f"rank {k}")
+               for k in range(min(tp, 8))]
+    handles.append(Rectangle((0, 0), 1, 1, facecolor="0.8", edgecolor="k", hatch="....", label="replicated"))
+    fig.legend(handles=handles, loc="upper right", fontsize=7, ncol=min(tp, 8) + 1, frameon=False)
+    fig.suptitle(title or f"tp={tp}{' + sp' if sp else ''}: what each rank holds", fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return fig
+
+
+def _short(name):
+    return name.replace("layers.0.", "").replace(".weight", "").replace("self_attn.", "").replace("mlp.", "")
+
+
+def shard_table(mc, tp, sp=False):
+    """Text: every parameter of layer 0, the embedding, the final norm and the LM head, with each rank's shape
+    and slice."""
+    shapes = shard_shapes(mc, tp, sp)
+    lines = [f"{'parameter':<42}{'full shape':>16}  {'how':<30}" + "".join(f"{'rank ' + str(r):>26}" for r in range(min(tp, 4)))]
+    for j, r in enumerate(shapes[0]):
+        cells = []
+        for k in range(min(tp, 4)):
+            q = shapes[k][j]
+            where = "" if q["dim"] is None or tp == 1 else f" {'rows' if q['dim'] == 0 else 'cols'} {q['lo']}:{q['hi']}"
+            cells.append(f"{'x'.join(map(str, q['shard'])) + where:>26}")
+        lines.append(f"{r['name']:<42}{'x'.join(map(str, r['full'])):>16}  {r['kind']:<30}" + "".join(cells))
+    if tp > 4:
+        lines.append(f"(ranks 4..{tp - 1} alike: the next slices)")
+    return "\n".join(lines)
+
+
+def plot_memory_model(mc, tp, sp=False, seq_len=4096, micro_batch_size=1, flash=True, capacity_gb=80.0, title=""):
+    """The widget's right-hand figure: bytes per rank (textbook formulas) for every tp the model allows, sp off
+    and on, the chosen one outlined, and the GPU's capacity as a line."""
+    import matplotlib.pyplot as plt
+
+    GB = 1e9
+    tps = [t for t in valid_tps(mc) if t <= 64]
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    keys = ("params", "grads", "optimizer", "activations")
+    x = 0
+    ticks, labels = [], []
+    for t in tps:
+        for s_p in (False, True):
+            m = memory_per_rank(mc, t, s_p, seq_len, micro_batch_size, flash)
+            bottom = 0
+            chosen = t == tp and s_p == sp
+            for k in keys:
+                ax.bar(x, m[k] / GB, 0.8, bottom=bottom, color=PART_COLORS[k], label=k if x == 0 else None,
+                       edgecolor="k" if chosen else "white", lw=2 if chosen else 0.5)
+                bottom += m[k] / GB
+            ax.text(x, bottom, f"{bottom:,.1f}", ha="center", va="bottom", fontsize=7)
+            ticks.append(x)
+            labels.append(f"tp={t}" + ("\n+sp" if s_p else ""))
+            x += 1
+        x += 0.5
+    ax.axhline(capacity_gb, color="#c44e52", ls="--", lw=1, label=f"{capacity_gb:g} GB per GPU")
+    ax.set_xticks(ticks, labels, fontsize=7)
+    ax.set_ylabel("GB per GPU")
+    ax.set_title(f"per rank: model states (16 bytes per parameter held, mixed precision) + activations of the "
+                 f"layers (Korthikanti, bf16{', no s² scores' if flash else ''}), s={seq_len}, b={micro_batch_size} "
+                 f"{title}", fontsize=8, loc="left")
+    ax.legend(fontsize=7, ncol=5, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_comm(results):
+    """results: {tp: comm result}. Per tp and sp: the collectives per layer, forward and backward, measured
+    (bars, in units of one b·s·h activation) next to Megatron's pattern (black outline)."""
+    import matplotlib.pyplot as plt
+
+    colors = {"all_reduce": "#8172b2", "all_gather_single": "#4c72b0", "reduce_scatter_single": "#dd8452"}
+    tps = sorted(results)
+    fig, axes = plt.subplots(1, len(tps), figsize=(5.2 * len(tps), 3.2), sharey=True, squeeze=False)
+    for ax, t in zip(axes[0], tps):
+        x, ticks, labels = 0, [], []
+        for row in results[t]["rows"]:
+            act = 4 * row["b"] * row["s"] * row["h"]
+            got, exp = parse_counts(row["per_layer"]), parse_counts(row["expected"])
+            for phase in ("forward", "backward"):
+                bottom = 0
+                for op in colors:
+                    n = sum(c * nb / act for (o, nb), c in got.get(phase, {}).items() if o == op)
+                    if n:
+                        ax.bar(x, n, 0.7, bottom=bottom, color=colors[op], label=OPS[op])
+                        bottom += n
+                want = sum(c * nb / act for (o, nb), c in exp[phase].items())
+                ax.bar(x, want, 0.86, fill=False, edgecolor="k", lw=1.2, label="Megatron's pattern")
+                ticks.append(x)
+                labels.append(f"{'+sp' if row['sp'] else 'no sp'}\n{phase}")
+                x += 1
+            x += 0.5
+        ax.set_xticks(ticks, labels, fontsize=7)
+        ax.set_title(f"tp={t}: collectives per layer", fontsize=9)
+    axes[0][0].set_ylabel("calls × buffer / (b·s·h activation)")
+    handles, seen = [], set()
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in seen:
+                seen.add(lab)
+                handles.append(h)
+    axes[0][0].legend(handles=handles, fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_activations(results, mc, seq_len, micro_batch_size):
+    """results: {tp: memory result}. Left: activations per layer per rank against tp, sp off and on: measured
+    (points, rank 0) and our formula (lines), Korthikanti's shape scaled to our tp = 1 (dotted). Right: rank 0's
+    activations by part, stacked, for every variant."""
+    import matplotlib.pyplot as plt
+
+    tps = sorted(results)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.6), gridspec_kw=dict(width_ratios=[1, 1.5]))
+    grid = [1, 2, 3, 4, 6, 8]
+    one = sum(activation_parts(mc, seq_len, micro_batch_size, 1)["per layer"].values())
+    s, b, h, a = seq_len, micro_batch_size, mc.hidden_size, mc.num_attention_heads
+    for sp, color in ((False, "#4c72b0"), (True, "#c44e52")):
+        meas = [(t, sum(r["parts_by_rank"][0]["per layer"].values())) for t in tps for r in results[t]["rows"]
+                if r["sp"] == sp or t == 1]
+        ax1.plot([t for t, _ in meas], [m / MiB for _, m in meas], "o", color=color, ms=7,
+                 label=f"measured{' + sp' if sp else ''} (rank 0)")
+        ax1.plot(grid, [sum(activation_parts(mc, s, b, t, sp)["per layer"].values()) / MiB for t in grid], "-",
+                 color=color, lw=1, label=f"our formula{' + sp' if sp else ''}")
+        k1 = korthikanti_bytes_per_layer(s, b, h, a, 1, False, flash=True)
+        ax1.plot(grid, [one * korthikanti_bytes_per_layer(s, b, h, a, t, sp, flash=True) / k1 / MiB for t in grid], ":",
+                 color=color, lw=1.5, label=f"Korthikanti{' + sp' if sp else ''}, scaled to our tp=1")
+    ax1.set(xlabel="tp", ylabel="MiB per layer per rank", title="activations of one layer, per rank")
+    ax1.set_xticks(grid)
+    ax1.legend(fontsize=7)
+    parts = LAYER_PARTS
+    colors = dict(zip(parts, ["#8da0cb", "#fc8d62", "#a6d854", "#e78ac3"]))
+    x, ticks, labels = 0, [], []
+    for t in tps:
+        for r in results[t]["rows"]:
+            got = r["parts_by_rank"][0]["per layer"]
+            want = r["formula"]["per layer"]
+            for dx, src, hatch in ((-0.2, got, None), (0.2, want, "//")):
+                bottom = 0
+                for p in parts:
+                    ax2.bar(x + dx, src[p] / MiB, 0.38, bottom=bottom, color=colors[p], hatch=hatch, edgecolor="white",
+                            label=p if (x == 0 and hatch is None) else None)
+                    bottom += src[p] / MiB
+            ticks.append(x)
+            labels.append(r["name"])
+            x += 1
+    ax2.set_xticks(ticks, labels, fontsize=8)
+    ax2.set(ylabel="MiB per layer (rank 0)", title="by part: measured (left), formula (right, hatched)")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_memory(results):
+    """results: {tp: memory result}. Rank 0's bytes per variant, stacked params / grads / optimizer /
+    activations: measured (solid) next to the formulas (hatched)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    x, ticks, labels = 0, [], []
+    for t in sorted(results):
+        for r in results[t]["rows"]:
+            got = dict(r["states_by_rank"][0], activations=r["parts_by_rank"][0]["total"])
+            want = dict(r["formula_states"], activations=r["formula_total"])
+            for dx, src, hatch in ((-0.2, got, None), (0.2, want, "//")):
+                bottom = 0
+                for k in (*PARTS, "activations"):
+                    ax.bar(x + dx, src[k] / MiB, 0.38, bottom=bottom, color=PART_COLORS[k], hatch=hatch,
+                           edgecolor="white", label=k if (x == 0 and hatch is None) else None)
+                    bottom += src[k] / MiB
+            ax.text(x, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=7)
+            ticks.append(x)
+            labels.append(r["name"])
+            x += 1
+    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set(ylabel="MiB per rank (rank 0)", title="memory per rank: measured (left), formulas (right, hatched)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_scaling(results, oversubscribed=4):
+    """results: {tp: scaling result}. Left: tokens/s against tp, sp off and on; right: each variant's median
+    step split into time inside collectives and the rest."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.4))
+    tps = sorted(results)
+    for sp, color in ((False, "#4c72b0"), (True, "#c44e52")):
+        pts = [(t, r) for t in tps for r in results[t]["rows"] if r["sp"] == sp or t == 1]
+        ax1.plot([t for t, _ in pts], [r["tokens_per_s"] for _, r in pts], "o-", color=color,
+                 label="tp" + (" + sp" if sp else ""))
+        for t, r in pts:
+            lo, hi = (r["tokens_per_s"] * r["median"] / q for q in (r["q3"], r["q1"]))
+            ax1.plot([t, t], [lo, hi], color=color, lw=3, alpha=0.4)
+    ax1.axvspan(oversubscribed - 0.3, max(tps) + 0.3, color="0.9", zorder=0,
+                label="more ranks than cores (oversubscribed)") if max(tps) >= oversubscribed else None
+    ax1.set(xlabel="tp (ranks)", ylabel="tokens/s (median step)", title="throughput: the same batch on every rank")
+    ax1.set_xticks(tps)
+    ax1.set_ylim(bottom=0)
+    ax1.legend(fontsize=7)
+    x, ticks, labels = 0, [], []
+    for t in tps:
+        for r in results[t]["rows"]:
+            comm, med = 1e3 * r["comm_median"], 1e3 * r["median"]
+            ax2.bar(x, med - comm, 0.7, color="#8da0cb", label="compute and the rest" if x == 0 else None)
+            ax2.bar(x, comm, 0.7, bottom=med - comm, color="#fc8d62", label="inside collectives" if x == 0 else None)
+            ax2.text(x, med, f"{comm / med:.0%}", ha="center", va="bottom", fontsize=7)
+            ticks.append(x)
+            labels.append(r["name"].replace(" + ", "\n+"))
+            x += 1
+    ax2.set_xticks(ticks, labels, fontsize=8)
+    ax2.set(ylabel="ms per step (median, slowest rank)", title="where the step goes (label: share in collectives)")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_dtensor(res):
+    """The per-round throughput ratio ours / DTensor's, and the two step times."""
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    ours, theirs = rows[0]["step_times"], rows[1]["step_times"]
+    ratios = [b / a for a, b in zip(ours, theirs)]
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.2))
+    axes[0].hist(ratios, bins=max(5, min(20, len(ratios) // 2)), color="#4c72b0")
+    r = res["ratio"]
+    axes[0].axvline(r["median"], color="k", lw=1.5, label=f"median {r['median']:.2f}")
+    axes[0].axvline(1.0, color="#c44e52", ls="--", lw=1, label="1 = as fast as DTensor")
+    axes[0].set(xlabel=f"ours / {rows[1]['name']} throughput, per round", title=f"{r['n']} paired rounds")
+    axes[0].legend(fontsize=7)
+    axes[1].bar([row["name"] for row in rows], [1e3 * statistics.median(row["step_times"]) for row in rows],
+                color=["#4c72b0", "#dd8452"])
+    axes[1].set(ylabel="ms per step (median, slowest rank)", title=f"tp={res['tp']}: step time")
+    fig.tight_layout()
+    return fig
+
+
+plot_parity = functools.partial(_common.plot_parity, what="each layout")  # for the notebook
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(_common.ROOT / "runs" / "lessons" / "05_tensor_parallel"))
+    p.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma-separated subset of {EXPERIMENTS}")
+    p.add_argument("--fast", action="store_true", default=_common.FAST, help="short settings (or PICOTRON_FAST=1)")
+    args = p.parse_args(argv)
+    names = args.only.split(",")
+    if any(name not in EXPERIMENTS for name in names):
+        p.error(f"--only {args.only!r}: pick a comma-separated subset of {', '.join(EXPERIMENTS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mesh = Mesh.init(tp=world)
+    try:
+        st = settings(args.fast, mesh)
+        env = env_info(mesh, args.fast, st)
+        for name in names:
+            if world == 1 and name in NEEDS_TP:
+                if mesh.rank == 0:
+                    print(f"== {name}: needs tp >= 2 (torchrun --nproc_per_node 2); skipped", flush=True)
+                continue
+            t0 = time.perf_counter()
+            result = globals()[f"exp_{name}"](mesh, args.fast, out)
+            file = out / f"{name}_tp{world}.json"
+            if mesh.rank == 0:
+                _common.save_json(dict(env, results=result, seconds=time.perf_counter() - t0), file)
+                path = os.path.relpath(file)  # short (and free of home directories) in notebooks
+                print(f"== {name}: {time.perf_counter() - t0:.1f} s -> {file if path.startswith('..') else path}",
+                      flush=True)
+    finally:
+        mesh.destroy()
+
+
+if __name__ == "__main__":
+    main()
