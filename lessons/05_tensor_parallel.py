@@ -64,9 +64,9 @@ LAYER_PARTS = ("norm (input)", "attention", "norm (post-attention)", "mlp")
 MODEL_PARTS = ("embedding", "final norm", "lm_head", "loss")
 
 
-def settings(fast, mesh):
+def settings(fast, device_type="cpu"):
     """Model and batch of the experiments (every tp rank sees the whole batch), and the steps per variant."""
-    if mesh.device.type == "cuda":
+    if device_type == "cuda":
         return dict(size="medium", seq_len=1024, micro_batch_size=8, steps=10 if fast else 40, warmup=3,
                     dtensor_steps=20 if fast else 100, parity_steps=10 if fast else 20, parity_seq_len=128)
     return dict(size="small", seq_len=128, micro_batch_size=4, steps=3 if fast else 30, warmup=1 if fast else 3,
@@ -163,16 +163,25 @@ def model_state_bytes(mc, tp, recipe="ours"):
     return b
 
 
+# With sp, how many copies of a block's all-gathered input [b, s, h] autograd keeps: tensor_parallel's all-gather
+# returns a transposed (non-contiguous) view, and F.linear keeps a contiguous copy of a non-contiguous input for
+# its weight gradient, one per projection reading it (q, k, v; gate, up). A contiguous all-gather output would
+# make these 1 and 1, as without sp (the memory experiment measures which is the case).
+SP_INPUT_COPIES = {"attention": 3, "mlp": 2}
+
+
 def activation_parts(mc, seq_len, micro_batch_size, tp=1, sp=False):
     """Bytes one rank keeps for backward, by part, in fp32 with sdpa attention and no recomputation: exact for
     our code (the `memory` experiment checks it). {"per layer": {part: bytes}, "model": {part: bytes}}.
 
     Per layer (s tokens, b sequences, h hidden, i MLP, a heads, k·d KV features; t = tp):
         each norm              x, x·rsqrt, rsqrt: 8sbh + 4sb; with sp only this rank's s/t tokens: /t
-        attention              its input, whole (the norm's output; with sp the all-gather's): 4sbh, + q, k, v
+        attention              its input, whole (the norm's output; with sp the all-gather's, see
+                               SP_INPUT_COPIES): 4sbh, + q, k, v
                                after RoPE and the output, of this rank's heads: 4sb(2h + 2kd)/t, + the
                                logsumexp 4·a·sb/t
-        mlp                    its input, whole: 4sbh, + gate, silu(gate), up, their product: 16sb·i/t
+        mlp                    its input, whole (with sp: SP_INPUT_COPIES): 4sbh, + gate, silu(gate), up, their
+                               product: 16sb·i/t
     Outside the layers: the embedding's token ids (t = 1: the loader's (s+1)-token rows, 8b(s+1); t > 1: the
     shifted ids 8sb and the outside-my-rows mask sb), the RoPE tables 8sd (shared by the layers), the final
     norm (as a norm), the LM head's whole input 4sbh, and the loss: t = 1 log-softmax 4sbv + targets 8sb + 4;
@@ -183,10 +192,11 @@ def activation_parts(mc, seq_len, micro_batch_size, tp=1, sp=False):
     kd, t = mc.num_key_value_heads * mc.head_dim, tp
     sbh, sb = s * b * h, s * b
     norm = (8 * sbh + 4 * sb) / (t if sp else 1)
+    copies = SP_INPUT_COPIES if sp and t > 1 else {"attention": 1, "mlp": 1}
     layer = {"norm (input)": norm,
-             "attention": 4 * sbh + (4 * sb * (2 * h + 2 * kd) + 4 * a * sb) / t,
+             "attention": copies["attention"] * 4 * sbh + (4 * sb * (2 * h + 2 * kd) + 4 * a * sb) / t,
              "norm (post-attention)": norm,
-             "mlp": 4 * sbh + 16 * sb * i / t}
+             "mlp": copies["mlp"] * 4 * sbh + 16 * sb * i / t}
     model = {"embedding": 8 * b * (s + 1) if t == 1 else 9 * sb,
              "rope tables": 2 * s * mc.head_dim * 4,
              "final norm": norm,
@@ -417,7 +427,7 @@ def variant_name(tp, sp):
 # --------------------------------------------------------------------------------------------- experiments
 def exp_comm(mesh, fast, out):
     """One forward + backward + clipping at 2 and 4 layers, sp off and on: every collective, counted."""
-    st = settings(fast, mesh)
+    st = settings(fast, mesh.device.type)
     rows = []
     for sp in sp_variants(mesh):
         per_depth = {}
@@ -464,7 +474,7 @@ def parse_counts(d):
 
 def exp_memory(mesh, fast, out):
     """One step of each variant: activations by part (and in total), model states per rank, with formulas."""
-    st = settings(fast, mesh)
+    st = settings(fast, mesh.device.type)
     rows = []
     for sp in sp_variants(mesh):
         cfg = make_cfg(st["size"], tp=mesh.tp_size, sp=sp, seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"])
@@ -490,25 +500,32 @@ def exp_memory(mesh, fast, out):
 
 def exp_scaling(mesh, fast, out):
     """Steps of sp off and sp on, interleaved: step time, tokens/s, time inside collectives."""
-    st = settings(fast, mesh)
+    st = settings(fast, mesh.device.type)
     variants = [Variant(variant_name(mesh.tp_size, sp),
                         make_cfg(st["size"], tp=mesh.tp_size, sp=sp, seq_len=st["seq_len"],
                                  micro_batch_size=st["micro_batch_size"]), mesh) for sp in sp_variants(mesh)]
     run_interleaved(variants, st["steps"], st["warmup"], mesh.tp_group)
     rows = []
     tokens_per_step = st["micro_batch_size"] * st["seq_len"]
+    act = 4 * tokens_per_step * SIZES[st["size"]]["hidden_size"]
     for v in variants:
         times = slowest(v.times, mesh)
         comm = slowest(v.comm_times, mesh)
+        per_call = {}  # the activation-sized collectives: median seconds per call on this rank, and calls per step
+        for op in OPS:
+            secs = [c[3] for c in v.log.calls if c[1] == op and c[2] == act]
+            if secs:
+                per_call[op] = dict(median_s=statistics.median(secs), per_step=len(secs) / (st["steps"] + st["warmup"]))
         row = dict(name=v.name, sp=v.cfg.sp, step_times=times, comm_times=comm, **step_stats(times),
                    comm_median=statistics.median(comm), tokens_per_s=tokens_per_step / statistics.median(times),
-                   losses=v.losses)
+                   losses=v.losses, per_call=gather(per_call, mesh))
         rows.append(row)
         if mesh.rank == 0:
             print(f"{v.name:<10} {1e3 * row['median']:7.1f} ms/step (median of {len(times)}, quartiles "
                   f"{1e3 * row['q1']:.1f}-{1e3 * row['q3']:.1f}), {row['tokens_per_s']:7,.0f} tokens/s, "
-                  f"{1e3 * row['comm_median']:6.1f} ms in collectives ({row['comm_median'] / row['median']:.0%})",
-                  flush=True)
+                  f"{1e3 * row['comm_median']:6.1f} ms in collectives ({row['comm_median'] / row['median']:.0%})" +
+                  "".join(f" | {c['per_step']:g} {OPS[op]}s of {act // 1024} KiB per step, {1e3 * c['median_s']:.2f} ms each"
+                          for op, c in row["per_call"][0].items()), flush=True)
     return dict(settings=st, tp=mesh.tp_size, threads=torch.get_num_threads(), rows=rows)
 
 
@@ -520,7 +537,7 @@ def _bench():
 
 def exp_dtensor(mesh, fast, out):
     """Ours vs torch's DTensor tensor parallelism, one step of each in turn; per-round throughput ratio."""
-    st = settings(fast, mesh)
+    st = settings(fast, mesh.device.type)
     bench = _bench()
     cfg = bench.make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], tp=mesh.tp_size)
     rows = bench.compare(cfg, mesh, st["dtensor_steps"], warmup=st["warmup"] + 1)
@@ -536,7 +553,7 @@ def exp_dtensor(mesh, fast, out):
 
 def exp_parity(mesh, fast, out):
     """picotron.train at tp = world size, sp off and on (one process: the reference)."""
-    st = settings(fast, mesh)
+    st = settings(fast, mesh.device.type)
     t = mesh.tp_size
     common = dict(steps=st["parity_steps"], seq_len=st["parity_seq_len"], micro_batch_size=2, warmup_steps=2,
                   log_every=st["parity_steps"], lr=3e-3)
@@ -564,57 +581,55 @@ def _rank_color(r):
 
 
 def plot_shards(mc, tp, sp=False, rank=0, title=""):
-    """Layer 0's matrices (drawn to one scale: width = input features, height = output features) and the
-    embedding and LM head (to their own scale), each cut into tp slices along the dimension tensor parallelism
-    splits, one colour per rank; replicated norm weights grey. Below each: its full shape and rank `rank`'s."""
+    """Layer 0's parameters and the embedding and LM head, each in its own slot: matrices drawn to one scale per
+    panel (width = input features, height = output features), cut into tp slices along the dimension tensor
+    parallelism splits, one colour per rank; replicated norm weights hatched grey. Below each: its full shape
+    and rank `rank`'s shard."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    shapes = shard_shapes(mc, tp, sp)
-    rows = shapes[rank]
+    rows = shard_shapes(mc, tp, sp)[rank]
     layer = [r for r in rows if r["name"].startswith("layers.0.")]
-    outer = [r for r in rows if not r["name"].startswith("layers.")]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[4.2, 1.5]))
+    outer = [r for r in rows if r["name"] in ("embed_tokens.weight", "lm_head.weight")]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 2.7), gridspec_kw=dict(width_ratios=[len(layer) - 0.8, 2.2]))
 
-    def draw(ax, items, scale, gap):
+    def draw(ax, items, min_width=0.0):
+        scale = 1 / max(max(r["full"]) for r in items if len(r["full"]) == 2)
         x = 0.0
         for r in items:
             full = r["full"]
+            slot = 0.45 if len(full) == 1 else 1.0
+            cx = x + slot / 2
             if len(full) == 1:  # a norm weight: a thin bar, the same on every rank
-                w, hgt = 0.025, full[0] * scale
-                ax.add_patch(Rectangle((x, 0), w, hgt, facecolor="0.8", edgecolor="k", lw=0.6, hatch="...."))
-                label = f"{_short(r['name'])}\n[{full[0]}]\nreplicated"
+                hgt = full[0] * scale
+                ax.add_patch(Rectangle((cx - 0.04, 0), 0.08, hgt, facecolor="0.85", edgecolor="k", lw=0.6, hatch="...."))
+                label = f"{_short(r['name'])}\n[{full[0]:,}]"
             else:
                 out_f, in_f = full
-                w, hgt = in_f * scale, out_f * scale
+                w, hgt = max(in_f * scale, min_width), out_f * scale
                 for k in range(tp):
-                    if r["dim"] == 1:  # columns (input features) split: vertical bands
-                        ax.add_patch(Rectangle((x + k * w / tp, 0), w / tp, hgt, facecolor=_rank_color(k),
-                                               edgecolor="k", lw=0.4))
-                    else:  # rows (output features / vocabulary) split: horizontal bands, rank 0 on top
-                        ax.add_patch(Rectangle((x, hgt - (k + 1) * hgt / tp), w, hgt / tp, facecolor=_rank_color(k),
-                                               edgecolor="k", lw=0.4))
-                shard = r["shard"]
-                label = f"{_short(r['name'])}\n{out_f:,}×{in_f:,}\nrank {rank}: {shard[0]:,}×{shard[1]:,}"
+                    if r["dim"] == 1:  # columns (input features) split: vertical bands, rank 0 on the left
+                        patch = (cx - w / 2 + k * w / tp, 0), w / tp, hgt
+                    else:  # rows (output features, vocabulary) split: horizontal bands, rank 0 on top
+                        patch = (cx - w / 2, hgt - (k + 1) * hgt / tp), w, hgt / tp
+                    ax.add_patch(Rectangle(*patch, facecolor=_rank_color(k), edgecolor="k", lw=0.4))
+                label = f"{_short(r['name'])}\n{out_f:,}×{in_f:,}\nrank {rank}: {r['shard'][0]:,}×{r['shard'][1]:,}"
                 if r["kind"].startswith("tied"):
-                    label += "\n(= embedding)"
-            ax.text(x + w / 2, -0.03, label, ha="center", va="top", fontsize=7)
-            x += w + gap
-        ax.set_xlim(-gap / 2, x - gap / 2)
-        ax.set_ylim(-0.42, 1.02)
-        ax.set_aspect("equal", adjustable="datalim")
+                    label += "\n(tied: the embedding)"
+            ax.text(cx, -0.04, label, ha="center", va="top", fontsize=6.5)
+            x += slot + 0.12
+        ax.set_xlim(-0.06, x - 0.06)
+        ax.set_ylim(-0.4, 1.02)
+        ax.set_aspect("equal", adjustable="box")
         ax.axis("off")
 
-    mats = [r for r in layer if len(r["full"]) == 2]
-    scale = 1 / max(max(r["full"]) for r in mats)
-    draw(ax1, layer, scale, gap=0.12)
-    ax1.set_title(f"layer 0 (every layer alike), one scale; {mc.num_hidden_layers} layers", fontsize=9)
-    scale2 = 1 / max(max(r["full"]) for r in outer if len(r["full"]) == 2)
-    draw(ax2, [r for r in outer if r["name"] != "norm.weight"], scale2, gap=0.25)
-    ax2.set_title("embedding and LM head (own scale)", fontsize=9)
+    draw(ax1, layer)
+    ax1.set_title(f"layer 0 of {mc.num_hidden_layers} (every layer alike), one scale", fontsize=9)
+    draw(ax2, outer, min_width=0.3)
+    ax2.set_title("embedding, LM head (own scale)", fontsize=9)
     handles = [Rectangle((0, 0), 1, 1, facecolor=_rank_color(k), edgecolor="k", lw=0.4, label=f"rank {k}")
                for k in range(min(tp, 8))]
-    handles.append(Rectangle((0, 0), 1, 1, facecolor="0.8", edgecolor="k", hatch="....", label="replicated"))
+    handles.append(Rectangle((0, 0), 1, 1, facecolor="0.85", edgecolor="k", hatch="....", label="replicated"))
     fig.legend(handles=handles, loc="upper right", fontsize=7, ncol=min(tp, 8) + 1, frameon=False)
     fig.suptitle(title or f"tp={tp}{' + sp' if sp else ''}: what each rank holds", fontsize=10, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.93))
@@ -622,23 +637,27 @@ def plot_shards(mc, tp, sp=False, rank=0, title=""):
 
 
 def _short(name):
-    return name.replace("layers.0.", "").replace(".weight", "").replace("self_attn.", "").replace("mlp.", "")
+    name = name.replace("layers.0.", "").replace(".weight", "").replace("self_attn.", "").replace("mlp.", "")
+    return {"input_layernorm": "input norm", "post_attention_layernorm": "post-attn norm"}.get(name, name)
 
 
-def shard_table(mc, tp, sp=False):
+def shard_table(mc, tp, sp=False, max_ranks=4):
     """Text: every parameter of layer 0, the embedding, the final norm and the LM head, with each rank's shape
-    and slice."""
+    and slice (the first max_ranks ranks)."""
     shapes = shard_shapes(mc, tp, sp)
-    lines = [f"{'parameter':<42}{'full shape':>16}  {'how':<30}" + "".join(f"{'rank ' + str(r):>26}" for r in range(min(tp, 4)))]
-    for j, r in enumerate(shapes[0]):
-        cells = []
-        for k in range(min(tp, 4)):
-            q = shapes[k][j]
+    ranks = range(min(tp, max_ranks))
+    cells = {}
+    for k in ranks:
+        for j, q in enumerate(shapes[k]):
             where = "" if q["dim"] is None or tp == 1 else f" {'rows' if q['dim'] == 0 else 'cols'} {q['lo']}:{q['hi']}"
-            cells.append(f"{'x'.join(map(str, q['shard'])) + where:>26}")
-        lines.append(f"{r['name']:<42}{'x'.join(map(str, r['full'])):>16}  {r['kind']:<30}" + "".join(cells))
-    if tp > 4:
-        lines.append(f"(ranks 4..{tp - 1} alike: the next slices)")
+            cells[k, j] = "x".join(map(str, q["shard"])) + where
+    width = max(len(c) for c in cells.values()) + 3
+    lines = [f"{'parameter':<42}{'full shape':>13}  {'how':<30}" + "".join(f"{'rank ' + str(k):>{width}}" for k in ranks)]
+    for j, r in enumerate(shapes[0]):
+        lines.append(f"{r['name']:<42}{'x'.join(map(str, r['full'])):>13}  {r['kind']:<30}"
+                     + "".join(f"{cells[k, j]:>{width}}" for k in ranks))
+    if tp > max_ranks:
+        lines.append(f"(ranks {max_ranks}..{tp - 1}: the next slices, alike)")
     return "\n".join(lines)
 
 
@@ -654,10 +673,10 @@ def plot_memory_model(mc, tp, sp=False, seq_len=4096, micro_batch_size=1, flash=
     x = 0
     ticks, labels = [], []
     for t in tps:
-        for s_p in (False, True):
+        for s_p in ((False, True) if t > 1 else (False,)):  # at tp = 1 sp changes nothing
             m = memory_per_rank(mc, t, s_p, seq_len, micro_batch_size, flash)
             bottom = 0
-            chosen = t == tp and s_p == sp
+            chosen = t == tp and (s_p == sp or t == 1)
             for k in keys:
                 ax.bar(x, m[k] / GB, 0.8, bottom=bottom, color=PART_COLORS[k], label=k if x == 0 else None,
                        edgecolor="k" if chosen else "white", lw=2 if chosen else 0.5)
@@ -680,10 +699,14 @@ def plot_memory_model(mc, tp, sp=False, seq_len=4096, micro_batch_size=1, flash=
 
 def plot_comm(results):
     """results: {tp: comm result}. Per tp and sp: the collectives per layer, forward and backward, measured
-    (bars, in units of one b·s·h activation) next to Megatron's pattern (black outline)."""
+    (bars) next to Megatron's pattern (black outline), in units of one b·s·h activation, an all-reduce counted as
+    the reduce-scatter plus all-gather a ring does (so the bars compare bytes moved)."""
     import matplotlib.pyplot as plt
 
     colors = {"all_reduce": "#8172b2", "all_gather_single": "#4c72b0", "reduce_scatter_single": "#dd8452"}
+    labels_of = {"all_reduce": "all-reduce (counted as RS + AG)", "all_gather_single": "all-gather",
+                 "reduce_scatter_single": "reduce-scatter"}
+    weight = {"all_reduce": 2, "all_gather_single": 1, "reduce_scatter_single": 1}
     tps = sorted(results)
     fig, axes = plt.subplots(1, len(tps), figsize=(5.2 * len(tps), 3.2), sharey=True, squeeze=False)
     for ax, t in zip(axes[0], tps):
@@ -694,11 +717,11 @@ def plot_comm(results):
             for phase in ("forward", "backward"):
                 bottom = 0
                 for op in colors:
-                    n = sum(c * nb / act for (o, nb), c in got.get(phase, {}).items() if o == op)
+                    n = sum(weight[op] * c * nb / act for (o, nb), c in got.get(phase, {}).items() if o == op)
                     if n:
-                        ax.bar(x, n, 0.7, bottom=bottom, color=colors[op], label=OPS[op])
+                        ax.bar(x, n, 0.7, bottom=bottom, color=colors[op], label=labels_of[op])
                         bottom += n
-                want = sum(c * nb / act for (o, nb), c in exp[phase].items())
+                want = sum(weight[o] * c * nb / act for (o, nb), c in exp[phase].items())
                 ax.bar(x, want, 0.86, fill=False, edgecolor="k", lw=1.2, label="Megatron's pattern")
                 ticks.append(x)
                 labels.append(f"{'+sp' if row['sp'] else 'no sp'}\n{phase}")
@@ -706,14 +729,14 @@ def plot_comm(results):
             x += 0.5
         ax.set_xticks(ticks, labels, fontsize=7)
         ax.set_title(f"tp={t}: collectives per layer", fontsize=9)
-    axes[0][0].set_ylabel("calls × buffer / (b·s·h activation)")
+    axes[0][0].set_ylabel("buffers moved / (b·s·h activation)")
     handles, seen = [], set()
     for ax in axes[0]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             if lab not in seen:
                 seen.add(lab)
                 handles.append(h)
-    axes[0][0].legend(handles=handles, fontsize=7, loc="upper left")
+    axes[0][0].legend(handles=handles, fontsize=7, loc="lower left")
     fig.tight_layout()
     return fig
 
@@ -868,7 +891,7 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = Mesh.init(tp=world)
     try:
-        st = settings(args.fast, mesh)
+        st = settings(args.fast, mesh.device.type)
         env = env_info(mesh, args.fast, st)
         for name in names:
             if world == 1 and name in NEEDS_TP:

@@ -1,0 +1,234 @@
+"""Lesson 05: the exercise checker (the solutions pass; the stubs fail naming NotImplementedError; wrong answers are
+reported with their rank, tensor and likely cause; a hang with the waiting rank and its line), the widget's shard
+shapes and memory model against hand-computed numbers, the lesson's formulas, and the notebook end to end in FAST
+mode.
+
+No timing is asserted: on a shared CPU timings are measurements, not pass/fail criteria.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from picotron.model import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKER = ROOT / "lessons" / "exercises" / "check05.py"
+SOLUTIONS = ROOT / "lessons" / "exercises" / "solutions" / "ex05_tensor_parallel.py"
+sys.path.insert(0, str(ROOT / "lessons"))
+
+
+def run_checker(*args, timeout=240):
+    proc = subprocess.run([sys.executable, str(CHECKER), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_checker_passes_the_solutions():
+    code, out = run_checker("--solutions")
+    assert code == 0, out
+    assert "all checks passed" in out and "FAIL" not in out
+    assert out.count("  ok  ") == 6, out  # three exercises on 2 and on 4 ranks
+
+
+def test_checker_fails_the_stubs_naming_not_implemented():
+    code, out = run_checker()
+    assert code == 1, out
+    for what in ("CopyToTP and ReduceFromTP on 2 ranks", "parallel_mlp on 2 ranks", "vocab_parallel_cross_entropy on 2 ranks"):
+        assert f"FAIL  {what}: rank " in out, out
+    assert out.count("NotImplementedError: not written yet") == 3, out
+    assert "on 4 ranks" not in out  # it stops at the first world size
+
+
+def mutate(tmp_path, *bugs, name="wrong.py"):
+    """The solutions with the given (old, new) replacements."""
+    text = SOLUTIONS.read_text()
+    for old, new in bugs:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_checker_names_a_missing_all_reduce_in_fs_backward_and_an_in_place_one_in_g(tmp_path):
+    path = mutate(tmp_path,
+                  ("        dist.all_reduce(grad, group=ctx.group)  # each", "        pass  # each"),  # f's backward
+                  ("        out = x.clone()  # all_reduce", "        out = x  # all_reduce"))  # g all-reduces in place
+    code, out = run_checker("--module", str(path), "f_and_g")
+    assert code == 1, out
+    assert ("FAIL  CopyToTP and ReduceFromTP on 2 ranks: rank 0: missing all-reduce in backward of f: x's gradient on "
+            "rank 0 is only rank 0's partial sum") in out, out
+    assert "FAIL  CopyToTP and ReduceFromTP on 4 ranks: rank 0: missing all-reduce in backward of f" in out, out
+
+    path = mutate(tmp_path, ("        out = x.clone()  # all_reduce", "        out = x  # all_reduce"))
+    code, out = run_checker("--module", str(path), "f_and_g")
+    assert code == 1, out
+    assert "rank 0: ReduceFromTP.forward all-reduced its input IN PLACE: the caller's tensor changed" in out, out
+
+
+def test_checker_names_a_partial_output_and_counts_a_second_f(tmp_path):
+    no_g = mutate(tmp_path, ("    return ReduceFromTP.apply(F.linear(h, down_w), group)", "    return F.linear(h, down_w)"))
+    code, out = run_checker("--module", str(no_g), "parallel_mlp")
+    assert code == 1, out
+    assert ("FAIL  parallel_mlp on 2 ranks: rank 0: the output is rank 0's partial sum: the row-parallel down "
+            "projection") in out, out
+    assert "g (ReduceFromTP) after the down projection" in out, out
+
+    two_f = mutate(tmp_path, ("    x = CopyToTP.apply(x, group)  # once, for both column-parallel layers: ONE all-reduce "
+                              "of x's gradient\n    h = F.silu(F.linear(x, gate_w)) * F.linear(x, up_w)",
+                              "    h = F.silu(F.linear(CopyToTP.apply(x, group), gate_w)) * "
+                              "F.linear(CopyToTP.apply(x, group), up_w)"))
+    code, out = run_checker("--module", str(two_f), "parallel_mlp")
+    assert code == 1, out
+    assert ("FAIL  parallel_mlp on 2 ranks: rank 0: right values, but 1 all-reduce(s) in forward and 2 in backward — "
+            "f applied to x separately for gate and for up?") in out, out
+
+
+def test_checker_recognises_each_ranks_own_maximum_and_a_local_sum(tmp_path):
+    own_max = mutate(tmp_path, ("    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)", "    pass"))
+    code, out = run_checker("--module", str(own_max), "vocab_parallel_cross_entropy")
+    assert code == 1, out
+    assert "FAIL  vocab_parallel_cross_entropy on 2 ranks: rank 0: losses wrong — matches using each rank's OWN row " \
+           "maximum" in out, out
+
+    local_sum = mutate(tmp_path, ("    dist.all_reduce(sum_exp, group=group)", "    pass"))
+    code, out = run_checker("--module", str(local_sum), "vocab_parallel_cross_entropy")
+    assert code == 1, out
+    assert "losses wrong — matches log of THIS rank's sum of exponentials" in out, out
+
+
+def test_checker_names_a_hang_and_the_waiting_line(tmp_path):
+    hang = mutate(tmp_path, ("        dist.all_reduce(out, group=group)\n        return out",
+                             "        if dist.get_rank(group) == 0:\n            dist.all_reduce(out, group=group)\n"
+                             "        return out"))
+    code, out = run_checker("--module", str(hang), "f_and_g", "--timeout", "5")
+    assert code == 1, out
+    assert "FAIL  CopyToTP and ReduceFromTP on 2 ranks: hang: rank 0 still waiting after 5 s" in out, out
+    assert "rank 1 finished and waited for it" in out, out
+    assert "rank 0 waits in forward, line " in out and "dist.all_reduce(out, group=group)" in out, out
+    assert "on 4 ranks" not in out  # a hang is not retried on the next world size
+
+
+# ------------------------------------------------------------------------------ the widget's shard shapes
+@pytest.fixture(scope="module")
+def lesson():
+    import _common
+
+    return _common.load_lesson("05_tensor_parallel")
+
+
+def by_name(rows):
+    return {r["name"]: r for r in rows}
+
+
+def test_shard_shapes_of_llama3_8b_at_tp_8_by_hand(lesson):
+    """h = 4096, 32 heads of 128, 8 KV heads, i = 14336, v = 128256, untied: each rank 4 query heads (512 rows of
+    q), 1 KV head (128 rows of k and v), 1792 MLP columns, 16032 vocabulary rows."""
+    shapes = lesson.shard_shapes(ModelConfig.from_preset("llama3-8b"), 8)
+    assert sorted(shapes) == list(range(8))
+    expected = {"embed_tokens.weight": ((128256, 4096), (16032, 4096), 0),
+                "layers.0.input_layernorm.weight": ((4096,), (4096,), None),
+                "layers.0.self_attn.q_proj.weight": ((4096, 4096), (512, 4096), 0),
+                "layers.0.self_attn.k_proj.weight": ((1024, 4096), (128, 4096), 0),
+                "layers.0.self_attn.v_proj.weight": ((1024, 4096), (128, 4096), 0),
+                "layers.0.self_attn.o_proj.weight": ((4096, 4096), (4096, 512), 1),
+                "layers.0.post_attention_layernorm.weight": ((4096,), (4096,), None),
+                "layers.0.mlp.gate_proj.weight": ((14336, 4096), (1792, 4096), 0),
+                "layers.0.mlp.up_proj.weight": ((14336, 4096), (1792, 4096), 0),
+                "layers.0.mlp.down_proj.weight": ((4096, 14336), (4096, 1792), 1),
+                "norm.weight": ((4096,), (4096,), None),
+                "lm_head.weight": ((128256, 4096), (16032, 4096), 0)}
+    for rank in (0, 3, 7):
+        rows = by_name(shapes[rank])
+        assert set(rows) == set(expected)
+        for name, (full, shard, dim) in expected.items():
+            r = rows[name]
+            assert (r["full"], r["shard"], r["dim"]) == (full, shard, dim), name
+            if dim is not None:
+                assert (r["lo"], r["hi"]) == (rank * shard[dim], (rank + 1) * shard[dim]), name
+    assert by_name(shapes[7])["lm_head.weight"]["kind"] == "column-parallel (vocabulary)"
+
+
+def test_shard_shapes_of_a_tied_model_and_the_divisibility_rule(lesson):
+    """SmolLM-135M: h = 576, 9 heads of 64, 3 KV heads, i = 1536, v = 49152, tied: tp = 3 is the only split."""
+    mc = ModelConfig.from_preset("smollm-135m")
+    assert lesson.valid_tps(mc) == [1, 3]
+    rows = by_name(lesson.shard_shapes(mc, 3, sp=True)[2])
+    assert rows["layers.0.self_attn.q_proj.weight"]["shard"] == (192, 576)  # 3 query heads
+    assert rows["layers.0.self_attn.k_proj.weight"]["shard"] == (64, 576)  # 1 KV head
+    assert rows["layers.0.mlp.down_proj.weight"]["shard"] == (576, 512)
+    assert rows["lm_head.weight"]["kind"] == "tied to embed_tokens.weight"
+    assert rows["lm_head.weight"]["shard"] == rows["embed_tokens.weight"]["shard"] == (16384, 576)
+    assert (rows["embed_tokens.weight"]["lo"], rows["embed_tokens.weight"]["hi"]) == (32768, 49152)
+    with pytest.raises(ValueError, match="tp=4 is more than num_key_value_heads=3"):
+        lesson.shard_shapes(mc, 4)
+    with pytest.raises(ValueError, match="tp=2 does not divide num_attention_heads=9"):
+        lesson.shard_shapes(mc, 2)
+    assert lesson.valid_tps(ModelConfig.from_preset("smollm-360m")) == [1]  # 5 divides the heads, not 49152
+
+
+def test_params_per_rank_matches_the_sharded_model(lesson):
+    for preset, tp in (("tiny", 4), ("smollm-135m", 3), ("llama3-8b", 8)):
+        mc = ModelConfig.from_preset(preset)
+        rows = lesson.shard_shapes(mc, tp)[0]
+        per_layer = sum(_numel(r["shard"]) for r in rows if r["name"].startswith("layers.0."))
+        outer = sum(_numel(r["shard"]) for r in rows if not r["name"].startswith("layers.")
+                    and not r["kind"].startswith("tied"))
+        assert lesson.params_per_rank(mc, tp) == mc.num_hidden_layers * per_layer + outer, preset
+    mc = ModelConfig.from_preset("llama3-8b")
+    assert lesson.params_per_rank(mc, 8) == (mc.num_params() - 65 * 4096) // 8 + 65 * 4096
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_memory_per_rank_by_hand(lesson):
+    """Llama-3-8B, 8192 tokens: Korthikanti's 34·sbh bytes per layer (flash), x 32 layers; states 16 bytes/param."""
+    mc = ModelConfig.from_preset("llama3-8b")
+    sbh = 8192 * 4096
+    m = lesson.memory_per_rank(mc, 8, sp=True, seq_len=8192)
+    assert m["activations"] == pytest.approx(32 * 34 * sbh / 8)
+    assert m["params"] + m["grads"] + m["optimizer"] == 16 * lesson.params_per_rank(mc, 8)
+    no_sp = lesson.memory_per_rank(mc, 8, sp=False, seq_len=8192)
+    assert no_sp["activations"] == pytest.approx(32 * sbh * (10 + 24 / 8))
+    with pytest.raises(ValueError):
+        lesson.memory_per_rank(mc, 16)
+
+
+def test_activation_formula_has_korthikantis_shape(lesson):
+    """Ours (fp32, SwiGLU, sdpa): per layer R + S/t with R = 24·sbh (norms 16, block inputs 8) and
+    S = 4sb(2h + 2kd) + 4a·sb + 16sb·i; with sp the norms move from R to S, the gathered block inputs stay in R."""
+    mc = ModelConfig.from_preset("tiny", hidden_size=256, intermediate_size=768)
+    s, b = 128, 4
+    sbh, sb = s * b * 256, s * b
+    R, S = lesson.replicated_and_sharded(mc, s, b)
+    assert R == 24 * sbh + 8 * sb
+    assert S == pytest.approx(4 * sb * (2 * 256 + 2 * 128) + 4 * 8 * sb + 16 * sb * 768)
+    Rsp, Ssp = lesson.replicated_and_sharded(mc, s, b, sp=True)  # with sp: the kept copies of the gathered inputs
+    assert Rsp == 4 * sum(lesson.SP_INPUT_COPIES.values()) * sbh and Ssp == pytest.approx(S + 16 * sbh + 8 * sb)
+
+
+def test_megatron_pattern(lesson):
+    act = 4 * 2 * 8 * 16
+    assert lesson.megatron_pattern(2, 8, 16, sp=False) == {"forward": {("all_reduce", act): 2},
+                                                          "backward": {("all_reduce", act): 2}}
+    sp = lesson.megatron_pattern(2, 8, 16, sp=True)
+    assert sp["forward"] == {("all_gather_single", act): 2, ("reduce_scatter_single", act): 2}
+    assert sp["backward"][("all_gather_single", act)] == 2 and sp["backward"][("all_reduce", 4 * 16)] == 2
+    assert lesson.ring_bytes_sent("all_reduce", 1000, 4) == 1500
+    assert lesson.ring_bytes_sent("all_gather_single", 1000, 4) == 750
+
+
+# ------------------------------------------------------------------------------------- the notebook
+def test_notebook_runs_in_fast_mode(run_notebook):
+    text = run_notebook("05_tensor_parallel", timeout=600)
+    assert "✗" not in text, text
+    assert text.count("✓") >= 29, text
+    assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
