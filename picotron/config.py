@@ -293,6 +293,9 @@ def _check_degrees(cfg, mc):
         raise ConfigError(f"cp={cfg.cp} needs seq_len={cfg.seq_len} divisible by 2*cp={2 * cfg.cp} (zig-zag splits "
                           f"the sequence into 2*cp chunks); pick cp in {_choices(good[:8])} or a seq_len that is a "
                           f"multiple of {2 * cfg.cp}.")
+    if cfg.sp and cfg.tp == 1:
+        raise ConfigError("--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism leaves "
+                          "replicated over the tp ranks); add --tp 2 or more, or drop --sp.")
     if cfg.sp and cfg.tp > 1 and (cfg.seq_len // cfg.cp) % cfg.tp:
         raise ConfigError(f"sp with tp={cfg.tp} needs the local sequence length seq_len/cp={cfg.seq_len // cfg.cp} "
                           f"divisible by tp (the sequence is split over tp ranks); pass a seq_len that is a multiple "

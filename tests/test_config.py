@@ -94,6 +94,11 @@ def test_cp_needs_seq_len_divisible_by_2cp():
     error_of(cp=2, seq_len=130)  # 130 % 4 != 0
 
 
+def test_sp_needs_tp():
+    assert error_of(sp=True) == ("--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism "
+                                 "leaves replicated over the tp ranks); add --tp 2 or more, or drop --sp.")
+
+
 def test_sp_needs_local_sequence_divisible_by_tp():
     msg = error_of(tp=4, sp=True, seq_len=130)
     assert "sp with tp=4" in msg and "seq_len/cp=130" in msg and "multiple of 4" in msg
