@@ -70,7 +70,7 @@ def settings(fast, device_type="cpu"):
         return dict(size="medium", seq_len=1024, micro_batch_size=8, steps=10 if fast else 40, warmup=3,
                     dtensor_steps=20 if fast else 100, parity_steps=10 if fast else 20, parity_seq_len=128)
     return dict(size="small", seq_len=128, micro_batch_size=4, steps=3 if fast else 30, warmup=1 if fast else 3,
-                dtensor_steps=6 if fast else 60, parity_steps=10 if fast else 20, parity_seq_len=64)
+                dtensor_steps=4 if fast else 60, parity_steps=10 if fast else 20, parity_seq_len=64)
 
 
 def make_cfg(size="small", **kw):
@@ -536,19 +536,23 @@ def _bench():
 
 
 def exp_dtensor(mesh, fast, out):
-    """Ours vs torch's DTensor tensor parallelism, one step of each in turn; per-round throughput ratio."""
+    """Ours vs torch's DTensor tensor parallelism, sp off and on, one step of each in turn; per-round throughput
+    ratio, the losses of both (same weights, same batches) and the model states each keeps."""
     st = settings(fast, mesh.device.type)
     bench = _bench()
-    cfg = bench.make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], tp=mesh.tp_size)
-    rows = bench.compare(cfg, mesh, st["dtensor_steps"], warmup=st["warmup"] + 1)
-    med, q1, q3 = bench.paired(rows)
-    if mesh.rank == 0:
-        for r in rows:
-            print(f"{r['name']:<8} {1e3 * r['median']:7.2f} ms/step (median)", flush=True)
-        print(f"our throughput / DTensor's: median {med:.3f} of {len(rows[0]['step_times'])} paired rounds "
-              f"(quartiles {q1:.3f}-{q3:.3f})", flush=True)
-    return dict(settings=st, tp=mesh.tp_size, rows=rows,
-                ratio=dict(median=med, q1=q1, q3=q3, n=len(rows[0]["step_times"])))
+    result = dict(settings=st, tp=mesh.tp_size, runs={})
+    for sp in (False, True):
+        cfg = bench.make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"],
+                             tp=mesh.tp_size, sp=sp)
+        rows = bench.compare(cfg, mesh, st["dtensor_steps"], warmup=st["warmup"] + 1)
+        med, q1, q3 = bench.paired(rows)
+        name = variant_name(mesh.tp_size, sp)
+        result["runs"][name] = dict(sp=sp, rows=rows, ratio=dict(median=med, q1=q1, q3=q3, n=len(rows[0]["step_times"])))
+        if mesh.rank == 0:
+            print(f"{name:<10} " + " | ".join(f"{r['name']} {1e3 * r['median']:7.2f} ms/step" for r in rows) +
+                  f" | our throughput / DTensor's: median {med:.3f} of {len(rows[0]['step_times'])} paired rounds "
+                  f"(quartiles {q1:.3f}-{q3:.3f})", flush=True)
+    return result
 
 
 def exp_parity(mesh, fast, out):
@@ -854,22 +858,30 @@ def plot_scaling(results, oversubscribed=4):
 
 
 def plot_dtensor(res):
-    """The per-round throughput ratio ours / DTensor's, and the two step times."""
+    """Per sp setting: the per-round throughput ratio ours / DTensor's (histogram) and the two step times."""
     import matplotlib.pyplot as plt
 
-    rows = res["rows"]
-    ours, theirs = rows[0]["step_times"], rows[1]["step_times"]
-    ratios = [b / a for a, b in zip(ours, theirs)]
-    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.2))
-    axes[0].hist(ratios, bins=max(5, min(20, len(ratios) // 2)), color="#4c72b0")
-    r = res["ratio"]
-    axes[0].axvline(r["median"], color="k", lw=1.5, label=f"median {r['median']:.2f}")
-    axes[0].axvline(1.0, color="#c44e52", ls="--", lw=1, label="1 = as fast as DTensor")
-    axes[0].set(xlabel=f"ours / {rows[1]['name']} throughput, per round", title=f"{r['n']} paired rounds")
+    runs = res["runs"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    colors = {False: "#4c72b0", True: "#c44e52"}
+    x = 0
+    for name, run in runs.items():
+        ours, theirs = run["rows"][0]["step_times"], run["rows"][1]["step_times"]
+        ratios = [b / a for a, b in zip(ours, theirs)]
+        r = run["ratio"]
+        axes[0].hist(ratios, bins=max(5, min(20, len(ratios) // 2)), color=colors[run["sp"]], alpha=0.6,
+                     label=f"{name}: median {r['median']:.2f}")
+        axes[0].axvline(r["median"], color=colors[run["sp"]], lw=1.5)
+        for k, row in enumerate(run["rows"]):
+            axes[1].bar(x + 0.4 * k, 1e3 * statistics.median(row["step_times"]), 0.38,
+                        color=["#4c72b0", "#dd8452"][k], label=row["name"] if x == 0 else None)
+        x += 1
+    axes[0].axvline(1.0, color="k", ls="--", lw=1, label="1 = as fast as DTensor")
+    axes[0].set(xlabel="ours / DTensor throughput, per round", title="paired rounds")
     axes[0].legend(fontsize=7)
-    axes[1].bar([row["name"] for row in rows], [1e3 * statistics.median(row["step_times"]) for row in rows],
-                color=["#4c72b0", "#dd8452"])
+    axes[1].set_xticks([i + 0.2 for i in range(len(runs))], list(runs))
     axes[1].set(ylabel="ms per step (median, slowest rank)", title=f"tp={res['tp']}: step time")
+    axes[1].legend(fontsize=7)
     fig.tight_layout()
     return fig
 

@@ -230,5 +230,5 @@ def test_megatron_pattern(lesson):
 def test_notebook_runs_in_fast_mode(run_notebook):
     text = run_notebook("05_tensor_parallel", timeout=600)
     assert "✗" not in text, text
-    assert text.count("✓") >= 29, text
+    assert text.count("✓") >= 42, text
     assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
