@@ -537,7 +537,8 @@ def _bench():
 
 def exp_dtensor(mesh, fast, out):
     """Ours vs torch's DTensor tensor parallelism, sp off and on, one step of each in turn; per-round throughput
-    ratio, the losses of both (same weights, same batches) and the model states each keeps."""
+    ratio, the losses of both (same weights, same batches) and the model states each keeps; and the losses of the
+    unsharded model on the same batches (computed in each process, no communication)."""
     st = settings(fast, mesh.device.type)
     bench = _bench()
     result = dict(settings=st, tp=mesh.tp_size, runs={})
@@ -552,6 +553,13 @@ def exp_dtensor(mesh, fast, out):
             print(f"{name:<10} " + " | ".join(f"{r['name']} {1e3 * r['median']:7.2f} ms/step" for r in rows) +
                   f" | our throughput / DTensor's: median {med:.3f} of {len(rows[0]['step_times'])} paired rounds "
                   f"(quartiles {q1:.3f}-{q3:.3f})", flush=True)
+    # the unsharded model on the same batches, with the same optimizer and clipping, in each process (no
+    # collectives): how far two float orderings drift apart over these many steps at this learning rate
+    ref = Variant("one process", make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"]),
+                  SimpleNamespace(tp_size=1, tp_group=None, device=mesh.device))
+    for step in range(len(rows[0]["losses"])):
+        ref.step(step + 1, record=False)
+    result["reference_losses"] = ref.losses
     return result
 
 
@@ -858,11 +866,12 @@ def plot_scaling(results, oversubscribed=4):
 
 
 def plot_dtensor(res):
-    """Per sp setting: the per-round throughput ratio ours / DTensor's (histogram) and the two step times."""
+    """Per sp setting: the per-round throughput ratio ours / DTensor's (histogram), the two step times, and each
+    one's loss against the unsharded model's on the same batches, step by step."""
     import matplotlib.pyplot as plt
 
-    runs = res["runs"]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    runs, ref = res["runs"], res["reference_losses"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.2))
     colors = {False: "#4c72b0", True: "#c44e52"}
     x = 0
     for name, run in runs.items():
@@ -875,6 +884,9 @@ def plot_dtensor(res):
         for k, row in enumerate(run["rows"]):
             axes[1].bar(x + 0.4 * k, 1e3 * statistics.median(row["step_times"]), 0.38,
                         color=["#4c72b0", "#dd8452"][k], label=row["name"] if x == 0 else None)
+            rel = [max(abs(a - b) / abs(b), 1e-9) for a, b in zip(row["losses"], ref)]
+            axes[2].semilogy(range(1, len(rel) + 1), rel, ["-", "--"][k], color=colors[run["sp"]], lw=1,
+                             label=f"{row['name']}, {name}")
         x += 1
     axes[0].axvline(1.0, color="k", ls="--", lw=1, label="1 = as fast as DTensor")
     axes[0].set(xlabel="ours / DTensor throughput, per round", title="paired rounds")
@@ -882,6 +894,9 @@ def plot_dtensor(res):
     axes[1].set_xticks([i + 0.2 for i in range(len(runs))], list(runs))
     axes[1].set(ylabel="ms per step (median, slowest rank)", title=f"tp={res['tp']}: step time")
     axes[1].legend(fontsize=7)
+    axes[2].axhline(1e-5, color="k", ls=":", lw=1)
+    axes[2].set(xlabel="step", ylabel="|Δloss| / loss vs one process", ylim=(1e-9, 1), title="against the unsharded model")
+    axes[2].legend(fontsize=6)
     fig.tight_layout()
     return fig
 

@@ -38,7 +38,7 @@ code(r"""
 import statistics, sys
 import matplotlib.pyplot as plt
 import _common
-from picotron import tensor_parallel
+from picotron import planner, tensor_parallel
 from picotron.model import ModelConfig
 
 FAST, OUT = _common.FAST, _common.run_dir("05_tensor_parallel")
@@ -85,7 +85,7 @@ print(f"(ZeRO-3 over 8 GPUs instead: model states {zero3 / GB:.1f} GB, activatio
 md(r"""
 36.5 GB of activations for one sequence is almost half an 80 GB GPU before a single weight is stored; ZeRO-3 cannot
 shrink it. Tensor parallelism divides most of it by $t$ (everything inside the attention and MLP blocks), and
-sequence parallelism the rest.
+sequence parallelism, as Megatron implements it, the rest (section 4 measures what ours does).
 
 ## 2. The idea
 
@@ -332,7 +332,45 @@ lesson.plot_scaling(scaling); plt.show()
 """)
 
 md(r"""
-TODO-SCALING
+Measured with the full settings on this 2-core machine with nothing else running (gloo, the small model, the same
+4 × 128 tokens per step on every rank, 30 steps of each variant): one process with two threads ran **5,297 tokens/s**
+(96.7 ms per step); **tp=2 3,285 tokens/s** (0.62×), tp=2 + sp 2,460; tp=4 1,677 and tp=4 + sp 1,211 (another
+run: 4,855; 3,202 and 2,525; 1,872 and 1,344). On a CPU tensor parallelism only costs, and the right-hand plot says where.
+At tp=2 the part of the step outside collectives (106 ms) is about what one process with two threads needs
+(97 ms): the same arithmetic, split over two processes instead of two threads. On top come 18 all-reduces of
+512 KiB per step — 4 per layer, the embedding's, the LM head's — at 2.2 ms each: 49 ms, a third of the step.
+Unlike data parallelism's gradient all-reduce (lesson 03) none of them can hide behind computation: each one's
+result is what the next layer reads. With sp the same bytes take two calls, an all-gather (1.0 ms) and a
+reduce-scatter (2.3 ms) against one all-reduce (2.2 ms), with a transpose on each side: slower again. At tp=4 four
+processes share two cores, and a rank "inside a collective" is mostly waiting for peers that have no core to run
+on: there the orange bar measures the oversubscription more than the transfer.
+
+What a CPU cannot show is the setting tensor parallelism is made for: each rank with its own GPU, the all-reduces
+over NVLink. An estimate (not a measurement) of the counted pattern next to the compute of one layer, on H100s:
+""")
+
+code(r"""
+# An estimate, not a measurement: what the counted pattern costs next to the compute, per layer and token, on
+# H100s (bf16, 50% MFU of the 989.5 TFLOP/s datasheet peak; links at their datasheet bandwidth per direction).
+llama70 = ModelConfig.from_preset("llama3-8b", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                                  num_key_value_heads=8, intermediate_size=28672)   # Llama-3-70B's shape
+seq, flops_per_s = 8192, 0.5 * 989.5e12
+links = {"NVLink (one node), 450 GB/s": 450e9, "InfiniBand NDR (across nodes), 50 GB/s": 50e9}
+for name, m in (("llama3-8b", llama), ("llama3-70b", llama70)):
+    for t in (2, 4, 8):
+        compute = (6 * planner.matmul_params_per_layer(m) + 12 * seq * m.hidden_size) / t / flops_per_s
+        sent = 4 * 2 * (t - 1) / t * m.hidden_size * 2   # 4 all-reduces of h bf16 numbers per token, ring
+        print(f"{name:<11} tp={t}: communication / compute per layer = " +
+              ", ".join(f"{sent / bw / compute:4.2f} over {link}" for link, bw in links.items()))
+""")
+
+md(r"""
+Inside a node, tp=8's all-reduces cost about 30% of a layer's compute for Llama-3-8B and 17% for Llama-3-70B:
+the compute per token grows as $h^2$, the traffic as $h$, so the larger the model, the better tensor parallelism
+pays. Across nodes the same all-reduces would take longer than the compute itself. Hence the rule everybody follows:
+tensor parallelism inside a node, $t \le 8$, the other dimensions (data, pipeline) across nodes. For scale: Megatron-LM
+measured 77% of linear weak scaling at 8-way tensor parallelism within one DGX-2H node (Shoeybi et al. 2019), and
+overlapping these collectives with the matmuls ("async TP") is how newer systems win back much of the rest.
 """)
 
 md(r"""
@@ -346,18 +384,38 @@ layout, the same weights and batches, one step of ours and one of DTensor's in t
 code(r"""
 run("dtensor")
 dt = _common.load_json(OUT / "dtensor_tp2.json")["results"]
+dt_ref = dt["reference_losses"]   # the unsharded model on the same batches (each process, no communication)
+first = min(10, len(dt_ref))      # the parity standard: at least 10 steps within 1e-5
+
+def drift(losses, upto=None):
+    return max(abs(a - b) / abs(b) for a, b in list(zip(losses, dt_ref))[:upto])
+
 for name, res in dt["runs"].items():
     r, (ours, theirs) = res["ratio"], res["rows"]
-    diff = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"]))
     print(f"{name:<9} ours/DTensor throughput {r['median']:.3f} (median of {r['n']} paired rounds, quartiles {r['q1']:.3f}-{r['q3']:.3f})"
-          + ("  [FAST mode: few rounds, noisy]" if FAST else "") + f" | losses of the two: max relative difference {diff:.1e} over {len(ours['losses'])} steps")
+          + ("  [FAST mode: few rounds, noisy]" if FAST else ""))
+    print(f"{'':<10}losses against one process, max relative difference over the first {first} steps: ours {drift(ours['losses'], first):.1e}, "
+          f"DTensor {drift(theirs['losses'], first):.1e}; over all {len(dt_ref)}: ours {drift(ours['losses']):.1e}, DTensor {drift(theirs['losses']):.1e}")
     print(f"{'':<10}model states per rank, ours: " + ", ".join(f"{k} {ours['states'][k] / MiB:.2f}" for k in lesson.PARTS)
           + " MiB; DTensor: " + ", ".join(f"{k} {theirs['states'][k] / MiB:.2f}" for k in lesson.PARTS) + " MiB")
 lesson.plot_dtensor(dt); plt.show()
 """)
 
 md(r"""
-TODO-DTENSOR
+Measured with the full settings (60 paired rounds each, nothing else running): **ours/DTensor = 1.50** (quartiles
+1.40–1.61) without sp and **1.64** (1.54–1.73) with sp (another run: 1.53 and 1.65). Both run the same layout, the
+same collectives and — the losses agree to $10^{-7}$ for 17 steps — the same arithmetic. The likely difference
+(not profiled) is overhead per operation: DTensor converts the input and output of every parallel layer to and from
+DTensors in module hooks and sends each operation on a DTensor through its sharding propagation, in Python; with
+layers this small on a CPU that is a large part of a step. We have not measured the comparison on GPUs, where
+kernels are larger and run asynchronously to Python. Both keep the same parameters and optimizer state per rank
+(DTensor's gradients take 128 KiB more per rank).
+
+The right-hand panel compares both with the unsharded model on the same batches: equal within $3\cdot10^{-7}$ for
+17 steps; from step 18 on all four curves rise together, to about $10^{-5}$ by step 19 and $10^{-2}$ by step 64. Ours
+and DTensor's drift away from the single process alike: the rounding of different summation orders, amplified by
+training at a constant learning rate of $3\cdot10^{-3}$ without warm-up. The trainer's runs in the next section, with
+warm-up and decay, stay within $10^{-6}$.
 
 ## 5. Check it: the same training as one process
 
@@ -421,8 +479,9 @@ for t, res in memory.items():
               f"{row['params_per_rank']:,}")
 for name, res in dt["runs"].items():
     ours, theirs = res["rows"]
-    diff = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"]))
-    check(f"{name}: ours and DTensor's train alike", diff <= 1e-5, f"max relative loss difference {diff:.1e} over {len(ours['losses'])} steps")
+    worst = max(drift(ours["losses"], first), drift(theirs["losses"], first))
+    check(f"{name}: ours and DTensor's train like one process", worst <= 1e-5,
+          f"max relative loss difference {worst:.1e} over the first {first} steps")
     check(f"{name}: ours and DTensor's keep the same parameters and optimizer state per rank",
           all(ours["states"][k] == theirs["states"][k] for k in ("params", "optimizer")),
           ", ".join(f"{k} {ours['states'][k]:,} vs {theirs['states'][k]:,} B" for k in ("params", "optimizer")))
@@ -526,8 +585,9 @@ The degree is also bounded by the model: $t$ must divide the heads, the KV heads
 MLP width and the vocabulary.
 
 **What ours lacks** (what Megatron-LM and torchtitan add): overlapping the all-gather and reduce-scatter with the
-matmuls they feed ("async TP", collective matmul), keeping only the local tokens of each block's input with sp and
-re-gathering them in backward, replicating KV heads to go beyond their number, and fused kernels.
+matmuls they feed ("async TP", collective matmul); with sp, a contiguous gathered input shared by the projections
+(ours keeps one copy per projection, section 4b) and, better, only the local tokens of each block's input,
+re-gathered in backward; replicating KV heads to go beyond their number; fused kernels.
 
 **Next — lesson 06, context parallelism:** sequence parallelism cut the tokens only between the blocks; attention
 still needs every token on every rank. With sequences of 100k tokens even one block's activations do not fit.
