@@ -26,7 +26,7 @@ ACTIVATION_RTOL = 1e-3
 
 def one_step(cfg):
     """One real training step of the trainer's own pieces; returns the measured memory by category."""
-    mesh = SimpleNamespace(device=torch.device("cpu"))
+    mesh = SimpleNamespace(device=torch.device("cpu"), tp_size=1)  # one device, no tensor parallelism
     model = trainer.build_model(cfg, mesh)
     optimizer = trainer.build_optimizer(model, cfg, mesh.device)
     tokens = data.TokenData(data.ByteTokenizer().encode_tensor(data.load_text("shakespeare")[:200_000]))
