@@ -211,10 +211,11 @@ def activation_bytes(mc, seq_len, micro_batch_size, tp=1, sp=False):
 
 
 def replicated_and_sharded(mc, seq_len, micro_batch_size, sp=False):
-    """Our per-layer formula as R + S/t (bytes): R kept whole on every rank, S divided by tp."""
-    one, two = (sum(activation_parts(mc, seq_len, micro_batch_size, t, sp)["per layer"].values()) for t in (1, 2))
-    sharded = 2 * (one - two)
-    return one - sharded, sharded
+    """Our per-layer formula as R + S/t (bytes): R kept whole on every rank, S divided by tp (read off t = 2 and 4:
+    at t = 1 there is nothing to gather)."""
+    two, four = (sum(activation_parts(mc, seq_len, micro_batch_size, t, sp)["per layer"].values()) for t in (2, 4))
+    sharded = 4 * (two - four)
+    return two - sharded / 2, sharded
 
 
 def korthikanti_bytes_per_layer(s, b, h, a, tp=1, sp=False, flash=False):
@@ -769,10 +770,11 @@ def plot_activations(results, mc, seq_len, micro_batch_size):
                 if r["sp"] == sp or t == 1]
         ax1.plot([t for t, _ in meas], [m / MiB for _, m in meas], "o", color=color, ms=7,
                  label=f"measured{' + sp' if sp else ''} (rank 0)")
-        ax1.plot(grid, [sum(activation_parts(mc, s, b, t, sp)["per layer"].values()) / MiB for t in grid], "-",
+        ts = [t for t in grid if t > 1 or not sp]  # sp needs tp > 1
+        ax1.plot(ts, [sum(activation_parts(mc, s, b, t, sp)["per layer"].values()) / MiB for t in ts], "-",
                  color=color, lw=1, label=f"our formula{' + sp' if sp else ''}")
         k1 = korthikanti_bytes_per_layer(s, b, h, a, 1, False, flash=True)
-        ax1.plot(grid, [one * korthikanti_bytes_per_layer(s, b, h, a, t, sp, flash=True) / k1 / MiB for t in grid], ":",
+        ax1.plot(ts, [one * korthikanti_bytes_per_layer(s, b, h, a, t, sp, flash=True) / k1 / MiB for t in ts], ":",
                  color=color, lw=1.5, label=f"Korthikanti{' + sp' if sp else ''}, scaled to our tp=1")
     ax1.set(xlabel="tp", ylabel="MiB per layer per rank", title="activations of one layer, per rank")
     ax1.set_xticks(grid)
