@@ -49,6 +49,7 @@ RECOMPUTE = ("none", "selective", "full")
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 ZERO_STAGES = (0, 1, 2, 3)
 DEVICES = ("auto", "cpu", "cuda")
+COLLECTIVES = ("torch", "ours")
 MAX_LR = 1.0  # Adam's step is about lr per weight: beyond 1, every weight moves more than its own scale
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings")
@@ -101,6 +102,7 @@ class Config:
     tokenizer: str = "byte"
     device: str = "auto"
     timeout_s: int = 300
+    collectives: str = "torch"  # torch | ours (lesson 02's, built from send/recv)
     sample_tokens: int = 200
     # optional model overrides (None = the preset's value)
     vocab_size: Optional[int] = None
@@ -197,12 +199,15 @@ HELP = {  # what `--help` says of each setting (allowed values are added from th
             "(needs the datasets package and network)",
     "tokenizer": "byte (UTF-8 bytes, 256 ids, no files) or a Hugging Face tokenizer name or local folder",
     "device": "auto picks cuda + nccl when GPUs are visible, else cpu + gloo",
+    "collectives": "which collectives every strategy runs on: torch.distributed's own (torch) or lesson 02's, "
+                   "written from send/recv (ours)",
     "timeout_s": "seconds any collective may wait before the job stops with an error (a dead rank cannot hang it)",
     "sample_tokens": "length of the text sample printed at the end (0 = none)",
     "attn_impl": "attention kernel: sdpa (torch's fused attention) or eager (the written-out softmax)",
 }
 CHOICES = {"dtype": DTYPES, "recompute": RECOMPUTE, "dp_impl": DP_IMPLS, "zero": ZERO_STAGES,
-           "pp_schedule": PP_SCHEDULES, "device": DEVICES, "attn_impl": ("sdpa", "eager")}
+           "pp_schedule": PP_SCHEDULES, "device": DEVICES, "attn_impl": ("sdpa", "eager"),
+           "collectives": COLLECTIVES}
 
 
 def _field_types():
@@ -268,6 +273,7 @@ def _check_names(cfg):
     for name, value, allowed in [("preset", cfg.preset, tuple(PRESETS)), ("dtype", cfg.dtype, DTYPES),
                                  ("recompute", cfg.recompute, RECOMPUTE), ("dp_impl", cfg.dp_impl, DP_IMPLS), ("pp_schedule", cfg.pp_schedule, PP_SCHEDULES),
                                  ("zero", cfg.zero, ZERO_STAGES), ("device", cfg.device, DEVICES),
+                                 ("collectives", cfg.collectives, COLLECTIVES),
                                  ("attn_impl", cfg.attn_impl, (None, "sdpa", "eager"))]:
         if value not in allowed:
             shown = ", ".join(str(a) for a in allowed if a is not None)
@@ -334,17 +340,14 @@ def _check_model(cfg, mc):
 
 
 def _check_degrees(cfg, mc):
-    # Tensor parallel splits heads, KV heads, MLP columns and the vocabulary into tp equal slices.
-    tp_rules = [("num_attention_heads", mc.num_attention_heads), ("num_key_value_heads", mc.num_key_value_heads),
-                ("intermediate_size", mc.intermediate_size), ("vocab_size", mc.vocab_size)]
-    good_tp = [d for d in _fits(mc.num_attention_heads) if all(n % d == 0 for _, n in tp_rules)]
-    if cfg.tp > mc.num_key_value_heads:
-        raise ConfigError(f"tp={cfg.tp} is more than num_key_value_heads={mc.num_key_value_heads} (every tensor-parallel "
-                          f"rank needs at least one whole KV head, and KV heads are not replicated); pick tp in "
-                          f"{_choices(good_tp)} or a model with at least {cfg.tp} KV heads.")
-    for name, n in tp_rules:
-        if n % cfg.tp:
-            raise ConfigError(f"tp={cfg.tp} does not divide {name}={n}; pick tp in {_choices(good_tp)}.")
+    """Each implemented strategy's own rules (its module's `check`), then those of the ones still to come."""
+    from picotron.parallelize import STRATEGIES
+
+    for strategy in STRATEGIES:
+        problem = strategy.check(cfg, mc)
+        if problem:
+            raise ConfigError(problem)
+    # Rules of the strategies that have no module yet; they move into it when it arrives.
     if mc.num_hidden_layers % cfg.pp:
         raise ConfigError(f"pp={cfg.pp} does not divide num_hidden_layers={mc.num_hidden_layers} (each stage gets "
                           f"the same number of layers); pick pp in {_choices(_fits(mc.num_hidden_layers))}.")
@@ -353,19 +356,6 @@ def _check_degrees(cfg, mc):
         raise ConfigError(f"cp={cfg.cp} needs seq_len={cfg.seq_len} divisible by 2*cp={2 * cfg.cp} (zig-zag splits "
                           f"the sequence into 2*cp chunks); pick cp in {_choices(good[:8])} or a seq_len that is a "
                           f"multiple of {2 * cfg.cp}.")
-    if cfg.sp and cfg.tp == 1:
-        raise ConfigError("--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism leaves "
-                          "replicated over the tp ranks); add --tp 2 or more, or drop --sp.")
-    if cfg.sp and cfg.tp > 1 and (cfg.seq_len // cfg.cp) % cfg.tp:
-        raise ConfigError(f"sp with tp={cfg.tp} needs the local sequence length seq_len/cp={cfg.seq_len // cfg.cp} "
-                          f"divisible by tp (the sequence is split over tp ranks); pass a seq_len that is a multiple "
-                          f"of {cfg.tp * cfg.cp}.")
-    if cfg.zero and cfg.dp_impl != "bucket":
-        raise ConfigError(f"dp_impl={cfg.dp_impl!r} does not apply with zero={cfg.zero} (ZeRO replaces the data-parallel "
-                          f"wrapper: it reduce-scatters the gradients itself); drop --dp-impl or use zero=0.")
-    if cfg.zero and cfg.dp * cfg.cp == 1:
-        raise ConfigError(f"zero={cfg.zero} with dp=1 has nothing to shard over (ZeRO splits the model states "
-                          f"over the data-parallel ranks); add --dp 2 or more, or drop --zero.")
     if cfg.dp % cfg.ep:
         raise ConfigError(f"ep={cfg.ep} does not divide dp={cfg.dp} (expert-parallel ranks are carved out of the "
                           f"data-parallel ranks); pick ep in {_choices(_fits(cfg.dp))}.")

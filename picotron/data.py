@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import lzma
 import os
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -272,8 +273,18 @@ def val_offsets(n_tokens: int, n_rows: int, seq_len: int) -> torch.Tensor:
     return torch.linspace(0, n_tokens - seq_len - 1, n_rows, dtype=torch.float64).long()
 
 
+class Batch(NamedTuple):
+    """One micro-batch: inputs and targets [b, s] (targets = inputs shifted by one token) and the position of
+    each input token [s]. Positions travel with every batch: a strategy that cuts the sequence (context
+    parallelism) hands each rank its tokens with their true positions, which RoPE needs."""
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor
+
+
 class DataLoader:
-    """The settings of one rank, bundled: ``.batch(step, micro_step)`` and ``.val_batches(n)``."""
+    """The settings of one rank, bundled: ``.batch(step, micro_step)``, ``.micro_batches(step)`` (what the
+    step engine runs) and ``.val_batches(n)``."""
 
     def __init__(self, data: TokenData, *, seq_len: int, micro_batch_size: int, grad_acc: int = 1,
                  dp_size: int = 1, dp_rank: int = 0, seed: int = 0):
@@ -289,6 +300,11 @@ class DataLoader:
         return get_batch(self.data.train, step, micro_step, seq_len=self.seq_len,
                          micro_batch_size=self.micro_batch_size, grad_acc=self.grad_acc,
                          dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.seed)
+
+    def micro_batches(self, step: int):
+        """This rank's grad_acc micro-batches of optimizer step `step`, as `Batch`es."""
+        positions = torch.arange(self.seq_len)
+        return [Batch(*self.batch(step, k), positions) for k in range(self.grad_acc)]
 
     def val_batches(self, n: int):
         """Yield ``n`` fixed validation batches of [micro_batch_size, seq_len], identical on every rank

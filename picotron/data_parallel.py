@@ -26,33 +26,71 @@ Gradient accumulation: with k micro-batches per step, synchronising after each o
 data for the same result. `with model.no_sync():` skips it for all but the last micro-batch; the gradients
 keep adding up locally, and the last backward sends the sum once.
 
-Before the optimizer step, `finish_gradient_sync()` waits for the outstanding all-reduces. Gradients are
+Before the optimizer step, `finish_sync()` waits for the outstanding all-reduces. Gradients are
 averaged over the dp x cp group: context-parallel ranks hold the same parameters but see different tokens,
 so their gradients must be summed too (a peer project forgot this when dp = 1).
+
+Every wrapper here (and ZeRO's) speaks one small protocol, `GradSync`: the sync starts by itself during the
+last backward, `finish_sync()` waits for it, `no_sync()` accumulates without syncing, `memory()` says what it
+keeps. At dp = 1 the trainer still wraps the model, in `Local`, which does nothing: the step loop never asks
+which strategy is on. The collectives go through the dp x cp `Axis` the wrapper receives.
 
 Caveat, as in DDP: every parameter must receive a gradient in every backward pass, or its bucket never
 fills and the step waits forever (here: until the process-group timeout ends it with an error).
 """
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from picotron import metrics
 
-class _Replicated(nn.Module):
-    """What both wrappers share: the wrapped module, the group, no_sync, and a pass-through forward."""
 
-    def __init__(self, module, mesh):
+class GradSync(nn.Module):
+    """The protocol every gradient-sync wrapper follows (the step engine uses nothing else).
+
+    forward(...)        the wrapped module's forward
+    no_sync()           backward passes inside accumulate locally and send nothing
+    finish_sync()       after the last backward: wait until every gradient is synchronised
+    zero_grad()         drop (or zero) the gradients for the next step
+    memory()            bytes of parameters and gradients this rank keeps: {"params": .., "grads": .., ...}
+    optimizer_groups()  (parameters with weight decay, without): what the optimizer updates on this rank
+    """
+
+    def __init__(self, module):
         super().__init__()
         self.module = module
-        self.group = mesh.dp_cp_group
-        self.size = mesh.dp_cp_size
-        self.sync = True
-        _broadcast_parameters(module, self.group)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return nullcontext()
+
+    def finish_sync(self):
+        pass
+
+    def memory(self):
+        return metrics.memory_breakdown(self.module)
+
+    def optimizer_groups(self):
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+
+
+class Local(GradSync):
+    """Nothing to synchronise: one replica (dp x cp = 1)."""
+
+
+class _Replicated(GradSync):
+    """What the data-parallel wrappers share: the axis (dp x cp), no_sync, start from rank 0's weights."""
+
+    def __init__(self, module, axis):
+        super().__init__(module)
+        self.axis = axis
+        self.sync = True
+        for t in list(module.parameters()) + list(module.buffers()):  # a safety net: our init is identical
+            axis.broadcast(t.data)
 
     @contextmanager
     def no_sync(self):
@@ -64,36 +102,41 @@ class _Replicated(nn.Module):
             self.sync = previous
 
 
-def _broadcast_parameters(module, group):
-    """Start every replica from rank 0's weights (our init is already identical: this is a safety net)."""
-    src = dist.get_global_rank(group, 0)
-    for t in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(t.data, src=src, group=group)
+def buckets(params, bucket_mb):
+    """Group `params` into lists of about bucket_mb MiB, in the order backward produces their gradients
+    (roughly the reverse of the forward); bucket_mb=0: one parameter per bucket. Shared with ZeRO-1/2."""
+    out, current, size = [], [], 0
+    for p in reversed(list(params)):
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_mb * 2**20:
+            out.append(current)
+            current, size = [], 0
+    if current:
+        out.append(current)
+    return out
 
 
 class NaiveDataParallel(_Replicated):
     """All-reduce each gradient, synchronously, the moment autograd has accumulated it."""
 
-    def __init__(self, module, mesh):
-        super().__init__(module, mesh)
+    def __init__(self, module, axis):
+        super().__init__(module, axis)
         for p in module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._hook)
 
     def _hook(self, p):
         if self.sync:
-            p.grad.div_(self.size)
-            dist.all_reduce(p.grad, group=self.group)  # blocks backward until this tensor is averaged
-
-    def finish_gradient_sync(self):
-        pass  # every all-reduce has already completed inside backward
+            p.grad.div_(self.axis.size)
+            self.axis.all_reduce(p.grad)  # blocks backward until this tensor is averaged
 
 
 class _Bucket:
     """A contiguous gradient buffer for a few parameters; each p.grad is a view into it."""
 
-    def __init__(self, params):
-        self.params = params
+    def __init__(self, params, index):
+        self.params, self.index = params, index
         p0 = params[0]
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
         self.ready = 0
@@ -110,29 +153,13 @@ class _Bucket:
 class DataParallel(_Replicated):
     """Bucketed, overlapped gradient all-reduce (bucket_mb=0: one bucket per parameter)."""
 
-    def __init__(self, module, mesh, bucket_mb=25.0, timeline=None):
-        super().__init__(module, mesh)
-        self.timeline = timeline  # a metrics.Timeline: records when each bucket's all-reduce starts and ends
-        self.buckets, self.bucket_of = [], {}
+    def __init__(self, module, axis, bucket_mb=25.0):
+        super().__init__(module, axis)
         params = [p for p in module.parameters() if p.requires_grad]
-        current, size = [], 0
-        # Backward produces gradients roughly in the reverse order of the forward pass: fill buckets that way.
-        for p in reversed(params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_mb * 2**20:
-                self._add_bucket(current)
-                current, size = [], 0
-        if current:
-            self._add_bucket(current)
+        self.buckets = [_Bucket(ps, i) for i, ps in enumerate(buckets(params, bucket_mb))]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for p in params:
             p.register_post_accumulate_grad_hook(self._hook)
-
-    def _add_bucket(self, params):
-        bucket = _Bucket(params)
-        self.buckets.append(bucket)
-        for p in params:
-            self.bucket_of[p] = bucket
 
     def _hook(self, p):
         bucket = self.bucket_of[p]
@@ -140,25 +167,19 @@ class DataParallel(_Replicated):
         if bucket.ready == len(bucket.params):  # the last gradient of this bucket just arrived
             bucket.ready = 0
             if self.sync:
-                bucket.buffer.div_(self.size)
-                bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-                if self.timeline is not None:
-                    self._record(bucket)
-
-    def _record(self, bucket):
-        start, index = self.timeline.now(), self.buckets.index(bucket)
-        mib = bucket.buffer.numel() * bucket.buffer.element_size() / 2**20
-        bucket.work.get_future().then(  # runs when the all-reduce completes
-            lambda _: self.timeline.add(f"all-reduce bucket {index}", start, self.timeline.now(), bucket=index, mib=mib))
+                bucket.buffer.div_(self.axis.size)
+                mib = bucket.buffer.numel() * bucket.buffer.element_size() / 2**20
+                bucket.work = self.axis.all_reduce(bucket.buffer, async_op=True, label=f"all-reduce bucket {bucket.index}",
+                                                   bucket=bucket.index, mib=mib)
 
     def forward(self, *args, **kwargs):
         # A new forward while buckets are still being sent would let the next backward add into buffers in
         # flight (wrong gradients, silently): finish the previous synchronisation first.
         if any(b.work is not None for b in self.buckets):
-            self.finish_gradient_sync()
+            self.finish_sync()
         return self.module(*args, **kwargs)
 
-    def finish_gradient_sync(self):
+    def finish_sync(self):
         """Wait for every bucket's all-reduce: call after the last backward, before the optimizer step."""
         for bucket in self.buckets:
             if bucket.work is not None:
@@ -172,19 +193,39 @@ class DataParallel(_Replicated):
             bucket.attach_views()  # in case someone replaced a p.grad
 
 
-def wrap(model, mesh, impl="bucket", bucket_mb=25.0, timeline=None):
-    """The trainer's entry point: wrap `model` for data parallelism over mesh.dp_cp_group.
+class TorchDDP(GradSync):
+    """torch's DistributedDataParallel behind the same protocol, to compare against (--dp-impl ddp)."""
+
+    def __init__(self, module, axis, bucket_mb=25.0):
+        super().__init__(module)
+        device = next(module.parameters()).device
+        self.ddp = nn.parallel.DistributedDataParallel(module, process_group=axis.group, bucket_cap_mb=bucket_mb,
+                                                       gradient_as_bucket_view=True,
+                                                       device_ids=[device] if device.type == "cuda" else None)
+
+    def forward(self, *args, **kwargs):
+        return self.ddp(*args, **kwargs)
+
+    def no_sync(self):
+        return self.ddp.no_sync()  # (DDP waits for its all-reduces at the end of backward: finish_sync has nothing to do)
+
+
+def wrap(model, axis, impl="bucket", bucket_mb=25.0):
+    """Wrap `model` for data parallelism over `axis` (the mesh's dp_cp axis); one replica: `Local`.
 
     impl: "naive" (synchronous per-parameter), "overlap" (asynchronous per-parameter), "bucket" (asynchronous
     buckets of bucket_mb MiB) or "ddp" (torch's DistributedDataParallel, to compare against)."""
+    if axis.size == 1:
+        return Local(model)
     if impl == "naive":
-        return NaiveDataParallel(model, mesh)
+        return NaiveDataParallel(model, axis)
     if impl in ("overlap", "bucket"):
-        return DataParallel(model, mesh, bucket_mb=0 if impl == "overlap" else bucket_mb, timeline=timeline)
+        return DataParallel(model, axis, bucket_mb=0 if impl == "overlap" else bucket_mb)
     if impl == "ddp":
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=mesh.dp_cp_group, bucket_cap_mb=bucket_mb,
-                                                  gradient_as_bucket_view=True,
-                                                  device_ids=[mesh.device] if mesh.device.type == "cuda" else None)
-        ddp.finish_gradient_sync = lambda: None  # DDP waits for its all-reduces at the end of backward
-        return ddp
+        return TorchDDP(model, axis, bucket_mb=bucket_mb)
     raise ValueError(f"dp impl {impl!r}; use 'naive', 'overlap', 'bucket' or 'ddp'.")
+
+
+def check(cfg, model_config):
+    """Data parallelism's rules (None when the settings are fine)."""
+    return None

@@ -107,36 +107,154 @@ def pick_device(world_size=1, local_rank=0, device=None):
     return torch.device("cpu"), "gloo"
 
 
-class Mesh:
-    """This process's place on the (dp, pp, cp, tp) grid and one process group per axis.
+class Axis:
+    """One axis of the grid as this rank sees it: `name`, `dims` (the grid dimensions it spans: ("tp",), or
+    ("dp", "cp") for the combined axis), `ranks` (the global ranks along it, ascending), `group`, `rank`
+    (this rank's index along it), `size`. A strategy receives the axis it works on, never the whole mesh.
 
-    Attributes: rank, world_size, local_rank, device, backend, sizes, coords; for each axis X in dp, pp,
-    cp, tp: X_rank, X_size, X_group and peers[X] (the global ranks of this rank's X group, ascending);
-    the same for "dp_cp" (gradients of replicated parameters are averaged over dp x cp);
-    pp_prev_rank / pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage.
+    Its collectives are the ones every strategy uses. They go through `comm.ops` (torch.distributed, or
+    lesson 02's own picotron.collectives with `--collectives ours`) and, when one is attached, a
+    `metrics.Recorder` that counts their bytes and times them. Along an axis of size 1 they are free (no
+    process group is touched), which is how a one-process `Mesh.local()` runs every strategy's code."""
+
+    def __init__(self, name, ranks, group, rank, dims=None, comm=None):
+        self.name, self.ranks, self.group, self.rank = name, list(ranks), group, rank
+        self.size = len(self.ranks)
+        self.dims = tuple(dims or (name,))
+        self.comm = comm or Comm()
+
+    @classmethod
+    def alone(cls, name="tp", size=1, rank=0):
+        """An axis without a process group: to BUILD rank `rank`'s shard of a size-`size` layout (no
+        collective may run on it unless size is 1). What tests and lessons use to inspect layouts offline."""
+        return cls(name, range(size), None, rank)
+
+    def recorded(self, recorder):
+        """The same axis with its collectives counted (and timed) by `recorder`."""
+        return Axis(self.name, self.ranks, self.group, self.rank, self.dims, Comm(self.comm.ops, recorder))
+
+    def _run(self, kind, nbytes, call, async_op, label, info):
+        work = call(async_op)
+        recorder = self.comm.recorder
+        if recorder is None:
+            return work
+        return recorder.collective(kind, nbytes, work, label=label or kind.replace("_", "-"), axis=self.name, **info)
+
+    def all_reduce(self, t, op=None, async_op=False, label=None, **info):
+        """In place: t = the reduction (SUM by default) of every rank's t along this axis."""
+        op = dist.ReduceOp.SUM if op is None else op
+        if self.size == 1:
+            return _DONE if async_op else None
+        return self._run("all_reduce", t.numel() * t.element_size(),
+                         lambda a: self.comm.ops.all_reduce(t, op=op, group=self.group, async_op=a), async_op, label, info)
+
+    def all_gather_into(self, out, t, async_op=False, label=None, **info):
+        """out (size x t's elements) = every rank's t, in rank order along this axis."""
+        if self.size == 1:
+            if out.data_ptr() != t.data_ptr():
+                out.view(-1).copy_(t.reshape(-1))
+            return _DONE if async_op else None
+        return self._run("all_gather", out.numel() * out.element_size(),
+                         lambda a: self.comm.ops.all_gather_single(out, t, group=self.group, async_op=a),
+                         async_op, label, info)
+
+    def reduce_scatter_into(self, out, t, async_op=False, label=None, **info):
+        """out = block `rank` (of size equal blocks of t) summed over the axis. `out` may be that block of t."""
+        if self.size == 1:
+            if out.data_ptr() != t.data_ptr():
+                out.view(-1).copy_(t.reshape(-1))
+            return _DONE if async_op else None
+        return self._run("reduce_scatter", t.numel() * t.element_size(),
+                         lambda a: self.comm.ops.reduce_scatter_single(out, t, group=self.group, async_op=a),
+                         async_op, label, info)
+
+    def broadcast(self, t, index=0):
+        """In place: every rank's t = the t of the rank at `index` along this axis."""
+        if self.size > 1:
+            self._run("broadcast", t.numel() * t.element_size(),
+                      lambda a: self.comm.ops.broadcast(t, src=self.ranks[index], group=self.group, async_op=a),
+                      False, None, {})
+
+    def mean(self, t):
+        """The mean of t over the axis (a new tensor; t itself when the axis has one rank)."""
+        if self.size == 1:
+            return t
+        t = t.clone()
+        self.all_reduce(t)
+        return t / self.size
+
+    def __repr__(self):
+        return f"Axis({self.name}: rank {self.rank} of {self.size}, ranks {self.ranks})"
+
+
+class _Done:
+    """The handle of a collective that has nothing left to do."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+_DONE = _Done()
+
+
+class Comm:
+    """Which collectives the axes run (`ops`: a module with torch.distributed's signatures) and who counts them."""
+
+    def __init__(self, ops=None, recorder=None):
+        self.ops, self.recorder = ops or dist, recorder
+
+
+def collective_ops(name):
+    """'torch': torch.distributed's own (NCCL, gloo); 'ours': lesson 02's picotron.collectives, from send/recv."""
+    if name == "torch":
+        return dist
+    if name == "ours":
+        from picotron import collectives as ours
+        return ours
+    raise ValueError(f"collectives={name!r}; use 'torch' or 'ours'.")
+
+
+class Mesh:
+    """This process's place on the (dp, pp, cp, tp) grid: one declared `Axis` per dimension.
+
+    Attributes: rank, world_size, local_rank, device, backend, sizes, coords, and the axes
+    `dp`, `pp`, `cp`, `tp`, `dp_cp` (dp x cp together: gradients of replicated parameters are averaged over
+    it) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
+    pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage.
     """
 
-    def __init__(self, rank, world_size, sizes, device, backend, groups, local_rank=0, owns_world=False):
+    AXES = ("dp", "pp", "cp", "tp", "dp_cp", "world")
+
+    def __init__(self, rank, world_size, sizes, device, backend, groups, local_rank=0, owns_world=False,
+                 collectives="torch"):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device, self.backend = device, backend
         self.sizes = _as_sizes(sizes)
         self.coords = grid_coords(rank, self.sizes)
-        self.peers = {}
+        self.comm = Comm(collective_ops(collectives))  # shared by every axis of this mesh
         self._created, self._owns_world = [], owns_world
         for name, (ranks, group, created) in groups.items():
-            self.peers[name] = ranks
-            setattr(self, f"{name}_group", group)
-            setattr(self, f"{name}_rank", ranks.index(rank))
-            setattr(self, f"{name}_size", len(ranks))
+            dims = ORDER if name == "world" else ("dp", "cp") if name == "dp_cp" else (name,)
+            setattr(self, name, Axis(name, ranks, group, ranks.index(rank), dims, self.comm))
             if created:
                 self._created.append(group)
-        self.is_first_stage = self.pp_rank == 0
-        self.is_last_stage = self.pp_rank == self.pp_size - 1
-        self.pp_prev_rank = None if self.is_first_stage else self.rank_of(pp=self.pp_rank - 1)
-        self.pp_next_rank = None if self.is_last_stage else self.rank_of(pp=self.pp_rank + 1)
+        self.is_first_stage = self.pp.rank == 0
+        self.is_last_stage = self.pp.rank == self.pp.size - 1
+        self.pp_prev_rank = None if self.is_first_stage else self.rank_of(pp=self.pp.rank - 1)
+        self.pp_next_rank = None if self.is_last_stage else self.rank_of(pp=self.pp.rank + 1)
 
     @classmethod
-    def init(cls, dp=1, pp=1, cp=1, tp=1, timeout_s=300, backend=None, device=None):
+    def local(cls, device="cpu"):
+        """A one-process mesh that needs no process group (every axis has size 1): one device, and the same
+        code path as a parallel run. What single-device lessons and tests build models with."""
+        groups = {name: ([0], None, False) for name in cls.AXES}
+        return cls(0, 1, (1, 1, 1, 1), torch.device(device), None, groups)
+
+    @classmethod
+    def init(cls, dp=1, pp=1, cp=1, tp=1, timeout_s=300, backend=None, device=None, collectives="torch"):
         """Join (or create) the default process group and build the per-axis groups.
 
         - a process group already exists (e.g. inside `launch.run_on_ranks`): use it as the world;
@@ -144,6 +262,7 @@ class Mesh:
         - neither, and the grid has one cell: a one-process group on an in-memory HashStore, so
           `python -m picotron.train` needs no launcher.
         Every rank must call this with the same sizes: new_group is collective and called in the same order.
+        `collectives`: "torch" (torch.distributed's) or "ours" (picotron.collectives, built from send/recv).
         """
         sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
         need = math.prod(sizes.values())
@@ -185,7 +304,8 @@ class Mesh:
                     group, created = dist.new_group(ranks, timeout=timeout), True
                 if rank in ranks:
                     groups[name] = (ranks, group, created)
-        return cls(rank, world_size, sizes, dev, backend, groups, local_rank, owns_world)
+        groups["world"] = (list(range(world_size)), dist.group.WORLD, False)
+        return cls(rank, world_size, sizes, dev, backend, groups, local_rank, owns_world, collectives)
 
     def rank_of(self, **coords):
         """Global rank of the cell that matches this rank except for the given coordinates, e.g. rank_of(tp=0)."""
@@ -198,7 +318,7 @@ class Mesh:
         if self.world_size == 1:
             return bool(flag)
         t = torch.tensor([float(bool(flag))], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.world.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
     def destroy(self):

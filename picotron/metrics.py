@@ -203,6 +203,71 @@ class Timeline:
             json.dump(self.events, f)
 
 
+class Recorder:
+    """What every lesson measures about communication, in one place: the bytes each kind of collective
+    covered (`bytes["all_gather"]`, ...; the whole buffer, nccl-tests' N) and, with a `timeline`, when each
+    one ran. Attach it to an axis (`mesh.dp_cp.recorded(recorder)`) and hand that axis to a strategy: the
+    algorithms never count or time anything themselves.
+
+    Asynchronous collectives are timed from their start to their completion (the work's future). Where the
+    backend gives no future (gloo's reduce-scatter, the send/recv collectives), the end is taken when the
+    caller waits for it, and the event says `end_observed_at_wait`."""
+
+    def __init__(self, timeline=None):
+        self.timeline = timeline
+        self.bytes = {}  # kind -> bytes
+        self.calls = {}  # kind -> number of calls
+        self.log = []  # (kind, bytes, axis name) of every call, in order
+
+    def collective(self, kind, nbytes, work, label, axis=None, **info):
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.log.append((kind, nbytes, axis))
+        tl = self.timeline
+        if tl is None or not tl.enabled:
+            return work
+        start = tl.now()
+        if work is None:  # it ran synchronously: it is over
+            tl.add(label, start, tl.now(), kind="comm", **info)
+            return work
+        try:
+            work.get_future().then(lambda _: tl.add(label, start, tl.now(), kind="comm", **info))
+            return work
+        except (RuntimeError, AttributeError):
+            return _TimedAtWait(work, lambda: tl.add(label, start, tl.now(), kind="comm", end_observed_at_wait=True,
+                                                     **info))
+
+    def span(self, name, start, **info):
+        """A compute event from `start` (timeline.now() earlier) to now, if there is a timeline."""
+        if self.timeline is not None:
+            self.timeline.add(name, start, self.timeline.now(), kind="compute", **info)
+
+    def now(self):
+        return self.timeline.now() if self.timeline is not None else 0.0
+
+    def reset(self):
+        self.bytes.clear()
+        self.calls.clear()
+        self.log.clear()
+
+
+class _TimedAtWait:
+    """A collective's handle whose end is recorded when someone waits for it."""
+
+    def __init__(self, work, on_done):
+        self.work, self.on_done = work, on_done
+
+    def wait(self, timeout=None):
+        self.work.wait()
+        if self.on_done is not None:
+            self.on_done()
+            self.on_done = None
+        return True
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+
 class MetricsLog:
     """`metrics.jsonl`: one JSON object per optimizer step, written by one rank, flushed each line.
 

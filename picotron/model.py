@@ -23,11 +23,16 @@ checkpoint converter permutes q/k weights for it), so HF weights load as-is. cos
 forward from the positions (cheap: s·d/2 values) - no buffers, so a model built on the meta device and
 materialised with `to_empty` needs nothing special.
 
-The model knows nothing about parallelism. Things the parallel strategies may rely on:
+The model knows nothing about parallelism. Things the parallel strategies may rely on (its seams):
   * sub-module names equal HF's (minus the "model." prefix), so the state dict maps 1:1 to a checkpoint;
+  * `layers` is keyed by each layer's GLOBAL index ("0", "1", ...): a pipeline stage that keeps layers 8-15
+    still calls them layers.8 ... layers.15, so names, and hence initial values, do not depend on the layout;
+  * an absent `embed_tokens`, `norm` or `lm_head` (None: another pipeline stage owns it) is a pass-through:
+    the model then takes hidden states in or gives them out;
   * attention reads head counts from the tensor shapes, so sharded (tensor-parallel) projections just work;
-  * `Attention.core(q, k, v, cos, sin)` is the one place where tokens see each other (context parallelism
-    swaps it); `forward(input_ids, position_ids=None)` takes explicit positions for the same reason;
+  * `Attention.core`, a submodule with no parameters (`AttentionCore`), is the one place where tokens see
+    each other: context parallelism swaps it; `forward(input_ids, position_ids=None)` takes explicit
+    positions ([s] or [b, s]) for the same reason, and the step engine passes them with every batch;
   * `init_weights(seed)` draws every parameter from a generator seeded by (seed, parameter name) only, so
     every layout initialises identically. A strategy that shards a parameter may attach `p.full_shape` and
     `p.take_shard(full) -> shard` to it; `init_weights` then draws the full tensor and keeps its shard.
@@ -171,11 +176,39 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
+class AttentionCore(nn.Module):
+    """RoPE + causal softmax(q k^T / sqrt(d)) v: the one place where tokens see each other. No parameters;
+    a strategy that splits the sequence (context parallelism) replaces this module."""
+
+    def __init__(self, attn_impl: str = "sdpa"):
+        super().__init__()
+        self.attn_impl = attn_impl
+
+    def forward(self, q, k, v, cos, sin):
+        """q: [b, a, s, d], k/v: [b, k, s, d], cos/sin: [s, d] or [b, 1, s, d] -> [b, a, s, d]."""
+        q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        groups = q.shape[1] // k.shape[1]
+        if self.attn_impl == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+        if self.attn_impl != "eager":
+            raise ValueError(f"unknown attn_impl {self.attn_impl!r}; use 'sdpa' or 'eager'.")
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [b, a, s, s]: the 5·a·s/h term
+        s_q, s_k = scores.shape[-2:]
+        future = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+    def extra_repr(self):
+        return self.attn_impl
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.head_dim, self.attn_impl = d, config.attn_impl
+        self.head_dim = d
+        self.core = AttentionCore(config.attn_impl)
         self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=False)
         self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
@@ -191,21 +224,6 @@ class Attention(nn.Module):
         else:
             out = self.core(q, k, v, cos, sin)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-    def core(self, q, k, v, cos, sin):
-        """RoPE + causal softmax(q k^T / sqrt(d)) v. q: [b, a, s, d], k/v: [b, k, s, d] -> [b, a, s, d]."""
-        q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
-        groups = q.shape[1] // k.shape[1]
-        if self.attn_impl == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
-        if self.attn_impl != "eager":
-            raise ValueError(f"unknown attn_impl {self.attn_impl!r}; use 'sdpa' or 'eager'.")
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [b, a, s, s]: the 5·a·s/h term
-        s_q, s_k = scores.shape[-2:]
-        future = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-        return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class MLP(nn.Module):
@@ -235,20 +253,38 @@ class DecoderLayer(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ model
+class Layers(nn.ModuleDict):
+    """The decoder layers, keyed by their global index: `layers[3]` is layer 3 and is named "layers.3" on
+    whichever rank holds it, even when a pipeline stage keeps only some of them. Iterating gives the layers
+    (in index order), as a ModuleList would."""
+
+    def __init__(self, layers):
+        super().__init__({str(i): layer for i, layer in layers})
+
+    def __getitem__(self, index):
+        return super().__getitem__(str(index))
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def indices(self):
+        return [int(k) for k in self.keys()]
+
+
 class Llama(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.recompute = "none"  # "none" | "selective" | "full"; set by the trainer
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = Layers((i, DecoderLayer(config)) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self):
         """Make lm_head share the embedding matrix when the config says so (to_empty unties: we re-tie)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.embed_tokens is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def to_empty(self, *, device, recurse: bool = True):
@@ -260,19 +296,26 @@ class Llama(nn.Module):
         return sum(p.numel() for p in self.parameters())  # parameters() counts a tied matrix once
 
     def forward(self, input_ids, position_ids=None):
-        """input_ids [b, s] (int64) -> logits [b, s, vocab]. position_ids default to 0..s-1."""
+        """input_ids [b, s] (int64) -> logits [b, s, vocab]. position_ids ([s] or [b, s]) default to 0..s-1.
+
+        Without an embedding the input is already hidden states [b, s, h]; without norm and head the output
+        is too (pipeline stages)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        if cos.dim() == 3:  # per-sequence positions [b, s, d]: broadcast over the heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute={self.recompute!r}; use 'none', 'selective' or 'full'.")
-        x = self.embed_tokens(input_ids)
+        x = input_ids if self.embed_tokens is None else self.embed_tokens(input_ids)
         for layer in self.layers:
             if self.recompute == "full":  # keep only each layer's input; redo the layer in backward
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, selective=self.recompute == "selective")
-        return self.lm_head(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        return x if self.lm_head is None else self.lm_head(x)
 
     # ---------------------------------------------------------------------------------------- init
     def init_std(self, name: str) -> float:
@@ -348,6 +391,11 @@ def init_tensor(name: str, shape, seed: int, std: float) -> torch.Tensor:
     hash()) of the seed and the parameter's name."""
     g = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     return torch.randn(tuple(shape), generator=g) * std
+
+
+def loss_fn(logits, targets):
+    """Mean cross-entropy over every token: logits [b, s, v] (any dtype; computed in fp32), targets [b, s]."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 @torch.no_grad()

@@ -40,11 +40,13 @@ the blocks divided by n. The RMSNorm weights stay replicated but each rank sees 
 gradients are partial: `SequenceParallelRMSNorm` passes its weight through f, whose backward all-reduces
 that gradient over tp (one all-reduce of h numbers per norm per backward).
 
-`apply(model, mesh, sp)` swaps the model's modules in place, on the meta device, before `to_empty` and
-`init_weights`: parameter names stay those of the unsharded model, and each sharded weight carries
-`full_shape`, `take_shard` (init_weights draws the full tensor and keeps this rank's slice, so every layout
-starts from the same weights) and `tp_dim`, the dimension it is cut along. Parameters without `tp_dim` are
-replicated over tp: global-norm clipping counts those once and sums the sharded ones over the tp group.
+`apply(model, axis, sp)` swaps the model's modules in place, on the meta device, before `to_empty` and
+`init_weights`; `axis` is the mesh's tp axis (or `Axis.alone("tp", n, r)` to build rank r's shard with no
+processes). Parameter names stay those of the unsharded model, and each sharded weight carries `full_shape`,
+`take_shard` (init_weights draws the full tensor and keeps this rank's slice, so every layout starts from the
+same weights), `tp_dim`, the dimension it is cut along, and the mark ("tp",) (`picotron.marks`): unmarked
+parameters are replicated over tp, and global-norm clipping counts those once. `check(cfg, model_config)`
+holds the rules the degrees must follow.
 Heads are never split: tp must divide the query heads and the KV heads (no KV-head replication here).
 """
 from functools import partial
@@ -54,35 +56,35 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from picotron import marks
 from picotron.model import RMSNorm
 
 
 # --------------------------------------------------------------------------- the communication operators
-def _all_reduce(x, group, op=dist.ReduceOp.SUM):
+def _all_reduce(x, axis, op=dist.ReduceOp.SUM):
     x = x.clone(memory_format=torch.contiguous_format)  # a fresh buffer: the caller's tensor may be shared
-    dist.all_reduce(x, op=op, group=group)
+    axis.all_reduce(x, op=op)
     return x
 
 
-def _all_gather_sequence(x, group):
+def _all_gather_sequence(x, axis):
     """[b, s/n, ...] on each rank -> [b, s, ...], rank 0's tokens first. The collective concatenates along
     dim 0, so the sequence goes first for it and back to dim 1 afterwards."""
-    n = dist.get_world_size(group)
     local = x.transpose(0, 1).contiguous()
-    out = local.new_empty((n * local.shape[0],) + local.shape[1:])
-    dist.all_gather_single(out, local, group=group)
+    out = local.new_empty((axis.size * local.shape[0],) + local.shape[1:])
+    axis.all_gather_into(out, local)
     return out.transpose(0, 1)
 
 
-def _reduce_scatter_sequence(x, group):
+def _reduce_scatter_sequence(x, axis):
     """[b, s, ...] partial sums on each rank -> [b, s/n, ...]: the sum over ranks of this rank's tokens."""
-    n, s = dist.get_world_size(group), x.shape[1]
+    n, s = axis.size, x.shape[1]
     if s % n:
         raise ValueError(f"sequence parallelism splits the sequence over tp={n} ranks but it has {s} tokens; "
                          f"use a sequence length that is a multiple of {n}.")
     full = x.transpose(0, 1).contiguous()
     out = full.new_empty((s // n,) + full.shape[1:])
-    dist.reduce_scatter_single(out, full, group=group)
+    axis.reduce_scatter_into(out, full)
     return out.transpose(0, 1)
 
 
@@ -90,21 +92,21 @@ class CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, axis):
+        ctx.axis = axis
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce(grad, ctx.axis), None
 
 
 class ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, axis):
+        return _all_reduce(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
@@ -115,46 +117,46 @@ class GatherSequence(torch.autograd.Function):
     """sp's f: all-gather along the sequence forward, reduce-scatter backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_sequence(x, group)
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _all_gather_sequence(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad, ctx.group), None
+        return _reduce_scatter_sequence(grad, ctx.axis), None
 
 
 class ReduceScatterSequence(torch.autograd.Function):
     """sp's g: reduce-scatter along the sequence forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_sequence(x, group)
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _reduce_scatter_sequence(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.group), None
+        return _all_gather_sequence(grad, ctx.axis), None
 
 
-def enter_tp(x, group, sp=False):
+def enter_tp(x, axis, sp=False):
     """Into a tensor-parallel region (before column-parallel layers): f, or with sp the sequence all-gather."""
-    return GatherSequence.apply(x, group) if sp else CopyToTP.apply(x, group)
+    return GatherSequence.apply(x, axis) if sp else CopyToTP.apply(x, axis)
 
 
-def leave_tp(y, group, sp=False):
+def leave_tp(y, axis, sp=False):
     """Out of it (after a row-parallel layer): g, or with sp the sequence reduce-scatter."""
-    return ReduceScatterSequence.apply(y, group) if sp else ReduceFromTP.apply(y, group)
+    return ReduceScatterSequence.apply(y, axis) if sp else ReduceFromTP.apply(y, axis)
 
 
 # ------------------------------------------------------------------------------------------------- layers
 class _Sharded(nn.Module):
     """Holds `weight`: this rank's slice, along dimension `dim`, of a matrix of shape `full_shape`."""
 
-    def __init__(self, full_shape, dim, mesh, device=None, dtype=None):
+    def __init__(self, full_shape, dim, axis, device=None, dtype=None):
         super().__init__()
         self.full_shape, self.dim = tuple(full_shape), dim
-        self.group, self.rank, self.size = mesh.tp_group, mesh.tp_rank, mesh.tp_size
+        self.axis, self.rank, self.size = axis, axis.rank, axis.size
         shape = list(self.full_shape)
         shape[dim] //= self.size
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -165,6 +167,7 @@ class _Sharded(nn.Module):
 
     def _mark(self):  # what Llama.init_weights, clipping and the tests read off the parameter
         self.weight.full_shape, self.weight.take_shard, self.weight.tp_dim = self.full_shape, self.take_shard, self.dim
+        marks.mark(self.weight, self.axis.dims)
 
     def _apply(self, fn, recurse=True):  # to_empty() from the meta device makes new Parameter objects: re-mark
         super()._apply(fn, recurse)
@@ -182,13 +185,13 @@ class ColumnParallelLinear(_Sharded):
     the caller has done it already, once for several layers reading the same input (q, k and v; gate and up):
     three f's would all-reduce the input's gradient three times."""
 
-    def __init__(self, in_features, out_features, mesh, sp=False, enter=True, device=None, dtype=None):
-        super().__init__((out_features, in_features), 0, mesh, device, dtype)
+    def __init__(self, in_features, out_features, axis, sp=False, enter=True, device=None, dtype=None):
+        super().__init__((out_features, in_features), 0, axis, device, dtype)
         self.sp, self.enter = sp, enter
 
     def forward(self, x):
         if self.enter:
-            x = enter_tp(x, self.group, self.sp)
+            x = enter_tp(x, self.axis, self.sp)
         return F.linear(x, self.weight)
 
 
@@ -196,41 +199,41 @@ class RowParallelLinear(_Sharded):
     """y = Σ_r x_r W_rᵀ: W's input features split; takes this rank's slice of the input, returns the full
     output (g), or with sp this rank's tokens of it (reduce-scatter)."""
 
-    def __init__(self, in_features, out_features, mesh, sp=False, device=None, dtype=None):
-        super().__init__((out_features, in_features), 1, mesh, device, dtype)
+    def __init__(self, in_features, out_features, axis, sp=False, device=None, dtype=None):
+        super().__init__((out_features, in_features), 1, axis, device, dtype)
         self.sp = sp
 
     def forward(self, x):
-        return leave_tp(F.linear(x, self.weight), self.group, self.sp)
+        return leave_tp(F.linear(x, self.weight), self.axis, self.sp)
 
 
 class VocabParallelEmbedding(_Sharded):
     """Rank r keeps the embedding rows of tokens [r·v/n, (r+1)·v/n); other tokens look up zeros, and the
     all-reduce (with sp: the reduce-scatter along the sequence) adds the one rank that has each row."""
 
-    def __init__(self, num_embeddings, embedding_dim, mesh, sp=False, device=None, dtype=None):
-        super().__init__((num_embeddings, embedding_dim), 0, mesh, device, dtype)
+    def __init__(self, num_embeddings, embedding_dim, axis, sp=False, device=None, dtype=None):
+        super().__init__((num_embeddings, embedding_dim), 0, axis, device, dtype)
         self.sp = sp
         self.lo = self.rank * (num_embeddings // self.size)
 
     def forward(self, ids):
         outside = (ids < self.lo) | (ids >= self.lo + self.weight.shape[0])
         out = F.embedding((ids - self.lo).masked_fill(outside, 0), self.weight)
-        return leave_tp(out.masked_fill(outside[..., None], 0.0), self.group, self.sp)
+        return leave_tp(out.masked_fill(outside[..., None], 0.0), self.axis, self.sp)
 
 
 class SequenceParallelRMSNorm(RMSNorm):
     """model.RMSNorm's arithmetic on this rank's tokens; the weight goes through f, so its gradient, a sum
     over this rank's tokens only, is summed over the tp group in backward (before it is accumulated)."""
 
-    def __init__(self, size, eps, mesh):
+    def __init__(self, size, eps, axis):
         super().__init__(size, eps)
-        self.group = mesh.tp_group
+        self.axis = axis
 
     def forward(self, x):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return CopyToTP.apply(self.weight, self.group) * x32.to(x.dtype)
+        return CopyToTP.apply(self.weight, self.axis) * x32.to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------- vocab-parallel loss
@@ -242,14 +245,14 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     d loss / d z_v = softmax_v - [v = target], and each rank has its own columns of softmax."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, lo):
-        m = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+    def forward(ctx, logits, targets, axis, lo):
+        m = _all_reduce(logits.max(dim=-1).values, axis, dist.ReduceOp.MAX)
         exp = (logits - m[:, None]).exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        sum_exp = _all_reduce(exp.sum(dim=-1), axis)
         inside = (targets >= lo) & (targets < lo + logits.shape[-1])
         local = (targets - lo).masked_fill(~inside, 0)
         target_logit = (logits.gather(1, local[:, None]).squeeze(1) - m).masked_fill(~inside, 0.0)
-        target_logit = _all_reduce(target_logit, group)
+        target_logit = _all_reduce(target_logit, axis)
         ctx.save_for_backward(exp.div_(sum_exp[:, None]), local, inside)  # softmax, this rank's columns
         return sum_exp.log() - target_logit
 
@@ -261,11 +264,11 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss[:, None], None, None, None
 
 
-def loss_fn(logits, targets, mesh):
-    """Mean cross-entropy over all tokens from vocab-sharded logits [b, s, v/n] (train.loss_fn's twin)."""
+def loss_fn(logits, targets, axis):
+    """Mean cross-entropy over all tokens from vocab-sharded logits [b, s, v/n] (model.loss_fn's twin)."""
     v_local = logits.shape[-1]
     losses = VocabParallelCrossEntropy.apply(logits.float().reshape(-1, v_local), targets.reshape(-1),
-                                             mesh.tp_group, mesh.tp_rank * v_local)
+                                             axis, axis.rank * v_local)
     return losses.mean()
 
 
@@ -273,36 +276,58 @@ class FullVocabLogits(nn.Module):
     """model(ids) -> logits over the whole vocabulary (all-gathered over tp), for generation only. With sp the
     ids are padded on the right to a multiple of tp: causal attention keeps earlier positions unaffected."""
 
-    def __init__(self, model, mesh, sp=False):
+    def __init__(self, model, axis, sp=False):
         super().__init__()
-        self.model, self.config, self.mesh, self.sp = model, model.config, mesh, sp
+        self.model, self.config, self.axis, self.sp = model, model.config, axis, sp
 
     def forward(self, ids):
-        s, n = ids.shape[1], self.mesh.tp_size
+        s, n = ids.shape[1], self.axis.size
         if self.sp and s % n:
             ids = F.pad(ids, (0, n - s % n))
         logits = self.model(ids)[:, :s].contiguous()
-        parts = [torch.empty_like(logits) for _ in range(n)]
-        dist.all_gather(parts, logits, group=self.mesh.tp_group)
-        return torch.cat(parts, dim=-1)
+        parts = logits.new_empty((n * logits.shape[0],) + logits.shape[1:])  # ranks' [b, s, v/n] stacked along b
+        self.axis.all_gather_into(parts, logits)
+        return torch.cat(parts.chunk(n), dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------- apply
-def check_divisible(config, tp):
-    """Raise ValueError unless tp splits heads, KV heads, MLP columns and the vocabulary into whole slices."""
-    kv = config.num_key_value_heads
-    if kv < tp:
-        raise ValueError(f"tp={tp} is more than num_key_value_heads={kv}: every tensor-parallel rank needs at "
-                         f"least one whole KV head and this code does not replicate them; use tp <= {kv} or a "
-                         f"model with at least {tp} KV heads.")
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        if getattr(config, name) % tp:
-            raise ValueError(f"tp={tp} does not divide {name}={getattr(config, name)}; pick a tp that divides it.")
+def check(cfg, model_config):
+    """Tensor (and sequence) parallelism's rules: the one-sentence problem with these settings, or None.
+
+    tp splits the query heads, the KV heads, the MLP columns and the vocabulary into tp equal slices, whole
+    heads per rank (no KV-head replication here); sp splits each rank's sequence over the tp ranks."""
+    tp = cfg.tp
+    problem = _shape_problem(model_config, tp)
+    if problem:
+        return problem
+    if cfg.sp and tp == 1:
+        return ("--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism leaves "
+                "replicated over the tp ranks); add --tp 2 or more, or drop --sp.")
+    if cfg.sp and (cfg.seq_len // cfg.cp) % tp:
+        return (f"sp with tp={tp} needs the local sequence length seq_len/cp={cfg.seq_len // cfg.cp} divisible by "
+                f"tp (the sequence is split over tp ranks); pass a seq_len that is a multiple of {tp * cfg.cp}.")
+    return None
 
 
-def _enter_block(group, sp, module, args):
+def _shape_problem(mc, tp):
+    """Whether tp cuts the model's heads, KV heads, MLP columns and vocabulary into whole, equal slices."""
+    sizes = [("num_attention_heads", mc.num_attention_heads), ("num_key_value_heads", mc.num_key_value_heads),
+             ("intermediate_size", mc.intermediate_size), ("vocab_size", mc.vocab_size)]
+    good = "{" + ", ".join(str(d) for d in range(1, min(mc.num_attention_heads, 64) + 1)
+                           if all(n % d == 0 for _, n in sizes)) + "}"
+    if tp > mc.num_key_value_heads:
+        return (f"tp={tp} is more than num_key_value_heads={mc.num_key_value_heads} (every tensor-parallel rank "
+                f"needs at least one whole KV head, and KV heads are not replicated); pick tp in {good} or a model "
+                f"with at least {tp} KV heads.")
+    for name, n in sizes:
+        if n % tp:
+            return f"tp={tp} does not divide {name}={n}; pick tp in {good}."
+    return None
+
+
+def _enter_block(axis, sp, module, args):
     """Forward pre-hook on an attention or MLP block: its input enters the tp region once, for q, k and v."""
-    return (enter_tp(args[0], group, sp),) + tuple(args[1:])
+    return (enter_tp(args[0], axis, sp),) + tuple(args[1:])
 
 
 def _swap(parent, name, new):
@@ -314,24 +339,26 @@ def _swap(parent, name, new):
     setattr(parent, name, new)
 
 
-def apply(model, mesh, sp=False):
-    """Shard `model` (a Llama) over mesh.tp_group in place and return it; tp=1 leaves it untouched."""
-    n = mesh.tp_size
+def apply(model, axis, sp=False):
+    """Shard `model` (a Llama) over `axis` (the mesh's tp axis) in place and return it; tp=1 leaves it untouched."""
+    n = axis.size
     if n == 1:
         return model
-    check_divisible(model.config, n)
+    problem = _shape_problem(model.config, n)
+    if problem:
+        raise ValueError(problem)
     w = model.embed_tokens.weight
     kw = dict(device=w.device, dtype=w.dtype)
 
     def column(lin, enter):
-        return ColumnParallelLinear(lin.in_features, lin.out_features, mesh, sp=sp, enter=enter, **kw)
+        return ColumnParallelLinear(lin.in_features, lin.out_features, axis, sp=sp, enter=enter, **kw)
 
     def row(lin):
-        return RowParallelLinear(lin.in_features, lin.out_features, mesh, sp=sp, **kw)
+        return RowParallelLinear(lin.in_features, lin.out_features, axis, sp=sp, **kw)
 
     def norm(old):
         with torch.device(w.device):
-            return SequenceParallelRMSNorm(old.weight.shape[0], old.eps, mesh)
+            return SequenceParallelRMSNorm(old.weight.shape[0], old.eps, axis)
 
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -341,13 +368,13 @@ def apply(model, mesh, sp=False):
         _swap(mlp, "gate_proj", column(mlp.gate_proj, enter=False))
         _swap(mlp, "up_proj", column(mlp.up_proj, enter=False))
         _swap(mlp, "down_proj", row(mlp.down_proj))
-        attn.register_forward_pre_hook(partial(_enter_block, mesh.tp_group, sp))
-        mlp.register_forward_pre_hook(partial(_enter_block, mesh.tp_group, sp))
+        attn.register_forward_pre_hook(partial(_enter_block, axis, sp))
+        mlp.register_forward_pre_hook(partial(_enter_block, axis, sp))
         if sp:
             _swap(layer, "input_layernorm", norm(layer.input_layernorm))
             _swap(layer, "post_attention_layernorm", norm(layer.post_attention_layernorm))
     emb = model.embed_tokens
-    _swap(model, "embed_tokens", VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, mesh, sp=sp, **kw))
+    _swap(model, "embed_tokens", VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, axis, sp=sp, **kw))
     if sp:
         _swap(model, "norm", norm(model.norm))
     _swap(model, "lm_head", column(model.lm_head, enter=True))  # logits stay split over the vocabulary
@@ -355,11 +382,11 @@ def apply(model, mesh, sp=False):
     return model
 
 
-def gather_from_tp(t, dim, mesh):
+def gather_from_tp(t, dim, axis):
     """The full tensor from its tp slices along `dim` (None: replicated, a copy), e.g. a parameter or its
-    gradient: gather_from_tp(p.grad, p.tp_dim, mesh) with getattr(p, "tp_dim", None)."""
-    if dim is None or mesh.tp_size == 1:
+    gradient: gather_from_tp(p.grad, p.tp_dim, mesh.tp) with getattr(p, "tp_dim", None)."""
+    if dim is None or axis.size == 1:
         return t.detach().clone()
-    parts = [torch.empty_like(t) for _ in range(mesh.tp_size)]
-    dist.all_gather(parts, t.detach().contiguous(), group=mesh.tp_group)
-    return torch.cat(parts, dim=dim)
+    parts = t.new_empty((axis.size * t.shape[0],) + t.shape[1:])  # the ranks' slices stacked along dim 0
+    axis.all_gather_into(parts, t.detach().contiguous())
+    return torch.cat(parts.chunk(axis.size), dim=dim)

@@ -41,18 +41,24 @@ Gradient accumulation: stage 1 keeps full local gradients, so under `no_sync()` 
 reduce-scatter follows the last micro-batch. Stages 2 and 3 keep no full gradient: they reduce-scatter after
 every micro-batch and add into the gradient shard (`no_sync` changes nothing there).
 
-Global-norm clipping sums the squared norms of every rank's shard with one all-reduce (`clip_grad_norm`).
+The optimizer's pieces are marked as sharded over dp x cp (`picotron.marks`), so the trainer's one global-norm
+clipping counts each gradient element once, whatever else is on.
 
-Caveat (stage 3): every forward all-gathers collectively, so every rank must run the same forwards, evaluation
+ZeRO-1/2 here: `ZeroDataParallel` syncs the gradients (reduce-scatter into shards) and `ShardedOptimizer` is the
+optimizer: its step updates this rank's chunk and then all-gathers every chunk, so that every rank holds the
+updated parameters again. Stage 3 is in `picotron.zero3`.
+
+Caveat (stage 3, zero3.py): every forward all-gathers collectively, so every rank must run the same forwards, evaluation
 and text generation included; a forward on rank 0 alone waits for the others until the timeout ends it.
 """
 import math
 from contextlib import contextmanager
-from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from picotron import marks
+from picotron.data_parallel import GradSync, buckets
 
 
 class FlatUnit:
@@ -93,24 +99,18 @@ class FlatUnit:
         return self.padded * self.params[0].element_size()
 
 
-class _Zero(nn.Module):
-    """What the stages share: the group, the optimizer's pieces, clipping, counters, checkpoints."""
+class ShardedGradSync(GradSync):
+    """What the stages share: the axis, the optimizer's pieces, the reduce-scatter pipeline, checkpoints."""
 
-    def __init__(self, module, mesh, stage, timeline=None):
-        super().__init__()
-        self.module, self.stage, self.timeline = module, stage, timeline
-        self.group, self.n, self.rank = mesh.dp_cp_group, mesh.dp_cp_size, mesh.dp_cp_rank
-        self.tp_group = mesh.tp_group if getattr(mesh, "tp_size", 1) > 1 else None  # for clipping only
+    def __init__(self, module, axis, stage):
+        super().__init__(module)
+        self.stage, self.axis = stage, axis
+        self.n, self.rank = axis.size, axis.rank
         self.sync = True
         self.units = []
         self.unit_of = {}  # parameter -> its unit
-        self.sent = {"all_gather": 0, "reduce_scatter": 0}  # bytes of the full buffers each collective covers
         self.transient = self.transient_peak = 0  # bytes of gathered params + gradient buckets in flight
         self._pending = []  # reduce-scatters in flight: (unit, work, flat gradient buffer)
-        self._untimed = {}
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
 
     @contextmanager
     def no_sync(self):
@@ -122,11 +122,13 @@ class _Zero(nn.Module):
             self.sync = previous
 
     def _make_pieces(self):
-        """The optimizer's parameters: 1-D views of each unit's shard, their .grad views of the gradient shard."""
+        """The optimizer's parameters: 1-D views of each unit's shard, their .grad views of the gradient shard.
+        Each piece is marked as sharded over this axis on top of its parameter's own marks."""
         self.pieces = []  # (piece, is a matrix, unit, start, length)
         for unit in self.units:
             for p, start, length in unit.pieces():
-                self.pieces.append((nn.Parameter(unit.shard[start:start + length]), p.dim() >= 2, unit, start, length))
+                piece = marks.mark(nn.Parameter(unit.shard[start:start + length]), self.axis.dims + marks.sharded_over(p))
+                self.pieces.append((piece, p.dim() >= 2, unit, start, length))
         self._attach_piece_grads()
 
     def _attach_piece_grads(self):
@@ -136,58 +138,6 @@ class _Zero(nn.Module):
     def optimizer_groups(self):
         """(pieces that get weight decay, pieces that do not): what to hand the optimizer."""
         return [q[0] for q in self.pieces if q[1]], [q[0] for q in self.pieces if not q[1]]
-
-    def clip_grad_norm(self, max_norm):
-        """Clip by the global gradient norm: squared norms of every shard, summed over the ranks once.
-
-        With tensor parallelism each tp rank's model is itself a slice: the squares of tp-sharded parameters
-        (marked `tp_dim`) are summed over the tp group as well, those of tp-replicated ones counted once."""
-        if self.tp_group is None:
-            square = sum(torch.linalg.vector_norm(u.grad_shard, dtype=torch.float32) ** 2 for u in self.units)
-            dist.all_reduce(square, group=self.group)
-        else:
-            parts = torch.zeros(2, device=self.units[0].grad_shard.device)  # [tp-sharded, tp-replicated]
-            for u in self.units:
-                for p, start, length in u.pieces():
-                    g = u.grad_shard[start:start + length]
-                    parts[int(getattr(p, "tp_dim", None) is None)] += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-            dist.all_reduce(parts, group=self.group)
-            sharded = parts[0].clone()
-            dist.all_reduce(sharded, group=self.tp_group)
-            square = sharded + parts[1]
-        total = square.sqrt()
-        if max_norm > 0:  # 0 = no clipping
-            scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for u in self.units:
-                u.grad_shard.mul_(scale)
-        return total.item()
-
-    # -- collectives, counted and (optionally) put on the timeline --------------------------------------
-    def _all_gather(self, unit, out, shard):
-        self.sent["all_gather"] += out.numel() * out.element_size()
-        work = dist.all_gather_single(out, shard, group=self.group, async_op=True)
-        self._trace(work, f"all-gather {unit.name}")
-        return work
-
-    def _reduce_scatter(self, unit, out, flat):
-        self.sent["reduce_scatter"] += flat.numel() * flat.element_size()
-        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
-        self._trace(work, f"reduce-scatter {unit.name}")
-        return work
-
-    def _trace(self, work, name):
-        if self.timeline is not None:
-            start, tl = self.timeline.now(), self.timeline
-            try:  # the end is recorded when the collective completes...
-                work.get_future().then(lambda _: tl.add(name, start, tl.now(), kind="comm"))
-            except RuntimeError:  # ...or, where the backend gives no future (gloo's reduce-scatter), when waited
-                self._untimed[id(work)] = (name, start)
-
-    def _complete(self, work):
-        work.wait()
-        if id(work) in self._untimed:
-            name, start = self._untimed.pop(id(work))
-            self.timeline.add(name, start, self.timeline.now(), kind="comm", end_observed_at_wait=True)
 
     def _track(self, nbytes):
         self.transient += nbytes
@@ -201,7 +151,8 @@ class _Zero(nn.Module):
         for p in unit.params:
             p.grad = None
         flat.div_(self.n)  # the sum over ranks becomes the mean
-        work = self._reduce_scatter(unit, flat[unit.lo:unit.hi], flat)  # in place: chunk r gets the sum
+        work = self.axis.reduce_scatter_into(flat[unit.lo:unit.hi], flat, async_op=True,  # in place: chunk r gets the sum
+                                             label=f"reduce-scatter {unit.name}")
         self._pending.append((unit, work, flat))
         self._track(flat.numel() * flat.element_size())
         self._drain(keep=1)  # at most two buffers in flight: memory stays bounded
@@ -210,18 +161,18 @@ class _Zero(nn.Module):
         """Finish the oldest reduce-scatters (and any already done) and add their chunk to the gradient shard."""
         while self._pending and (len(self._pending) > keep or self._pending[0][1].is_completed()):
             unit, work, flat = self._pending.pop(0)
-            self._complete(work)
+            work.wait()
             if unit.grad_shard is None:  # the first micro-batch of the step: allocated only now
                 unit.grad_shard = flat[unit.lo:unit.hi].clone()
             else:
                 unit.grad_shard.add_(flat[unit.lo:unit.hi])
             self._track(-flat.numel() * flat.element_size())
 
-    def finish_gradient_sync(self):
+    def finish_sync(self):
         """Wait for every reduce-scatter: call after the last backward, before clipping and the optimizer."""
         for unit in self.units:
             if unit.work is not None and self.stage == 1:
-                self._complete(unit.work)
+                unit.work.wait()
                 unit.work = None
         self._drain(keep=0)
         self._attach_piece_grads()
@@ -237,7 +188,7 @@ class _Zero(nn.Module):
                     p.grad = None
         self._attach_piece_grads()
 
-    def memory_breakdown(self):
+    def memory(self):
         """Bytes this rank keeps between steps (our accounting), and the peak of the transient buffers."""
         params = sum(u.nbytes() if self.stage < 3 else u.shard.numel() * u.shard.element_size() for u in self.units)
         grads = sum(0 if g is None else g.nbytes for g in (u.grad_full if self.stage == 1 else u.grad_shard
@@ -261,27 +212,20 @@ class _Zero(nn.Module):
             self.gather_updated_params()
 
 
-class ZeroDataParallel(_Zero):
+class ZeroDataParallel(ShardedGradSync):
     """ZeRO stages 1 and 2: full parameters on every rank; gradients and optimizer state sharded.
 
     Parameters live in buckets of about `bucket_mb` MiB (filled in backward order, as in data_parallel.py);
     each parameter is a view of its bucket's flat buffer, and this rank's chunk of that buffer is what its
-    optimizer updates. After the optimizer step, `gather_updated_params()` all-gathers every chunk.
+    optimizer updates. `ShardedOptimizer.step` then all-gathers every chunk (`gather_updated_params`).
     """
 
-    def __init__(self, module, mesh, stage, bucket_mb=25.0, timeline=None):
+    def __init__(self, module, axis, stage, bucket_mb=25.0):
         if stage not in (1, 2):
-            raise ValueError(f"ZeroDataParallel does stages 1 and 2, not {stage}; stage 3 is Zero3.")
-        super().__init__(module, mesh, stage, timeline)
+            raise ValueError(f"ZeroDataParallel does stages 1 and 2, not {stage}; stage 3 is zero3.Zero3.")
+        super().__init__(module, axis, stage)
         params = [p for p in module.parameters() if p.requires_grad]
-        bucket, size = [], 0
-        for p in reversed(params):  # backward produces gradients roughly in reverse order
-            bucket.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_mb * 2**20:
-                self._add_unit(bucket)
-                bucket, size = [], 0
-        if bucket:
+        for bucket in buckets(params, bucket_mb):
             self._add_unit(bucket)
         self._make_pieces()
         for p in params:
@@ -313,167 +257,64 @@ class ZeroDataParallel(_Zero):
             self._send_gradients(unit)
         elif self.sync:
             unit.grad_full.div_(self.n)
-            unit.work = self._reduce_scatter(unit, unit.grad_full[unit.lo:unit.hi], unit.grad_full)
+            unit.work = self.axis.reduce_scatter_into(unit.grad_full[unit.lo:unit.hi], unit.grad_full, async_op=True,
+                                                      label=f"reduce-scatter {unit.name}")
 
     def forward(self, *args, **kwargs):
         if any(u.work is not None for u in self.units):  # stage 1: never accumulate into a buffer in flight
-            self.finish_gradient_sync()
+            self.finish_sync()
         return self.module(*args, **kwargs)
 
     def gather_updated_params(self):
         """After the optimizer step: every rank sends its updated chunk to all (in place, one per bucket)."""
-        works = [self._all_gather(u, u.full, u.shard) for u in self.units]
+        works = [self.axis.all_gather_into(u.full, u.shard, async_op=True, label=f"all-gather {u.name}")
+                 for u in self.units]
         for w in works:
-            self._complete(w)
+            w.wait()
 
 
-class Zero3(_Zero):
-    """ZeRO stage 3: each rank keeps 1/n of the parameters; a unit is gathered only while it computes.
+class ShardedOptimizer:
+    """ZeRO-1/2's optimizer: `optimizer` (over this rank's pieces) updates this rank's chunk of every bucket,
+    then the chunks are all-gathered, so every rank holds all the updated parameters for the next forward."""
 
-    Units: each module of `module.layers` (a transformer layer), plus a root unit with everything else. A
-    unit's parameters are views of one flat buffer whose storage is freed (resized to 0 bytes) between uses
-    and re-filled by an all-gather: tensors autograd saved for backward stay valid views of it.
-    """
+    def __init__(self, optimizer, zero):
+        self.optimizer, self.zero = optimizer, zero
 
-    def __init__(self, module, mesh, timeline=None, prefetch=True):
-        super().__init__(module, mesh, 3, timeline)
-        self.prefetch = prefetch
-        layers = list(module.layers)
-        in_layers = {p for layer in layers for p in layer.parameters()}
-        root = [p for p in module.parameters() if p not in in_layers]
-        for name, params in [("root", root)] + [(f"layer {i}", list(l.parameters())) for i, l in enumerate(layers)]:
-            unit = FlatUnit(name, params, self.rank, self.n)
-            full = unit.flat([p.detach() for p in params])
-            unit.shard = full[unit.lo:unit.hi].clone()  # this rank's fp32 parameters, kept for good
-            unit.grad_shard = unit.grad_flat = None
-            unit.full = full
-            unit.use_as_storage(full)
-            unit.state = "gathered"
-            self._free(unit, count=False)
-            self.units.append(unit)
-            for p in params:
-                self.unit_of[p] = unit
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-        self._make_pieces()
-        self.in_backward = False
-        module.register_forward_pre_hook(self._root_pre_forward)
-        module.register_forward_hook(self._root_post_forward)
-        for k, layer in enumerate(layers, start=1):
-            layer.register_forward_pre_hook(partial(self._pre_forward, k))
-            layer.register_forward_hook(partial(self._post_forward, k))
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
 
-    # -- gather and free ---------------------------------------------------------------------------------
-    def _gather(self, unit):
-        """Start the all-gather of a unit's parameters (no-op if it is gathered or on its way)."""
-        if unit.state == "free":
-            unit.full.untyped_storage().resize_(unit.nbytes())
-            unit.work = self._all_gather(unit, unit.full, unit.shard)
-            unit.state = "gathering"
-            self._track(unit.nbytes())
+    @property
+    def state(self):
+        return self.optimizer.state
 
-    def _wait(self, unit):
-        if unit.state == "gathering":
-            self._complete(unit.work)
-            unit.work, unit.state = None, "gathered"
+    def step(self):
+        self.optimizer.step()
+        self.zero.gather_updated_params()
 
-    def _free(self, unit, count=True):
-        if unit.state != "free":
-            self._wait(unit)  # never free a buffer a collective is still writing
-            unit.full.untyped_storage().resize_(0)
-            unit.state = "free"
-            if count:
-                self._track(-unit.nbytes())
+    def state_dict(self):
+        return self.optimizer.state_dict()
 
-    def _use(self, k):
-        """Make unit k ready to compute; start fetching the unit that computes after it."""
-        self._gather(self.units[k])
-        self._wait(self.units[k])
-        nxt = k - 1 if self.in_backward else k + 1
-        if self.prefetch and 1 <= nxt < len(self.units):
-            self._gather(self.units[nxt])
-        self.units[k].t_start = self.timeline.now() if self.timeline is not None else 0.0
-
-    # -- hooks -------------------------------------------------------------------------------------------
-    def _root_pre_forward(self, module, args):
-        self.in_backward = False
-        self._use(0)
-
-    def _root_post_forward(self, module, args, output):
-        if torch.is_grad_enabled() and output.requires_grad:
-            output.register_hook(self._root_pre_backward)
-        else:
-            self._free(self.units[0])  # no backward follows (evaluation, generation)
-
-    def _root_pre_backward(self, grad):
-        self.in_backward = True
-        self._grad_buffer(self.units[0])
-        if self.prefetch and len(self.units) > 1:
-            self._gather(self.units[-1])
-
-    def _grad_buffer(self, unit):
-        """At the start of a unit's backward: one zeroed flat buffer, each p.grad a view of it, so autograd
-        accumulates straight into what the reduce-scatter sends (no second copy of the gradients)."""
-        if unit.grad_flat is None:
-            self._drain(keep=0)  # the previous unit's reduce-scatter (overlapped with this unit's all-gather) is done
-            unit.grad_flat = torch.zeros_like(unit.full)
-            self._track(unit.nbytes())
-            for p, off in zip(unit.params, unit.offsets):
-                p.grad = unit.grad_flat[off:off + p.numel()].view_as(p)
-
-    def _pre_forward(self, k, module, args):
-        self._use(k)
-
-    def _post_forward(self, k, module, args, output):
-        if self.in_backward:
-            return  # a recomputation (activation checkpointing) inside backward: its backward follows now
-        self._event(f"forward {self.units[k].name}", k)
-        if torch.is_grad_enabled() and output.requires_grad:
-            output.register_hook(partial(self._pre_backward, k))  # fires when the gradient reaches layer k
-        self._free(self.units[k])
-
-    def _pre_backward(self, k, grad):
-        self._use(k)
-        self._grad_buffer(self.units[k])
-
-    def _grad_ready(self, p):
-        unit = self.unit_of[p]
-        unit.ready += 1
-        if unit.ready < len(unit.params):
-            return
-        unit.ready = 0  # every parameter of the unit has its gradient: its backward is over
-        k = self.units.index(unit)
-        if k > 0:
-            self._event(f"backward {unit.name}", k)
-        self._track(-unit.nbytes())  # _send_gradients counts the buffer again while it is in flight
-        self._send_gradients(unit)
-        self._free(unit)
-
-    def _event(self, name, k):
-        if self.timeline is not None:
-            self.timeline.add(name, self.units[k].t_start, self.timeline.now(), kind="compute")
-
-    @contextmanager
-    def gathered(self):
-        """Every unit gathered for the duration of the block (inspection, saving in HF format)."""
-        for u in self.units:
-            self._gather(u)
-        for u in self.units:
-            self._wait(u)
-        try:
-            with torch.no_grad():
-                yield self.module
-        finally:
-            for u in self.units:
-                self._free(u)
-
-    def gather_updated_params(self):
-        pass  # the next forward gathers the updated shards
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
 
 
-def wrap(model, mesh, stage, bucket_mb=25.0, timeline=None, prefetch=True):
-    """The trainer's entry point: ZeRO stage 1, 2 or 3 over mesh.dp_cp_group."""
+def wrap(model, axis, stage, bucket_mb=25.0, prefetch=True):
+    """ZeRO stage 1, 2 or 3 over `axis` (the mesh's dp_cp axis)."""
     if stage in (1, 2):
-        return ZeroDataParallel(model, mesh, stage, bucket_mb=bucket_mb, timeline=timeline)
+        return ZeroDataParallel(model, axis, stage, bucket_mb=bucket_mb)
     if stage == 3:
-        return Zero3(model, mesh, timeline=timeline, prefetch=prefetch)
+        from picotron.zero3 import Zero3
+        return Zero3(model, axis, prefetch=prefetch)
     raise ValueError(f"ZeRO stage {stage!r}; use 1, 2 or 3 (0 is plain data parallelism).")
+
+
+def check(cfg, model_config):
+    """ZeRO's rules: the one-sentence problem with these settings, or None."""
+    if cfg.zero and cfg.dp_impl != "bucket":
+        return (f"dp_impl={cfg.dp_impl!r} does not apply with zero={cfg.zero} (ZeRO replaces the data-parallel "
+                f"wrapper: it reduce-scatters the gradients itself); drop --dp-impl or use zero=0.")
+    if cfg.zero and cfg.dp * cfg.cp == 1:
+        return (f"zero={cfg.zero} with dp=1 has nothing to shard over (ZeRO splits the model states over the "
+                f"data-parallel ranks); add --dp 2 or more, or drop --zero.")
+    return None

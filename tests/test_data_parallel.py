@@ -4,6 +4,7 @@ dp ranks with micro-batch b and grad_acc G see exactly the rows that one process
 grad_acc dp*G (picotron.data lays a step's rows out rank-major), so per-step losses must agree within 1e-5
 relative and the averaged gradients slice by slice within 1e-5; only the order of additions differs.
 """
+import dataclasses
 import os
 import tempfile
 
@@ -15,35 +16,29 @@ from picotron.config import Config
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
-from picotron.train import build_model, loss_fn, train
+from picotron.model import loss_fn
+from picotron.parallelize import build_model, parallelize
+from picotron.train import load_data, train
 
 SMALL = dict(seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, eval_every=0, lr=1e-2,
              warmup_steps=2)
 STEPS = 10
 
 
-def step_gradients(cfg, mesh, impl):
-    """One step's averaged gradients on this rank (forward/backward over grad_acc micro-batches)."""
-    model = raw = build_model(cfg, mesh)
-    if mesh.dp_size > 1:
-        model = data_parallel.wrap(raw, mesh, impl=impl, bucket_mb=0.05)  # small buckets: several of them
-    tokens = data.TokenData.load().train
-    for micro in range(cfg.grad_acc):
-        x, y = data.get_batch(tokens, 1, micro, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                              grad_acc=cfg.grad_acc, dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
-        ctx = model.no_sync() if mesh.dp_size > 1 and micro < cfg.grad_acc - 1 else torch.enable_grad()
-        with ctx:
-            (loss_fn(model(x), y) / cfg.grad_acc).backward()
-    if hasattr(model, "finish_gradient_sync"):
-        model.finish_gradient_sync()
-    return {n: p.grad.clone() for n, p in raw.named_parameters()}
+def step_gradients(cfg, mesh):
+    """One step's averaged gradients on this rank: the trainer's own parts (parallelize, its schedule)."""
+    cfg = dataclasses.replace(cfg, bucket_mb=0.05)  # small buckets: several of them
+    run = parallelize(cfg, mesh)
+    _, loader = load_data(cfg, mesh)
+    run.schedule.run(run.model, loader.micro_batches(1), run.loss_fn)
+    return {n: p.grad.clone() for n, p in run.raw.named_parameters()}
 
 
 def run_dp(dp, grad_acc, impl, out):
     """Child: 10 training steps and one step's gradients with this layout; rank 0 returns the losses."""
     cfg = Config(dp=dp, grad_acc=grad_acc, dp_impl=impl, steps=STEPS, out=out, **SMALL)
     with Mesh.init(dp=dp) as mesh:
-        grads = step_gradients(cfg, mesh, impl)
+        grads = step_gradients(cfg, mesh)
         train(cfg, mesh)
         losses = [r["loss"] for r in read_metrics(out)[0]] if mesh.rank == 0 else None
     return losses, grads
@@ -56,7 +51,7 @@ def reference():
     with Mesh.init() as mesh, tempfile.TemporaryDirectory() as tmp:
         for acc in (1, 2, 3, 4, 6, 8):
             cfg = Config(grad_acc=acc, steps=STEPS, out=os.path.join(tmp, str(acc)), **SMALL)
-            grads = step_gradients(cfg, mesh, None)
+            grads = step_gradients(cfg, mesh)
             train(cfg, mesh)
             results[acc] = [r["loss"] for r in read_metrics(cfg.out)[0]], grads
     return results
@@ -91,7 +86,7 @@ def _bucket_layout():
     cfg = Config(dp=2, **SMALL)
     with Mesh.init(dp=2) as mesh:
         raw = build_model(cfg, mesh)
-        model = data_parallel.DataParallel(raw, mesh, bucket_mb=0.1)
+        model = data_parallel.DataParallel(raw, mesh.dp_cp, bucket_mb=0.1)
         names = {p: n for n, p in raw.named_parameters()}
         views = all(p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
                     for b in model.buckets for p in b.params)
@@ -106,7 +101,7 @@ def _no_sync_child():
     cfg = Config(dp=2, **SMALL)
     with Mesh.init(dp=2) as mesh:
         raw = build_model(cfg, mesh)
-        model = data_parallel.DataParallel(raw, mesh)
+        model = data_parallel.DataParallel(raw, mesh.dp_cp)
         x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(mesh.rank))  # differs by rank
         with model.no_sync():
             loss_fn(model(x), x).backward()

@@ -75,10 +75,10 @@ def test_single_process_mesh_needs_no_launcher(monkeypatch):
     assert not dist.is_initialized()
     with Mesh.init(device="cpu") as mesh:
         assert (mesh.rank, mesh.world_size, mesh.device, mesh.backend) == (0, 1, torch.device("cpu"), "gloo")
-        assert mesh.sizes == {"dp": 1, "pp": 1, "cp": 1, "tp": 1} and mesh.peers["tp"] == [0]
+        assert mesh.sizes == {"dp": 1, "pp": 1, "cp": 1, "tp": 1} and mesh.tp.ranks == [0]
         assert mesh.is_first_stage and mesh.is_last_stage and mesh.pp_prev_rank is None and mesh.pp_next_rank is None
         x = torch.ones(3)
-        dist.all_reduce(x, group=mesh.dp_cp_group)
+        dist.all_reduce(x, group=mesh.dp_cp.group)
         assert x.tolist() == [1.0, 1.0, 1.0]
         assert "rank 0/1" in repr(mesh)
     assert not dist.is_initialized()
@@ -98,12 +98,16 @@ def _all_reduce_each_group(sizes):
     sums = {}
     for name in ("dp", "pp", "cp", "tp", "dp_cp"):
         x = torch.tensor([float(mesh.rank)])
-        dist.all_reduce(x, group=getattr(mesh, f"{name}_group"))
+        getattr(mesh, name).all_reduce(x)  # the axis's own collective...
+        y = torch.tensor([float(mesh.rank)])
+        dist.all_reduce(y, group=getattr(mesh, name).group)  # ...and torch's, on the axis's group
+        assert x.item() == y.item()
         sums[name] = x.item()
-    info = {"sums": sums, "coords": mesh.coords, "peers": mesh.peers, "prev": mesh.pp_prev_rank,
+    peers = {n: getattr(mesh, n).ranks for n in ("dp", "pp", "cp", "tp", "dp_cp")}
+    info = {"sums": sums, "coords": mesh.coords, "peers": peers, "prev": mesh.pp_prev_rank,
             "next": mesh.pp_next_rank, "first": mesh.is_first_stage, "last": mesh.is_last_stage,
-            "ranks": {n: getattr(mesh, f"{n}_rank") for n in ("dp", "pp", "cp", "tp", "dp_cp")},
-            "sizes": {n: getattr(mesh, f"{n}_size") for n in ("dp", "pp", "cp", "tp", "dp_cp")},
+            "ranks": {n: getattr(mesh, n).rank for n in ("dp", "pp", "cp", "tp", "dp_cp")},
+            "sizes": {n: getattr(mesh, n).size for n in ("dp", "pp", "cp", "tp", "dp_cp")},
             "backend": mesh.backend, "device": str(mesh.device), "repr": repr(mesh)}
     mesh.destroy()
     assert dist.is_initialized()  # the world group belongs to run_on_ranks, not to the mesh
@@ -143,7 +147,7 @@ def _mesh_from_env():
     assert not dist.is_initialized()
     mesh = Mesh.init(pp=2, device="cpu", timeout_s=30)
     x = torch.tensor([mesh.rank + 1.0])
-    dist.all_reduce(x, group=mesh.pp_group)
+    dist.all_reduce(x, group=mesh.pp.group)
     out = (mesh.rank, mesh.world_size, x.item(), mesh.pp_next_rank, mesh.pp_prev_rank)
     mesh.destroy()
     assert not dist.is_initialized()

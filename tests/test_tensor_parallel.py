@@ -8,9 +8,6 @@ backward counted against Megatron's pattern.
 """
 import os
 import tempfile
-from contextlib import nullcontext
-from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,30 +15,30 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from picotron import data, data_parallel, tensor_parallel, zero
+from picotron import tensor_parallel
 from picotron.config import Config
 from picotron.launch import run_on_ranks
-from picotron.mesh import Mesh
+from picotron.mesh import Axis, Mesh
 from picotron.metrics import read_metrics
 from picotron.model import Llama, ModelConfig
 from picotron.tensor_parallel import (ColumnParallelLinear, FullVocabLogits, RowParallelLinear, VocabParallelEmbedding,
                                       gather_from_tp)
-from picotron.train import build_model, loss_fn, train
+from picotron.marks import sharded_over
+from picotron.model import loss_fn
+from picotron.parallelize import build_model, parallelize
+from picotron.train import load_data, train
 
 SMALL = dict(seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, eval_every=4, eval_batches=1, lr=1e-2,
              warmup_steps=2, bucket_mb=0.05)
 STEPS = 5
 
 
-def fake_mesh(tp, rank):
-    """Enough of a Mesh to build (not run) a sharded model in this process: no process group needed."""
-    return SimpleNamespace(tp_size=tp, tp_rank=rank, tp_group=None)
-
-
-def sharded_model(config, mesh, sp=False):
+def sharded_model(config, axis, sp=False):
+    """This rank's shard of a model; `axis`: a mesh's tp axis, or Axis.alone("tp", n, r) to build rank r's shard
+    of a tp = n layout in this process, without any process group."""
     with torch.device("meta"):
         model = Llama(config)
-    tensor_parallel.apply(model, mesh, sp=sp)
+    tensor_parallel.apply(model, axis, sp=sp)
     return model.to_empty(device="cpu").init_weights(0)
 
 
@@ -54,7 +51,7 @@ def test_every_linear_and_embedding_is_sharded_and_initialised_as_a_slice(tied, 
     full = Llama(config).init_weights(0)
     ref = dict(full.named_parameters())
     for rank in range(2):
-        model = sharded_model(config, fake_mesh(2, rank), sp)
+        model = sharded_model(config, Axis.alone("tp", 2, rank), sp)
         left = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
         assert not left, f"left unsharded: {left}"
         assert isinstance(model.lm_head, ColumnParallelLinear) and model.lm_head.weight.shape == (128, 128)
@@ -65,6 +62,7 @@ def test_every_linear_and_embedding_is_sharded_and_initialised_as_a_slice(tied, 
         for name, p in model.named_parameters():
             dim = getattr(p, "tp_dim", None)
             assert (dim is None) == (p.dim() == 1), name  # matrices sharded, norm weights replicated
+            assert sharded_over(p) == (() if dim is None else ("tp",)), name  # the mark clipping reads
             expected = ref[name] if dim is None else ref[name].chunk(2, dim)[rank]
             assert torch.equal(p, expected), name
 
@@ -72,15 +70,15 @@ def test_every_linear_and_embedding_is_sharded_and_initialised_as_a_slice(tied, 
 def test_kv_heads_fewer_than_tp_is_a_clear_error():
     with torch.device("meta"):
         model = Llama(ModelConfig.from_preset("tiny"))  # 8 query heads, 4 KV heads
-    with pytest.raises(ValueError, match=r"tp=8 is more than num_key_value_heads=4: .* use tp <= 4"):
-        tensor_parallel.apply(model, fake_mesh(8, 0))
+    with pytest.raises(ValueError, match=r"tp=8 is more than num_key_value_heads=4 .* pick tp in \{1, 2, 4\}"):
+        tensor_parallel.apply(model, Axis.alone("tp", 8, 0))
 
 
 # ------------------------------------------------------------------------------ layers against their twins
 def layers_child():
     n = dist.get_world_size()
     with Mesh.init(tp=n) as mesh:
-        r, g = mesh.tp_rank, mesh.tp_group
+        r, g = mesh.tp.rank, mesh.tp.group
         torch.manual_seed(0)  # the same full tensors on every rank
         b, s, h, o, v = 2, 8, 16, 24, 32
         x, w, gy = torch.randn(b, s, h), torch.randn(o, h), torch.randn(b, s, o)
@@ -89,7 +87,7 @@ def layers_child():
             seq = (lambda t: t.chunk(n, 1)[r]) if sp else (lambda t: t)  # with sp a rank holds s/n tokens
 
             # column-parallel: forward exact, backward slice by slice
-            col = ColumnParallelLinear(h, o, mesh, sp=sp)
+            col = ColumnParallelLinear(h, o, mesh.tp, sp=sp)
             col.weight.data.copy_(col.take_shard(w))
             xl = seq(x).clone().requires_grad_()
             y = col(xl)
@@ -105,7 +103,7 @@ def layers_child():
             torch.testing.assert_close(col.weight.grad, wf.grad.chunk(n, 0)[r], msg=lambda m: f"column weight grad: {m}")
 
             # row-parallel: takes this rank's input features; output summed (sp: this rank's tokens of it)
-            row = RowParallelLinear(o, h, mesh, sp=sp)
+            row = RowParallelLinear(o, h, mesh.tp, sp=sp)
             row.weight.data.copy_(row.take_shard(w2))
             xl = x2.chunk(n, -1)[r].clone().requires_grad_()
             y = row(xl)
@@ -119,7 +117,7 @@ def layers_child():
 
             # vocab-parallel embedding: exact forward (one nonzero term per sum), weight gradient by rows
             table, ids, ge = torch.randn(v, h), torch.randint(0, v, (b, s)), torch.randn(b, s, h)
-            emb = VocabParallelEmbedding(v, h, mesh, sp=sp)
+            emb = VocabParallelEmbedding(v, h, mesh.tp, sp=sp)
             emb.weight.data.copy_(emb.take_shard(table))
             tf = table.clone().requires_grad_()
             y, yf = emb(ids), F.embedding(ids, tf)
@@ -132,7 +130,7 @@ def layers_child():
         logits, targets = torch.randn(b, s, v) * 3, torch.randint(0, v, (b, s))
         local = logits.chunk(n, -1)[r].clone().requires_grad_()
         full = logits.clone().requires_grad_()
-        loss = tensor_parallel.loss_fn(local, targets, mesh)
+        loss = tensor_parallel.loss_fn(local, targets, mesh.tp)
         ref = loss_fn(full, targets)
         torch.testing.assert_close(loss, ref, msg=lambda m: f"cross-entropy: {m}")
         (2 * loss).backward()
@@ -146,16 +144,16 @@ def layers_child():
         ref_loss = loss_fn(ref_model(ids[:, :-1]), ids[:, 1:])
         ref_loss.backward()
         for sp in (False, True):
-            model = sharded_model(config, mesh, sp)
-            loss = tensor_parallel.loss_fn(model(ids[:, :-1]), ids[:, 1:], mesh)
+            model = sharded_model(config, mesh.tp, sp)
+            loss = tensor_parallel.loss_fn(model(ids[:, :-1]), ids[:, 1:], mesh.tp)
             torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"tied model loss, sp={sp}: {m}")
             loss.backward()
             for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-                grad = gather_from_tp(p.grad, getattr(p, "tp_dim", None), mesh)
+                grad = gather_from_tp(p.grad, getattr(p, "tp_dim", None), mesh.tp)
                 torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}, sp={sp}: {m}")
             with torch.no_grad():
                 for length in (1, 5, 8):  # sp pads to a multiple of tp
-                    torch.testing.assert_close(FullVocabLogits(model, mesh, sp)(ids[:, :length]), ref_model(ids[:, :length]),
+                    torch.testing.assert_close(FullVocabLogits(model, mesh.tp, sp)(ids[:, :length]), ref_model(ids[:, :length]),
                                                msg=lambda m: f"full-vocabulary logits, length {length}, sp={sp}: {m}")
     return True
 
@@ -167,31 +165,21 @@ def test_layers_match_their_unsharded_twins(tp):
 
 # ------------------------------------------------------------------------------------- the whole model
 def step_gradients(cfg, mesh):
-    """One step's gradients as full tensors: tp slices concatenated, ZeRO chunks put back together."""
-    model = raw = build_model(cfg, mesh)
-    if cfg.zero:
-        model = zero.wrap(raw, mesh, cfg.zero, bucket_mb=cfg.bucket_mb)
-    elif mesh.dp_size > 1:
-        model = data_parallel.wrap(raw, mesh, bucket_mb=cfg.bucket_mb)
-    criterion = partial(tensor_parallel.loss_fn, mesh=mesh) if mesh.tp_size > 1 else loss_fn
-    tokens = data.TokenData.load().train
-    for micro in range(cfg.grad_acc):
-        x, y = data.get_batch(tokens, 1, micro, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                              grad_acc=cfg.grad_acc, dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
-        last = micro == cfg.grad_acc - 1
-        with model.no_sync() if hasattr(model, "no_sync") and not last else nullcontext():
-            (criterion(model(x), y) / cfg.grad_acc).backward()
-    if hasattr(model, "finish_gradient_sync"):
-        model.finish_gradient_sync()
+    """One step's gradients as full tensors: tp slices concatenated, ZeRO chunks put back together. The
+    trainer's own parts run the step (parallelize, its schedule)."""
+    run = parallelize(cfg, mesh)
+    raw, model = run.raw, run.model
+    _, loader = load_data(cfg, mesh)
+    run.schedule.run(model, loader.micro_batches(1), run.loss_fn)
     grads = {p: p.grad for p in raw.parameters()}
     if cfg.zero:  # each dp rank has its chunk of every unit: gather the chunks over dp x cp
         for unit in model.units:
-            chunks = [torch.zeros_like(unit.grad_shard) for _ in range(mesh.dp_cp_size)]
-            dist.all_gather(chunks, unit.grad_shard.contiguous(), group=mesh.dp_cp_group)
+            chunks = [torch.zeros_like(unit.grad_shard) for _ in range(mesh.dp_cp.size)]
+            dist.all_gather(chunks, unit.grad_shard.contiguous(), group=mesh.dp_cp.group)
             flat = torch.cat(chunks)
             for p, off in zip(unit.params, unit.offsets):
                 grads[p] = flat[off:off + p.numel()].view(p.shape)
-    return {n: gather_from_tp(grads[p], getattr(p, "tp_dim", None), mesh) for n, p in raw.named_parameters()}
+    return {n: gather_from_tp(grads[p], getattr(p, "tp_dim", None), mesh.tp) for n, p in raw.named_parameters()}
 
 
 def run_layout(tp, sp, dp, stage, out, extra):
@@ -246,29 +234,21 @@ def test_model_matches_single_process(reference, tmp_path, tp, sp, dp, stage, ex
 # ------------------------------------------------------------------------------ counting the collectives
 def count_child(layers, sp):
     """Every all-reduce, all-gather and reduce-scatter of one forward and one backward, with its full-buffer
-    bytes (an all-gather's output, a reduce-scatter's input): {phase: {(op, bytes): calls}}."""
+    bytes (an all-gather's output, a reduce-scatter's input), as the mesh's recorder logs them:
+    {phase: {(op, bytes): calls}}."""
+    from picotron import metrics
     cfg = Config(tp=2, sp=sp, num_hidden_layers=layers, **SMALL)
     with Mesh.init(tp=2) as mesh:
         model = build_model(cfg, mesh)
         x = torch.randint(0, 256, (2, 33))
-        counts, phase = {"forward": {}, "backward": {}}, ["forward"]
-        originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single", "reduce_scatter_single",
-                                                             "all_gather", "broadcast", "reduce_scatter")}
-
-        def counting(name, *args, **kwargs):
-            t = args[1] if name == "reduce_scatter_single" else args[0]
-            key = (name, t.numel() * t.element_size() if torch.is_tensor(t) else None)
-            counts[phase[0]][key] = counts[phase[0]].get(key, 0) + 1
-            return originals[name](*args, **kwargs)
-        try:
-            for name in originals:
-                setattr(dist, name, partial(counting, name))
-            loss = tensor_parallel.loss_fn(model(x[:, :-1]), x[:, 1:], mesh)
-            phase[0] = "backward"
-            loss.backward()
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
+        recorder = mesh.comm.recorder = metrics.Recorder()  # every axis of this mesh reports to it
+        loss = tensor_parallel.loss_fn(model(x[:, :-1]), x[:, 1:], mesh.tp)
+        forward = len(recorder.log)
+        loss.backward()
+        counts = {"forward": {}, "backward": {}}
+        for i, (op, nbytes, _) in enumerate(recorder.log):
+            phase = counts["forward" if i < forward else "backward"]
+            phase[op, nbytes] = phase.get((op, nbytes), 0) + 1
         return counts
 
 
@@ -278,7 +258,7 @@ def test_collectives_per_layer_follow_megatrons_pattern():
     embedding, the LM head's input and three all-reduces of b·s numbers in the loss."""
     b, s, h = 2, 32, 128
     act, tok, vec = 4 * b * s * h, 4 * b * s, 4 * h  # bytes of one activation, one number per token, a norm weight
-    AR, AG, RS = "all_reduce", "all_gather_single", "reduce_scatter_single"
+    AR, AG, RS = "all_reduce", "all_gather", "reduce_scatter"
     for sp in (False, True):
         small, big = run_on_ranks(count_child, 2, 2, sp, timeout_s=120)[0], run_on_ranks(count_child, 2, 4, sp,
                                                                                           timeout_s=120)[0]

@@ -12,8 +12,10 @@ from picotron import checkpoint, data
 from picotron.config import Config
 from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
-from picotron.model import Llama, ModelConfig
-from picotron.train import build_model, clip_grad_norm, loss_fn, lr_at, train
+from picotron.marks import clip_grad_norm
+from picotron.model import Llama, ModelConfig, loss_fn
+from picotron.parallelize import build_model
+from picotron.train import lr_at, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = dict(sample_tokens=0, log_every=1000, eval_every=0, seq_len=32, micro_batch_size=4)
@@ -86,7 +88,7 @@ def test_clip_grad_norm_matches_torch():
     for p, q in ((p1, q1), (p2, q2)):
         p.grad = torch.randn_like(p) * 3
         q.grad = p.grad.clone()
-    ours = clip_grad_norm([p1, p2], 1.0)
+    ours = clip_grad_norm([p1, p2], 1.0, Mesh.local())
     theirs = torch.nn.utils.clip_grad_norm_([q1, q2], 1.0)
     assert ours == pytest.approx(theirs.item(), rel=1e-6)
     torch.testing.assert_close(p1.grad, q1.grad), torch.testing.assert_close(p2.grad, q2.grad)

@@ -16,7 +16,9 @@ from picotron.config import Config
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
-from picotron.train import build_model, loss_fn, train
+from picotron.marks import clip_grad_norm
+from picotron.parallelize import parallelize
+from picotron.train import load_data, train
 
 SMALL = dict(seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, eval_every=0, lr=1e-2,
              warmup_steps=2, bucket_mb=0.05)  # small buckets: several units in stages 1-2
@@ -24,24 +26,18 @@ STEPS = 6
 
 
 def step_gradients(cfg, mesh):
-    """One step's gradients: the single process's p.grad, or the chunks of every rank put back together."""
-    model = raw = build_model(cfg, mesh)
-    if cfg.zero:
-        model = zero.wrap(raw, mesh, cfg.zero, bucket_mb=cfg.bucket_mb)
-    tokens = data.TokenData.load().train
-    for micro in range(cfg.grad_acc):
-        x, y = data.get_batch(tokens, 1, micro, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                              grad_acc=cfg.grad_acc, dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
-        ctx = model.no_sync() if cfg.zero and micro < cfg.grad_acc - 1 else torch.enable_grad()
-        with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"):
-            (loss_fn(model(x), y) / cfg.grad_acc).backward()
+    """One step's gradients: the single process's p.grad, or the chunks of every rank put back together.
+    The trainer's own parts run the step (parallelize, its schedule)."""
+    run = parallelize(cfg, mesh)
+    raw, model = run.raw, run.model
+    _, loader = load_data(cfg, mesh)
+    run.schedule.run(model, loader.micro_batches(1), run.loss_fn)
     if not cfg.zero:
         return {n: p.grad.clone() for n, p in raw.named_parameters()}
-    model.finish_gradient_sync()
     names = {p: n for n, p in raw.named_parameters()}
     grads = {}
     for unit in model.units:
-        chunks = [torch.zeros_like(unit.grad_shard) for _ in range(mesh.dp_size)]
+        chunks = [torch.zeros_like(unit.grad_shard) for _ in range(mesh.dp.size)]
         torch.distributed.all_gather(chunks, unit.grad_shard.contiguous())
         flat = torch.cat(chunks)
         for p, off in zip(unit.params, unit.offsets):
@@ -53,9 +49,9 @@ def run_zero(stage, dp, grad_acc, out, extra):
     cfg = Config(dp=dp, zero=stage, grad_acc=grad_acc, steps=STEPS, out=out, **SMALL, **extra)
     with Mesh.init(dp=dp) as mesh:
         grads = step_gradients(cfg, mesh)
-        _, model = train(cfg, mesh, return_model=True)
-        params = (model.full_parameters() if cfg.zero else  # plain data parallelism: every rank has it all
-                  {n: p.detach().clone() for n, p in model.module.named_parameters()})
+        _, run = train(cfg, mesh, return_model=True)
+        params = (run.model.full_parameters() if cfg.zero else  # plain data parallelism: every rank has it all
+                  {n: p.detach().clone() for n, p in run.raw.named_parameters()})
         losses = [r["loss"] for r in read_metrics(out)[0]] if mesh.rank == 0 else None
     return losses, grads, params
 
@@ -64,8 +60,8 @@ def single(acc, out, extra):
     cfg = Config(grad_acc=acc, steps=STEPS, out=out, **SMALL, **extra)
     with Mesh.init() as mesh:
         grads = step_gradients(cfg, mesh)
-        _, model = train(cfg, mesh, return_model=True)
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        _, run = train(cfg, mesh, return_model=True)
+        params = {n: p.detach().clone() for n, p in run.raw.named_parameters()}
     return [r["loss"] for r in read_metrics(out)[0]], grads, params
 
 
@@ -135,30 +131,26 @@ def assert_params_close(p, ref, where):
 
 
 # ---------------------------------------------------------------------------------- memory, bytes, timeline
-def one_step(stage, dp, timeline=False, prefetch=True, layers=4):
-    """Child: one training step of the tiny model under ZeRO `stage`; what it held and what it sent."""
+def one_step(stage, dp, timeline=False, layers=4):
+    """Child: one training step of the tiny model under ZeRO `stage`; what it held and what it sent (counted
+    and timed by a metrics.Recorder on the dp axis, as the lessons do)."""
     from picotron import metrics, planner
-    from picotron.train import build_optimizer
     cfg = Config(dp=dp, zero=stage, num_hidden_layers=layers, **SMALL)
     with Mesh.init(dp=dp) as mesh:
-        raw = build_model(cfg, mesh)
-        psi = raw.config.num_params()
         tl = metrics.Timeline(mesh.device, mesh.rank) if timeline else None
-        model = zero.Zero3(raw, mesh, timeline=tl, prefetch=prefetch) if stage == 3 else \
-            zero.wrap(raw, mesh, stage, bucket_mb=cfg.bucket_mb)
-        optimizer = build_optimizer(model, cfg, mesh.device)
+        recorder = metrics.Recorder(tl)
+        run = parallelize(cfg, mesh, recorder=recorder)
+        model, psi = run.model, run.raw.config.num_params()
         x = torch.randint(0, 256, (2, 33))
-        loss_fn(model(x[:, :-1]), x[:, 1:]).backward()
-        model.finish_gradient_sync()
-        model.clip_grad_norm(1.0)
-        mem = model.memory_breakdown()
-        optimizer.step()
-        model.gather_updated_params()
-        mem["optimizer"] = metrics.optimizer_bytes(optimizer)
+        run.schedule.run(model, [data.Batch(x[:, :-1], x[:, 1:], torch.arange(32))], run.loss_fn)
+        clip_grad_norm(run.params, 1.0, mesh)
+        mem = model.memory()
+        run.optimizer.step()
+        mem["optimizer"] = metrics.optimizer_bytes(run.optimizer)
         root = model.units[0].numel if stage == 3 else 0
         unit_bytes = [u.nbytes() for u in model.units]
-        return {"unit_bytes": unit_bytes, "mem": mem, "sent": dict(model.sent), "psi": psi, "root": root, "n_tensors": len(model.pieces),
-                "formula": planner.zero_model_state_bytes(psi, stage, dp),
+        return {"unit_bytes": unit_bytes, "mem": mem, "sent": dict(recorder.bytes), "psi": psi, "root": root,
+                "n_tensors": len(model.pieces), "formula": planner.zero_model_state_bytes(psi, stage, dp),
                 "comm": planner.zero_comm_elements(psi, stage, root),
                 "events": tl.events if tl else None, "full_bytes": 4 * psi}
 
@@ -169,7 +161,7 @@ def test_model_state_memory_matches_the_formula_at_dp4(stage):
     padding and Adam's 4-byte step counter per piece). ZeRO-3's transient buffers: at most the root, two
     gathered layers (this one and the prefetched one) and two gradient buffers in flight; with 8 layers that
     is well under the full model."""
-    for r in run_on_ranks(one_step, 4, stage, 4, False, True, 8, timeout_s=120):
+    for r in run_on_ranks(one_step, 4, stage, 4, False, 8, timeout_s=120):
         for part in ("params", "grads", "optimizer"):
             assert r["mem"][part] == pytest.approx(r["formula"][part], rel=0.10), (part, r["mem"], r["formula"])
         if stage == 3:
@@ -190,7 +182,7 @@ def test_bytes_sent_per_step_match_2psi_and_3psi(stage):
 def test_zero3_prefetch_overlaps_the_all_gathers_with_compute():
     """With prefetch, layer k+1's all-gather runs while layer k computes (forward) and layer k-1's while
     layer k computes (backward); every all-gather and reduce-scatter is on the timeline."""
-    events = run_on_ranks(one_step, 2, 3, 2, True, True, timeout_s=120)[0]["events"]
+    events = run_on_ranks(one_step, 2, 3, 2, True, timeout_s=120)[0]["events"]
     comm = [e for e in events if e.get("kind") == "comm"]
     compute = [e for e in events if e.get("kind") == "compute"]
     layers = 4

@@ -1,0 +1,59 @@
+"""Parameter marks: each parameter says which grid dimensions it is sharded over; clipping reads them.
+
+A strategy that cuts a parameter into pieces marks it: tensor parallelism marks its slices ("tp",), ZeRO
+marks the optimizer's pieces with the dimensions of its axis ("dp", "cp") on top of the parameter's own,
+pipeline and expert parallelism will mark theirs ("pp", "ep"). An unmarked parameter is replicated: the same
+values (and, after the gradient sync, the same gradient) on every rank of the dimensions it is not sharded
+over. Code that must see every element exactly once (the global gradient norm, a parameter count) reads the
+marks instead of asking which strategies are on.
+
+    p = ColumnParallelLinear(...).weight    sharded_over(p) == ("tp",)
+    norm weight under ZeRO + tp             sharded_over(piece) == ("dp", "cp"): replicated over tp
+
+Global-norm clipping. Every rank sums the squares of its own gradients, but counts a replicated gradient
+only on the rank whose coordinate is 0 along each dimension it is replicated over; one all-reduce over the
+world then adds every element of the model's gradient exactly once. No all-reduce at all when nothing is
+sharded (plain data parallelism: every rank already holds the whole, identical gradient).
+"""
+import torch
+
+GRID = ("dp", "pp", "cp", "tp")
+
+
+def mark(p, dims):
+    """Record that parameter `p` is sharded over grid dimensions `dims` (added to any earlier marks)."""
+    p.sharded_over = tuple(d for d in GRID if d in set(dims) | set(sharded_over(p)))
+    return p
+
+
+def sharded_over(p):
+    """The grid dimensions `p` is sharded over; () for a replicated parameter."""
+    return getattr(p, "sharded_over", ())
+
+
+def counted_here(p, mesh):
+    """True on exactly one rank of each group holding the same values of `p` (coordinate 0 where replicated)."""
+    return all(mesh.coords[d] == 0 for d in GRID if d not in sharded_over(p))
+
+
+def clip_grad_norm(params, max_norm, mesh):
+    """Scale the gradients so their global L2 norm is at most max_norm (0: never); return the norm before.
+
+    "Global" is over every gradient element of the whole model, each counted once, whatever the layout:
+    the marks say which gradients are slices (summed over the ranks) and which are copies (counted once)."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]) if grads else \
+        torch.zeros(0, device=mesh.device)
+    if not any(mesh.sizes[d] > 1 for p in params for d in sharded_over(p)):
+        total = torch.linalg.vector_norm(norms)  # every rank holds the whole gradient
+    else:
+        here = torch.tensor([counted_here(p, mesh) for p in params], dtype=torch.float32, device=norms.device)
+        square = (norms.square() * here).sum()
+        mesh.world.all_reduce(square)
+        total = square.sqrt()
+    if max_norm > 0:  # 0 = no clipping (the norm is still measured and logged)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale)
+    return total.item()
