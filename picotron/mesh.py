@@ -134,11 +134,12 @@ class Axis:
         return Axis(self.name, self.ranks, self.group, self.rank, self.dims, Comm(self.comm.ops, recorder))
 
     def _run(self, kind, nbytes, call, async_op, label, info):
-        work = call(async_op)
         recorder = self.comm.recorder
         if recorder is None:
-            return work
-        return recorder.collective(kind, nbytes, work, label=label or kind.replace("_", "-"), axis=self.name, **info)
+            return call(async_op)
+        start = recorder.now()
+        work = call(async_op)
+        return recorder.collective(kind, nbytes, work, label or kind.replace("_", "-"), start, axis=self.name, **info)
 
     def all_reduce(self, t, op=None, async_op=False, label=None, **info):
         """In place: t = the reduction (SUM by default) of every rank's t along this axis."""

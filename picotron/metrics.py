@@ -219,14 +219,14 @@ class Recorder:
         self.calls = {}  # kind -> number of calls
         self.log = []  # (kind, bytes, axis name) of every call, in order
 
-    def collective(self, kind, nbytes, work, label, axis=None, **info):
+    def collective(self, kind, nbytes, work, label, start, axis=None, **info):
+        """Count one collective (started at `start`, self.now()); return its handle, timed if there is a timeline."""
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.log.append((kind, nbytes, axis))
         tl = self.timeline
         if tl is None or not tl.enabled:
             return work
-        start = tl.now()
         if work is None:  # it ran synchronously: it is over
             tl.add(label, start, tl.now(), kind="comm", **info)
             return work

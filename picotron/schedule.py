@@ -24,11 +24,18 @@ from picotron import metrics
 
 
 class OneStage:
-    """Gradient accumulation over the micro-batches; the loss averaged over `replicas` (the dp x cp axis)."""
+    """Gradient accumulation over the micro-batches; the loss averaged over `replicas` (the dp x cp axis).
 
-    def __init__(self, replicas, device, autocast=nullcontext):
+    `timeline` (a metrics.Timeline, for lessons): each micro-batch's "forward" and "backward" and the final
+    "wait" for the gradient sync become events on it (each synchronises the device to time the work)."""
+
+    def __init__(self, replicas, device, autocast=nullcontext, timeline=None):
         self.replicas, self.device, self.autocast = replicas, device, autocast
+        self.timeline = timeline
         self.activation_bytes = 0
+
+    def _phase(self, name, **info):
+        return self.timeline.record(name, **info) if self.timeline is not None else nullcontext()
 
     def _to_device(self, batch):
         """(inputs, targets, positions) on the device; positions None (0..s-1) for an (inputs, targets) pair."""
@@ -41,12 +48,15 @@ class OneStage:
             x, y, positions = self._to_device(batch)
             counter = metrics.ActivationCounter(model) if i == 0 else nullcontext()
             with self.autocast(), counter, (model.no_sync() if i < k - 1 else nullcontext()):
-                loss = loss_fn(model(x, positions), y) / k
-                loss.backward()
+                with self._phase("forward", micro=i):
+                    loss = loss_fn(model(x, positions), y) / k
+                with self._phase("backward", micro=i):
+                    loss.backward()
             total += loss.detach()
             if i == 0:
                 self.activation_bytes = counter.bytes
-        model.finish_sync()  # the last backward started the sync: wait for it
+        with self._phase("wait"):
+            model.finish_sync()  # the last backward started the sync: wait for it
         return self.replicas.mean(total)  # each replica saw its own rows: the mean over the global batch
 
     @torch.no_grad()
