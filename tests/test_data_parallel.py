@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from picotron import data, data_parallel
+from picotron import data_parallel
 from picotron.config import Config
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh

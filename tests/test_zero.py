@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from picotron import data, zero
+from picotron import data
 from picotron.config import Config
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
