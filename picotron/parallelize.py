@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from picotron import data_parallel, metrics, schedule, tensor_parallel, zero
+from picotron import data_parallel, schedule, tensor_parallel, zero, zero3
 from picotron.model import Llama, loss_fn
 
 
@@ -45,10 +45,6 @@ class Parallelized:
     def params(self):
         """The parameters the optimizer updates on this rank (ZeRO: its pieces), with their marks."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def memory(self):
-        """Bytes of parameters, gradients and optimizer state this rank keeps (by category)."""
-        return {**self.model.memory(), "optimizer": metrics.optimizer_bytes(self.optimizer)}
 
 
 def build_model(cfg, mesh):
@@ -73,6 +69,8 @@ def build_optimizer(groups, cfg, device):
 
 def wrap_for_sync(raw, cfg, axis):
     """Step 5: the gradient-sync wrapper over `axis` (dp x cp)."""
+    if cfg.zero == 3:
+        return zero3.Zero3(raw, axis)
     if cfg.zero:
         return zero.wrap(raw, axis, cfg.zero, bucket_mb=cfg.bucket_mb)
     return data_parallel.wrap(raw, axis, impl=cfg.dp_impl, bucket_mb=cfg.bucket_mb)

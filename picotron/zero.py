@@ -299,14 +299,11 @@ class ShardedOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-def wrap(model, axis, stage, bucket_mb=25.0, prefetch=True):
-    """ZeRO stage 1, 2 or 3 over `axis` (the mesh's dp_cp axis)."""
+def wrap(model, axis, stage, bucket_mb=25.0):
+    """ZeRO stage 1 or 2 over `axis` (the mesh's dp_cp axis); stage 3 is picotron.zero3.Zero3."""
     if stage in (1, 2):
         return ZeroDataParallel(model, axis, stage, bucket_mb=bucket_mb)
-    if stage == 3:
-        from picotron.zero3 import Zero3
-        return Zero3(model, axis, prefetch=prefetch)
-    raise ValueError(f"ZeRO stage {stage!r}; use 1, 2 or 3 (0 is plain data parallelism).")
+    raise ValueError(f"ZeRO stage {stage!r}: zero.wrap does stages 1 and 2; stage 3 is picotron.zero3.Zero3.")
 
 
 def check(cfg, model_config):
