@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from picotron import checkpoint, config, data
+from picotron import parallelize as parallelize_mod
 from picotron import train as train_mod
 from picotron.config import Config, ConfigError, validate
+from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
 
@@ -81,7 +83,7 @@ def test_a_nan_loss_stops_the_run_at_that_step_and_keeps_the_last_checkpoint(tmp
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return loss * math.nan if len(calls) > 4 else loss
 
-    monkeypatch.setattr(train_mod, "loss_fn", poisoned)
+    monkeypatch.setattr(parallelize_mod, "loss_fn", poisoned)  # the loss parallelize hands the trainer
     cfg = Config(steps=10, grad_acc=2, save_every=1, out=str(tmp_path), seq_len=32, micro_batch_size=4,
                  eval_every=0, sample_tokens=0, log_every=100)
     with Mesh.init() as mesh:
@@ -102,9 +104,9 @@ def test_grad_clip_zero_means_off():
     """--grad-clip 0 leaves the gradients alone (it used to scale them by 0/norm = 0) and still reports the norm."""
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([3.0, 4.0, 0.0])
-    assert train_mod.clip_grad_norm([p], 0.0) == pytest.approx(5.0)
+    assert clip_grad_norm([p], 0.0, Mesh.local()) == pytest.approx(5.0)
     assert p.grad.tolist() == [3.0, 4.0, 0.0]
-    assert train_mod.clip_grad_norm([p], 1.0) == pytest.approx(5.0)
+    assert clip_grad_norm([p], 1.0, Mesh.local()) == pytest.approx(5.0)
     assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
 
 
