@@ -45,6 +45,8 @@ def test_every_strategy_owns_its_rules():
     assert zero.check(Config(zero=1), mc).startswith("zero=1 with dp=1 has nothing to shard over")
     with pytest.raises(config.ConfigError, match="tp=3 does not divide"):
         config.validate(Config(tp=3), 3)
+    with pytest.raises(config.ConfigError, match="dp_impl='ddp' runs torch's DistributedDataParallel"):
+        config.validate(Config(dp=2, dp_impl="ddp", collectives="ours"), 2)
 
 
 # ---------------------------------------------------------------------------------- one process, Mesh.local
