@@ -158,6 +158,3 @@ class Zero3(ShardedGradSync):
         finally:
             for u in self.units:
                 self._free(u)
-
-    def gather_updated_params(self):
-        pass  # the next forward gathers the updated shards
