@@ -27,6 +27,7 @@ An 8-rank grid, dp=2 pp=2 cp=1 tp=2 (two nodes of four GPUs):
 The pure functions (`grid_coords`, `grid_rank`, `group_ranks`) need no processes and are what the tests and
 lessons use to reason about layouts; `Mesh.init` turns them into real `torch.distributed` groups.
 """
+import copy
 import math
 import os
 from datetime import timedelta
@@ -307,6 +308,16 @@ class Mesh:
                     groups[name] = (ranks, group, created)
         groups["world"] = (list(range(world_size)), dist.group.WORLD, False)
         return cls(rank, world_size, sizes, dev, backend, groups, local_rank, owns_world, collectives)
+
+    def recorded(self, recorder):
+        """The same mesh (same groups, same ranks) with every axis's collectives counted and timed by `recorder`
+        (a metrics.Recorder): what a lesson builds a run on to see all of its traffic. Never destroy the copy."""
+        mesh = copy.copy(self)
+        mesh.comm = Comm(self.comm.ops, recorder)
+        for name in self.AXES:
+            a = getattr(self, name)
+            setattr(mesh, name, Axis(a.name, a.ranks, a.group, a.rank, a.dims, mesh.comm))
+        return mesh
 
     def rank_of(self, **coords):
         """Global rank of the cell that matches this rank except for the given coordinates, e.g. rank_of(tp=0)."""

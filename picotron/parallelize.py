@@ -86,17 +86,20 @@ def autocast_for(cfg, device):
 def parallelize(cfg, mesh, recorder=None):
     """This rank's model, optimizer, schedule, loss, checkpoint state and sampler for `cfg` on `mesh`.
 
-    `recorder`: a metrics.Recorder that counts (and times) the gradient sync's collectives (lessons)."""
+    `recorder`: a metrics.Recorder that counts (and times) every collective of the model and its gradient sync
+    (lessons; the schedule's 4-byte average of the loss for the log is left out)."""
+    loss_axis = mesh.dp_cp
+    if recorder is not None:
+        mesh = mesh.recorded(recorder)
     raw = build_model(cfg, mesh)
-    replicas = mesh.dp_cp if recorder is None else mesh.dp_cp.recorded(recorder)
-    model = wrap_for_sync(raw, cfg, replicas)
+    model = wrap_for_sync(raw, cfg, mesh.dp_cp)
     optimizer = build_optimizer(model.optimizer_groups(), cfg, mesh.device)
     if cfg.zero in (1, 2):  # the step updates this rank's chunk, then all-gathers every chunk
         optimizer = zero.ShardedOptimizer(optimizer, model)
     tp = mesh.tp.size > 1
     return Parallelized(
         model=model, raw=raw, optimizer=optimizer,
-        schedule=schedule.OneStage(mesh.dp_cp, mesh.device, autocast_for(cfg, mesh.device)),
+        schedule=schedule.OneStage(loss_axis, mesh.device, autocast_for(cfg, mesh.device)),
         loss_fn=partial(tensor_parallel.loss_fn, axis=mesh.tp) if tp else loss_fn,  # tp: vocab-parallel
         checkpoint=model if cfg.zero else raw,  # ZeRO: each rank saves its shards; else the (tp-sharded) model
         sampler=tensor_parallel.FullVocabLogits(raw, mesh.tp, sp=cfg.sp) if tp else raw,

@@ -176,3 +176,27 @@ def test_recorder_counts_what_an_axis_sends():
     axis.all_reduce(t)
     assert rec.bytes == {} and torch.equal(t, torch.ones(10))
     assert Mesh.local().dp_cp.mean(torch.tensor(3.0)).item() == 3.0
+
+
+def _recorded_tp_child():
+    cfg = Config(tp=2, **SMALL)
+    with Mesh.init(tp=2) as mesh:
+        rec = Recorder()
+        run = parallelize(cfg, mesh, recorder=rec)
+        rec.reset()
+        x = torch.randint(0, 256, (cfg.micro_batch_size, cfg.seq_len))
+        run.schedule.run(run.model, [(x, x, torch.arange(cfg.seq_len))], run.loss_fn)
+        act = cfg.micro_batch_size * cfg.seq_len * cfg.model_config().hidden_size * 4
+        return (mesh.comm.recorder, {axis for _, _, axis in rec.log},
+                sum(kind == "all_reduce" and nbytes == act for kind, nbytes, _ in rec.log),
+                cfg.model_config().num_hidden_layers)
+
+
+def test_parallelize_records_every_axis_of_the_run():
+    """parallelize(recorder=...) builds on a recorded copy of the mesh: tensor parallelism's all-reduces are
+    counted (Megatron's 2 forward + 2 backward per layer, the embedding's forward and the LM head's backward),
+    and the caller's mesh is left unrecorded."""
+    for recorder, axes, n_act, layers in run_on_ranks(_recorded_tp_child, 2, timeout_s=120):
+        assert recorder is None
+        assert axes == {"tp"}
+        assert n_act == 4 * layers + 2
