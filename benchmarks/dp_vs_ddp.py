@@ -9,7 +9,7 @@ hits all alike. Each round gives a paired ratio (DDP's step time / the variant's
 relative to DDP); we print the median with its quartiles. A step's time is the slowest rank's.
 
 Variants: "ours" (picotron.data_parallel.DataParallel as it is), "ours, post-divide" (the same, but the bucket is
-divided by n after its all-reduce has completed, in finish_gradient_sync, instead of before it is sent, in the
+divided by n after its all-reduce has completed, in finish_sync, instead of before it is sent, in the
 backward hook: a candidate fix; on 2 CPU ranks it made no measurable difference), and "ddp"
 (DistributedDataParallel, gradient_as_bucket_view=True). Only the ratios mean anything; the absolute times depend
 on the machine and its load.
@@ -45,14 +45,15 @@ class PostDivide(data_parallel.DataParallel):
         if bucket.ready == len(bucket.params):
             bucket.ready = 0
             if self.sync:
-                bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+                bucket.work = self.axis.all_reduce(bucket.buffer, async_op=True,
+                                                   label=f"all-reduce bucket {bucket.index}")
 
-    def finish_gradient_sync(self):
+    def finish_sync(self):
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-                bucket.buffer.div_(self.size)
+                bucket.buffer.div_(self.axis.size)
 
 
 def main():
@@ -67,18 +68,17 @@ def main():
     import os
 
     mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
-    cfg = lesson.make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp_size)
+    cfg = lesson.make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
     try:
         for mb in (float(x) for x in args.bucket_mb.split(",")):
             ours = lesson.Variant("ours", cfg, mesh, "bucket", mb, record_comm=False)
-            post = lesson.Variant("ours, post-divide", cfg, mesh, "none")
-            post.model = PostDivide(post.raw, mesh, bucket_mb=mb)
-            post.optimizer = lesson.trainer.build_optimizer(post.model, cfg, mesh.device)
-            ddp = lesson.Variant("ddp", cfg, mesh, "ddp", mb)
+            post = lesson.Variant("ours, post-divide", cfg, mesh, "bucket", mb, record_comm=False,
+                                  make_wrapper=lambda raw, axis: PostDivide(raw, axis, bucket_mb=mb))
+            ddp = lesson.Variant("ddp", cfg, mesh, "ddp", mb, record_comm=False)
             variants = [ours, post, ddp]
             dist.barrier()
             t0 = time.perf_counter()
-            lesson.run_interleaved(variants, args.steps, args.warmup, mesh.dp_cp_group)
+            lesson.run_interleaved(variants, args.steps, args.warmup, mesh.dp_cp.group)
             rows = lesson.summarise(variants, mesh, 1)
             if mesh.rank == 0:
                 ref = rows[-1]["step_times"]

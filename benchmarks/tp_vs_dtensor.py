@@ -10,7 +10,9 @@ global-norm clipping, the same Megatron layout on both sides: q, k, v, gate and 
 row-parallel, the embedding split over the vocabulary, the LM head's logits left split over the vocabulary
 and a vocabulary-parallel cross-entropy (ours: `tensor_parallel.loss_fn`; DTensor's: `loss_parallel()`).
 With `--sp` both also run sequence parallelism (DTensor: `SequenceParallel` on the norms, the layer inputs
-re-laid out by `PrepareModuleInput`).
+re-laid out by `PrepareModuleInput`). Our side is what picotron.train runs: `parallelize(cfg, mesh)`, then per
+step `schedule.run`, `marks.clip_grad_norm`, `optimizer.step()`, `zero_grad()`; DTensor's side is torch's
+own, with the same AdamW settings (`parallelize.build_optimizer`).
 
 One step of each variant in turn, the order rotating, a barrier before every step; a step's time is the
 slowest rank's; printed: the median of the paired ratios (DTensor's step time / ours = our throughput
@@ -35,11 +37,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.zero_vs_fsdp import RSSPeak, local_bytes  # noqa: E402
-from picotron import data, metrics, tensor_parallel  # noqa: E402
-from picotron import train as trainer  # noqa: E402
+from picotron import data, data_parallel, marks, metrics  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import Llama  # noqa: E402
+from picotron.parallelize import build_optimizer, parallelize  # noqa: E402
 
 SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),
          "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
@@ -67,7 +69,7 @@ def dtensor_model(cfg, mesh):
         model = Llama(cfg.model_config())
     model.to_empty(device=mesh.device)
     model.init_weights(cfg.seed)
-    dmesh = DeviceMesh.from_group(mesh.tp_group, mesh.device.type)
+    dmesh = DeviceMesh.from_group(mesh.tp.group, mesh.device.type)
     sp = cfg.sp
     seq = Shard(1)  # with sp the residual stream is split along the sequence
     for layer in model.layers:
@@ -114,42 +116,54 @@ def dtensor_clip_grad_norm(params, max_norm):
 
 
 class Variant:
-    """One tensor-parallel copy of the model with its optimizer: "ours" (picotron.tensor_parallel) or "dtensor"."""
+    """One tensor-parallel copy of the model with its optimizer: "ours" (picotron's seam, `parallelize`) or
+    "dtensor" (torch's parallelize_module, with our AdamW settings). `.step(step)` -> the loss."""
 
     def __init__(self, name, cfg, mesh):
         self.name, self.cfg, self.mesh = name, cfg, mesh
         if name == "ours":
-            self.model = trainer.build_model(cfg, mesh)
+            self.run = parallelize(cfg, mesh)
+            self.model, self.optimizer, self.params = self.run.model, self.run.optimizer, self.run.params
+            self._step = self._ours
         elif name == "dtensor":
             self.model = dtensor_model(cfg, mesh)
+            # the rule our wrappers apply (weight decay on matrices only), read off the same protocol
+            self.optimizer = build_optimizer(data_parallel.Local(self.model).optimizer_groups(), cfg, mesh.device)
+            self.params = list(self.model.parameters())
+            self._step = self._dtensor
         else:
             raise ValueError(name)
-        self.optimizer = trainer.build_optimizer(self.model, cfg, mesh.device)
         self.loader = data.DataLoader(tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                                      grad_acc=1, dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
+                                      grad_acc=1, dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed)
         self.times, self.states = [], None
 
+    def _ours(self, batches):
+        """picotron.train's step, up to the optimizer: the schedule (forward, loss, backward), then clipping."""
+        loss = self.run.schedule.run(self.model, batches, self.run.loss_fn)
+        marks.clip_grad_norm(self.params, self.cfg.grad_clip, self.mesh)
+        return loss
+
+    def _dtensor(self, batches):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        (x, y, _positions), = batches  # one micro-batch
+        x, y = x.to(self.mesh.device), y.to(self.mesh.device)
+        logits = self.model(x)
+        with loss_parallel():  # the backward of the parallel loss must run inside it too
+            loss = F.cross_entropy(logits.flatten(0, 1), y.reshape(-1))
+            loss.backward()
+        dtensor_clip_grad_norm(self.params, self.cfg.grad_clip)
+        return loss.full_tensor()
+
     def step(self, step, record=True):
-        x, y = (t.to(self.mesh.device) for t in self.loader.batch(step, 0))
+        batches = self.loader.micro_batches(step)
         metrics.sync(self.mesh.device)
         t0 = time.perf_counter()
-        params = list(self.model.parameters())
-        if self.name == "ours":
-            loss = tensor_parallel.loss_fn(self.model(x), y, self.mesh)
-            loss.backward()
-            trainer.clip_grad_norm(params, self.cfg.grad_clip, self.mesh.tp_group)
-        else:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            logits = self.model(x)
-            with loss_parallel():  # the backward of the parallel loss must run inside it too
-                loss = F.cross_entropy(logits.flatten(0, 1), y.reshape(-1))
-                loss.backward()
-            dtensor_clip_grad_norm(params, self.cfg.grad_clip)
-        states = {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params)}
+        loss = self._step(batches)
+        states = {"params": local_bytes(self.params), "grads": local_bytes(p.grad for p in self.params)}
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
-        value = loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
+        value = loss.item()
         metrics.sync(self.mesh.device)
         if record:
             self.times.append(time.perf_counter() - t0)
@@ -166,12 +180,12 @@ def compare(cfg, mesh, steps, warmup=3):
     for s in range(warmup + steps):
         k = s % len(variants)
         for v in variants[k:] + variants[:k]:
-            dist.barrier(mesh.tp_group)
+            dist.barrier(mesh.tp.group)
             losses[v.name].append(v.step(s + 1, record=s >= warmup))
     rows = []
     for v in variants:
         t = torch.tensor(v.times, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.tp_group)
+        mesh.tp.all_reduce(t, op=dist.ReduceOp.MAX)
         rows.append(dict(name=v.name, step_times=t.tolist(), median=statistics.median(t.tolist()),
                          states=v.states, losses=losses[v.name]))
     return rows
@@ -226,7 +240,7 @@ def main():
                   + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in r["states"].items()))
         return
     mesh = Mesh.init(tp=int(os.environ.get("WORLD_SIZE", "1")))
-    cfg = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, tp=mesh.tp_size,
+    cfg = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, tp=mesh.tp.size,
                    sp=args.sp)
     try:
         t0 = time.perf_counter()

@@ -5,7 +5,8 @@
 
 Same model (identical weights), same batches, same AdamW and clipping, both sharding each transformer layer
 and the root (embedding, final norm, LM head) separately, both reshard after forward and prefetch the next
-layer. One step of each variant in turn, the order rotating, a barrier before every step, so drift of the
+layer. Ours is what `parallelize` builds for --zero 3; FSDP2 sits behind the same gradient-sync protocol, so
+one step engine (`schedule.OneStage.run`) drives both, then clipping, the optimizer step, zero_grad. One step of each variant in turn, the order rotating, a barrier before every step, so drift of the
 machine hits all alike; a step's time is the slowest rank's; we print the median of the paired ratios
 (FSDP2's step time / ours = our throughput relative to FSDP2) with its quartiles.
 
@@ -15,6 +16,7 @@ before the model was built (on a GPU: the allocator's peak; on a CPU: anonymous 
 every millisecond, each variant alone in fresh processes, `--memory`).
 """
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -28,11 +30,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
-from picotron import data, metrics, zero  # noqa: E402
-from picotron import train as trainer  # noqa: E402
+from picotron import data, data_parallel, marks, metrics, schedule  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
+from picotron.model import loss_fn  # noqa: E402
+from picotron.parallelize import autocast_for, build_model, build_optimizer, parallelize  # noqa: E402
 
 SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),
          "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
@@ -49,56 +53,65 @@ def tokens():
     return data.TokenData(tok.encode_tensor(data.load_text("shakespeare")), tok.vocab_size)
 
 
+class FSDP2(data_parallel.GradSync):
+    """torch's FSDP2 behind our gradient-sync protocol (as data_parallel.TorchDDP is torch's DDP): `fully_shard` on
+    every transformer layer and on the root, the units of our ZeRO-3. FSDP2 reduce-scatters inside backward and
+    waits for it at the end of backward, so `finish_sync` has nothing to do; `memory` counts each DTensor's local
+    shard (what this rank keeps)."""
+
+    def __init__(self, module, axis):
+        super().__init__(module)
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+        dmesh = DeviceMesh.from_group(axis.group, next(module.parameters()).device.type)
+        for layer in module.layers:
+            fully_shard(layer, mesh=dmesh)
+        fully_shard(module, mesh=dmesh)
+
+    def memory(self):
+        params = list(self.module.parameters())
+        return {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params)}
+
+
 class Variant:
-    """One sharded copy of the model with its optimizer: "ours" (picotron.zero.Zero3) or "fsdp2"."""
+    """One sharded copy of the model with its optimizer: "ours" (`parallelize` with --zero 3) or "fsdp2"."""
 
     def __init__(self, name, cfg, mesh):
         self.name, self.cfg, self.mesh = name, cfg, mesh
-        self.raw = trainer.build_model(cfg, mesh)
         if name == "ours":
-            self.model = zero.Zero3(self.raw, mesh)
-            self.optimizer = trainer.build_optimizer(self.model, cfg, mesh.device)
+            run = parallelize(dataclasses.replace(cfg, zero=3), mesh)
+            self.model, self.optimizer, self.schedule, self.loss_fn = run.model, run.optimizer, run.schedule, run.loss_fn
+            self.clip = lambda: marks.clip_grad_norm(run.params, cfg.grad_clip, mesh)  # our pieces carry their marks
         elif name == "fsdp2":
-            from torch.distributed.device_mesh import DeviceMesh
-            from torch.distributed.fsdp import fully_shard
-            dmesh = DeviceMesh.from_group(mesh.dp_cp_group, mesh.device.type)
-            for layer in self.raw.layers:
-                fully_shard(layer, mesh=dmesh)
-            fully_shard(self.raw, mesh=dmesh)
-            self.model = self.raw
-            self.optimizer = trainer.build_optimizer(self.model, cfg, mesh.device)
+            raw = build_model(cfg, mesh)
+            self.model = FSDP2(raw, mesh.dp_cp)
+            self.optimizer = build_optimizer(self.model.optimizer_groups(), cfg, mesh.device)
+            self.schedule = schedule.OneStage(mesh.dp_cp, mesh.device, autocast_for(cfg, mesh.device))
+            self.loss_fn = loss_fn
+            self.clip = lambda: torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)  # DTensor-aware
         else:
             raise ValueError(name)
         self.loader = data.DataLoader(tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                                      grad_acc=1, dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
+                                      grad_acc=1, dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed)
         self.times, self.states = [], None
 
     def step(self, step, record=True):
-        x, y = (t.to(self.mesh.device) for t in self.loader.batch(step, 0))
+        batches = self.loader.micro_batches(step)
         metrics.sync(self.mesh.device)
         t0 = time.perf_counter()
-        loss = trainer.loss_fn(self.model(x), y)
-        loss.backward()
-        if self.name == "ours":
-            self.model.finish_gradient_sync()
-            self.model.clip_grad_norm(self.cfg.grad_clip)
-            states = self.model.memory_breakdown()
-        else:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            states = {"params": local_bytes(p for p in self.model.parameters()),
-                      "grads": local_bytes(p.grad for p in self.model.parameters())}
+        loss = self.schedule.run(self.model, batches, self.loss_fn)  # forward, backward, the gradient sync
+        self.clip()
+        states = self.model.memory()  # gradients still alive here
         self.optimizer.step()
-        if self.name == "ours":
-            self.model.gather_updated_params()
         self.model.zero_grad(set_to_none=True)
-        loss.item()
+        loss = loss.item()
         metrics.sync(self.mesh.device)
         if record:
             self.times.append(time.perf_counter() - t0)
         states["optimizer"] = sum(local_bytes(v for v in s.values() if torch.is_tensor(v))
                                   for s in self.optimizer.state.values())
         self.states = {k: states[k] for k in ("params", "grads", "optimizer")}
-        return loss.item()
+        return loss
 
 
 def local_bytes(tensors):
@@ -107,7 +120,7 @@ def local_bytes(tensors):
     for t in tensors:
         if t is None:
             continue
-        t = t.to_local() if hasattr(t, "to_local") else t
+        t = t.to_local() if isinstance(t, DTensor) else t
         total += t.numel() * t.element_size()
     return total
 
@@ -119,12 +132,12 @@ def compare(cfg, mesh, steps, warmup=3):
     for s in range(warmup + steps):
         k = s % len(variants)
         for v in variants[k:] + variants[:k]:
-            dist.barrier(mesh.dp_cp_group)
+            dist.barrier(mesh.dp_cp.group)
             losses[v.name].append(v.step(s + 1, record=s >= warmup))
     rows = []
     for v in variants:
         t = torch.tensor(v.times, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.dp_cp_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.dp_cp.group)
         rows.append(dict(name=v.name, step_times=t.tolist(), median=statistics.median(t.tolist()),
                          states=v.states, losses=losses[v.name]))
     return rows
@@ -188,7 +201,7 @@ def main():
     p.add_argument("--memory", action="store_true", help="also measure each variant's peak memory alone")
     args = p.parse_args()
     mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
-    cfg = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp_size)
+    cfg = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
     try:
         t0 = time.perf_counter()
         rows = compare(cfg, mesh, args.steps, args.warmup)

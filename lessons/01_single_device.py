@@ -21,7 +21,6 @@ import functools
 import os
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,6 +31,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from picotron import data, metrics, planner  # noqa: E402
 from picotron import train as trainer  # noqa: E402
+from picotron.parallelize import parallelize  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import DecoderLayer, rope_cos_sin  # noqa: E402
@@ -122,10 +122,6 @@ def make_cfg(size="tiny", **kw):
     return Config(**{"preset": "tiny", "sample_tokens": 0, **overrides, **kw})
 
 
-def autocast_for(cfg, device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-
-
 @functools.lru_cache(maxsize=1)
 def shakespeare_tokens():
     tok = data.get_tokenizer("byte")
@@ -136,44 +132,39 @@ def batches(cfg, step=1):
     """The trainer's own data: step `step`'s micro-batches of the embedded Shakespeare (byte tokens)."""
     loader = data.DataLoader(shakespeare_tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                              grad_acc=cfg.grad_acc, seed=cfg.seed)
-    return [loader.batch(step, m) for m in range(cfg.grad_acc)]
+    return loader.micro_batches(step)
 
 
-def forward_backward(model, cfg, device, micro_batches):
-    """Gradient accumulation as the trainer does it: loss / k per micro-batch, gradients add up in p.grad.
+def forward_backward(run, micro_batches):
+    """Forward and backward of one step's micro-batches through the trainer's step engine (`run.schedule`:
+    loss / k per micro-batch, gradients add up in p.grad, bf16 autocast if cfg.dtype says so).
     Returns (loss, activation bytes of the first micro-batch, seconds)."""
+    device = run.schedule.device
     metrics.sync(device)
-    t0, loss_sum, counted = time.perf_counter(), 0.0, None
-    for i, (x, y) in enumerate(micro_batches):
-        counter = metrics.ActivationCounter(model) if i == 0 else None
-        with autocast_for(cfg, device), (counter or nullcontext()):
-            loss = trainer.loss_fn(model(x.to(device)), y.to(device)) / len(micro_batches)
-        loss.backward()
-        loss_sum += loss.detach()
-        counted = counted if counter is None else counter.bytes
-    loss_value = float(loss_sum)
+    t0 = time.perf_counter()
+    loss = float(run.schedule.run(run.model, micro_batches, run.loss_fn))  # float(): waits for the device
     metrics.sync(device)
-    return loss_value, counted, time.perf_counter() - t0
+    return loss, run.schedule.activation_bytes, time.perf_counter() - t0
 
 
 def measure(cfg, mesh, steps=1, keep_grads=False):
-    """`steps` real training steps (AdamW included) of a freshly initialised model on the same batch:
-    measured memory by category, the fastest steady forward+backward time, the first loss (and gradients)."""
+    """`steps` real training steps (AdamW included) of a freshly initialised model on the same batch, on ONE
+    device (`Mesh.local`: no process group, no replicas): measured memory by category, the fastest steady
+    forward+backward time, the first loss (and gradients)."""
     device = mesh.device
-    model = trainer.build_model(cfg, mesh)
-    optimizer = trainer.build_optimizer(model, cfg, device)
+    run = parallelize(cfg, Mesh.local(device))  # what the trainer builds: model, AdamW, step engine, loss
     micro = batches(cfg)
     times = []
     for step in range(steps):
         metrics.reset_device_peak(device)
-        loss, act, dt = forward_backward(model, cfg, device, micro)
-        mem = metrics.memory_breakdown(model)
+        loss, act, dt = forward_backward(run, micro)
         if step == 0:
             first_loss = loss
-            grads = [p.grad.detach().clone() for p in model.parameters()] if keep_grads else None
-        optimizer.step()
-        mem["optimizer"] = metrics.optimizer_bytes(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+            grads = [p.grad.detach().clone() for p in run.raw.parameters()] if keep_grads else None
+        mem = run.model.memory()  # params and grads, by walking the tensors
+        run.optimizer.step()
+        mem["optimizer"] = metrics.optimizer_bytes(run.optimizer)  # the state AdamW creates at its first step
+        run.model.zero_grad(set_to_none=True)
         mem.update(activations=act, device_peak=metrics.device_peak_bytes(device))
         times.append(dt)
     steady = times[1:] or times  # the first step pays for allocations and kernel selection

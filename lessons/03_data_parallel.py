@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,10 +38,11 @@ from _common import gather, run_interleaved, union_length  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import data, data_parallel, metrics  # noqa: E402
+from picotron import data, data_parallel, metrics, parallelize, schedule  # noqa: E402
 from picotron import train as trainer  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
+from picotron.model import loss_fn  # noqa: E402
 
 # "small": the tiny preset widened (3.3 M parameters, 12.5 MiB of fp32 gradients in 39 tensors): small enough
 # for a 2-core CPU, big enough that the all-reduce is a visible part of a step.
@@ -71,101 +71,85 @@ def tokens():
     return data.TokenData(tok.encode_tensor(data.load_text("shakespeare")), tok.vocab_size)
 
 
-def micro_batches(loader, step, device):
-    return [tuple(t.to(device) for t in loader.batch(step, m)) for m in range(loader.grad_acc)]
-
-
 # ------------------------------------------------------------------------------------------ one variant
-class TimedNaive(data_parallel.NaiveDataParallel):
-    """NaiveDataParallel whose hook also records each (blocking) all-reduce on a timeline. The lesson's own
-    instrument: picotron's class stays as it is, we only time its hook from outside."""
-
-    def __init__(self, module, mesh, timeline):
-        super().__init__(module, mesh)
-        self.timeline = timeline
-        self.index = {p: i for i, p in enumerate(reversed(list(module.parameters())))}
-
-    def _hook(self, p):
-        start = self.timeline.now()
-        super()._hook(p)
-        if self.sync:
-            self.timeline.add("all-reduce", start, self.timeline.now(), bucket=self.index[p],
-                              mib=p.numel() * p.element_size() / MiB)
-
-
 class Variant:
-    """One way of training (impl, bucket size) on its own copy of the model, with its own timeline."""
+    """One way of training (impl, bucket size) on its own copy of the model, with its own timeline.
 
-    def __init__(self, name, cfg, mesh, impl, bucket_mb=25.0, grad_acc=1, sync_every=False, record_comm=True):
+    Built from picotron's pieces as `parallelize` builds them: the model, a gradient-sync wrapper over the dp x cp
+    axis (recorded: a metrics.Recorder counts the bytes of every all-reduce and puts each on the timeline, from
+    launch to completion), AdamW, and the step engine (schedule.OneStage), whose timeline gets each micro-batch's
+    forward and backward and the final wait. impl "none" (compute only): every rank trains alone, as a one-process
+    mesh would (`Local`, no replicas to average over): nothing is exchanged, not even the loss. `make_wrapper`
+    (raw, axis) -> GradSync replaces `data_parallel.wrap` (benchmarks/dp_vs_ddp.py's candidate variants)."""
+
+    def __init__(self, name, cfg, mesh, impl, bucket_mb=25.0, grad_acc=1, sync_every=False, record_comm=True,
+                 make_wrapper=None):
         self.name, self.impl, self.bucket_mb, self.sync_every = name, impl, bucket_mb, sync_every
         self.device = mesh.device
-        self.timeline = metrics.Timeline(mesh.device, mesh.rank)
-        self.raw = trainer.build_model(cfg, mesh)
-        if impl == "none":  # compute only: every rank trains alone, nothing is exchanged
-            self.model = self.raw
-        elif impl == "naive":
-            self.model = TimedNaive(self.raw, mesh, self.timeline)
+        self.timeline = metrics.Timeline(mesh.device, mesh.rank, enabled=False)  # on for the timed steps only
+        self.recorder = metrics.Recorder(self.timeline if record_comm else None)
+        self.raw = parallelize.build_model(cfg, mesh)
+        replicas = mesh.dp_cp
+        if make_wrapper is not None:
+            self.model = make_wrapper(self.raw, mesh.dp_cp.recorded(self.recorder))
+        elif impl == "none":
+            self.model, replicas = data_parallel.Local(self.raw), Mesh.local(mesh.device).dp_cp
         else:
-            self.model = data_parallel.wrap(self.raw, mesh, impl=impl, bucket_mb=bucket_mb,
-                                            timeline=self.timeline if record_comm and impl != "ddp" else None)
-        self.optimizer = trainer.build_optimizer(self.model, cfg, mesh.device)
+            self.model = data_parallel.wrap(self.raw, mesh.dp_cp.recorded(self.recorder), impl, bucket_mb)
+        self.optimizer = parallelize.build_optimizer(self.model.optimizer_groups(), cfg, mesh.device)
+        self.schedule = schedule.OneStage(replicas, mesh.device, timeline=self.timeline)
         self.loader = data.DataLoader(tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                                      grad_acc=grad_acc, dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
-        self.times, self.step_starts = [], []
-        self.n_buckets = len(getattr(self.model, "buckets", [])) or None
+                                      grad_acc=grad_acc, dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed)
+        self.times, self.step_starts, self.sent = [], [], []
+        self.n_buckets = len(self.model.buckets) if isinstance(self.model, data_parallel.DataParallel) else None
 
-    def forward_backward(self, batches, record=True):
-        """Forward and backward over the micro-batches (no_sync on all but the last unless sync_every), then
-        wait for the gradient all-reduces."""
-        tl = self.timeline if record else metrics.Timeline(self.device, enabled=False)
+    def forward_backward(self, batches):
+        """Forward and backward over the micro-batches and the wait for the gradient sync: one call of the step
+        engine (no_sync on all but the last micro-batch); with sync_every, one call per micro-batch, each loss
+        divided by k, so the gradients are synchronised after every micro-batch and add up to the same sum."""
+        if not self.sync_every:
+            return self.schedule.run(self.model, batches, loss_fn)
         k = len(batches)
-        for i, (x, y) in enumerate(batches):
-            quiet = i < k - 1 and not self.sync_every and hasattr(self.model, "no_sync")
-            with self.model.no_sync() if quiet else nullcontext():
-                with tl.record("forward", micro=i):
-                    loss = trainer.loss_fn(self.model(x), y) / k
-                with tl.record("backward", micro=i):
-                    loss.backward()
-            if self.sync_every and i < k - 1 and hasattr(self.model, "finish_gradient_sync"):
-                with tl.record("wait", micro=i):  # the next backward adds into the buffers being sent: wait first
-                    self.model.finish_gradient_sync()
-        with tl.record("wait"):
-            if hasattr(self.model, "finish_gradient_sync"):
-                self.model.finish_gradient_sync()
-        return loss
+        return sum(self.schedule.run(self.model, [b], lambda logits, y: loss_fn(logits, y) / k) for b in batches)
 
     def step(self, step, record=True):
-        batches = micro_batches(self.loader, step, self.device)
+        """One optimizer step; with record, its time, its events and the bytes its all-reduces covered."""
+        batches = self.loader.micro_batches(step)
+        self.timeline.enabled = record  # warm-up steps leave no events
+        self.recorder.reset()
         t0 = time.perf_counter()
         if record:
             self.step_starts.append(self.timeline.now())
-        self.forward_backward(batches, record)
-        tl = self.timeline if record else metrics.Timeline(self.device, enabled=False)
-        with tl.record("optimizer"):
+        self.forward_backward(batches)
+        with self.timeline.record("optimizer"):
             self.optimizer.step()
             self.model.zero_grad(set_to_none=True)
         metrics.sync(self.device)
         if record:
             self.times.append(time.perf_counter() - t0)
+            self.sent.append(self.recorder.bytes.get("all_reduce", 0))
 
 
 def summarise(variants, mesh, tokens_per_step):
-    """Per variant: each step's time (the slowest rank's), median, quartiles, tokens/s, every rank's events."""
+    """Per variant: each step's time (the slowest rank's), median, quartiles, tokens/s, every rank's events and
+    the bytes its all-reduces covered in each step (the recorder's count)."""
     rows = []
     for v in variants:
-        per_rank = gather(dict(times=v.times, events=v.timeline.events, starts=v.step_starts), mesh)
+        per_rank = gather(dict(times=v.times, events=v.timeline.events, starts=v.step_starts, sent=v.sent), mesh)
         times = [max(r["times"][i] for r in per_rank) for i in range(len(v.times))]
         q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
         rows.append(dict(name=v.name, impl=v.impl, bucket_mb=v.bucket_mb, n_buckets=v.n_buckets,
                          step_times=times, median=statistics.median(times), q1=q[0], q3=q[2],
                          tokens_per_s=tokens_per_step / statistics.median(times),
-                         events=[r["events"] for r in per_rank], step_starts=[r["starts"] for r in per_rank]))
+                         events=[r["events"] for r in per_rank], step_starts=[r["starts"] for r in per_rank],
+                         sent=[r["sent"] for r in per_rank]))
     return rows
 
 
 def phases(row, rank=None):
-    """Median per step of: forward, backward, wait (end of backward -> all-reduces done), optimizer, and the
-    total time the all-reduces were running (union of their intervals), for one rank or the max over ranks."""
+    """Median per step of: forward, backward, wait (end of backward -> all-reduces done), optimizer, the total
+    time the all-reduces were running (union of their intervals), how many there were and the MiB they covered
+    (the recorder's count), for one rank or the max over ranks."""
     out = []
     for r, events in enumerate(row["events"]):
         if rank is not None and r != rank:
@@ -176,9 +160,10 @@ def phases(row, rank=None):
             ev = [e for e in events if starts[i] <= e["start"] < starts[i + 1]]
             d = {name: sum(e["end"] - e["start"] for e in ev if e["name"] == name)
                  for name in ("forward", "backward", "wait", "optimizer")}
-            d["comm"] = union_length([(e["start"], e["end"]) for e in ev if e["name"].startswith("all-reduce")])
-            d["n_allreduce"] = sum(e["name"].startswith("all-reduce") for e in ev)
-            d["mib_sent"] = sum(e.get("mib", 0) for e in ev if e["name"].startswith("all-reduce"))
+            comm = [e for e in ev if e.get("kind") == "comm"]  # the recorder's events: every all-reduce
+            d["comm"] = union_length([(e["start"], e["end"]) for e in comm])
+            d["n_allreduce"] = len(comm)
+            d["mib_sent"] = row["sent"][r][i] / MiB
             per_step.append(d)
         out.append({k: statistics.median(d[k] for d in per_step) for k in per_step[0]})
     return out[0] if rank is not None else {k: max(o[k] for o in out) for k in out[0]}
@@ -211,13 +196,13 @@ def exp_allreduce(mesh, fast, out):
     rows = []
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, device=mesh.device)
-        dist.all_reduce(x, group=mesh.dp_cp_group)  # warm up this size
+        dist.all_reduce(x, group=mesh.dp_cp.group)  # warm up this size
         times = []
         for _ in range(reps):
-            dist.barrier(mesh.dp_cp_group)
+            dist.barrier(mesh.dp_cp.group)
             metrics.sync(mesh.device)
             t0 = time.perf_counter()
-            dist.all_reduce(x, group=mesh.dp_cp_group)
+            dist.all_reduce(x, group=mesh.dp_cp.group)
             metrics.sync(mesh.device)
             times.append(time.perf_counter() - t0)
         t = max(gather(statistics.median(times), mesh))
@@ -245,14 +230,14 @@ def fit_line(xs, ys):
 def timed(mesh, fast, specs, st=None, grad_acc=1, record_comm=True):
     """Build the variants (name, impl, bucket_mb, sync_every), run them interleaved, summarise."""
     st = st or dict(settings(fast, mesh), **({"steps": STEPS} if STEPS else {}))
-    cfg = make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=mesh.dp_size)
+    cfg = make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=mesh.dp.size)
     variants = [Variant(name, cfg, mesh, impl, bucket_mb, grad_acc=grad_acc, sync_every=sync_every,
                         record_comm=record_comm) for name, impl, bucket_mb, sync_every in specs]
     dist.barrier()
     for v in variants:  # one common origin for every timeline, right after a barrier: ranks are comparable
         v.timeline.t0 = time.perf_counter()
-    run_interleaved(variants, st["steps"], st["warmup"], mesh.dp_cp_group)
-    tokens_per_step = mesh.dp_size * grad_acc * st["micro_batch_size"] * st["seq_len"]
+    run_interleaved(variants, st["steps"], st["warmup"], mesh.dp_cp.group)
+    tokens_per_step = mesh.dp.size * grad_acc * st["micro_batch_size"] * st["seq_len"]
     rows = summarise(variants, mesh, tokens_per_step)
     for row in rows:
         row["phases"] = phases(row)
@@ -317,12 +302,13 @@ def exp_accumulate(mesh, fast, out):
     k = 4
     specs = [("compute only", "none", 0, False), ("no_sync", "bucket", 1, False),
              ("sync every micro-batch", "bucket", 1, True)]
-    cfg = make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=mesh.dp_size)
+    cfg = make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=mesh.dp.size)
     # the gradient check: one step of each on the same batches, before any optimizer step
     check = [Variant(name, cfg, mesh, impl, mb, grad_acc=k, sync_every=se) for name, impl, mb, se in specs[1:]]
     grads = []
     for v in check:
-        v.forward_backward(micro_batches(v.loader, 1, mesh.device), record=False)
+        v.timeline.enabled = False
+        v.forward_backward(v.loader.micro_batches(1))
         grads.append([p.grad.clone() for p in v.raw.parameters()])
     diff = max((a - b).abs().max().item() for a, b in zip(*grads))
     scale = max(a.abs().max().item() for a in grads[0])
@@ -421,7 +407,7 @@ def plot_timelines(rows, step=-1, ranks=None, title=""):
             for e in ev:
                 x, w = 1e3 * (e["start"] - t0), 1e3 * (e["end"] - e["start"])
                 xmax = max(xmax, x + w)
-                if e["name"].startswith("all-reduce"):
+                if e.get("kind") == "comm":
                     k = e.get("bucket", len(labels))
                     ax.broken_barh([(x, w)], (y_comm - 0.35, 0.7), color=plt.cm.tab20(k % 20), edgecolor="k", lw=0.3)
                 else:

@@ -10,23 +10,27 @@ prefetch on a per-rank timeline, our ZeRO-3 against torch's FSDP2, and the losse
 Each experiment writes OUT/<name>.json (rank 0); memory, comm and parity write OUT/<name>_dp<N>.json:
     memory       one training step of each stage (0 = plain bucketed DataParallel, 1, 2, 3) on its own copy of
                  the model: the bytes of parameters, gradients and optimizer state every rank keeps (the
-                 wrappers' own accounting, `memory_breakdown` + `metrics.optimizer_bytes`) next to
+                 wrappers' own accounting, `memory()` + `metrics.optimizer_bytes`) next to
                  `planner.zero_model_state_bytes`; ZeRO-3's transient peak; each unit's flat layout
-    comm         a few steps of each stage, interleaved: the bytes each collective covered per step (`.sent`;
-                 DataParallel's all-reduce from its buckets) next to `planner.zero_comm_elements`, and the
-                 step time of each stage
-    timeline     ZeRO-3 with and without prefetch, interleaved: every rank's events (forward / backward of each
-                 layer, each all-gather and reduce-scatter from launch to completion, the optimizer step)
+    comm         a few steps of each stage, interleaved: the bytes each kind of collective covered per step (a
+                 `metrics.Recorder` on the dp x cp axis counts them) next to `planner.zero_comm_elements`, and
+                 the step time of each stage
+    timeline     ZeRO-3 with and without prefetch, interleaved: every rank's events (the schedule's forward /
+                 backward / wait, each layer's forward and backward, each all-gather and reduce-scatter from
+                 launch to completion, the optimizer step)
     fsdp         our ZeRO-3 against torch's FSDP2 (`benchmarks/zero_vs_fsdp.compare`), steps alternating
     fsdp_memory  (one process) each of the two alone on 2 fresh ranks: peak memory above the baseline
     parity       picotron.train with --zero 0..3 at dp = world size, 2 micro-batches per step; with one
                  process, the single-process reference with the same global batch (grad_acc = 2·dp)
 
+Every variant is built the way picotron.train builds a run (`parallelize`, with a Recorder on its dp x cp
+axis) and steps the way it steps (`schedule.run`, `marks.clip_grad_norm`, `optimizer.step`, `zero_grad`).
 Every timed comparison runs its variants in ONE process group, one step of each in turn (order rotating),
 a barrier before every step; a step's time is the slowest rank's. `memory_per_gpu` (the widget's model) and
 the plot_* functions are imported by the notebook.
 """
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -41,10 +45,12 @@ from _common import gather, run_interleaved, union_length  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import data, data_parallel, metrics, planner, zero  # noqa: E402
+from picotron import data, marks, metrics, planner, schedule, zero3  # noqa: E402
 from picotron import train as trainer  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
+from picotron.model import loss_fn  # noqa: E402
+from picotron.parallelize import build_model, build_optimizer, parallelize  # noqa: E402
 
 # "small": the tiny preset widened (3.3 M parameters in 39 tensors), as in lesson 03.
 SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),
@@ -79,56 +85,47 @@ def tokens():
 
 # ------------------------------------------------------------------------------------------ one variant
 class Variant:
-    """One way of training (stage 0 = bucketed DataParallel, 1, 2 or 3) on its own copy of the model."""
+    """One way of training (stage 0 = bucketed DataParallel, 1, 2 or 3) on its own copy of the model, built as
+    picotron.train builds a run (`parallelize`) with a `metrics.Recorder` on its dp x cp axis: the recorder, not
+    the algorithm, counts the bytes of every collective and, with `timeline`, puts each one on the timeline, next
+    to the schedule's forward / backward / wait and (ZeRO-3) each layer's forward and backward."""
 
     def __init__(self, name, stage, cfg, mesh, prefetch=True, timeline=False):
-        self.name, self.stage, self.cfg, self.device = name, stage, cfg, mesh.device
+        self.name, self.stage, self.mesh, self.device = name, stage, mesh, mesh.device
+        self.cfg = cfg = dataclasses.replace(cfg, zero=stage, dp_impl="bucket", bucket_mb=BUCKET_MB)
         self.timeline = metrics.Timeline(mesh.device, mesh.rank, enabled=timeline)
-        tl = self.timeline if timeline else None
-        self.raw = trainer.build_model(cfg, mesh)
+        self.recorder = metrics.Recorder(self.timeline if timeline else None)
+        if prefetch:
+            run = parallelize(cfg, mesh, recorder=self.recorder)
+            self.raw, self.model, self.optimizer = run.raw, run.model, run.optimizer
+            self.schedule, self.loss_fn = run.schedule, run.loss_fn
+        else:  # ZeRO-3 without prefetch, an option parallelize does not offer: the same pieces, by hand
+            assert stage == 3, "prefetch=False is a ZeRO-3 option"
+            self.raw = build_model(cfg, mesh)
+            self.model = zero3.Zero3(self.raw, mesh.dp_cp.recorded(self.recorder), prefetch=False)
+            self.optimizer = build_optimizer(self.model.optimizer_groups(), cfg, mesh.device)
+            self.schedule, self.loss_fn = schedule.OneStage(mesh.dp_cp, mesh.device), loss_fn
+        self.schedule.timeline = self.timeline if timeline else None  # "forward" / "backward" / "wait" events
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]  # ZeRO: its pieces
         self.psi = self.raw.config.num_params()
-        if stage == 0:
-            self.model = data_parallel.DataParallel(self.raw, mesh, bucket_mb=BUCKET_MB)
-        elif stage == 3:
-            self.model = zero.Zero3(self.raw, mesh, timeline=tl, prefetch=prefetch)
-        else:
-            self.model = zero.ZeroDataParallel(self.raw, mesh, stage, bucket_mb=BUCKET_MB, timeline=tl)
-        self.optimizer = trainer.build_optimizer(self.model, cfg, mesh.device)
+        self.recorder.reset()  # DataParallel's start-up broadcast of rank 0's weights is no step's traffic
         self.loader = data.DataLoader(tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                                      grad_acc=1, dp_size=mesh.dp_size, dp_rank=mesh.dp_rank, seed=cfg.seed)
+                                      grad_acc=1, dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed)
         self.times, self.step_starts, self.losses, self.steps_run = [], [], [], 0
         self.mem = None
 
-    def sent(self):
-        """Bytes of the full buffers the collectives covered so far. DataParallel counts none itself: each
-        step all-reduces every bucket once (a ring does that as a reduce-scatter plus an all-gather)."""
-        if self.stage == 0:
-            return {"all_reduce": self.steps_run * sum(b.buffer.numel() * b.buffer.element_size()
-                                                       for b in self.model.buckets)}
-        return dict(self.model.sent)
-
     def step(self, step, record=True):
-        tl = self.timeline if record else metrics.Timeline(self.device, enabled=False)
-        x, y = (t.to(self.device) for t in self.loader.batch(step, 0))
+        """One optimizer step, as picotron.train takes it; its time, and what the rank keeps (`self.mem`)."""
+        batches = self.loader.micro_batches(step)
         metrics.sync(self.device)
         t0 = time.perf_counter()
         if record:
             self.step_starts.append(self.timeline.now())
-        with tl.record("forward pass", kind="phase"):
-            loss = trainer.loss_fn(self.model(x), y)
-        with tl.record("backward pass", kind="phase"):
-            loss.backward()
-            self.model.finish_gradient_sync()
-        if self.stage:
-            self.model.clip_grad_norm(self.cfg.grad_clip)
-            mem = self.model.memory_breakdown()  # after the gradient sync, before the step (see zero.py)
-        else:
-            trainer.clip_grad_norm(list(self.model.parameters()), self.cfg.grad_clip)
-            mem = metrics.memory_breakdown(self.model)  # every rank: all parameters, all gradients
-        with tl.record("optimizer", kind="compute"):
-            self.optimizer.step()
-        if self.stage:
-            self.model.gather_updated_params()  # stages 1-2: every rank's updated chunk to all (3: no-op)
+        loss = self.schedule.run(self.model, batches, self.loss_fn)  # forward, backward, the gradient sync
+        marks.clip_grad_norm(self.params, self.cfg.grad_clip, self.mesh)
+        mem = self.model.memory()  # after the gradient sync, before the step: the gradients are still there
+        with self.timeline.record("optimizer", kind="compute"):
+            self.optimizer.step()  # ZeRO-1/2: ends with the all-gather of every rank's updated chunk
         mem["optimizer"] = metrics.optimizer_bytes(self.optimizer)
         self.model.zero_grad(set_to_none=True)
         self.losses.append(loss.item())
@@ -166,7 +163,7 @@ def env_info(mesh, fast, st):
 
 
 def timed_cfg(st, mesh):
-    return make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=mesh.dp_size)
+    return make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=mesh.dp.size)
 
 
 # --------------------------------------------------------------------------------------------- experiments
@@ -174,7 +171,7 @@ def exp_memory(mesh, fast, out):
     """One step of each stage; the model states every rank keeps, next to the formula (recipe "ours")."""
     st = settings(fast, mesh)
     cfg = timed_cfg(st, mesh)
-    n, rows = mesh.dp_cp_size, []
+    n, rows = mesh.dp_cp.size, []
     for stage in (0, 1, 2, 3):
         v = Variant(STAGE_NAMES[stage], stage, cfg, mesh)
         v.step(1, record=False)
@@ -200,16 +197,16 @@ def exp_comm(mesh, fast, out):
     st = settings(fast, mesh)
     cfg = timed_cfg(st, mesh)
     variants = [Variant(STAGE_NAMES[s], s, cfg, mesh) for s in (0, 1, 2, 3)]
-    run_interleaved(variants, st["steps"], st["warmup"], mesh.dp_cp_group)
-    n, rows = mesh.dp_cp_size, []
+    run_interleaved(variants, st["steps"], st["warmup"], mesh.dp_cp.group)
+    n, rows = mesh.dp_cp.size, []
     for v in variants:
         times = slowest(v, mesh)
-        per_step = {k: b / v.steps_run for k, b in v.sent().items()}
+        per_step = {k: b / v.steps_run for k, b in v.recorder.bytes.items()}
         root = v.model.units[0].numel if v.stage == 3 else 0
         predicted = planner.zero_comm_elements(v.psi, v.stage, root)
         rows.append(dict(stage=v.stage, name=v.name, psi=v.psi, root_params=root, bytes_per_step=per_step,
                          predicted_elements=predicted, step_times=times, **step_stats(times),
-                         tokens_per_s=mesh.dp_size * st["micro_batch_size"] * st["seq_len"] / statistics.median(times)))
+                         tokens_per_s=mesh.dp.size * st["micro_batch_size"] * st["seq_len"] / statistics.median(times)))
         if mesh.rank == 0:
             total = sum(per_step.values()) * (2 if v.stage == 0 else 1)
             print(f"{v.name:<7} per step: " + ", ".join(f"{k} {b / MiB:6.2f} MiB" for k, b in per_step.items())
@@ -227,7 +224,7 @@ def exp_timeline(mesh, fast, out):
     dist.barrier()
     for v in variants:  # one common origin for every timeline, right after a barrier: ranks are comparable
         v.timeline.t0 = time.perf_counter()
-    run_interleaved(variants, st["steps"], st["warmup"], mesh.dp_cp_group)
+    run_interleaved(variants, st["steps"], st["warmup"], mesh.dp_cp.group)
     rows = []
     for v in variants:
         times = slowest(v, mesh)
@@ -276,7 +273,7 @@ def exp_fsdp(mesh, fast, out):
     """Ours vs FSDP2, one step of each in turn; the per-round throughput ratio (FSDP2's time / ours)."""
     st = settings(fast, mesh)
     bench = _bench()
-    cfg = bench.make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=mesh.dp_size)
+    cfg = bench.make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=mesh.dp.size)
     rows = bench.compare(cfg, mesh, st["fsdp_steps"], warmup=st["warmup"] + 1)
     med, q1, q3 = bench.paired(rows)
     if mesh.rank == 0:
@@ -303,7 +300,7 @@ def exp_fsdp_memory(mesh, fast, out):
 def exp_parity(mesh, fast, out):
     """picotron.train for --zero 0..3 at dp = world size (or, with one process, the reference)."""
     st = settings(fast, mesh)
-    n = mesh.dp_cp_size
+    n = mesh.dp_cp.size
     common = dict(steps=st["parity_steps"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"],
                   warmup_steps=2, log_every=st["parity_steps"], lr=3e-3, bucket_mb=BUCKET_MB)
     result = dict(settings=dict(st, grad_acc=PARITY_GRAD_ACC), dp=n, losses={}, mem_by_rank={})
@@ -442,11 +439,13 @@ def plot_comm(results):
 
 LANE_COLORS = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2",
                "all-gather": "#dd8452", "reduce-scatter": "#c44e52"}
+PHASE_COLORS = {"forward": "0.85", "backward": "0.85", "wait": "#f3c9c9"}  # the schedule's timeline, as bands
 
 
 def plot_timeline(rows, step=-1, ranks=None, title=""):
-    """Per variant and rank, three lanes: compute (each layer's forward and backward, the optimizer; the whole
-    forward and backward passes as a grey band), all-gathers, reduce-scatters. One step; time from its start."""
+    """Per variant and rank, three lanes: compute (each layer's forward and backward, the optimizer; the
+    schedule's whole forward and backward passes as a grey band, its wait for the gradient sync as a pink one),
+    all-gathers, reduce-scatters. One step; time from its start."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -468,10 +467,11 @@ def plot_timeline(rows, step=-1, ranks=None, title=""):
                     continue
                 x, w = 1e3 * (e["start"] - t0), 1e3 * (e["end"] - e["start"])
                 xmax = max(xmax, x + w)
-                name = e["name"]
-                if e.get("kind") == "phase":
-                    ax.broken_barh([(x, w)], (y["compute"] - 0.45, 0.9), color="0.85", zorder=0)
-                elif e.get("kind") == "compute":
+                name, kind = e["name"], e.get("kind")
+                if kind is None:  # the schedule's phases: forward, backward, wait (for the last reduce-scatters)
+                    ax.broken_barh([(x, w)], (y["compute"] - 0.45, 0.9), color=PHASE_COLORS.get(name, "0.85"),
+                                   zorder=0)
+                elif kind == "compute":
                     kind = name.split()[0]
                     ax.broken_barh([(x, w)], (y["compute"] - 0.32, 0.64), color=LANE_COLORS[kind], edgecolor="k",
                                    lw=0.3)
@@ -496,6 +496,7 @@ def plot_timeline(rows, step=-1, ranks=None, title=""):
     axes[-1].set_xlim(0, 1.02 * xmax)
     fig.legend(handles=[Patch(color=c, label=k) for k, c in LANE_COLORS.items()] +
                [Patch(color="0.85", label="forward / backward pass"),
+                Patch(color=PHASE_COLORS["wait"], label="wait for the gradient sync"),
                 Patch(color=LANE_COLORS["reduce-scatter"], alpha=0.55, label="end seen only at the wait")],
                loc="upper right", fontsize=7, ncol=4)
     fig.suptitle(title, fontsize=10, x=0.01, ha="left")

@@ -9,22 +9,26 @@ the losses of tp = 2 and 4 against one process.
     PICOTRON_FAST=1 torchrun ...        # short settings (CI, the notebook's FAST mode)
 
 Every experiment runs at tp = world size (dp = 1) and writes OUT/<name>_tp<N>.json (rank 0):
-    comm      one forward and backward (and the clipping) of the model with 2 and with 4 layers, sp off and on:
-              every all-reduce, all-gather and reduce-scatter the code asks torch.distributed for, with its
-              full-buffer bytes and the time spent in it (`CollectiveLog`). Per layer = (4 layers - 2 layers) / 2,
-              against `megatron_pattern`; what is left is the embedding, the LM head and the loss
-    memory    one step of each variant (sp off and on): the bytes autograd keeps for backward, by part of the
-              model (`PartCounter`, a per-module `metrics.ActivationCounter`), and the model states each rank
-              keeps, against `activation_parts` / `model_state_bytes` (exact for our code) and Korthikanti's
+    comm      one training step (forward, backward, clipping) of the model with 2 and with 4 layers, sp off and
+              on: every all-reduce, all-gather and reduce-scatter of the mesh's axes, with its full-buffer bytes,
+              the time spent in it and the phase it ran in (a `metrics.Recorder` on the mesh, its timeline shared
+              with the step schedule's: `by_phase`). Per layer = (4 layers - 2 layers) / 2, against
+              `megatron_pattern`; what is left is the embedding, the LM head and the loss
+    memory    one step of each variant (sp off and on): the bytes autograd keeps for backward (the step
+              schedule's own count), by part of the model (`PartCounter`, a per-module
+              `metrics.ActivationCounter`, over one more forward of the same batch), and the model states each
+              rank keeps, against `activation_parts` / `model_state_bytes` (exact for our code) and Korthikanti's
     scaling   a few steps of sp off and sp on, interleaved: step time (the slowest rank's), tokens/s and the
               time spent inside collectives
     dtensor   ours against torch's DTensor tensor parallelism (`benchmarks/tp_vs_dtensor.compare`), steps
               alternating, per-round throughput ratio
     parity    picotron.train with --tp N, sp off and on; with one process, the single-process reference
 
-Every timed comparison runs its variants in ONE process group, one step of each in turn (order rotating), a
-barrier before every step; a step's time is the slowest rank's. The widget's functions (`shard_shapes`,
-`memory_per_rank`) need no processes, and the plot_* functions are imported by the notebook.
+Every variant trains through picotron's own seam (`parallelize`: the model, its optimizer, the step schedule and
+the loss; `marks.clip_grad_norm`): what is measured is the code `picotron.train` runs. Every timed comparison runs
+its variants in ONE process group, one step of each in turn (order rotating), a barrier before every step; a
+step's time is the slowest rank's. The widget's functions (`shard_shapes`, `memory_per_rank`) need no processes
+(`Axis.alone` builds any rank's shard), and the plot_* functions are imported by the notebook.
 """
 import argparse
 import functools
@@ -32,32 +36,30 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (puts the repository root on sys.path)
 from _common import gather, run_interleaved  # noqa: E402
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
-from picotron import data, metrics, planner, tensor_parallel  # noqa: E402
-from picotron import train as trainer  # noqa: E402
+from picotron import data, marks, metrics, planner, tensor_parallel  # noqa: E402
 from picotron.config import Config  # noqa: E402
-from picotron.mesh import Mesh  # noqa: E402
+from picotron.mesh import Axis, Mesh  # noqa: E402
 from picotron.model import Llama  # noqa: E402
+from picotron.parallelize import parallelize  # noqa: E402
+from picotron.train import train  # noqa: E402
 
 # "small": the tiny preset widened (3.3 M parameters), as in lessons 03 and 04: 8 heads, 4 KV heads, so tp = 1, 2, 4.
 SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),
          "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
 MiB = 2**20
 COMM_LAYERS = (2, 4)  # the comm experiment's two depths: per layer = their difference / 2
-OPS = {"all_reduce": "all-reduce", "all_gather_single": "all-gather", "reduce_scatter_single": "reduce-scatter",
-       "all_gather": "all-gather (list)"}
+OPS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+       "broadcast": "broadcast"}  # metrics.Recorder's kinds of collective, as the lesson prints them
 PARTS = ("params", "grads", "optimizer")
 PART_COLORS = dict(params="#4c72b0", grads="#dd8452", optimizer="#55a868", activations="#c44e52")
 LAYER_PARTS = ("norm (input)", "attention", "norm (post-attention)", "mlp")
@@ -85,24 +87,32 @@ def tokens():
 
 
 # ------------------------------------------------------------------- shard shapes, without processes
-def fake_mesh(tp, rank):
-    """Enough of a Mesh for tensor_parallel.apply to build (not run) rank `rank`'s shard: no process group."""
-    return SimpleNamespace(tp_size=tp, tp_rank=rank, tp_group=None)
+def tp_problem(mc, tp):
+    """Why tensor parallelism cannot cut this model tp ways (`tensor_parallel.check`'s sentence), or None."""
+    return tensor_parallel.check(Config(tp=tp), mc)
+
+
+def check_tp(mc, tp):
+    """Raise ValueError with tensor_parallel's sentence when tp does not cut the model into whole slices."""
+    problem = tp_problem(mc, tp)
+    if problem:
+        raise ValueError(problem)
 
 
 def shard_shapes(mc, tp, sp=False):
     """What every rank of tp holds: {rank: [dict(name, full, shard, dim, lo, hi, kind)]} for layer 0's
     parameters, the embedding, the final norm and the LM head (a tied LM head is listed as the embedding's
     matrix). Computed without processes: `tensor_parallel.apply` on a one-layer copy of the model on the meta
-    device, with a stand-in mesh per rank. dim: the dimension the tensor is cut along (None: replicated);
-    [lo, hi): this rank's rows (dim 0) or columns (dim 1) of the full matrix. Raises ValueError when tp does
-    not split the heads, KV heads, MLP columns and vocabulary into whole slices."""
-    tensor_parallel.check_divisible(mc, tp)
+    device, over `Axis.alone("tp", tp, rank)` (an axis with no process group) for each rank. dim: the dimension
+    the tensor is cut along (None: replicated); [lo, hi): this rank's rows (dim 0) or columns (dim 1) of the
+    full matrix. Raises ValueError when tp does not split the heads, KV heads, MLP columns and vocabulary into
+    whole slices."""
+    check_tp(mc, tp)
     out = {}
     for rank in range(tp):
         with torch.device("meta"):
             model = Llama(replace(mc, num_hidden_layers=1))
-        tensor_parallel.apply(model, fake_mesh(tp, rank), sp=sp)
+        tensor_parallel.apply(model, Axis.alone("tp", tp, rank), sp=sp)
         rows = []
         for name, p in model.named_parameters():
             dim = getattr(p, "tp_dim", None) if tp > 1 else (None if p.dim() == 1 else _split_dim(name))
@@ -133,14 +143,7 @@ def _kind(name):
 
 def valid_tps(mc, candidates=(1, 2, 3, 4, 5, 6, 8, 16, 32, 64)):
     """The degrees tensor_parallel.apply accepts for this model."""
-    ok = []
-    for t in candidates:
-        try:
-            tensor_parallel.check_divisible(mc, t)
-            ok.append(t)
-        except ValueError:
-            pass
-    return ok
+    return [t for t in candidates if tp_problem(mc, t) is None]
 
 
 def params_per_rank(mc, tp):
@@ -232,7 +235,7 @@ def memory_per_rank(mc, tp, sp=False, seq_len=4096, micro_batch_size=1, flash=Tr
     """The widget's model: bytes per rank of model states (textbook mixed precision, 16 bytes per parameter
     this rank holds) and of the layers' activations (Korthikanti's bf16 formula x L). Raises ValueError for a tp
     the model does not allow."""
-    tensor_parallel.check_divisible(mc, tp)
+    check_tp(mc, tp)
     out = model_state_bytes(mc, tp, recipe="mixed")
     out["activations"] = mc.num_hidden_layers * korthikanti_bytes_per_layer(
         seq_len, micro_batch_size, mc.hidden_size, mc.num_attention_heads, tp, sp, flash)
@@ -249,8 +252,8 @@ def megatron_pattern(b, s, h, sp, elem=4):
     act = elem * b * s * h
     if not sp:
         return {"forward": {("all_reduce", act): 2}, "backward": {("all_reduce", act): 2}}
-    return {"forward": {("all_gather_single", act): 2, ("reduce_scatter_single", act): 2},
-            "backward": {("all_gather_single", act): 2, ("reduce_scatter_single", act): 2,
+    return {"forward": {("all_gather", act): 2, ("reduce_scatter", act): 2},
+            "backward": {("all_gather", act): 2, ("reduce_scatter", act): 2,
                          ("all_reduce", elem * h): 2}}
 
 
@@ -260,48 +263,33 @@ def ring_bytes_sent(op, nbytes, n):
 
 
 # ----------------------------------------------------------------------------------- measuring tools
-class CollectiveLog:
-    """While active, every all-reduce, all-gather and reduce-scatter asked of torch.distributed is recorded
-    as (phase, op, bytes of the full buffer, seconds inside the call); set `.phase` to label them. The full
-    buffer is the all-reduced tensor, an all-gather's output, a reduce-scatter's input. (gloo's collectives
-    block, so the seconds are the transfer plus the wait for the slowest peer; on a GPU we synchronise
-    around each call to get the same.)"""
+def by_phase(recorder):
+    """[(phase, kind, bytes, seconds)] of every collective `recorder` counted, in call order. `kind` is the
+    Recorder's ("all_reduce", "all_gather", "reduce_scatter"), bytes its full buffer (the all-reduced tensor, an
+    all-gather's output, a reduce-scatter's input). The phase is the step schedule's event the collective
+    started in, on the timeline the two share ("forward", with the loss; "backward"; "wait", the gradient
+    sync's), "step" after it (clipping). Seconds: from the call to its return; gloo's collectives block, so
+    that is the transfer plus the wait for the slowest peer (NCCL's return once queued: on a GPU it would be
+    a launch's time)."""
+    events = recorder.timeline.events
+    phases = [e for e in events if e.get("kind") != "comm"]
+    comms = [e for e in events if e.get("kind") == "comm"]
+    if len(comms) != len(recorder.log):  # tensor parallelism's collectives are synchronous: one event each
+        raise RuntimeError(f"{len(recorder.log)} collectives counted but {len(comms)} timed: an asynchronous one?")
+    out = []
+    for (kind, nbytes, _axis), e in zip(recorder.log, comms):
+        phase = next((p["name"] for p in phases if p["start"] <= e["start"] <= p["end"]), "step")
+        out.append((phase, kind, nbytes, e["end"] - e["start"]))
+    return out
 
-    def __init__(self, device):
-        self.device, self.phase, self.calls, self._originals = device, "forward", [], {}
 
-    def _counted(self, name, fn, /, *args, **kwargs):  # positional-only: dist.all_reduce has an `op` keyword
-        if name == "all_gather":
-            nbytes = len(args[0]) * args[1].numel() * args[1].element_size()
-        else:
-            t = args[1] if name == "reduce_scatter_single" else args[0]
-            nbytes = t.numel() * t.element_size()
-        metrics.sync(self.device)
-        t0 = time.perf_counter()
-        result = fn(*args, **kwargs)
-        metrics.sync(self.device)
-        self.calls.append((self.phase, name, nbytes, time.perf_counter() - t0))
-        return result
-
-    def __enter__(self):
-        for op in OPS:
-            self._originals[op] = getattr(dist, op)
-            setattr(dist, op, partial(self._counted, op, self._originals[op]))
-        return self
-
-    def __exit__(self, *exc):
-        for op, fn in self._originals.items():
-            setattr(dist, op, fn)
-
-    def counts(self, phase):
-        out = {}
-        for p, op, nbytes, _ in self.calls:
-            if p == phase:
-                out[(op, nbytes)] = out.get((op, nbytes), 0) + 1
-        return out
-
-    def seconds(self, phases=("forward", "backward", "step")):
-        return sum(c[3] for c in self.calls if c[0] in phases)
+def counts(calls, phase):
+    """{(kind, bytes): number of calls} of one phase of `by_phase`'s list."""
+    out = {}
+    for p, kind, nbytes, _ in calls:
+        if p == phase:
+            out[(kind, nbytes)] = out.get((kind, nbytes), 0) + 1
+    return out
 
 
 class PartCounter(metrics.ActivationCounter):
@@ -354,48 +342,57 @@ class PartCounter(metrics.ActivationCounter):
 
 # ------------------------------------------------------------------------------------------ one variant
 class Variant:
-    """A tensor-parallel copy of the model (picotron.train's build_model, so tp = world size) with its
-    AdamW, the vocab-parallel loss, and a loader (every tp rank reads the same rows)."""
+    """One layout of the model, built and stepped by picotron's seam, exactly as picotron.train does:
+    `parallelize(cfg, mesh)` (this rank's shards at tp = world size, its AdamW, the step schedule, the loss:
+    vocab-parallel under tp), then per step `schedule.run` (forward, loss, backward), `marks.clip_grad_norm`,
+    `optimizer.step()`, `zero_grad()`. A loader gives every tp rank the same rows.
+
+    While it steps, a `metrics.Recorder` on the mesh counts and times every collective of its axes, on a
+    Timeline it shares with the schedule (forward / backward / wait events): `by_phase` says which ran where."""
 
     def __init__(self, name, cfg, mesh):
-        self.name, self.cfg, self.mesh, self.device = name, cfg, mesh, mesh.device
-        self.model = trainer.build_model(cfg, mesh)
-        self.optimizer = trainer.build_optimizer(self.model, cfg, mesh.device)
-        tp = mesh.tp_size > 1
-        self.criterion = partial(tensor_parallel.loss_fn, mesh=mesh) if tp else trainer.loss_fn
-        self.tp_group = mesh.tp_group if tp else None
+        self.name, self.cfg, self.device = name, cfg, mesh.device
+        self.recorder = metrics.Recorder(metrics.Timeline(mesh.device, mesh.rank))
+        self.mesh = mesh.recorded(self.recorder)  # the same groups; every axis's collectives counted and timed
+        self.run = parallelize(cfg, mesh, recorder=self.recorder)  # built on that recorded mesh
+        self.run.schedule.timeline = self.recorder.timeline
         self.loader = data.DataLoader(tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                                       grad_acc=1, dp_size=1, dp_rank=0, seed=cfg.seed)
-        self.log = CollectiveLog(mesh.device)
+        self.calls = []  # (phase, kind, bytes, seconds) of every collective of every step, in order
         self.times, self.comm_times, self.losses = [], [], []
-        self.parts = self.states = None
+        self.activation_bytes = self.parts = self.states = None
 
-    def step(self, step, record=True, count=False):
-        x, y = (t.to(self.device) for t in self.loader.batch(step, 0))
-        counter = PartCounter(self.model) if count else None
+    def step(self, step, record=True):
+        run, recorder = self.run, self.recorder
+        recorder.reset()
+        recorder.timeline.events.clear()
         metrics.sync(self.device)
         t0 = time.perf_counter()
-        before = len(self.log.calls)
-        with self.log:
-            self.log.phase = "forward"
-            with counter if count else nullcontext():
-                loss = self.criterion(self.model(x), y)
-            self.log.phase = "backward"
-            loss.backward()
-            self.log.phase = "step"
-            trainer.clip_grad_norm(list(self.model.parameters()), self.cfg.grad_clip, self.tp_group)
-            states = metrics.memory_breakdown(self.model)
-            self.optimizer.step()
-        self.model.zero_grad(set_to_none=True)
+        loss = run.schedule.run(run.model, self.loader.micro_batches(step), run.loss_fn)
+        marks.clip_grad_norm(run.params, self.cfg.grad_clip, self.mesh)
+        states = run.model.memory()  # params and grads, as picotron.train measures them: before the update
+        run.optimizer.step()
+        run.model.zero_grad(set_to_none=True)
         self.losses.append(loss.item())
         metrics.sync(self.device)
+        elapsed = time.perf_counter() - t0
+        calls = by_phase(recorder)
+        self.calls += calls
         if record:
-            self.times.append(time.perf_counter() - t0)
-            self.comm_times.append(sum(c[3] for c in self.log.calls[before:]))
-        states["optimizer"] = metrics.optimizer_bytes(self.optimizer)
-        self.states = states
-        if count:
-            self.parts = counter.summary(len(self.model.layers))
+            self.times.append(elapsed)
+            self.comm_times.append(sum(c[3] for c in calls))
+        states["optimizer"] = metrics.optimizer_bytes(run.optimizer)  # AdamW's moments exist after its first step
+        self.states, self.activation_bytes = states, run.schedule.activation_bytes
+
+    def count_parts(self, step):
+        """The bytes autograd keeps, by part of the model (`PartCounter`): one more forward and loss of step
+        `step`'s batch, its graph dropped, nothing trained (the schedule counts only the total, which
+        `activation_bytes` holds after a step; the two must agree)."""
+        x, y, positions = (t.to(self.device) for t in self.loader.micro_batches(step)[0])
+        counter = PartCounter(self.run.raw)
+        with self.run.schedule.autocast(), counter:
+            self.run.loss_fn(self.run.model(x, positions), y)
+        self.parts = counter.summary(len(self.run.raw.layers))
 
 
 def step_stats(times):
@@ -411,14 +408,14 @@ def slowest(values, mesh):
 
 def env_info(mesh, fast, st):
     mc = make_cfg(st["size"]).model_config()
-    return dict(device=str(mesh.device), backend=mesh.backend, world_size=mesh.world_size, tp=mesh.tp_size,
+    return dict(device=str(mesh.device), backend=mesh.backend, world_size=mesh.world_size, tp=mesh.tp.size,
                 torch=torch.__version__, threads=torch.get_num_threads(), cores=os.cpu_count(), fast=fast,
                 size=st["size"], model=SIZES[st["size"]], num_params=mc.num_params(), seq_len=st["seq_len"],
                 micro_batch_size=st["micro_batch_size"])
 
 
 def sp_variants(mesh):
-    return (False, True) if mesh.tp_size > 1 else (False,)
+    return (False, True) if mesh.tp.size > 1 else (False,)
 
 
 def variant_name(tp, sp):
@@ -433,12 +430,12 @@ def exp_comm(mesh, fast, out):
     for sp in sp_variants(mesh):
         per_depth = {}
         for layers in COMM_LAYERS:
-            cfg = make_cfg(st["size"], tp=mesh.tp_size, sp=sp, seq_len=st["seq_len"],
+            cfg = make_cfg(st["size"], tp=mesh.tp.size, sp=sp, seq_len=st["seq_len"],
                            micro_batch_size=st["micro_batch_size"], num_hidden_layers=layers)
-            v = Variant(variant_name(mesh.tp_size, sp), cfg, mesh)
+            v = Variant(variant_name(mesh.tp.size, sp), cfg, mesh)
             v.step(1)
-            per_depth[layers] = {p: v.log.counts(p) for p in ("forward", "backward", "step")}
-            calls = v.log.calls
+            per_depth[layers] = {p: counts(v.calls, p) for p in ("forward", "backward", "wait", "step")}
+            calls = v.calls
             del v
         lo, hi = COMM_LAYERS
         per_layer = {p: {k: (per_depth[hi][p].get(k, 0) - per_depth[lo][p].get(k, 0)) / (hi - lo)
@@ -449,7 +446,7 @@ def exp_comm(mesh, fast, out):
                    for p in per_depth[lo]}
         b, s, h = st["micro_batch_size"], st["seq_len"], SIZES[st["size"]]["hidden_size"]
         expected = megatron_pattern(b, s, h, sp)
-        row = dict(name=variant_name(mesh.tp_size, sp), sp=sp, b=b, s=s, h=h,
+        row = dict(name=variant_name(mesh.tp.size, sp), sp=sp, b=b, s=s, h=h,
                    per_layer=_keys_to_str(per_layer), outside=_keys_to_str(outside),
                    expected=_keys_to_str(expected),
                    matches=all(per_layer.get(p, {}) == expected[p] for p in ("forward", "backward")),
@@ -460,7 +457,7 @@ def exp_comm(mesh, fast, out):
                 f"{p}: " + ", ".join(f"{c:g} {OPS[op]} of {nb / 1024:.0f} KiB" for (op, nb), c in sorted(per_layer[p].items()))
                 for p in ("forward", "backward")) + f"  -> Megatron's pattern: {'yes' if row['matches'] else 'NO'}",
                 flush=True)
-    return dict(settings=st, tp=mesh.tp_size, rows=rows)
+    return dict(settings=st, tp=mesh.tp.size, rows=rows)
 
 
 def _keys_to_str(d):
@@ -478,34 +475,37 @@ def exp_memory(mesh, fast, out):
     st = settings(fast, mesh.device.type)
     rows = []
     for sp in sp_variants(mesh):
-        cfg = make_cfg(st["size"], tp=mesh.tp_size, sp=sp, seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"])
-        v = Variant(variant_name(mesh.tp_size, sp), cfg, mesh)
-        v.step(1, record=False, count=True)
-        mc = v.model.config
-        formula = activation_parts(mc, st["seq_len"], st["micro_batch_size"], mesh.tp_size, sp)
+        cfg = make_cfg(st["size"], tp=mesh.tp.size, sp=sp, seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"])
+        v = Variant(variant_name(mesh.tp.size, sp), cfg, mesh)
+        v.step(1, record=False)
+        v.count_parts(1)
+        mc = v.run.raw.config
+        formula = activation_parts(mc, st["seq_len"], st["micro_batch_size"], mesh.tp.size, sp)
         row = dict(name=v.name, sp=sp, parts_by_rank=gather(v.parts, mesh), states_by_rank=gather(v.states, mesh),
+                   schedule_by_rank=gather(v.activation_bytes, mesh),
                    formula=formula, formula_total=activation_bytes(mc, st["seq_len"], st["micro_batch_size"],
-                                                                   mesh.tp_size, sp),
-                   formula_states=model_state_bytes(mc, mesh.tp_size),
-                   params_per_rank=sum(p.numel() for p in v.model.parameters()))
+                                                                   mesh.tp.size, sp),
+                   formula_states=model_state_bytes(mc, mesh.tp.size),
+                   params_per_rank=sum(p.numel() for p in v.run.raw.parameters()))
         rows.append(row)
         if mesh.rank == 0:
             got = row["parts_by_rank"][0]
             m = row["states_by_rank"][0]
-            print(f"{v.name:<10} rank 0: activations {got['total'] / MiB:6.2f} MiB (formula {row['formula_total'] / MiB:6.2f}), "
+            print(f"{v.name:<10} rank 0: activations {got['total'] / MiB:6.2f} MiB (formula {row['formula_total'] / MiB:6.2f}, "
+                  f"the step schedule's count {row['schedule_by_rank'][0] / MiB:6.2f}), "
                   f"per layer {sum(got['per layer'].values()) / MiB:5.2f} MiB | model states " +
                   ", ".join(f"{k} {m[k] / MiB:.2f}" for k in PARTS) + " MiB", flush=True)
         del v
-    return dict(settings=st, tp=mesh.tp_size, rows=rows)
+    return dict(settings=st, tp=mesh.tp.size, rows=rows)
 
 
 def exp_scaling(mesh, fast, out):
     """Steps of sp off and sp on, interleaved: step time, tokens/s, time inside collectives."""
     st = settings(fast, mesh.device.type)
-    variants = [Variant(variant_name(mesh.tp_size, sp),
-                        make_cfg(st["size"], tp=mesh.tp_size, sp=sp, seq_len=st["seq_len"],
+    variants = [Variant(variant_name(mesh.tp.size, sp),
+                        make_cfg(st["size"], tp=mesh.tp.size, sp=sp, seq_len=st["seq_len"],
                                  micro_batch_size=st["micro_batch_size"]), mesh) for sp in sp_variants(mesh)]
-    run_interleaved(variants, st["steps"], st["warmup"], mesh.tp_group)
+    run_interleaved(variants, st["steps"], st["warmup"], mesh.tp.group)
     rows = []
     tokens_per_step = st["micro_batch_size"] * st["seq_len"]
     act = 4 * tokens_per_step * SIZES[st["size"]]["hidden_size"]
@@ -514,7 +514,7 @@ def exp_scaling(mesh, fast, out):
         comm = slowest(v.comm_times, mesh)
         per_call = {}  # the activation-sized collectives: median seconds per call on this rank, and calls per step
         for op in OPS:
-            secs = [c[3] for c in v.log.calls if c[1] == op and c[2] == act]
+            secs = [c[3] for c in v.calls if c[1] == op and c[2] == act]
             if secs:
                 per_call[op] = dict(median_s=statistics.median(secs), per_step=len(secs) / (st["steps"] + st["warmup"]))
         row = dict(name=v.name, sp=v.cfg.sp, step_times=times, comm_times=comm, **step_stats(times),
@@ -527,7 +527,7 @@ def exp_scaling(mesh, fast, out):
                   f"{1e3 * row['comm_median']:6.1f} ms in collectives ({row['comm_median'] / row['median']:.0%})" +
                   "".join(f" | {c['per_step']:g} {OPS[op]}s of {act // 1024} KiB per step, {1e3 * c['median_s']:.2f} ms each"
                           for op, c in row["per_call"][0].items()), flush=True)
-    return dict(settings=st, tp=mesh.tp_size, threads=torch.get_num_threads(), rows=rows)
+    return dict(settings=st, tp=mesh.tp.size, threads=torch.get_num_threads(), rows=rows)
 
 
 def _bench():
@@ -542,13 +542,13 @@ def exp_dtensor(mesh, fast, out):
     unsharded model on the same batches (computed in each process, no communication)."""
     st = settings(fast, mesh.device.type)
     bench = _bench()
-    result = dict(settings=st, tp=mesh.tp_size, runs={})
+    result = dict(settings=st, tp=mesh.tp.size, runs={})
     for sp in (False, True):
         cfg = bench.make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"],
-                             tp=mesh.tp_size, sp=sp)
+                             tp=mesh.tp.size, sp=sp)
         rows = bench.compare(cfg, mesh, st["dtensor_steps"], warmup=st["warmup"] + 1)
         med, q1, q3 = bench.paired(rows)
-        name = variant_name(mesh.tp_size, sp)
+        name = variant_name(mesh.tp.size, sp)
         result["runs"][name] = dict(sp=sp, rows=rows, ratio=dict(median=med, q1=q1, q3=q3, n=len(rows[0]["step_times"])))
         if mesh.rank == 0:
             print(f"{name:<10} " + " | ".join(f"{r['name']} {1e3 * r['median']:7.2f} ms/step" for r in rows) +
@@ -557,7 +557,7 @@ def exp_dtensor(mesh, fast, out):
     # the unsharded model on the same batches, with the same optimizer and clipping, in each process (no
     # collectives): how far two float orderings drift apart over these many steps at this learning rate
     ref = Variant("one process", make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"]),
-                  SimpleNamespace(tp_size=1, tp_group=None, device=mesh.device))
+                  Mesh.local(mesh.device))
     for step in range(len(rows[0]["losses"])):
         ref.step(step + 1, record=False)
     result["reference_losses"] = ref.losses
@@ -567,14 +567,14 @@ def exp_dtensor(mesh, fast, out):
 def exp_parity(mesh, fast, out):
     """picotron.train at tp = world size, sp off and on (one process: the reference)."""
     st = settings(fast, mesh.device.type)
-    t = mesh.tp_size
+    t = mesh.tp.size
     common = dict(steps=st["parity_steps"], seq_len=st["parity_seq_len"], micro_batch_size=2, warmup_steps=2,
                   log_every=st["parity_steps"], lr=3e-3)
     result = dict(settings=st, tp=t, losses={}, mem_by_rank={})
     for sp in sp_variants(mesh):
         name = "reference" if t == 1 else variant_name(t, sp)
         cfg = make_cfg(st["size"], tp=t, sp=sp, out=str(Path(out) / f"parity_tp{t}{'_sp' if sp else ''}"), **common)
-        summary = trainer.train(cfg, mesh)
+        summary = train(cfg, mesh)
         result["mem_by_rank"][name] = gather(summary["mem"], mesh)
         if mesh.rank == 0:
             result["losses"][name] = [r["loss"] for r in metrics.read_metrics(cfg.out)[0]]
@@ -716,10 +716,10 @@ def plot_comm(results):
     the reduce-scatter plus all-gather a ring does (so the bars compare bytes moved)."""
     import matplotlib.pyplot as plt
 
-    colors = {"all_reduce": "#8172b2", "all_gather_single": "#4c72b0", "reduce_scatter_single": "#dd8452"}
-    labels_of = {"all_reduce": "all-reduce (counted as RS + AG)", "all_gather_single": "all-gather",
-                 "reduce_scatter_single": "reduce-scatter"}
-    weight = {"all_reduce": 2, "all_gather_single": 1, "reduce_scatter_single": 1}
+    colors = {"all_reduce": "#8172b2", "all_gather": "#4c72b0", "reduce_scatter": "#dd8452"}
+    labels_of = {"all_reduce": "all-reduce (counted as RS + AG)", "all_gather": "all-gather",
+                 "reduce_scatter": "reduce-scatter"}
+    weight = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
     tps = sorted(results)
     fig, axes = plt.subplots(1, len(tps), figsize=(5.2 * len(tps), 3.2), sharey=True, squeeze=False)
     for ax, t in zip(axes[0], tps):

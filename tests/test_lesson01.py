@@ -9,15 +9,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 
 from picotron import data, metrics, planner
-from picotron import train as trainer
 from picotron.config import Config
+from picotron.mesh import Mesh
 from picotron.model import ModelConfig
+from picotron.parallelize import parallelize
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKER = ROOT / "lessons" / "exercises" / "check01.py"
@@ -25,21 +24,14 @@ ACTIVATION_RTOL = 1e-3
 
 
 def one_step(cfg):
-    """One real training step of the trainer's own pieces; returns the measured memory by category."""
-    mesh = SimpleNamespace(device=torch.device("cpu"), tp_size=1)  # one device, no tensor parallelism
-    model = trainer.build_model(cfg, mesh)
-    optimizer = trainer.build_optimizer(model, cfg, mesh.device)
+    """One real training step of the trainer's own pieces on one device; returns the measured memory by category."""
+    run = parallelize(cfg, Mesh.local())  # one process, no process group: model, AdamW, step engine, loss
     tokens = data.TokenData(data.ByteTokenizer().encode_tensor(data.load_text("shakespeare")[:200_000]))
-    x, y = data.DataLoader(tokens, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size).batch(1)
-    counter = metrics.ActivationCounter(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"), counter:
-        loss = trainer.loss_fn(model(x), y)
-    loss.backward()
-    mem = metrics.memory_breakdown(model)
-    optimizer.step()
-    mem["optimizer"] = metrics.optimizer_bytes(optimizer)
-    mem["activations"] = counter.bytes
-    return mem
+    batches = data.DataLoader(tokens, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size).micro_batches(1)
+    run.schedule.run(run.model, batches, run.loss_fn)  # forward + backward (bf16 autocast if cfg.dtype says so)
+    run.optimizer.step()
+    return {**run.model.memory(), "optimizer": metrics.optimizer_bytes(run.optimizer),
+            "activations": run.schedule.activation_bytes}
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -61,9 +53,8 @@ def test_planner_matches_measurement(dtype, attn_impl, recompute):
 def test_planner_tied_and_mha(tied, kv_heads):
     cfg = Config(preset="tiny", num_hidden_layers=1, seq_len=32, micro_batch_size=2, num_key_value_heads=kv_heads)
     mc = dataclasses.replace(cfg.model_config(), tie_word_embeddings=tied)
-    # build through a Config-like shim so the trainer builds exactly this ModelConfig
-    shim = SimpleNamespace(**{**cfg.to_dict(), "model_config": lambda: mc})
-    measured = one_step(shim)
+    cfg.model_config = lambda: mc  # this Config's model is exactly mc (no Config field unties the embedding)
+    measured = one_step(cfg)
     planned = planner.memory_estimate(mc, 32, 2)
     assert {p: measured[p] for p in ("params", "grads", "optimizer")} == \
         {p: planned[p] for p in ("params", "grads", "optimizer")}

@@ -67,7 +67,7 @@ def test_checker_names_the_rank_of_a_wrong_gradient_and_of_a_hang(tmp_path):
     assert "on 3 ranks: wrong gradient on rank 1 for parameter " in out and "off by a factor 3" in out, out
     assert "hang: rank 0 still waiting after 5 s" in out, out
     assert "rank 1 finished and waited for it" in out, out
-    assert "rank 0 waits in finish_gradient_sync, line " in out and "bucket.work.wait()" in out, out
+    assert "rank 0 waits in finish_sync, line " in out and "bucket.work.wait()" in out, out
 
 
 # ------------------------------------------------------------------------------------- the widget's model

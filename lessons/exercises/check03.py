@@ -12,7 +12,7 @@ From a notebook: `import check03; check03.check()` (returns True when everything
 Exit status 0 when every check passes, 1 otherwise.
 
 The exercises: average_gradient (NaiveDP), on_gradient_ready (BucketedDP.on_gradient_ready and
-finish_gradient_sync), no_sync (BucketedDP.no_sync; checked with the reference's hook, so it does not depend
+finish_sync), no_sync (BucketedDP.no_sync; checked with the reference's hook, so it does not depend
 on exercise 2).
 
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
@@ -43,7 +43,7 @@ WORLD_SIZES = (2, 3)
 TIMEOUT_S = 10.0
 BUCKET_NUMEL = 4096  # the checker's model has ~35k parameters in 21 tensors: several buckets
 EXERCISES = {"average_gradient": "NaiveDP.average_gradient",
-             "on_gradient_ready": "BucketedDP.on_gradient_ready + finish_gradient_sync",
+             "on_gradient_ready": "BucketedDP.on_gradient_ready + finish_sync",
              "no_sync": "BucketedDP.no_sync"}
 
 
@@ -159,7 +159,7 @@ def _scenario_on_gradient_ready(mod, ref, rank, n, ready, log):
         model.zero_grad()
         _loss(model, *_batch(rank, step, 0), 1).backward()
         after_backward = [e["waited_at"] is not None for e in log[first:]]
-        model.finish_gradient_sync()
+        model.finish_sync()
         unwaited = [i for i, e in enumerate(log[first:]) if e["async_op"] and e["waited_at"] is None]
         mean, own = _expected(n, step, 1, rank)
         out.append(dict(step=step, got=_grads(raw), expected=mean, own=own, log=log[first:], bucket_sizes=sizes,
@@ -170,7 +170,7 @@ def _scenario_on_gradient_ready(mod, ref, rank, n, ready, log):
 def _scenario_no_sync(mod, ref, rank, n, ready, log):
     # the learner's no_sync with the reference's hook and wait, so exercise 2 need not be done first
     cls = type("Checked", (mod.BucketedDP,), {"on_gradient_ready": ref.BucketedDP.on_gradient_ready,
-                                              "finish_gradient_sync": ref.BucketedDP.finish_gradient_sync})
+                                              "finish_sync": ref.BucketedDP.finish_sync})
     raw = _model()
     model = cls(raw, bucket_numel=BUCKET_NUMEL)
     k, out = 3, []
@@ -184,7 +184,7 @@ def _scenario_no_sync(mod, ref, rank, n, ready, log):
             sent_inside.append(len(log) - first)
         else:
             _loss(model, *_batch(rank, 1, m), k).backward()
-    model.finish_gradient_sync()
+    model.finish_sync()
     mean, own = _expected(n, 1, k, rank)
     out.append(dict(step=1, got=_grads(raw), expected=mean, own=own, sent_inside=sent_inside,
                     sent_last=len(log) - first, sync_after=model.sync))
@@ -207,7 +207,7 @@ def _scenario_no_sync(mod, ref, rank, n, ready, log):
         first = len(log)
         _loss(model, *_batch(rank, 2, 0), 1).backward()
         sent_nested = len(log) - first
-    model.finish_gradient_sync()
+    model.finish_sync()
     out.append(dict(sync_after_inner_exit=inner_exit, sent_nested=sent_nested, sync_after_outer=model.sync))
     return out
 
@@ -272,7 +272,7 @@ def check_on_gradient_ready(n, results):
         for step in res:
             if step["unwaited"]:  # first: the values read after an unfinished all-reduce are anybody's guess
                 problem = gradient_problem(rank, n, step)
-                return (f"finish_gradient_sync returned without waiting for bucket {step['unwaited'][0]}'s "
+                return (f"finish_sync returned without waiting for bucket {step['unwaited'][0]}'s "
                         f"all-reduce (rank {rank}, backward pass {step['step']}): call work.wait() on every "
                         f"outstanding bucket.work" + (
                             f". What the optimizer would read: {problem.split(' — ')[0]}" if problem else
@@ -294,7 +294,7 @@ def check_on_gradient_ready(n, results):
     ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
     if log and log[0]["at"] >= total:
         return ("right gradients, but every all-reduce started only after the whole backward pass (in "
-                "finish_gradient_sync?): nothing overlaps. Start each bucket's all-reduce in on_gradient_ready, as "
+                "finish_sync?): nothing overlaps. Start each bucket's all-reduce in on_gradient_ready, as "
                 "soon as its last gradient is ready")
     late = [i for i, (e, end) in enumerate(zip(log, ends)) if e["at"] != end]
     if late:
@@ -303,7 +303,7 @@ def check_on_gradient_ready(n, results):
                 f"its last one was gradient {ends[i]}: start it exactly when the bucket is complete")
     if res["waited_in_backward"]:
         return ("right gradients, but the all-reduces were waited on during backward (work.wait() right after "
-                "launching?): backward stalls for each bucket; wait only in finish_gradient_sync")
+                "launching?): backward stalls for each bucket; wait only in finish_sync")
     return None
 
 
@@ -334,7 +334,7 @@ COMPARE = {"average_gradient": check_average_gradient, "on_gradient_ready": chec
            "no_sync": check_no_sync}
 SUCCESS = {"average_gradient": "every rank holds the mean gradient of all ranks' batches; one all-reduce per parameter",
            "on_gradient_ready": "2 backward passes right; one asynchronous all-reduce per bucket, started as the "
-                                "bucket filled, all waited for in finish_gradient_sync",
+                                "bucket filled, all waited for in finish_sync",
            "no_sync": "nothing sent inside no_sync, the accumulated sum sent once after it; restored after an "
                       "exception and across nested blocks"}
 

@@ -94,7 +94,7 @@ class BucketedDP(nn.Module):
         handle in bucket.work. Do not wait for it: backward goes on computing while the bucket travels."""
         raise NotImplementedError("not written yet")
 
-    def finish_gradient_sync(self):
+    def finish_sync(self):
         """EXERCISE 2 (b). Called after the last backward pass, before the optimizer step: wait until every
         bucket's all-reduce has completed, and forget the handles (bucket.work = None)."""
         raise NotImplementedError("not written yet")

@@ -28,7 +28,7 @@ code(r"""
 import dataclasses, sys
 import matplotlib.pyplot as plt
 import _common
-from picotron import planner, metrics, train as trainer
+from picotron import planner, metrics, schedule, train as trainer
 from picotron.model import ModelConfig, Llama, DecoderLayer, Attention, RMSNorm
 
 FAST, OUT = _common.FAST, _common.run_dir("01_single_device")
@@ -218,12 +218,17 @@ _common.show_source(Llama.forward, "x = self.embed_tokens", "return self.lm_head
 """)
 
 md(r"""
-And one optimizer step of `picotron/train.py`: $k$ = `grad_acc` micro-batches, each loss divided by $k$ so that
-the summed gradients are the gradients of the mean loss; the `ActivationCounter` wraps the first micro-batch.
+And one optimizer step. The step engine, `schedule.OneStage.run` (`picotron/schedule.py`), runs $k$ = `grad_acc`
+micro-batches, each loss divided by $k$ so that the summed gradients are the gradients of the mean loss; the
+`ActivationCounter` wraps the first micro-batch. (`no_sync` and `finish_sync` are for lesson 03: on one device the
+model's wrapper, `Local`, has nothing to synchronise.) `picotron/train.py` calls it, clips the gradient norm and
+steps AdamW:
 """)
 
 code(r"""
-_common.show_source(trainer.train, "for micro_step in range", "optimizer.zero_grad")
+_common.show_source(schedule.OneStage.run)
+print("\n    # picotron/train.py, one optimizer step:")
+_common.show_source(trainer.train, "loss = run.schedule.run", "model.zero_grad")
 """)
 
 md(r"""
@@ -233,8 +238,8 @@ lessons use with N processes) and plots the JSON it writes.
 
 ### (a) Memory: measured vs planned
 One real training step (AdamW included) per model size and sequence length. Parameters, gradients and optimizer
-state are counted by walking the tensors (`metrics.memory_breakdown`), activations by the saved-tensor hook
-(`metrics.ActivationCounter`); the planner predicts all four from the config alone.
+state are counted by walking the tensors (`model.memory()`, `metrics.optimizer_bytes`), activations by the
+saved-tensor hook (`metrics.ActivationCounter`, in the step engine); the planner predicts all four from the config alone.
 """)
 
 code(r"""

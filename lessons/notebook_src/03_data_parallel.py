@@ -28,7 +28,7 @@ code(r"""
 import statistics, sys
 import matplotlib.pyplot as plt
 import _common
-from picotron import data_parallel, metrics, train as trainer
+from picotron import data_parallel, metrics, schedule, train as trainer
 from picotron.model import ModelConfig
 
 FAST, OUT = _common.FAST, _common.run_dir("03_data_parallel")
@@ -160,9 +160,9 @@ for where, F, W in [("H100, NVLink, datasheet peak", 989.5e12, 450e9), ("H100, N
 md(r"""
 ## 3. Read the code
 
-`picotron/data_parallel.py`. Both wrappers share a base that holds the group (dp × cp: context-parallel ranks see
-other tokens of the same sequences, so their gradients are averaged too), broadcasts rank 0's weights once, and
-owns `no_sync`. The naive wrapper is one hook:
+`picotron/data_parallel.py`. Both wrappers share a base that holds the axis they average over (`mesh.dp_cp`, dp × cp:
+context-parallel ranks see other tokens of the same sequences, so their gradients are averaged too; the axis runs
+the collectives), broadcasts rank 0's weights once, and owns `no_sync`. The naive wrapper is one hook:
 """)
 
 code(r"""
@@ -193,19 +193,22 @@ tensor is its own bucket: the "overlap" variant. Before the optimizer step we wa
 code(r"""
 _common.show_source(data_parallel.DataParallel._hook)
 print()
-_common.show_source(data_parallel.DataParallel.finish_gradient_sync)
+_common.show_source(data_parallel.DataParallel.finish_sync)
 """)
 
 md(r"""
 **Gradient accumulation** (lesson 01) runs $k$ micro-batches before one optimizer step. All-reducing after each
 would send $k$ times the bytes for the same result, since the sum of averages is the average of sums. `no_sync`
-switches the hook's sending off; the trainer wraps all micro-batches but the last in it:
+switches the hook's sending off. The step engine (`schedule.OneStage.run`, what `picotron/train.py` calls for each
+optimizer step) wraps all micro-batches but the last in it, and waits for the gradient sync with `finish_sync()`
+at the end. It asks nothing else of the model: every wrapper here, ZeRO's, and `Local` (one replica, nothing to
+send) speak that protocol, `GradSync`.
 """)
 
 code(r"""
 _common.show_source(data_parallel._Replicated.no_sync)
-print("\n    # picotron/train.py, one optimizer step:")
-_common.show_source(trainer.train, "for micro_step in range", "model.finish_gradient_sync()")
+print("\n    # picotron/schedule.py, the micro-batches of one optimizer step:")
+_common.show_source(schedule.OneStage.run)
 """)
 
 md(r"""
@@ -219,8 +222,15 @@ quartiles. Two ranks on two cores, one thread each.
 ### (a) Naive → overlap → buckets: where does the time go?
 Seven variants: **compute only** (each rank trains alone, nothing is sent — the floor), **naive**, and the
 bucketed `DataParallel` with buckets of 0 (one per tensor, "overlap"), 0.25, 1, 4 and 25 MiB. Each rank records a
-timeline: forward, backward, each all-reduce from launch to completion (a callback on its future), the wait after
-backward (`finish_gradient_sync`), the optimizer.
+timeline: forward, backward and the wait after backward (`finish_sync`) from the step engine, each all-reduce from
+launch to completion from a `metrics.Recorder` on the wrapper's axis (a callback on the all-reduce's future), and
+the optimizer. Each variant is the trainer's own pieces, built the way `parallelize` builds them, and one step is
+the step engine, then AdamW:
+""")
+
+code(r"""
+_common.show_source(lesson.Variant.__init__, "self.raw =", "self.schedule =")
+_common.show_source(lesson.Variant.step, "self.forward_backward", "self.model.zero_grad")
 """)
 
 code(r"""
@@ -246,7 +256,7 @@ per-tensor overlap 54 / 25, 0.25 MiB 36 / 15, 1 MiB 25 / 6, 4 MiB 22 / 7, 25 MiB
 FAST mode times only a few steps on a machine that may be busy: read its numbers as rough.
 
 Two measures of what the communication costs: **wait after backward** is the time from the end of backward to
-the end of `finish_gradient_sync` (the communication that was not hidden at all); **exposed** is the step time
+the end of `finish_sync` (the communication that was not hidden at all); **exposed** is the step time
 minus the compute-only step (everything communication costs, including a slower backward). The Gantt chart shows
 one step of four variants on both ranks (compute row: forward, backward, wait, optimizer; communication row: each
 all-reduce from launch to completion, one colour per bucket):
@@ -338,8 +348,8 @@ step. Dividing after the all-reduce instead of before made no measurable differe
 ### (d) Gradient accumulation: `no_sync`
 Four micro-batches per step (1 MiB buckets): all-reduce only after the last one, or after every one. Syncing every
 micro-batch has a trap: the next micro-batch's backward adds its gradients into the very buffers that are still
-being all-reduced, so it must **wait** for them first (`finish_gradient_sync` after each backward; DDP always waits
-at the end of backward). The first version of this experiment forgot, and its gradients were off by 10%.
+being all-reduced, so it must **wait** for them first (here the step engine runs once per micro-batch, each loss
+divided by $k$, and each run ends in `finish_sync`; DDP always waits at the end of backward). The first version of this experiment forgot, and its gradients were off by 10%.
 Before timing, one step of each from the same weights on the same batches: the gradients must agree.
 """)
 
@@ -385,8 +395,8 @@ speed-up comes when every rank has its own GPU (run the same command on a pod: `
 picotron.train --dp 8`).
 
 ### (f) Memory per rank: unchanged
-Each rank's parameters, gradients, AdamW state and activations, as the trainer measured them (`metrics.memory_breakdown`,
-`ActivationCounter`) — every rank of every run — and, hatched, what ZeRO would keep per rank at dp=4
+Each rank's parameters, gradients, AdamW state and activations, as the trainer measured them (the wrapper's `memory()`,
+`metrics.optimizer_bytes`, the step engine's `ActivationCounter`) — every rank of every run — and, hatched, what ZeRO would keep per rank at dp=4
 ([the formulas](../docs/reference.md#zero-memory-and-communication-per-rank): ZeRO-1 shards the optimizer state,
 ZeRO-2 also the gradients, ZeRO-3 also the parameters):
 """)
@@ -523,7 +533,7 @@ md(r"""
 Open `lessons/exercises/ex03_data_parallel.py` and write:
 
 1. `NaiveDP.average_gradient(p)` — the hook of the naive wrapper: average `p.grad` over the ranks, in place;
-2. `BucketedDP.on_gradient_ready(p)` and `finish_gradient_sync()` — count a bucket's gradients, launch one
+2. `BucketedDP.on_gradient_ready(p)` and `finish_sync()` — count a bucket's gradients, launch one
    asynchronous all-reduce when it is complete, wait for all of them before the optimizer step;
 3. `BucketedDP.no_sync()` — the context manager that switches sending off, restoring the previous state even when
    the block raises or blocks nest.

@@ -22,7 +22,7 @@ removes the redundancy in three stages, each sharding one more of the three over
 | ZeRO-2 | also $\frac1n$ of the gradients | $4\Psi + (4\Psi + 8\Psi)/n$ | the same ≈ $2\Psi$ |
 | ZeRO-3 | also $\frac1n$ of the parameters | $(4\Psi + 4\Psi + 8\Psi)/n$ | two all-gathers + a reduce-scatter ≈ $3\Psi$ |
 
-We build all three (`picotron/zero.py`), measure what each rank keeps against these formulas at dp = 2 and 4,
+We build all three (`picotron/zero.py`, stage 3 in `picotron/zero3.py`), measure what each rank keeps against these formulas at dp = 2 and 4,
 count the bytes every collective moves, watch ZeRO-3's all-gathers hide behind compute on a timeline, race our
 ZeRO-3 against torch's FSDP2, and check that every stage trains exactly like one process.
 
@@ -34,7 +34,8 @@ code(r"""
 import statistics, sys
 import matplotlib.pyplot as plt
 import _common
-from picotron import planner, zero
+from picotron import marks, metrics, planner, zero, zero3
+from picotron.mesh import Axis
 from picotron.model import ModelConfig
 
 FAST, OUT = _common.FAST, _common.run_dir("04_zero")
@@ -125,17 +126,21 @@ chunk is kept, and every micro-batch reduce-scatters into it:
 code(r"""
 _common.show_source(zero.ZeroDataParallel._grad_ready)
 print()
-_common.show_source(zero._Zero._send_gradients)
+_common.show_source(zero.ShardedGradSync._send_gradients)
 """)
 
 md(r"""
 The optimizer never sees a full tensor: `optimizer_groups()` hands AdamW 1-D views of this rank's chunk (one piece
-per tensor it touches), with their gradients as views of the gradient chunk. After `optimizer.step()` the updated
-chunks go to everyone, in place, into the buffers the model's parameters are views of:
+per tensor it touches), with their gradients as views of the gradient chunk. The optimizer is a
+`ShardedOptimizer`: its `step()` runs AdamW on those pieces and then all-gathers the updated chunks to everyone, in
+place, into the buffers the model's parameters are views of — so the training loop takes the same
+`optimizer.step()` as with data parallelism, and nobody has to remember the all-gather:
 """)
 
 code(r"""
-_common.show_source(zero._Zero.optimizer_groups)
+_common.show_source(zero.ShardedGradSync.optimizer_groups)
+print()
+_common.show_source(zero.ShardedOptimizer.step)
 print()
 _common.show_source(zero.ZeroDataParallel.gather_updated_params)
 """)
@@ -143,15 +148,20 @@ _common.show_source(zero.ZeroDataParallel.gather_updated_params)
 md(r"""
 **Gradient clipping** needs the norm of the *whole* gradient, but each rank holds a chunk: sum the squared norms of
 the chunks over the ranks (one all-reduce of one number), then scale every chunk — a classic source of silently
-wrong training when forgotten ([reference](../docs/reference.md#gradient-clipping-when-gradients-are-sharded)):
+wrong training when forgotten ([reference](../docs/reference.md#gradient-clipping-when-gradients-are-sharded)).
+ZeRO does not clip by itself: it **marks** each of the optimizer's pieces as sharded over dp × cp, and the one
+`marks.clip_grad_norm` every layout uses reads the marks — a marked gradient is summed over the ranks, an unmarked
+(replicated) one counted on one rank only:
 """)
 
 code(r"""
-_common.show_source(zero._Zero.clip_grad_norm)
+_common.show_source(zero.ShardedGradSync._make_pieces)
+print()
+_common.show_source(marks.clip_grad_norm)
 """)
 
 md(r"""
-**Stage 3** (`Zero3`): one unit per transformer layer plus a *root* unit (embedding, final norm, LM head). A unit's
+**Stage 3** (`zero3.Zero3`): one unit per transformer layer plus a *root* unit (embedding, final norm, LM head). A unit's
 flat buffer is freed by resizing its storage to 0 bytes and refilled by an all-gather; the parameters stay views
 of it, so everything autograd saved keeps pointing at the right memory. Four hooks drive it: before a layer's
 forward (gather it, prefetch the next), after it (free it; register a hook on its output's gradient), when the
@@ -160,9 +170,9 @@ gradient is accumulated (reduce-scatter, free):
 """)
 
 code(r"""
-_common.show_source(zero.Zero3._use)
+_common.show_source(zero3.Zero3._use)
 print()
-for hook in (zero.Zero3._post_forward, zero.Zero3._pre_backward, zero.Zero3._grad_ready):
+for hook in (zero3.Zero3._post_forward, zero3.Zero3._pre_backward, zero3.Zero3._grad_ready):
     _common.show_source(hook)
     print()
 """)
@@ -174,6 +184,30 @@ $2\Psi - \Psi_\text{root}$ and reduce-scatters $\Psi$. One consequence to rememb
 collective**. Evaluation and text generation must run on every rank, or the ranks that run them wait forever (the
 trainer does both on all ranks).
 
+**Who counts the bytes.** None of the code above counts or times anything. Every collective goes through the dp × cp
+`Axis` the wrapper was given (`self.axis.reduce_scatter_into(...)`, `all_gather_into(...)`), and the experiments
+hand it `mesh.dp_cp.recorded(recorder)`: the same axis, with a `metrics.Recorder` that adds up the bytes of every
+collective by kind (the whole buffer: an all-gather's output, a reduce-scatter's input) and, given a timeline,
+records when each ran:
+""")
+
+code(r"""
+_common.show_source(Axis.reduce_scatter_into)
+print()
+_common.show_source(metrics.Recorder.collective, "def collective", "self.log.append")
+""")
+
+md(r"""
+Each variant of the experiments is built as `picotron.train` builds a run, `parallelize(cfg, mesh,
+recorder=...)`, and takes its steps the same way — the schedule runs forward, backward and the gradient sync,
+then clipping, the optimizer step (ZeRO-1/2: with its all-gather) and `zero_grad`:
+""")
+
+code(r"""
+_common.show_source(lesson.Variant.step, "batches =", "self.model.zero_grad")
+""")
+
+md(r"""
 ## 4. Run it
 
 ### (a) What every rank keeps, at dp = 2 and 4
@@ -228,8 +262,8 @@ unit, and they stay gathered from forward to backward.) And **activations** are 
 does not touch them (lesson 01's recomputation and the next lessons' tensor, sequence and context parallelism do).
 
 ### (b) The bytes on the wire
-A few steps of every stage, one step of each in turn; each wrapper counts the bytes of the buffers its collectives
-cover (DP's all-reduce counted as the reduce-scatter plus all-gather a ring does), against
+A few steps of every stage, one step of each in turn; the Recorder on each variant's axis counts the bytes of the
+buffers its collectives cover (DP's all-reduce counted as the reduce-scatter plus all-gather a ring does), against
 `planner.zero_comm_elements` (black lines):
 """)
 
@@ -253,8 +287,9 @@ ZeRO-3's extra gather shows in the step time; whether it does on GPUs depends on
 the next experiment.
 
 ### (c) ZeRO-3's timeline: prefetch on and off
-Every rank records each layer's forward and backward, each all-gather and reduce-scatter from launch to completion,
-for ZeRO-3 with and without prefetch (steps alternating). Without prefetch a layer's all-gather starts only when
+Every rank records, for ZeRO-3 with and without prefetch (steps alternating), the schedule's forward, backward and
+final wait for the gradient sync (its timeline), each layer's forward and backward, and each all-gather and
+reduce-scatter from launch to completion (the Recorder on the axis, sharing that timeline). Without prefetch a layer's all-gather starts only when
 the layer is needed, and the layer waits for it; with prefetch it was launched while the previous layer computed.
 """)
 

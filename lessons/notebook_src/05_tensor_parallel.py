@@ -207,6 +207,18 @@ gives each rank `OMP_NUM_THREADS = cores // nproc` threads: on this 2-core machi
 thread per rank, and **tp=4 puts 4 single-threaded ranks on 2 cores: oversubscribed**, each rank gets half a core.
 So the ideal here is *flat* throughput (the same two cores, however the matmuls are split); on a GPU node, where
 every rank brings its own GPU and NVLink, the ideal is $t\times$ a single GPU's speed for the same batch.
+
+Each variant is built and stepped by picotron's own seam, as `picotron.train` does it: `parallelize(cfg, mesh)`
+gives this rank's shards, the optimizer, the step schedule and the loss (vocabulary-parallel under tp), and a step
+is the schedule's forward and backward, the clipping, the optimizer step. While a variant steps, a
+`metrics.Recorder` counts and times every collective of the mesh's axes (`parallelize(cfg, mesh, recorder=...)`
+builds the run on `mesh.recorded(recorder)`: the same groups, each collective reported), on a timeline it shares
+with the schedule's forward and backward events:
+""")
+
+code(r"""
+_common.show_source(lesson.Variant.__init__, "self.recorder =", "self.run.schedule.timeline")
+_common.show_source(lesson.Variant.step, "recorder.reset()", "elapsed =")
 """)
 
 code(r"""
@@ -221,10 +233,11 @@ scaling = {t: _common.load_json(OUT / f"scaling_tp{t}.json")["results"] for t in
 
 md(r"""
 ### (a) The collectives of a layer, counted
-One forward and backward of the model with 2 and with 4 layers; every all-reduce, all-gather and reduce-scatter the
-code asks `torch.distributed` for is recorded with its buffer size (`CollectiveLog`). Per layer is the difference
-divided by 2, against Megatron's pattern (`lesson.megatron_pattern`): bars are what was counted, black outlines what
-the pattern predicts, in units of one $b\cdot s\cdot h$ activation (here $4 \times 128 \times 256$ fp32 numbers = 512 KiB):
+One training step of the model with 2 and with 4 layers; every all-reduce, all-gather and reduce-scatter is counted
+with its buffer size, in the phase it started in (`lesson.by_phase`: forward with the loss, backward, or the step
+after them). Per layer is the difference divided by 2, against Megatron's pattern (`lesson.megatron_pattern`): bars
+are what was counted, black outlines what the pattern predicts, in units of one $b\cdot s\cdot h$ activation (here
+$4 \times 128 \times 256$ fp32 numbers = 512 KiB):
 """)
 
 code(r"""
@@ -260,9 +273,10 @@ overlaps them with backward; tensor parallelism sends *activations*, 4 times per
 layer. How much of a step that is on this machine, next.
 
 ### (b) What each rank keeps
-One step of every variant; the bytes autograd keeps for backward attributed to the part of the model that saved
-them (`PartCounter`: `metrics.ActivationCounter` with a forward hook per module), next to
-`lesson.activation_parts` (exact for our code: every term is listed in its docstring):
+One step of every variant; the bytes autograd keeps for backward — the step schedule counts them for the step's
+first micro-batch (`schedule.activation_bytes`) — attributed to the part of the model that saved them by one more
+forward of the same batch under `PartCounter` (`metrics.ActivationCounter` with a forward hook per module; the two
+totals must agree), next to `lesson.activation_parts` (exact for our code: every term is listed in its docstring):
 """)
 
 code(r"""
@@ -481,6 +495,9 @@ for t, res in memory.items():
     for row in res["rows"]:
         worst = max(abs(p["total"] / row["formula_total"] - 1) for p in row["parts_by_rank"])
         check(f"{row['name']}: activations per rank = lesson.activation_parts", worst <= 0.01, f"worst rank {worst:.2%} off")
+        check(f"{row['name']}: the step schedule's count = the sum of PartCounter's parts, every rank",
+              row["schedule_by_rank"] == [p["total"] for p in row["parts_by_rank"]],
+              f"rank 0: {row['schedule_by_rank'][0]:,} B")
         worst = max(abs(m[k] / row["formula_states"][k] - 1) for m in row["states_by_rank"] for k in lesson.PARTS)
         check(f"{row['name']}: model states per rank = formula", worst <= 0.01, f"worst {worst:.2%} off")
         check(f"{row['name']}: parameters per rank = shard_shapes' count", row["params_per_rank"] == lesson.params_per_rank(mc, t),
@@ -511,7 +528,8 @@ md(r"""
 ## 6. Explore: who holds what, for a real model
 
 `lesson.shard_shapes` computes every rank's shard without starting a process: it builds a one-layer copy of the
-model on the **meta** device (shapes, no memory) and runs `tensor_parallel.apply` with a stand-in mesh for each rank.
+model on the **meta** device (shapes, no memory) and runs `tensor_parallel.apply` over `Axis.alone("tp", t, r)`, a tp
+axis with no process group, for each rank r.
 Pick a model and a degree: the figure cuts layer 0's matrices, the embedding and the LM head into one colour per
 rank, the table gives each rank's shape and slice, and the bars show the memory per GPU (textbook mixed precision,
 Korthikanti's activations) for every degree the model allows. A degree the model does not allow gives the error
@@ -526,10 +544,9 @@ PRESETS = {"small (this lesson)": mc, **{p: ModelConfig.from_preset(p) for p in
 
 def draw(model="llama3-8b", tp=4, sp=True, seq_len=8192, micro_batch_size=1, capacity_gb=80.0):
     m = PRESETS[model]
-    try:
-        tensor_parallel.check_divisible(m, tp)
-    except ValueError as e:
-        print(f"{model}, tp={tp}: {e}\nallowed: tp in {lesson.valid_tps(m)}")
+    problem = lesson.tp_problem(m, tp)  # tensor_parallel.check's sentence, or None
+    if problem:
+        print(f"{model}, tp={tp}: {problem}\nallowed: tp in {lesson.valid_tps(m)}")
         return
     lesson.plot_shards(m, tp, sp, title=f"{model}, tp={tp}{' + sp' if sp else ''}"); plt.show()
     print(lesson.shard_table(m, tp, sp))

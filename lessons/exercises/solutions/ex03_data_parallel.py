@@ -83,7 +83,7 @@ class BucketedDP(nn.Module):
                 bucket.buffer.div_(self.world_size)
                 bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)  # do not wait
 
-    def finish_gradient_sync(self):
+    def finish_sync(self):
         """EXERCISE 2 (b)."""
         for bucket in self.buckets:
             if bucket.work is not None:
