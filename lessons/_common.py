@@ -6,6 +6,7 @@
     launch(...)     run a lesson script with torchrun on N processes; returns its printed output
     load_json/save_json, load_lesson(name) (import lessons/<name>.py although it starts with a digit)
     show_source(obj, start, stop)   print the lines of a function between two markers
+    interactive(draw, controls)     a figure drawn once, then redrawn from ipywidgets controls in a live kernel
     parity(got, ref)                the parity standard applied to two loss curves (window, drift beyond it)
     parity_checks(label, got, ref)  the ✓/✗ lines a lesson prints for them
 """
@@ -67,6 +68,28 @@ def show_source(obj, start=None, stop=None):
     first = next((i for i, line in enumerate(lines) if start and start in line), 0)
     last = next((i for i, line in enumerate(lines) if i >= first and stop and stop in line), len(lines) - 1)
     print("\n".join(lines[first:last + 1]))
+
+
+def interactive(draw, controls):
+    """Call `draw()` once with its defaults (what a static viewer of the notebook shows); then, in a live kernel
+    with ipywidgets, show `controls(ipywidgets)` -> {draw's argument: widget}: change one and the figure below
+    them is drawn again with every control's value."""
+    draw()
+    try:
+        import ipywidgets as w
+        from IPython.display import display
+    except ImportError:
+        print("pip install ipywidgets for the interactive version")
+        return
+    widgets, figure = controls(w), w.Output()
+
+    def redraw(change):
+        with figure:
+            figure.clear_output(wait=True)
+            draw(**{name: c.value for name, c in widgets.items()})
+    for c in widgets.values():
+        c.observe(redraw, "value")
+    display(w.VBox([*widgets.values(), figure]))
 
 
 # ------------------------------------------------------------------------- what the experiment scripts share
