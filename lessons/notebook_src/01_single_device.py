@@ -306,6 +306,11 @@ lesson.plot_precision(runs); plt.show()
 # without bf16 units (most laptops) emulates bf16 and runs it many times *slower* — look at
 # the tokens/s bars for the device this notebook last ran on.
 #
+# **Reading the MFU of the two runs.** The trainer's lines above give each run's MFU against the matmul peak *of its
+# own dtype*, measured on this device (its start-up line says which peak). Where bf16 is emulated, the bf16 peak is
+# many times below the fp32 one, so a bf16 run several times slower can show the same MFU as fp32. MFU says how close
+# a run comes to its own ceiling; to compare the two precisions, compare tokens/s.
+#
 # ### (e) Throughput and MFU
 # MFU = achieved model FLOP/s ÷ peak FLOP/s, with the model's FLOPs counted as $6N + 12Lhs$ per token (PaLM,
 # appendix B; which parameters $N$ counts: [FLOPs per token](../docs/reference.md#flops-per-token)). The peak is the
@@ -353,6 +358,13 @@ check("bf16 loss follows fp32", max(val_gaps.values()) < 0.1,
 # redraws the memory of one device (widgets need a live kernel; a static viewer shows the default only). Questions to try:
 # at what sequence length does eager attention's $s^2$ term overtake the MLP for SmolLM-1.7B? How large a
 # micro-batch fits in 80 GB with full recomputation? Why does nothing help Llama-3-8B?
+#
+# The widget draws the planner's model of *our* code (checked against measurement in section 4), not section 1's
+# textbook formula, so its default (SmolLM-1.7B, $s$ = 2048, $b$ = 4) differs from the figure at the top. The model
+# states agree (16 bytes per parameter in both); the activations do not: Korthikanti's formula keeps the $s\times s$
+# attention scores (its $5as/h$ term, GPT-3 without flash attention), while our default attention (`sdpa`, a fused
+# kernel) keeps none, and our eager attention keeps them in fp32 and more copies than GPT-3 did. The line printed
+# below the cell compares all three.
 
 # %%
 def draw(preset="smollm-1.7b", seq_len=2048, micro_batch=4, dtype="bf16", recompute="none", attn="sdpa"):
@@ -361,6 +373,11 @@ def draw(preset="smollm-1.7b", seq_len=2048, micro_batch=4, dtype="bf16", recomp
     lesson.plot_estimate({f"{preset} s={seq_len} b={micro_batch}\n{dtype} {recompute} {attn}": est},
                          title=f"planner.memory_estimate: {est['total'] / GB:.1f} GB"); plt.show()
 
+default = dict(preset="smollm-1.7b", s=2048, b=4)
+ours = {attn: planner.memory_estimate(dataclasses.replace(ModelConfig.from_preset(default["preset"]), attn_impl=attn),
+                                      default["s"], default["b"], "bf16", "none")["total"] for attn in ("sdpa", "eager")}
+print(f"SmolLM-1.7B, s=2048, b=4, bf16: section 1's textbook estimate {sum(textbook('smollm-1.7b', 2048, 4).values()) / GB:.1f} GB; "
+      f"our code with sdpa {ours['sdpa'] / GB:.1f} GB, with eager attention {ours['eager'] / GB:.1f} GB")
 # drawn once with the defaults (what a static viewer shows); in a live kernel, controls that redraw it
 _common.interactive(draw, lambda w: dict(preset=w.Dropdown(options=["tiny", "smollm-135m", "smollm-360m", "smollm-1.7b", "llama3-8b"], value="smollm-1.7b"),
                                          seq_len=w.SelectionSlider(options=[2**k for k in range(7, 15)], value=2048),

@@ -226,10 +226,13 @@ for r in rows:
           f"{1e3 * (r['median'] - base['median']):10.1f}{p['n_allreduce']:13.0f}{1e3 * p['comm']:11.1f}")
 
 # %% [markdown]
-# For reference, the full settings (40 timed steps per variant, this 2-core machine with no other job running) gave
-# a compute-only step of 63 ms (4,070 tokens/s) and, as *exposed* / *wait after backward* in ms: naive 83 / 0,
-# per-tensor overlap 54 / 25, 0.25 MiB 36 / 15, 1 MiB 25 / 6, 4 MiB 22 / 7, 25 MiB 17 / 11.
-# FAST mode times only a few steps on a machine that may be busy: read its numbers as rough.
+# What to expect (the table is this run's; the full settings time 40 steps per variant, FAST mode only a few on a
+# machine that may be busy, so read its numbers as rough): the naive variant exposes the most, and none of it as a
+# wait after backward, because each blocking all-reduce stalls backward itself; the per-tensor overlap exposes less
+# but pays one latency per tensor; buckets expose less the larger they are, down to the single 25 MiB bucket, which
+# cannot start before backward ends, so all of its transfer is a wait after backward. Even the best variant's exposed
+# time stays a sizeable part of the compute-only step on this machine (a fifth to a quarter in our runs), never zero
+# (why: below).
 #
 # Two measures of what the communication costs: **wait after backward** is the time from the end of backward to
 # the end of `finish_sync` (the communication that was not hidden at all); **exposed** is the step time
@@ -330,7 +333,10 @@ print(f"max |grad(no_sync) − grad(sync every micro-batch)| = {acc['max_grad_di
 lesson.plot_accumulate(acc, N); plt.show()
 
 # %% [markdown]
-# Same gradients (up to the order of float additions), a quarter of the bytes. With $k$ micro-batches, `no_sync`
+# Same gradients (up to the order of float additions), a quarter of the bytes. In the time panel `no_sync` sits
+# above compute alone by about what one step's gradient sync exposes (lines above), syncing every micro-batch by about
+# four times that. On a busy machine the step-to-step noise can be as large as `no_sync`'s cost, and its bar can even
+# come out *below* compute alone: that is noise, not a gain; rerun on a quiet machine. With $k$ micro-batches, `no_sync`
 # makes the communication per *optimizer step* independent of $k$, so gradient accumulation also raises the
 # tokens per rank per all-reduce — the $T$ of the rule of thumb.
 #

@@ -273,6 +273,10 @@ for row in tl["rows"]:
     print(f"{row['name']:<12} step {1e3 * row['median']:6.1f} ms (median, quartiles {1e3 * row['q1']:.1f}-{1e3 * row['q3']:.1f}) | "
           f"{o['n_gathers']:.0f} layer all-gathers per step, {o['hidden_fraction']:.0%} of their time under layer compute, "
           f"{1e3 * o['exposed_gather_s']:.1f} ms of gathering outside compute")
+on, off = ({r["name"]: r for r in tl["rows"]}[n] for n in ("prefetch", "no prefetch"))
+moved = off["overlap"]["exposed_gather_s"] - on["overlap"]["exposed_gather_s"]
+print(f"this run: prefetch took {1e3 * moved:.1f} ms of gathering per step out of the critical path, and the step got "
+      f"{1e3 * (off['median'] - on['median']):.1f} ms faster" + ("  [FAST: few steps, noisy]" if FAST else ""))
 lesson.plot_timeline(tl["rows"], step=-1, title="ZeRO-3, one step (the last timed one), 2 ranks"); plt.show()
 
 # %% [markdown]
@@ -282,11 +286,13 @@ lesson.plot_timeline(tl["rows"], step=-1, title="ZeRO-3, one step (the last time
 # compute bars: every layer waits for its parameters. (gloo's reduce-scatter offers no completion callback, so its
 # end is only seen when we wait for it: those bars are paler and longer than the transfer.)
 #
-# On this CPU the overlap buys nothing: with the full settings (20 alternating steps each) prefetch hid 82% of the
-# layer all-gathers' time under compute, yet the step took 107 ms against 105 ms without prefetch. As lesson 03
-# showed, gloo uses the same cores as the computation, so a hidden all-gather still slows the compute beside it, and
-# the 22 ms of gathering that prefetch hides come back as slower layers. On a GPU the all-gather runs on its own
-# stream and links, and prefetch is what makes ZeRO-3 nearly as fast as data parallelism.
+# What to expect on this CPU, and why it varies from run to run: prefetch hides most of the layer all-gathers' time
+# under compute (the percentages above), but the step gets faster by much less than the gathering it hid, and in some
+# runs not at all; the last line above compares the two for this run. As lesson 03 showed, gloo uses the same cores
+# as the computation, so a hidden all-gather still slows the compute beside it: the gathering that prefetch hides
+# comes back, in part or in whole, as slower layers, and how much depends on what else the two cores are doing. On a
+# GPU the all-gather runs on its own stream and links, and prefetch is what makes ZeRO-3 nearly as fast as data
+# parallelism.
 #
 # ### (d) Against torch's FSDP2
 # `torch.distributed.fsdp.fully_shard` is torch's ZeRO-3: one call per transformer layer and one on the model, the

@@ -320,16 +320,17 @@ for t, res in scaling.items():
 lesson.plot_scaling(scaling); plt.show()
 
 # %% [markdown]
-# Measured with the full settings on this 2-core machine with nothing else running (gloo, the small model, the same
-# 4 × 128 tokens per step on every rank, 30 steps of each variant): one process with two threads ran **5,297 tokens/s**
-# (96.7 ms per step); **tp=2 3,285 tokens/s** (0.62×), tp=2 + sp 2,460; tp=4 1,677 and tp=4 + sp 1,211 (another
-# run: 4,855; 3,202 and 2,525; 1,872 and 1,344). On a CPU tensor parallelism only costs, and the right-hand plot says where.
-# At tp=2 the part of the step outside collectives (106 ms) is about what one process with two threads needs
-# (97 ms): the same arithmetic, split over two processes instead of two threads. On top come 18 all-reduces of
-# 512 KiB per step — 4 per layer, the embedding's, the LM head's — at 2.2 ms each: 49 ms, a third of the step.
+# What to expect (the numbers above are this run's; the same 4 × 128 tokens per step on every rank): on this 2-core
+# machine tensor parallelism only costs. One process with two threads is fastest; tp=2 runs at roughly 0.6× of it,
+# sequence parallelism is slower again, and tp=4 (four processes on two cores) slowest. Runs differ by 10% or more
+# with the machine's load, FAST ones (few steps) more; the order stays. The right-hand plot says where the time goes.
+# At tp=2 the part of the step outside collectives is about what one process with two threads needs: the same
+# arithmetic, split over two processes instead of two threads. On top come 18 all-reduces of $b\cdot s\cdot h$
+# (512 KiB) per step — 4 per layer, the embedding's, the LM head's — at about 2 ms each (the lines printed by the
+# experiment above give this run's figure): a quarter to a third of the step.
 # Unlike data parallelism's gradient all-reduce (lesson 03) none of them can hide behind computation: each one's
-# result is what the next layer reads. With sp the same bytes take two calls, an all-gather (1.0 ms) and a
-# reduce-scatter (2.3 ms) against one all-reduce (2.2 ms), with a transpose on each side: slower again. At tp=4 four
+# result is what the next layer reads. With sp the same bytes take two calls, an all-gather and a reduce-scatter
+# against one all-reduce (their times per call are printed above), with a transpose on each side: slower again. At tp=4 four
 # processes share two cores, and a rank "inside a collective" is mostly waiting for peers that have no core to run
 # on: there the orange bar measures the oversubscription more than the transfer.
 #
@@ -385,21 +386,22 @@ for name, res in dt["runs"].items():
 lesson.plot_dtensor(dt); plt.show()
 
 # %% [markdown]
-# Measured with the full settings (60 paired rounds each, nothing else running): **ours/DTensor = 1.50** (quartiles
-# 1.40–1.61) without sp and **1.64** (1.54–1.73) with sp; over 5 runs of `benchmarks/tp_vs_dtensor.py` at these
-# 4 × 128 tokens the medians are 1.51 (runs 1.45–1.52) and 1.64 (1.58–1.74), and at 2 × 64 tokens, where DTensor's
-# cost per operation weighs more, 1.79 and 2.00. Both run the same layout, the
-# same collectives and — the losses agree to $10^{-7}$ for 17 steps — the same arithmetic. The likely difference
+# This run's ratios are printed above. For scale, 5 separate runs of `benchmarks/tp_vs_dtensor.py` on this 2-core
+# machine (60 paired rounds each, nothing else running) gave medians of 1.51 (runs 1.45–1.52) without sp and 1.64
+# (1.58–1.74) with sp at these 4 × 128 tokens, and 1.79 and 2.00 at 2 × 64 tokens, where DTensor's cost per
+# operation weighs more. Both run the same layout, the same collectives and — the losses agree to about $10^{-7}$
+# (printed above) — the same arithmetic. The likely difference
 # (not profiled) is overhead per operation: DTensor converts the input and output of every parallel layer to and from
 # DTensors in module hooks and sends each operation on a DTensor through its sharding propagation, in Python; with
 # layers this small on a CPU that is a large part of a step. We have not measured the comparison on GPUs, where
 # kernels are larger and run asynchronously to Python. Both keep the same parameters and optimizer state per rank
 # (DTensor's gradients take 128 KiB more per rank).
 #
-# The right-hand panel compares both with the unsharded model on the same batches: equal within $3\cdot10^{-7}$ for
-# 17 steps; from step 18 on all four curves rise together, to about $10^{-5}$ by step 19 and $10^{-2}$ by step 64. Ours
-# and DTensor's drift away from the single process alike: the rounding of different summation orders, amplified by
-# training at a constant learning rate of $3\cdot10^{-3}$ without warm-up. The trainer's runs in the next section, with
+# The right-hand panel compares both with the unsharded model on the same batches: equal to a few $10^{-7}$ at first.
+# The full settings run long enough (about 60 steps) to see what comes next: after a dozen or more steps all four
+# curves rise together, to $10^{-5}$ and then $10^{-2}$. Ours and DTensor's drift away from the single process alike:
+# the rounding of different summation orders, amplified by training at a constant learning rate of $3\cdot10^{-3}$
+# without warm-up. (FAST mode stops after a few steps, before the drift starts.) The trainer's runs in the next section, with
 # warm-up and decay, stay within $10^{-6}$.
 #
 # ## 5. Check it: the same training as one process
@@ -548,7 +550,7 @@ all_passed = check05.check()
 # | | per rank | communication | use it when |
 # |---|---|---|---|
 # | tensor parallel, degree $t$ | $\frac1t$ of every matrix and of its gradient and optimizer state; activations inside the blocks $/t$ | 4 all-reduces of $b\cdot s\cdot h$ per layer per step, blocking | the model (or one layer's activations) does not fit, **within a node** (NVLink), $t \le 8$ |
-# | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes as all-gathers and reduce-scatters (more, smaller calls) | always with tp: it is free in bytes |
+# | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes as all-gathers and reduce-scatters (twice the calls) | with tp, when activations limit the micro-batch or sequence: Megatron's version saves memory at any $t$ for no extra bytes moved; ours keeps extra copies of the gathered input and saves only beyond tp=4 (section 4), and on this CPU each step is slower (section 4) |
 #
 # **Its costs.** The collectives carry activations, so their size grows with the tokens per micro-batch, not with the
 # model; they cannot overlap the layer that needs their result; and each rank's matmuls get $t$ times thinner, which
