@@ -328,13 +328,22 @@ def plot_accumulate(rows):
 def plot_precision(runs):
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(12, 3.2), gridspec_kw=dict(width_ratios=[2, 1, 1]))
+    fig, (ax1, ax4, ax2, ax3) = plt.subplots(1, 4, figsize=(14, 3.2), gridspec_kw=dict(width_ratios=[2, 2, 1, 1]))
     for dtype, r in runs.items():
         ax1.plot(r["steps"], r["loss"], label=f"{dtype} train")
         if r["val"]:
             ax1.plot(*zip(*r["val"]), "o--", label=f"{dtype} val")
-    ax1.set(xlabel="step", ylabel="loss", title="same seed, same batches")
+    ax1.set(xlabel="step", ylabel="loss", title="same seed, same batches (the curves overlap)")
     ax1.legend(fontsize=8)
+    fp32, bf16 = runs["fp32"], runs["bf16"]  # the difference, which the overlapping curves hide
+    ax4.plot(fp32["steps"], [b - a for a, b in zip(fp32["loss"], bf16["loss"])], color="#4c72b0",
+             label="train (one batch per step)")
+    if fp32["val"] and bf16["val"]:
+        ax4.plot([s for s, _ in fp32["val"]], [b - a for (_, a), (_, b) in zip(fp32["val"], bf16["val"])], "o--",
+                 color="#dd8452", label="validation (held-out mean)")
+    ax4.axhline(0, color="k", lw=0.8)
+    ax4.set(xlabel="step", ylabel="loss: bf16 − fp32", title="the difference")
+    ax4.legend(fontsize=8)
     names = list(runs)
     ax2.bar(names, [runs[d]["summary"]["tokens_per_s"] for d in names], color=["#4c72b0", "#dd8452"])
     ax2.set(title="tokens/s", yscale="log")
