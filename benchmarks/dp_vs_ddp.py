@@ -4,7 +4,7 @@
              [--seq-len 64] [--micro-batch-size 2]
 
 Same model (identical weights), same bucket size, same batches. One step of each variant in turn, the order
-rotating, a barrier before every step (lessons/03_data_parallel.py's `run_interleaved`), so drift of the machine
+rotating, a barrier before every step (lessons/03_data_parallel/experiment.py's `run_interleaved`), so drift of the machine
 hits all alike. Each round gives a paired ratio (DDP's step time / the variant's = the variant's throughput
 relative to DDP); we print the median with its quartiles. A step's time is the slowest rank's.
 

@@ -1,9 +1,12 @@
-"""Regenerate every figure in figures/ from real runs on this machine: `./run.sh figures`.
+"""Regenerate every figure in figures/ from real runs on this machine: `./run.sh figures [NN ...]`.
 
-Each lesson's experiment script is run with its default (real-lesson) settings and its own plot functions
-draw the PNGs, so the README shows exactly what the notebooks show. PICOTRON_FAST=1 gives a quick pass.
+Every lesson notebook (or the ones named: 01, 03_data_parallel, ...) is built from its source and executed top
+to bottom, in its own folder, with the full settings its prose describes; the executed notebook is saved in place
+(the committed notebooks carry these outputs) and its k-th figure is written to figures/NN_k.png, so the README,
+the notebooks and figures/ show the same runs. The main job's loss curve is figures/01_main_job_loss.png.
+PICOTRON_FAST=1 gives a quick pass (FAST settings: not for committing). Exit status 1 if a lesson's check fails.
 """
-import json
+import base64
 import os
 import subprocess
 import sys
@@ -46,34 +49,35 @@ def main_job():
     save(fig, "01_main_job_loss.png")
 
 
-def lesson01():
-    lesson = _common.load_lesson("01_single_device")
-    out = _common.run_dir("figures") / "01_single_device"
-    _common.launch("01_single_device.py", ["--out", out], quiet=True)
-    load = lambda name: json.loads((out / f"{name}.json").read_text())
-    save(lesson.plot_memory(load("memory")["results"]), "01_memory.png")
-    save(lesson.plot_recompute(load("recompute")["results"]), "01_recompute.png")
-    save(lesson.plot_accumulate(load("accumulate")["results"]), "01_accumulate.png")
-    save(lesson.plot_precision(load("precision")["results"]), "01_precision.png")
-    save(lesson.plot_throughput(load("throughput")["results"]), "01_throughput.png")
+def lesson(folder, fast):
+    """Build and execute one lesson's notebook in place; write its figures as figures/NN_k.png, k = 1, 2, ..."""
+    import _notebook
+    import nbformat
 
-
-def lesson04(out=None):
-    """ZeRO: memory per stage against the formulas, the ZeRO-3 timeline, ours against FSDP2. `out`: a folder
-    that already holds the experiment's JSON files (then nothing is run)."""
-    lesson = _common.load_lesson("04_zero")
-    if out is None:
-        out = _common.run_dir("figures") / "04_zero"
-        for nproc, only in ((2, "memory,timeline,fsdp"), (4, "memory"), (1, "fsdp_memory")):
-            _common.launch("04_zero.py", ["--out", out, "--only", only], nproc=nproc, quiet=True)
-    load = lambda name: json.loads((Path(out) / f"{name}.json").read_text())["results"]
-    save(lesson.plot_memory({n: load(f"memory_dp{n}") for n in (2, 4)}), "04_memory.png")
-    save(lesson.plot_timeline(load("timeline")["rows"], title="ZeRO-3, one step, 2 ranks"), "04_timeline.png")
-    save(lesson.plot_fsdp(load("fsdp"), load("fsdp_memory")["memory"]), "04_fsdp.png")
+    nb_path = folder / f"{folder.name}.ipynb"
+    _notebook.build(folder / f"{folder.name}.py", nb_path)
+    failed, passed, errors = _notebook.execute(nb_path, fast)
+    number = folder.name[:2]
+    for old in HERE.glob(f"{number}_[0-9]*.png"):
+        old.unlink()
+    nb = nbformat.read(nb_path, as_version=4)
+    pngs = [o["data"]["image/png"] for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if "image/png" in o.get("data", {})]
+    for k, png in enumerate(pngs, 1):
+        (HERE / f"{number}_{k}.png").write_bytes(base64.b64decode(png))
+    print(f"lesson {folder.name}: {passed} checks hold, {len(failed)} fail, {len(errors)} errors; "
+          f"wrote figures/{number}_1..{len(pngs)}.png", flush=True)
+    for line in failed + errors:
+        print("   ", line)
+    return not (failed or errors)
 
 
 if __name__ == "__main__":
     os.chdir(_common.ROOT)
-    main_job()
-    lesson01()
-    lesson04()
+    wanted = sys.argv[1:]
+    folders = [d for d in sorted((_common.ROOT / "lessons").glob("[0-9][0-9]_*")) if d.is_dir()
+               and (not wanted or any(d.name.startswith(w) for w in wanted))]
+    if not wanted:
+        main_job()
+    ok = [lesson(d, _common.FAST) for d in folders]
+    sys.exit(0 if all(ok) else 1)

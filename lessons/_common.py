@@ -3,8 +3,8 @@
     FAST            True when PICOTRON_FAST=1: short settings so a notebook runs in ~2 minutes on 2 CPU cores
     ROOT            the repository root (put on sys.path, so `import picotron` works from lessons/)
     run_dir(name)   runs/lessons/<name>/, created
-    launch(...)     run a lesson script with torchrun on N processes; returns its printed output
-    load_json/save_json, load_lesson(name) (import lessons/<name>.py although it starts with a digit)
+    launch(...)     run a lesson's experiment.py with torchrun on N processes; returns its printed output
+    load_json/save_json, load_lesson(name) (import lessons/<name>/experiment.py as a module)
     show_source(obj, start, stop)   print the lines of a function between two markers
     interactive(draw, controls)     a figure drawn once, then redrawn from ipywidgets controls in a live kernel
     parity(got, ref)                the parity standard applied to two loss curves (window, drift beyond it)
@@ -38,15 +38,15 @@ def load_json(path):
 
 
 def load_lesson(name):
-    """Import lessons/<name>.py as a module (file names like 01_single_device.py are not identifiers)."""
-    spec = importlib.util.spec_from_file_location(f"lesson_{name}", ROOT / "lessons" / f"{name}.py")
+    """Import lessons/<name>/experiment.py (the experiment of lesson <name>, e.g. "03_data_parallel") as a module."""
+    spec = importlib.util.spec_from_file_location(f"lesson_{name}", ROOT / "lessons" / name / "experiment.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def launch(script, args=(), nproc=1, timeout_s=900, quiet=False):
-    """`torchrun --nproc_per_node nproc lessons/<script> args`, with the CPU's cores shared between the
+    """`torchrun --nproc_per_node nproc lessons/<script> args` (script: e.g. "03_data_parallel/experiment.py"), with the CPU's cores shared between the
     processes (OMP_NUM_THREADS = cores // nproc: more threads than cores makes CPU runs 10x slower).
     Prints the script's output (unless quiet) and returns it; raises with its tail if it fails or hangs."""
     from picotron.launch import run_torchrun

@@ -9,14 +9,23 @@ PyCharm and Spyder read as cells), so its code can be linted, diffed and reviewe
     import _common
     print("a code cell")
 
-Anything before the first `# %%` line (the file's docstring) is not part of the notebook.
+Anything before the first `# %%` line (the file's docstring) is not part of the notebook. Each lesson folder
+lessons/NN_topic/ holds both: NN_topic.py (edit this) and NN_topic.ipynb (built from it).
 
-    python lessons/_notebook.py lessons/notebook_src/03_data_parallel.py lessons/03_data_parallel.ipynb  # build
-    PICOTRON_FAST=1 jupyter nbconvert --to notebook --execute --inplace lessons/03_data_parallel.ipynb  # run
+    python lessons/_notebook.py 03_data_parallel               # build the notebook from its source (no outputs)
+    python lessons/_notebook.py 03_data_parallel --run fast    # build, then execute it in place in FAST mode
+    python lessons/_notebook.py 03_data_parallel --run full --out /tmp/full   # full settings, into another folder
 
-`build` writes the cells with no outputs; the committed notebooks are then executed in FAST mode.
+Executing prints how long it took and the lesson's ✓/✗ check lines that failed; the exit status is 1 when a
+check failed or a cell raised. The committed notebooks carry the outputs of a FAST run.
 """
+import argparse
+import os
 import sys
+import time
+from pathlib import Path
+
+LESSONS = Path(__file__).resolve().parent
 
 CELL = "# %%"
 MARKDOWN = "# %% [markdown]"
@@ -75,7 +84,55 @@ def build(src, dst):
     return nb
 
 
+def execute(path, fast, out=None, timeout_s=6000):
+    """Run the notebook at `path` top to bottom in its folder (PICOTRON_FAST=1 if fast); write the executed
+    notebook to `out` (default: in place). Returns (failed ✓/✗ lines, passed count, error outputs)."""
+    import nbclient
+    import nbformat
+
+    os.environ["PICOTRON_FAST"] = "1" if fast else "0"
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
+                                     resources={"metadata": {"path": str(Path(path).parent)}})
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError:
+        pass  # the error is in the cell's outputs, reported below
+    nbformat.write(nb, out or path)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    text = "".join(o.get("text", "") for o in outputs)
+    checks = [line for line in text.splitlines() if line.startswith(("✓", "✗"))]
+    errors = [f"{o.get('ename')}: {o.get('evalue', '')[:300]}" for o in outputs if o.get("output_type") == "error"]
+    return [c for c in checks if c.startswith("✗")], sum(c.startswith("✓") for c in checks), errors
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Build a lesson's notebook from its percent-format source; "
+                                "optionally execute it.")
+    p.add_argument("lessons", nargs="+", help="lesson folders, e.g. 03_data_parallel (or lessons/03_data_parallel)")
+    p.add_argument("--run", choices=("fast", "full"), help="execute after building: FAST or full settings")
+    p.add_argument("--out", help="with --run: write the executed notebook into this folder (default: in place)")
+    args = p.parse_args(argv)
+    status = 0
+    for name in args.lessons:
+        folder = LESSONS / Path(name).name
+        nb = folder / f"{folder.name}.ipynb"
+        build(folder / f"{folder.name}.py", nb)
+        if not args.run:
+            print(f"built {nb.relative_to(LESSONS.parent)}")
+            continue
+        out = Path(args.out) / nb.name if args.out else None
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        start = time.time()
+        failed, passed, errors = execute(nb, args.run == "fast", out)
+        print(f"{folder.name} ({args.run}): {time.time() - start:.0f} s, {passed} checks hold, {len(failed)} fail, "
+              f"{len(errors)} errors", flush=True)
+        for line in failed + errors:
+            print("   ", line)
+        status |= bool(failed or errors)
+    return status
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    build(sys.argv[1], sys.argv[2])
+    sys.exit(main())

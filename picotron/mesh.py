@@ -134,6 +134,11 @@ class Axis:
         """The same axis with its collectives counted (and timed) by `recorder`."""
         return Axis(self.name, self.ranks, self.group, self.rank, self.dims, Comm(self.comm.ops, recorder))
 
+    def over(self, link):
+        """The same axis with its collectives held to an emulated link's time (picotron.link.EmulatedLink)."""
+        return Axis(self.name, self.ranks, self.group, self.rank, self.dims,
+                    Comm(link.ops(self.comm.ops), self.comm.recorder))
+
     def _run(self, kind, nbytes, call, async_op, label, info):
         recorder = self.comm.recorder
         if recorder is None:
@@ -312,11 +317,20 @@ class Mesh:
     def recorded(self, recorder):
         """The same mesh (same groups, same ranks) with every axis's collectives counted and timed by `recorder`
         (a metrics.Recorder): what a lesson builds a run on to see all of its traffic. Never destroy the copy."""
+        return self._with(Comm(self.comm.ops, recorder))
+
+    def over(self, link):
+        """The same mesh with every axis's collectives held to an emulated link's time (picotron.link): what a
+        lesson runs on to see communication overlap on a CPU. Compose with `recorded` in either order."""
+        return self._with(Comm(link.ops(self.comm.ops), self.comm.recorder))
+
+    def _with(self, comm):
+        """A copy of this mesh (same groups) whose axes run their collectives through `comm`."""
         mesh = copy.copy(self)
-        mesh.comm = Comm(self.comm.ops, recorder)
+        mesh.comm = comm
         for name in self.AXES:
             a = getattr(self, name)
-            setattr(mesh, name, Axis(a.name, a.ranks, a.group, a.rank, a.dims, mesh.comm))
+            setattr(mesh, name, Axis(a.name, a.ranks, a.group, a.rank, a.dims, comm))
         return mesh
 
     def rank_of(self, **coords):

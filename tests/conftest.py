@@ -15,16 +15,17 @@ if ROOT not in sys.path:
 
 @pytest.fixture
 def run_notebook(monkeypatch):
-    """Execute lessons/<name>.ipynb top to bottom in FAST mode; return the text its code cells printed."""
+    """Execute lessons/<name>/<name>.ipynb top to bottom in FAST mode (in its folder, as Jupyter does); return
+    the text its code cells printed."""
     import nbclient  # in requirements.txt: a missing package must fail the test, not skip it
     import nbformat
 
     def run(name, timeout=300):
         monkeypatch.setenv("PICOTRON_FAST", "1")
-        lessons = os.path.join(ROOT, "lessons")
-        nb = nbformat.read(os.path.join(lessons, f"{name}.ipynb"), as_version=4)
+        folder = os.path.join(ROOT, "lessons", name)
+        nb = nbformat.read(os.path.join(folder, f"{name}.ipynb"), as_version=4)
         nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                resources={"metadata": {"path": lessons}}).execute()
+                                resources={"metadata": {"path": folder}}).execute()
         return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
 
     return run

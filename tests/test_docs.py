@@ -1,6 +1,6 @@
 """Every relative link in the project's documents resolves, and no file points at notes outside the project.
 
-Documents: README.md, docs/*.md and the markdown cells of every lessons/*.ipynb. For each relative link or image
+Documents: README.md, docs/*.md and the markdown cells of every lessons/*/*.ipynb. For each relative link or image
 (`[text](target)`, `![alt](target)`, `<img src="target">`) the target file must exist, relative to the document;
 a `#anchor` into a .md file must name one of its headings, by GitHub's rule (lowercase; drop everything but
 letters, digits, spaces, hyphens and underscores; spaces become hyphens; a repeated heading gets -1, -2, ...).
@@ -26,7 +26,7 @@ def documents():
     """(path, markdown text) of every document whose links must resolve."""
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     out = [(p, p.read_text(encoding="utf-8")) for p in docs if p.exists()]
-    for nb in sorted((ROOT / "lessons").glob("*.ipynb")):
+    for nb in sorted((ROOT / "lessons").glob("*/*.ipynb")):
         cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
         text = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
         out.append((nb, text))
@@ -85,9 +85,9 @@ def test_relative_links_resolve(path, text):
 def test_the_reference_exists_and_the_lessons_link_it():
     ref = ROOT / "docs" / "reference.md"
     assert ref.exists()
-    linked = [p.name for p, text in documents() if p.suffix == ".ipynb"
-              and any(t.startswith("../docs/reference.md") for t in links(text))]
-    assert linked, "no lesson links docs/reference.md"
+    lessons = [(p, text) for p, text in documents() if p.suffix == ".ipynb"]
+    unlinked = [p.name for p, text in lessons if not any(t.startswith("../../docs/reference.md") for t in links(text))]
+    assert lessons and not unlinked, f"lessons that never link docs/reference.md: {unlinked}"
 
 
 def test_the_anchor_rule():

@@ -19,7 +19,7 @@ from picotron.model import ModelConfig
 from picotron.parallelize import parallelize
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKER = ROOT / "lessons" / "exercises" / "check01.py"
+CHECKER = ROOT / "lessons" / "01_single_device" / "check.py"
 ACTIVATION_RTOL = 1e-3
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKER = ROOT / "lessons" / "exercises" / "check02.py"
+CHECKER = ROOT / "lessons" / "02_collectives" / "check.py"
 sys.path.insert(0, str(ROOT / "lessons"))
 
 import _common  # noqa: E402

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKER = ROOT / "lessons" / "exercises" / "check03.py"
-SOLUTIONS = ROOT / "lessons" / "exercises" / "solutions" / "ex03_data_parallel.py"
+CHECKER = ROOT / "lessons" / "03_data_parallel" / "check.py"
+SOLUTIONS = ROOT / "lessons" / "03_data_parallel" / "solution.py"
 sys.path.insert(0, str(ROOT / "lessons"))
 
 

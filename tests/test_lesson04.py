@@ -14,8 +14,8 @@ import pytest
 from picotron import planner
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKER = ROOT / "lessons" / "exercises" / "check04.py"
-SOLUTIONS = ROOT / "lessons" / "exercises" / "solutions" / "ex04_zero.py"
+CHECKER = ROOT / "lessons" / "04_zero" / "check.py"
+SOLUTIONS = ROOT / "lessons" / "04_zero" / "solution.py"
 sys.path.insert(0, str(ROOT / "lessons"))
 
 

@@ -15,8 +15,8 @@ import pytest
 from picotron.model import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKER = ROOT / "lessons" / "exercises" / "check05.py"
-SOLUTIONS = ROOT / "lessons" / "exercises" / "solutions" / "ex05_tensor_parallel.py"
+CHECKER = ROOT / "lessons" / "05_tensor_parallel" / "check.py"
+SOLUTIONS = ROOT / "lessons" / "05_tensor_parallel" / "solution.py"
 sys.path.insert(0, str(ROOT / "lessons"))
 
 

@@ -1,4 +1,4 @@
-"""Every lesson notebook is built from its percent-format source (lessons/notebook_src/NN_topic.py, see
+"""Every lesson notebook is built from its percent-format source (lessons/NN_topic/NN_topic.py, see
 lessons/_notebook.py): the committed notebook's cells must be exactly the source's, so an edit made in one and
 not the other fails here (rebuild with `python lessons/_notebook.py SRC NB`, then execute it)."""
 import json
@@ -11,17 +11,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "lessons"))
 import _notebook  # noqa: E402
 
-SOURCES = sorted((ROOT / "lessons" / "notebook_src").glob("[0-9][0-9]_*.py"))
+FOLDERS = sorted(p for p in (ROOT / "lessons").glob("[0-9][0-9]_*") if p.is_dir())
+SOURCES = [d / f"{d.name}.py" for d in FOLDERS]
+# What every lesson folder holds: the notebook, its source, the experiment, the exercise, its checker, the solution.
+PARTS = ("{name}.ipynb", "{name}.py", "experiment.py", "exercise.py", "check.py", "solution.py")
 
 
-def test_every_notebook_has_a_source():
-    notebooks = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
-    assert notebooks == [p.stem for p in SOURCES]
+def test_every_lesson_folder_is_complete():
+    assert len(FOLDERS) >= 5
+    for d in FOLDERS:
+        missing = [part.format(name=d.name) for part in PARTS if not (d / part.format(name=d.name)).is_file()]
+        assert not missing, f"lessons/{d.name}/ lacks {missing}"
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
 def test_notebook_cells_are_its_source(src):
-    nb = json.loads((ROOT / "lessons" / f"{src.stem}.ipynb").read_text(encoding="utf-8"))
+    nb = json.loads(src.with_suffix(".ipynb").read_text(encoding="utf-8"))
     committed = [(c["cell_type"], "".join(c["source"])) for c in nb["cells"]]
     built = _notebook.cells(src.read_text(encoding="utf-8"))
     for i, (got, want) in enumerate(zip(committed, built)):

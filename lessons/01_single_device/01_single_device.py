@@ -1,0 +1,418 @@
+"""Lesson 01's notebook, 01_single_device.ipynb, as plain Python in the percent format (see lessons/_notebook.py):
+edit this file, never the notebook.
+
+    python lessons/_notebook.py 01_single_device --run fast    # rebuild the notebook, execute it in FAST mode
+"""
+
+# %% [markdown]
+# # Lesson 01 — A single device: where the memory of a training step goes
+#
+# Before we split training across many GPUs we need to know **what** has to be split. This lesson takes one
+# training step of our Llama apart on one device, byte by byte, and checks every formula against a measurement:
+#
+# * the **model states** (parameters, gradients, optimizer state) and the **activations** autograd keeps for backward,
+# * the three tools that need no second device: **activation recomputation**, **gradient accumulation** and
+#   **bf16 mixed precision** — what each buys, and what it costs,
+# * **throughput** and **MFU** (model FLOPs utilisation), the yardstick of every later lesson.
+#
+# The heavy lifting lives in `lessons/01_single_device/experiment.py` (the experiment, launched with `torchrun`) and
+# `picotron/planner.py` (the memory model). Set `PICOTRON_FAST=1` for a two-minute run; the default settings are
+# the real lesson.
+
+# %%
+import dataclasses, sys
+import matplotlib.pyplot as plt
+sys.path.insert(0, "..")   # lessons/: the helpers every lesson shares
+import _common
+from picotron import planner, schedule, train as trainer
+from picotron.model import ModelConfig, Llama, DecoderLayer, Attention, RMSNorm
+
+FAST, OUT = _common.FAST, _common.run_dir("01_single_device")
+import experiment as lesson   # this folder's experiment.py: its helpers and plots
+GB = 1e9
+print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}")
+
+# %% [markdown]
+# ## 1. The problem: a model, its optimizer and its activations do not fit
+#
+# The back-of-the-envelope numbers (the course's [reference](../../docs/reference.md) gives each with its source; we check
+# each of them against measurement below):
+#
+# * **model states** in bf16 mixed precision with Adam: bf16 params $2\Psi$ + bf16 grads $2\Psi$ + fp32 master
+#   weights $4\Psi$ + two fp32 Adam moments $8\Psi$ = **16 bytes per parameter**
+#   ([model states](../../docs/reference.md#model-states));
+# * **activations** per layer (Korthikanti et al. 2022, GPT-3 in bf16): $sbh\,(34 + 5as/h)$ bytes, times $L$ layers
+#   ([activation memory](../../docs/reference.md#activation-memory)).
+#
+# Here are SmolLM-1.7B and Llama-3-8B at sequence length $s=2048$ against one 80 GB GPU.
+
+# %%
+def textbook(name, s, b):
+    c = ModelConfig.from_preset(name)
+    est = planner.model_state_bytes(c.num_params(), "bf16", "adamw")
+    est["activations"] = c.num_hidden_layers * planner.korthikanti_bytes_per_layer(s, b, c.hidden_size, c.num_attention_heads)
+    return est
+
+cases = {f"{name}  s=2048 b={b}": textbook(name, 2048, b) for name, b in
+         [("smollm-1.7b", 1), ("smollm-1.7b", 4), ("llama3-8b", 1)]}
+for label, est in cases.items():
+    print(f"{label:<26}" + "  ".join(f"{k} {v / GB:6.1f}" for k, v in est.items()) + f"   total {sum(est.values()) / GB:6.1f} GB")
+lesson.plot_estimate(cases, title="textbook estimate: bf16 mixed precision + Adam, no recomputation"); plt.show()
+
+# %% [markdown]
+# Llama-3-8B does not fit even before the first activation: its model states alone are 16 × 8.0 B = 128 GB.
+# SmolLM-1.7B fits with one sequence per step, but a useful batch (pre-training uses ~1-4 M tokens per step, i.e.
+# hundreds of sequences of 2048) is far out of reach: activations grow linearly with $b$ and, without flash
+# attention, quadratically with $s$. Everything later in the course — ZeRO, tensor, pipeline, context parallelism —
+# is about cutting one of these bars into pieces. First we make sure we know the bars exactly.
+
+# %% [markdown]
+# ## 2. The idea and the formulas
+#
+# ### Model states
+# | | params | grads | optimizer | total / param |
+# |---|---|---|---|---|
+# | fp32 + Adam | 4 | 4 | 8 (two moments) | **16** |
+# | textbook bf16 mixed precision + Adam | 2 | 2 | 4 (fp32 master) + 8 | **16** (20 with fp32 grad accumulation) |
+# | **our trainer**, `--dtype bf16` | 4 (fp32 master = the params) | 4 | 8 | **16**, + a 2-byte bf16 copy of each weight while it is in use |
+#
+# Our trainer (`picotron/train.py`) keeps parameters, gradients and Adam state in fp32 and runs the forward pass
+# under `torch.autocast(dtype=bfloat16)`: each matmul casts its weight and input to bf16 on the fly. So in our code
+# **bf16 does not shrink the model states**; it shrinks (part of) the activations and speeds up the matmuls on
+# hardware that has bf16 units. Mixed precision never saves model-state memory: the optimizer needs fp32 weights.
+#
+# ### Activations: ask autograd what it keeps
+# Every op that needs its inputs (or outputs) for backward hands them to autograd, and a *saved-tensor hook*
+# sees each one. `saved_tensors_table` runs ONE decoder layer of the `tiny` model (h=128, 8 heads, 4 KV heads,
+# i=384) on s=16, b=2 and lists them. A storage saved twice is counted once; parameters are not activations.
+
+# %%
+tiny = ModelConfig.from_preset("tiny")
+rows = lesson.saved_tensors_table(tiny, seq_len=16, batch=2, dtype="fp32")
+lesson.print_table(rows)
+
+# %% [markdown]
+# Reading the table, with $s$ sequence, $b$ batch, $h$ hidden, $i$ MLP width, $a$ heads, $k$ KV heads, fp32 (4 bytes):
+#
+# | part | what is saved | bytes |
+# |---|---|---|
+# | `input_layernorm` | its input $x$ (the residual stream), $1/\mathrm{rms}$, the normalised $x$ | $8sbh + 4sb$ |
+# | `q/k/v_proj` | their common input, **once** (same storage) | $4sbh$ |
+# | RoPE | the cos/sin tables: one pair for the whole model | $2\cdot4sd$ (once) |
+# | `scaled_dot_product_attention` | $q, k, v$ after RoPE ($k, v$ are $k/a$ of $q$: GQA), output, logsumexp | $4sbh(2 + 2k/a) + 4asb$ |
+# | `o_proj` | its input *is* the sdpa output: nothing new | 0 |
+# | `post_attention_layernorm` | as above | $8sbh + 4sb$ |
+# | `mlp` | shared input of gate/up, $\mathrm{gate}$, $\mathrm{silu(gate)}$, $\mathrm{up}$, their product (input of down) | $4sbh + 16sbi$ |
+#
+# $$A_\text{layer}^\text{fp32} = sbh\,(32 + 8k/a) + 16\,sbi + sb\,(8 + 4a)\ \text{bytes.}$$
+#
+# Notice what is **not** there: no $s\times s$ matrix. The sdpa kernel here is flash-style: it keeps only the
+# logsumexp of each row and recomputes the attention scores in backward. `planner.activation_terms_per_layer`
+# encodes this; the measured sums by part agree with it exactly:
+
+# %%
+def compare_parts(rows, mc, s, b, dtype="fp32", recompute="none"):
+    measured, formula = lesson.by_part(rows), planner.activation_terms_per_layer(mc, s, b, dtype, recompute)
+    for part in formula:
+        print(f"  {part:<26} measured {measured.get(part, 0):>9,}  formula {formula[part]:>9,}  ratio {measured.get(part, 0) / formula[part]:.4f}")
+    print(f"  {'(RoPE tables, shared)':<26} measured {measured.get('RoPE tables (shared)', 0):>9,}")
+
+compare_parts(rows, tiny, 16, 2)
+
+# %% [markdown]
+# **Eager attention stores the $s \times s$ scores.** With `attn_impl="eager"` (an explicit
+# `softmax(q kᵀ/√d) v`, as in pre-flash code), the attention core instead keeps $q$, $k$ and $v$ *repeated* to all
+# $a$ heads, the causal mask ($s^2$ bytes), the fp32 softmax output ($4as^2b$) and a copy of the output:
+
+# %%
+eager = dataclasses.replace(tiny, attn_impl="eager")
+rows_eager = lesson.saved_tensors_table(eager, seq_len=16, batch=2)
+lesson.print_table([r for r in rows_eager if r["module"] == "self_attn" and r["bytes"]])
+compare_parts(rows_eager, eager, 16, 2)
+
+# %% [markdown]
+# **Under bf16 autocast** three things change, all visible in the table below: the matmul inputs and outputs
+# are bf16 (2 bytes), but the RMSNorms still save fp32 (the residual stream stays fp32); the shared input of
+# q/k/v is cast **once per Linear**, so it is saved three times; and every Linear saves **the bf16 copy of its
+# weight** — 2 bytes per parameter kept alive until backward. That last term is exactly the "bf16 params $2\Psi$"
+# of the textbook recipe, showing up here as activations.
+
+# %%
+rows_bf16 = lesson.saved_tensors_table(tiny, seq_len=16, batch=2, dtype="bf16")
+lesson.print_table([r for r in rows_bf16 if r["bytes"] and r["module"] in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")])
+compare_parts(rows_bf16, tiny, 16, 2, "bf16")
+
+# %% [markdown]
+# ### Against the textbook: Korthikanti et al.'s $34\,sbh + 5as^2b$
+# Their count is for GPT-3 in pure bf16 *with dropout*. Term by term (bytes):
+#
+# | Korthikanti (GPT, bf16) | | ours (Llama, bf16 autocast) | |
+# |---|---|---|---|
+# | 2 LayerNorm inputs | $4sbh$ | 2 RMSNorms in fp32: input, normalised $x$, $1/\mathrm{rms}$ | $16sbh + 8sb$ |
+# | QKV input | $2sbh$ | q/k/v input, one bf16 cast per Linear | $6sbh$ |
+# | $Q, K$ | $4sbh$ | $Q, K$ after RoPE ($K$ is $k/a$ of $Q$) | $2sbh(1 + k/a)$ |
+# | softmax output + dropout mask + dropout output | $5as^2b$ | sdpa: logsumexp only · eager: fp32 softmax + its bf16 copy | $4asb$ · $6as^2b$ |
+# | $V$, output-projection input, dropout mask | $5sbh$ | $V$, sdpa output (shared with `o_proj`), no dropout | $2sbh(1 + k/a)$ |
+# | MLP: input, GeLU in ($4h$), GeLU out, dropout mask | $19sbh$ | SwiGLU: input ×2 casts, gate, silu, up, product ($i$ wide) | $4sbh + 8sbi$ |
+# | — | | bf16 weight copies | $2$ bytes × layer params |
+#
+# (With eager attention our $K$ and $V$ are repeated to all $a$ heads, the output is copied for `o_proj`, and the
+# $s^2$ terms are the causal mask $s^2$ plus the fp32 softmax $4as^2b$ and its bf16 copy $2as^2b$.)
+#
+# Below, both formulas for a GPT-3-like layer ($i=4h$, $k=a$) and for SmolLM-1.7B ($i=4h$, $k=a$ too), eager and sdpa:
+
+# %%
+for name, mc in [("GPT-like h=2048 a=16", ModelConfig(vocab_size=50257, hidden_size=2048, intermediate_size=8192, num_hidden_layers=1,
+                                                       num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048)),
+                 ("smollm-1.7b", ModelConfig.from_preset("smollm-1.7b"))]:
+    s, b, h, a = 2048, 1, mc.hidden_size, mc.num_attention_heads
+    k = planner.korthikanti_bytes_per_layer(s, b, h, a)
+    for impl in ("eager", "sdpa"):
+        ours = planner.activation_terms_per_layer(dataclasses.replace(mc, attn_impl=impl), s, b, "bf16")
+        acts = sum(v for p, v in ours.items() if p != "bf16 weight copies")
+        print(f"{name:<22} {impl:<6} Korthikanti {k / 2**20:7.0f} MiB | ours {acts / 2**20:7.0f} MiB + weight copies "
+              f"{ours['bf16 weight copies'] / 2**20:4.0f} MiB | ours/Korthikanti {acts / k:.2f}")
+
+# %% [markdown]
+# With eager attention we keep *more* than the textbook (fp32 norms and softmax, triple casts, the wider SwiGLU
+# saves); with flash-style sdpa the $s^2$ term disappears and we keep far less at long sequences. The formula is
+# only as good as its assumptions: **measure your own code**.
+#
+# ## 3. Read the code
+# The decoder layer: two residual branches, each a pre-norm. `selective` wraps only `Attention.core` (where tokens
+# see each other, and where the $s^2$ work is) in `torch.utils.checkpoint`.
+
+# %%
+_common.show_source(DecoderLayer.forward)
+_common.show_source(Attention.forward)
+_common.show_source(RMSNorm.forward)
+
+# %% [markdown]
+# `RMSNorm.forward` explains three rows of the table: `pow` saves the input, `rsqrt` saves $1/\mathrm{rms}$, the
+# final `*` saves the normalised $x$ (the weight is a parameter). `Llama.forward` holds the other recomputation
+# mode, `full`: checkpoint each whole layer, keep only its input, redo its forward during backward.
+
+# %%
+_common.show_source(Llama.forward, "x = self.embed_tokens", "return self.lm_head")
+
+# %% [markdown]
+# And one optimizer step. The step engine, `schedule.OneStage.run` (`picotron/schedule.py`), runs $k$ = `grad_acc`
+# micro-batches, each loss divided by $k$ so that the summed gradients are the gradients of the mean loss; the
+# `ActivationCounter` wraps the first micro-batch. (`no_sync` and `finish_sync` are for lesson 03: on one device the
+# model's wrapper, `Local`, has nothing to synchronise.) `picotron/train.py` calls it, clips the gradient norm and
+# steps AdamW:
+
+# %%
+_common.show_source(schedule.OneStage.run)
+print("\n    # picotron/train.py, one optimizer step:")
+_common.show_source(trainer.train, "loss = run.schedule.run", "model.zero_grad")
+
+# %% [markdown]
+# ## 4. Run it
+# Each part launches `lessons/01_single_device/experiment.py` under `torchrun --nproc_per_node 1` (the same command later
+# lessons use with N processes) and plots the JSON it writes.
+#
+# ### (a) Memory: measured vs planned
+# One real training step (AdamW included) per model size and sequence length. Parameters, gradients and optimizer
+# state are counted by walking the tensors (`model.memory()`, `metrics.optimizer_bytes`), activations by the
+# saved-tensor hook (`metrics.ActivationCounter`, in the step engine); the planner predicts all four from the config alone.
+
+# %%
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "memory"])
+memory = _common.load_json(OUT / "memory.json")["results"]
+for r in memory:
+    ratios = "  ".join(f"{p} {r['measured'][p] / r['estimate'][p]:.6f}" for p in lesson.PARTS)
+    print(f"{r['size']:<7}{r['dtype']:<5} s={r['seq_len']:<4} measured/planned: {ratios}")
+lesson.plot_memory(memory); plt.show()
+
+# %% [markdown]
+# Parameters, gradients and optimizer state are exact (the optimizer's 8 bytes/param plus a 4-byte `step` counter
+# per tensor). Activations are exact too, for our code on this torch version. Activations grow linearly with $s$
+# (and $b$) while the model states stay put. bf16 shrinks activations by much less than 2× — the fp32 norms, the
+# fp32 log-softmax over the vocabulary and the bf16 weight copies see to that.
+#
+# ### (b) Activation recomputation: memory for compute
+# `none`, `selective` and `full` on the `small` model, with sdpa and with eager attention. Same seed, same batch:
+# the loss and the gradients must not change at all.
+
+# %%
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "recompute"])
+recompute = _common.load_json(OUT / "recompute.json")["results"]
+for impl in ("sdpa", "eager"):
+    base = next(r for r in recompute if r["attn_impl"] == impl and r["recompute"] == "none")
+    for r in (r for r in recompute if r["attn_impl"] == impl):
+        print(f"{impl:<6}{r['recompute']:<10} activations {r['measured']['activations'] / 2**20:7.2f} MiB "
+              f"({r['measured']['activations'] / base['measured']['activations']:5.1%}) | time x{r['time'] / base['time']:.2f} | "
+              f"measured/planned {r['measured']['activations'] / r['estimate']['activations']:.4f} | max|Δgrad| {r['max_grad_diff']:.1e}")
+lesson.plot_recompute(recompute); plt.show()
+
+# %% [markdown]
+# **Full** recomputation keeps one tensor per layer and costs one extra forward pass (FLOPs $6N \to 8N$, about +33%;
+# less in wall time when the step has other costs). **Selective** drops only the attention core's saves and re-runs
+# only the core: with eager attention that is the $s^2$ part, a big memory win at long sequences, and its time cost
+# is the core's share of the layer, which grows with $s/h$ (in a small model at long $s$ the core is most of the
+# time, and selective costs almost what full does). With flash-style sdpa, selective saves nearly nothing: the
+# kernel already recomputes the scores — flash attention *is* selective recomputation. Timings on a shared CPU
+# are noisy; the memory numbers are exact.
+#
+# ### (c) Gradient accumulation: a big batch in small pieces
+# One batch of $B$ sequences in one go, or $k$ micro-batches of $B/k$ with the loss divided by $k$ and gradients
+# summed in `p.grad`. The maths is the same, only the order of the float additions changes.
+
+# %%
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "accumulate"])
+accumulate = _common.load_json(OUT / "accumulate.json")["results"]
+a1 = accumulate[0]["measured"]["activations"]
+for r in accumulate:
+    print(f"k={r['grad_acc']:<3} micro-batch {r['micro_batch_size']:<3} activations {r['measured']['activations'] / 2**20:7.2f} MiB "
+          f"(k=1 / {a1 / r['measured']['activations']:.2f}) | max|grad - grad(k=1)| {r['max_grad_diff']:.1e} "
+          f"(largest gradient {r['max_grad']:.1e}) | loss {r['loss']:.7f}")
+lesson.plot_accumulate(accumulate); plt.show()
+
+# %% [markdown]
+# Activation memory drops by almost exactly $k$ (only the RoPE tables do not scale with $b$); the gradients agree to
+# fp32 rounding (~1e-7 relative). The cost is time: $k$ smaller matmuls use the hardware less well than one big one.
+#
+# ### (d) bf16 autocast vs fp32
+# Two short runs of the real trainer (`picotron.train.train`), same seed and batches.
+
+# %%
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "precision"])
+precision = _common.load_json(OUT / "precision.json")
+runs = precision["results"]
+for d, r in runs.items():
+    s = r["summary"]
+    print(f"{d}: final loss {s['final_loss']:.4f}, val {s['val_loss']:.4f}, {s['tokens_per_s']:,.0f} tokens/s, "
+          f"activations {s['mem']['activations'] / 2**20:.2f} MiB (planned {r['estimate']['activations'] / 2**20:.2f})")
+step_gaps = [abs(a - b) for a, b in zip(runs["bf16"]["loss"], runs["fp32"]["loss"])]
+val_gaps = {s: abs(a - b) for (s, a), (_, b) in zip(runs["bf16"]["val"], runs["fp32"]["val"])}
+print("validation loss, |bf16 - fp32| at steps " + ", ".join(f"{s}: {g:.4f}" for s, g in val_gaps.items()))
+worst_step = max(range(len(step_gaps)), key=step_gaps.__getitem__)
+print(f"training loss of single batches: max |bf16 - fp32| {step_gaps[worst_step]:.4f} at step {runs['fp32']['steps'][worst_step]}, "
+      f"median over the {len(step_gaps)} steps {sorted(step_gaps)[len(step_gaps) // 2]:.4f}")
+lesson.plot_precision(runs); plt.show()
+
+# %% [markdown]
+# The loss curves lie on top of each other: bf16 keeps fp32's exponent range, so no loss scaling is needed, and the
+# master weights stay fp32. Not every single step does: the two runs round differently, so after a few steps their
+# weights differ a little, and a small model at its peak learning rate has loss spikes that can hit one run and not the
+# other. In the FAST settings (20 steps, batches of 256 tokens), on a CPU with native bf16 instructions (AVX512-BF16),
+# one such spike appears at step 10: bf16's gradient norm jumps to 12 (fp32's: 1.1), its loss on that one batch is
+# 0.35 higher, and gradient clipping brings it back on the next step (with the full settings no step differs by more
+# than about 0.02). So the check in section 5 compares the **validation loss** (the mean over held-out batches, measured every
+# quarter of the run), and the lines above show the single-batch differences next to it.
+#
+# Speed depends on the hardware: a GPU's tensor cores run bf16 matmuls several times faster than fp32, while a CPU
+# without bf16 units (most laptops) emulates bf16 and runs it many times *slower* — look at
+# the tokens/s bars for the device this notebook last ran on.
+#
+# **Reading the MFU of the two runs.** The trainer's lines above give each run's MFU against the matmul peak *of its
+# own dtype*, measured on this device (its start-up line says which peak). Where bf16 is emulated, the bf16 peak is
+# many times below the fp32 one, so a bf16 run several times slower can show the same MFU as fp32. MFU says how close
+# a run comes to its own ceiling; to compare the two precisions, compare tokens/s.
+#
+# ### (e) Throughput and MFU
+# MFU = achieved model FLOP/s ÷ peak FLOP/s, with the model's FLOPs counted as $6N + 12Lhs$ per token (PaLM,
+# appendix B; which parameters $N$ counts: [FLOPs per token](../../docs/reference.md#flops-per-token)). The peak is the
+# speed of one large matmul measured on this device (`metrics.measured_matmul_peak`): the honest ceiling. On a GPU the
+# datasheet peak is shown as well.
+
+# %%
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "throughput"])
+throughput = _common.load_json(OUT / "throughput.json")
+for r in throughput["results"]:
+    print(f"{r['size']:<12}{r['num_params'] / 1e6:7.2f} M params | {r['flops_per_token'] / 1e6:7.1f} MFLOP/token | "
+          f"{r['tokens_per_s']:>9,.0f} tokens/s | MFU {100 * r['mfu']:5.1f}% of {r['peak_flops_measured'] / 1e9:,.0f} GFLOP/s ({throughput['device']})")
+lesson.plot_throughput(throughput["results"]); plt.show()
+
+# %% [markdown]
+# Bigger matrices use the hardware better: small models spend their time in element-wise ops, Python and kernel
+# launches, which do no "model FLOPs". Reference points: well-tuned LLM training reaches 35–55% MFU on H100 clusters ([published
+# figures](../../docs/reference.md#reference-points)).
+#
+# ## 5. Check it
+# Every claim of this lesson, as a number:
+
+# %%
+def check(name, ok, detail):
+    print(f"{'✓' if ok else '✗'} {name}: {detail}")
+
+worst = {p: max(abs(r["measured"][p] / r["estimate"][p] - 1) for r in memory) for p in lesson.PARTS}
+check("planner == measured (params, grads, optimizer)", max(worst[p] for p in lesson.PARTS[:3]) == 0, f"max relative error {max(worst[p] for p in lesson.PARTS[:3]):.1e}")
+check("planner == measured (activations)", worst["activations"] < 1e-3, f"max relative error {worst['activations']:.1e} over {len(memory)} configs")
+check("recomputation leaves gradients unchanged", max(r["max_grad_diff"] for r in recompute) <= 1e-6, f"max |Δgrad| {max(r['max_grad_diff'] for r in recompute):.1e}")
+full = [r for r in recompute if r["recompute"] == "full"]
+check("full recomputation keeps 4sbh per layer (+ the rest)", all(abs(r["measured"]["activations"] / r["estimate"]["activations"] - 1) < 1e-3 for r in full),
+      f"measured {[r['measured']['activations'] for r in full]} planned {[r['estimate']['activations'] for r in full]}")
+acc_ok = max(r["max_grad_diff"] / r["max_grad"] for r in accumulate)
+check("grad accumulation == big batch", acc_ok < 1e-5, f"max |Δgrad| / max|grad| = {acc_ok:.1e}")
+drop = a1 / accumulate[-1]["measured"]["activations"]
+check(f"activations drop by k={accumulate[-1]['grad_acc']}", drop > 0.9 * accumulate[-1]["grad_acc"], f"measured drop ×{drop:.2f}")
+check("bf16 loss follows fp32", max(val_gaps.values()) < 0.1,
+      f"validation loss within 0.1 of fp32's at all {len(val_gaps)} evaluations: max |Δ| {max(val_gaps.values()):.4f} "
+      f"(single training batches: max |Δ| {max(step_gaps):.4f}, median {sorted(step_gaps)[len(step_gaps) // 2]:.4f}; section 4d)")
+
+# %% [markdown]
+# ## 6. Explore
+# Pick a model, a sequence length, a micro-batch, the precision, recomputation and the attention kernel; the planner
+# redraws the memory of one device (widgets need a live kernel; a static viewer shows the default only). Questions to try:
+# at what sequence length does eager attention's $s^2$ term overtake the MLP for SmolLM-1.7B? How large a
+# micro-batch fits in 80 GB with full recomputation? Why does nothing help Llama-3-8B?
+#
+# The widget draws the planner's model of *our* code (checked against measurement in section 4), not section 1's
+# textbook formula, so its default (SmolLM-1.7B, $s$ = 2048, $b$ = 4) differs from the figure at the top. The model
+# states agree (16 bytes per parameter in both); the activations do not: Korthikanti's formula keeps the $s\times s$
+# attention scores (its $5as/h$ term, GPT-3 without flash attention), while our default attention (`sdpa`, a fused
+# kernel) keeps none, and our eager attention keeps them in fp32 and more copies than GPT-3 did. The line printed
+# below the cell compares all three.
+
+# %%
+def draw(preset="smollm-1.7b", seq_len=2048, micro_batch=4, dtype="bf16", recompute="none", attn="sdpa"):
+    mc = dataclasses.replace(ModelConfig.from_preset(preset), attn_impl=attn)
+    est = planner.memory_estimate(mc, seq_len, micro_batch, dtype, recompute)
+    lesson.plot_estimate({f"{preset} s={seq_len} b={micro_batch}\n{dtype} {recompute} {attn}": est},
+                         title=f"planner.memory_estimate: {est['total'] / GB:.1f} GB"); plt.show()
+
+default = dict(preset="smollm-1.7b", s=2048, b=4)
+ours = {attn: planner.memory_estimate(dataclasses.replace(ModelConfig.from_preset(default["preset"]), attn_impl=attn),
+                                      default["s"], default["b"], "bf16", "none")["total"] for attn in ("sdpa", "eager")}
+print(f"SmolLM-1.7B, s=2048, b=4, bf16: section 1's textbook estimate {sum(textbook('smollm-1.7b', 2048, 4).values()) / GB:.1f} GB; "
+      f"our code with sdpa {ours['sdpa'] / GB:.1f} GB, with eager attention {ours['eager'] / GB:.1f} GB")
+# drawn once with the defaults (what a static viewer shows); in a live kernel, controls that redraw it
+_common.interactive(draw, lambda w: dict(preset=w.Dropdown(options=["tiny", "smollm-135m", "smollm-360m", "smollm-1.7b", "llama3-8b"], value="smollm-1.7b"),
+                                         seq_len=w.SelectionSlider(options=[2**k for k in range(7, 15)], value=2048),
+                                         micro_batch=w.IntSlider(value=4, min=1, max=64), dtype=w.ToggleButtons(options=["fp32", "bf16"], value="bf16"),
+                                         recompute=w.ToggleButtons(options=["none", "selective", "full"]), attn=w.ToggleButtons(options=["sdpa", "eager"])))
+
+# %% [markdown]
+# ## 7. Exercises
+# Open `lessons/01_single_device/exercise.py` and write:
+#
+# 1. `count_parameters(cfg)` — the exact parameter count from the shapes (GQA, SwiGLU, tied or untied `lm_head`);
+# 2. `model_state_bytes(n_params, dtype, optimizer)` — the textbook bytes of params, grads and optimizer state;
+# 3. `activation_bytes_per_layer(cfg, seq_len, micro_batch_size)` — fp32, sdpa or eager; the checker compares it
+#    with the saved-tensor count of a real layer;
+# 4. `accumulate_gradients(model, input_ids, targets, k)` — gradients equal to the big batch's.
+#
+# Then run the checker (here, or `python lessons/01_single_device/check.py [name]`). Until you write them it reports
+# `NotImplementedError: not written yet`; a wrong answer comes with the expected value and, where it can tell, the
+# likely mistake.
+
+# %%
+import check as checker   # this folder's check.py
+all_passed = checker.check()
+
+# %% [markdown]
+# ## 8. What it costs, when to use it, what comes next
+# | tool | saves | costs | use when |
+# |---|---|---|---|
+# | gradient accumulation ($k$) | activations ÷ $k$ (same global batch) | $k$ smaller, less efficient matmuls; one fp32 gradient buffer | the batch you want does not fit: always the first tool |
+# | selective recomputation | the attention core's saves ($s^2$ terms with eager attention) | recomputing attention (a few % of FLOPs) | no flash kernel, long sequences; with flash/sdpa it is already built in |
+# | full recomputation | all but one tensor per layer | one extra forward: $6N \to 8N$ FLOPs | activations dominate even at micro-batch 1 |
+# | bf16 autocast | activations (less than 2× here), matmul time on GPUs | nothing on model states; slower on CPUs without bf16 units | always on modern GPUs |
+#
+# None of these touches the **model states**: 16 bytes per parameter stay on the device whatever we do. Llama-3-8B
+# needs 128 GB of them; no single 80 GB GPU can train it. The rest of the course splits the work over many devices,
+# and they must talk: **lesson 02 builds the collectives** (broadcast, all-reduce, reduce-scatter, all-gather, …)
+# from point-to-point messages, then lesson 03 uses them for data parallelism and lesson 04 (ZeRO) shards exactly
+# the three model-state bars measured here.

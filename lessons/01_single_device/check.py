@@ -1,0 +1,273 @@
+"""Checker for lesson 01's exercises: runs your functions on several inputs against the reference and
+against measurement, and says precisely what is off.
+
+    python lessons/01_single_device/check.py [name ...]          # your lessons/01_single_device/exercise.py
+    python lessons/01_single_device/check.py --solutions         # the reference solutions (must pass)
+    python lessons/01_single_device/check.py --module my.py      # any file defining the same functions
+From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
+Exit status 0 when every check passes, 1 otherwise.
+"""
+import argparse
+import dataclasses
+import importlib.util
+import itertools
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import picotron`
+
+import torch  # noqa: E402
+
+from picotron import metrics  # noqa: E402
+from picotron.model import Llama, ModelConfig  # noqa: E402
+
+LEARNER = HERE / "exercise.py"
+SOLUTIONS = HERE / "solution.py"
+
+
+def load(path):
+    """Import a file afresh (so edits made since the last check are seen)."""
+    spec = importlib.util.spec_from_file_location(f"ex01_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def explain(diff, mistakes):
+    """The smallest combination of known mistakes (name -> how much it changes the answer) that accounts
+    for `diff` exactly, as a hint; '' if none does."""
+    for n in range(1, 4):
+        for combo in itertools.combinations(mistakes.items(), n):
+            if sum(delta for _, delta in combo) == diff:
+                return " — " + " Also: ".join(name for name, _ in combo)
+    return ""
+
+
+class Report:
+    def __init__(self):
+        self.failed = 0
+
+    def ok(self, what, detail=""):
+        print(f"  ok    {what}{detail}")
+
+    def fail(self, what, why):
+        self.failed += 1
+        print(f"  FAIL  {what}: {why}")
+
+
+def call(report, what, fn, *args):
+    """Run the learner's function; turn an exception into a one-line failure (the traceback's last line)."""
+    try:
+        return True, fn(*args)
+    except NotImplementedError as e:
+        report.fail(what, f"NotImplementedError: {e or 'not written yet'}")
+    except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check, not a crash
+        line = traceback.extract_tb(e.__traceback__)[-1]
+        report.fail(what, f"{type(e).__name__}: {e} (line {line.lineno}: {line.line})")
+    return False, None
+
+
+# ------------------------------------------------------------------------------------- exercises
+def configs():
+    tiny = ModelConfig.from_preset("tiny")
+    return {"tiny": tiny, "tiny-tied": dataclasses.replace(tiny, tie_word_embeddings=True),
+            "tiny-mha": dataclasses.replace(tiny, num_key_value_heads=tiny.num_attention_heads),
+            **{name: ModelConfig.from_preset(name) for name in ("smollm-135m", "smollm-1.7b", "llama3-8b")}}
+
+
+def check_count_parameters(mod, ref, report):
+    for name, c in configs().items():
+        what = f"count_parameters({name})"
+        done, got = call(report, what, mod.count_parameters, c)
+        if not done:
+            continue
+        expected = ref.count_parameters(c)
+        if got == expected:
+            report.ok(what, f" = {expected:,}")
+            continue
+        h, v, L, i = c.hidden_size, c.vocab_size, c.num_hidden_layers, c.intermediate_size
+        kv = c.num_key_value_heads * c.head_dim
+        mistakes = {
+            "did you count lm_head although tie_word_embeddings=True?" if c.tie_word_embeddings else
+            "did you forget lm_head (tie_word_embeddings=False: it is a second v×h matrix)?":
+                v * h if c.tie_word_embeddings else -v * h,
+            "k_proj and v_proj map h to num_key_value_heads·head_dim (grouped-query attention), not to h": 2 * L * h * (h - kv),
+            "SwiGLU has three matrices (gate_proj, up_proj, down_proj), not two": -L * h * i,
+            "did you forget the two RMSNorm weights per layer?": -2 * L * h,
+            "did you forget the final norm's weight?": -h,
+            "did you forget the embedding?": -v * h,
+            "did you add biases? The Linear layers have none": L * (2 * h + 2 * kv + 2 * i + h),
+        }
+        hint = explain(got - expected, {k: d for k, d in mistakes.items() if d})
+        report.fail(what, f"got {got:,}, expected {expected:,}{hint}")
+
+
+def check_model_state_bytes(mod, ref, report):
+    n = 1_000_000
+    for dtype, opt in itertools.product(("fp32", "bf16"), ("adamw", "sgd")):
+        what = f"model_state_bytes({n:,}, {dtype!r}, {opt!r})"
+        done, got = call(report, what, mod.model_state_bytes, n, dtype, opt)
+        if not done:
+            continue
+        expected = ref.model_state_bytes(n, dtype, opt)
+        if not isinstance(got, dict) or set(got) != set(expected):
+            report.fail(what, f"return a dict with keys {sorted(expected)}, got {got!r}")
+            continue
+        wrong = {k: got[k] for k in expected if got[k] != expected[k]}
+        if not wrong:
+            report.ok(what, f" = {expected} ({sum(expected.values()) // n} bytes/param)")
+            continue
+        hints = []
+        if dtype == "bf16" and got["optimizer"] == expected["optimizer"] - 4 * n:
+            hints.append("the optimizer also keeps an fp32 master copy of the weights (4 bytes/param)")
+        if opt == "sgd" and got["optimizer"] - expected["optimizer"] == 8 * n:
+            hints.append("plain SGD keeps no moments")
+        if dtype == "bf16" and got["params"] == 4 * n:
+            hints.append("bf16 parameters take 2 bytes each")
+        detail = ", ".join(f"{k}: got {got[k]:,}, expected {expected[k]:,}" for k in wrong)
+        report.fail(what, detail + (" — " + "; ".join(hints) if hints else ""))
+
+
+def measured_layer_bytes(c, s, b):
+    """What one decoder layer saves, MEASURED: the saved-tensor count of a 2-layer model minus a 1-layer
+    one (everything outside the layers cancels), fp32, random weights."""
+    counts = []
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        model = Llama(dataclasses.replace(c, num_hidden_layers=layers))
+        counter = metrics.ActivationCounter(model)
+        with counter:
+            model(torch.randint(0, c.vocab_size, (b, s))).sum()
+        counts.append(counter.bytes)
+    return counts[1] - counts[0]
+
+
+def check_activation_bytes_per_layer(mod, ref, report):
+    tiny = ModelConfig.from_preset("tiny")
+    cases = [("tiny", tiny, 64, 2), ("tiny", dataclasses.replace(tiny, attn_impl="eager"), 64, 2),
+             ("tiny-mha", dataclasses.replace(tiny, num_key_value_heads=8), 32, 3),
+             ("smollm-135m", ModelConfig.from_preset("smollm-135m"), 2048, 1)]
+    for name, c, s, b in cases:
+        what = f"activation_bytes_per_layer({name}, attn_impl={c.attn_impl}, s={s}, b={b})"
+        done, got = call(report, what, mod.activation_bytes_per_layer, c, s, b)
+        if not done:
+            continue
+        expected = ref.activation_bytes_per_layer(c, s, b)
+        measured = measured_layer_bytes(c, s, b) if c.vocab_size <= 256 else None
+        source = f"measured with saved-tensor hooks: {measured:,}" if measured is not None else "formula"
+        if got == expected:
+            report.ok(what, f" = {expected:,} ({source})")
+            continue
+        h, i, a = c.hidden_size, c.intermediate_size, c.num_attention_heads
+        kv = c.num_key_value_heads * c.head_dim
+        sb, sbh = s * b, s * b * h
+        mistakes = {
+            "sdpa also saves its logsumexp, 4·a·s·b bytes": -4 * a * sb if c.attn_impl == "sdpa" else 0,
+            "K and V have num_key_value_heads·head_dim features, not h (GQA)": 8 * sb * (h - kv) if c.attn_impl == "sdpa" else 0,
+            "q_proj, k_proj and v_proj share ONE saved input (count it once)": 8 * sbh,
+            "gate_proj and up_proj share ONE saved input (count it once)": 4 * sbh,
+            "each RMSNorm also saves its 1/rms (4·s·b bytes)": -8 * sb,
+            "each RMSNorm saves its input AND the normalised x": -8 * sbh,
+            "o_proj's input is the sdpa output itself (already saved)": 4 * sbh if c.attn_impl == "sdpa" else 0,
+            "the MLP saves four i-sized tensors (gate, silu(gate), up, their product)": -4 * sb * i,
+            "eager attention keeps the fp32 softmax output, 4·a·s²·b bytes": -4 * a * s * s * b if c.attn_impl == "eager" else 0,
+            "eager attention keeps the causal mask (s² bools)": -s * s if c.attn_impl == "eager" else 0,
+            "leave out the RoPE cos/sin tables (shared by all layers)": 2 * 4 * s * c.head_dim,
+        }
+        if got * 2 == expected:
+            hint = " — fp32 activations take 4 bytes per element, not 2"
+        elif got == 34 * sbh + 5 * a * s * s * b or got == 34 * sbh:
+            hint = " — that is Korthikanti's GPT-3 formula; count the tensors OUR Llama saves (lesson section 2)"
+        else:
+            hint = explain(got - expected, {k: d for k, d in mistakes.items() if d}) or \
+                f" — off by {got - expected:+,} bytes; compare term by term with the saved-tensor table"
+        report.fail(what, f"got {got:,}, expected {expected:,} ({source}){hint}")
+
+
+def check_accumulate_gradients(mod, ref, report):
+    import torch.nn.functional as F
+
+    c = dataclasses.replace(ModelConfig.from_preset("tiny"), num_hidden_layers=2)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 256, (8, 32), generator=g), torch.randint(0, 256, (8, 32), generator=g)
+
+    def fresh():
+        with torch.device("meta"):
+            model = Llama(c)
+        return model.to_empty(device="cpu").init_weights(0)
+
+    big = fresh()
+    loss = F.cross_entropy(big(x).view(-1, 256), y.reshape(-1))
+    loss.backward()
+    ref_grads = {n: p.grad for n, p in big.named_parameters()}
+    for k in (1, 2, 4, 8):
+        what = f"accumulate_gradients(tiny, batch 8, k={k})"
+        model = fresh()
+        done, got_loss = call(report, what, mod.accumulate_gradients, model, x, y, k)
+        if not done:
+            continue
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        if missing:
+            report.fail(what, f"p.grad is None for {missing[0]} (and {len(missing) - 1} more): did you call backward()?")
+            continue
+        diff = max((p.grad - ref_grads[n]).abs().max().item() for n, p in model.named_parameters())
+        ratio = sum((p.grad * ref_grads[n]).sum().item() for n, p in model.named_parameters()) / \
+            sum((ref_grads[n] ** 2).sum().item() for n, _ in model.named_parameters())
+        if diff > 1e-5:
+            hint = ""
+            if abs(ratio - k) < 1e-3 * k and k > 1:
+                hint = f" — the gradients are {ratio:.2f}× the reference: divide each micro-batch's loss by k"
+            elif k > 1:
+                hint = " — did you zero the gradients between micro-batches, or split the batch unevenly?"
+            report.fail(what, f"max |grad - full-batch grad| = {diff:.2e} (tolerance 1e-5){hint}")
+            continue
+        if not isinstance(got_loss, (float, int)) and not (torch.is_tensor(got_loss) and got_loss.numel() == 1):
+            report.fail(what, f"return the mean loss as a float, got {type(got_loss).__name__}")
+            continue
+        if abs(float(got_loss) - loss.item()) > 1e-5:
+            hint = " — sum the micro-batches' loss / k" if abs(float(got_loss) - k * loss.item()) < 1e-4 else ""
+            report.fail(what, f"gradients right, but returned loss {float(got_loss):.6f}, expected {loss.item():.6f}{hint}")
+            continue
+        report.ok(what, f": max |grad - full-batch grad| = {diff:.1e}, loss {float(got_loss):.6f}")
+
+
+CHECKS = {name.removeprefix("check_"): fn for name, fn in globals().items() if name.startswith("check_") and name != "check_"}
+
+
+def check(names=None, module=None):
+    """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
+    path = Path(module) if module else LEARNER
+    ref, report = load(SOLUTIONS), Report()
+    try:
+        mod = load(path)
+    except Exception as e:  # noqa: BLE001 - a syntax error in the learner's file
+        print(f"cannot import {path}: {type(e).__name__}: {e}")
+        return False
+    unknown = [n for n in names or () if n not in CHECKS]
+    if unknown:
+        print(f"unknown exercise {unknown[0]!r}; pick from {', '.join(CHECKS)}")
+        return False
+    for name in names or CHECKS:
+        print(f"{name}  ({path.relative_to(HERE) if path.is_relative_to(HERE) else path})")
+        if not hasattr(mod, name):
+            report.fail(name, f"{path.name} has no function {name}")
+            continue
+        CHECKS[name](mod, ref, report)
+    print("all checks passed" if not report.failed else f"{report.failed} check(s) failed")
+    return report.failed == 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Check lesson 01's exercises.")
+    p.add_argument("names", nargs="*", help=f"exercises to check (default all): {', '.join(CHECKS)}")
+    p.add_argument("--solutions", action="store_true", help="check the reference solutions")
+    p.add_argument("--module", help="check this file instead of lessons/01_single_device/exercise.py")
+    args = p.parse_args(argv)
+    module = SOLUTIONS if args.solutions else args.module
+    return 0 if check(args.names, module) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

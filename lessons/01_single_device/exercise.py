@@ -1,0 +1,45 @@
+"""Lesson 01 exercises: write each function, then run the checker
+    python lessons/01_single_device/check.py                      # all exercises
+    python lessons/01_single_device/check.py count_parameters     # just one
+It runs your function on several inputs against the reference (and against measurement) and says what is
+off. The lesson notebook (lessons/01_single_device/01_single_device.ipynb) has everything you need; the solutions are in solution.py
+(look after trying).
+"""
+import torch
+import torch.nn.functional as F
+
+
+def count_parameters(cfg) -> int:
+    """Exact number of parameters of picotron's Llama for `cfg` (a picotron.model.ModelConfig), computed
+    from the shapes alone (do not build the model).
+
+    Per layer: q_proj, k_proj, v_proj, o_proj (no biases; with grouped-query attention K and V have
+    cfg.num_key_value_heads * cfg.head_dim outputs), a SwiGLU MLP (gate_proj, up_proj, down_proj) and two
+    RMSNorm weight vectors. Plus the embedding, the final norm and lm_head, which shares the embedding's
+    matrix when cfg.tie_word_embeddings is True."""
+    raise NotImplementedError("not written yet")
+
+
+def model_state_bytes(n_params, dtype="fp32", optimizer="adamw") -> dict:
+    """Bytes of the model states of the textbook recipe, as {"params": ..., "grads": ..., "optimizer": ...}.
+
+    dtype "fp32": everything in fp32. dtype "bf16": mixed precision with bf16 params and grads, and an fp32
+    master copy of the weights kept by the optimizer. optimizer "adamw" keeps two fp32 moments per
+    parameter; "sgd" (no momentum) keeps none."""
+    raise NotImplementedError("not written yet")
+
+
+def activation_bytes_per_layer(cfg, seq_len, micro_batch_size) -> int:
+    """Bytes autograd saves for backward in ONE decoder layer of picotron's Llama, fp32, no recomputation,
+    for cfg.attn_impl "sdpa" (flash-style kernel) or "eager" (explicit softmax). Do not count parameters,
+    count a tensor shared by several ops once, and leave out the RoPE cos/sin tables (one pair for the
+    whole model). Hint: the saved-tensor table of the lesson, section 2."""
+    raise NotImplementedError("not written yet")
+
+
+def accumulate_gradients(model, input_ids, targets, k) -> float:
+    """Gradient accumulation. Split the batch (input_ids, targets: [B, s], B divisible by k) into k
+    micro-batches; run forward and backward on each so that afterwards every p.grad equals the gradient
+    of the mean cross-entropy over the WHOLE batch (p.grad starts as None). Return that mean loss (float).
+    The loss of one micro-batch: F.cross_entropy(logits.float().view(-1, vocab), targets.reshape(-1))."""
+    raise NotImplementedError("not written yet")

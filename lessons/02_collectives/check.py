@@ -1,0 +1,289 @@
+"""Checker for lesson 02's exercises: runs your collective on 2, 3 and 4 real processes (gloo, through
+picotron.launch.run_on_ranks) and says exactly what is wrong — which rank, which element, which shape, which
+message went where — or which ranks hang, and on which line of your file they wait.
+
+    python lessons/02_collectives/check.py [name ...]          # your lessons/02_collectives/exercise.py
+    python lessons/02_collectives/check.py --solutions         # the reference solutions (must pass)
+    python lessons/02_collectives/check.py --module my.py      # any file defining the same functions
+    python lessons/02_collectives/check.py --timeout 5         # seconds before a launch counts as a hang (10)
+From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
+Exit status 0 when every check passes, 1 otherwise.
+
+How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
+at module level), which imports YOUR file by path inside each child, counts every send/isend (destination
+and size), switches off the built-in collectives, runs your function on deterministic inputs and returns
+the outputs. The parent computes the expected outputs with plain torch (torch.cat, sum, tensor_split) and
+compares.
+"""
+import linecache
+import math
+import re
+import sys
+from functools import partial
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import picotron`
+
+import torch  # noqa: E402
+
+from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
+from _checker import Report, _Failure, check_all, cli, failure_message, load, where  # noqa: E402,F401
+
+LEARNER = HERE / "exercise.py"
+SOLUTIONS = HERE / "solution.py"
+WORLD_SIZES = (2, 3, 4)
+TIMEOUT_S = 10.0
+
+# (length, dtype[, src]) per exercise: odd lengths, lengths that n does not divide, a length-1 tensor, a
+# source that is not rank 0 (src -1 means the last rank).
+CASES = {
+    "ring_all_gather": [(5, "int64"), (1, "int64"), (6, "float32")],
+    "ring_reduce_scatter": [(12, "int64"), (7, "int64"), (10, "float32")],
+    "tree_broadcast": [(5, "int64", 0), (3, "int64", -1), (4, "float32", 1)],
+}
+BUILTINS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+            "reduce_scatter_single", "all_reduce", "broadcast", "reduce", "scatter", "gather", "all_to_all",
+            "all_to_all_single")
+
+
+def make_input(length, dtype, rank):
+    """Rank r's tensor: 100·(r+1) + [0, 1, 2, ...], so every value says whose it is (rank 2: 300, 301, ...)."""
+    return (100 * (rank + 1) + torch.arange(length)).to(getattr(torch, dtype))
+
+
+# --------------------------------------------------------------------------------------- in each child
+def _forbidden(name):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"dist.{name} is the collective you are building: use only send/recv/isend/irecv")
+    return refuse
+
+
+def _plain(value):
+    if not torch.is_tensor(value):
+        return None
+    return dict(shape=list(value.shape), dtype=str(value.dtype).replace("torch.", ""), values=value.flatten().tolist())
+
+
+def _on_rank(path, name, cases):
+    """Runs on every rank (module level, so run_on_ranks can pickle it): import the learner's file by path,
+    run `name` on each case, return [{out, sends, input_changed, returned}] for this rank."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sends = []  # (dst, numel) of every send of the current case
+
+    def counted(real):
+        def send(*args, **kwargs):
+            tensor = args[0] if args else kwargs.get("tensor")
+            dst = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("group_dst"))
+            sends.append((dst, tensor.numel() if torch.is_tensor(tensor) else None))
+            return real(*args, **kwargs)
+        return send
+
+    dist.send, dist.isend = counted(dist.send), counted(dist.isend)
+    for builtin in BUILTINS:
+        if hasattr(dist, builtin):
+            setattr(dist, builtin, _forbidden(builtin))
+    try:
+        fn = getattr(load(path, "ex02"), name)
+    except Exception as e:  # noqa: BLE001
+        raise _Failure(f"cannot import {Path(path).name}: {type(e).__name__}: {e}{where(e, path)}") from None
+    results = []
+    for case in cases:
+        x = make_input(case[0], case[1], rank)
+        original = x.clone()
+        sends.clear()
+        try:
+            returned = fn(x, case[2] % n) if name == "tree_broadcast" else fn(x)
+        except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
+            raise _Failure(f"{label(case, n)}: {type(e).__name__}: {e}{where(e, path)}") from None
+        out = x if name == "tree_broadcast" else returned
+        results.append(dict(out=_plain(out), sends=list(sends), returned=type(returned).__name__,
+                            input_changed=name != "tree_broadcast" and not torch.equal(x, original)))
+    return results
+
+
+# ------------------------------------------------------------------------------------------ the parent
+def label(case, n):
+    text = f"length {case[0]} {case[1]}"
+    return text + (f", src {case[2] % n}" if len(case) > 2 else "")
+
+
+def fmt(v):
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+def first_difference(rank, got, expected):
+    """'rank r: element j is X, expected Y' (+ how many more), or None when equal."""
+    exp = expected.flatten().tolist()
+    bad = [j for j, (a, b) in enumerate(zip(got["values"], exp)) if a != b]
+    if not bad:
+        return None
+    j = bad[0]
+    more = f" ({len(bad) - 1} more elements differ)" if len(bad) > 1 else ""
+    return f"rank {rank}: element {j} is {fmt(got['values'][j])}, expected {fmt(exp[j])}{more}"
+
+
+def check_output(rank, got, expected, returned):
+    """Shape, dtype and values of one rank's output; a message or None."""
+    if got is None:
+        return f"rank {rank} returned {returned}; return the output tensor"
+    if got["shape"] != list(expected.shape):
+        return f"rank {rank} output has shape {got['shape']}, expected {list(expected.shape)}"
+    if got["dtype"] != str(expected.dtype).replace("torch.", ""):
+        return f"rank {rank} output has dtype {got['dtype']}, expected {str(expected.dtype).replace('torch.', '')}"
+    return first_difference(rank, got, expected)
+
+
+def same(got, tensor):
+    return got is not None and got["shape"] == list(tensor.shape) and got["values"] == tensor.flatten().tolist()
+
+
+def ring_pattern(results, n, what):
+    """Every rank sends n - 1 messages, all to its right neighbour."""
+    for r, res in enumerate(results):
+        wrong = [d for d, _ in res["sends"] if d is not None and d != (r + 1) % n]
+        if wrong:
+            return (f"right values, but rank {r} sent a message to rank {wrong[0]}: in a ring every rank sends only "
+                    f"to its right neighbour (rank + 1) % n = {(r + 1) % n}")
+        if len(res["sends"]) != n - 1:
+            return f"right values, but rank {r} sent {len(res['sends'])} messages; a ring {what} sends n - 1 = {n - 1}"
+    return None
+
+
+def compare_ring_all_gather(case, n, results):
+    inputs = [make_input(case[0], case[1], r) for r in range(n)]
+    expected = torch.cat(inputs)
+    for r, res in enumerate(results):
+        problem = check_output(r, res["out"], expected, res["returned"])
+        if problem and problem.startswith(f"rank {r}: element"):
+            j = int(re.search(r"element (\d+)", problem).group(1))
+            s, L = j // case[0], case[0]
+            piece = torch.tensor(res["out"]["values"][s * L:(s + 1) * L], dtype=expected.dtype)
+            owner = next((t for t in range(n) if torch.equal(piece, inputs[t])), None)
+            if owner is not None:
+                problem += (f" — elements {s * L}..{s * L + L - 1} hold rank {owner}'s tensor, but slot {s} is rank "
+                            f"{s}'s: check which slot each step receives into")
+        if problem:
+            return problem
+    return ring_pattern(results, n, "all-gather")
+
+
+def compare_ring_reduce_scatter(case, n, results):
+    inputs = [make_input(case[0], case[1], r) for r in range(n)]
+    total = torch.stack(inputs).sum(0)
+    chunks = torch.tensor_split(total, n)
+    for r, res in enumerate(results):
+        expected, got = chunks[r], res["out"]
+        problem = check_output(r, got, expected, res["returned"])
+        if problem and "shape" in problem and case[0] % n:
+            sizes = [len(c) for c in chunks]
+            problem += (f" — {case[0]} elements on {n} ranks split into chunks of {sizes} (torch.tensor_split: the "
+                        f"first {case[0] % n} get one extra element)")
+        elif problem and "element" in problem:
+            own = [torch.tensor_split(x, n)[r] for x in inputs]
+            other = next((k for k in range(n) if k != r and same(got, chunks[k])), None)
+            missing = next((t for t in range(n) if same(got, expected - own[t])), None)
+            twice = next((t for t in range(n) if same(got, expected + own[t])), None)
+            if other is not None:
+                problem += f" — that is chunk {other} of the sum; rank {r} must end with chunk {r} (check the step indices)"
+            elif same(got, own[r]):
+                problem += f" — that is rank {r}'s own input chunk: nothing was added"
+            elif missing is not None:
+                problem += f" — rank {missing}'s contribution is missing (one step too few, or copied instead of added?)"
+            elif twice is not None:
+                problem += f" — rank {twice}'s contribution is counted twice"
+        if problem:
+            return problem
+        if res["input_changed"]:
+            return f"right values, but rank {r} changed its input tensor: add into copies (clone), the caller keeps its data"
+    return ring_pattern(results, n, "reduce-scatter")
+
+
+def compare_tree_broadcast(case, n, results):
+    src = case[2] % n
+    expected = make_input(case[0], case[1], src)
+    for r, res in enumerate(results):
+        problem = check_output(r, res["out"], expected, res["returned"])
+        if problem and same(res["out"], make_input(case[0], case[1], r)):
+            problem += (f" — rank {r} still holds its own data: it never received (or received into a copy; the "
+                        f"broadcast is in place)")
+        if problem:
+            return problem
+    bound = math.ceil(math.log2(n))
+    counts = [len(res["sends"]) for res in results]
+    busiest = max(range(n), key=lambda r: counts[r])
+    if counts[busiest] > bound:
+        return (f"right values, but rank {busiest} sent {counts[busiest]} messages; in a binomial tree no rank sends "
+                f"more than ceil(log2 {n}) = {bound}: the ranks that already have the data forward it")
+    if sum(counts) != n - 1:
+        return f"right values, but {sum(counts)} messages in all; a broadcast needs n - 1 = {n - 1} (one per receiver)"
+    return None
+
+
+COMPARE = {"ring_all_gather": compare_ring_all_gather, "ring_reduce_scatter": compare_ring_reduce_scatter,
+           "tree_broadcast": compare_tree_broadcast}
+
+
+def hang_message(e, path, timeout_s):
+    """'hang: ranks 0, 2 still waiting after 10 s (...)' and, per late rank, the line of the learner's file
+    where it waits (from the stacks run_on_ranks collects)."""
+    ranks = e.ranks
+    who = f"rank {ranks[0]} is" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks)) + " are"
+    lines = [f"hang: {who} still waiting after {timeout_s:g} s (a send without a matching recv, or a recv that "
+             f"nobody sends to?)"]
+    name = Path(path).name
+    for r, stack in re.findall(r"--- where rank (\d+) was.*?---\n(.*?)(?=\n--- where rank|\Z)", str(e), re.S):
+        frame = re.search(rf'File "([^"]*{re.escape(name)})", line (\d+) in (\w+)', stack)
+        if frame:
+            source = linecache.getline(frame.group(1), int(frame.group(2))).strip()
+            lines.append(f"        rank {r} waits in {frame.group(3)}, line {frame.group(2)}: {source}")
+    return "\n".join(lines)
+
+
+def check_one(name, path, report, timeout_s):
+    if not hasattr(load(path, "ex02"), name):
+        report.fail(name, f"{path.name} has no function {name}")
+        return
+    cases = CASES[name]
+    for n in WORLD_SIZES:
+        what = f"{name} on {n} ranks"
+        try:
+            results = run_on_ranks(_on_rank, n, str(path), name, cases, timeout_s=timeout_s)
+        except RankTimeout as e:
+            report.fail(what, hang_message(e, path, timeout_s))
+            return  # it would hang again on the next world size
+        except RankError as e:
+            message = failure_message(e)
+            report.fail(what, message)
+            if "NotImplementedError" in message or "cannot import" in message:
+                return
+            continue
+        for i, case in enumerate(cases):
+            problem = COMPARE[name](case, n, [res[i] for res in results])
+            if problem:
+                report.fail(f"{what}, {label(case, n)}", problem)
+                break
+        else:
+            counts = [len(res[-1]["sends"]) for res in results]
+            pattern = (f"every rank sent {n - 1} message(s), each to its right neighbour" if name.startswith("ring") else
+                       f"{sum(counts)} message(s), at most {max(counts)} from one rank")
+            report.ok(what, f": {'; '.join(label(c, n) for c in cases)}; {pattern}")
+
+
+def check(names=None, module=None, timeout_s=TIMEOUT_S):
+    """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
+    path = Path(module).resolve() if module else LEARNER
+    return check_all(names, path, CASES, partial(check_one, timeout_s=timeout_s), "ex02")
+
+
+def main(argv=None):
+    return cli(argv, "Check lesson 02's exercises on 2, 3 and 4 processes.", check, CASES,
+               LEARNER, SOLUTIONS, TIMEOUT_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

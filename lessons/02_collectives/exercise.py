@@ -1,0 +1,52 @@
+"""Lesson 02 exercises: three collectives from point-to-point messages. Write each function, then run
+    python lessons/02_collectives/check.py                      # all exercises, on 2, 3 and 4 processes
+    python lessons/02_collectives/check.py ring_all_gather      # just one
+The checker starts real processes (gloo, one default process group: rank = dist.get_rank(), n =
+dist.get_world_size()), runs your function on every rank and tells you which rank is wrong, where, and why
+— or which ranks hang. Use only dist.send / dist.recv / dist.isend / dist.irecv (the checker switches the
+built-in collectives off). Solutions: lessons/02_collectives/solution.py (look after trying).
+
+Reminders (torch.distributed):
+    req = dist.isend(tensor, dst)    start sending; returns at once, `req.wait()` before touching `tensor` again
+    req = dist.irecv(buffer, src)    start receiving into `buffer` (right shape and dtype); `req.wait()`
+    dist.send(tensor, dst), dist.recv(buffer, src)   the blocking versions
+A blocking send and a blocking recv posted in the wrong order on two ranks can wait for each other forever:
+in a ring, start the send and the receive together (isend + irecv, then wait for both).
+"""
+import torch
+import torch.distributed as dist
+
+
+def ring_all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """All-gather around a ring. Every rank holds a 1-D `tensor` of the same length L; return a new 1-D
+    tensor of length n*L that is every rank's tensor concatenated in rank order (rank 0's first), the same
+    on every rank (what dist.all_gather_into_tensor computes).
+
+    The ring: rank r only ever sends to its right neighbour (r + 1) % n and receives from its left
+    neighbour (r - 1) % n. Keep n pieces; start with your own in slot r. In step k = 0 .. n-2 send the
+    piece in slot (r - k) % n to the right, and receive the piece for slot (r - k - 1) % n from the left.
+    Every rank sends n - 1 messages of L elements: (n-1)/n of the output, the least anyone can."""
+    raise NotImplementedError("not written yet")
+
+
+def ring_reduce_scatter(tensor: torch.Tensor) -> torch.Tensor:
+    """Reduce-scatter (sum) around a ring. Every rank holds a 1-D `tensor` of the same length L (any L >= n,
+    not necessarily a multiple of n). Cut it into n chunks with torch.tensor_split(tensor, n) (the first
+    L % n chunks are one element longer). Return, on rank r, chunk r of the element-wise SUM over all ranks
+    — a new tensor of that chunk's length; do not change `tensor`.
+
+    The ring: in step k = 0 .. n-2, rank r sends its running sum of chunk (r - k - 1) % n to the right
+    neighbour, receives the left neighbour's running sum of chunk (r - k - 2) % n and adds it into its own.
+    After n - 1 steps, chunk r on rank r has collected all n contributions."""
+    raise NotImplementedError("not written yet")
+
+
+def tree_broadcast(tensor: torch.Tensor, src: int) -> None:
+    """Broadcast along a binomial tree, in place, like dist.broadcast(tensor, src): afterwards every rank's
+    `tensor` holds src's values. Return nothing.
+
+    Number the ranks relative to the source, v = (rank - src) % n. In round j = 0, 1, 2, ... (while 2**j < n)
+    the ranks that already have the data (v < 2**j) send it to v + 2**j (if that is < n), and the ranks with
+    2**j <= v < 2**(j+1) receive it from v - 2**j. Convert relative ranks back with (v + src) % n. The data
+    reaches everyone in ceil(log2 n) rounds, and no rank sends more than ceil(log2 n) messages."""
+    raise NotImplementedError("not written yet")

@@ -1,0 +1,375 @@
+"""Checker for lesson 03's exercises: runs your data-parallel classes on 2 and 3 real processes (gloo, through
+picotron.launch.run_on_ranks), each rank with its own batch, and compares every rank's gradients with the mean
+of all ranks' gradients computed in one process. It names the rank and the parameter that are wrong and what
+the error looks like (off by the world size, still the rank's own gradient, ...), the ranks that hang and the
+line of your file where they wait, and whether your all-reduces really overlap the backward pass.
+
+    python lessons/03_data_parallel/check.py [name ...]          # your lessons/03_data_parallel/exercise.py
+    python lessons/03_data_parallel/check.py --solutions         # the reference solutions (must pass)
+    python lessons/03_data_parallel/check.py --module my.py      # any file defining the same classes
+    python lessons/03_data_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (10)
+From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
+Exit status 0 when every check passes, 1 otherwise.
+
+The exercises: average_gradient (NaiveDP), on_gradient_ready (BucketedDP.on_gradient_ready and
+finish_sync), no_sync (BucketedDP.no_sync; checked with the reference's hook, so it does not depend
+on exercise 2).
+
+How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
+at module level). It wraps dist.all_reduce to log every call (size, async_op, how many gradients were ready
+at that moment, whether and when its work handle was waited on), imports YOUR file by path, runs a small
+Llama (2 layers, hidden 32) on this rank's batches, recomputes the expected mean gradient in one process from
+every rank's batches, and meets the other ranks at a store-based rendezvous before returning, so a rank stuck
+in a collective shows up as a hang rather than as a peer that left.
+"""
+import sys
+from functools import partial
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import picotron`
+
+import torch  # noqa: E402
+
+from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
+from _checker import (_Failure, check_all, cli, failure_message, hang_message, load,  # noqa: E402,F401
+                      rendezvous, where)
+
+LEARNER = HERE / "exercise.py"
+SOLUTIONS = HERE / "solution.py"
+WORLD_SIZES = (2, 3)
+TIMEOUT_S = 10.0
+BUCKET_NUMEL = 4096  # the checker's model has ~35k parameters in 21 tensors: several buckets
+EXERCISES = {"average_gradient": "NaiveDP.average_gradient",
+             "on_gradient_ready": "BucketedDP.on_gradient_ready + finish_sync",
+             "no_sync": "BucketedDP.no_sync"}
+
+
+# --------------------------------------------------------------------------------------- in each child
+def _model():
+    from picotron.model import Llama, ModelConfig
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)  # (init_weights overwrites every parameter: the values depend only on the seed and names)
+    return Llama(cfg).init_weights(0)  # built on the CPU directly: the first build on "meta" costs ~1.5 s of imports
+
+
+def _batch(rank, step, micro):
+    """Rank `rank`'s micro-batch `micro` of step `step`: different on every rank."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+    return torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
+
+
+def _loss(model, x, y, k):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(x).view(-1, 256), y.reshape(-1)) / k
+
+
+def _expected(n, step, k, rank):
+    """(mean over ranks of each rank's gradient, this rank's own gradient), by parameter name, in one process."""
+    model = _model()
+    mean = {}
+    for r in range(n):
+        model.zero_grad(set_to_none=True)
+        for m in range(k):
+            _loss(model, *_batch(r, step, m), k).backward()
+        for name, p in model.named_parameters():
+            mean[name] = mean.get(name, 0) + p.grad / n
+        if r == rank:
+            own = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return mean, own
+
+
+class _Work:
+    """Wraps an all-reduce's work handle to log when it is waited on."""
+
+    def __init__(self, work, entry, ready):
+        self._work, self._entry, self._ready = work, entry, ready
+
+    def wait(self, *args, **kwargs):
+        self._entry["waited_at"] = self._ready[0]
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _on_rank(path, name, ref_path):
+    """Runs on every rank: the scenario of exercise `name` with the classes of the file at `path`; returns
+    [{step, got, expected, own, log, ...}] (one entry per checked backward pass), or raises _Failure."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ready, log = [0], []  # gradients accumulated so far in this backward; one entry per all_reduce call
+    real = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        async_op = kwargs.get("async_op", args[2] if len(args) > 2 else False)
+        entry = dict(numel=tensor.numel(), async_op=bool(async_op), at=ready[0], waited_at=None)
+        log.append(entry)
+        work = real(tensor, *args, **kwargs)
+        return _Work(work, entry, ready) if async_op else work
+
+    dist.all_reduce = all_reduce
+    try:
+        mod = load(path, "ex03")
+    except Exception as e:  # noqa: BLE001
+        raise _Failure(f"cannot import {Path(path).name}: {type(e).__name__}: {e}{where(e, path)}") from None
+    try:
+        results = SCENARIOS[name](mod, load(ref_path, "ex03"), rank, n, ready, log)
+    except _Failure:
+        raise
+    except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
+        raise _Failure(f"{type(e).__name__}: {e}{where(e, path)}") from None
+    rendezvous(n, "check03/done")
+    return results
+
+
+def _count_ready(model, ready):
+    """A hook on every parameter, registered BEFORE the learner's: counts the gradients accumulated so far."""
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: ready.__setitem__(0, ready[0] + 1))
+
+
+def _grads(model):
+    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _scenario_average_gradient(mod, ref, rank, n, ready, log):
+    raw = _model()
+    model = mod.NaiveDP(raw)
+    x, y = _batch(rank, 1, 0)
+    _loss(model, x, y, 1).backward()
+    mean, own = _expected(n, 1, 1, rank)
+    return [dict(step=1, got=_grads(raw), expected=mean, own=own, log=list(log))]
+
+
+def _scenario_on_gradient_ready(mod, ref, rank, n, ready, log):
+    raw = _model()
+    _count_ready(raw, ready)
+    model = mod.BucketedDP(raw, bucket_numel=BUCKET_NUMEL)
+    sizes = [len(b.params) for b in model.buckets]
+    out = []
+    for step in (1, 2):  # a second step: the bucket counters must start again from zero
+        ready[0], first = 0, len(log)
+        model.zero_grad()
+        _loss(model, *_batch(rank, step, 0), 1).backward()
+        after_backward = [e["waited_at"] is not None for e in log[first:]]
+        model.finish_sync()
+        unwaited = [i for i, e in enumerate(log[first:]) if e["async_op"] and e["waited_at"] is None]
+        mean, own = _expected(n, step, 1, rank)
+        out.append(dict(step=step, got=_grads(raw), expected=mean, own=own, log=log[first:], bucket_sizes=sizes,
+                        total=ready[0], unwaited=unwaited, waited_in_backward=any(after_backward)))
+    return out
+
+
+def _scenario_no_sync(mod, ref, rank, n, ready, log):
+    # the learner's no_sync with the reference's hook and wait, so exercise 2 need not be done first
+    cls = type("Checked", (mod.BucketedDP,), {"on_gradient_ready": ref.BucketedDP.on_gradient_ready,
+                                              "finish_sync": ref.BucketedDP.finish_sync})
+    raw = _model()
+    model = cls(raw, bucket_numel=BUCKET_NUMEL)
+    k, out = 3, []
+    # 1. accumulation over k micro-batches, the first k - 1 inside no_sync (as the trainer does)
+    sent_inside = []
+    for m in range(k):
+        first = len(log)
+        if m < k - 1:
+            with model.no_sync():
+                _loss(model, *_batch(rank, 1, m), k).backward()
+            sent_inside.append(len(log) - first)
+        else:
+            _loss(model, *_batch(rank, 1, m), k).backward()
+    model.finish_sync()
+    mean, own = _expected(n, 1, k, rank)
+    out.append(dict(step=1, got=_grads(raw), expected=mean, own=own, sent_inside=sent_inside,
+                    sent_last=len(log) - first, sync_after=model.sync))
+    # 2. an exception inside the block must not leave synchronisation off
+    try:
+        with model.no_sync():
+            raise KeyError("raised inside no_sync on purpose")
+    except KeyError:
+        pass
+    except Exception as e:  # noqa: BLE001
+        raise _Failure(f"an exception raised inside `with model.no_sync():` came out as {type(e).__name__}: {e}")
+    out.append(dict(sync_after_exception=model.sync))
+    model.sync = True
+    # 3. nested blocks: leaving the inner one must not switch synchronisation back on inside the outer one
+    model.zero_grad()
+    with model.no_sync():
+        with model.no_sync():
+            pass
+        inner_exit = model.sync
+        first = len(log)
+        _loss(model, *_batch(rank, 2, 0), 1).backward()
+        sent_nested = len(log) - first
+    model.finish_sync()
+    out.append(dict(sync_after_inner_exit=inner_exit, sent_nested=sent_nested, sync_after_outer=model.sync))
+    return out
+
+
+SCENARIOS = {"average_gradient": _scenario_average_gradient, "on_gradient_ready": _scenario_on_gradient_ready,
+             "no_sync": _scenario_no_sync}
+
+
+# ------------------------------------------------------------------------------------------ the parent
+def _close(a, b):
+    return a is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def gradient_problem(rank, n, res, hint_step2=""):
+    """'wrong gradient on rank r for parameter X: ... — likely cause', or None if every gradient matches."""
+    got, mean, own = res["got"], res["expected"], res["own"]
+    for name, expected in mean.items():
+        g = got[name]
+        if g is None:
+            return f"rank {rank}: parameter {name} has no gradient (p.grad is None); did backward reach it?"
+        if g.shape != expected.shape:
+            return f"rank {rank}: the gradient of {name} has shape {list(g.shape)}, expected {list(expected.shape)}"
+        if torch.allclose(g, expected, rtol=1e-5, atol=1e-7):
+            continue
+        err = (g - expected).abs().max().item()
+        head = (f"wrong gradient on rank {rank} for parameter {name}: max |got - expected| = {err:.1e} "
+                f"(largest |expected| {expected.abs().max().item():.1e})")
+        if _close(g, n * expected):
+            why = (f"off by a factor {n} = the world size: all_reduce SUMS the ranks' gradients; divide by "
+                   f"self.world_size (once)")
+        elif _close(g, expected / n):
+            why = f"1/{n} of the mean: divided by the world size twice?"
+        elif _close(g, own[name]):
+            why = (f"still rank {rank}'s own gradient: it was never all-reduced (the call skipped, or made on a copy "
+                   f"such as p.grad.clone() or a new tensor; all_reduce works in place)")
+        elif _close(g, own[name] / n):
+            why = "this rank's own gradient divided by the world size: divided, but the all-reduce never reached p.grad"
+        elif _close(g, own[name] * n):
+            why = "this rank's own gradient times the world size: the sum of something, but not of the ranks' gradients"
+        elif g.abs().max().item() == 0:
+            why = "all zeros"
+        else:
+            why = "not a simple multiple of the mean or of this rank's own gradient"
+        return f"{head} — {why}{hint_step2}"
+    return None
+
+
+def check_average_gradient(n, results):
+    for rank, res in enumerate(results):
+        problem = gradient_problem(rank, n, res[0])
+        if problem:
+            return problem
+    log = results[0][0]["log"]
+    n_params = len(results[0][0]["expected"])
+    if len(log) != n_params:
+        return f"right gradients, but rank 0 made {len(log)} all-reduce calls for {n_params} parameters (one each)"
+    return None
+
+
+def check_on_gradient_ready(n, results):
+    for rank, res in enumerate(results):
+        for step in res:
+            if step["unwaited"]:  # first: the values read after an unfinished all-reduce are anybody's guess
+                problem = gradient_problem(rank, n, step)
+                return (f"finish_sync returned without waiting for bucket {step['unwaited'][0]}'s "
+                        f"all-reduce (rank {rank}, backward pass {step['step']}): call work.wait() on every "
+                        f"outstanding bucket.work" + (
+                            f". What the optimizer would read: {problem.split(' — ')[0]}" if problem else
+                            " (this time the values had arrived anyway: a fast network hides this bug, a slow one "
+                            "does not)"))
+            hint = (" (the first backward pass was right: did you reset the bucket's count for the next one?)"
+                    if step["step"] == 2 and gradient_problem(rank, n, res[0]) is None else "")
+            problem = gradient_problem(rank, n, step, hint)
+            if problem:
+                return f"after backward pass {step['step']}: {problem}"
+    res = results[0][0]
+    log, sizes, total = res["log"], res["bucket_sizes"], res["total"]
+    if any(not e["async_op"] for e in log):
+        return ("right gradients, but the all-reduces are blocking: backward stops until each bucket has travelled. "
+                "Pass async_op=True and keep the work handle in bucket.work")
+    if len(log) != len(sizes):
+        per = " (one per parameter: launch one per BUCKET, when its last gradient arrives)" if len(log) == total else ""
+        return f"right gradients, but {len(log)} all-reduces for {len(sizes)} buckets{per}"
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    if log and log[0]["at"] >= total:
+        return ("right gradients, but every all-reduce started only after the whole backward pass (in "
+                "finish_sync?): nothing overlaps. Start each bucket's all-reduce in on_gradient_ready, as "
+                "soon as its last gradient is ready")
+    late = [i for i, (e, end) in enumerate(zip(log, ends)) if e["at"] != end]
+    if late:
+        i = late[0]
+        return (f"right gradients, but bucket {i}'s all-reduce started when {log[i]['at']} gradients were ready; "
+                f"its last one was gradient {ends[i]}: start it exactly when the bucket is complete")
+    if res["waited_in_backward"]:
+        return ("right gradients, but the all-reduces were waited on during backward (work.wait() right after "
+                "launching?): backward stalls for each bucket; wait only in finish_sync")
+    return None
+
+
+def check_no_sync(n, results):
+    for rank, res in enumerate(results):
+        acc, exc, nested = res
+        if any(acc["sent_inside"]):
+            return (f"rank {rank} sent {sum(acc['sent_inside'])} all-reduce(s) inside `with model.no_sync():`; "
+                    f"set self.sync = False for the duration of the block (the hook reads it)")
+        if acc["sent_last"] == 0:
+            return (f"rank {rank} sent nothing in the backward pass AFTER the no_sync blocks: synchronisation was "
+                    f"not switched back on when the block ended")
+        problem = gradient_problem(rank, n, acc)
+        if problem:
+            return f"after 2 micro-batches inside no_sync and 1 outside: {problem}"
+        if not exc["sync_after_exception"]:
+            return ("after an exception inside `with model.no_sync():`, synchronisation stays off: restore it in a "
+                    "`finally:` around the yield")
+        if nested["sync_after_inner_exit"] or nested["sent_nested"]:
+            return ("leaving an inner `with model.no_sync():` switched synchronisation back on inside the outer "
+                    "one: restore the PREVIOUS value of self.sync, not True")
+        if not nested["sync_after_outer"]:
+            return "after nested no_sync blocks, synchronisation stays off"
+    return None
+
+
+COMPARE = {"average_gradient": check_average_gradient, "on_gradient_ready": check_on_gradient_ready,
+           "no_sync": check_no_sync}
+SUCCESS = {"average_gradient": "every rank holds the mean gradient of all ranks' batches; one all-reduce per parameter",
+           "on_gradient_ready": "2 backward passes right; one asynchronous all-reduce per bucket, started as the "
+                                "bucket filled, all waited for in finish_sync",
+           "no_sync": "nothing sent inside no_sync, the accumulated sum sent once after it; restored after an "
+                      "exception and across nested blocks"}
+
+
+def check_one(name, path, report, timeout_s):
+    for n in WORLD_SIZES:
+        what = f"{EXERCISES[name]} on {n} ranks"
+        try:
+            results = run_on_ranks(_on_rank, n, str(path), name, str(SOLUTIONS), timeout_s=timeout_s)
+        except RankTimeout as e:
+            report.fail(what, hang_message(e, path, timeout_s))
+            return  # it would hang again on the next world size
+        except RankError as e:
+            message = failure_message(e)
+            report.fail(what, message)
+            if "NotImplementedError" in message or "cannot import" in message:
+                return
+            continue
+        problem = COMPARE[name](n, results)
+        if problem:
+            report.fail(what, problem)
+        else:
+            report.ok(what, f": {SUCCESS[name]}")
+
+
+def check(names=None, module=None, timeout_s=TIMEOUT_S):
+    """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
+    path = Path(module).resolve() if module else LEARNER
+    return check_all(names, path, EXERCISES, partial(check_one, timeout_s=timeout_s), "ex03")
+
+
+def main(argv=None):
+    return cli(argv, "Check lesson 03's exercises on 2 and 3 processes.", check, EXERCISES,
+               LEARNER, SOLUTIONS, TIMEOUT_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Lesson 05 exercises: Megatron's tensor parallelism by hand. Write the pieces marked EXERCISE, then run
+    python lessons/05_tensor_parallel/check.py                          # all exercises
+    python lessons/05_tensor_parallel/check.py parallel_mlp             # just one (or f_and_g, vocab_parallel_cross_entropy)
+The checker runs each exercise on 2 and then 4 real processes (gloo), gives every rank its slice of the same
+full weights or logits, and compares what every rank computes, outputs AND gradients, with the unsharded
+computation done in one process. It says which rank and which tensor is wrong and what that usually means (a
+missing all-reduce in backward, a sum taken twice, a partial sum, each rank's own maximum, ...), counts your
+all-reduces against Megatron's pattern, and names the ranks that hang and the line of this file where they
+wait. The lesson notebook (lessons/05_tensor_parallel/05_tensor_parallel.ipynb) reads picotron/tensor_parallel.py, which does the
+same for the whole model; the solutions are in solution.py
+(look after trying).
+
+What you may use (torch.distributed; `group` may be None = every rank):
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)   every rank's `t` becomes the sum over the ranks
+                                                            (op=dist.ReduceOp.MAX: the maximum), IN PLACE
+    F.linear(x, w) = x @ w.T                                 (w: [out_features, in_features])
+A torch.autograd.Function has `forward(ctx, *inputs)`, computing the output, and `backward(ctx, grad_output)`,
+returning one gradient per input of forward: the gradient of the loss with respect to that input, or None for
+an input that is not a differentiable tensor (like `group`). Call it as CopyToTP.apply(x, group). Inside
+forward autograd is off; `ctx.group = group` keeps what backward needs. Every rank must make the same
+collective calls, in the same order.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: F401  (F.linear, F.silu)
+
+
+class CopyToTP(torch.autograd.Function):
+    """EXERCISE 1a: Megatron's f, where a tensor-parallel region begins (before column-parallel layers).
+
+    Forward: x is already the same on every rank; return it unchanged.
+    Backward: each rank computed with its own slice of the weights, so its gradient of x holds only the part
+    that flowed through that slice. The gradient of x is the SUM of these parts over the ranks: all-reduce it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError("not written yet")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("not written yet")
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """EXERCISE 1b: Megatron's g, where a tensor-parallel region ends (after a row-parallel layer).
+
+    Forward: x is this rank's partial sum of the output; return the sum over the ranks (every rank gets it).
+    Do not change x itself: all-reduce a copy.
+    Backward: the output is the same on every rank and so is its gradient; each rank's partial sum
+    contributed to it with weight 1: return the gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError("not written yet")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("not written yet")
+
+
+def parallel_mlp(x, gate_w, up_w, down_w, group=None):
+    """EXERCISE 2: the Megatron MLP (SwiGLU, as in picotron/model.py: down(silu(gate(x)) * up(x))).
+
+    x: [b, s, h], the same on every rank. gate_w, up_w: [i/n, h], this rank's rows of the gate and up
+    projections (column-parallel: its slice of the i intermediate features); down_w: [h, i/n], this rank's
+    columns of the down projection (row-parallel: the columns that read its slice). Return the full output
+    [b, s, h], the same on every rank, such that backward gives x and every weight slice its right gradient.
+
+    Column then row: silu and the product are elementwise, so each rank can apply them to its own slice of
+    the intermediate features; nothing needs to be exchanged in between. Use f (CopyToTP.apply(x, group)) ONCE,
+    before gate and up, and g (ReduceFromTP.apply(y, group)) ONCE, after down: one all-reduce forward and one
+    backward. (While checking this exercise the checker gives you its own CopyToTP and ReduceFromTP, so
+    exercise 1 need not be done first.)"""
+    raise NotImplementedError("not written yet")
+
+
+def vocab_parallel_cross_entropy(logits, targets, group=None):
+    """EXERCISE 3: the cross-entropy of logits split over the vocabulary, without ever gathering them.
+
+    logits: [N, v/n], this rank's columns: the logits of vocabulary ids [lo, lo + v/n), lo = rank·v/n.
+    targets: [N], the target ids (global: 0 <= target < v).
+    Return (losses, softmax): losses [N], the per-token cross-entropy over the WHOLE vocabulary,
+    -log softmax(z)[target] = log Σ_v exp(z_v - m) - (z_target - m), the same on every rank; softmax [N, v/n],
+    this rank's columns of softmax(z). Three all-reduces of N numbers each:
+        m          the maximum of each row over the whole vocabulary (each rank's row max, all-reduced with MAX);
+                   subtracting it keeps exp from overflowing
+        sum_exp    Σ_v exp(z_v - m): each rank's partial sums, all-reduced
+        z_target   only the rank whose columns hold a row's target has its logit; the others contribute 0
+                   to an all-reduced sum
+    The given VocabParallelCrossEntropy below calls this in its forward and does the backward
+    (softmax - one_hot(target), on this rank's columns). Autograd is off in here: no need to be careful."""
+    raise NotImplementedError("not written yet")
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Given (not an exercise): the loss as an autograd Function around exercise 3. d loss / d z_v =
+    softmax_v - [v == target]; each rank has its own columns of the softmax, so backward needs no
+    communication."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group):
+        losses, softmax = vocab_parallel_cross_entropy(logits, targets, group)
+        lo = dist.get_rank(group) * logits.shape[-1]
+        inside = (targets >= lo) & (targets < lo + logits.shape[-1])
+        ctx.save_for_backward(softmax, (targets - lo).masked_fill(~inside, 0), inside)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        softmax, local, inside = ctx.saved_tensors
+        grad = softmax.clone()
+        grad[torch.arange(len(local)), local] -= inside.to(grad.dtype)
+        return grad * grad_losses[:, None], None, None

@@ -1,0 +1,141 @@
+"""An emulated network link: collectives that take as long as a link of a set bandwidth and latency would.
+
+Why: on a CPU, gloo moves the bytes with the same cores the backward pass computes on, so a lesson that overlaps
+communication with computation (DP's buckets, ZeRO-3's prefetch) cannot show a gain: hiding the all-reduce
+behind backward just slows backward down. A real interconnect (NVLink, InfiniBand) moves bytes with its own
+hardware. `EmulatedLink` stands in for that hardware: every collective still runs for real (so every result
+is exact), and then completes no earlier than the time a ring collective would take on a link of
+`bandwidth` bytes/s and `latency` s per message:
+
+    T = latency + traffic / bandwidth,   traffic per rank (ring): all-reduce 2(n-1)/n·B,
+                                         all-gather and reduce-scatter (n-1)/n·B (B: the whole buffer),
+                                         broadcast B
+
+Messages on one rank share its link: a message starts when the one before it has finished (first in, first
+out). The waiting is a sleep (a timer thread completes the work's future): it costs no core, as waiting for a
+NIC costs none. Choose a link slow enough that the emulated time dwarfs the real local transfer (which still
+happens, and still uses cores); the lessons print both.
+
+    link = EmulatedLink(bandwidth=100e6, latency=1e-3)     # 100 MB/s, 1 ms
+    mesh = mesh.over(link)                                   # the same groups, every axis's collectives emulated
+
+This is a model, labelled as such wherever it is plotted; on a GPU with a real interconnect, use no link.
+"""
+import threading
+import time
+
+import torch
+
+# bytes each rank sends for a collective over a buffer of B bytes among n ranks, as a multiple of B (ring)
+TRAFFIC = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_single": lambda n: (n - 1) / n,
+           "reduce_scatter_single": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+class EmulatedLink:
+    """A per-process link of `bandwidth` bytes/s and `latency` seconds per message (see the module's text).
+    `ops(real)` gives a torch.distributed-like namespace whose collectives run `real`'s and take the link's time;
+    `log` lists (kind, bytes on the wire, start, end) of every message, in the process's perf_counter seconds."""
+
+    def __init__(self, bandwidth, latency=0.0):
+        if not bandwidth > 0 or latency < 0:
+            raise ValueError(f"EmulatedLink(bandwidth={bandwidth}, latency={latency}): the bandwidth must be > 0 "
+                             f"bytes/s and the latency >= 0 s (e.g. EmulatedLink(100e6, 1e-3): 100 MB/s, 1 ms).")
+        self.bandwidth, self.latency = float(bandwidth), float(latency)
+        self.free_at = 0.0  # when the last message queued on this link is done
+        self.log = []
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        return f"EmulatedLink({self.bandwidth / 1e6:g} MB/s, {self.latency * 1e3:g} ms)"
+
+    def label(self):
+        return f"emulated link: {self.bandwidth / 1e6:g} MB/s, {self.latency * 1e3:g} ms latency"
+
+    def seconds(self, kind, nbytes, n):
+        """The link's time for one collective over a buffer of `nbytes` among `n` ranks."""
+        return self.latency + TRAFFIC[kind](n) * nbytes / self.bandwidth
+
+    def ops(self, real):
+        return _LinkOps(self, real)
+
+    def _schedule(self, kind, nbytes, n):
+        """Queue one message: (start, end) on this link, from now."""
+        with self._lock:
+            start = max(time.perf_counter(), self.free_at)
+            end = start + self.seconds(kind, nbytes, n)
+            self.free_at = end
+            self.log.append((kind, TRAFFIC[kind](n) * nbytes, start, end))
+        return start, end
+
+
+class _LinkOps:
+    """The collectives the mesh's axes call (torch.distributed's signatures), each held until the link is done."""
+
+    def __init__(self, link, real):
+        self.link, self.real = link, real
+
+    def _call(self, kind, tensor_bytes, group, async_op, fn):
+        import torch.distributed as dist
+
+        n = dist.get_world_size(group)
+        work = fn(True)  # always asynchronous underneath: the link's time runs from the launch
+        _, end = self.link._schedule(kind, tensor_bytes, n)
+        held = _LinkWork(work, end)
+        if async_op:
+            return held
+        held.wait()
+        return None
+
+    def all_reduce(self, t, op=None, group=None, async_op=False):
+        kw = {} if op is None else {"op": op}
+        return self._call("all_reduce", _nbytes(t), group, async_op,
+                          lambda a: self.real.all_reduce(t, group=group, async_op=a, **kw))
+
+    def all_gather_single(self, out, t, group=None, async_op=False):
+        return self._call("all_gather_single", _nbytes(out), group, async_op,
+                          lambda a: self.real.all_gather_single(out, t, group=group, async_op=a))
+
+    def reduce_scatter_single(self, out, t, op=None, group=None, async_op=False):
+        kw = {} if op is None else {"op": op}
+        return self._call("reduce_scatter_single", _nbytes(t), group, async_op,
+                          lambda a: self.real.reduce_scatter_single(out, t, group=group, async_op=a, **kw))
+
+    def broadcast(self, t, src, group=None, async_op=False):
+        return self._call("broadcast", _nbytes(t), group, async_op,
+                          lambda a: self.real.broadcast(t, src, group=group, async_op=a))
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+class _LinkWork:
+    """A collective's handle that completes when both the real collective and the emulated link are done.
+    Its future is completed by a timer thread at the link's end time (or later, if the real one is slower)."""
+
+    def __init__(self, work, end):
+        self.work, self.end = work, end
+        self.future = torch.futures.Future()
+        delay = max(0.0, end - time.perf_counter())
+        timer = threading.Timer(delay, self._finish)
+        timer.daemon = True
+        timer.start()
+
+    def _finish(self):
+        if self.work is not None:
+            self.work.wait()
+        self.future.set_result(None)
+
+    def wait(self, timeout=None):
+        if self.work is not None:
+            self.work.wait()
+        delay = self.end - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return True
+
+    def is_completed(self):
+        return self.future.done()
+
+    def get_future(self):
+        return self.future
