@@ -14,7 +14,7 @@ BW, LAT = 20e6, 0.05  # 20 MB/s, 50 ms: far slower than the real local transfer 
 
 
 def _on_link(n_elems):
-    mesh = Mesh.init()
+    mesh = Mesh.init(dp=2)
     link = EmulatedLink(BW, LAT)
     tl = metrics.Timeline("cpu", mesh.rank)
     axis = mesh.over(link).recorded(metrics.Recorder(tl)).world
