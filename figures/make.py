@@ -5,6 +5,7 @@ to bottom, in its own folder, with the full settings its prose describes; the ex
 (the committed notebooks carry these outputs) and its k-th figure is written to figures/NN_k.png, so the README,
 the notebooks and figures/ show the same runs. The main job's loss curve is figures/01_main_job_loss.png.
 PICOTRON_FAST=1 gives a quick pass (FAST settings: not for committing). Exit status 1 if a lesson's check fails.
+`--no-run` only writes the figures of the notebooks as they are (e.g. after `_notebook.py NN --run full`).
 """
 import base64
 import os
@@ -49,14 +50,17 @@ def main_job():
     save(fig, "01_main_job_loss.png")
 
 
-def lesson(folder, fast):
+def lesson(folder, fast, run=True):
     """Build and execute one lesson's notebook in place; write its figures as figures/NN_k.png, k = 1, 2, ..."""
     import _notebook
     import nbformat
 
     nb_path = folder / f"{folder.name}.ipynb"
-    _notebook.build(folder / f"{folder.name}.py", nb_path)
-    failed, passed, errors = _notebook.execute(nb_path, fast)
+    if run:
+        _notebook.build(folder / f"{folder.name}.py", nb_path)
+        failed, passed, errors = _notebook.execute(nb_path, fast)
+    else:
+        failed, passed, errors = _notebook.results(nbformat.read(nb_path, as_version=4))
     number = folder.name[:2]
     for old in HERE.glob(f"{number}_[0-9]*.png"):
         old.unlink()
@@ -74,10 +78,11 @@ def lesson(folder, fast):
 
 if __name__ == "__main__":
     os.chdir(_common.ROOT)
-    wanted = sys.argv[1:]
+    run = "--no-run" not in sys.argv
+    wanted = [a for a in sys.argv[1:] if a != "--no-run"]
     folders = [d for d in sorted((_common.ROOT / "lessons").glob("[0-9][0-9]_*")) if d.is_dir()
                and (not wanted or any(d.name.startswith(w) for w in wanted))]
-    if not wanted:
+    if not wanted and run:
         main_job()
-    ok = [lesson(d, _common.FAST) for d in folders]
+    ok = [lesson(d, _common.FAST, run) for d in folders]
     sys.exit(0 if all(ok) else 1)

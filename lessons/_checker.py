@@ -67,6 +67,46 @@ def check_all(names, path, exercises, check_one, prefix):
     return report.failed == 0
 
 
+def on_ranks(what, world_sizes, launch, judge, report, path, timeout_s):
+    """The loop every multi-rank exercise shares: for each n in world_sizes, results = launch(n) (run_on_ranks);
+    a hang is reported with the waiting ranks' lines and ends the exercise (it would hang again), an exception is
+    reported as one line (and ends it if nothing is written yet), else judge(n, results) -> a problem or None.
+    `what(n)`: the label of one run; `judge` may return (problem, detail) to say what was right."""
+    from picotron.launch import RankError, RankTimeout
+
+    for n in world_sizes:
+        try:
+            results = launch(n)
+        except RankTimeout as e:
+            report.fail(what(n), hang_message(e, path, timeout_s))
+            return
+        except RankError as e:
+            message = failure_message(e)
+            report.fail(what(n), message)
+            if "NotImplementedError" in message or "cannot import" in message:
+                return
+            continue
+        problem, detail = judge(n, results)
+        if problem:
+            report.fail(what(n), problem)
+        else:
+            report.ok(what(n), detail)
+
+
+def entry_points(description, exercises, check_one, learner, solutions, timeout_s, prefix):
+    """check(names, module, timeout_s) -> True when all passed (what a notebook calls) and main(argv) (the command
+    line): the two functions every lesson's check.py exports, around its check_one(name, path, report, timeout_s)."""
+    def check(names=None, module=None, timeout_s=timeout_s):
+        """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
+        path = Path(module).resolve() if module else learner
+        return check_all(names, path, exercises, lambda name, p, report: check_one(name, p, report, timeout_s), prefix)
+
+    def main(argv=None):
+        return cli(argv, description, check, exercises, learner, solutions, timeout_s)
+
+    return check, main
+
+
 def cli(argv, description, check, exercises, learner, solutions, timeout_s):
     """The command line every checker shares: [names ...] [--solutions | --module FILE] [--timeout S]."""
     import argparse

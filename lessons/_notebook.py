@@ -99,6 +99,11 @@ def execute(path, fast, out=None, timeout_s=6000):
     except nbclient.exceptions.CellExecutionError:
         pass  # the error is in the cell's outputs, reported below
     nbformat.write(nb, out or path)
+    return results(nb)
+
+
+def results(nb):
+    """(failed ✓/✗ lines, passed count, error outputs) of an executed notebook."""
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs)
     checks = [line for line in text.splitlines() if line.startswith(("✓", "✗"))]
