@@ -1,6 +1,6 @@
-"""Lesson 02: the alpha-beta model and trace helpers, the exercise checker (solutions pass; stubs, wrong values,
-wrong shapes, a non-tree broadcast and a hang are each reported with the rank and the reason), and the notebook
-end to end in FAST mode (it launches the benchmark with torchrun on 4 processes).
+"""Lesson 02: the alpha-beta model and trace helpers, the simple ring all-reduce, the exercise checker (solutions
+pass; stubs, wrong values, wrong shapes, a non-tree broadcast, a hang and wrong puzzle answers are each reported
+with the reason), and the notebook end to end in FAST mode (it launches the benchmark with torchrun on 4 processes).
 
 Timings are never asserted: the benchmark's numbers are shown in the notebook, not tested.
 """
@@ -55,6 +55,25 @@ def test_expected_bytes_of_the_tree(n):
     assert lesson.expected_sent("all_reduce", n, N) == [2 * (n - 1) * N // n] * n
 
 
+def _simple_ring_on_rank(length):
+    import torch
+    import torch.distributed as dist
+
+    ring = _common.load_lesson("02_collectives").simple_ring_all_reduce
+    x = torch.randint(-1000, 1000, (length,), generator=torch.Generator().manual_seed(dist.get_rank()))
+    ours, ref = x.clone(), x.clone()
+    ring(ours)
+    dist.all_reduce(ref)
+    return torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_simple_ring_equals_the_builtin(n):
+    from picotron.launch import run_on_ranks
+
+    assert run_on_ranks(_simple_ring_on_rank, n, 1001, timeout_s=60) == [True] * n
+
+
 def test_encoding_decodes_sums():
     for sources in ([0], [1, 3], [0, 1, 2, 3], [2, 5, 7]):
         for chunk in range(8):
@@ -75,6 +94,8 @@ def test_checker_passes_the_solutions():
     for name in ("ring_all_gather", "ring_reduce_scatter", "tree_broadcast"):
         for n in (2, 3, 4):
             assert f"ok    {name} on {n} ranks" in out, out
+    assert "ok    ring_or_tree: the model" in out, out
+    assert "ok    ring_or_tree on 4 ranks, emulated link (20 ms per message, 20 MB/s): 1,024 B: the tree measured" in out, out
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
@@ -82,7 +103,8 @@ def test_checker_fails_the_stubs_naming_not_implemented():
     assert code == 1, out
     for name in ("ring_all_gather", "ring_reduce_scatter", "tree_broadcast"):
         assert f"FAIL  {name} on 2 ranks: rank " in out, out
-    assert out.count("NotImplementedError: not written yet") == 3, out
+    assert "FAIL  ring_or_tree: allreduce_time('ring', n=4, " in out, out
+    assert out.count("NotImplementedError: not written yet") == 4, out
 
 
 WRONG = '''
@@ -119,6 +141,27 @@ def tree_broadcast(tensor, src):  # right values, but the source sends to everyb
                 dist.send(tensor, dst)
     else:
         dist.recv(tensor, src)
+
+def allreduce_time(algorithm, n, nbytes, alpha, beta):  # the ring: only its reduce-scatter half
+    if algorithm == "ring":
+        return (n - 1) * alpha + (n - 1) / n * nbytes * beta
+    return 2 * (n - 1).bit_length() * (alpha + nbytes * beta)
+
+def ring_or_tree(n, nbytes, alpha, beta):
+    return "ring", 1.0
+'''
+
+PUZZLE = '''
+import math
+
+def allreduce_time(algorithm, n, nbytes, alpha, beta):  # right, but ring_or_tree returns the inverse factor
+    if algorithm == "ring":
+        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta
+    return 2 * math.log2(n) * (alpha + nbytes * beta) if n == 1000 else 2 * math.ceil(math.log2(n)) * (alpha + nbytes * beta)
+
+def ring_or_tree(n, nbytes, alpha, beta):
+    ring, tree = allreduce_time("ring", n, nbytes, alpha, beta), allreduce_time("tree", n, nbytes, alpha, beta)
+    return ("ring", ring / tree) if ring < tree else ("tree", tree / ring)
 '''
 
 HANG = '''
@@ -146,6 +189,24 @@ def test_checker_reports_wrong_values_shapes_and_pattern(tmp_path):
     assert "ok    tree_broadcast on 2 ranks" in out  # one receiver: a star is a tree
     assert ("FAIL  tree_broadcast on 4 ranks, length 5 int64, src 0: right values, but rank 0 sent 3 messages; in a "
             "binomial tree no rank sends more than ceil(log2 4) = 2") in out, out
+    assert ("FAIL  ring_or_tree: allreduce_time('ring', n=4, nbytes=1024, alpha=5e-06, beta=2e-11) returned 1.50154e-05 s, "
+            "the model gives 3.00307e-05 s — that is a reduce-scatter (or an all-gather) alone") in out, out
+
+
+def test_checker_names_the_puzzle_mistakes(tmp_path):
+    puzzle = tmp_path / "puzzle.py"
+    puzzle.write_text(PUZZLE)
+    code, out = run_checker("--module", str(puzzle), "ring_or_tree")
+    assert code == 1, out
+    assert ("FAIL  ring_or_tree: ring_or_tree(n=4, nbytes=1024, alpha=5e-06, beta=2e-11): factor 0.6687, expected 1.495: "
+            "return T_slower / T_faster (>= 1), not its inverse") in out, out
+    assert "emulated link" not in out, out  # a wrong answer stops before the real run
+    puzzle.write_text(PUZZLE.replace("ring / tree) if ring < tree else (\"tree\", tree / ring)",
+                                     "tree / ring) if ring < tree else (\"tree\", ring / tree)"))
+    code, out = run_checker("--module", str(puzzle), "ring_or_tree")
+    assert code == 1, out
+    assert ("allreduce_time('tree', n=1000, nbytes=1024, alpha=5e-06, beta=2e-11) returned 0.000100066 s, the model gives "
+            "0.00010041 s — rounds are whole: ceil(log2 n) (n = 1000 needs 10 rounds, not 9.97)") in out, out
 
 
 def test_checker_reports_a_hang_within_its_timeout(tmp_path):

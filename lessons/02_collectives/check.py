@@ -13,12 +13,16 @@ How it works: run_on_ranks pickles the function it runs by reference, so the chi
 at module level), which imports YOUR file by path inside each child, counts every send/isend (destination
 and size), switches off the built-in collectives, runs your function on deterministic inputs and returns
 the outputs. The parent computes the expected outputs with plain torch (torch.cat, sum, tensor_split) and
-compares.
+compares. The puzzle (ring_or_tree) is checked against the alpha-beta model (experiment.py's) on many cases,
+naming the usual mistakes, then against a real run of picotron's ring and tree all-reduce on 4 processes
+over an emulated link (`_SlowLink`: every message takes alpha + bytes * beta, slept, on top of the real
+transfer), where this CPU's own overheads are small next to the link's time.
 """
 import linecache
 import math
 import re
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -31,6 +35,9 @@ from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
 from _checker import Report, _Failure, check_all, cli, failure_message, load, where  # noqa: E402,F401
+import _common  # noqa: E402
+
+MODEL = _common.load_lesson("02_collectives")  # experiment.py: the alpha-beta model the puzzle is checked against
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
@@ -43,7 +50,14 @@ CASES = {
     "ring_all_gather": [(5, "int64"), (1, "int64"), (6, "float32")],
     "ring_reduce_scatter": [(12, "int64"), (7, "int64"), (10, "float32")],
     "tree_broadcast": [(5, "int64", 0), (3, "int64", -1), (4, "float32", 1)],
+    # the puzzle: (n, nbytes, alpha, beta) on a GPU-like link (5 us, 50 GB/s) and a CPU-like one (500 us, 1 GB/s)
+    "ring_or_tree": [(n, N, a, b) for n in (4, 64, 3, 5, 8, 2, 1000) for N in (1024, 300_000, 64 * 2**20)
+                     for a, b in ((5e-6, 1 / 50e9), (500e-6, 1 / 1e9))],
 }
+# The real run: 4 processes, an emulated link slow enough (20 ms per message, 20 MB/s) that this CPU's own costs
+# (a few ms per step when the machine is busy) are small next to it. Measured / predicted must lie in MARGIN:
+# a sleep never ends early (the -10% allows for the skew of the barrier), the CPU's own overheads only add.
+PUZZLE_LINK, PUZZLE_N, PUZZLE_SIZES, PUZZLE_REPEATS, MARGIN = (20e-3, 20e6), 4, (1024, 2 * 2**20), 4, (0.9, 1.5)
 BUILTINS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
             "reduce_scatter_single", "all_reduce", "broadcast", "reduce", "scatter", "gather", "all_to_all",
             "all_to_all_single")
@@ -244,7 +258,196 @@ def hang_message(e, path, timeout_s):
     return "\n".join(lines)
 
 
+# -------------------------------------------------------------------------------- the puzzle: ring or tree?
+def model_time(algorithm, n, N, a, b):
+    return (MODEL.ring_allreduce_time if algorithm == "ring" else MODEL.tree_allreduce_time)(n, N, a, b)
+
+
+def close(x, y, rel=1e-6):
+    return isinstance(x, (int, float)) and abs(x - y) <= rel * abs(y)
+
+
+def diagnose(algorithm, n, N, a, b, got):
+    """' — why', when `got` is one of the usual wrong formulas, else ''."""
+    rounds = math.ceil(math.log2(n))
+    usual = {"ring": [
+        ((n - 1) * a + (n - 1) / n * N * b, "that is a reduce-scatter (or an all-gather) alone; a ring all-reduce is "
+                                           "both, one after the other: 2(n - 1) steps"),
+        (2 * (n - 1) * (a + N * b), "a ring step moves one chunk, N/n bytes, not the whole message"),
+        (2 * n * a + 2 * N * b, "n - 1 steps per phase, not n: a rank already holds its own chunk"),
+        (2 * (n - 1) / n * N * b, "the latency term is missing: each of the 2(n - 1) steps pays alpha"),
+        (2 * (n - 1) * a, "the bandwidth term is missing: every rank sends 2(n - 1)/n * N bytes, beta seconds each")],
+        "tree": [
+        (rounds * (a + N * b), "that is one tree (a reduce or a broadcast); the naive all-reduce runs two, one after "
+                               "the other"),
+        (2 * math.log2(n) * (a + N * b), f"rounds are whole: ceil(log2 n) (n = {n} needs {rounds} rounds, not "
+                                         f"{math.log2(n):.3g})"),
+        (2 * n.bit_length() * (a + N * b), f"ceil(log2 {n}) = {rounds}, but {n}.bit_length() = {n.bit_length()} "
+                                           f"((n - 1).bit_length() is ceil(log2 n))"),
+        (2 * rounds * a + 2 * (n - 1) / n * N * b, "a tree hop carries the whole message, N bytes, not a chunk"),
+        (2 * rounds * N * b, "the latency term is missing: every round pays alpha"),
+        (2 * rounds * a, "the bandwidth term is missing: every round moves N bytes, beta seconds each"),
+        (2 * (n - 1) * (a + N * b), "a binomial tree needs ceil(log2 n) rounds each way, not n - 1: the ranks that "
+                                    "have the data double every round")]}
+    for value, why in usual[algorithm]:
+        if close(got, value):
+            return f" — {why}"
+    other = "tree" if algorithm == "ring" else "ring"
+    if close(got, model_time(other, n, N, a, b)):
+        return f" — that is the {other}'s time: check which algorithm you computed for {algorithm!r}"
+    want = model_time(algorithm, n, N, a, b)
+    if close(got, 1e3 * want) or close(got, 1e6 * want):
+        return " — return seconds (not ms or µs)"
+    return ""
+
+
+def winner_of(ring, tree):
+    return ("ring", tree / ring) if ring <= tree else ("tree", ring / tree)
+
+
+def check_answer(answer, want, what):
+    """A message when ring_or_tree's `answer` is not `want` = (winner, factor), else None."""
+    if not (isinstance(answer, tuple) and len(answer) == 2 and answer[0] in ("ring", "tree")
+            and isinstance(answer[1], (int, float))):
+        return f"{what} returned {answer!r}; return a tuple (\"ring\" or \"tree\", how many times faster)"
+    (winner, factor), (right, times) = answer, want
+    if winner != right:
+        return f"{what} says {winner!r}, but the {right} is faster, by {times:.4g}x" + (
+            " (you named the slower one)" if close(factor, times, 1e-3) or close(factor, 1 / times, 1e-3) else "")
+    if close(factor, 1 / times, 1e-3) and times != 1:
+        return f"{what}: factor {factor:.4g}, expected {times:.4g}: return T_slower / T_faster (>= 1), not its inverse"
+    if not close(factor, times, 1e-6):
+        return f"{what}: factor {factor:.4g}, expected {times:.4g} (T_slower / T_faster from the model)"
+    return None
+
+
+class _SlowLink:
+    """While active, every dist.isend / dist.irecv also takes the time of a link with `alpha` s per message and
+    `bandwidth` B/s: a rank's messages leave one after the other (its one link out), each ends alpha + bytes /
+    bandwidth after it leaves; the sender tells the receiver when (an 8-byte header), and both wait until then.
+    The waiting is a sleep: it costs no CPU (monotonic clock, the same in every process on this machine)."""
+
+    def __init__(self, alpha, bandwidth):
+        self.alpha, self.bandwidth, self.free = alpha, bandwidth, 0.0
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.dist, self.real = dist, (dist.isend, dist.irecv)
+        dist.isend, dist.irecv = self.isend, self.irecv
+
+    def __exit__(self, *exc):
+        self.dist.isend, self.dist.irecv = self.real
+
+    def isend(self, tensor, dst=None, group=None, tag=0):
+        nbytes = tensor.numel() * tensor.element_size()
+        end = self.free = max(time.perf_counter(), self.free) + self.alpha + nbytes / self.bandwidth
+        header = torch.tensor([end], dtype=torch.float64)
+        return _Until([self.real[0](header, dst, group, tag), self.real[0](tensor, dst, group, tag)], lambda: end)
+
+    def irecv(self, tensor, src=None, group=None, tag=0):
+        header = torch.empty(1, dtype=torch.float64)
+        return _Until([self.real[1](header, src, group, tag), self.real[1](tensor, src, group, tag)], header.item)
+
+
+class _Until:
+    def __init__(self, works, end):
+        self.works, self.end = works, end
+
+    def wait(self, timeout=None):
+        for w in self.works:
+            w.wait()
+        time.sleep(max(0.0, self.end() - time.perf_counter()))
+        return True
+
+
+def _puzzle_on_rank(link, sizes, repeats):
+    """In each child: picotron's ring and tree all-reduce over the slow link; {size: {algorithm: [seconds]}}."""
+    import torch.distributed as dist
+    from picotron import collectives as C
+
+    assert max(sizes) <= C.PIECE_BYTES  # whole messages, as in the model (no pipelining)
+    times = {}
+    with _SlowLink(*link):
+        for N in sizes:
+            t = torch.zeros(N // 4)
+            runs = {"ring": lambda: C.all_reduce(t), "tree": lambda: C.naive_all_reduce(t)}
+            times[N] = {k: [] for k in runs}
+            for i in range(repeats + 1):  # the first is a warm-up
+                for k, run in runs.items():
+                    dist.barrier()
+                    start = time.perf_counter()
+                    run()
+                    if i:
+                        times[N][k].append(time.perf_counter() - start)
+    return times
+
+
+def check_puzzle(path, report, timeout_s):
+    module, name = load(path, "ex02"), "ring_or_tree"
+    missing = [f for f in ("allreduce_time", name) if not hasattr(module, f)]
+    if missing:
+        report.fail(name, f"{path.name} has no function {missing[0]}")
+        return
+    for n, N, a, b in CASES[name]:  # 1. the model
+        for algorithm in ("ring", "tree"):
+            what = f"allreduce_time({algorithm!r}, n={n}, nbytes={N}, alpha={a:g}, beta={b:g})"
+            try:
+                got = module.allreduce_time(algorithm, n, N, a, b)
+            except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
+                report.fail(name, f"{what}: {type(e).__name__}: {e}{where(e, path)}")
+                return
+            want = model_time(algorithm, n, N, a, b)
+            if not close(got, want):
+                shown = f"{got:.6g}" if isinstance(got, (int, float)) else repr(got)
+                report.fail(name, f"{what} returned {shown} s, the model gives {want:.6g} s"
+                            + diagnose(algorithm, n, N, a, b, got))
+                return
+        what = f"ring_or_tree(n={n}, nbytes={N}, alpha={a:g}, beta={b:g})"
+        try:
+            answer = module.ring_or_tree(n, N, a, b)
+        except Exception as e:  # noqa: BLE001
+            report.fail(name, f"{what}: {type(e).__name__}: {e}{where(e, path)}")
+            return
+        problem = check_answer(answer, winner_of(model_time("ring", n, N, a, b), model_time("tree", n, N, a, b)), what)
+        if problem:
+            report.fail(name, problem)
+            return
+    report.ok(f"{name}: the model", f": allreduce_time and ring_or_tree on {len(CASES[name])} cases (n = 2 .. 1000, "
+              f"1 KiB .. 64 MiB, GPU-like and CPU-like links)")
+    alpha, bandwidth = PUZZLE_LINK  # 2. a real run
+    what = (f"{name} on {PUZZLE_N} ranks, emulated link ({alpha * 1e3:g} ms per message, {bandwidth / 1e6:g} MB/s)")
+    try:
+        results = run_on_ranks(_puzzle_on_rank, PUZZLE_N, PUZZLE_LINK, PUZZLE_SIZES, PUZZLE_REPEATS,
+                               timeout_s=max(timeout_s, 120))
+    except (RankTimeout, RankError) as e:
+        report.fail(what, f"the measurement did not finish: {str(e).splitlines()[0]}")
+        return
+    lines = []
+    for N in PUZZLE_SIZES:  # a repeat's time is its slowest rank's; noise only adds, so keep the fastest repeat
+        measured = {k: min(max(r[N][k][i] for r in results) for i in range(PUZZLE_REPEATS)) for k in ("ring", "tree")}
+        predicted = {k: module.allreduce_time(k, PUZZLE_N, N, alpha, 1 / bandwidth) for k in measured}
+        for k in measured:
+            if not MARGIN[0] <= measured[k] / predicted[k] <= MARGIN[1]:
+                report.fail(what, f"{N:,} bytes: the {k} took {1e3 * measured[k]:.1f} ms, you predicted "
+                            f"{1e3 * predicted[k]:.1f} ms: outside x{MARGIN[0]}..x{MARGIN[1]} (a busy machine adds "
+                            f"time: rerun; if it persists, the model misses something)")
+                return
+        winner, factor = module.ring_or_tree(PUZZLE_N, N, alpha, 1 / bandwidth)
+        right, times = winner_of(measured["ring"], measured["tree"])
+        if right != winner:
+            report.fail(what, f"{N:,} bytes: you say the {winner} is faster, but the {right} was: ring "
+                        f"{1e3 * measured['ring']:.1f} ms, tree {1e3 * measured['tree']:.1f} ms")
+            return
+        lines.append(f"{N:,} B: the {right} measured {times:.2f}x faster (you said {factor:.2f}x; ring "
+                     f"{1e3 * measured['ring']:.0f} ms, tree {1e3 * measured['tree']:.0f} ms)")
+    report.ok(what, ": " + "; ".join(lines))
+
+
 def check_one(name, path, report, timeout_s):
+    if name == "ring_or_tree":
+        check_puzzle(path, report, timeout_s)
+        return
     if not hasattr(load(path, "ex02"), name):
         report.fail(name, f"{path.name} has no function {name}")
         return
@@ -281,8 +484,8 @@ def check(names=None, module=None, timeout_s=TIMEOUT_S):
 
 
 def main(argv=None):
-    return cli(argv, "Check lesson 02's exercises on 2, 3 and 4 processes.", check, CASES,
-               LEARNER, SOLUTIONS, TIMEOUT_S)
+    return cli(argv, "Check lesson 02's exercises on 2, 3 and 4 processes (the puzzle: model, then a real run).",
+               check, CASES, LEARNER, SOLUTIONS, TIMEOUT_S)
 
 
 if __name__ == "__main__":

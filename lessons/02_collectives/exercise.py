@@ -1,6 +1,8 @@
-"""Lesson 02 exercises: three collectives from point-to-point messages. Write each function, then run
+"""Lesson 02 exercises: three collectives from point-to-point messages, and a puzzle (ring or tree?). Write each
+function, then run
     python lessons/02_collectives/check.py                      # all exercises, on 2, 3 and 4 processes
     python lessons/02_collectives/check.py ring_all_gather      # just one
+    python lessons/02_collectives/check.py ring_or_tree         # the puzzle
 The checker starts real processes (gloo, one default process group: rank = dist.get_rank(), n =
 dist.get_world_size()), runs your function on every rank and tells you which rank is wrong, where, and why
 — or which ranks hang. Use only dist.send / dist.recv / dist.isend / dist.irecv (the checker switches the
@@ -49,4 +51,22 @@ def tree_broadcast(tensor: torch.Tensor, src: int) -> None:
     the ranks that already have the data (v < 2**j) send it to v + 2**j (if that is < n), and the ranks with
     2**j <= v < 2**(j+1) receive it from v - 2**j. Convert relative ranks back with (v + src) % n. The data
     reaches everyone in ceil(log2 n) rounds, and no rank sends more than ceil(log2 n) messages."""
+    raise NotImplementedError("not written yet")
+
+
+# ------------------------------------------------------------------------------ puzzle: ring or tree?
+def allreduce_time(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Seconds that an all-reduce of `nbytes` bytes over `n` ranks takes in the alpha-beta model:
+        "ring": picotron's all_reduce — a ring reduce-scatter, then a ring all-gather (the tensor cut in n chunks);
+        "tree": picotron's naive_all_reduce — a binomial-tree reduce onto one rank, then a binomial-tree
+                broadcast from it, the whole tensor at every hop.
+    The model: one message of b bytes costs alpha + b * beta seconds; every rank can send one message and receive
+    one at the same time; a message that needs the data of an earlier one waits for it. Count the steps (or
+    rounds) that must happen one after the other and what each one moves."""
+    raise NotImplementedError("not written yet")
+
+
+def ring_or_tree(n: int, nbytes: float, alpha: float, beta: float) -> tuple:
+    """Which all-reduce is faster here, and by how much: ("ring" or "tree", T_slower / T_faster), a factor >= 1.
+    Use allreduce_time. Then answer the notebook's questions with this machine's alpha and beta."""
     raise NotImplementedError("not written yet")

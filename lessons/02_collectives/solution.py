@@ -2,6 +2,8 @@
     python lessons/02_collectives/check.py                 # checks your file
     python lessons/02_collectives/check.py --solutions     # checks this one
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -48,3 +50,15 @@ def tree_broadcast(tensor: torch.Tensor, src: int) -> None:
         elif mask <= v < 2 * mask:
             dist.recv(tensor, (v - mask + src) % n)
         mask *= 2
+
+
+def allreduce_time(algorithm: str, n: int, nbytes: float, alpha: float, beta: float) -> float:
+    if algorithm == "ring":  # 2(n - 1) steps one after the other, each moving one chunk of nbytes / n
+        return 2 * (n - 1) * (alpha + nbytes / n * beta)
+    rounds = math.ceil(math.log2(n))  # the ranks holding the data double each round
+    return 2 * rounds * (alpha + nbytes * beta)  # reduce up the tree, then broadcast down: whole messages
+
+
+def ring_or_tree(n: int, nbytes: float, alpha: float, beta: float) -> tuple:
+    ring, tree = allreduce_time("ring", n, nbytes, alpha, beta), allreduce_time("tree", n, nbytes, alpha, beta)
+    return ("ring", tree / ring) if ring <= tree else ("tree", ring / tree)
