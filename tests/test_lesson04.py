@@ -1,6 +1,7 @@
 """Lesson 04: the exercise checker (the solutions pass; the stubs fail naming NotImplementedError; wrong answers are
-reported with their rank, chunk and likely cause; a hang with the waiting rank and its line), the widget's memory
-model, and the notebook end to end in FAST mode.
+reported with their rank, chunk and likely cause, ZeRO-3's last layer freed or every layer kept, an fp32 all-gather,
+a rounded master copy, a plan that does not fit or is not the fastest; a hang with the waiting rank and its line), the
+widget's memory model, the flat layout at dp = 3, and the notebook end to end in FAST mode.
 
 No timing is asserted: on a shared CPU timings are measurements, not pass/fail criteria.
 """
@@ -26,18 +27,23 @@ def run_checker(*args, timeout=240):
 
 
 def test_checker_passes_the_solutions():
-    code, out = run_checker("--solutions")
+    code, out = run_checker("--solutions", timeout=900)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 5, out  # shard_range once, the other two on 2 and 3 ranks
+    assert out.count("  ok  ") == 10, out  # shard_range and the puzzle once, the others on 2 and 3 ranks
+    assert "12.52 -> 11.01 MiB all-gathered per step" in out, out  # the last layer: one gather less per micro-batch
+    assert "12.52 -> 6.26 MiB all-gathered per step" in out, out  # bf16: half
+    assert "64 MiB: ZeRO-1 micro-batch 2, 59.6 MiB measured" in out, out  # the ranks measured what the formulas say
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
     code, out = run_checker()
     assert code == 1, out
-    for what in ("shard_range on many sizes", "reduce_scatter_gradients on 2 ranks", "ShardedAdamW.step on 2 ranks"):
+    for what in ("shard_range on many sizes", "reduce_scatter_gradients on 2 ranks", "ShardedAdamW.step on 2 ranks",
+                 "KeepLastLayer._post_forward on 2 ranks", "Bf16Gather._gather/_wait on 2 ranks"):
         assert f"FAIL  {what}: rank " in out, out
-    assert out.count("NotImplementedError: not written yet") == 3, out
+    assert "FAIL  plan (the puzzle): NotImplementedError: not written yet" in out, out
+    assert out.count("NotImplementedError: not written yet") == 6, out
     assert "on 3 ranks" not in out  # it stops at the first world size
 
 
@@ -95,6 +101,55 @@ def test_checker_recognises_adam_without_bias_correction(tmp_path):
     assert "matches Adam WITHOUT bias correction" in out, out
 
 
+KEEP = "        if k < len(self.units) - 1 or not backward_follows:  # keep the last layer only if a backward comes"
+
+
+@pytest.mark.parametrize("line, message", [
+    ("        if True:", "layer 3 is still gathered twice: once for its forward, again right at the start of the "
+                       "backward"),
+    ("        if not backward_follows:", "every layer stays gathered from its forward to its backward"),
+    ("        if k < len(self.units) - 1:", "after a forward under torch.no_grad() (evaluation) layer 3 stayed gathered"),
+])
+def test_checker_names_what_keep_last_layer_got_wrong(tmp_path, line, message):
+    code, out = run_checker("--module", str(mutate(tmp_path, (KEEP, line))), "keep_last_layer")
+    assert code == 1, out
+    assert "FAIL  KeepLastLayer._post_forward on 2 ranks: rank 0: " in out and message in out, out
+
+
+@pytest.mark.parametrize("bugs, message", [
+    ([("unit.send = unit.shard.to(torch.bfloat16)", "unit.send = unit.shard"),
+      ("dtype=torch.bfloat16, device=unit.shard.device", "dtype=torch.float32, device=unit.shard.device")],
+     "as many as plain ZeRO-3: the all-gathers still carry fp32"),
+    ([("            unit.full.copy_(unit.received)", "            pass")], "unit.full does not hold the gathered"),
+    ([("            unit.send = unit.shard.to(torch.bfloat16)",
+       "            unit.shard.copy_(unit.shard.to(torch.bfloat16))\n            unit.send = unit.shard.to(torch.bfloat16)")],
+     "hold only bf16 values after 2 steps: the shard itself was rounded"),
+])
+def test_checker_names_what_bf16_gather_got_wrong(tmp_path, bugs, message):
+    code, out = run_checker("--module", str(mutate(tmp_path, *bugs)), "bf16_gather")
+    assert code == 1, out
+    assert "FAIL  Bf16Gather._gather/_wait on 2 ranks: rank 0: " in out and message in out, out
+
+
+def test_puzzle_messages_say_what_is_wrong():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("check04", CHECKER)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    f = check.puzzle_facts()
+    assert f["in_flight"] == {0: 0, 1: 0, 2: 8_919_040, 3: 10_493_952}  # as exercise.py states them
+    assert check.plan_problem(f, 64, dict(zero=1, micro_batch_size=2)) is None
+    assert check.plan_problem(f, 100, dict(zero=0, micro_batch_size=4)) is None  # DP and ZeRO-1 tie there
+    assert check.plan_problem(f, 100, dict(zero=1, micro_batch_size=4)) is None
+    assert "does not fit" in check.plan_problem(f, 100, dict(zero=3, micro_batch_size=8))
+    assert "ZeRO-3 all-gathers twice and reduce-scatters once per micro-batch" in \
+        check.plan_problem(f, 64, dict(zero=3, micro_batch_size=2))
+    assert "ZeRO-2 reduce-scatters after every micro-batch" in check.plan_problem(f, 64, dict(zero=2, micro_batch_size=1))
+    assert "moves the fewest bytes, but in 8 micro-batches" in check.plan_problem(f, 64, dict(zero=0, micro_batch_size=1))
+    assert "return dict(zero=0|1|2|3, micro_batch_size=b)" in check.plan_problem(f, 64, dict(zero=1, micro_batch_size=3))
+    assert check.plan_problem(f, 47, dict(zero=3, micro_batch_size=1)) is None  # only ZeRO-3 fits
+
+
 # ------------------------------------------------------------------------------------- the widget's model
 @pytest.fixture(scope="module")
 def lesson():
@@ -119,6 +174,21 @@ def test_smallest_dp_that_fits(lesson):
     assert lesson.smallest_dp_that_fits(psi, 1, cap, "mixed") == 2  # 32 + 96/2 = 80 GB: just fits
     assert lesson.smallest_dp_that_fits(psi, 1, 79e9, "mixed") == 4  # 32 + 96/4 = 56 GB
     assert lesson.smallest_dp_that_fits(psi, 1, 30e9, "mixed") is None  # 32 GB of params + grads: never
+
+
+def test_flat_layout_at_dp3_has_padding(lesson):
+    layout = lesson.flat_layout(3)
+    assert [u["name"] for u in layout] == ["root", "layer 0", "layer 1", "layer 2", "layer 3"]
+    assert [u["padded"] - u["numel"] for u in layout] == [0, 1, 1, 1, 1]  # 786,944 = 3 x 262,315 - 1
+    assert all(u["padded"] == 3 * u["chunk"] for u in layout)
+
+
+def test_prefetch_gain_pairs_the_rounds(lesson):
+    on = dict(step_times=[1.0, 2.0, 1.5], overlap=dict(exposed_gather_s=0.1))
+    off = dict(step_times=[1.5, 2.2, 2.5], overlap=dict(exposed_gather_s=0.6))
+    g = lesson.prefetch_gain([on, off])
+    assert g["moved"] == pytest.approx(0.5) and g["n"] == 3
+    assert g["gain"] == pytest.approx(0.5) and g["paired"] == pytest.approx(0.5)  # fastest 1.5 vs 1.0; gains .5 .2 1
 
 
 def test_overlap_stats_counts_hidden_gather_time(lesson):

@@ -7,14 +7,20 @@ with the line of your file where they wait.
     python lessons/04_zero/check.py [name ...]          # your lessons/04_zero/exercise.py
     python lessons/04_zero/check.py --solutions         # the reference solutions (must pass)
     python lessons/04_zero/check.py --module my.py      # any file defining the same functions
-    python lessons/04_zero/check.py --timeout 5         # seconds before a launch counts as a hang (10)
+    python lessons/04_zero/check.py --timeout 5         # seconds before a launch counts as a hang (10; the
+                                                        # exercises that train a model get at least 120)
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise.
 
 The exercises: shard_range (pure arithmetic: checked on many sizes in one process), reduce_scatter_gradients
 and sharded_adamw (ShardedAdamW.step), each on 2 and 3 ranks with unit sizes that n does not divide, so the
 padding matters. While checking exercises 2 and 3 your file's shard_range is replaced by the reference one,
-so they do not depend on exercise 1.
+so they do not depend on exercise 1. keep_last_layer and bf16_gather (subclasses of zero3.Zero3) train a tiny
+model on 2 and 3 ranks next to the plain Zero3, with a metrics.Recorder that keeps each all-gather's label and
+bytes: the first must all-gather the last layer once per micro-batch and give exactly the plain losses and
+parameters; the second must move half the bytes, gather exactly bf16(the fp32 weights), keep an fp32 master
+and stay within BF16_LOSS_TOL of the fp32 losses. plan (the puzzle) is checked against the lesson's formulas
+(`plan_problem`), then each chosen plan trains one step on 2 ranks, whose measured memory must fit.
 
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
 at module level). It imports YOUR file by path, builds every rank's inputs deterministically (so each child
@@ -32,6 +38,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import pic
 
 import torch  # noqa: E402
 
+from picotron import metrics  # noqa: E402
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
@@ -42,8 +49,11 @@ LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 10.0
 EXERCISES = {"shard_range": "shard_range", "reduce_scatter_gradients": "reduce_scatter_gradients",
-             "sharded_adamw": "ShardedAdamW.step"}
-WORLD_SIZES = {"shard_range": (1,), "reduce_scatter_gradients": (2, 3), "sharded_adamw": (2, 3)}
+             "sharded_adamw": "ShardedAdamW.step", "keep_last_layer": "KeepLastLayer._post_forward",
+             "bf16_gather": "Bf16Gather._gather/_wait", "plan": "plan (the puzzle)"}
+WORLD_SIZES = {"shard_range": (1,), "reduce_scatter_gradients": (2, 3), "sharded_adamw": (2, 3),
+               "keep_last_layer": (2, 3), "bf16_gather": (2, 3), "plan": (2,)}
+MIN_TIMEOUT_S = {"keep_last_layer": 120, "bf16_gather": 120, "plan": 300}  # they build and train models
 # (numel, n): sizes n divides and sizes it does not, numel < n, one element, a large prime
 SHARD_CASES = [(12, 4), (10, 4), (3, 4), (1, 1), (5, 1), (29, 2), (29, 3), (7, 7), (1, 3), (1_000_003, 8)]
 # the units of exercise 2: 29 elements (padding 1 with n = 2 and 3), 2 (n = 3: rank 2 owns only padding), 19
@@ -163,7 +173,7 @@ def _scenario_sharded_adamw(mod, ref, rank, n):
 
 
 SCENARIOS = {"shard_range": _scenario_shard_range, "reduce_scatter_gradients": _scenario_reduce_scatter_gradients,
-             "sharded_adamw": _scenario_sharded_adamw}
+             "sharded_adamw": _scenario_sharded_adamw}  # and, defined below, the three on real models
 
 
 # ------------------------------------------------------------------------------------------ the parent
@@ -384,16 +394,343 @@ def _adam_problem(res, rank, n, t, chunk, expected, states, grads):
     return None
 
 
+# ------------------------------------------------------------- exercises 4 and 5: ZeRO-3 on a real model
+ZERO3_STEPS, ZERO3_ACC = 2, 2  # optimizer steps, micro-batches per step
+BF16_LOSS_TOL = 5e-3  # bf16 keeps 8 significant bits: each gathered weight is off by at most 2^-9 relative
+
+
+def _zero3_cfg(n):
+    from picotron.config import Config
+    return Config(preset="tiny", seq_len=32, micro_batch_size=2, dp=n, lr=1e-2)
+
+
+class _LabelRecorder(metrics.Recorder):
+    """A metrics.Recorder that also keeps each collective's label (which unit it moved)."""
+
+    def __init__(self):
+        super().__init__()
+        self.labels = []
+
+    def collective(self, kind, nbytes, work, label, start, axis=None, **info):
+        self.labels.append((kind, label))
+        return super().collective(kind, nbytes, work, label, start, axis=axis, **info)
+
+
+def _zero3_run(cls, mesh):
+    """Train `cls` (Zero3 or a subclass) for ZERO3_STEPS steps of ZERO3_ACC micro-batches, then one forward under
+    no_grad; what happened: losses, all-gathers by unit, bytes, unit states, shards, the gathered weights."""
+    import torch.distributed as dist
+    from picotron import schedule
+    from picotron.mesh import Mesh
+    from picotron.model import loss_fn
+    from picotron.parallelize import build_model, build_optimizer
+
+    cfg, rec = _zero3_cfg(mesh.dp.size), _LabelRecorder()
+    model = cls(build_model(cfg, Mesh.local()), mesh.dp_cp.recorded(rec))
+    ptrs = [u.shard.data_ptr() for u in model.units]
+    opt = build_optimizer(model.optimizer_groups(), cfg, mesh.device)
+    engine = schedule.OneStage(mesh.dp_cp, mesh.device)
+    g = torch.Generator().manual_seed(1 + mesh.rank)
+    out = dict(losses=[], gathers=[], ag_bytes=[], kept=[], names=[u.name for u in model.units],
+               padded=[u.padded for u in model.units])
+    for _ in range(ZERO3_STEPS):
+        rec.labels.clear()
+        before = rec.bytes.get("all_gather", 0)
+        batches = [tuple(torch.randint(0, 256, (2, 32), generator=g) for _ in range(2)) for _ in range(ZERO3_ACC)]
+        out["losses"].append(engine.run(model, batches, loss_fn).item())
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        out["gathers"].append([label for kind, label in rec.labels if kind == "all_gather"])
+        out["ag_bytes"].append(rec.bytes.get("all_gather", 0) - before)
+        out["kept"].append([u.name for u in model.units if u.state != "free"])
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 32), generator=g))
+    out["kept_after_eval"] = [u.name for u in model.units if u.state != "free"]
+    out["shard_replaced"] = [u.name for u, p in zip(model.units, ptrs)
+                             if u.shard.data_ptr() != p or u.shard.dtype != torch.float32]
+    out["shards"] = [u.shard.detach().clone() for u in model.units]
+    expected = []  # the fp32 weights, gathered here with a plain all-gather (not the code under test)
+    for u in model.units:
+        full = torch.empty(u.padded)
+        dist.all_gather_single(full, u.shard.detach().float().contiguous())
+        expected.append(full)
+    with model.gathered():
+        out["full"] = [u.full.detach().clone() for u in model.units]
+    out["expected_full"] = expected
+    out["param_dtype"] = str(next(model.module.parameters()).dtype)
+    return out
+
+
+def _scenario_zero3(cls_name):
+    def scenario(mod, ref, rank, n):
+        from picotron import zero3
+        from picotron.mesh import Mesh
+        mesh = Mesh.init(dp=n)
+        return dict(plain=_zero3_run(zero3.Zero3, mesh), got=_zero3_run(getattr(mod, cls_name), mesh))
+    return scenario
+
+
+def _counts(labels):
+    out = {}
+    for label in labels:
+        name = label.removeprefix("all-gather ")
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def compare_keep_last_layer(n, results):
+    for rank, res in enumerate(results):
+        plain, got = res["plain"], res["got"]
+        names, last = got["names"], got["names"][-1]
+        for s, kept in enumerate(got["kept"], start=1):
+            if kept:
+                return (f"rank {rank}: after step {s}, {', '.join(kept)} still gathered: only the forward keeps the last "
+                        f"layer; its backward must free it as before (keep _grad_ready as it is). A unit left gathered "
+                        f"is not gathered again, so the next step would compute with the weights from before the "
+                        f"optimizer step")
+        if got["kept_after_eval"]:
+            return (f"rank {rank}: after a forward under torch.no_grad() (evaluation) {', '.join(got['kept_after_eval'])} "
+                    f"stayed gathered: no backward follows to use or free it. Keep the last layer only when a "
+                    f"backward will come: torch.is_grad_enabled() and output.requires_grad")
+        want = {u: c for u, c in _counts(plain["gathers"][0]).items()}
+        want[last] -= ZERO3_ACC
+        have = _counts(got["gathers"][0])
+        if have != want:
+            per = {u: have.get(u, 0) / ZERO3_ACC for u in names}
+            extra = [u for u in names[1:-1] if have.get(u, 0) < want[u]]
+            head = (f"rank {rank}: all-gathers per micro-batch: " + ", ".join(f"{u} {per[u]:g}" for u in names)
+                    + " (plain ZeRO-3: root 1, every layer 2)")
+            if have.get(last, 0) == 2 * ZERO3_ACC:
+                return (f"{head} — {last} is still gathered twice: once for its forward, again right at the start "
+                        f"of the backward. Do not free it after its forward (k == len(self.units) - 1)")
+            if extra and len(extra) == len(names) - 2:
+                return (f"{head} — every layer stays gathered from its forward to its backward: at the end of the "
+                        f"forward the whole model is gathered, which is what ZeRO-3 exists to avoid. Keep only the "
+                        f"last layer, the one the backward needs first")
+            if extra:
+                return (f"{head} — {', '.join(extra)} kept gathered too: only the last layer is needed again right "
+                        f"away; an earlier layer kept gathered holds its weights through the rest of the forward")
+            return f"{head}; expected {last} once and the other layers twice"
+        if got["losses"] != plain["losses"] or any(not torch.equal(a, b) for a, b in zip(got["shards"], plain["shards"])):
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], plain["losses"]))
+            return (f"rank {rank}: the losses or the parameters after {ZERO3_STEPS} steps differ from plain ZeRO-3's "
+                    f"(max relative loss difference {worst:.1e}): keeping a layer gathered must not change any number")
+        if got["ag_bytes"][0] != plain["ag_bytes"][0] - ZERO3_ACC * 4 * got["padded"][-1]:
+            return (f"rank {rank}: {got['ag_bytes'][0]} bytes all-gathered per step, expected "
+                    f"{plain['ag_bytes'][0] - ZERO3_ACC * 4 * got['padded'][-1]}")
+    return None
+
+
+def compare_bf16_gather(n, results):
+    for rank, res in enumerate(results):
+        plain, got = res["plain"], res["got"]
+        if got["param_dtype"] != "torch.float32":
+            return (f"rank {rank}: the model's parameters became {got['param_dtype']}: keep unit.full fp32 (the "
+                    f"parameters are views of it) and copy the gathered bf16 values into it")
+        if got["shard_replaced"]:
+            return (f"rank {rank}: unit.shard of {', '.join(got['shard_replaced'])} was replaced (or changed dtype): the "
+                    f"optimizer updates the original fp32 shard, its pieces are views of it. Send a bf16 COPY "
+                    f"(unit.shard.to(torch.bfloat16)) and leave unit.shard alone")
+        ratio = got["ag_bytes"][0] / plain["ag_bytes"][0]
+        mib = got["ag_bytes"][0] / 2**20
+        if abs(ratio - 1) < 1e-9:
+            return (f"rank {rank}: {mib:.2f} MiB all-gathered per step, as many as plain ZeRO-3: the all-gathers still "
+                    f"carry fp32. Cast the shard to bf16 BEFORE the all-gather, into a bf16 buffer (rounding "
+                    f"unit.full afterwards saves nothing on the wire)")
+        if abs(ratio - 0.5) > 1e-9:
+            return (f"rank {rank}: {mib:.2f} MiB all-gathered per step, {ratio:.2f} x plain ZeRO-3's; expected exactly "
+                    f"half (every unit's all-gather in bf16, once per use, as before)")
+        for u, full, exp, padded in zip(got["names"], got["full"], got["expected_full"], got["padded"]):
+            want = exp.to(torch.bfloat16).float()
+            if torch.equal(full, want):
+                continue
+            chunk = padded // n
+            bad = [k for k in range(n) if not torch.equal(full[k * chunk:(k + 1) * chunk], want[k * chunk:(k + 1) * chunk])]
+            head = f"rank {rank}: after a gather, {u}'s weights are not the fp32 weights rounded to bf16"
+            if len(bad) == n:
+                return (f"{head}: unit.full does not hold the gathered values. In _wait, after unit.work.wait(), copy "
+                        f"the received bf16 buffer into unit.full (in place: the parameters are views of it)")
+            return (f"{head} in chunks {bad} of {n}: all-gather the bf16 copy of this rank's own shard into a buffer "
+                    f"of n·chunk = {padded} elements, and copy that whole buffer after unit.work.wait()")
+        rounded = [u for u, sh in zip(got["names"], got["shards"])
+                   if sh.numel() > 100 and (sh.to(torch.bfloat16).float() == sh).float().mean() > 0.9]
+        if rounded:
+            return (f"rank {rank}: the fp32 master shards of {', '.join(rounded)} hold only bf16 values after "
+                    f"{ZERO3_STEPS} steps: the shard itself was rounded. Round a copy; the master keeps fp32, else "
+                    f"every update smaller than bf16's resolution (about 0.4% of a weight) is lost")
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], plain["losses"]))
+        if worst > BF16_LOSS_TOL:
+            return (f"rank {rank}: the losses differ from fp32 gathering by up to {worst:.1e} relative, more than "
+                    f"{BF16_LOSS_TOL:.0e}: weights rounded to bf16 should change them far less")
+    return None
+
+
+def bf16_success(results):
+    plain, got = results[0]["plain"], results[0]["got"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], plain["losses"]))
+    return (f": {plain['ag_bytes'][0] / 2**20:.2f} -> {got['ag_bytes'][0] / 2**20:.2f} MiB all-gathered per step "
+            f"(recorded); gathered weights = bf16(fp32 master) exactly; losses within {worst:.0e} of fp32 "
+            f"gathering (bound {BF16_LOSS_TOL:.0e})")
+
+
+def keep_last_success(results):
+    plain, got = results[0]["plain"], results[0]["got"]
+    return (f": {plain['ag_bytes'][0] / 2**20:.2f} -> {got['ag_bytes'][0] / 2**20:.2f} MiB all-gathered per step "
+            f"(recorded; {got['names'][-1]} once per micro-batch); losses and parameters identical to plain ZeRO-3")
+
+
+# ------------------------------------------------------------------------------------ exercise 6: the puzzle
+PUZZLE_BUDGETS = (100, 64, 47)  # MiB per rank
+PUZZLE_MBS = (1, 2, 4, 8)
+
+
+def puzzle_facts():
+    """The puzzle's model, as in exercise.py; the buffers in flight computed from the real units' sizes."""
+    from picotron import zero
+    from picotron.config import Config
+    from picotron.mesh import Axis, Mesh
+    from picotron.model import ModelConfig
+    from picotron.parallelize import build_model
+
+    mc = ModelConfig.from_preset("tiny", hidden_size=256, intermediate_size=768, num_hidden_layers=4)
+    cfg = Config(preset="tiny", hidden_size=256, intermediate_size=768, num_hidden_layers=4)
+    z2 = zero.ZeroDataParallel(build_model(cfg, Mesh.local()), Axis.alone("dp", 2, 0), 2, bucket_mb=4.0)
+    buckets = [4 * u.padded for u in z2.units]
+    psi = mc.num_params()
+    root = psi - mc.num_hidden_layers * (sum(p.numel() for p in build_model(cfg, Mesh.local()).layers[0].parameters()))
+    layer = (psi - root) // mc.num_hidden_layers
+    in_flight = {0: 0, 1: 0, 2: max(a + b for a, b in zip(buckets, buckets[1:])), 3: 4 * (2 * root + 3 * layer)}
+    return dict(mc=mc, psi=psi, root=root, in_flight=in_flight, dp=2, seq_len=128, seqs=8)
+
+
+def puzzle_cost(f, zero, mbs):
+    """(memory by part in bytes, elements through the collectives per step, micro-batches per step)."""
+    from picotron import planner
+    g = f["seqs"] // mbs
+    mem = dict(planner.zero_model_state_bytes(f["psi"], zero, f["dp"]), in_flight=f["in_flight"][zero],
+               activations=planner.activation_bytes(f["mc"], f["seq_len"], mbs))
+    psi = f["psi"]
+    wire = {0: 2 * psi, 1: 2 * psi, 2: (g + 1) * psi, 3: g * (3 * psi - f["root"])}[zero]
+    return mem, wire, g
+
+
+def _describe(f, zero, mbs):
+    mem, wire, g = puzzle_cost(f, zero, mbs)
+    parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in mem.items() if v)
+    return (f"{sum(mem.values()) / 2**20:.1f} MiB ({parts}), {wire / f['psi']:.2f} Ψ through the collectives per step "
+            f"in {g} micro-batch{'es' if g > 1 else ''}")
+
+
+def plan_problem(f, budget, got):
+    """What is wrong with the plan `got` for `budget` MiB, or None."""
+    if not (isinstance(got, dict) and got.get("zero") in (0, 1, 2, 3) and got.get("micro_batch_size") in PUZZLE_MBS):
+        return (f"plan({budget}) returned {got!r}: return dict(zero=0|1|2|3, micro_batch_size=b) with b dividing the "
+                f"{f['seqs']} sequences per rank (1, 2, 4 or 8)")
+    zero, mbs = got["zero"], got["micro_batch_size"]
+    mem, wire, g = puzzle_cost(f, zero, mbs)
+    name = f"{['DP', 'ZeRO-1', 'ZeRO-2', 'ZeRO-3'][zero]} with micro-batch {mbs}"
+    if sum(mem.values()) > budget * 2**20:
+        big = max(mem, key=mem.get)
+        return (f"plan({budget}): {name} needs {_describe(f, zero, mbs)} > {budget} MiB: it does not fit (the "
+                f"largest part: {big}). " + ("A smaller micro-batch keeps fewer activations; " if mbs > 1 else "")
+                + ("a higher ZeRO stage shards more" if zero < 3 else "ZeRO-3 with one sequence is the least there is"))
+    fits = [(puzzle_cost(f, z, b)[1:], z, b) for z in range(4) for b in PUZZLE_MBS
+            if sum(puzzle_cost(f, z, b)[0].values()) <= budget * 2**20]
+    (best_wire, best_g), _, _ = min(fits)
+    if (wire, g) == (best_wire, best_g):
+        return None
+    if wire > best_wire:
+        why = {2: "ZeRO-2 reduce-scatters after every micro-batch", 3: "ZeRO-3 all-gathers twice and reduce-scatters "
+               "once per micro-batch"}.get(zero, "")
+        return (f"plan({budget}): {name} fits ({_describe(f, zero, mbs)}) but is not the fastest: {why}; a plan that "
+                f"fits moves {best_wire / f['psi']:.2f} Ψ per step")
+    return (f"plan({budget}): {name} fits ({_describe(f, zero, mbs)}) and moves the fewest bytes, but in {g} "
+            f"micro-batches; a plan that fits moves as few in {best_g}: bigger micro-batches, fewer launches")
+
+
+def _scenario_plan(mod, ref, rank, n):
+    """One training step of each distinct plan the learner chose, on these ranks: the memory they measure."""
+    import importlib.util
+
+    from picotron.mesh import Mesh
+    spec = importlib.util.spec_from_file_location("lesson04_experiment", HERE / "experiment.py")
+    lesson = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lesson)
+    mesh = Mesh.init(dp=n)
+    out = {}
+    for budget in PUZZLE_BUDGETS:
+        p = mod.plan(budget)
+        key = (p["zero"], p["micro_batch_size"])
+        if key not in out:
+            cfg = lesson.make_cfg("small", seq_len=128, micro_batch_size=key[1], grad_acc=8 // key[1], dp=n)
+            v = lesson.Variant(f"plan {key}", key[0], cfg, mesh)
+            v.step(1)
+            mem = {k: v.mem.get(k, 0) for k in ("params", "grads", "optimizer", "zero_transient_peak", "activations")}
+            total = sum(b * (2 if k == "all_reduce" else 1) for k, b in v.recorder.bytes.items())
+            out[key] = dict(mem=mem, wire_bytes=total)
+            del v
+    return out
+
+
+def check_plan(path, report, timeout_s):
+    what = EXERCISES["plan"]
+    try:
+        mod = load(path, "ex04plan")
+        plans = {b: mod.plan(b) for b in PUZZLE_BUDGETS}
+    except Exception as e:  # noqa: BLE001
+        report.fail(what, f"{type(e).__name__}: {e}{where(e, path)}")
+        return
+    f = puzzle_facts()
+    problems = [plan_problem(f, b, plans[b]) for b in PUZZLE_BUDGETS]
+    if any(p and p.startswith(f"plan({b}) returned") for b, p in zip(PUZZLE_BUDGETS, problems)):
+        report.fail(what, next(p for p in problems if p))
+        return
+    try:
+        measured = run_on_ranks(_on_rank, f["dp"], str(path), "plan", str(SOLUTIONS), timeout_s=timeout_s)
+    except RankTimeout as e:
+        report.fail(what, hang_message(e, path, timeout_s))
+        return
+    except RankError as e:
+        report.fail(what, failure_message(e))
+        return
+    lines, failures = [], []
+    for b, problem in zip(PUZZLE_BUDGETS, problems):
+        key = (plans[b]["zero"], plans[b]["micro_batch_size"])
+        mem, wire, _ = puzzle_cost(f, *key)
+        peak = max(sum(r[key]["mem"].values()) for r in measured)
+        on_wire = measured[0][key]["wire_bytes"] / 4
+        if problem is None and peak > b * 2**20:
+            problem = f"plan({b}): the ranks measured {peak / 2**20:.1f} MiB per rank > {b} MiB"
+        if problem is None and (abs(peak / sum(mem.values()) - 1) > 0.01 or on_wire != wire):
+            problem = (f"plan({b}): the ranks measured {peak / 2**20:.1f} MiB and {on_wire / f['psi']:.2f} Ψ per step, "
+                       f"the formulas say {sum(mem.values()) / 2**20:.1f} MiB and {wire / f['psi']:.2f} Ψ")
+        if problem:
+            failures.append(problem + ("" if "measured" in problem else f" (on 2 ranks it measured {peak / 2**20:.1f} MiB)"))
+        lines.append(f"{b} MiB: {['DP', 'ZeRO-1', 'ZeRO-2', 'ZeRO-3'][key[0]]} micro-batch {key[1]}, "
+                     f"{peak / 2**20:.1f} MiB measured, {on_wire / f['psi']:.2f} Ψ per step")
+    if failures:
+        report.fail(what, failures[0])
+    else:
+        report.ok(what, ": " + "; ".join(lines))
+
+
+SCENARIOS.update(keep_last_layer=_scenario_zero3("KeepLastLayer"), bf16_gather=_scenario_zero3("Bf16Gather"),
+                 plan=_scenario_plan)
 COMPARE = {"shard_range": compare_shard_range, "reduce_scatter_gradients": compare_reduce_scatter_gradients,
-           "sharded_adamw": compare_sharded_adamw}
+           "sharded_adamw": compare_sharded_adamw, "keep_last_layer": compare_keep_last_layer,
+           "bf16_gather": compare_bf16_gather}
 SUCCESS = {"shard_range": f"{sum(k for _, k in SHARD_CASES)} (numel, n, rank) cases, padding and numel < n included",
            "reduce_scatter_gradients": f"{len(GRAD_UNITS)} units (uneven sizes: padding); every rank holds its chunk of "
                                        f"the mean gradient",
            "sharded_adamw": f"{ADAM_STEPS} steps on units of {' and '.join(map(str, ADAM_NUMELS))} elements equal "
-                            f"torch.optim.AdamW on the whole vector, on every rank, in place"}
+                            f"torch.optim.AdamW on the whole vector, on every rank, in place",
+           "keep_last_layer": keep_last_success, "bf16_gather": bf16_success}
 
 
 def check_one(name, path, report, timeout_s):
+    timeout_s = max(timeout_s, MIN_TIMEOUT_S.get(name, 0))
+    if name == "plan":
+        return check_plan(path, report, timeout_s)
     for n in WORLD_SIZES[name]:
         what = f"{EXERCISES[name]}" + (" on many sizes" if n == 1 else f" on {n} ranks")
         try:
@@ -411,7 +748,7 @@ def check_one(name, path, report, timeout_s):
         if problem:
             report.fail(what, problem)
         else:
-            report.ok(what, f": {SUCCESS[name]}")
+            report.ok(what, SUCCESS[name](results) if callable(SUCCESS[name]) else f": {SUCCESS[name]}")
 
 
 def check(names=None, module=None, timeout_s=TIMEOUT_S):

@@ -1,9 +1,19 @@
 """Lesson 04 exercises — reference solutions. (The exercise file, lessons/04_zero/exercise.py, is the same file
-with the three marked pieces left to write.)"""
+with the six marked pieces left to write.)"""
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
+
+from picotron import planner, zero3
+from picotron.model import ModelConfig
+
+# exercise 6's facts (the same lines as in exercise.py)
+MODEL = ModelConfig.from_preset("tiny", hidden_size=256, intermediate_size=768, num_hidden_layers=4)
+PSI, ROOT = MODEL.num_params(), 131_328
+DP, SEQ_LEN, SEQS_PER_RANK = 2, 128, 8
+IN_FLIGHT = {0: 0, 1: 0, 2: 8_919_040, 3: 10_493_952}
 
 
 def shard_range(numel, n, rank):
@@ -54,3 +64,58 @@ class ShardedAdamW:
         # every rank's updated chunk to every rank, into the flat vector itself (the input is a copy: it must
         # not be overwritten while it is being sent)
         dist.all_gather_single(self.flat, p.clone(), group=self.group)
+
+
+# ------------------------------------------------------------------------ exercises 4 and 5: ZeRO-3, cheaper
+class KeepLastLayer(zero3.Zero3):
+    """ZeRO-3 that does not free its last layer after the forward: the backward needs it first, right away."""
+
+    def _post_forward(self, k, module, args, output):
+        """EXERCISE 4."""
+        if self.in_backward:
+            return  # a recomputation inside backward
+        self._event(f"forward {self.units[k].name}", k)
+        backward_follows = torch.is_grad_enabled() and output.requires_grad
+        if backward_follows:
+            output.register_hook(partial(self._pre_backward, k))
+        if k < len(self.units) - 1 or not backward_follows:  # keep the last layer only if a backward comes
+            self._free(self.units[k])
+
+
+class Bf16Gather(zero3.Zero3):
+    """ZeRO-3 whose all-gathers carry bf16: half the bytes; the fp32 shards stay the master copy."""
+
+    def _gather(self, unit):
+        """EXERCISE 5 (start)."""
+        if unit.state == "free":
+            unit.full.untyped_storage().resize_(unit.nbytes())
+            unit.send = unit.shard.to(torch.bfloat16)  # a bf16 COPY: the fp32 shard stays as it is
+            unit.received = torch.empty(unit.padded, dtype=torch.bfloat16, device=unit.shard.device)
+            unit.work = self.axis.all_gather_into(unit.received, unit.send, async_op=True,
+                                                  label=f"all-gather {unit.name}")
+            unit.state = "gathering"
+            self._track(unit.nbytes())
+
+    def _wait(self, unit):
+        """EXERCISE 5 (finish)."""
+        if unit.state == "gathering":
+            unit.work.wait()  # only now does unit.received hold every rank's chunk
+            unit.full.copy_(unit.received)  # bf16 -> fp32, into the buffer the parameters are views of
+            unit.work, unit.send, unit.received, unit.state = None, None, None, "gathered"
+
+
+# ------------------------------------------------------------------------------------- exercise 6: a puzzle
+def plan(budget_mib):
+    """EXERCISE 6: every plan that fits, ranked by bytes on the wire per step, then by micro-batches."""
+    best = None
+    for zero in range(4):
+        for mbs in (1, 2, 4, 8):
+            g = SEQS_PER_RANK // mbs  # micro-batches per step
+            states = sum(planner.zero_model_state_bytes(PSI, zero, DP).values())
+            memory = states + IN_FLIGHT[zero] + planner.activation_bytes(MODEL, SEQ_LEN, mbs)
+            if memory > budget_mib * 2**20:
+                continue
+            wire = {0: 2 * PSI, 1: 2 * PSI, 2: (g + 1) * PSI, 3: g * (3 * PSI - ROOT)}[zero]
+            if best is None or (wire, g) <= best[0]:  # a tie: the higher stage (less optimizer work)
+                best = (wire, g), dict(zero=zero, micro_batch_size=mbs)
+    return best[1]
