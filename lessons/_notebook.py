@@ -84,16 +84,16 @@ def build(src, dst):
     return nb
 
 
-def execute(path, fast, out=None, timeout_s=6000):
-    """Run the notebook at `path` top to bottom in its folder (PICOTRON_FAST=1 if fast); write the executed
-    notebook to `out` (default: in place). Returns (failed ✓/✗ lines, passed count, error outputs)."""
+def execute(path, fast, out=None, timeout_s=6000, cwd=None):
+    """Run the notebook at `path` top to bottom in `cwd` (default: its folder; PICOTRON_FAST=1 if fast); write the
+    executed notebook to `out` (default: in place). Returns (failed ✓/✗ lines, passed count, error outputs)."""
     import nbclient
     import nbformat
 
     os.environ["PICOTRON_FAST"] = "1" if fast else "0"
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
-                                     resources={"metadata": {"path": str(Path(path).parent)}})
+                                     resources={"metadata": {"path": str(cwd or Path(path).parent)}})
     try:
         client.execute()
     except nbclient.exceptions.CellExecutionError:
@@ -122,15 +122,15 @@ def main(argv=None):
     for name in args.lessons:
         folder = LESSONS / Path(name).name
         nb = folder / f"{folder.name}.ipynb"
+        if args.run and args.out:  # build the copy that runs there: the committed notebook keeps its outputs
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            nb = Path(args.out) / nb.name
         build(folder / f"{folder.name}.py", nb)
         if not args.run:
             print(f"built {nb.relative_to(LESSONS.parent)}")
             continue
-        out = Path(args.out) / nb.name if args.out else None
-        if out:
-            out.parent.mkdir(parents=True, exist_ok=True)
         start = time.time()
-        failed, passed, errors = execute(nb, args.run == "fast", out)
+        failed, passed, errors = execute(nb, args.run == "fast", cwd=folder)
         print(f"{folder.name} ({args.run}): {time.time() - start:.0f} s, {passed} checks hold, {len(failed)} fail, "
               f"{len(errors)} errors", flush=True)
         for line in failed + errors:

@@ -1,7 +1,7 @@
 """Lesson 05: the exercise checker (the solutions pass; the stubs fail naming NotImplementedError; wrong answers are
-reported with their rank, tensor and likely cause; a hang with the waiting rank and its line), the widget's shard
-shapes and memory model against hand-computed numbers, the lesson's formulas, and the notebook end to end in FAST
-mode.
+reported with their rank, tensor and likely cause; a hang with the waiting rank and its line; the puzzle's classic
+mistakes named), the widget's shard shapes and memory model against hand-computed numbers, the lesson's formulas,
+the puzzle's planner, and the notebook end to end in FAST mode.
 
 No timing is asserted: on a shared CPU timings are measurements, not pass/fail criteria.
 """
@@ -30,7 +30,8 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions")
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 6, out  # three exercises on 2 and on 4 ranks
+    assert out.count("  ok  ") == 7, out  # three exercises on 2 and on 4 ranks, and the puzzle
+    assert "tp=4 + sp, micro-batch 2 held 22.77 MiB on its fullest rank (<= 23)" in out, out  # its real step
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
@@ -38,7 +39,8 @@ def test_checker_fails_the_stubs_naming_not_implemented():
     assert code == 1, out
     for what in ("CopyToTP and ReduceFromTP on 2 ranks", "parallel_mlp on 2 ranks", "vocab_parallel_cross_entropy on 2 ranks"):
         assert f"FAIL  {what}: rank " in out, out
-    assert out.count("NotImplementedError: not written yet") == 3, out
+    assert "FAIL  plan (the puzzle): NotImplementedError: not written yet" in out, out
+    assert out.count("NotImplementedError: not written yet") == 4, out
     assert "on 4 ranks" not in out  # it stops at the first world size
 
 
@@ -110,6 +112,44 @@ def test_checker_names_a_hang_and_the_waiting_line(tmp_path):
     assert "rank 1 finished and waited for it" in out, out
     assert "rank 0 waits in forward, line " in out and "dist.all_reduce(out, group=group)" in out, out
     assert "on 4 ranks" not in out  # a hang is not retried on the next world size
+
+
+def test_checker_names_the_puzzles_mistakes(tmp_path):
+    every = mutate(tmp_path, ("lesson.activation_bytes(mc, seq, b, tp, sp)", "lesson.activation_bytes(mc, seq, batch, tp, sp)"))
+    code, out = run_checker("--module", str(every), "plan")
+    assert code == 1, out
+    assert ("FAIL  plan (the puzzle): plan(100) = tp=2, micro-batch 8: fits (82.68 MiB per rank), but tp=1, micro-batch 4 "
+            "fits too (94.15 MiB per rank) and is faster: fewer tp ranks — you counted the activations of all 8 "
+            "sequences") in out, out
+
+    always = mutate(tmp_path, ("for sp in (False, True) if tp > 1 else (False,):", "for sp in (True,) if tp > 1 else (False,):"))
+    code, out = run_checker("--module", str(always), "plan")
+    assert code == 1, out
+    assert "plan(40) = tp=2 + sp, micro-batch 1: fits (32.64 MiB per rank), but tp=2, micro-batch 2 fits too" in out, out
+    assert "at tp=2 ours keeps MORE activations than tp alone" in out, out
+
+    never = mutate(tmp_path, ("for sp in (False, True) if tp > 1 else (False,):", "for sp in (False,):"))
+    code, out = run_checker("--module", str(never), "plan")
+    assert code == 1, out
+    assert "plan(23) = tp=4, micro-batch 1:" in out and "sp's smaller norms save just enough" in out, out
+
+
+# ------------------------------------------------------------------------------------------- the puzzle
+def test_the_puzzles_planner_by_hand(lesson):
+    """Each budget's answer fits, and every layout the ranking puts before it does not (the formulas are exact:
+    the memory experiment and the checker's real steps measure them)."""
+    mc, MiB = lesson.puzzle_model(), 2**20
+    answers = {b: lesson.best_plan(b) for b in lesson.PUZZLE["budgets_mib"]}
+    assert answers == {160: (1, False, 8), 100: (1, False, 4), 64: (1, False, 1), 40: (2, False, 2),
+                       23: (4, True, 2), 12: None}
+    order = lesson.layouts(mc)
+    assert order[0] == (1, False, 8) and order[-1] == (4, True, 1) and len(order) == 4 + 2 * 4 + 2 * 4
+    for budget, best in answers.items():
+        before = order if best is None else order[:order.index(best)]
+        assert all(lesson.rank_bytes(mc, *x) > budget * MiB for x in before), budget
+        assert best is None or lesson.rank_bytes(mc, *best) <= budget * MiB
+    assert lesson.rank_bytes(mc, 2, True, 2) > 40 * MiB > lesson.rank_bytes(mc, 2, False, 2)  # the sp trap at tp=2
+    assert lesson.rank_bytes(mc, 4, False, 2) > 23 * MiB > lesson.rank_bytes(mc, 4, True, 2)  # sp pays at tp=4
 
 
 # ------------------------------------------------------------------------------ the widget's shard shapes
@@ -222,8 +262,6 @@ def test_megatron_pattern(lesson):
     sp = lesson.megatron_pattern(2, 8, 16, sp=True)
     assert sp["forward"] == {("all_gather", act): 2, ("reduce_scatter", act): 2}
     assert sp["backward"][("all_gather", act)] == 2 and sp["backward"][("all_reduce", 4 * 16)] == 2
-    assert lesson.ring_bytes_sent("all_reduce", 1000, 4) == 1500
-    assert lesson.ring_bytes_sent("all_gather", 1000, 4) == 750
     assert set(lesson.OPS) >= {"all_reduce", "all_gather", "reduce_scatter"}  # metrics.Recorder's kinds
 
 
@@ -249,5 +287,5 @@ def test_a_variant_steps_through_the_seam_in_one_process(lesson):
 def test_notebook_runs_in_fast_mode(run_notebook):
     text = run_notebook("05_tensor_parallel", timeout=600)
     assert "✗" not in text, text
-    assert text.count("✓") >= 47, text
+    assert text.count("✓") >= 54, text
     assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs

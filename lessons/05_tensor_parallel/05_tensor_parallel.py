@@ -7,14 +7,12 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 05 — Tensor parallelism: cut the matrices, not the batch
 #
-# Data parallelism and ZeRO (lessons 03 and 04) give every rank different *samples* and the whole model's
-# arithmetic for them: however many ranks, each one still runs every layer whole, holds the activations of its
-# micro-batch whole and, under ZeRO-3, gathers every layer's weights whole before using them. **Tensor
-# parallelism** (Megatron-LM, Shoeybi et al. 2019) cuts the layers themselves: each of the $t$ ranks of a
-# tensor-parallel group keeps $\frac1t$ of every weight matrix, computes with it on the **same** tokens, and the
-# ranks exchange partial results twice per layer forward and twice backward. **Sequence parallelism** (Korthikanti
-# et al. 2022) then cuts what tensor parallelism leaves whole — the norms and the residual stream — along the
-# sequence.
+# Data parallelism and ZeRO (lessons 03 and 04) give every rank different *samples*: each rank still runs every layer
+# whole and keeps the activations of its micro-batch whole. **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019)
+# cuts the layers themselves: each of the $t$ ranks of a tensor-parallel group keeps $\frac1t$ of every weight
+# matrix and computes with it on the **same** tokens, exchanging partial results twice per layer forward and twice
+# backward. **Sequence parallelism** (Korthikanti et al. 2022) then cuts what tensor parallelism leaves whole — the
+# norms and the residual stream — along the sequence.
 #
 # | | each rank keeps | each rank computes | communication per layer |
 # |---|---|---|---|
@@ -22,29 +20,32 @@ edit this file, never the notebook.
 # | tensor parallel | $\frac1t$ of every matrix | $\frac1t$ of every matmul, on all the samples | 2 all-reduces of the $b\cdot s\cdot h$ activations forward, 2 backward |
 # | + sequence parallel | the same, and $\frac1t$ of the tokens between the blocks | the same, and $\frac1t$ of the norms | 2 all-gathers + 2 reduce-scatters forward and backward: the same bytes |
 #
-# We build it (`picotron/tensor_parallel.py`), count every collective of a layer against Megatron's pattern,
-# measure what each rank keeps against the formulas with and without sp, measure throughput at tp = 1, 2 and 4,
-# race our tensor parallelism against torch's DTensor one, and check that tp = 2 and 4 train exactly like one process.
-#
-# The experiments are `lessons/05_tensor_parallel/experiment.py`, launched with `torchrun` on 1, 2 and 4 processes.
-# `PICOTRON_FAST=1` gives a short run; the default settings are the real lesson.
+# We build it (`picotron/tensor_parallel.py`), count every collective of a layer against Megatron's pattern, measure
+# what each rank keeps against the formulas, time tp = 1, 2 and 4, race it against torch's DTensor tensor
+# parallelism, check that tp = 2 and 4 train exactly like one process, and combine it with data parallelism and
+# ZeRO-1 on a 2 × 2 grid of processes. The experiments are `experiment.py` in this folder, launched with `torchrun`;
+# `PICOTRON_FAST=1` gives a short run.
 
 # %%
 import sys
 import matplotlib.pyplot as plt
 sys.path.insert(0, "..")   # lessons/: the helpers every lesson shares
 import _common
-from picotron import planner, tensor_parallel
+from picotron import mesh as grid, planner, tensor_parallel
 from picotron.model import ModelConfig
 
 FAST, OUT = _common.FAST, _common.run_dir("05_tensor_parallel")
 import experiment as lesson   # this folder's experiment.py: its formulas, shard shapes and plots
 MiB, GB = 2**20, 1e9
 
-def run(only, nproc=2):
-    # torchrun --nproc_per_node nproc lessons/05_tensor_parallel/experiment.py --out OUT --only <only>; show what it printed
-    out = _common.launch("05_tensor_parallel/experiment.py", ["--out", OUT, "--only", only], nproc=nproc, quiet=True)
+def run(only, nproc=2, dp=1):
+    # torchrun --nproc_per_node nproc lessons/05_tensor_parallel/experiment.py --out OUT --only <only> --dp dp
+    out = _common.launch("05_tensor_parallel/experiment.py", ["--out", OUT, "--only", only, "--dp", dp], nproc=nproc,
+                         quiet=True)
     print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |", "done: "))))
+
+def check(name, ok, detail):
+    print(f"{'✓' if ok else '✗'} {name}: {detail}")
 
 mc = ModelConfig.from_preset("tiny", **lesson.SIZES["small"])
 st = lesson.settings(FAST)  # this machine's settings (the experiments pick the GPU ones on a GPU)
@@ -55,40 +56,36 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': 
 # %% [markdown]
 # ## 1. The problem: what ZeRO does not cut
 #
-# Model states are not the only memory. The activations autograd keeps for backward grow with the tokens of a
-# micro-batch, and neither data parallelism nor ZeRO touches them: each rank keeps all of its own. Llama-3-8B with
-# one sequence of 8,192 tokens per GPU, per GPU, with the textbook formulas ([mixed-precision model
-# states](../../docs/reference.md#model-states), 16 bytes per parameter; [Korthikanti's bf16
-# activations](../../docs/reference.md#activation-memory), $34\,sbh$ bytes per layer with flash attention, which never
-# stores the $s\times s$ scores):
+# The activations autograd keeps for backward grow with the tokens of a micro-batch, and neither data parallelism nor
+# ZeRO touches them. Llama-3-8B with one sequence of 8,192 tokens per GPU, with the textbook formulas
+# ([mixed-precision model states](../../docs/reference.md#model-states), 16 bytes per parameter; [Korthikanti's bf16
+# activations](../../docs/reference.md#activation-memory), $34\,sbh$ bytes per layer with flash attention):
 
 # %%
 llama = ModelConfig.from_preset("llama3-8b")
 for t in (1, 2, 4, 8):
-    for sp in (False, True):
-        if t == 1 and sp:
-            continue
+    for sp in ((False, True) if t > 1 else (False,)):
         m = lesson.memory_per_rank(llama, t, sp, seq_len=8192, micro_batch_size=1)
         states = m["params"] + m["grads"] + m["optimizer"]
         print(f"tp={t}{' + sp' if sp else '     '}: model states {states / GB:6.1f} GB + activations {m['activations'] / GB:5.1f} GB "
               f"= {m['total'] / GB:6.1f} GB per GPU")
-zero3 = 16 * llama.num_params() / 8
-print(f"(ZeRO-3 over 8 GPUs instead: model states {zero3 / GB:.1f} GB, activations still "
+print(f"(ZeRO-3 over 8 GPUs instead: model states {16 * llama.num_params() / 8 / GB:.1f} GB, activations still "
       f"{lesson.memory_per_rank(llama, 1, seq_len=8192)['activations'] / GB:.1f} GB per GPU, and every layer gathered whole)")
 
 # %% [markdown]
-# 36.5 GB of activations for one sequence is almost half an 80 GB GPU before a single weight is stored; ZeRO-3 cannot
-# shrink it. Tensor parallelism divides most of it by $t$ (everything inside the attention and MLP blocks), and
-# sequence parallelism, as Megatron implements it, the rest (section 4 measures what ours does).
+# At tp = 1 the activations of a single sequence fill almost half an 80 GB GPU before a weight is stored, and ZeRO-3
+# leaves them as they are. Tensor parallelism divides most of them by $t$ (everything inside the attention and MLP
+# blocks); sequence parallelism, as Megatron implements it, the rest.
+#
+# **Takeaway:** ZeRO shards the model states; to shrink the activations, cut the layers.
 #
 # ## 2. The idea
 #
-# **Column, then row.** A linear layer computes $Y = XA$ (in PyTorch's layout `F.linear(x, W)`, $A = W^\top$). Cut
-# $A$ by **columns**, $A = [A_1 \mid A_2]$: rank $r$ computes $Y_r = X A_r$, its own slice of the output features,
-# from the whole $X$ — no communication, no approximation. An elementwise function (GeLU, or SwiGLU's
-# $\mathrm{silu}(\text{gate}) \cdot \text{up}$) of a slice is the slice of the function, so each rank continues on its own.
-# The next layer $Z = YB$ then has its $B$ cut by **rows**, $B = \begin{bmatrix}B_1\\B_2\end{bmatrix}$, the rows that read
-# each rank's slice: $Z = Y_1B_1 + Y_2B_2$. Each rank computes one term, and **one all-reduce** sums them.
+# **Column, then row.** A linear layer computes $Y = XA$ (PyTorch's `F.linear(x, W)`, $A = W^\top$). Cut $A$ by
+# **columns**, $A = [A_1 \mid A_2]$: rank $r$ computes $Y_r = X A_r$, its slice of the output features, from the whole
+# $X$ — no communication. An elementwise function (SwiGLU's $\mathrm{silu}(\text{gate}) \cdot \text{up}$) of a slice is
+# the slice of the function, so each rank goes on alone. The next layer $Z = YB$ has $B$ cut by **rows**, the rows
+# that read each rank's slice: $Z = Y_1B_1 + Y_2B_2$. Each rank computes one term; **one all-reduce** sums them.
 #
 # ```
 #           x (whole, on every rank)
@@ -104,40 +101,37 @@ print(f"(ZeRO-3 over 8 GPUs instead: model states {zero3 / GB:.1f} GB, activatio
 #           y (whole, on every rank)
 # ```
 #
-# Had we cut the first matrix by rows, its output would be a partial sum, and silu of a partial sum is not a partial
-# sum of anything: a second all-reduce would be needed before the nonlinearity. Column-then-row needs exactly one.
-#
+# Cut the first matrix by rows instead and its output is a partial sum; silu of a partial sum is not a partial sum of
+# anything, so a second all-reduce would be needed before the nonlinearity.
+
+# %% [markdown]
 # **Attention** is the same with heads: heads are independent, so rank $r$ takes whole heads — its rows of $W_q$,
-# $W_k$, $W_v$ (column-parallel) — computes attention for them alone, and $W_o$ is row-parallel. Grouped-query
-# attention shares each KV head among several query heads, so a rank needs whole KV heads too: $t$ must divide the
-# KV heads (8 for Llama-3-8B, 32 for SmolLM-1.7B, 3 for SmolLM-135M; replicating KV heads would allow more).
+# $W_k$, $W_v$ (column-parallel) — and $W_o$ is row-parallel. Grouped-query attention shares each KV head among
+# several query heads, so $t$ must divide the KV heads too (8 for Llama-3-8B, 3 for SmolLM-135M).
 #
-# **f and g** are the two autograd functions that make this work (Megatron's conjugate pair; see the
-# [reference](../../docs/reference.md#tensor-parallelism)): $f$ where the
-# tensor-parallel region begins, $g$ where it ends. Per layer: one $g$ after attention and one after the MLP
-# (2 all-reduces forward), one $f$ before each in backward (2 all-reduces backward), each of the $b\cdot s\cdot h$
-# activation. That is traffic proportional to the **tokens**, not to the parameters, and it sits on the critical
-# path: the next layer cannot start before the all-reduce ends. That is why tensor parallelism lives inside a node
-# (NVLink, $t \le 8$).
+# **f and g** are Megatron's conjugate pair of autograd functions ([reference](../../docs/reference.md#tensor-parallelism)):
+# $f$ where a tensor-parallel region begins, $g$ where it ends. Per layer one $g$ after attention and one after the
+# MLP (2 all-reduces forward), one $f$ before each in backward (2 all-reduces backward), each of the
+# $b\cdot s\cdot h$ activation: traffic proportional to the **tokens**, on the critical path (the next layer waits for
+# it). That is why tensor parallelism lives inside a node (NVLink, $t \le 8$).
 #
-# **The vocabulary** is cut too: rank $r$ keeps rows $[r\frac vt, (r+1)\frac vt)$ of the embedding (tokens outside them
-# look up zeros; the all-reduce adds the one rank that has each row) and of the LM head, whose logits then stay cut
-# over the vocabulary, $[b, s, \frac vt]$. The cross-entropy needs only three all-reduces of one number per token (the
-# row maximum, the sum of exponentials, the target's logit), never the $b\cdot s\cdot v$ logits (4.2 GB in fp32 for one
-# 8,192-token sequence of Llama-3's 128,256-token vocabulary).
+# **The vocabulary** is cut too: rank $r$ keeps rows $[r\frac vt, (r+1)\frac vt)$ of the embedding and of the LM head,
+# whose logits stay cut, $[b, s, \frac vt]$. The cross-entropy needs three all-reduces of one number per token (the
+# row maximum, the sum of exponentials, the target's logit), never the $b\cdot s\cdot v$ logits.
 #
-# **Sequence parallelism.** Between the blocks the RMSNorms and the residual stream are still whole on every rank:
-# $t$ copies of the same $b\cdot s\cdot h$ numbers, the same work $t$ times. An all-reduce is a reduce-scatter followed by an
-# all-gather (lesson 02). So: leave a block with a **reduce-scatter** along the sequence (each rank keeps the sum for
-# its $s/t$ tokens), run the norm and the residual add on those tokens only, and enter the next block with an
-# **all-gather** (attention and the matmuls need every token). Same bytes, and everything outside the blocks divided
-# by $t$. Each rank of tp = 2 holds, for our model:
+# **Sequence parallelism.** Between the blocks the norms and the residual stream are whole on every rank: $t$ copies of
+# the same numbers, the same work $t$ times. An all-reduce is a reduce-scatter followed by an all-gather (lesson 02),
+# so leave a block with a **reduce-scatter** along the sequence (each rank keeps its $s/t$ tokens), run the norm and
+# the residual add on those, and enter the next block with an **all-gather**. Same bytes, the outside of the blocks
+# divided by $t$. What each rank of tp = 2 holds of our model:
 
 # %%
-print(lesson.shard_table(mc, 2))
 lesson.plot_shards(mc, 2, title="tp=2, the 'small' model: one colour per rank"); plt.show()
 
 # %% [markdown]
+# **Takeaway:** column-parallel then row-parallel costs one all-reduce per block each way; every matrix, the
+# embedding and the LM head included, is cut, and only the norm weights stay whole.
+#
 # ## 3. Read the code
 #
 # **f and g** (`picotron/tensor_parallel.py`), and sequence parallelism's pair — all-gather forward with a
@@ -152,10 +146,9 @@ _common.show_source(tensor_parallel.enter_tp)
 _common.show_source(tensor_parallel.leave_tp)
 
 # %% [markdown]
-# **The layers.** A column-parallel linear keeps rows of $W$ (its slice of the output features); a row-parallel one
-# keeps columns (the input features that read its slice) and leaves the region with $g$. The input enters once per
-# block, not once per layer: q, k and v read the same input, and three $f$'s would all-reduce its gradient three
-# times (a forward pre-hook on the attention and MLP blocks does it):
+# **The layers.** A column-parallel linear keeps rows of $W$; a row-parallel one keeps columns and leaves the region
+# with $g$. The input enters once per block, not once per layer: q, k and v read the same input, and three $f$'s
+# would all-reduce its gradient three times (a forward pre-hook on the attention and MLP blocks does it):
 
 # %%
 _common.show_source(tensor_parallel.ColumnParallelLinear.forward)
@@ -166,9 +159,8 @@ _common.show_source(tensor_parallel.apply, "for layer in model.layers:", "model.
 # %% [markdown]
 # `apply` swaps the modules of a model built on the meta device, so the names stay those of the unsharded model and
 # `init_weights` draws each full tensor from (seed, name) and keeps this rank's slice: every layout starts from the
-# same weights, which is what makes the parity check of section 5 exact.
-#
-# **The vocabulary-parallel embedding and loss:**
+# same weights, which is what makes the parity checks of sections 5 and 6 exact. The vocabulary-parallel embedding
+# and loss:
 
 # %%
 _common.show_source(tensor_parallel.VocabParallelEmbedding.forward)
@@ -176,48 +168,50 @@ print()
 _common.show_source(tensor_parallel.VocabParallelCrossEntropy)
 
 # %% [markdown]
-# With sp, the norm weights are whole on every rank but each rank only sees its own tokens, so their gradients are
+# With sp the norm weights are whole on every rank but each rank sees only its own tokens, so their gradients are
 # partial sums: the weight goes through $f$, whose backward all-reduces that gradient ($h$ numbers per norm):
 
 # %%
 _common.show_source(tensor_parallel.SequenceParallelRMSNorm.forward)
 
 # %% [markdown]
+# **Takeaway:** four autograd functions carry all of tensor and sequence parallelism; the layers only decide where
+# to call them.
+#
 # ## 4. Run it
 #
-# Every experiment runs at tp = the number of processes (dp = 1): every rank sees the same batch. `_common.launch`
-# gives each rank `OMP_NUM_THREADS = cores // nproc` threads: on this 2-core machine tp=1 runs 2 threads, tp=2 one
-# thread per rank, and **tp=4 puts 4 single-threaded ranks on 2 cores: oversubscribed**, each rank gets half a core.
-# So the ideal here is *flat* throughput (the same two cores, however the matmuls are split); on a GPU node, where
-# every rank brings its own GPU and NVLink, the ideal is $t\times$ a single GPU's speed for the same batch.
+# Every experiment of this section runs at tp = the number of processes (dp = 1): every rank sees the same batch.
+# `_common.launch` gives each rank `OMP_NUM_THREADS = cores // nproc` threads: on a 2-core machine tp=1 runs 2
+# threads, tp=2 one per rank, and **tp=4 puts 4 ranks on 2 cores: oversubscribed**. So the ideal here is *flat*
+# throughput (the same cores, however the matmuls are split); on a GPU node, where each rank brings its own GPU, it
+# is $t\times$ one GPU's speed. (The experiments set `OMP_WAIT_POLICY=PASSIVE`: OpenMP threads that spin while
+# waiting for each other collapse when other programs share the cores.)
 #
-# Each variant is built and stepped by picotron's own seam, as `picotron.train` does it: `parallelize(cfg, mesh)`
-# gives this rank's shards, the optimizer, the step schedule and the loss (vocabulary-parallel under tp), and a step
-# is the schedule's forward and backward, the clipping, the optimizer step. While a variant steps, a
-# `metrics.Recorder` counts and times every collective of the mesh's axes (`parallelize(cfg, mesh, recorder=...)`
-# builds the run on `mesh.recorded(recorder)`: the same groups, each collective reported), on a timeline it shares
-# with the schedule's forward and backward events:
+# Each variant is built and stepped as `picotron.train` does it: `parallelize(cfg, mesh)` gives this rank's shards,
+# the optimizer, the step schedule and the loss; a step is the schedule's forward and backward, the clipping, the
+# optimizer step. The variant builds its run once, on `mesh.recorded(recorder)` — the same process groups, with every
+# collective of the model and of the clipping counted and timed by one `metrics.Recorder`, on a timeline it shares
+# with the schedule's forward and backward:
 
 # %%
 _common.show_source(lesson.Variant.__init__, "self.recorder =", "self.run.schedule.timeline")
-_common.show_source(lesson.Variant.step, "recorder.reset()", "elapsed =")
+_common.show_source(lesson.Variant.step, "self.recorder.reset()", "elapsed, calls =")
 
 # %%
 run("memory,scaling", nproc=1)
 run("comm,memory,scaling", nproc=2)
 run("comm,memory,scaling", nproc=4)
 comm = {t: _common.load_json(OUT / f"comm_tp{t}.json")["results"] for t in (2, 4)}
-st = _common.load_json(OUT / "memory_tp1.json")["results"]["settings"]  # what the experiments ran with
 memory = {t: _common.load_json(OUT / f"memory_tp{t}.json")["results"] for t in (1, 2, 4)}
 scaling = {t: _common.load_json(OUT / f"scaling_tp{t}.json")["results"] for t in (1, 2, 4)}
+st = _common.load_json(OUT / "memory_tp1.json")["settings"]  # what the experiments ran with
 
 # %% [markdown]
 # ### (a) The collectives of a layer, counted
-# One training step of the model with 2 and with 4 layers; every all-reduce, all-gather and reduce-scatter is counted
-# with its buffer size, in the phase it started in (`lesson.by_phase`: forward with the loss, backward, or the step
-# after them). Per layer is the difference divided by 2, against Megatron's pattern (`lesson.megatron_pattern`): bars
-# are what was counted, black outlines what the pattern predicts, in units of one $b\cdot s\cdot h$ activation (here
-# $4 \times 128 \times 256$ fp32 numbers = 512 KiB):
+# One training step of the model with 2 and with 4 layers; every all-reduce, all-gather and reduce-scatter counted
+# with its buffer size, in the phase it started in (`lesson.by_phase`). Per layer is the difference divided by 2;
+# bars are what was counted, black outlines Megatron's pattern (`lesson.megatron_pattern`), in units of one
+# $b\cdot s\cdot h$ activation:
 
 # %%
 def size(nb):
@@ -226,9 +220,13 @@ def size(nb):
 def fmt(counts):
     return ", ".join(f"{c:g} x {lesson.OPS[op]} of {size(nb)}" for (op, nb), c in sorted(counts.items())) or "nothing"
 
+row0 = comm[2]["rows"][0]
+act = 4 * row0["b"] * row0["s"] * row0["h"]
+print(f"one b·s·h activation: {row0['b']} x {row0['s']} x {row0['h']} fp32 numbers = {size(act)}; "
+      f"one b·s vector (the loss's): {size(4 * row0['b'] * row0['s'])}; one norm weight's gradient: {size(4 * row0['h'])}")
 for t, res in comm.items():
     for row in res["rows"]:
-        got, exp, out = (lesson.parse_counts(row[k]) for k in ("per_layer", "expected", "outside"))
+        got, out = (lesson.parse_counts(row[k]) for k in ("per_layer", "outside"))
         print(f"{row['name']:<9} per layer  forward: {fmt(got['forward'])}\n{'':<20}backward: {fmt(got['backward'])}"
               f"\n{'':<10}Megatron's pattern: {'matched exactly' if row['matches'] else 'NOT matched'}")
         print(f"{'':<10}outside the layers, forward: {fmt(out['forward'])}; backward: {fmt(out['backward'])}; "
@@ -236,25 +234,20 @@ for t, res in comm.items():
 lesson.plot_comm(comm); plt.show()
 
 # %% [markdown]
-# Every layer makes exactly Megatron's collectives: without sp 2 all-reduces of the 512 KiB activation forward and 2
-# backward; with sp each becomes an all-gather entering a block and a reduce-scatter leaving it, forward and
-# backward — four times as many calls, the same bytes (a ring all-reduce *is* a reduce-scatter plus an all-gather).
-# Ours adds two small all-reduces per layer with sp, of the two norm weights' gradients ($h$ = 256 numbers each:
-# 1 KiB); Megatron collects those once per step instead. Outside the layers: the embedding's all-reduce (sp: a
-# reduce-scatter), the LM head's $f$ (sp: an all-gather), and the loss's **three all-reduces of $b\cdot s$ numbers**
-# (2 KiB each) — never the logits; the optimizer step adds one all-reduce of one number: the squared gradient norm
-# of the sharded parameters, for clipping (the norm weights, whole on every rank, are counted once).
+# Every layer makes exactly Megatron's collectives: without sp 2 all-reduces of the activation forward and 2
+# backward; with sp each becomes an all-gather entering a block and a reduce-scatter leaving it — twice the calls,
+# the same bytes (a ring all-reduce *is* a reduce-scatter plus an all-gather). With sp ours adds two small
+# all-reduces per layer, of the norm weights' gradients; Megatron collects those once per step. Outside the layers:
+# the embedding's all-reduce, the LM head's $f$, the loss's **three all-reduces of $b\cdot s$ numbers** — never the
+# logits — and, in the optimizer step, one all-reduce of one number: the squared gradient norm, for clipping.
 #
-# Per rank a ring sends $2\frac{t-1}{t}$ of each all-reduced buffer: per layer and step
-# $4 \cdot 2\frac{t-1}{t} \cdot b s h \cdot 4$ bytes here. Data parallelism sends the *gradients*, once per step, and
-# overlaps them with backward; tensor parallelism sends *activations*, 4 times per layer, each blocking the next
-# layer. How much of a step that is on this machine, next.
+# **Takeaway:** tensor parallelism sends *activations*, 4 times per layer, each one blocking the next layer; data
+# parallelism sends *gradients*, once per step, behind backward.
 #
 # ### (b) What each rank keeps
-# One step of every variant; the bytes autograd keeps for backward — the step schedule counts them for the step's
-# first micro-batch (`schedule.activation_bytes`) — attributed to the part of the model that saved them by one more
-# forward of the same batch under `PartCounter` (`metrics.ActivationCounter` with a forward hook per module; the two
-# totals must agree), next to `lesson.activation_parts` (exact for our code: every term is listed in its docstring):
+# One step of every variant: the bytes autograd keeps for backward (the step schedule's count,
+# `schedule.activation_bytes`), credited to the part of the model that saved them by one more forward under
+# `PartCounter` (the two totals must agree), next to `lesson.activation_parts` (exact for our code, term by term):
 
 # %%
 for t, res in memory.items():
@@ -264,32 +257,31 @@ for t, res in memory.items():
         print(f"{row['name']:<9} activations per rank {got['total'] / MiB:6.2f} MiB (formula {row['formula_total'] / MiB:6.2f}, "
               f"worst rank {worst:.2%}); per layer " + ", ".join(f"{p} {got['per layer'][p] / MiB:.2f}" for p in lesson.LAYER_PARTS) + " MiB")
 lesson.plot_activations(memory, mc, st["seq_len"], st["micro_batch_size"]); plt.show()
+per_layer = {r["name"]: sum(r["parts_by_rank"][0]["per layer"].values()) for res in memory.values() for r in res["rows"]}
+sbh = st["seq_len"] * st["micro_batch_size"] * mc.hidden_size
 R, S = lesson.replicated_and_sharded(mc, st["seq_len"], st["micro_batch_size"])
 Rsp, Ssp = lesson.replicated_and_sharded(mc, st["seq_len"], st["micro_batch_size"], sp=True)
-sbh = st["seq_len"] * st["micro_batch_size"] * mc.hidden_size
 print(f"our formula per layer: {R / sbh:.1f}·sbh + {S / sbh:.1f}·sbh/t bytes; with sp {Rsp / sbh:.1f}·sbh + {Ssp / sbh:.1f}·sbh/t "
       f"(Korthikanti, bf16: 10·sbh + 24·sbh/t, with sp 34·sbh/t, flash attention)")
+print(f"kept whole on every rank without sp: {R / MiB:.2f} MiB per layer, the floor tp alone never goes below; "
+      f"a layer measured: " + ", ".join(f"{k} {v / MiB:.2f} MiB" for k, v in per_layer.items()))
 
 # %% [markdown]
-# Our formula has Korthikanti's shape in fp32 bytes (twice his bf16 ones; a SwiGLU MLP of width $i = 3h$ instead of a
-# $4h$ GeLU one; no dropout): a part kept whole on every rank — the two norms ($x$ and $x\cdot$rsqrt: 16 bytes per
-# element of $b\cdot s\cdot h$) and each block's input (4 + 4) — plus the part inside the blocks, divided by $t$: q, k,
-# v, the attention output, the four MLP intermediates. Measured per layer and rank: 10.52 MiB at tp=1, 6.76 at tp=2,
-# 4.88 at tp=4, equal to the formula part by part on every rank. The $24\,sbh$ bytes kept whole are 3.0 MiB here: with
-# tensor parallelism alone a layer's activations never drop below that, whatever $t$ (Korthikanti's $10\,sbh$).
+# Our formula has Korthikanti's shape in fp32 bytes (twice his bf16 ones; a SwiGLU MLP of width $3h$; no dropout): a
+# part kept whole on every rank — the two norms and each block's input — plus the part inside the blocks, divided by
+# $t$: q, k, v, the attention output, the MLP intermediates. Measured and formula agree part by part on every rank.
 #
 # **What sequence parallelism did here, measured.** It divides the norms by $t$, as promised. But it does not divide
-# each block's input: the all-gathered $[b, s, h]$ tensor that q, k, v (and gate, up) multiply must be kept for their
-# weight gradients — and our all-gather hands it over as a *transposed view* (`_all_gather_sequence` gathers along
-# dim 0 and transposes back), so each of the five projections keeps its own contiguous copy (`SP_INPUT_COPIES`:
-# 3 in attention, 2 in the MLP, against 1 and 1 without sp, where the three projections share the norm's output).
-# Measured: at tp=2 a layer with sp keeps 7.26 MiB against 6.76 MiB without — *more*; at tp=4 both keep 4.88 MiB.
-# The norms shrank by 0.5 MiB each at tp=2 (0.75 at tp=4), and the three extra copies (2 in attention, 1 in the MLP,
-# 0.5 MiB each) ate it: sp only starts saving beyond tp=4 here. The fix is to make the gathered input contiguous once (or to keep activations as $[s, b, h]$
-# throughout, as Megatron does, so the gather needs no transpose). Megatron goes further: it keeps only the rank's
-# own $s/t$ tokens of each block's input and all-gathers them **again in backward** (one more all-gather per block,
-# overlapped with the input-gradient matmul) — that is what takes Korthikanti's sequence-parallel formula to
-# $34\,sbh/t$, everything divided. This is what measuring memory per part is for: the parity test passes either way.
+# each block's input: the all-gathered $[b, s, h]$ tensor that q, k, v (and gate, up) multiply is kept for their weight
+# gradients — and our all-gather hands it over as a *transposed view*, so each of the five projections keeps its own
+# contiguous copy (`SP_INPUT_COPIES`: 3 in attention, 2 in the MLP, against 1 and 1 without sp). The per-layer totals
+# printed above show the result: at tp=2 a layer keeps *more* with sp than without (the norms shrink by less than the
+# three extra copies add); at tp=4 a layer keeps the same either way, and the whole model a little less with sp
+# (the final norm is cut too, section 5 checks it); a layer would save only beyond tp=4. Making the gathered input
+# contiguous once (or keeping activations as $[s, b, h]$, as Megatron does) would fix it; Megatron goes further and
+# keeps only the rank's own $s/t$ tokens of each block's input, gathering them **again in backward** — that is what
+# takes Korthikanti's sequence-parallel formula to $34\,sbh/t$. The parity test passes either way: only measuring
+# memory by part shows it.
 #
 # And the model states, per rank:
 
@@ -302,14 +294,15 @@ for t, res in memory.items():
 lesson.plot_memory(memory); plt.show()
 
 # %% [markdown]
-# Every matrix is divided by $t$ — the embedding and LM head included — and only the norm weights ($(2L+1)h$
-# numbers) stay whole, so parameters, gradients and AdamW's moments all shrink by $t$: unlike ZeRO, tensor
-# parallelism needs no gathering to use them. Unlike data parallelism it does not multiply the batch either: every
-# tp rank works on the same tokens.
+# Every matrix is divided by $t$ and only the norm weights ($(2L+1)h$ numbers) stay whole, so parameters, gradients
+# and AdamW's moments all shrink by about $t$ — with no gathering before use, unlike ZeRO-3.
+#
+# **Takeaway:** tp divides the model states by $t$ and the activations inside the blocks by $t$; the part between
+# the blocks stays whole unless sp cuts it — and ours only starts to pay for that at tp=4.
 #
 # ### (c) Throughput against tp
-# A few steps of sp off and sp on, alternating, at each tp: the step time (the slowest rank's), tokens per second
-# (the batch is the same on every rank, so it is not multiplied by $t$) and the time spent inside collectives:
+# Steps of sp off and sp on, alternating, at each tp: the step time (the slowest rank's), tokens per second (the batch
+# is the same on every rank, so it is not multiplied by $t$) and the time spent inside collectives:
 
 # %%
 for t, res in scaling.items():
@@ -317,22 +310,21 @@ for t, res in scaling.items():
         print(f"{r['name']:<9} ({res['threads']} thread(s) per rank): {r['tokens_per_s']:7,.0f} tokens/s, step {1e3 * r['median']:6.1f} ms "
               f"(quartiles {1e3 * r['q1']:.0f}-{1e3 * r['q3']:.0f}), inside collectives {1e3 * r['comm_median']:5.1f} ms "
               f"({r['comm_median'] / r['median']:.0%})" + ("  [FAST: few steps]" if FAST else ""))
+one = scaling[1]["rows"][0]["tokens_per_s"]
+print("relative to one process: " + ", ".join(f"{r['name']} {r['tokens_per_s'] / one:.2f}x" for t in (2, 4) for r in scaling[t]["rows"]))
 lesson.plot_scaling(scaling); plt.show()
 
 # %% [markdown]
-# What to expect (the numbers above are this run's; the same 4 × 128 tokens per step on every rank): on this 2-core
-# machine tensor parallelism only costs. One process with two threads is fastest; tp=2 runs at roughly 0.6× of it,
-# sequence parallelism is slower again, and tp=4 (four processes on two cores) slowest. Runs differ by 10% or more
-# with the machine's load, FAST ones (few steps) more; the order stays. The right-hand plot says where the time goes.
-# At tp=2 the part of the step outside collectives is about what one process with two threads needs: the same
-# arithmetic, split over two processes instead of two threads. On top come 18 all-reduces of $b\cdot s\cdot h$
-# (512 KiB) per step — 4 per layer, the embedding's, the LM head's — at about 2 ms each (the lines printed by the
-# experiment above give this run's figure): a quarter to a third of the step.
-# Unlike data parallelism's gradient all-reduce (lesson 03) none of them can hide behind computation: each one's
-# result is what the next layer reads. With sp the same bytes take two calls, an all-gather and a reduce-scatter
-# against one all-reduce (their times per call are printed above), with a transpose on each side: slower again. At tp=4 four
-# processes share two cores, and a rank "inside a collective" is mostly waiting for peers that have no core to run
-# on: there the orange bar measures the oversubscription more than the transfer.
+# What to expect on a 2-core machine (the lines above are this run's): tensor parallelism only costs. On an idle
+# machine one process with two threads is fastest and tp=2 reaches a fraction of it; sequence parallelism is slower
+# again, and tp=4 (four processes on two cores) slowest. Runs differ by 10% or more with the machine's load, FAST
+# ones more; when other programs keep the cores busy, the single process's two threads suffer most (a parallel
+# region waits for its slowest thread) and the order can change. The right-hand plot says where the time goes: at tp=2 the part outside
+# collectives is about what one process needs — the same arithmetic, split over two processes instead of two
+# threads — and on top come the activation-sized all-reduces (their number per step and time per call are printed by
+# the experiment above). None of them can hide behind computation: each one's result is what the next layer reads.
+# With sp the same bytes take two calls, with a transpose on each side. At tp=4 a rank "inside a collective" is
+# mostly waiting for peers that have no core to run on: the orange bar measures the oversubscription.
 #
 # What a CPU cannot show is the setting tensor parallelism is made for: each rank with its own GPU, the all-reduces
 # over NVLink. An estimate (not a measurement) of the counted pattern next to the compute of one layer, on H100s:
@@ -352,14 +344,14 @@ for name, m in (("llama3-8b", llama), ("llama3-70b", llama70)):
               ", ".join(f"{sent / bw / compute:4.2f} over {link}" for link, bw in links.items()))
 
 # %% [markdown]
-# Inside a node, tp=8's all-reduces cost about 30% of a layer's compute for Llama-3-8B and 17% for Llama-3-70B:
-# the compute per token grows as $h^2$, the traffic as $h$, so the larger the model, the better tensor parallelism
-# pays. Across nodes the same all-reduces would take longer than the compute itself. Hence the rule everybody follows:
-# tensor parallelism inside a node, $t \le 8$, the other dimensions (data, pipeline) across nodes. For scale: Megatron-LM
-# measured 77% of linear weak scaling at 8-way tensor parallelism within one DGX-2H node (Shoeybi et al. 2019), and
-# overlapping these collectives with the matmuls ("async TP") is how newer systems win back much of the rest.
-
-# %% [markdown]
+# Inside a node, tp=8's all-reduces cost a fraction of a layer's compute, smaller for the larger model: the compute
+# per token grows as $h^2$, the traffic as $h$. Across nodes the same all-reduces take about as long as the compute,
+# or longer. Hence the rule everybody follows: tensor parallelism inside a node, $t \le 8$, the other dimensions
+# (data, pipeline) across nodes. (Megatron-LM measured 77% of linear weak scaling at 8-way tensor parallelism within
+# one DGX-2H node, Shoeybi et al. 2019; overlapping these collectives with the matmuls, "async TP", wins back more.)
+#
+# **Takeaway:** tp's collectives sit on the critical path: it pays only where the link is fast next to the compute.
+#
 # ### (d) Against torch's DTensor tensor parallelism
 # `torch.distributed.tensor.parallel.parallelize_module` with `ColwiseParallel` / `RowwiseParallel` plans (and
 # `SequenceParallel` on the norms, `loss_parallel` for the loss) is torch's own tensor parallelism: the same Megatron
@@ -386,42 +378,37 @@ for name, res in dt["runs"].items():
 lesson.plot_dtensor(dt); plt.show()
 
 # %% [markdown]
-# This run's ratios are printed above. For scale, 5 separate runs of `benchmarks/tp_vs_dtensor.py` on this 2-core
-# machine (60 paired rounds each, nothing else running) gave medians of 1.51 (runs 1.45–1.52) without sp and 1.64
-# (1.58–1.74) with sp at these 4 × 128 tokens, and 1.79 and 2.00 at 2 × 64 tokens, where DTensor's cost per
-# operation weighs more. Both run the same layout, the same collectives and — the losses agree to about $10^{-7}$
-# (printed above) — the same arithmetic. The likely difference
-# (not profiled) is overhead per operation: DTensor converts the input and output of every parallel layer to and from
-# DTensors in module hooks and sends each operation on a DTensor through its sharding propagation, in Python; with
-# layers this small on a CPU that is a large part of a step. We have not measured the comparison on GPUs, where
-# kernels are larger and run asynchronously to Python. Both keep the same parameters and optimizer state per rank
-# (DTensor's gradients take 128 KiB more per rank).
+# The ratios printed above vary from run to run (FAST mode's few rounds most; `benchmarks/tp_vs_dtensor.py` runs
+# longer). Both sides run the same layout, the same collectives and — the losses agree closely, printed above — the
+# same arithmetic. The likely difference (not profiled) is overhead per operation: DTensor converts the input and
+# output of every parallel layer in module hooks and sends each operation on a DTensor through its sharding
+# propagation, in Python; with layers this small on a CPU that is a large part of a step. We have not measured the
+# comparison on GPUs, where kernels are larger and run asynchronously to Python. Both keep the same parameters and
+# optimizer state per rank.
 #
-# The right-hand panel compares both with the unsharded model on the same batches: equal to a few $10^{-7}$ at first.
-# The full settings run long enough (about 60 steps) to see what comes next: after a dozen or more steps all four
-# curves rise together, to $10^{-5}$ and then $10^{-2}$. Ours and DTensor's drift away from the single process alike:
-# the rounding of different summation orders, amplified by training at a constant learning rate of $3\cdot10^{-3}$
-# without warm-up. (FAST mode stops after a few steps, before the drift starts.) The trainer's runs in the next section, with
-# warm-up and decay, stay within $10^{-6}$.
+# The right-hand panel compares both with the unsharded model on the same batches. Over many steps (the full
+# settings) expect the curves to part from it together, ours and DTensor's alike: the rounding of different
+# summation orders, amplified by training at a constant learning rate without warm-up. The trainer's runs in the next
+# section, with warm-up and decay, are held to the parity standard.
+#
+# **Takeaway:** the same Megatron layout, the same numbers; ours is a few hundred lines of autograd functions and
+# module swaps.
 #
 # ## 5. Check it: the same training as one process
 #
-# `picotron.train --tp 2` and `--tp 4`, with and without `--sp`, against one process with the same batch (tp does
-# not change the batch: every rank reads the same rows), fp32, same seed: per-step losses within $10^{-5}$ relative
-# over the first 10 steps, the [parity standard](../../docs/reference.md#parity-standard). The full settings train 20
-# steps; the steps after the window are reported as drift against a looser bound of $10^{-3}$ (lesson 03, section 5
-# explains why the curves part). (The test suite, `tests/test_tensor_parallel.py`, also checks every gradient slice against the single process, and
-# tp combined with data parallelism and ZeRO.)
+# `picotron.train --tp 2` and `--tp 4`, with and without `--sp`, against one process with the same batch (tp does not
+# change the batch: every rank reads the same rows), fp32, same seed: per-step losses within $10^{-5}$ relative over
+# the first 10 steps, the [parity standard](../../docs/reference.md#parity-standard). The full settings train 20 steps;
+# the steps after the window are reported as drift against a looser bound of $10^{-3}$ (lesson 03, section 5 explains
+# why the curves part). (`tests/test_tensor_parallel.py` also checks every gradient slice against one process.)
 
 # %%
 run("parity", nproc=1)
 run("parity", nproc=2)
 run("parity", nproc=4)
 ref = _common.load_json(OUT / "parity_tp1.json")["results"]["losses"]["reference"]
-pairs = {}
-for t in (2, 4):
-    for name, losses in _common.load_json(OUT / f"parity_tp{t}.json")["results"]["losses"].items():
-        pairs[name] = (losses, ref)
+pairs = {name: (losses, ref) for t in (2, 4)
+         for name, losses in _common.load_json(OUT / f"parity_tp{t}.json")["results"]["losses"].items()}
 for label, (got, want) in pairs.items():
     p = _common.parity(got, want)
     print(f"{label:<10} vs 1 process: max relative loss difference over steps 1-{p['window']} {p['worst']:.1e}"
@@ -429,12 +416,9 @@ for label, (got, want) in pairs.items():
 lesson.plot_parity(pairs); plt.show()
 
 # %% [markdown]
-# Every claim of this lesson that is not a timing, as a number:
+# Every claim of sections 4 and 5 that is not a timing, as a number:
 
 # %%
-def check(name, ok, detail):
-    print(f"{'✓' if ok else '✗'} {name}: {detail}")
-
 for label, (got, want) in pairs.items():
     for line in _common.parity_checks(label, got, want):
         check(*line)
@@ -443,7 +427,6 @@ for t, res in comm.items():
         got = lesson.parse_counts(row["per_layer"])
         check(f"{row['name']}: collectives per layer are Megatron's", row["matches"],
               f"forward {sum(got['forward'].values()):g} calls, backward {sum(got['backward'].values()):g} calls, as predicted")
-    act = 4 * res["rows"][0]["b"] * res["rows"][0]["s"] * res["rows"][0]["h"]
     vol = [sum(nb * c * (2 if op == "all_reduce" else 1) for p in ("forward", "backward")
                for (op, nb), c in lesson.parse_counts(row["per_layer"])[p].items() if nb == act) for row in res["rows"]]
     check(f"tp={t}: sp moves the same activation bytes per layer (all-reduce = reduce-scatter + all-gather)", vol[0] == vol[1],
@@ -473,34 +456,101 @@ for name, res in dt["runs"].items():
     worst = max(drift(ours["losses"], first), drift(theirs["losses"], first))
     check(f"{name}: ours and DTensor's train like one process", worst <= 1e-5,
           f"max relative loss difference {worst:.1e} over the first {first} steps"
-          + (" (FAST mode: fewer than the parity standard's 10; section 5 checks the standard)" if first < 10 else ""))
+          + (" (FAST mode: fewer than the parity standard's 10; this section's parity checks hold the standard)" if first < 10 else ""))
     check(f"{name}: ours and DTensor's keep the same parameters and optimizer state per rank",
           all(ours["states"][k] == theirs["states"][k] for k in ("params", "optimizer")),
           ", ".join(f"{k} {ours['states'][k]:,} vs {theirs['states'][k]:,} B" for k in ("params", "optimizer")))
-per_layer = {r["name"]: sum(r["parts_by_rank"][0]["per layer"].values()) for res in memory.values() for r in res["rows"]}
 check("tp=2: with sp a layer keeps MORE activations than without (the extra copies of the gathered input)",
       per_layer["tp=2 + sp"] > per_layer["tp=2"], f"{per_layer['tp=2 + sp'] / MiB:.2f} vs {per_layer['tp=2'] / MiB:.2f} MiB")
 check("tp=4: with sp a layer keeps as much as without", abs(per_layer["tp=4 + sp"] / per_layer["tp=4"] - 1) < 0.005,
       f"{per_layer['tp=4 + sp'] / MiB:.2f} vs {per_layer['tp=4'] / MiB:.2f} MiB")
+total = {r["name"]: r["parts_by_rank"][0]["total"] for res in memory.values() for r in res["rows"]}
+check("tp=4: with sp the whole model keeps less (the final norm is cut too)", total["tp=4 + sp"] < total["tp=4"],
+      f"{total['tp=4 + sp'] / MiB:.2f} vs {total['tp=4'] / MiB:.2f} MiB per rank")
 check("a layer's activations per rank: tp=1 > tp=2 > tp=4", per_layer["tp=1"] > per_layer["tp=2"] > per_layer["tp=4"],
       " > ".join(f"{per_layer[k] / MiB:.2f}" for k in ("tp=1", "tp=2", "tp=4")) + " MiB")
 for t in (2, 4):
-    one = memory[1]["rows"][0]["states_by_rank"][0]["params"]
-    got = memory[t]["rows"][0]["states_by_rank"][0]["params"]
-    check(f"tp={t}: parameters per rank shrink by about t", abs(one / got / t - 1) < 0.02, f"x{one / got:.2f}")
+    one_p, got = (memory[k]["rows"][0]["states_by_rank"][0]["params"] for k in (1, t))
+    check(f"tp={t}: parameters per rank shrink by about t", abs(one_p / got / t - 1) < 0.02, f"x{one_p / got:.2f}")
 
 # %% [markdown]
-# ## 6. Explore: who holds what, for a real model
+# **Takeaway:** tp = 2 and 4, with and without sp, train like one process; everything else above — collectives,
+# bytes, parameters — matches its formula exactly.
+#
+# ## 6. Process groups and a 2D run
+#
+# Real jobs combine strategies: tensor parallelism inside a node, data parallelism (or ZeRO) across. `picotron.mesh`
+# lays the ranks out on a grid, tp varying fastest — $\text{rank} = \text{dp\_rank}\cdot t + \text{tp\_rank}$ — so a
+# tp group is consecutive ranks, the GPUs of one node that launchers number consecutively. Each strategy talks only
+# to the ranks that differ from it in its own coordinate: `group_ranks(sizes, "tp")` are the ranks that agree on every
+# other axis. For dp = 2 × tp = 2, computed without any process:
+
+# %%
+sizes = dict(dp=2, tp=2)
+for r in range(4):
+    print(f"rank {r}: coordinates {dict((k, v) for k, v in grid.grid_coords(r, sizes).items() if k in sizes)}")
+print(f"tp groups {grid.group_ranks(sizes, 'tp')}: the same rows of the batch, 1/tp of every matrix each")
+print(f"dp groups {grid.group_ranks(sizes, 'dp')}: the same shard of the model, different rows")
+lesson.plot_grid(sizes, micro_batch_size=2, grad_acc=2); plt.show()
+
+# %% [markdown]
+# Now for real: `picotron.train` with dp = 2, tp = 2 and ZeRO-1 over the dp groups on 4 processes, against one
+# process with the same global batch (the same rows: `picotron.data` numbers them by (dp rank, micro-step)). The tp
+# ranks of one replica read the same rows; the two replicas read different ones. Each rank reports its groups, the
+# rows its loader gave it (numbered as the single process reads them) and its model states:
+
+# %%
+run("grid", nproc=1)
+run("grid", nproc=4, dp=2)
+solo = _common.load_json(OUT / "grid_tp1.json")["results"]
+g2 = _common.load_json(OUT / "grid_dp2_tp2.json")["results"]
+c, c1 = g2["config"], solo["config"]
+print(f"global batch = micro_batch_size x grad_acc x dp = {c['micro_batch_size']} x {c['grad_acc']} x {c['dp']} = "
+      f"{c['micro_batch_size'] * c['grad_acc'] * c['dp']} sequences of {c['seq_len']} tokens (the loader says {c['global_batch']}); "
+      f"the tp={c['tp']} ranks of a replica share theirs. One process: {c1['micro_batch_size']} x {c1['grad_acc']} x {c1['dp']} = {c1['global_batch']}")
+for r in g2["ranks"]:
+    print(f"rank {r['rank']} (dp={r['coords']['dp']}, tp={r['coords']['tp']}): tp group {r['tp_ranks']}, dp group {r['dp_ranks']}, "
+          f"rows {r['rows']}, model states " + ", ".join(f"{k} {r['states'][k] / MiB:.2f}" for k in lesson.PARTS) + " MiB")
+lesson.plot_parity({"dp=2 x tp=2, ZeRO-1": (g2["losses"], solo["losses"])}, what="the 2D run"); plt.show()
+
+# %%
+for line in _common.parity_checks("dp=2 x tp=2, ZeRO-1 vs one process", g2["losses"], solo["losses"]):
+    check(*line)
+ranks = g2["ranks"]
+check("every rank's tp and dp groups are picotron.mesh.group_ranks'",
+      all(r["tp_ranks"] in g2["groups"]["tp"] and r["dp_ranks"] in g2["groups"]["dp"] and r["rank"] in r["tp_ranks"]
+          and r["rank"] in r["dp_ranks"] for r in ranks), f"tp {g2['groups']['tp']}, dp {g2['groups']['dp']}")
+check("the tp ranks of a replica read the same rows", all(len({tuple(ranks[k]["rows"]) for k in g}) == 1 for g in g2["groups"]["tp"]),
+      "; ".join(f"ranks {g}: rows {ranks[g[0]]['rows']}" for g in g2["groups"]["tp"]))
+rows = [ranks[g[0]]["rows"] for g in g2["groups"]["tp"]]
+check("the replicas' rows are disjoint and together the whole global batch", sorted(sum(rows, [])) == list(range(c1["global_batch"])),
+      f"{' + '.join(str(len(x)) for x in rows)} = {c1['global_batch']} rows")
+check("global batch = micro-batch x accumulation x dp, the same as the single process's",
+      c["micro_batch_size"] * c["grad_acc"] * c["dp"] == c["global_batch"] == c1["global_batch"],
+      f"{c['micro_batch_size']} x {c['grad_acc']} x {c['dp']} = {c['global_batch']}")
+zero_opt, alone = max(r["states"]["optimizer"] for r in ranks), g2["tp_alone_states"]["optimizer"]
+check("ZeRO-1 over dp=2 halves each rank's optimizer state of its tp shard", abs(zero_opt / alone - 0.5) < 0.01,
+      f"{zero_opt / MiB:.2f} MiB per rank vs {alone / MiB:.2f} MiB for tp=2 alone (x{zero_opt / alone:.3f})")
+
+# %% [markdown]
+# The four processes train like one: tensor parallelism cuts the layers within each replica, ZeRO-1 cuts the
+# optimizer state across the replicas, and the loss of the global batch is the same number. The global batch is the
+# data-parallel product only — micro-batch × accumulation × dp — because the tp ranks of a replica work on the *same*
+# rows: adding tp ranks makes each step cheaper in memory, never bigger.
+#
+# **Takeaway:** a 2D layout is two sets of process groups from one grid; tp groups share rows, dp groups share a
+# shard, and only dp multiplies the batch.
+#
+# ## 7. Explore: who holds what, for a real model
 #
 # `lesson.shard_shapes` computes every rank's shard without starting a process: it builds a one-layer copy of the
-# model on the **meta** device (shapes, no memory) and runs `tensor_parallel.apply` over `Axis.alone("tp", t, r)`, a tp
-# axis with no process group, for each rank r.
-# Pick a model and a degree: the figure cuts layer 0's matrices, the embedding and the LM head into one colour per
-# rank, the table gives each rank's shape and slice, and the bars show the memory per GPU (textbook mixed precision,
-# Korthikanti's activations) for every degree the model allows. A degree the model does not allow gives the error
-# message `apply` gives (try tp=8 on SmolLM-135M: 3 KV heads). Questions: why is SmolLM-135M limited to tp=3? At which
-# tp does Llama-3-8B's training fit 80 GB with one 8,192-token sequence, with and without sp? (Widgets need a live
-# kernel; a static viewer shows the default only.)
+# model on the **meta** device and runs `tensor_parallel.apply` over `Axis.alone("tp", t, r)`, a tp axis with no
+# process group, for each rank r. Pick a model and a degree: the figure cuts layer 0's matrices, the embedding and the
+# LM head into one colour per rank, the table gives each rank's shape and slice, and the bars show the memory per GPU
+# (textbook mixed precision, Korthikanti's activations) for every degree the model allows. A degree the model does
+# not allow gives `apply`'s error message (try tp=8 on SmolLM-135M: 3 KV heads). Questions: why is SmolLM-135M limited
+# to tp=3? At which tp does Llama-3-8B's training fit 80 GB with one 8,192-token sequence, with and without sp?
+# (Widgets need a live kernel; a static viewer shows the default only.)
 
 # %%
 PRESETS = {"small (this lesson)": mc, **{p: ModelConfig.from_preset(p) for p in
@@ -514,7 +564,7 @@ def draw(model="llama3-8b", tp=4, sp=True, seq_len=8192, micro_batch_size=1, cap
         return
     lesson.plot_shards(m, tp, sp, title=f"{model}, tp={tp}{' + sp' if sp else ''}"); plt.show()
     print(lesson.shard_table(m, tp, sp))
-    lesson.plot_memory_model(m, tp, sp, seq_len, micro_batch_size, capacity_gb=capacity_gb, title=f"({model})"); plt.show()
+    lesson.plot_memory_model(m, tp, sp, seq_len, micro_batch_size, capacity_gb=capacity_gb, title=f"{model}:"); plt.show()
 
 # drawn once with the defaults (what a static viewer shows); in a live kernel, controls that redraw it
 _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS), value="llama3-8b"),
@@ -525,45 +575,65 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
                                          capacity_gb=w.FloatSlider(value=80, min=8, max=192, step=8, description="GB per GPU")))
 
 # %% [markdown]
-# ## 7. Exercises
-# Open `lessons/05_tensor_parallel/exercise.py` and write Megatron's pieces by hand:
+# **Takeaway:** the degree is bounded by the model (heads, KV heads, vocabulary), and the memory it buys is a formula
+# you can evaluate before renting a GPU.
+#
+# ## 8. Exercises
+# Open `lessons/05_tensor_parallel/exercise.py`. Megatron's pieces by hand:
 #
 # 1. `CopyToTP` and `ReduceFromTP` — $f$ and $g$ as autograd Functions, forward and backward;
 # 2. `parallel_mlp(x, gate_w, up_w, down_w)` — the column-then-row MLP with one $f$ and one $g$;
 # 3. `vocab_parallel_cross_entropy(logits, targets)` — the loss from this rank's vocabulary columns, with three
 #    all-reduces of one number per token (the backward is given).
 #
-# The checker runs each on 2 and then 4 real processes, every rank with its slice of the same full weights or
-# logits, compares outputs **and gradients** with the unsharded computation in one process, counts your all-reduces
-# against Megatron's pattern, and says which rank and tensor are wrong and what that usually means ("missing
-# all-reduce in backward of f: x's gradient is rank 0's partial sum", "summed twice", "each rank's own maximum", ...),
-# or which ranks hang and on which line. Until you write them it reports `NotImplementedError: not written yet`.
+# The checker runs each on 2 and then 4 real processes, compares outputs **and gradients** with the unsharded
+# computation, counts your all-reduces against Megatron's pattern, and says which rank and tensor are wrong and what
+# that usually means ("missing all-reduce in backward of f", "summed twice", "each rank's own maximum", ...), or which
+# ranks hang and on which line.
+#
+# 4. **A puzzle**, `plan(budget_mib)`: train this lesson's model on global batches of 8 sequences of 128 tokens, no
+#    data parallelism, with at most `budget_mib` MiB per rank (model states + activations, this lesson's formulas).
+#    Choose tp, sp and the micro-batch (the rest is accumulated) for the highest throughput — the fewest tp ranks,
+#    then the largest micro-batch, then sp off unless it is what makes a layout fit. Six budgets, most with a trap;
+#    the checker says what is wrong ("you counted the activations of all 8 sequences ...", "at tp=2 ours keeps MORE
+#    with sp ...") and runs the right answers that need tp > 1 for one real step, whose measured bytes must fit.
+#    Every layout, with the budgets:
+
+# %%
+lesson.plot_puzzle(); plt.show()
+
+# %% [markdown]
+# Until you write them, the checker reports `NotImplementedError: not written yet`:
 
 # %%
 import check as checker   # this folder's check.py
 all_passed = checker.check()
 
 # %% [markdown]
-# ## 8. What it costs, when to use it, what comes next
+# **Takeaway:** memory decides which layouts are possible; throughput decides among them, and the cheapest lever
+# (a smaller micro-batch) comes before the expensive ones (more tp ranks).
+#
+# ## 9. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
 # | tensor parallel, degree $t$ | $\frac1t$ of every matrix and of its gradient and optimizer state; activations inside the blocks $/t$ | 4 all-reduces of $b\cdot s\cdot h$ per layer per step, blocking | the model (or one layer's activations) does not fit, **within a node** (NVLink), $t \le 8$ |
-# | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes as all-gathers and reduce-scatters (twice the calls) | with tp, when activations limit the micro-batch or sequence: Megatron's version saves memory at any $t$ for no extra bytes moved; ours keeps extra copies of the gathered input and saves only beyond tp=4 (section 4), and on this CPU each step is slower (section 4) |
+# | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes as all-gathers and reduce-scatters (twice the calls) | with tp, when activations limit the micro-batch or sequence. Megatron's version saves memory at any $t$ for no extra bytes. Ours keeps extra copies of the gathered input: at tp=2 on this CPU it kept *more* memory and ran slower (sections 4b, 4c); at tp=4 it saved a little, enough for the puzzle's 23 MiB budget |
 #
-# **Its costs.** The collectives carry activations, so their size grows with the tokens per micro-batch, not with the
-# model; they cannot overlap the layer that needs their result; and each rank's matmuls get $t$ times thinner, which
-# makes GPUs less efficient. Across nodes (InfiniBand, ~10x slower than NVLink) it stops paying: the usual recipe is
-# tensor parallelism inside each node of 8 GPUs and data parallelism / ZeRO (and pipeline parallelism) across nodes.
-# The degree is also bounded by the model: $t$ must divide the heads, the KV heads (unless they are replicated), the
-# MLP width and the vocabulary.
+# **Its costs.** The collectives carry activations, so they grow with the tokens per micro-batch, not with the model;
+# they cannot overlap the layer that needs their result; and each rank's matmuls get $t$ times thinner, which makes
+# GPUs less efficient. Across nodes it stops paying: tensor parallelism inside each node, data parallelism / ZeRO (and
+# pipeline parallelism) across — the grid of section 6. The degree is bounded by the model: $t$ must divide the
+# heads, the KV heads (unless they are replicated), the MLP width and the vocabulary.
 #
 # **What ours lacks** (what Megatron-LM and torchtitan add): overlapping the all-gather and reduce-scatter with the
-# matmuls they feed ("async TP", collective matmul); with sp, a contiguous gathered input shared by the projections
-# (ours keeps one copy per projection, section 4b) and, better, only the local tokens of each block's input,
-# re-gathered in backward; replicating KV heads to go beyond their number; fused kernels.
+# matmuls they feed ("async TP"); with sp, a contiguous gathered input shared by the projections and, better, only the
+# local tokens of each block's input, re-gathered in backward; replicating KV heads to go beyond their number; fused
+# kernels.
 #
 # **Next — lesson 06, context parallelism:** sequence parallelism cut the tokens only between the blocks; attention
-# still needs every token on every rank. With sequences of 100k tokens even one block's activations do not fit.
-# Context parallelism cuts the sequence *through* attention: each rank keeps its chunk of queries and passes the keys
-# and values around a ring (ring attention).
+# still needs every token on every rank. Context parallelism cuts the sequence *through* attention: each rank keeps
+# its chunk of queries and passes the keys and values around a ring (ring attention).
+#
+# **Takeaway:** tensor parallelism buys memory with blocking communication; use it inside a node, only as far as the
+# model must be cut, and let data parallelism do the rest.

@@ -13,10 +13,14 @@ line of your file where they wait.
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise.
 
-The exercises, each on 2 and then 4 ranks: f_and_g (CopyToTP and ReduceFromTP, forward and backward),
-parallel_mlp (the column-then-row MLP; while it is checked, your file's CopyToTP and ReduceFromTP are
-replaced by the reference ones, so it does not depend on exercise 1), vocab_parallel_cross_entropy (the loss
-from vocabulary-sharded logits; its backward is the checker's own, from the softmax columns you return).
+The puzzle, plan(budget_mib), is graded in this process against the lesson's formulas for six budgets (most
+with a trap: counting every accumulated micro-batch's activations, sp where it costs memory, no sp where it saves
+it, tp where accumulation would do); the right answers that need tp > 1 then run one real step on tp processes,
+whose measured bytes per rank must fit the budget. The other exercises, each on 2 and then 4 ranks: f_and_g
+(CopyToTP and ReduceFromTP, forward and backward), parallel_mlp (the column-then-row MLP; while it is checked,
+your file's CopyToTP and ReduceFromTP are replaced by the reference ones, so it does not depend on exercise 1),
+vocab_parallel_cross_entropy (the loss from vocabulary-sharded logits; its backward is the checker's own, from
+the softmax columns you return).
 
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
 at module level). It imports YOUR file by path, builds the full tensors from fixed seeds (so the parent can
@@ -44,7 +48,7 @@ LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 15.0
 EXERCISES = {"f_and_g": "CopyToTP and ReduceFromTP", "parallel_mlp": "parallel_mlp",
-             "vocab_parallel_cross_entropy": "vocab_parallel_cross_entropy"}
+             "vocab_parallel_cross_entropy": "vocab_parallel_cross_entropy", "plan": "plan (the puzzle)"}
 WORLD_SIZES = {"f_and_g": (2, 4), "parallel_mlp": (2, 4), "vocab_parallel_cross_entropy": (2, 4)}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "reduce_scatter_single", "broadcast", "reduce")
 B, S, H, I = 2, 3, 8, 16  # the MLP: b sequences of s tokens, hidden h, intermediate i (4 divides it)
@@ -551,7 +555,131 @@ SUCCESS = {"f_and_g": "outputs and input gradients of f and g equal the unsharde
                                            f"no overflow); three all-reduces of N numbers"}
 
 
+# ------------------------------------------------------------------------------------------- the puzzle
+def _lesson():
+    sys.path.insert(0, str(HERE.parent))
+    import _common
+
+    return _common.load_lesson("05_tensor_parallel")
+
+
+def _mistakes(L):
+    """Planners that make one classic mistake each, with what to tell a learner whose answers match theirs."""
+    mc, s, G, MiB = L.puzzle_model(), L.PUZZLE["seq_len"], L.PUZZLE["global_batch"], L.MiB
+    states = {t: sum(L.model_state_bytes(mc, t).values()) for t in L.valid_tps(mc)}
+
+    def planner(held=lambda t, sp, b: L.rank_bytes(mc, t, sp, b), allowed=lambda t, sp, b: True,
+                key=lambda x: (x[0], -x[2], x[1])):
+        return lambda budget: min((x for x in L.layouts(mc) if allowed(*x) and held(*x) <= budget * MiB),
+                                  key=key, default=None)
+
+    return {
+        "every micro-batch": (planner(held=lambda t, sp, b: states[t] + L.activation_bytes(mc, s, G, t, sp)),
+                              f"you counted the activations of all {G} sequences of the step; with gradient "
+                              f"accumulation only ONE micro-batch's are alive at a time (each is freed in its "
+                              f"backward), so a smaller micro-batch is the cheap way to fit"),
+        "tp before accumulation": (planner(key=lambda x: (-x[2], x[0], x[1])),
+                                   "you raised tp to keep a large micro-batch; accumulating smaller micro-batches "
+                                   "fits too and costs far less than tp's blocking collectives: fewest tp ranks first"),
+        "sp always": (planner(allowed=lambda t, sp, b: sp or t == 1),
+                      "sp is not free memory here: at tp=2 ours keeps MORE activations than tp alone (each "
+                      "projection's own copy of the gathered input, section 4b); turn it on only when it is what "
+                      "makes a larger micro-batch fit"),
+        "never sp": (planner(allowed=lambda t, sp, b: not sp),
+                     "at tp=4, sp's smaller norms save just enough for a larger micro-batch: when sp is what makes "
+                     "it fit, it beats halving the micro-batch"),
+        "states only": (planner(held=lambda t, sp, b: states[t]),
+                        "you left out the activations: a rank holds its model states AND one micro-batch's "
+                        "activations (lesson.activation_bytes)"),
+        "activations only": (planner(held=lambda t, sp, b: L.activation_bytes(mc, s, b, t, sp)),
+                             "you left out the model states: parameters, gradients and AdamW's moments "
+                             "(lesson.model_state_bytes), 16 bytes per parameter a rank holds"),
+    }
+
+
+def _describe(x):
+    return "None (nothing fits)" if x is None else f"tp={x[0]}{' + sp' if x[1] else ''}, micro-batch {x[2]}"
+
+
+def _plan_problem(L, got, budget, answers, mistakes):
+    """What is wrong with `got` for `budget` (None if it is the fastest layout that fits), from the formulas."""
+    mc, G, MiB = L.puzzle_model(), L.PUZZLE["global_batch"], L.MiB
+    best = L.best_plan(budget, mc)
+
+    def held(x):
+        return f"{L.rank_bytes(mc, *x) / MiB:.2f} MiB per rank"
+
+    if got is not None and not (isinstance(got, tuple) and len(got) == 3 and isinstance(got[0], int)):
+        return f"plan({budget}) returned {got!r}; return (tp, sp, micro_batch_size), or None when nothing fits"
+    if got == best:
+        return None
+    if got is None:
+        why = f"{_describe(best)} fits: {held(best)}"
+    elif L.tp_problem(mc, got[0]) or (got[1] and got[0] == 1) or G % got[2]:
+        why = (L.tp_problem(mc, got[0]) or ("sp needs tp >= 2" if got[1] and got[0] == 1 else
+               f"micro_batch_size {got[2]} does not divide the global batch of {G} sequences"))
+    elif L.rank_bytes(mc, *got) > budget * MiB:
+        act = L.activation_bytes(mc, L.PUZZLE["seq_len"], got[2], got[0], got[1])
+        why = (f"needs {held(got)} (model states {(L.rank_bytes(mc, *got) - act) / MiB:.2f} + one "
+               f"micro-batch's activations {act / MiB:.2f}) > {budget} MiB")
+    elif best is None:
+        why = "nothing fits: even the smallest layout needs " + held(min(L.layouts(mc), key=lambda x: L.rank_bytes(mc, *x)))
+    else:
+        why = (f"fits ({held(got)}), but {_describe(best)} fits too ({held(best)}) and is faster: "
+               + ("fewer tp ranks" if best[0] < got[0] else "a larger micro-batch" if best[2] > got[2] else
+                  "sp off costs fewer calls" if got[1] else "sp lets the larger micro-batch fit"))
+    match = [m for m, (fn, _) in mistakes.items() if all(fn(b) == a for b, a in answers.items())]
+    return f"plan({budget}) = {_describe(got)}: {why}" + (f" — {mistakes[match[0]][1]}" if match else "")
+
+
+def _plan_step(tp, sp, micro_batch_size):
+    """On each of tp ranks: one real training step of the layout; the bytes this rank holds (model states after
+    the step, and the activations the step schedule counted for one micro-batch)."""
+    from picotron.mesh import Mesh
+
+    L = _lesson()
+    cfg = L.make_cfg(L.PUZZLE["size"], tp=tp, sp=sp, seq_len=L.PUZZLE["seq_len"], micro_batch_size=micro_batch_size,
+                     grad_acc=L.PUZZLE["global_batch"] // micro_batch_size)
+    v = L.Variant("plan", cfg, Mesh.init(tp=tp))
+    v.step(1, record=False)
+    return sum(v.states.values()) + v.activation_bytes
+
+
+def check_plan(path, report, timeout_s):
+    what, L = EXERCISES["plan"], _lesson()
+    try:
+        fn = load(path, "ex05").plan
+        answers = {}
+        for budget in L.PUZZLE["budgets_mib"]:
+            x = fn(budget)
+            answers[budget] = (int(x[0]), bool(x[1]), int(x[2])) if isinstance(x, (tuple, list)) and len(x) == 3 else x
+    except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
+        report.fail(what, f"{type(e).__name__}: {e}{where(e, path)}")
+        return
+    mistakes = _mistakes(L)
+    for budget, got in answers.items():
+        problem = _plan_problem(L, got, budget, answers, mistakes)
+        if problem:
+            return report.fail(what, problem)
+    measured = []
+    for budget, x in answers.items():
+        if x is not None and x[0] > 1:  # the answers that need several processes: one real step each
+            try:
+                held = run_on_ranks(_plan_step, x[0], *x, timeout_s=max(timeout_s, 180))
+            except (RankError, RankTimeout) as e:
+                return report.fail(what, f"the real step of {_describe(x)} failed: {str(e).splitlines()[0]}")
+            want = L.rank_bytes(L.puzzle_model(), *x)
+            if max(held) > budget * L.MiB or max(abs(h / want - 1) for h in held) > 0.005:
+                return report.fail(what, f"one real step of {_describe(x)} held {max(held) / L.MiB:.2f} MiB on its "
+                                         f"fullest rank, the formula says {want / L.MiB:.2f}, the budget is {budget}")
+            measured.append(f"{_describe(x)} held {max(held) / L.MiB:.2f} MiB on its fullest rank (<= {budget})")
+    report.ok(what, ": the fastest layout that fits, for all budgets (" + "; ".join(
+        f"{b} MiB: {_describe(x)}" for b, x in answers.items()) + "); one real step each: " + "; ".join(measured))
+
+
 def check_one(name, path, report, timeout_s):
+    if name == "plan":
+        return check_plan(path, report, timeout_s)
     for n in WORLD_SIZES[name]:
         what = f"{EXERCISES[name]} on {n} ranks"
         try:

@@ -1,6 +1,6 @@
-"""Lesson 05 exercises: Megatron's tensor parallelism by hand. Write the pieces marked EXERCISE, then run
+"""Lesson 05 exercises: Megatron's tensor parallelism by hand, and a puzzle. Write the pieces marked EXERCISE, then
     python lessons/05_tensor_parallel/check.py                          # all exercises
-    python lessons/05_tensor_parallel/check.py parallel_mlp             # just one (or f_and_g, vocab_parallel_cross_entropy)
+    python lessons/05_tensor_parallel/check.py parallel_mlp             # just one (or f_and_g, vocab_parallel_cross_entropy, plan)
 The checker runs each exercise on 2 and then 4 real processes (gloo), gives every rank its slice of the same
 full weights or logits, and compares what every rank computes, outputs AND gradients, with the unsharded
 computation done in one process. It says which rank and which tensor is wrong and what that usually means (a
@@ -21,9 +21,15 @@ an input that is not a differentiable tensor (like `group`). Call it as CopyToTP
 forward autograd is off; `ctx.group = group` keeps what backward needs. Every rank must make the same
 collective calls, in the same order.
 """
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: F401  (F.linear, F.silu)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
+import _common  # noqa: E402,F401  (exercise 4: _common.load_lesson("05_tensor_parallel"))
 
 
 class CopyToTP(torch.autograd.Function):
@@ -112,3 +118,27 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()
         grad[torch.arange(len(local)), local] -= inside.to(grad.dtype)
         return grad * grad_losses[:, None], None, None
+
+
+def plan(budget_mib):
+    """EXERCISE 4, a puzzle: the fastest layout that fits a memory budget.
+
+    The job: train the lesson's 'small' model (lesson.puzzle_model(): 8 heads, 4 KV heads, 3.3 M parameters) on
+    global batches of lesson.PUZZLE["global_batch"] = 8 sequences of lesson.PUZZLE["seq_len"] = 128 tokens, fp32,
+    AdamW, no data parallelism. You choose
+        tp                 the tensor-parallel degree, one the model allows (lesson.valid_tps(mc))
+        sp                 sequence parallelism, on top of tp > 1
+        micro_batch_size   b, a divisor of 8: each step accumulates 8 / b micro-batches (the same training)
+    No rank may hold more than budget_mib MiB (2**20 bytes): its model states (lesson.model_state_bytes(mc, tp),
+    params + grads + optimizer) plus the activations autograd keeps for backward (lesson.activation_bytes(mc,
+    seq_len, micro_batch_size, tp, sp): the lesson measured both exactly). Think about how many micro-batches'
+    activations are alive at once.
+
+    Fastest, from what section 4 measured: (1) the fewest tp ranks: tp's collectives block every layer, and
+    the ranks tp does not need can run data-parallel replicas; (2) then the largest micro-batch: fewer, larger
+    matmuls; (3) then sp off: it moves the same bytes in twice the calls, so use it only when it is what makes
+    a layout fit. Return (tp, sp, micro_batch_size), or None when nothing fits.
+    The checker asks for six budgets, most hiding a trap, and runs the layouts that need tp > 1 for one real
+    step on tp processes: their measured bytes per rank must fit."""
+    lesson = _common.load_lesson("05_tensor_parallel")  # noqa: F841  (this folder's experiment.py: its formulas)
+    raise NotImplementedError("not written yet")

@@ -1,8 +1,14 @@
 """Lesson 05 exercises — reference solutions. (The exercise file, lessons/05_tensor_parallel/exercise.py, is the
 same file with the marked pieces left to write.)"""
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
+import _common  # noqa: E402
 
 
 class CopyToTP(torch.autograd.Function):
@@ -76,3 +82,21 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()
         grad[torch.arange(len(local)), local] -= inside.to(grad.dtype)
         return grad * grad_losses[:, None], None, None
+
+
+def plan(budget_mib):
+    """EXERCISE 4: every layout the job allows, kept if it fits; the fastest of those by the puzzle's ranking."""
+    lesson = _common.load_lesson("05_tensor_parallel")
+    mc, batch, seq = lesson.puzzle_model(), lesson.PUZZLE["global_batch"], lesson.PUZZLE["seq_len"]
+    fits = []
+    for tp in lesson.valid_tps(mc):
+        states = sum(lesson.model_state_bytes(mc, tp).values())
+        for sp in (False, True) if tp > 1 else (False,):
+            for b in [b for b in range(1, batch + 1) if batch % b == 0]:
+                # one micro-batch's activations: accumulation frees each one's in its backward
+                if states + lesson.activation_bytes(mc, seq, b, tp, sp) <= budget_mib * 2**20:
+                    fits.append((tp, -b, sp))  # sorts as: fewest tp ranks, largest micro-batch, sp off
+    if not fits:
+        return None
+    tp, minus_b, sp = min(fits)
+    return tp, sp, -minus_b
