@@ -1,6 +1,7 @@
 """Lesson 03: the exercise checker (the solutions pass; the stubs fail naming NotImplementedError; a wrong gradient is
-reported with its rank, its parameter and the likely cause; a hang with the waiting rank and its line), the
-timeline model the widget draws, and the notebook end to end in FAST mode.
+reported with its rank, its parameter and the likely cause; a hang with the waiting rank and its line; a wrong
+answer to the bucket-size puzzle with the slip it matches), the timeline model the widget draws, the emulated link's
+sizing, and the notebook end to end in FAST mode.
 
 No timing is asserted: on a shared CPU timings are measurements, not pass/fail criteria.
 """
@@ -27,15 +28,18 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions")
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 6, out  # 3 exercises x 2 world sizes
+    assert out.count("  ok  ") == 8, out  # 3 exercises x 2 world sizes, the puzzle's model check and its real run
+    assert "best_bucket_mb, measured on an emulated link: your " in out and "emulated link: " in out, out
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
     code, out = run_checker()
     assert code == 1, out
-    for what in ("NaiveDP.average_gradient", "BucketedDP.on_gradient_ready", "BucketedDP.no_sync"):
+    for what in ("NaiveDP.average_gradient", "BucketedDP.on_gradient_ready", "BucketedDP.no_sync",
+                 "exposed_time + best_bucket_mb: exposed_time ("):
         assert f"FAIL  {what}" in out, out
-    assert out.count(" on 2 ranks: rank ") == out.count("NotImplementedError: not written yet") == 3, out
+    assert out.count(" on 2 ranks: rank ") == 3 and out.count("NotImplementedError: not written yet") == 4, out
+    assert "measured on an emulated link" not in out  # no real run before the model check passes
     assert "on 3 ranks" not in out  # it stops at the first world size
 
 
@@ -70,6 +74,29 @@ def test_checker_names_the_rank_of_a_wrong_gradient_and_of_a_hang(tmp_path):
     assert "rank 0 waits in finish_sync, line " in out and "bucket.work.wait()" in out, out
 
 
+def puzzle_with(tmp_path, old, new):
+    text = SOLUTIONS.read_text()
+    assert old in text, old
+    path = tmp_path / "puzzle.py"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("link_free = max(ready, link_free) + latency", "link_free = ready + latency",
+     "your all-reduces start as soon as their bucket is ready, even while the previous one is still on the link"),
+    ("2 * (n - 1) / n * size / bandwidth", "size / bandwidth",
+     "a ring all-reduce over n ranks sends 2(n-1)/n of the buffer per rank"),
+    ("    return min(candidates, key=lambda mb:", "    return max(candidates) or min(candidates, key=lambda mb:",
+     "you chose 256 MiB (1 bucket), which leaves "),
+])
+def test_checker_names_the_slip_in_a_wrong_puzzle_answer(tmp_path, old, new, message):
+    code, out = run_checker("--module", str(puzzle_with(tmp_path, old, new)), "bucket_size")
+    assert code == 1, out
+    assert "FAIL  exposed_time + best_bucket_mb: " in out and message in out, out
+    assert "measured on an emulated link" not in out, out
+
+
 # ------------------------------------------------------------------------------------- the widget's model
 @pytest.fixture(scope="module")
 def lesson():
@@ -95,11 +122,37 @@ def test_model_timeline_hides_all_but_the_last_bucket(lesson):
     assert slow > 0.2  # messages longer than the compute between them queue up
 
 
+def test_the_solution_of_the_puzzle_is_the_lessons_model(lesson):
+    import random
+
+    import _checker
+    solution = _checker.load(SOLUTIONS, "sol03")
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.choice([4, 1000, 65536, 2**20]) for _ in range(rng.randint(1, 40))]
+        args = (rng.uniform(0.01, 1), rng.choice([0, 1000, 2**16, 2**20, 2**30]), rng.uniform(1e6, 1e10),
+                rng.uniform(0, 0.02), rng.randint(2, 64))
+        _, exposed = lesson.model_timeline(sizes, args[0], args[1], args[3], args[2], args[4])
+        assert solution.exposed_time(sizes, *args) == pytest.approx(exposed, rel=1e-9, abs=1e-12)
+
+
+def test_choose_link_sizes_the_link_from_backward(lesson):
+    grad_bytes, backward = 13_100_000, 0.14
+    bandwidth, latency = lesson.choose_link(grad_bytes, backward, n=2)
+    assert grad_bytes / bandwidth == pytest.approx(0.4 * backward, rel=0.05)  # all gradients: 40% of backward
+    assert latency == pytest.approx(backward / 30, rel=0.05)
+    buckets, exposed = lesson.model_timeline([grad_bytes / 39] * 39, backward, 2**20, latency, bandwidth)
+    _, one = lesson.model_timeline([grad_bytes / 39] * 39, backward, 2**30, latency, bandwidth)
+    _, per_tensor = lesson.model_timeline([grad_bytes / 39] * 39, backward, 0, latency, bandwidth)
+    assert exposed < 0.5 * one and exposed < 0.5 * per_tensor  # on such a link the middle sizes win clearly
+
+
 # ------------------------------------------------------------------------------------- the notebook
 def test_notebook_runs_in_fast_mode(run_notebook):
     text = run_notebook("03_data_parallel", timeout=600)
     assert "✗" not in text, text
-    assert text.count("✓") >= 8, text
+    assert text.count("✓") >= 13, text
+    assert "emulated link: " in text, text
     assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
 
 

@@ -12,12 +12,13 @@ edit this file, never the notebook.
 # model, trains on its own slice of the batch, and the ranks **average their gradients** before each optimizer step.
 #
 # The maths is one line; the engineering is all about **time**: the all-reduce must hide behind the backward pass.
-# We build it in three steps and measure each one — a naive hook per parameter, the same hook made asynchronous,
-# and gradient **buckets** — then add gradient accumulation without needless traffic (`no_sync`), race torch's own
-# `DistributedDataParallel`, scale from 1 to 4 ranks, and look at what data parallelism does *not* do: save memory.
+# We build it in three steps and measure each — a naive hook per parameter, the same hook made asynchronous, and
+# gradient **buckets** — first on this CPU, then over an *emulated* network link, where overlap finally shows. Then
+# gradient accumulation without needless traffic (`no_sync`), a race against torch's `DistributedDataParallel`,
+# scaling from 1 to 4 ranks, and what data parallelism does *not* do: save memory.
 #
 # The code is `picotron/data_parallel.py`; the experiments are `lessons/03_data_parallel/experiment.py`, launched with
-# `torchrun` on 2 (and 4) processes. `PICOTRON_FAST=1` gives a two-minute run; the default settings are the real lesson.
+# `torchrun` on 2 (and 4) processes. `PICOTRON_FAST=1` gives a short run; the default settings are the real lesson.
 
 # %%
 import sys
@@ -29,12 +30,16 @@ from picotron.model import ModelConfig
 
 FAST, OUT = _common.FAST, _common.run_dir("03_data_parallel")
 import experiment as lesson   # this folder's experiment.py: its model of the timeline and its plots
-MiB = 2**20
+MiB, N = 2**20, 2
 
-def run(only, nproc=2):
-    # torchrun --nproc_per_node nproc lessons/03_data_parallel/experiment.py --out OUT --only <only>; show what it printed
-    out = _common.launch("03_data_parallel/experiment.py", ["--out", OUT, "--only", only], nproc=nproc, quiet=True)
+def run(only, nproc=2, *args):
+    # torchrun --nproc_per_node nproc lessons/03_data_parallel/experiment.py --out OUT --only <only> ...; show its output
+    out = _common.launch("03_data_parallel/experiment.py", ["--out", OUT, "--only", only, *args], nproc=nproc, quiet=True,
+                         timeout_s=3000)  # the full settings on a busy shared machine can take long
     print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |"))))
+
+def check(name, ok, detail):
+    print(f"{'✓' if ok else '✗'} {name}: {detail}")
 
 mc = ModelConfig.from_preset("tiny", **lesson.SIZES["small"])
 print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': {mc.num_params() / 1e6:.2f} M parameters, "
@@ -43,9 +48,8 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': 
 # %% [markdown]
 # ## 1. The problem: one device is too slow
 #
-# First the number. One process trains our `small` model (the tiny preset widened to h=256, 4 layers: 3.3 M
-# parameters) with `picotron.train` on all of this machine's cores. (This launch also runs the single-process
-# references we compare the data-parallel runs with in section 5.)
+# One process trains our `small` model (the tiny preset widened to h=256, 4 layers) with `picotron.train` on all of
+# this machine's cores. (This launch also runs the single-process references that section 5 compares with.)
 
 # %%
 run("scaling", nproc=1)
@@ -53,15 +57,15 @@ one = _common.load_json(OUT / "scaling_dp1.json")["results"]
 tps1 = one["tokens_per_s"]   # from the median step time
 tokens = 20 * mc.num_params()   # Chinchilla: ~20 tokens per parameter
 print(f"\none process ({one['threads']} threads on {one['cores']} cores): {tps1:,.0f} tokens/s")
-print(f"  our 3.3 M model, 20 tokens per parameter ({tokens / 1e6:.0f} M tokens): {tokens / tps1 / 3600:,.1f} hours")
+print(f"  our {mc.num_params() / 1e6:.1f} M model, 20 tokens per parameter ({tokens / 1e6:.0f} M tokens): {tokens / tps1 / 3600:,.1f} hours")
 big = ModelConfig.from_preset("llama3-8b")
 flops = big.flops_per_token(8192) * 15e12   # Llama-3-8B was trained on ~15 T tokens
 h100 = 0.40 * 989.5e12                       # one H100 at a good 40% MFU of its bf16 datasheet peak
 print(f"  Llama-3-8B, 15 T tokens: {flops:.1e} FLOPs; one H100 at 40% MFU: {flops / h100 / 3600 / 24 / 365:,.0f} years")
 
 # %% [markdown]
-# Even with perfect use of one GPU, a modern pre-training run would take decades. (It also would not *fit*: lesson 01
-# showed that Llama-3-8B's model states alone are 128 GB.) The way out is more devices working on the same step.
+# Even with perfect use of one GPU, a modern pre-training run would take decades (and lesson 01 showed that
+# Llama-3-8B's model states alone, 128 GB, would not fit). **Takeaway: we need many devices working on one step.**
 #
 # ## 2. The idea and the formulas
 #
@@ -81,8 +85,7 @@ print(f"  Llama-3-8B, 15 T tokens: {flops:.1e} FLOPs; one H100 at 40% MFU: {flop
 # ```
 #
 # **Communication per step.** A ring all-reduce is a reduce-scatter followed by an all-gather (lesson 02); each rank
-# sends and receives $2\frac{n-1}{n}\,\Psi\cdot\text{bytes}$ for $\Psi$ gradient elements — almost independent of $n$.
-# For our model in fp32 and for two real ones in bf16:
+# sends and receives $2\frac{n-1}{n}\,\Psi\cdot\text{bytes}$ for $\Psi$ gradient elements — almost independent of $n$:
 
 # %%
 for name, psi, nbytes in [("small (this lesson)", mc.num_params(), 4),
@@ -100,44 +103,39 @@ for name, psi, nbytes in [("small (this lesson)", mc.num_params(), 4),
 run("allreduce")
 allreduce_json = _common.load_json(OUT / "allreduce.json")
 allreduce = allreduce_json["results"]
-N = 2
 lesson.plot_allreduce(allreduce, N); plt.show()
 grad_bytes, tensors = 4 * mc.num_params(), allreduce_json["grad_tensor_bytes"]
 t_all = allreduce["latency_s"] + allreduce["s_per_byte"] * grad_bytes
+t_each = len(tensors) * allreduce["latency_s"] + allreduce["s_per_byte"] * grad_bytes
 print(f"latency α ≈ {1e6 * allreduce['latency_s']:.0f} µs, bus bandwidth ≈ {allreduce['busbw'] / 1e9:.2f} GB/s → all-reduce of "
       f"all {grad_bytes / MiB:.1f} MiB of gradients ≈ {1e3 * t_all:.1f} ms; of each of the {len(tensors)} tensors "
-      f"one by one ≈ {1e3 * (len(tensors) * allreduce['latency_s'] + allreduce['s_per_byte'] * grad_bytes):.1f} ms")
+      f"one by one ≈ {1e3 * t_each:.1f} ms")
 
 # %% [markdown]
-# Two regimes: small messages cost the latency $\alpha$ whatever their size, large ones cost bytes/bandwidth.
-# That already tells us not to send 39 tensors one by one.
+# Small messages cost the latency $\alpha$ whatever their size, large ones cost bytes/bandwidth. **Takeaway: sending
+# the gradients tensor by tensor pays $\alpha$ once per tensor (the two totals above); fewer, larger messages are cheaper.**
 #
-# **Hiding it behind backward.** Backward produces gradients from the last layer to the first. The gradients of
-# the last layers are final long before backward ends, so their all-reduce can run *while* backward computes the
-# earlier layers. Group the gradients, in that order, into **buckets**; when a bucket is complete, start its
-# all-reduce asynchronously. With buckets $1..K$, bucket $k$ ready at time $t_k$ and taking $c_k$ to all-reduce on
-# one communication channel,
+# **Hiding it behind backward.** Backward produces gradients from the last layer to the first, so the last layers'
+# gradients are final long before backward ends and their all-reduce can run *while* backward computes the earlier
+# layers. Group the gradients, in that order, into **buckets**; when a bucket is complete, start its all-reduce
+# asynchronously. With bucket $k$ ready at time $t_k$ and one link that carries one message at a time,
 #
 # $$\text{start}_k = \max(t_k,\ \text{end}_{k-1}),\qquad \text{end}_k = \text{start}_k + \alpha + 2\tfrac{n-1}{n}\,\frac{\text{bytes}_k}{\text{bandwidth}},
 # \qquad \text{exposed} = \max(0,\ \text{end}_K - t_{\text{backward end}}).$$
 #
-# Everything is hidden when each bucket's communication is shorter than the backward time until the next bucket is
-# ready ($c_k \le t_{k+1} - t_k$) — except the **last** bucket, which is ready only when backward ends: its
-# all-reduce is always exposed. Tiny buckets pay $\alpha$ many times; one huge bucket cannot start before backward
-# ends. The best size is in between, and section 6 lets you move it.
+# The **last** bucket is ready only when backward ends, so its all-reduce is always exposed. Tiny buckets pay
+# $\alpha$ many times; one huge bucket cannot start before backward ends. **Takeaway: the best bucket size is in
+# between** — section 4 measures it, section 6 lets you move it, exercise 4 asks you to compute it.
 #
-# **The rule of thumb.** Backward costs about $4N$ FLOPs per token (of the $6N$ per training token), the all-reduce
-# moves $\approx 2\Psi$ gradient values per rank whatever the batch. With $T$ tokens per rank, achieved FLOP/s $F$,
-# link bandwidth $W$ bytes/s and bf16 gradients (2 bytes), backward hides the all-reduce when
+# **The rule of thumb.** Backward costs about $4N$ FLOPs per token, the all-reduce moves $\approx 2\Psi$ gradient
+# values per rank whatever the batch. With $T$ tokens per rank, achieved FLOP/s $F$, link bandwidth $W$ bytes/s and
+# bf16 gradients (2 bytes), backward can hide the all-reduce when
 #
 # $$T\cdot\frac{4N}{F} \ \ge\ \frac{2\cdot 2N}{W} \iff T \ \ge\ \frac{F}{W}.$$
 #
-# For an H100, $F \approx 989.5$ TFLOP/s (bf16 datasheet) over NVLink's $W \approx 450$ GB/s per direction gives
-# $T \gtrsim 2{,}200$ tokens per GPU; the scaling-book estimate is about 2,200–2,500 tokens per H100
-# ([reference](../../docs/reference.md#data-parallelism-hiding-the-all-reduce)). Treat it as a
-# rule of thumb, not a law: at a realistic 40–50% MFU the threshold halves, across nodes (≈50 GB/s of InfiniBand per
-# GPU) it grows ~10×, and it assumes the communication runs on hardware of its own. We check it on this machine in
-# section 4 — where that last assumption fails.
+# It assumes the communication runs on hardware of its own, and it is a rule of thumb, not a law
+# ([reference](../../docs/reference.md#data-parallelism-hiding-the-all-reduce) gives the scaling-book estimate for an
+# H100 over NVLink):
 
 # %%
 for where, F, W in [("H100, NVLink, datasheet peak", 989.5e12, 450e9), ("H100, NVLink, 40% MFU", 0.4 * 989.5e12, 450e9),
@@ -145,6 +143,8 @@ for where, F, W in [("H100, NVLink, datasheet peak", 989.5e12, 450e9), ("H100, N
     print(f"{where:<52} tokens per GPU to hide the all-reduce: T ≥ F/W = {F / W:8,.0f}")
 
 # %% [markdown]
+# **Takeaway: a few thousand tokens per GPU hide the all-reduce inside a node, about ten times more across nodes.**
+#
 # ## 3. Read the code
 #
 # `picotron/data_parallel.py`. Both wrappers share a base that holds the axis they average over (`mesh.dp_cp`, dp × cp:
@@ -156,8 +156,8 @@ _common.show_source(data_parallel.NaiveDataParallel)
 
 # %% [markdown]
 # `register_post_accumulate_grad_hook` fires once autograd has *added* this backward's contribution into `p.grad`
-# (after all uses of a shared weight, e.g. tied embeddings). The all-reduce sums, so we divide first. It is
-# **blocking**: backward stops at each of the 39 tensors until the message is through.
+# (after all uses of a shared weight). The all-reduce sums, so we divide first. It is **blocking**: backward stops at
+# each tensor until the message is through.
 #
 # The bucketed version keeps the gradients in contiguous buffers. `p.grad` *is* a slice of its bucket's buffer, so
 # autograd accumulates straight into the memory we send — no copy (DDP calls this `gradient_as_bucket_view`):
@@ -179,11 +179,10 @@ _common.show_source(data_parallel.DataParallel.finish_sync)
 
 # %% [markdown]
 # **Gradient accumulation** (lesson 01) runs $k$ micro-batches before one optimizer step. All-reducing after each
-# would send $k$ times the bytes for the same result, since the sum of averages is the average of sums. `no_sync`
+# would send $k$ times the bytes for the same result (the sum of averages is the average of sums). `no_sync`
 # switches the hook's sending off. The step engine (`schedule.OneStage.run`, what `picotron/train.py` calls for each
-# optimizer step) wraps all micro-batches but the last in it, and waits for the gradient sync with `finish_sync()`
-# at the end. It asks nothing else of the model: every wrapper here, ZeRO's, and `Local` (one replica, nothing to
-# send) speak that protocol, `GradSync`.
+# optimizer step) wraps all micro-batches but the last in it and waits with `finish_sync()` at the end. Every
+# wrapper here, ZeRO's, and `Local` (one replica, nothing to send) speak that protocol, `GradSync`.
 
 # %%
 _common.show_source(data_parallel._Replicated.no_sync)
@@ -191,23 +190,24 @@ print("\n    # picotron/schedule.py, the micro-batches of one optimizer step:")
 _common.show_source(schedule.OneStage.run)
 
 # %% [markdown]
+# **Takeaway: data parallelism is a hook, a buffer per bucket, an asynchronous all-reduce and one wait.**
+#
 # ## 4. Run it
 #
-# Every timed comparison below runs all its variants **in one launch**, each on its own copy of the model
-# (identical weights), one step of each in turn with a barrier before every step and the order rotating. So slow
-# drift of this shared machine hits every variant alike. A step's time is the slowest rank's; we report medians and
-# quartiles. Two ranks on two cores, one thread each.
+# Every timed comparison runs all its variants **in one launch**, each on its own copy of the model (identical
+# weights), one step of each in turn with a barrier before every step and the order rotating, so slow drift of this
+# shared machine hits every variant alike. A step's time is the slowest rank's; "exposed" is a variant's step minus
+# the compute-only step **of the same round** (median and quartiles over the rounds). Two ranks on two cores.
 #
-# ### (a) Naive → overlap → buckets: where does the time go?
+# ### (a) Naive → overlap → buckets, on this CPU
 # Seven variants: **compute only** (each rank trains alone, nothing is sent — the floor), **naive**, and the
 # bucketed `DataParallel` with buckets of 0 (one per tensor, "overlap"), 0.25, 1, 4 and 25 MiB. Each rank records a
 # timeline: forward, backward and the wait after backward (`finish_sync`) from the step engine, each all-reduce from
-# launch to completion from a `metrics.Recorder` on the wrapper's axis (a callback on the all-reduce's future), and
-# the optimizer. Each variant is the trainer's own pieces, built the way `parallelize` builds them, and one step is
-# the step engine, then AdamW:
+# launch to completion from a `metrics.Recorder` on the wrapper's axis, and the optimizer. A variant is the trainer's
+# own pieces, built the way `parallelize` builds them, and a step is the step engine, then AdamW:
 
 # %%
-_common.show_source(lesson.Variant.__init__, "self.raw =", "self.schedule =")
+_common.show_source(lesson.Variant.__init__, "axis = (", "self.schedule =")
 _common.show_source(lesson.Variant.step, "self.forward_backward", "self.model.zero_grad")
 
 # %%
@@ -217,135 +217,222 @@ rows, st = tl["results"]["rows"], tl["results"]["settings"]
 by = {r["name"]: r for r in rows}
 base = by["compute only"]
 tokens_per_rank = st["micro_batch_size"] * st["seq_len"]
-print(f"\n{tokens_per_rank} tokens per rank per step, {st['steps']} timed steps per variant\n")
-print(f"{'variant':<15}{'step ms':>9}{'tokens/s':>10}{'backward':>10}{'wait after':>12}{'exposed':>10}{'all-reduces':>13}{'comm busy':>11}")
-print(f"{'':<15}{'':>9}{'':>10}{'ms':>10}{'backward ms':>12}{'ms':>10}{'per step':>13}{'ms':>11}")
-for r in rows:
-    p = r["phases"]
-    print(f"{r['name']:<15}{1e3 * r['median']:9.1f}{r['tokens_per_s']:10,.0f}{1e3 * p['backward']:10.1f}{1e3 * p['wait']:12.1f}"
-          f"{1e3 * (r['median'] - base['median']):10.1f}{p['n_allreduce']:13.0f}{1e3 * p['comm']:11.1f}")
+print(f"\n{tokens_per_rank} tokens per rank per step, {st['steps']} timed rounds; noise: compute only's own step "
+      f"time spans {1e3 * (base['q3'] - base['q1']):.1f} ms between its quartiles")
+print("slowdown of backward against compute only's: " + ", ".join(
+    f"{r['name']} {1e3 * (r['phases']['backward'] - base['phases']['backward']):+.1f} ms" for r in rows[1:]))
 
 # %% [markdown]
-# What to expect (the table is this run's; the full settings time 40 steps per variant, FAST mode only a few on a
-# machine that may be busy, so read its numbers as rough): the naive variant exposes the most, and none of it as a
-# wait after backward, because each blocking all-reduce stalls backward itself; the per-tensor overlap exposes less
-# but pays one latency per tensor; buckets expose less the larger they are, down to the single 25 MiB bucket, which
-# cannot start before backward ends, so all of its transfer is a wait after backward. Even the best variant's exposed
-# time stays a sizeable part of the compute-only step on this machine (a fifth to a quarter in our runs), never zero
-# (why: below).
-#
-# Two measures of what the communication costs: **wait after backward** is the time from the end of backward to
-# the end of `finish_sync` (the communication that was not hidden at all); **exposed** is the step time
-# minus the compute-only step (everything communication costs, including a slower backward). The Gantt chart shows
-# one step of four variants on both ranks (compute row: forward, backward, wait, optimizer; communication row: each
-# all-reduce from launch to completion, one colour per bucket):
+# Two measures of what communication costs: **wait after backward** (from the end of backward to the end of
+# `finish_sync`: what was not hidden at all) and **exposed** (everything it costs, a slower backward included). The
+# Gantt chart shows one step of four variants on both ranks (compute row: forward, backward, wait, optimizer;
+# communication row: each all-reduce from launch to completion, one colour per bucket):
 
 # %%
-lesson.plot_timelines([by[k] for k in ("naive", "overlap", "bucket 1 MiB", "bucket 25 MiB")], step=-1,
-                      title=f"one step (the last timed one), {N} ranks"); plt.show()
-lesson.plot_phases(rows, base["median"]); plt.show()
+lesson.plot_timelines([by[k] for k in ("naive", "overlap", "bucket 1 MiB", "bucket 25 MiB")],
+                      title=f"one step (the last timed one), {N} ranks, gloo on this CPU"); plt.show()
+lesson.plot_phases(rows, title="where the time goes, gloo on this CPU"); plt.show()
 
 # %% [markdown]
-# How to read it:
+# What to expect on a quiet machine, and why:
 #
-# * **naive**: the all-reduces sit *inside* backward (the communication row is busy while the compute row is stalled
-#   in backward); nothing is waited for afterwards, but backward is stretched by the sum of 39 blocking messages.
-# * **overlap** (a bucket per tensor): backward no longer stops, but 39 messages queue on one channel, each paying the
-#   latency; the queue is still draining when backward ends, so a long wait remains.
-# * **bucket 1 MiB**: a handful of messages; most of the traffic happens during backward.
-# * **bucket 25 MiB**: all 12.5 MiB in one bucket: it can only start when backward is over, so its whole all-reduce is
-#   exposed — one latency and no interference with backward (which suits this CPU, see below), but on a large model
-#   it would add the full all-reduce time to every step.
+# * **naive**: the all-reduces sit *inside* backward (the communication row is busy while backward is stalled);
+#   there is nothing to wait for afterwards, but backward is stretched by the blocking messages.
+# * **overlap** (a bucket per tensor): backward no longer stops, but the messages queue on one channel, each paying
+#   the latency, and the queue is still draining when backward ends.
+# * **bucket 1 MiB**: a handful of messages, most of them during backward.
+# * **bucket 25 MiB**: one bucket holds everything; it starts when backward is over, so all of it is a wait.
 #
-# One thing the GPU picture does not have: **on a CPU the communication is not free for the computation.** gloo adds
-# and copies the buffers with the same cores that run backward (and the loopback "network" is the kernel copying
-# memory), so an overlapped all-reduce slows backward down — compare each variant's backward column with the
-# compute-only one. On GPUs the all-reduce runs on NVLink/InfiniBand with a few SMs to spare, and overlap is much
-# closer to free. This is why our "exposed" column never reaches zero, whatever the bucket size.
+# And one thing a GPU does not have: **here communication is not free for the computation.** gloo adds and copies
+# the buffers with the same two cores that run backward, so on a quiet machine every overlapped all-reduce slows
+# backward down (the "slowdown of backward" line above, when the quartile spread printed with it is small) and the
+# exposed column stays well above zero whatever the bucket size. On a busy machine the noise can be as large as
+# these differences — slowdowns and exposures can even come out negative, which is noise, not a gain — and the two
+# ranks drift apart: the one that finishes backward first waits for the other. **Takeaway: on a CPU, overlapping communication only moves it onto the
+# cores backward needs.**
 #
-# **The rule of thumb, checked here.** The measured backward time per token and the all-reduce fit give this
-# machine's threshold, the same way $F/W$ did for the H100:
+# ### (b) Exposed communication against bucket size, on this CPU
+# The same run against the overlap model of section 2, fed with the all-reduce fit and each variant's own backward:
+
+# %%
+lesson.plot_exposed(rows, tl["grad_tensor_bytes"], allreduce["latency_s"], allreduce["busbw"], N,
+                    title="exposed communication, gloo on this CPU (model: the all-reduce fit)"); plt.show()
+for name, mb, nb, (med, q1, q3), wait, bwd, model in lesson.exposed_rows(rows, tl["grad_tensor_bytes"],
+                                                                         allreduce["latency_s"], allreduce["busbw"], N):
+    print(f"{name:<16}{nb:>3} buckets: exposed {1e3 * med:6.1f} ms (quartiles {1e3 * q1:.1f} to {1e3 * q3:.1f}) = "
+          f"backward {1e3 * (bwd - base['phases']['backward']):+5.1f} ms against compute only's, a wait of {1e3 * wait:4.1f} ms "
+          f"(model of the wait: {1e3 * model:4.1f} ms)")
+
+# %% [markdown]
+# The model, given the backward each variant actually had, comes close to the wait after it; what it does not model
+# is why backward got slower — here, the all-reduces' own work on backward's cores (and, on a busy machine, noise: the
+# quartiles). Backward covers the all-reduce's **time** from about this many tokens per rank — if only communication
+# cost no compute:
 
 # %%
 bwd_per_token = base["phases"]["backward"] / tokens_per_rank
-threshold = t_all / bwd_per_token
-print(f"backward: {1e6 * bwd_per_token:.1f} µs per token per rank; all-reduce of all gradients: {1e3 * t_all:.1f} ms")
-print(f"→ backward covers the all-reduce from T ≈ {threshold:,.0f} tokens per rank (we run {tokens_per_rank}) — "
-      f"if communication cost no compute; the wait and exposed columns above show how far that 'if' is from a CPU")
+print(f"backward: {1e6 * bwd_per_token:.1f} µs per token per rank; all-reduce of all gradients: {1e3 * t_all:.1f} ms "
+      f"→ T ≈ {t_all / bwd_per_token:,.0f} tokens per rank (we run {tokens_per_rank})")
 
 # %% [markdown]
-# ### (b) Throughput against bucket size
-# The same run, as tokens/s against the bucket size, with the overlap model of section 2 (the measured all-reduce fit
-# and the measured compute-only backward) drawn over it:
+# **Takeaway: the rule of thumb needs communication hardware of its own, which this CPU does not have.**
+#
+# ### (c) Overlap made visible: an emulated link
+# A GPU cluster moves gradients with hardware of its own (NVLink, InfiniBand and the network cards), so backward keeps
+# its processors. To see that here we **emulate** such a link: `mesh.dp_cp.over(EmulatedLink(bandwidth, latency))`
+# (`picotron/link.py`) gives the same process group, whose all-reduces still run for real (the gradients are exact)
+# but complete no earlier than a ring all-reduce on that link would: latency + $2\frac{n-1}{n}$·bytes/bandwidth, one
+# message at a time. The waiting is a sleep, so it costs no core. It is a model of a network, and every plot of it
+# says so; on GPUs with a real interconnect you would run without it.
+#
+# We size the link from this machine, so that communication matters as much as it can while staying hideable:
 
 # %%
-lesson.plot_buckets(rows, tl["grad_tensor_bytes"], allreduce, N, N * tokens_per_rank); plt.show()
-for r in rows[2:]:
-    pred = lesson.predicted_step(base, tl["grad_tensor_bytes"], allreduce, r["bucket_mb"], N)
-    print(f"{r['name']:<15} {r['n_buckets']:>2} buckets: measured {1e3 * r['median']:6.1f} ms/step, overlap model {1e3 * pred:6.1f} ms")
+_common.show_source(lesson.choose_link)
 
 # %% [markdown]
-# The model and the measurement agree on the left: one message per tensor pays the latency 39 times. They part on
-# the right. The model assumes communication runs *beside* the computation for free, so it prefers a few buckets that
-# overlap backward. On this CPU every overlapped byte is added and copied by the cores that run backward, so
-# overlapping slows backward down, and one big bucket that overlaps nothing ties with or beats the middle sizes. On
-# GPUs, where the all-reduce has its own links and engines, the middle sizes win; DDP's default is 25 MiB, for models
-# of billions of parameters (hundreds of buckets).
+# Each rank also gets 4× the tokens (micro-batch 8): the real gloo copy still runs underneath and still takes these
+# cores for a while; with a 4× longer backward it is small next to the link's time — the $T \ge F/W$ of the rule of
+# thumb at work. The experiment measures a compute-only backward, chooses the link, and runs the same sweep over it
+# (plus 0.5 and 2 MiB). On a busy machine backward's time can move between the sizing and the timed rounds (both are
+# printed); the checks compare with the link's own time and with the model fed the measured backward, so they hold
+# either way.
+
+# %%
+run("emulated")
+em = _common.load_json(OUT / "emulated.json")
+erows, link = em["results"]["rows"], em["results"]["link"]
+eby = {r["name"]: r for r in erows}
+ebase = eby["compute only"]
+link_total = link["latency"] + 2 * (N - 1) / N * em["grad_bytes"] / link["bandwidth"]
+print(f"\n{link['label']}: chosen from a compute-only backward of {1e3 * link['measured_backward']:.0f} ms "
+      f"({em['results']['settings']['micro_batch_size'] * em['seq_len']} tokens per rank); one all-reduce of all "
+      f"{em['grad_bytes'] / MiB:.1f} MiB takes {1e3 * link_total:.0f} ms on it, {len(em['grad_tensor_bytes'])} latencies "
+      f"{1e3 * len(em['grad_tensor_bytes']) * link['latency']:.0f} ms; in the timed rounds compute only's backward took "
+      f"{1e3 * ebase['phases']['backward']:.0f} ms")
+
+# %%
+lesson.plot_timelines([eby[k] for k in ("naive", "overlap", "bucket 1 MiB", "bucket 25 MiB")],
+                      title=f"one step (the last timed one), {N} ranks — {link['label']}"); plt.show()
+
+# %% [markdown]
+# Read the four against the link's numbers printed above. **naive** stalls backward for every message: all its link
+# time, 39 latencies and all the bytes, lands inside backward. **overlap** no longer stalls, but each of its 39
+# messages pays the latency; whatever does not fit into backward is still queued when it ends. **1 MiB buckets** keep
+# the link busy *during* backward; what is left is the last bucket and whatever queued behind it. **25 MiB** (one
+# bucket) starts when backward ends: the whole link time is exposed. (The table's "shorter wait": of the two ranks,
+# the one that finished backward last waits only for the link; the other also waits for it.)
+
+# %%
+ex = lesson.exposed_rows(erows, em["grad_tensor_bytes"], link["latency"], link["bandwidth"], N)
+lesson.plot_exposed(erows, em["grad_tensor_bytes"], link["latency"], link["bandwidth"], N,
+                    title=f"exposed communication — {link['label']}"); plt.show()
+for name, mb, nb, (med, q1, q3), wait, bwd, model in ex:
+    print(f"{name:<16}{nb:>3} buckets: exposed {1e3 * med:6.1f} ms (quartiles {1e3 * q1:.1f} to {1e3 * q3:.1f}), "
+          f"shorter wait {1e3 * wait:6.1f} ms | model {1e3 * model:6.1f} ms")
+
+# %% [markdown]
+# The model (section 2's formula, `lesson.model_timeline`, given each variant's backward) follows the measured wait:
+# one bucket waits the whole link time, the middle sizes hide most of it, and per-tensor messages give some of the
+# gain back in latency — how much depends on 39 latencies against backward (both printed above). The exposure (step −
+# compute only) adds to the wait whatever slowed backward: the real copy underneath, and this machine's noise (the
+# quartile bars, wide on a busy machine). The checks, with their margins:
 #
-# ### (c) Against torch's DistributedDataParallel
-# Same model, same bucket size, same batches, DDP with `gradient_as_bucket_view=True` like ours; one step of ours,
-# one of DDP, alternately. The ratio of each round (DDP's step time ÷ ours, i.e. ours' throughput ÷ DDP's) is kept,
-# so the spread shows how much to trust the median. Timelines are off for both (DDP records none).
+# * one bucket must wait at least 90% of the link's time for all gradients (the link cannot be faster than itself);
+# * the best bucket size must leave at most half of what one bucket leaves (the model predicts far less);
+# * naive's messages must take at least 90% of their link time (39 latencies and all the bytes), all of it inside
+#   backward, with next to nothing (under 5% of it) to wait for after backward. (Its *exposure* can come out smaller
+#   on a busy machine: while both ranks sleep on the link, their compute has the cores to itself.)
+# * averaged over the bucket sizes, the measured wait must be within 25% of the link's total time of the model's.
+
+# %%
+one_bucket, bucketed = ex[-1], ex[:-1]
+best = min(bucketed, key=lambda p: p[4])
+naive_link = len(em["grad_tensor_bytes"]) * link["latency"] + 2 * (N - 1) / N * em["grad_bytes"] / link["bandwidth"]
+gap = sum(abs(p[4] - p[6]) for p in ex) / len(ex)
+check("emulated: one all-reduce after backward exposes the whole link time", one_bucket[4] >= 0.9 * link_total,
+      f"one bucket waits {1e3 * one_bucket[4]:.1f} ms after backward; the link needs {1e3 * link_total:.1f} ms")
+check("emulated: buckets launched during backward hide most of it", best[4] <= 0.5 * one_bucket[4],
+      f"{best[0]} leaves {1e3 * best[4]:.1f} ms, {100 * (1 - best[4] / one_bucket[4]):.0f}% less than one bucket")
+nv = eby["naive"]["phases"]
+check("emulated: naive stalls backward for every message's link time",
+      nv["comm"] >= 0.9 * naive_link and nv["backward"] >= nv["comm"] and nv["wait"] <= 0.05 * naive_link,
+      f"its {len(em['grad_tensor_bytes'])} messages take {1e3 * nv['comm']:.0f} ms on the link (they need "
+      f"{1e3 * naive_link:.0f} ms), inside a backward of {1e3 * nv['backward']:.0f} ms; {1e3 * nv['wait']:.1f} ms of "
+      f"waiting after it")
+check("emulated: the overlap model predicts the wait", gap <= 0.25 * link_total,
+      f"mean |measured − model| {1e3 * gap:.1f} ms over {len(ex)} bucket sizes (bound: 25% of {1e3 * link_total:.0f} ms)")
+
+# %% [markdown]
+# **Takeaway: with a link of its own, buckets launched during backward hide most of the all-reduce; one all-reduce
+# after backward hides none of it, and per-tensor messages drown in latency.** No emulation is needed on GPUs: NCCL
+# over NVLink or InfiniBand is that link.
+#
+# ### (d) Against torch's DistributedDataParallel
+# Same model, bucket size and batches, DDP with `gradient_as_bucket_view=True` like ours; one step of ours, one of
+# DDP, alternately (on this CPU, no emulated link). Each round gives a paired ratio (DDP's step time ÷ ours, i.e. our
+# throughput ÷ DDP's), so the spread shows how much to trust the median.
 
 # %%
 run("ddp")
-ddp = _common.load_json(OUT / "ddp.json")
-for mb, r in ddp["results"]["ratios"].items():
+ddp = _common.load_json(OUT / "ddp.json")["results"]
+for mb, r in ddp["ratios"].items():
+    verdict = "a tie within this run's spread" if r["q1"] <= 1 <= r["q3"] else "ours faster" if r["q1"] > 1 else "DDP faster"
     print(f"bucket {mb:>2} MiB: ours/DDP throughput = {r['median']:.3f} (median of {r['n']} paired rounds, quartiles "
-          f"{r['q1']:.3f}–{r['q3']:.3f}; ratio of the medians {r['of_medians']:.3f})"
-          + ("  [FAST mode: few rounds, noisy; the full run uses 100]" if FAST else ""))
-lesson.plot_ddp(ddp["results"]); plt.show()
+          f"{r['q1']:.3f}–{r['q3']:.3f}): {verdict}")
+lesson.plot_ddp(ddp); plt.show()
 
 # %% [markdown]
-# DDP is the same design — buckets in reverse order, one asynchronous all-reduce per full bucket, gradients as
-# bucket views — written in C++ (its "Reducer"). Measured with enough rounds on a quiet machine
-# (`benchmarks/dp_vs_ddp.py`, 300 alternating rounds per bucket size, 2 ranks, this model and batch): **ours/DDP =
-# 0.968 at 1 MiB** (quartiles of the per-round ratio 0.92–1.03) **and 0.979 at 25 MiB** (0.92–1.03); the lesson
-# script's own 100-round run gave 0.966 and 0.974. The remaining 2–3% (about 1.5 ms of a 78 ms step) is the price of
-# Python and of simplicity: our hook is a Python call per tensor, autograd adds each gradient into a bucket we zeroed
-# (DDP lets autograd write a fresh gradient and copies it in, divided, in one pass), and we zero the buckets every
-# step. Dividing after the all-reduce instead of before made no measurable difference (0.966 and 0.974).
+# DDP is the same design — buckets in reverse order, one asynchronous all-reduce per full bucket, gradients as bucket
+# views — written in C++ (its "Reducer"). The verdict above is this run's (FAST mode: 10 rounds; the full run: 100);
+# `benchmarks/dp_vs_ddp.py` runs longer and also tries dividing after the all-reduce. Where ours trails, look at what
+# DDP does in C++ and we do in Python: a hook call per tensor, autograd adding into a bucket we zeroed (DDP copies
+# each fresh gradient in, divided, in one pass), zeroing the buckets every step. **Takeaway: the design, not the
+# language, makes DDP fast; ours is the same design.**
 #
-# ### (d) Gradient accumulation: `no_sync`
-# Four micro-batches per step (1 MiB buckets): all-reduce only after the last one, or after every one. Syncing every
-# micro-batch has a trap: the next micro-batch's backward adds its gradients into the very buffers that are still
-# being all-reduced, so it must **wait** for them first (here the step engine runs once per micro-batch, each loss
-# divided by $k$, and each run ends in `finish_sync`; DDP always waits at the end of backward). The first version of this experiment forgot, and its gradients were off by 10%.
-# Before timing, one step of each from the same weights on the same batches: the gradients must agree.
+# ### (e) Gradient accumulation: `no_sync`
+# Four micro-batches per step, one bucket: all-reduce only after the last one, or after every one — on this CPU and
+# over the emulated link of (c). Syncing every micro-batch has a trap: the next backward adds into the very buffers
+# still being all-reduced, so it must **wait** for them first (here the step engine runs once per micro-batch, each
+# loss divided by $k$, each run ending in `finish_sync`). The first version of this experiment forgot, and its
+# gradients were off by 10%. So first, one step of each from the same weights and batches: the gradients must agree.
 
 # %%
-run("accumulate")
+run("accumulate", 2, "--link", f"{link['bandwidth']},{link['latency']}")
 acc = _common.load_json(OUT / "accumulate.json")["results"]
-for r in acc["rows"]:
-    print(f"{r['name']:<24} {r['bytes_sent_per_rank'] / MiB:6.1f} MiB sent per rank per step, {r['phases']['n_allreduce']:3.0f} all-reduces, "
-          f"{1e3 * r['median']:6.1f} ms/step")
+aby = {r["name"]: r for r in acc["rows"]}
+for r in acc["rows"][1:]:
+    print(f"{r['name']:<34} {r['bytes_sent_per_rank'] / MiB:6.1f} MiB sent per rank per step, {r['phases']['n_allreduce']:3.0f} "
+          f"all-reduces, exposed {1e3 * r['exposed'][0]:6.1f} ms (quartiles {1e3 * r['exposed'][1]:.1f} to {1e3 * r['exposed'][2]:.1f})")
 print(f"max |grad(no_sync) − grad(sync every micro-batch)| = {acc['max_grad_diff']:.1e} (largest gradient {acc['max_grad']:.1e})")
 lesson.plot_accumulate(acc, N); plt.show()
 
 # %% [markdown]
-# Same gradients (up to the order of float additions), a quarter of the bytes. In the time panel `no_sync` sits
-# above compute alone by about what one step's gradient sync exposes (lines above), syncing every micro-batch by about
-# four times that. On a busy machine the step-to-step noise can be as large as `no_sync`'s cost, and its bar can even
-# come out *below* compute alone: that is noise, not a gain; rerun on a quiet machine. With $k$ micro-batches, `no_sync`
-# makes the communication per *optimizer step* independent of $k$, so gradient accumulation also raises the
-# tokens per rank per all-reduce — the $T$ of the rule of thumb.
+# Same gradients (up to the order of float additions), a quarter of the bytes. The time panel's bars are each
+# variant's step minus compute only's in the same round. On this CPU `no_sync`'s extra is one all-reduce, a few
+# milliseconds, of the order of a shared machine's step-to-step noise: its bar can even dip **below zero**. No
+# variant can be faster than computing without communicating; a negative value is noise, and its quartile bar,
+# reaching across zero, says so. The diamonds, the waits after backward, are the clean signal: over the emulated link
+# a sync cannot take less than the link's time, so `no_sync` waits for it once per step and syncing every
+# micro-batch $k$ times, however noisy the machine (the check below).
+
+# %%
+ns, se = aby["no_sync, emulated"], aby["sync every micro-batch, emulated"]
+ratio = se["phases"]["link_wait"] / ns["phases"]["link_wait"]
+check(f"emulated: syncing every micro-batch waits {acc['k']}× as long as no_sync", 0.75 * acc["k"] <= ratio <= 1.25 * acc["k"],
+      f"{1e3 * se['phases']['link_wait']:.0f} vs {1e3 * ns['phases']['link_wait']:.0f} ms of waiting per step: ×{ratio:.2f} "
+      f"(bound: {0.75 * acc['k']:g} to {1.25 * acc['k']:g})")
+
+# %% [markdown]
+# **Takeaway: with $k$ micro-batches, `no_sync` makes the communication per optimizer step independent of $k$ — so
+# gradient accumulation also raises the tokens per all-reduce, the $T$ of the rule of thumb.**
 #
-# ### (e) Scaling from 1 to 2 to 4 ranks
+# ### (f) Scaling from 1 to 2 to 4 ranks
 # `picotron.train` with `--dp 1, 2, 4`, the same micro-batch per rank (so the global batch grows with dp: weak
 # scaling). `_common.launch` gives each rank `OMP_NUM_THREADS = cores // nproc` threads: on this 2-core machine
-# dp=1 runs 2 threads, dp=2 one thread per rank, and **dp=4 puts 4 single-threaded ranks on 2 cores: oversubscribed**,
-# each rank gets half a core. So here the ideal is *flat* (the same two cores, however split); on a GPU node, where
-# every rank brings its own device, the ideal is dp × the single-device throughput.
+# dp=1 runs 2 threads, dp=2 one thread per rank, and **dp=4 puts 4 single-threaded ranks on 2 cores: oversubscribed**.
+# So here the ideal is *flat* (the same two cores, however split); on a GPU node, where every rank brings its own
+# device, the ideal is dp × the single-device throughput.
 
 # %%
 for n in (2, 4):
@@ -355,20 +442,24 @@ for n, r in runs.items():
     s = r["results"]
     print(f"dp={n}: {s['tokens_per_s']:8,.0f} tokens/s (median step), {s['threads']} thread(s) per rank | vs dp=1: ×{s['tokens_per_s'] / tps1:.2f} "
           f"(same cores: ideal ×1) | per-device efficiency if each rank had its own device: {s['tokens_per_s'] / (n * tps1):.0%}")
+if runs[2]["results"]["tokens_per_s"] > 1.5 * tps1:
+    print("dp=1 ran far slower than dp=2 on the same cores: the machine was busy (see below)")
 lesson.plot_scaling(runs); plt.show()
 
 # %% [markdown]
-# On two cores dp=2 does about what dp=1 does: the same arithmetic, split between two processes instead of two
-# threads, plus the all-reduce. dp=4 oversubscribes the cores (four processes time-sharing two cores, and gloo's
-# threads on top) and pays for it. What this measures is the *overhead* of data parallelism on fixed hardware; the
-# speed-up comes when every rank has its own GPU (run the same command on a pod: `torchrun --nproc_per_node 8 -m
-# picotron.train --dp 8`).
+# On two cores dp=2 does the same arithmetic as dp=1, split between two processes instead of two threads, plus the
+# all-reduce; dp=4 time-shares the two cores between four processes and gloo's threads. What this measures is the
+# *overhead* of data parallelism on fixed hardware (the ratios above); the speed-up comes when every rank has its own
+# GPU (`torchrun --nproc_per_node 8 -m picotron.train --dp 8`). If the line above says dp=1 ran far slower, other jobs
+# shared the cores: dp=1's two threads meet at every parallel operation and wait for whichever was descheduled
+# (the experiment lets waiting threads sleep, `OMP_WAIT_POLICY=PASSIVE`, which limits but does not remove this),
+# while single-threaded ranks do not — a busy machine's artefact, not a gain of data parallelism. **Takeaway: data parallelism multiplies devices, not
+# cores.**
 #
-# ### (f) Memory per rank: unchanged
-# Each rank's parameters, gradients, AdamW state and activations, as the trainer measured them (the wrapper's `memory()`,
-# `metrics.optimizer_bytes`, the step engine's `ActivationCounter`) — every rank of every run — and, hatched, what ZeRO would keep per rank at dp=4
-# ([the formulas](../../docs/reference.md#zero-memory-and-communication-per-rank): ZeRO-1 shards the optimizer state,
-# ZeRO-2 also the gradients, ZeRO-3 also the parameters):
+# ### (g) Memory per rank: unchanged
+# Each rank's parameters, gradients, AdamW state and activations, as the trainer measured them — every rank of every
+# run — and, hatched, what ZeRO would keep per rank at dp=4
+# ([the formulas](../../docs/reference.md#zero-memory-and-communication-per-rank)):
 
 # %%
 for n, r in runs.items():
@@ -377,35 +468,23 @@ for n, r in runs.items():
 lesson.plot_memory(runs); plt.show()
 
 # %% [markdown]
-# Data parallelism buys speed, not memory: every rank keeps all $16\Psi$ bytes of model states (fp32 params 4 +
-# grads 4 + Adam 8), and the activations of its own micro-batch. With $n$ ranks, $n$ identical copies of the
-# optimizer state exist — pure redundancy. **ZeRO (lesson 04) removes it**: each rank keeps $1/n$ of the optimizer
-# state (and of the gradients, and of the parameters), for about the same communication.
+# Every rank keeps all $16\Psi$ bytes of model states (fp32 params 4 + grads 4 + Adam 8) and the activations of its
+# own micro-batch: $n$ identical copies of the optimizer state. **Takeaway: data parallelism buys speed, not memory;
+# ZeRO (lesson 04) removes the copies.**
 #
 # ## 5. Check it: the same training as one process
 #
-# The [parity standard](../../docs/reference.md#parity-standard) of the course: dp ranks with micro-batch $b$ see exactly
-# the rows one process sees with micro-batch $b$ and `grad_acc` = dp (the loader lays a step's rows out rank-major),
-# so with fp32 and the same seed the per-step losses must agree within $10^{-5}$ relative **for the first 10 steps**
-# — only the order of the float additions differs. (The test suite, `tests/test_data_parallel.py`, also checks the
-# gradients of a step within $10^{-5}$.)
+# The [parity standard](../../docs/reference.md#parity-standard): dp ranks with micro-batch $b$ see exactly the rows one
+# process sees with micro-batch $b$ and `grad_acc` = dp, so with fp32 and the same seed the per-step losses must agree
+# within $10^{-5}$ relative **for the first 10 steps** — only the order of the float additions differs.
 #
-# Why only the first 10? The full settings train for 30 steps, and there the curves slowly part: the relative
-# difference starts at $10^{-7}$ (or exactly 0) and grows step after step, in some runs past $10^{-5}$ around step 20
-# and to $10^{-4}$ by step 30. Nothing is wrong. With four ranks the all-reduce adds the four partial gradients in a
-# different order than one process accumulating four micro-batches, so the gradients differ in their last bits; AdamW
-# divides each element's update by $\sqrt{\hat v}$, its own running gradient scale, so on elements whose gradient is
-# near zero a last-bit difference becomes a visible difference of the step; and every step's weights feed the next
-# step's forward pass, so the gap compounds. (dp=2 stays equal bit for bit here: each element's average is one
-# addition of two halves, and $a + b = b + a$ exactly.) How far it gets varies from run to run: on this machine one full
-# run stayed below $4\cdot10^{-6}$ for all 30 steps, another crossed $10^{-5}$ at step 19 and reached $10^{-4}$ by step 30.
-#
-# So the check compares the window of the standard, and the steps after it are reported as **drift** against a bound
-# of $10^{-3}$, stated in the check line: a hundred times the standard, ten times the worst drift seen in 30 steps, and
-# below what a real bug does. With these settings, dropping the gradient of one of the four micro-batches (a rank whose
-# contribution never arrives) or counting one twice moves the loss by up to $4\cdot10^{-3}$ within the first 10 steps,
-# by $3\cdot10^{-3}$ or more on every step from 11 on and by $1$–$3\cdot10^{-2}$ from step 15: the window catches it at
-# step 2, the drift bound on every later step.
+# After that the curves may slowly part, and nothing is wrong: with four ranks the all-reduce adds the partial
+# gradients in another order than one process does, AdamW divides each update by the element's own gradient scale
+# (so last-bit differences on near-zero gradients become visible steps), and every step feeds the next. dp=2 tends
+# to stay bit-equal: each average is one addition of two halves, and $a + b = b + a$. How far the drift gets varies
+# from run to run (the reference records runs that stayed below $10^{-5}$ and runs that reached $10^{-4}$ in 30
+# steps), so the steps after the window are checked against a looser bound, $10^{-3}$, which a real bug — a
+# micro-batch's gradient lost or counted twice — exceeds.
 
 # %%
 pairs = {f"dp={n} vs 1 process, grad_acc={n}": (runs[n]["results"]["loss"], one["references"][str(n)]) for n in (2, 4)}
@@ -417,13 +496,9 @@ for label, (dp, ref) in pairs.items():
 lesson.plot_parity(pairs); plt.show()
 
 # %% [markdown]
-# Every claim of this lesson that is not a timing, as a number (timings on a shared CPU are measurements, not
-# pass/fail criteria; they are above):
+# Every claim of this lesson that is not a timing, as a check (the timing checks are in sections 4(c) and 4(e)):
 
 # %%
-def check(name, ok, detail):
-    print(f"{'✓' if ok else '✗'} {name}: {detail}")
-
 for label, (dp, ref) in pairs.items():
     for line in _common.parity_checks(label, dp, ref, where="section 5"):
         check(*line)
@@ -432,9 +507,9 @@ check("naive and overlap: one all-reduce per tensor", by["naive"]["phases"]["n_a
       f"{by['naive']['phases']['n_allreduce']:.0f} and {by['overlap']['phases']['n_allreduce']:.0f} for {n_tensors} tensors")
 check("25 MiB: one bucket holds every gradient", by["bucket 25 MiB"]["n_buckets"] == 1 and abs(by["bucket 25 MiB"]["phases"]["mib_sent"] - grad_bytes / MiB) < 1e-6,
       f"{by['bucket 25 MiB']['n_buckets']} bucket, {by['bucket 25 MiB']['phases']['mib_sent']:.2f} MiB per step")
-check("the same bytes whatever the bucket size", len({round(r['phases']['mib_sent'], 6) for r in rows[1:]}) == 1,
-      f"{rows[1]['phases']['mib_sent']:.2f} MiB of gradients per rank per step in every variant")
-ns, se = acc["rows"][1], acc["rows"][2]
+check("the same bytes whatever the bucket size", len({round(r['phases']['mib_sent'], 6) for r in rows[1:] + erows[1:]}) == 1,
+      f"{rows[1]['phases']['mib_sent']:.2f} MiB of gradients per rank per step in every variant, on this CPU and emulated")
+ns, se = aby["no_sync"], aby["sync every micro-batch"]
 check(f"no_sync sends 1/{acc['k']} of the bytes", abs(se["bytes_sent_per_rank"] / ns["bytes_sent_per_rank"] - acc["k"]) < 1e-9,
       f"{ns['bytes_sent_per_rank'] / MiB:.1f} vs {se['bytes_sent_per_rank'] / MiB:.1f} MiB per rank per step")
 check("no_sync gives the same gradients", acc["max_grad_diff"] <= 1e-6 * max(1.0, acc["max_grad"]), f"max |Δgrad| {acc['max_grad_diff']:.1e}")
@@ -444,41 +519,50 @@ check("memory per rank does not depend on dp", same, f"params+grads+optimizer {s
       f"{len(mems)} ranks in dp=1,2,4; activations {mems[0][1]['activations'] / MiB:.1f} MiB")
 
 # %% [markdown]
+# **Takeaway: data parallelism changes where the arithmetic runs, not its result (within the parity standard).**
+#
 # ## 6. Explore: a model of the timeline
 #
-# `lesson.model_timeline` is the formula of section 2 as code: backward spread over the gradient tensors in proportion
-# to their size, buckets closing at the chosen size, one all-reduce at a time of $\alpha + 2\frac{n-1}{n}\frac{\text{bytes}}{\text{bandwidth}}$.
-# It starts from this machine's measurements (our model, the measured backward, α and bandwidth). Questions to try:
-# why does the exposed time never drop below the last bucket's all-reduce? At which bucket size does latency stop
-# mattering? Switch to SmolLM-1.7B with bf16 gradients, an H100's backward (~6,000 tokens per GPU at 40% MFU: about
-# 0.2 s) and NVLink (450 GB/s, ~20 µs): how small a bucket is still fine? Then divide the bandwidth by 10 (crossing
+# `lesson.model_timeline` is section 2's formula as code: backward spread over the gradient tensors in proportion to
+# their size, buckets closing at the chosen size, one all-reduce at a time. It starts from the emulated link of 4(c)
+# and that run's compute-only backward, where the model was checked. Questions to try: why does the exposed time
+# never drop below the last bucket's all-reduce? At which bucket size does latency stop mattering? Set this CPU's
+# fit instead (the α and bandwidth of section 2). Switch to SmolLM-1.7B with bf16 gradients, an H100's backward (~0.2
+# s) and NVLink (450 GB/s, ~20 µs): how small a bucket is still fine? Then divide the bandwidth by 10 (crossing
 # nodes). (Widgets need a live kernel; a static viewer shows the default only.)
 
 # %%
-from picotron.model import Llama
 import torch
+from picotron.model import Llama
 
 def tensor_bytes(preset, nbytes):
     c = mc if preset == "small (this lesson)" else ModelConfig.from_preset(preset)
     with torch.device("meta"):
         return [nbytes * p.numel() for p in reversed(list(Llama(c).parameters()))]
 
-def draw(model="small (this lesson)", grad_dtype="fp32", bucket_mb=1.0, backward_ms=1e3 * base["phases"]["backward"],
-         bandwidth_gbs=allreduce["busbw"] / 1e9, latency_us=1e6 * allreduce["latency_s"], n=2):
+defaults = dict(backward_ms=1e3 * ebase["phases"]["backward"], bandwidth_gbs=link["bandwidth"] / 1e9,
+                latency_us=1e6 * link["latency"])
+
+def draw(model="small (this lesson)", grad_dtype="fp32", bucket_mb=1.0, n=2, **link_and_backward):
+    v = dict(defaults, **link_and_backward)
     sizes = tensor_bytes(model, 4 if grad_dtype == "fp32" else 2)
-    lesson.plot_model_timeline(sizes, backward_ms / 1e3, bucket_mb, latency_us / 1e6, bandwidth_gbs * 1e9, n,
-                               title=f"\n{model}, {sum(sizes) / MiB:,.1f} MiB of {grad_dtype} gradients, n={n}"); plt.show()
+    lesson.plot_model_timeline(sizes, v["backward_ms"] / 1e3, bucket_mb, v["latency_us"] / 1e6, v["bandwidth_gbs"] * 1e9, n,
+                               title=f"\n{model}, {sum(sizes) / MiB:,.1f} MiB of {grad_dtype} gradients, n={n}, "
+                                     f"{v['bandwidth_gbs']:.3g} GB/s, {v['latency_us'] / 1e3:.3g} ms latency (a model)")
+    plt.show()
 
 # drawn once with the defaults (what a static viewer shows); in a live kernel, controls that redraw it
 _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=["small (this lesson)", "smollm-135m", "smollm-1.7b", "llama3-8b"]),
                                          grad_dtype=w.ToggleButtons(options=["fp32", "bf16"]),
                                          bucket_mb=w.SelectionSlider(options=[0, 0.0625, 0.25, 1, 4, 16, 25, 64, 256], value=1, description="bucket MiB"),
-                                         backward_ms=w.FloatLogSlider(value=1e3 * base["phases"]["backward"], base=10, min=-1, max=4, description="backward ms"),
-                                         bandwidth_gbs=w.FloatLogSlider(value=allreduce["busbw"] / 1e9, base=10, min=-1, max=3, description="GB/s"),
-                                         latency_us=w.FloatLogSlider(value=1e6 * allreduce["latency_s"], base=10, min=0, max=4, description="latency µs"),
+                                         backward_ms=w.FloatLogSlider(value=defaults["backward_ms"], base=10, min=-1, max=4, description="backward ms"),
+                                         bandwidth_gbs=w.FloatLogSlider(value=defaults["bandwidth_gbs"], base=10, min=-2, max=3, description="GB/s"),
+                                         latency_us=w.FloatLogSlider(value=defaults["latency_us"], base=10, min=0, max=4.5, description="latency µs"),
                                          n=w.IntSlider(value=2, min=2, max=64, description="ranks")))
 
 # %% [markdown]
+# **Takeaway: the exposed time is the last bucket plus whatever the link could not finish during backward.**
+#
 # ## 7. Exercises
 # Open `lessons/03_data_parallel/exercise.py` and write:
 #
@@ -486,13 +570,17 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=["small (this 
 # 2. `BucketedDP.on_gradient_ready(p)` and `finish_sync()` — count a bucket's gradients, launch one
 #    asynchronous all-reduce when it is complete, wait for all of them before the optimizer step;
 # 3. `BucketedDP.no_sync()` — the context manager that switches sending off, restoring the previous state even when
-#    the block raises or blocks nest.
+#    the block raises or blocks nest;
+# 4. **a puzzle**: `exposed_time(...)`, the overlap model for a given bucket size, and `best_bucket_mb(...)`, the
+#    bucket size that gives the shortest step on a given link. Before coding, guess: on 4(c)'s link, on a link with
+#    20 ms of latency per message, and on one with 0.1 ms, which size wins — tiny, middle or huge buckets?
 #
-# The checker runs your classes on 2 and 3 real processes with a different batch on each rank and compares every
-# rank's gradients with the mean computed in one process. It names the rank and the parameter that are wrong and what
-# the error looks like ("off by a factor 2 = the world size", "still rank 1's own gradient"), the ranks that hang and
-# the line where they wait, and whether your all-reduces overlap backward. Until you write them it reports
-# `NotImplementedError: not written yet`.
+# The checker runs exercises 1–3 on 2 and 3 real processes with a different batch on each rank and compares every
+# rank's gradients with the mean computed in one process; it names the rank and the parameter that are wrong and what
+# the error looks like, the ranks that hang and the line where they wait, and whether your all-reduces overlap
+# backward. For the puzzle it compares your numbers with the lesson's model (naming the usual slips: the ring factor,
+# the latency, the queue), then trains with your choice over an emulated link sized as in 4(c) and measures what it
+# leaves to wait for. Until you write them it reports `NotImplementedError: not written yet`.
 
 # %%
 import check as checker   # this folder's check.py
@@ -504,17 +592,18 @@ all_passed = checker.check()
 # | | per rank | cost |
 # |---|---|---|
 # | memory | all model states ($16\Psi$ bytes in fp32 + Adam) + activations of its micro-batch | nothing saved: $n$ copies |
-# | communication | one all-reduce of the gradients per optimizer step: $2\frac{n-1}{n}\Psi$·bytes sent, independent of the batch | hidden behind backward when tokens per rank ≳ $F/W$ (~2,200–2,500 per H100 over NVLink); `no_sync` makes it independent of gradient accumulation |
+# | communication | one all-reduce of the gradients per optimizer step: $2\frac{n-1}{n}\Psi$·bytes sent, independent of the batch | hidden behind backward when tokens per rank ≳ $F/W$ and the link has hardware of its own; `no_sync` makes it independent of gradient accumulation |
 # | compute | none extra (the division by $n$; on CPUs the reduction itself) | — |
 #
 # **Use it** always, as the outermost dimension: it is the simplest parallelism, it needs no change to the model,
 # and its traffic (once per step, overlapped) tolerates the slowest links, so it is what crosses nodes.
 # **Its limits:** the model states and one micro-batch's activations must fit on each device; and the global batch
 # grows with $n$ — beyond the critical batch size more data parallelism stops helping the optimisation, whatever
-# the throughput. **Practical points:** buckets of a few to 25 MiB; keep every parameter used in every step (or a
-# bucket never fills — DDP's `find_unused_parameters`); average over dp × cp, also when dp = 1.
+# the throughput. **Practical points:** buckets of a few to 25 MiB (exercise 4 computes the best for a link); keep
+# every parameter used in every step (or a bucket never fills — DDP's `find_unused_parameters`); average over
+# dp × cp, also when dp = 1.
 #
-# **Next — lesson 04, ZeRO:** the memory bars of section 4(f) are $n$ identical copies. ZeRO-1 gives each rank $1/n$
+# **Next — lesson 04, ZeRO:** the memory bars of section 4(g) are $n$ identical copies. ZeRO-1 gives each rank $1/n$
 # of the optimizer state (replace the all-reduce by a reduce-scatter of the gradients, update your shard, all-gather
 # the parameters — the same $2\Psi$ of traffic), ZeRO-2 also shards the gradients, ZeRO-3 the parameters too, for
 # ≈ $3\Psi$.

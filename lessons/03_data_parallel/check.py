@@ -13,7 +13,8 @@ Exit status 0 when every check passes, 1 otherwise.
 
 The exercises: average_gradient (NaiveDP), on_gradient_ready (BucketedDP.on_gradient_ready and
 finish_sync), no_sync (BucketedDP.no_sync; checked with the reference's hook, so it does not depend
-on exercise 2).
+on exercise 2), bucket_size (the puzzle: exposed_time and best_bucket_mb, checked against the lesson's overlap
+model, experiment.model_timeline, on a few links, then on a real training step over an emulated link).
 
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
 at module level). It wraps dist.all_reduce to log every call (size, async_op, how many gradients were ready
@@ -44,7 +45,10 @@ TIMEOUT_S = 10.0
 BUCKET_NUMEL = 4096  # the checker's model has ~35k parameters in 21 tensors: several buckets
 EXERCISES = {"average_gradient": "NaiveDP.average_gradient",
              "on_gradient_ready": "BucketedDP.on_gradient_ready + finish_sync",
-             "no_sync": "BucketedDP.no_sync"}
+             "no_sync": "BucketedDP.no_sync",
+             "bucket_size": "exposed_time + best_bucket_mb"}
+CANDIDATES_MB = (0, 0.0625, 0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+REAL_RUN_TIMEOUT_S = 300.0  # the puzzle's real run trains for a few steps: minutes on a busy 2-core machine
 
 
 # --------------------------------------------------------------------------------------- in each child
@@ -212,8 +216,36 @@ def _scenario_no_sync(mod, ref, rank, n, ready, log):
     return out
 
 
+def _lesson():
+    """This folder's experiment.py (the overlap model, the emulated-link run), imported by path."""
+    import _common
+
+    return _common.load_lesson("03_data_parallel")
+
+
+def _scenario_bucket_size(mod, ref, rank, n, ready, log):
+    """Section 4's emulated run in miniature: measure backward here, size the link from it (choose_link), ask YOUR
+    best_bucket_mb for a bucket size, then train a few interleaved steps with it and with one bucket for
+    everything, both over that emulated link; return what each left to wait for after backward."""
+    from picotron.mesh import Mesh
+
+    lesson = _lesson()
+    mesh = Mesh.init(dp=n)
+    st = dict(lesson.settings(False, mesh), **lesson.EMULATED, steps=4, warmup=1)
+    cfg = lesson.make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=n)
+    backward = lesson.measure_backward(mesh, cfg)
+    grad_bytes = lesson.grad_tensor_bytes(cfg.model_config())
+    link = lesson.choose_link(sum(grad_bytes), backward, n)
+    choice = mod.best_bucket_mb(grad_bytes, backward, *link, n, CANDIDATES_MB)
+    rows = lesson.timed(mesh, st, [dict(name="yours", impl="bucket", bucket_mb=choice, link=link),
+                                   dict(name="one bucket", impl="bucket", bucket_mb=max(CANDIDATES_MB), link=link)],
+                        show=False)
+    return dict(choice=choice, backward=backward, link=link, grad_bytes=grad_bytes,
+                rows={r["name"]: dict(wait=r["phases"]["link_wait"], n_buckets=r["n_buckets"]) for r in rows})
+
+
 SCENARIOS = {"average_gradient": _scenario_average_gradient, "on_gradient_ready": _scenario_on_gradient_ready,
-             "no_sync": _scenario_no_sync}
+             "no_sync": _scenario_no_sync, "bucket_size": _scenario_bucket_size}
 
 
 # ------------------------------------------------------------------------------------------ the parent
@@ -339,7 +371,141 @@ SUCCESS = {"average_gradient": "every rank holds the mean gradient of all ranks'
                       "exception and across nested blocks"}
 
 
+# ------------------------------------------------------------------------- exercise 4: the bucket-size puzzle
+MISTAKES = {  # what a value that matches the model with one mistake means
+    "no_ring": "you used latency + bytes / bandwidth: a ring all-reduce over n ranks sends 2(n-1)/n of the buffer "
+               "per rank, so a bucket takes latency + 2(n-1)/n * bytes / bandwidth",
+    "no_latency": "your all-reduces pay no latency: every message, however small, costs `latency` once",
+    "no_queue": "your all-reduces start as soon as their bucket is ready, even while the previous one is still on "
+                "the link: one link sends one message at a time, so start = max(ready, end of the previous one)",
+    "from_start": "you returned when the last all-reduce ends, counted from the START of backward: the exposed time "
+                  "is what is left AFTER backward ends (subtract backward_s)",
+    "strict": "your buckets close only when they hold MORE than bucket_bytes: close one as soon as it holds at "
+              "least bucket_bytes (as DataParallel does)",
+}
+
+
+def _exposed(lesson, grad_bytes, backward_s, bucket_bytes, bandwidth, latency, n, mistake=None):
+    """The overlap model's exposed time (experiment.model_timeline), or what it becomes with one of MISTAKES."""
+    if mistake == "no_ring":
+        bandwidth *= 2 * (n - 1) / n
+    latency = 0.0 if mistake == "no_latency" else latency
+    bucket_bytes += 1 if mistake == "strict" else 0  # bytes are integers: ">= b + 1" is "> b"
+    buckets, exposed = lesson.model_timeline(grad_bytes, backward_s, bucket_bytes, latency, bandwidth, n)
+    if mistake == "no_queue":
+        return max(0.0, max(ready + end - start for ready, start, end, _ in buckets) - backward_s)
+    return buckets[-1][2] if mistake == "from_start" else exposed
+
+
+def _puzzle_cases(lesson):
+    small = lesson.grad_tensor_bytes(lesson.make_cfg("small").model_config())  # the lesson's model: 39 tensors
+    cases = [("one bucket for all of the lesson's model, 4 ranks", small, 0.1, 64 * 2**20, 2e8, 2e-3, 4),
+             ("one bucket per tensor on a slow link (the messages queue)", small, 0.1, 0, 2e8, 2e-3, 2),
+             ("1 MiB buckets, 4 ranks", small, 0.1, 2**20, 2e8, 2e-3, 4),
+             ("ten tensors of 1000 bytes, buckets of 2000 bytes", [1000] * 10, 1.0, 2000, 1e4, 0.01, 2),
+             ("1 MiB buckets on a fast link, 8 ranks", small, 0.1, 2**20, 1e10, 1e-5, 8)]
+    backward = 0.14
+    scenarios = [(f"the lesson's model, {1e3 * backward:.0f} ms of backward, on a link sized like section 4(c)'s "
+                  f"(choose_link)", small, backward, *lesson.choose_link(sum(small), backward, 2), 2),
+                 ("the same over a high-latency link (1 GB/s, 20 ms per message)", small, backward, 1e9, 0.02, 2),
+                 ("the same over a fast link (1 GB/s, 0.1 ms per message)", small, backward, 1e9, 1e-4, 2)]
+    return cases, scenarios
+
+
+def _buckets(lesson, grad_bytes, mb):
+    k = len(lesson.model_timeline(grad_bytes, 1.0, mb * 2**20, 0.0, 1.0)[0])
+    return f"{k} bucket{'s' if k > 1 else ''}"
+
+
+def check_puzzle_model(mod, path):
+    """Your exposed_time against the model on a few cases, then your best_bucket_mb on a few links: a problem, or
+    None."""
+    lesson = _lesson()
+    cases, scenarios = _puzzle_cases(lesson)
+    got = []
+    for label, *args in cases:
+        try:
+            value = mod.exposed_time(*args)
+        except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
+            return f"exposed_time ({label}): {type(e).__name__}: {e}{where(e, path)}"
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"exposed_time ({label}) returned {value!r}: return the exposed time in seconds, a number"
+        got.append(float(value))
+
+    def wrong(mistake=None):  # the cases where your value differs from the model with this mistake (None: none)
+        return [(g, c) for g, c in zip(got, cases)
+                if abs(g - _exposed(lesson, *c[1:], mistake=mistake)) > 1e-6 * max(1e-3, abs(g))]
+    if wrong():
+        known = next((m for m in MISTAKES if not wrong(m)), None)
+        g, (label, *args) = wrong()[0]
+        return (f"exposed_time ({label}): {1e3 * g:.3f} ms, the model says {1e3 * _exposed(lesson, *args):.3f} ms — "
+                + (MISTAKES[known] if known else "compare your loop with the rules in the docstring, one bucket at a "
+                   "time: when it is ready (backward_s x the bytes so far / all bytes), when it starts, when it ends"))
+    for label, grad_bytes, backward, bandwidth, latency, n in scenarios:
+        try:
+            choice = mod.best_bucket_mb(grad_bytes, backward, bandwidth, latency, n, CANDIDATES_MB)
+        except Exception as e:  # noqa: BLE001
+            return f"best_bucket_mb ({label}): {type(e).__name__}: {e}{where(e, path)}"
+        if choice not in CANDIDATES_MB:
+            return f"best_bucket_mb ({label}) returned {choice!r}: return one of the candidates {CANDIDATES_MB}"
+        exposed = {mb: _exposed(lesson, grad_bytes, backward, mb * 2**20, bandwidth, latency, n)
+                   for mb in CANDIDATES_MB}
+        best = min(exposed, key=exposed.get)
+        if exposed[choice] > exposed[best] * (1 + 1e-9) + 1e-12:
+            k, kb = _buckets(lesson, grad_bytes, choice), _buckets(lesson, grad_bytes, best)
+            why = (f"smaller buckets pay the latency more often ({k}, {1e3 * latency:g} ms each)" if choice < best
+                   else "bigger buckets start later, and the last one, ready only when backward ends, carries more "
+                        "bytes")
+            return (f"best_bucket_mb ({label}): you chose {choice:g} MiB ({k}), which leaves "
+                    f"{1e3 * exposed[choice]:.1f} ms after backward; {best:g} MiB ({kb}) leaves "
+                    f"{1e3 * exposed[best]:.1f} ms — {why}")
+    return None
+
+
+def check_bucket_size(path, report, timeout_s):
+    """Exercise 4: the model check (no processes), then the real run over an emulated link (2 processes)."""
+    what = EXERCISES["bucket_size"]
+    try:
+        problem = check_puzzle_model(load(path, "ex03"), path)
+    except NotImplementedError as e:
+        problem = f"NotImplementedError: {e}{where(e, path)}"
+    if problem:
+        report.fail(what, problem)
+        return
+    report.ok(what, ": right exposed times on 5 cases, the best bucket size on 3 links (the lesson's overlap model)")
+    what = "best_bucket_mb, measured on an emulated link"
+    timeout_s = max(timeout_s, REAL_RUN_TIMEOUT_S)
+    try:
+        res = run_on_ranks(_on_rank, 2, str(path), "bucket_size", str(SOLUTIONS), timeout_s=timeout_s)[0]
+    except RankTimeout as e:
+        report.fail(what, hang_message(e, path, timeout_s))
+        return
+    except RankError as e:
+        report.fail(what, failure_message(e))
+        return
+    lesson, (bandwidth, latency) = _lesson(), res["link"]
+    link = f"emulated link: {bandwidth / 1e6:g} MB/s, {1e3 * latency:g} ms latency, sized from a backward of " \
+           f"{1e3 * res['backward']:.0f} ms"
+    model = {name: _exposed(lesson, res["grad_bytes"], res["backward"], mb * 2**20, bandwidth, latency, 2)
+             for name, mb in (("yours", res["choice"]), ("one bucket", max(CANDIDATES_MB)))}
+    yours, one = res["rows"]["yours"]["wait"], res["rows"]["one bucket"]["wait"]
+    total = latency + sum(res["grad_bytes"]) / bandwidth  # the link time of all gradients (n = 2)
+    detail = (f"your {res['choice']:g} MiB ({res['rows']['yours']['n_buckets']} buckets) left {1e3 * yours:.1f} ms to "
+              f"wait for after backward (model {1e3 * model['yours']:.1f} ms), one bucket {1e3 * one:.1f} ms (model "
+              f"{1e3 * model['one bucket']:.1f} ms) [{link}]")
+    if yours > 0.5 * one:
+        report.fail(what, f"{detail}: buckets launched during backward should hide at least half of what one bucket "
+                          f"exposes (a very busy machine? run the check again)")
+    elif abs(yours - model["yours"]) > 0.25 * total + 0.005:
+        report.fail(what, f"{detail}: the measurement is further from the model than 25% of the link's total time "
+                          f"({1e3 * total:.0f} ms) + 5 ms (a very busy machine? run the check again)")
+    else:
+        report.ok(what, f": {detail}")
+
+
 def check_one(name, path, report, timeout_s):
+    if name == "bucket_size":
+        return check_bucket_size(path, report, timeout_s)
     for n in WORLD_SIZES:
         what = f"{EXERCISES[name]} on {n} ranks"
         try:

@@ -1,6 +1,6 @@
 """Lesson 03 exercises: data parallelism from autograd hooks. Write the methods marked EXERCISE, then run
     python lessons/03_data_parallel/check.py                          # all exercises
-    python lessons/03_data_parallel/check.py average_gradient         # just one (or on_gradient_ready, no_sync)
+    python lessons/03_data_parallel/check.py average_gradient         # just one (on_gradient_ready, no_sync, bucket_size)
 The checker starts 2 and then 3 real processes (gloo), gives every rank its own batch, runs your class and
 compares each rank's gradients with the mean of all ranks' gradients computed in one process. It says which
 rank and which parameter is wrong and by how much (and what that usually means), which ranks hang and on
@@ -11,6 +11,11 @@ which line of this file they wait, and whether your all-reduces overlap the back
 What you may use: torch.distributed's all_reduce (dist.all_reduce(tensor, group=self.group) sums `tensor` in
 place over the group; with async_op=True it returns at once with a work handle whose .wait() blocks until the
 result is there), and self.world_size.
+
+Exercise 4 is a puzzle with no processes in it: on a given link, which bucket size leaves the least communication
+after backward? Write the overlap model yourself (exposed_time), then use it (best_bucket_mb). The checker compares
+your numbers with the lesson's model on a few links, then trains with your choice over an emulated link (notebook,
+section 4(c)) and measures what it leaves to wait for.
 """
 from contextlib import contextmanager
 
@@ -107,3 +112,27 @@ class BucketedDP(nn.Module):
         also when the block raises an exception, and also when no_sync blocks are nested."""
         raise NotImplementedError("not written yet")
         yield
+
+
+# ------------------------------------------------------------------------- EXERCISE 4: the bucket-size puzzle
+CANDIDATES_MB = (0, 0.0625, 0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def exposed_time(grad_bytes, backward_s, bucket_bytes, bandwidth, latency, n):
+    """EXERCISE 4 (a). Seconds of gradient communication still running after backward ends, on one link:
+
+    - grad_bytes lists the gradient tensors' sizes in bytes, in the order backward produces them; backward lasts
+      backward_s seconds, spread over the tensors in proportion to their bytes (the tensor that brings the
+      running total to D of all T bytes is ready at backward_s * D / T);
+    - buckets fill in that order and close as soon as they hold at least bucket_bytes (0: one bucket per
+      tensor); whatever is left at the end is the last bucket; a bucket is ready when its last tensor is;
+    - a bucket's ring all-reduce over n ranks takes latency + 2(n-1)/n * bytes / bandwidth on the link;
+    - the link carries one all-reduce at a time: a bucket's starts when it is ready AND the previous one is done.
+    Return how long after backward_s the last all-reduce ends (0 if it ends before)."""
+    raise NotImplementedError("not written yet")
+
+
+def best_bucket_mb(grad_bytes, backward_s, bandwidth, latency, n, candidates=CANDIDATES_MB):
+    """EXERCISE 4 (b). The bucket size in MiB, one of `candidates`, that gives the shortest step on this link.
+    (The compute does not depend on the bucket size; only the exposed communication does. Ties: any of them.)"""
+    raise NotImplementedError("not written yet")

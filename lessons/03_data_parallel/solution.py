@@ -98,3 +98,24 @@ class BucketedDP(nn.Module):
             yield
         finally:
             self.sync = previous  # the previous value, not True: no_sync blocks may nest
+
+
+# ------------------------------------------------------------------------- EXERCISE 4: the bucket-size puzzle
+CANDIDATES_MB = (0, 0.0625, 0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def exposed_time(grad_bytes, backward_s, bucket_bytes, bandwidth, latency, n):
+    """EXERCISE 4 (a)."""
+    total, done, size, link_free = sum(grad_bytes), 0, 0, 0.0
+    for i, nbytes in enumerate(grad_bytes):
+        done, size = done + nbytes, size + nbytes
+        if size >= bucket_bytes or i == len(grad_bytes) - 1:  # the bucket is full (or the last one): send it
+            ready = backward_s * done / total
+            link_free = max(ready, link_free) + latency + 2 * (n - 1) / n * size / bandwidth  # queued behind the last
+            size = 0
+    return max(0.0, link_free - backward_s)
+
+
+def best_bucket_mb(grad_bytes, backward_s, bandwidth, latency, n, candidates=CANDIDATES_MB):
+    """EXERCISE 4 (b)."""
+    return min(candidates, key=lambda mb: exposed_time(grad_bytes, backward_s, mb * 2**20, bandwidth, latency, n))
