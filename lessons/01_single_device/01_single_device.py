@@ -11,12 +11,14 @@ edit this file, never the notebook.
 # training step of our Llama apart on one device, byte by byte, and checks every formula against a measurement:
 #
 # * the **model states** (parameters, gradients, optimizer state) and the **activations** autograd keeps for backward,
+#   first **counted** tensor by tensor, then seen by the **allocator** over a whole step,
 # * the three tools that need no second device: **activation recomputation**, **gradient accumulation** and
 #   **bf16 mixed precision** — what each buys, and what it costs,
-# * **throughput** and **MFU** (model FLOPs utilisation), the yardstick of every later lesson.
+# * **throughput**, **MFU** (model FLOPs utilisation, the yardstick of every later lesson) and a **profiler trace**
+#   of one step: where its time goes.
 #
 # The heavy lifting lives in `lessons/01_single_device/experiment.py` (the experiment, launched with `torchrun`) and
-# `picotron/planner.py` (the memory model). Set `PICOTRON_FAST=1` for a two-minute run; the default settings are
+# `picotron/planner.py` (the memory model). Set `PICOTRON_FAST=1` for a short run; the default settings are
 # the real lesson.
 
 # %%
@@ -29,7 +31,7 @@ from picotron.model import ModelConfig, Llama, DecoderLayer, Attention, RMSNorm
 
 FAST, OUT = _common.FAST, _common.run_dir("01_single_device")
 import experiment as lesson   # this folder's experiment.py: its helpers and plots
-GB = 1e9
+GB, MiB = 1e9, 2**20
 print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}")
 
 # %% [markdown]
@@ -60,11 +62,14 @@ for label, est in cases.items():
 lesson.plot_estimate(cases, title="textbook estimate: bf16 mixed precision + Adam, no recomputation"); plt.show()
 
 # %% [markdown]
-# Llama-3-8B does not fit even before the first activation: its model states alone are 16 × 8.0 B = 128 GB.
-# SmolLM-1.7B fits with one sequence per step, but a useful batch (pre-training uses ~1-4 M tokens per step, i.e.
-# hundreds of sequences of 2048) is far out of reach: activations grow linearly with $b$ and, without flash
-# attention, quadratically with $s$. Everything later in the course — ZeRO, tensor, pipeline, context parallelism —
-# is about cutting one of these bars into pieces. First we make sure we know the bars exactly.
+# Llama-3-8B does not fit even before the first activation: its model states alone are 16 bytes × 8.0 B parameters
+# (the printed line). SmolLM-1.7B fits with one sequence per step, but a useful batch (pre-training uses ~1-4 M
+# tokens per step, i.e. hundreds of sequences of 2048) is far out of reach: activations grow linearly with $b$ and,
+# without flash attention, quadratically with $s$. Everything later in the course — ZeRO, tensor, pipeline, context
+# parallelism — is about cutting one of these bars into pieces.
+#
+# **Takeaway:** model states are 16 bytes per parameter whatever the batch; activations scale with the batch and
+# the sequence. First we make sure we know the bars exactly.
 
 # %% [markdown]
 # ## 2. The idea and the formulas
@@ -84,7 +89,8 @@ lesson.plot_estimate(cases, title="textbook estimate: bf16 mixed precision + Ada
 # ### Activations: ask autograd what it keeps
 # Every op that needs its inputs (or outputs) for backward hands them to autograd, and a *saved-tensor hook*
 # sees each one. `saved_tensors_table` runs ONE decoder layer of the `tiny` model (h=128, 8 heads, 4 KV heads,
-# i=384) on s=16, b=2 and lists them. A storage saved twice is counted once; parameters are not activations.
+# i=384) on s=16, b=2 and lists them: the **counted saved tensors**. A storage saved twice is counted once;
+# parameters are not activations.
 
 # %%
 tiny = ModelConfig.from_preset("tiny")
@@ -108,14 +114,14 @@ lesson.print_table(rows)
 #
 # Notice what is **not** there: no $s\times s$ matrix. The sdpa kernel here is flash-style: it keeps only the
 # logsumexp of each row and recomputes the attention scores in backward. `planner.activation_terms_per_layer`
-# encodes this; the measured sums by part agree with it exactly:
+# encodes this; compare the counted sums by part with it (the ratios printed below):
 
 # %%
 def compare_parts(rows, mc, s, b, dtype="fp32", recompute="none"):
     measured, formula = lesson.by_part(rows), planner.activation_terms_per_layer(mc, s, b, dtype, recompute)
     for part in formula:
-        print(f"  {part:<26} measured {measured.get(part, 0):>9,}  formula {formula[part]:>9,}  ratio {measured.get(part, 0) / formula[part]:.4f}")
-    print(f"  {'(RoPE tables, shared)':<26} measured {measured.get('RoPE tables (shared)', 0):>9,}")
+        print(f"  {part:<26} counted {measured.get(part, 0):>9,}  formula {formula[part]:>9,}  ratio {measured.get(part, 0) / formula[part]:.4f}")
+    print(f"  {'(RoPE tables, shared)':<26} counted {measured.get('RoPE tables (shared)', 0):>9,}")
 
 compare_parts(rows, tiny, 16, 2)
 
@@ -175,8 +181,9 @@ for name, mc in [("GPT-like h=2048 a=16", ModelConfig(vocab_size=50257, hidden_s
 
 # %% [markdown]
 # With eager attention we keep *more* than the textbook (fp32 norms and softmax, triple casts, the wider SwiGLU
-# saves); with flash-style sdpa the $s^2$ term disappears and we keep far less at long sequences. The formula is
-# only as good as its assumptions: **measure your own code**.
+# saves); with flash-style sdpa the $s^2$ term disappears and we keep far less at long sequences (the last column).
+#
+# **Takeaway:** a textbook formula is only as good as its assumptions: count what *your* code saves.
 #
 # ## 3. Read the code
 # The decoder layer: two residual branches, each a pre-norm. `selective` wraps only `Attention.core` (where tokens
@@ -198,7 +205,8 @@ _common.show_source(Llama.forward, "x = self.embed_tokens", "return self.lm_head
 # %% [markdown]
 # And one optimizer step. The step engine, `schedule.OneStage.run` (`picotron/schedule.py`), runs $k$ = `grad_acc`
 # micro-batches, each loss divided by $k$ so that the summed gradients are the gradients of the mean loss; the
-# `ActivationCounter` wraps the first micro-batch. (`no_sync` and `finish_sync` are for lesson 03: on one device the
+# `ActivationCounter` wraps the first micro-batch. Its `_phase` hooks name each micro-batch's forward and backward:
+# section 4 hands them to the profiler. (`no_sync` and `finish_sync` are for lesson 03: on one device the
 # model's wrapper, `Local`, has nothing to synchronise.) `picotron/train.py` calls it, clips the gradient norm and
 # steps AdamW:
 
@@ -208,76 +216,165 @@ print("\n    # picotron/train.py, one optimizer step:")
 _common.show_source(trainer.train, "loss = run.schedule.run", "model.zero_grad")
 
 # %% [markdown]
+# **Takeaway:** one step is forward and backward of each micro-batch (gradients adding up), then one optimizer step;
+# every memory term of section 2 lives somewhere in this loop.
+#
 # ## 4. Run it
 # Each part launches `lessons/01_single_device/experiment.py` under `torchrun --nproc_per_node 1` (the same command later
 # lessons use with N processes) and plots the JSON it writes.
 #
-# ### (a) Memory: measured vs planned
-# One real training step (AdamW included) per model size and sequence length. Parameters, gradients and optimizer
-# state are counted by walking the tensors (`model.memory()`, `metrics.optimizer_bytes`), activations by the
-# saved-tensor hook (`metrics.ActivationCounter`, in the step engine); the planner predicts all four from the config alone.
+# ### (a) Memory: counted vs planned
+# One real training step (AdamW included) per model size and sequence length. Nothing here asks the allocator yet:
+# parameters, gradients and optimizer state are **counted** by walking the tensors (`model.memory()`,
+# `metrics.optimizer_bytes`), activations are the **counted saved tensors** of the saved-tensor hook
+# (`metrics.ActivationCounter`, in the step engine). The planner predicts all four from the config alone.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "memory"])
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "memory"], timeout_s=3600)
 memory = _common.load_json(OUT / "memory.json")["results"]
 for r in memory:
-    ratios = "  ".join(f"{p} {r['measured'][p] / r['estimate'][p]:.6f}" for p in lesson.PARTS)
-    print(f"{r['size']:<7}{r['dtype']:<5} s={r['seq_len']:<4} measured/planned: {ratios}")
+    ratios = "  ".join(f"{p} {r['counted'][p] / r['estimate'][p]:.6f}" for p in lesson.PARTS)
+    print(f"{r['size']:<7}{r['dtype']:<5} s={r['seq_len']:<4} counted/planned: {ratios}")
 lesson.plot_memory(memory); plt.show()
 
 # %% [markdown]
-# Parameters, gradients and optimizer state are exact (the optimizer's 8 bytes/param plus a 4-byte `step` counter
-# per tensor). Activations are exact too, for our code on this torch version. Activations grow linearly with $s$
-# (and $b$) while the model states stay put. bf16 shrinks activations by much less than 2× — the fp32 norms, the
-# fp32 log-softmax over the vocabulary and the bf16 weight copies see to that.
+# The ratios say how well the planner predicts the counts: parameters, gradients and optimizer state (8 bytes per
+# parameter plus a 4-byte `step` counter per tensor) and the saved tensors, for our code on this torch version.
+# The saved tensors grow linearly with $s$ (and $b$) while the model states stay put; bf16 shrinks them by much
+# less than 2× — the fp32 norms, the fp32 log-softmax over the vocabulary and the bf16 weight copies see to that.
 #
-# ### (b) Activation recomputation: memory for compute
+# **Takeaway:** the planner knows every tensor our step keeps. But a count of tensors is not yet what the device
+# holds: (b) asks the allocator.
+#
+# ### (b) The allocator's view of one step
+# The device's allocator sees more than our counts: every temporary an operator creates and frees, gradients that
+# appear one by one during backward, AdamW's state created at the first `optimizer.step()`. `lesson.step_memory`
+# builds the `small` model and runs two training steps under `torch.profiler` with `profile_memory=True`, which
+# records every allocation and free on the device; their running sum is the memory in use. The data are loaded
+# before the profiler starts, so the sum is exactly what building and training the model allocates (Python, the
+# libraries and the dataset are not in it). Three variants: no recomputation, full recomputation, and the same
+# global batch as two micro-batches.
+
+# %%
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "allocator"], timeout_s=3600)
+allocator = _common.load_json(OUT / "allocator.json")["results"]
+main = allocator[0]
+c, (s1, s2) = main["counted"], main["steps"]
+def mib(x): return f"{x / MiB:7.2f} MiB"
+print(f"{'the allocator (MiB in use)':<52}{'':>11}   counted")
+for label, got, part in [("after building the model", main["after_build"], "params"),
+                         ("step 1: the forward adds", s1["after_forward"] - s1["start"], "activations"),
+                         ("step 1: after backward, above the step's start", s1["before_optimizer"] - s1["start"], "grads"),
+                         ("step 1: after AdamW's first step, above the start", s1["end"] - s1["start"], "optimizer")]:
+    print(f"{label:<52}{mib(got)}   {mib(c[part])} {lesson.LABELS[part]}")
+print(f"peak of step 1 {mib(s1['peak'])} ({s1['peak_phase']}); of step 2 {mib(s2['peak'])} ({s2['peak_phase']}, in {s2['peak_op']})")
+print(f"\n{'variant':<38}{'P+O+saved':>10}{'estimate':>10}{'peak':>9}{'bound':>9}  (MiB; step 2)  peak - (P+O+saved), where")
+for r in allocator:
+    c2, last = r["counted"], r["steps"][-1]
+    base = c2["params"] + c2["optimizer"] + c2["activations"]
+    print(f"recompute {r['recompute']:<5} micro-batch {r['micro_batch_size']} x {r['grad_acc']:<10}{base / MiB:10.2f}"
+          f"{r['estimate']['total'] / MiB:10.2f}{last['peak'] / MiB:9.2f}{r['bound'] / MiB:9.2f}  {(last['peak'] - base) / MiB:6.2f} MiB in {last['peak_op']}")
+for r in (r for r in allocator if r["cuda"]):  # on a GPU: the caching allocator's own numbers
+    print(f"CUDA, recompute {r['recompute']}, x {r['grad_acc']}: max_memory_allocated {mib(r['cuda'][-1]['allocated'])}, "
+          f"max_memory_reserved {mib(r['cuda'][-1]['reserved'])}" + (f"; snapshot {r['snapshot']} (open it at https://pytorch.org/memory_viz)" if r["snapshot"] else ""))
+lesson.plot_allocator_timeline(main); plt.show()
+
+# %% [markdown]
+# Read it left to right (the first lines above give the numbers). Building the model leaves exactly the counted
+# parameters. Each forward climbs by the counted saved tensors: what the saved-tensor hook counts *is* what the
+# allocator holds for backward. The backward walks back down: each saved tensor is freed once its node has run,
+# while gradients appear one by one, so the step ends its backward holding its start plus the gradients. In step 1
+# the optimizer phase jumps up by AdamW's two moments, created at its first step while the gradients are still
+# held; dropping the gradients (`zero_grad`) leaves parameters + optimizer state: step 2 starts higher by that state.
+#
+# Why the peak is not the counted estimate (params + grads + optimizer + saved tensors):
+# * **gradients arrive during backward**, while the saved tensors leave: with one micro-batch only part of them exist
+#   at the peak, so the peak can stay below the estimate, which adds *all* gradients to *all* saved tensors;
+# * **temporaries**: at the peak some backward operator (named in the table) holds gradients of its inputs — MLP-wide
+#   ones in a layer, logits-sized ones ($4sbv$ bytes) at the loss;
+# * **full recomputation** runs each layer's forward again inside the backward: that layer's saved tensors come
+#   back, one layer at a time, on top of the count;
+# * **gradient accumulation**: the gradients of the first micro-batch stay through the second one's forward;
+# * **AdamW's state is created at the first optimizer step**: step 1's peak lacks it.
+#
+# `lesson.peak_bound` turns this into a rule of thumb: the estimate plus the backward's working set — one layer's
+# saved tensors (the gradients of what that layer saved), another layer's worth under full recomputation (the
+# attention block's under selective), and two logits-sized fp32 gradients. The figure below puts each variant's
+# peak between the counted tensors that must be there at the end of the forward and that bound. Section 5 checks
+# this bracket, and each boundary printed above against its count within 1%.
+
+# %%
+lesson.plot_allocator_peaks(allocator); plt.show()
+
+# %% [markdown]
+# The allocator adds its own overhead on a real device. On a GPU, PyTorch's caching allocator rounds every block
+# up (to multiples of 512 bytes) and keeps freed blocks for reuse, so `torch.cuda.max_memory_reserved` (what the
+# device sees taken) is above `max_memory_allocated`; run this notebook on a GPU and the first cell of (b) prints
+# both and saves a `torch.cuda.memory._record_memory_history` snapshot. On a CPU the process holds more still: Python, the
+# libraries, the dataset and malloc's free lists — compare the `peak` column of the trainer's lines in (e) (the
+# process's resident memory) with the MiB its model needs.
+#
+# **Takeaway:** the counts predict the allocator phase by phase; the peak is the count plus the backward's working
+# set. Plan with headroom, and measure with the allocator.
+#
+# ### (c) Activation recomputation: memory for compute
 # `none`, `selective` and `full` on the `small` model, with sdpa and with eager attention. Same seed, same batch:
 # the loss and the gradients must not change at all.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "recompute"])
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "recompute"], timeout_s=3600)
 recompute = _common.load_json(OUT / "recompute.json")["results"]
 for impl in ("sdpa", "eager"):
     base = next(r for r in recompute if r["attn_impl"] == impl and r["recompute"] == "none")
     for r in (r for r in recompute if r["attn_impl"] == impl):
-        print(f"{impl:<6}{r['recompute']:<10} activations {r['measured']['activations'] / 2**20:7.2f} MiB "
-              f"({r['measured']['activations'] / base['measured']['activations']:5.1%}) | time x{r['time'] / base['time']:.2f} | "
-              f"measured/planned {r['measured']['activations'] / r['estimate']['activations']:.4f} | max|Δgrad| {r['max_grad_diff']:.1e}")
+        print(f"{impl:<6}{r['recompute']:<10} counted saved tensors {r['counted']['activations'] / MiB:7.2f} MiB "
+              f"({r['counted']['activations'] / base['counted']['activations']:5.1%}) | step time x{r['time'] / base['time']:.2f} | "
+              f"counted/planned {r['counted']['activations'] / r['estimate']['activations']:.4f} | max|Δgrad| {r['max_grad_diff']:.1e}")
 lesson.plot_recompute(recompute); plt.show()
 
 # %% [markdown]
-# **Full** recomputation keeps one tensor per layer and costs one extra forward pass (FLOPs $6N \to 8N$, about +33%;
-# less in wall time when the step has other costs). **Selective** drops only the attention core's saves and re-runs
-# only the core: with eager attention that is the $s^2$ part, a big memory win at long sequences, and its time cost
-# is the core's share of the layer, which grows with $s/h$ (in a small model at long $s$ the core is most of the
-# time, and selective costs almost what full does). With flash-style sdpa, selective saves nearly nothing: the
-# kernel already recomputes the scores — flash attention *is* selective recomputation. Timings on a shared CPU
-# are noisy; the memory numbers are exact.
+# **Full** recomputation keeps one tensor per layer and runs each layer's forward twice: forward+backward FLOPs go
+# from $6N$ to $8N$ per token, so expect a step up to about a third longer (the optimizer and the work outside the
+# layers dilute it; the `step time x` column is this run's, and a busy machine can stretch any one step far beyond
+# that). **Selective** drops only the attention core's saves and re-runs only the core. With eager attention that is
+# the $s^2$ part, a memory win that grows with $s$ (the percentages above), and its time cost is the core's share of
+# the layer, which grows with $s/h$: at long sequences in a small model the core is most of the layer and selective
+# costs nearly what full does. With flash-style sdpa,
+# selective saves almost nothing: the kernel already recomputes the scores — flash attention *is* selective
+# recomputation. Timings on a shared CPU are noisy; the memory numbers are exact.
 #
-# ### (c) Gradient accumulation: a big batch in small pieces
+# **Takeaway:** recomputation trades memory for FLOPs without changing a single gradient; recompute the part whose
+# memory is largest per FLOP (the $s^2$ scores), or everything when nothing else fits.
+#
+# ### (d) Gradient accumulation: a big batch in small pieces
 # One batch of $B$ sequences in one go, or $k$ micro-batches of $B/k$ with the loss divided by $k$ and gradients
 # summed in `p.grad`. The maths is the same, only the order of the float additions changes.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "accumulate"])
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "accumulate"], timeout_s=3600)
 accumulate = _common.load_json(OUT / "accumulate.json")["results"]
-a1 = accumulate[0]["measured"]["activations"]
+a1 = accumulate[0]["counted"]["activations"]
 for r in accumulate:
-    print(f"k={r['grad_acc']:<3} micro-batch {r['micro_batch_size']:<3} activations {r['measured']['activations'] / 2**20:7.2f} MiB "
-          f"(k=1 / {a1 / r['measured']['activations']:.2f}) | max|grad - grad(k=1)| {r['max_grad_diff']:.1e} "
-          f"(largest gradient {r['max_grad']:.1e}) | loss {r['loss']:.7f}")
+    print(f"k={r['grad_acc']:<3} micro-batch {r['micro_batch_size']:<3} counted saved tensors {r['counted']['activations'] / MiB:7.2f} MiB "
+          f"(k=1 / {a1 / r['counted']['activations']:.2f}) | max|grad - grad(k=1)| {r['max_grad_diff']:.1e} "
+          f"(largest gradient {r['max_grad']:.1e}) | loss {r['loss']:.7f} | step {1e3 * r['time']:6.1f} ms")
 lesson.plot_accumulate(accumulate); plt.show()
 
 # %% [markdown]
-# Activation memory drops by almost exactly $k$ (only the RoPE tables do not scale with $b$); the gradients agree to
-# fp32 rounding (~1e-7 relative). The cost is time: $k$ smaller matmuls use the hardware less well than one big one.
+# The saved tensors of one micro-batch drop by almost exactly $k$ (the `k=1 / …` column; only the RoPE tables do
+# not scale with $b$). The gradients agree up to fp32 rounding: expect differences around $10^{-7}$ of the
+# largest gradient, since only the order of the additions changes. The cost is time: $k$ passes of smaller matmuls
+# instead of one. On a GPU small micro-batches leave the tensor cores idle and pay $k$ times for every kernel
+# launch; on this CPU, at these sizes, the step times printed above may differ by little more than the noise.
 #
-# ### (d) bf16 autocast vs fp32
+# **Takeaway:** gradient accumulation divides the activations by $k$ at the same global batch, exactly; it is the
+# first tool to reach for.
+#
+# ### (e) bf16 autocast vs fp32
 # Two short runs of the real trainer (`picotron.train.train`), same seed and batches.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "precision"])
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "precision"], timeout_s=3600)
 precision = _common.load_json(OUT / "precision.json")
 runs = precision["results"]
 for d, r in runs.items():
@@ -288,18 +385,19 @@ step_gaps = [abs(a - b) for a, b in zip(runs["bf16"]["loss"], runs["fp32"]["loss
 val_gaps = {s: abs(a - b) for (s, a), (_, b) in zip(runs["bf16"]["val"], runs["fp32"]["val"])}
 print("validation loss, |bf16 - fp32| at steps " + ", ".join(f"{s}: {g:.4f}" for s, g in val_gaps.items()))
 worst_step = max(range(len(step_gaps)), key=step_gaps.__getitem__)
-print(f"training loss of single batches: max |bf16 - fp32| {step_gaps[worst_step]:.4f} at step {runs['fp32']['steps'][worst_step]}, "
+print(f"training loss of single batches: max |bf16 - fp32| {step_gaps[worst_step]:.4f} at step {runs['fp32']['steps'][worst_step]} "
+      f"(gradient norms there: fp32 {runs['fp32']['grad_norm'][worst_step]:.2f}, bf16 {runs['bf16']['grad_norm'][worst_step]:.2f}), "
       f"median over the {len(step_gaps)} steps {sorted(step_gaps)[len(step_gaps) // 2]:.4f}")
 lesson.plot_precision(runs); plt.show()
 
 # %% [markdown]
 # The loss curves lie on top of each other: bf16 keeps fp32's exponent range, so no loss scaling is needed, and the
-# master weights stay fp32. Not every single step does: the two runs round differently, so after a few steps their
-# weights differ a little, and a small model at its peak learning rate has loss spikes that can hit one run and not the
-# other. In the FAST settings (20 steps, batches of 256 tokens), on a CPU with native bf16 instructions (AVX512-BF16),
-# one such spike appears at step 10: bf16's gradient norm jumps to 12 (fp32's: 1.1), its loss on that one batch is
-# 0.35 higher, and gradient clipping brings it back on the next step (with the full settings no step differs by more
-# than about 0.02). So the check in section 5 compares the **validation loss** (the mean over held-out batches, measured every
+# master weights stay fp32. Single steps can differ more: the two runs round differently, so after a few steps their
+# weights differ a little, and a small model at its peak learning rate has loss spikes that can hit one run and not
+# the other (a gradient norm far above its neighbours', pulled back by gradient clipping on the next step). The line
+# above gives this run's largest single-batch gap, where it was and the two gradient norms there; expect a few
+# hundredths typically, occasionally a few tenths on one batch, more often with short runs at a high learning rate.
+# So the check in section 5 compares the **validation loss** (the mean over held-out batches, measured every
 # quarter of the run), and the lines above show the single-batch differences next to it.
 #
 # Speed depends on the hardware: a GPU's tensor cores run bf16 matmuls several times faster than fp32, while a CPU
@@ -311,14 +409,17 @@ lesson.plot_precision(runs); plt.show()
 # many times below the fp32 one, so a bf16 run several times slower can show the same MFU as fp32. MFU says how close
 # a run comes to its own ceiling; to compare the two precisions, compare tokens/s.
 #
-# ### (e) Throughput and MFU
+# **Takeaway:** bf16 autocast trains like fp32 and keeps fewer activation bytes; whether it is faster depends on the
+# hardware's bf16 units.
+#
+# ### (f) Throughput and MFU
 # MFU = achieved model FLOP/s ÷ peak FLOP/s, with the model's FLOPs counted as $6N + 12Lhs$ per token (PaLM,
 # appendix B; which parameters $N$ counts: [FLOPs per token](../../docs/reference.md#flops-per-token)). The peak is the
 # speed of one large matmul measured on this device (`metrics.measured_matmul_peak`): the honest ceiling. On a GPU the
 # datasheet peak is shown as well.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "throughput"])
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "throughput"], timeout_s=3600)
 throughput = _common.load_json(OUT / "throughput.json")
 for r in throughput["results"]:
     print(f"{r['size']:<12}{r['num_params'] / 1e6:7.2f} M params | {r['flops_per_token'] / 1e6:7.1f} MFLOP/token | "
@@ -326,45 +427,98 @@ for r in throughput["results"]:
 lesson.plot_throughput(throughput["results"]); plt.show()
 
 # %% [markdown]
-# Bigger matrices use the hardware better: small models spend their time in element-wise ops, Python and kernel
-# launches, which do no "model FLOPs". Reference points: well-tuned LLM training reaches 35–55% MFU on H100 clusters ([published
+# Expect bigger matrices to use the hardware better: small models spend a larger share of their time in
+# element-wise ops, Python and kernel launches, which do no "model FLOPs" (the MFU column above; (g) shows where
+# the time goes). Reference points: well-tuned LLM training reaches 35–55% MFU on H100 clusters ([published
 # figures](../../docs/reference.md#reference-points)).
 #
+# **Takeaway:** MFU is the share of the device's own matmul speed that goes into the model's FLOPs.
+#
+# ### (g) Where the time of a step goes: a profiler trace
+# `torch.profiler` also records when each operator ran. The experiment profiles one steady training step of the
+# `small` model (after a first step that created AdamW's state) and saves the trace as `trace_step.json` in the run
+# folder (the path is printed below). Open https://ui.perfetto.dev and drag the file in (or, in Chrome,
+# chrome://tracing → Load): the `forward`, `backward` and `optimizer` ranges come from the step engine's phase hooks,
+# each operator nested under them, with its shapes and duration on click. Below, each operator's **self time** (its
+# own, without the operators it calls; on a GPU the time of the kernels it launched) summed by phase.
+
+# %%
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "trace"], timeout_s=3600)
+trace = _common.load_json(OUT / "trace.json")["results"]
+print(f"trace: {trace['trace']} ({trace['trace_mb']:.1f} MB) — open it at https://ui.perfetto.dev or chrome://tracing")
+phases = trace["phases"]
+for name, p in phases.items():
+    print(f"{name:<10} {p['self_ms']:8.1f} ms of {trace['time']} self time: " + ", ".join(f"{n} {ms:.1f}" for n, ms in p["top"])
+          + f", other {p['other_ms']:.1f}")
+print(f"backward / forward: {phases['backward']['self_ms'] / phases['forward']['self_ms']:.2f}")
+lesson.plot_trace(trace); plt.show()
+
+# %% [markdown]
+# Expect the backward to take about twice the forward: it computes the gradients of both the inputs and the
+# weights of every matmul ($4N$ FLOPs per token against $2N$). One step on a shared CPU is a noisy sample (any
+# other process can stretch either phase), so read the printed ratio as this run's, not as a law. The matrix
+# multiplications (`mm`) should lead both phases on a quiet machine; after them come the attention kernel,
+# element-wise work (norms, SwiGLU, RoPE), the autograd engine and Python between operators — time without model
+# FLOPs, which MFU counts against us. The optimizer is a thin slice: AdamW does a few element-wise operations per parameter, independent of
+# the batch. (The profiler itself adds a little to every operator.)
+#
+# **Takeaway:** a trace says which operators to make faster; on one device, for these models, that is mostly the
+# matmuls of forward and backward.
+#
 # ## 5. Check it
-# Every claim of this lesson, as a number:
+# The lesson's claims about memory and gradients, as numbers:
 
 # %%
 def check(name, ok, detail):
     print(f"{'✓' if ok else '✗'} {name}: {detail}")
 
-worst = {p: max(abs(r["measured"][p] / r["estimate"][p] - 1) for r in memory) for p in lesson.PARTS}
-check("planner == measured (params, grads, optimizer)", max(worst[p] for p in lesson.PARTS[:3]) == 0, f"max relative error {max(worst[p] for p in lesson.PARTS[:3]):.1e}")
-check("planner == measured (activations)", worst["activations"] < 1e-3, f"max relative error {worst['activations']:.1e} over {len(memory)} configs")
+worst = {p: max(abs(r["counted"][p] / r["estimate"][p] - 1) for r in memory) for p in lesson.PARTS}
+check("planner == counted (params, grads, optimizer)", max(worst[p] for p in lesson.PARTS[:3]) == 0, f"max relative error {max(worst[p] for p in lesson.PARTS[:3]):.1e}")
+check("planner == counted saved tensors (activations)", worst["activations"] < 1e-3, f"max relative error {worst['activations']:.1e} over {len(memory)} configs")
+steps = [(r, s) for r in allocator for s in r["steps"]]
+def rel(got, want): return abs(got / want - 1)
+err = max(rel(r["after_build"], r["counted"]["params"]) for r in allocator)
+check("allocator: building the model leaves the counted parameters", err < 0.01, f"max relative difference {err:.1e} over {len(allocator)} runs (tolerance 1%)")
+err = max(rel(s["after_forward"] - s["start"], r["counted"]["activations"]) for r, s in steps)
+check("allocator: a forward adds the counted saved tensors", err < 0.01, f"max relative difference {err:.1e} over {len(steps)} steps (tolerance 1%)")
+err = max(rel(s["before_optimizer"] - s["start"], r["counted"]["grads"]) for r, s in steps)
+check("allocator: after backward a step holds its start + the counted gradients", err < 0.01, f"max relative difference {err:.1e} over {len(steps)} steps (tolerance 1%)")
+err = max(rel(r["steps"][0]["end"] - r["steps"][0]["start"], r["counted"]["optimizer"]) for r in allocator)
+check("allocator: AdamW's first step leaves the counted optimizer state", err < 0.01, f"max relative difference {err:.1e} over {len(allocator)} runs (tolerance 1%)")
+brackets = [(r["counted"]["params"] + r["counted"]["optimizer"] + r["counted"]["activations"], r["steps"][-1]["peak"], r["bound"]) for r in allocator]
+check("allocator: P + O + saved <= peak <= peak_bound", all(lo <= pk <= hi for lo, pk, hi in brackets),
+      "; ".join(f"{r['recompute']} x{r['grad_acc']}: {lo / MiB:.1f} <= {pk / MiB:.1f} <= {hi / MiB:.1f} MiB" for r, (lo, pk, hi) in zip(allocator, brackets)))
 check("recomputation leaves gradients unchanged", max(r["max_grad_diff"] for r in recompute) <= 1e-6, f"max |Δgrad| {max(r['max_grad_diff'] for r in recompute):.1e}")
 full = [r for r in recompute if r["recompute"] == "full"]
-check("full recomputation keeps 4sbh per layer (+ the rest)", all(abs(r["measured"]["activations"] / r["estimate"]["activations"] - 1) < 1e-3 for r in full),
-      f"measured {[r['measured']['activations'] for r in full]} planned {[r['estimate']['activations'] for r in full]}")
+check("full recomputation keeps 4sbh per layer (+ the rest)", all(abs(r["counted"]["activations"] / r["estimate"]["activations"] - 1) < 1e-3 for r in full),
+      f"counted {[r['counted']['activations'] for r in full]} planned {[r['estimate']['activations'] for r in full]}")
 acc_ok = max(r["max_grad_diff"] / r["max_grad"] for r in accumulate)
 check("grad accumulation == big batch", acc_ok < 1e-5, f"max |Δgrad| / max|grad| = {acc_ok:.1e}")
-drop = a1 / accumulate[-1]["measured"]["activations"]
-check(f"activations drop by k={accumulate[-1]['grad_acc']}", drop > 0.9 * accumulate[-1]["grad_acc"], f"measured drop ×{drop:.2f}")
+drop = a1 / accumulate[-1]["counted"]["activations"]
+check(f"counted saved tensors drop by k={accumulate[-1]['grad_acc']}", drop > 0.9 * accumulate[-1]["grad_acc"], f"counted drop ×{drop:.2f}")
 check("bf16 loss follows fp32", max(val_gaps.values()) < 0.1,
       f"validation loss within 0.1 of fp32's at all {len(val_gaps)} evaluations: max |Δ| {max(val_gaps.values()):.4f} "
-      f"(single training batches: max |Δ| {max(step_gaps):.4f}, median {sorted(step_gaps)[len(step_gaps) // 2]:.4f}; section 4d)")
+      f"(single training batches: max |Δ| {max(step_gaps):.4f}, median {sorted(step_gaps)[len(step_gaps) // 2]:.4f}; section 4e)")
 
 # %% [markdown]
+# **Takeaway:** every memory and gradient claim of the lesson holds as a number, against a formula or another
+# measurement; timings on a shared machine are shown, not asserted.
+#
 # ## 6. Explore
 # Pick a model, a sequence length, a micro-batch, the precision, recomputation and the attention kernel; the planner
-# redraws the memory of one device (widgets need a live kernel; a static viewer shows the default only). Questions to try:
+# redraws the memory of one device — its count of tensors, to which the backward's working set of section 4b comes on
+# top (widgets need a live kernel; a static viewer shows the default only). Questions to try:
 # at what sequence length does eager attention's $s^2$ term overtake the MLP for SmolLM-1.7B? How large a
 # micro-batch fits in 80 GB with full recomputation? Why does nothing help Llama-3-8B?
 #
-# The widget draws the planner's model of *our* code (checked against measurement in section 4), not section 1's
+# The widget draws the planner's model of *our* code (checked against the counts and the allocator in section 4), not section 1's
 # textbook formula, so its default (SmolLM-1.7B, $s$ = 2048, $b$ = 4) differs from the figure at the top. The model
 # states agree (16 bytes per parameter in both); the activations do not: Korthikanti's formula keeps the $s\times s$
 # attention scores (its $5as/h$ term, GPT-3 without flash attention), while our default attention (`sdpa`, a fused
 # kernel) keeps none, and our eager attention keeps them in fp32 and more copies than GPT-3 did. The line printed
 # below the cell compares all three.
+#
+# **Takeaway:** the planner answers "does it fit?" for any model in milliseconds, as long as it models your code.
 
 # %%
 def draw(preset="smollm-1.7b", seq_len=2048, micro_batch=4, dtype="bf16", recompute="none", attn="sdpa"):
@@ -392,7 +546,12 @@ _common.interactive(draw, lambda w: dict(preset=w.Dropdown(options=["tiny", "smo
 # 2. `model_state_bytes(n_params, dtype, optimizer)` — the textbook bytes of params, grads and optimizer state;
 # 3. `activation_bytes_per_layer(cfg, seq_len, micro_batch_size)` — fp32, sdpa or eager; the checker compares it
 #    with the saved-tensor count of a real layer;
-# 4. `accumulate_gradients(model, input_ids, targets, k)` — gradients equal to the big batch's.
+# 4. `accumulate_gradients(model, input_ids, targets, k)` — gradients equal to the big batch's;
+# 5. the puzzle, `plan_step(model_config, seq_len, global_batch, budget_bytes)`: one step must fit a memory budget
+#    at the highest throughput. Choose the micro-batch size, the gradient accumulation and the recomputation
+#    (the docstring gives the rules: the global batch stays, `peak_bound` ≤ budget, the least repeated work wins).
+#    The checker tries it on the puzzles below, then runs your choice for real on the CPU: the allocator's peak
+#    must fit too, and it measures tokens/s beside the reference choice.
 #
 # Then run the checker (here, or `python lessons/01_single_device/check.py [name]`). Until you write them it reports
 # `NotImplementedError: not written yet`; a wrong answer comes with the expected value and, where it can tell, the
@@ -400,19 +559,28 @@ _common.interactive(draw, lambda w: dict(preset=w.Dropdown(options=["tiny", "smo
 
 # %%
 import check as checker   # this folder's check.py
+for name, settings, s, gb, budget in checker.PUZZLES:
+    print(f"puzzle {name + ':':<15} the {checker.model_name(settings)} model, s={s}, global batch {gb} sequences, budget {budget} MiB")
+
+# %%
 all_passed = checker.check()
 
 # %% [markdown]
+# **Takeaway:** "does it fit, and at what speed?" is a search over micro-batch, accumulation and recomputation that
+# the planner answers in milliseconds and one real step confirms.
+#
 # ## 8. What it costs, when to use it, what comes next
 # | tool | saves | costs | use when |
 # |---|---|---|---|
 # | gradient accumulation ($k$) | activations ÷ $k$ (same global batch) | $k$ smaller, less efficient matmuls; one fp32 gradient buffer | the batch you want does not fit: always the first tool |
-# | selective recomputation | the attention core's saves ($s^2$ terms with eager attention) | recomputing attention (a few % of FLOPs) | no flash kernel, long sequences; with flash/sdpa it is already built in |
+# | selective recomputation | the attention core's saves ($s^2$ terms with eager attention) | recomputing the attention core (a few % of a large model's FLOPs; more when $s$ is large against $h$) | no flash kernel, long sequences; with flash/sdpa it is already built in |
 # | full recomputation | all but one tensor per layer | one extra forward: $6N \to 8N$ FLOPs | activations dominate even at micro-batch 1 |
 # | bf16 autocast | activations (less than 2× here), matmul time on GPUs | nothing on model states; slower on CPUs without bf16 units | always on modern GPUs |
 #
-# None of these touches the **model states**: 16 bytes per parameter stay on the device whatever we do. Llama-3-8B
+# Whatever the tool, plan with the count and leave room for the backward's working set (section 4b).
+#
+# **Takeaway:** none of these touches the **model states**: 16 bytes per parameter stay on the device whatever we do. Llama-3-8B
 # needs 128 GB of them; no single 80 GB GPU can train it. The rest of the course splits the work over many devices,
 # and they must talk: **lesson 02 builds the collectives** (broadcast, all-reduce, reduce-scatter, all-gather, …)
 # from point-to-point messages, then lesson 03 uses them for data parallelism and lesson 04 (ZeRO) shards exactly
-# the three model-state bars measured here.
+# the three model-state bars counted and measured here.

@@ -6,10 +6,13 @@ against measurement, and says precisely what is off.
     python lessons/01_single_device/check.py --module my.py      # any file defining the same functions
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise.
+
+The puzzle, plan_step, is checked twice: by the planner (the global batch unchanged, `peak_bound` within the
+budget) and by a short real run on the CPU (the allocator's peak within the budget, tokens/s beside the
+reference choice's). Which choice is fastest is decided by the rule the exercise states, not by the timing.
 """
 import argparse
 import dataclasses
-import importlib.util
 import itertools
 import sys
 import traceback
@@ -17,22 +20,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import picotron`
+sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
+sys.path.insert(0, str(HERE))  # this lesson's experiment.py (the allocator measurement, peak_bound)
 
 import torch  # noqa: E402
+from _checker import check_all, load  # noqa: E402
 
-from picotron import metrics  # noqa: E402
+import experiment as lesson  # noqa: E402
+from picotron import metrics, planner  # noqa: E402
 from picotron.model import Llama, ModelConfig  # noqa: E402
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
-
-
-def load(path):
-    """Import a file afresh (so edits made since the last check are seen)."""
-    spec = importlib.util.spec_from_file_location(f"ex01_{abs(hash(str(path)))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+MiB = 2**20
 
 
 def explain(diff, mistakes):
@@ -43,18 +43,6 @@ def explain(diff, mistakes):
             if sum(delta for _, delta in combo) == diff:
                 return " — " + " Also: ".join(name for name, _ in combo)
     return ""
-
-
-class Report:
-    def __init__(self):
-        self.failed = 0
-
-    def ok(self, what, detail=""):
-        print(f"  ok    {what}{detail}")
-
-    def fail(self, what, why):
-        self.failed += 1
-        print(f"  FAIL  {what}: {why}")
 
 
 def call(report, what, fn, *args):
@@ -233,30 +221,133 @@ def check_accumulate_gradients(mod, ref, report):
         report.ok(what, f": max |grad - full-batch grad| = {diff:.1e}, loss {float(got_loss):.6f}")
 
 
-CHECKS = {name.removeprefix("check_"): fn for name, fn in globals().items() if name.startswith("check_") and name != "check_"}
+# ------------------------------------------------------------------------------------------- the puzzle
+RECOMPUTE = ("none", "selective", "full")  # from the least work repeated to the most
+# (name, settings of the tiny preset, seq_len, global batch in sequences, budget in MiB)
+PUZZLES = [
+    ("roomy", {}, 256, 16, 256),
+    ("tight", {}, 256, 16, 100),
+    ("tighter", {}, 256, 16, 24),
+    ("long sequence", dict(attn_impl="eager"), 512, 8, 80),
+]
+
+
+def model_name(settings):
+    return "tiny" + (" with eager attention" if settings.get("attn_impl") == "eager" else "")
+
+
+def describe(choice):
+    return f"micro-batch {choice['micro_batch_size']} x {choice['grad_acc']}, recompute {choice['recompute']}"
+
+
+def malformed(got):
+    keys = {"micro_batch_size", "grad_acc", "recompute"}
+    if not isinstance(got, dict) or set(got) != keys:
+        return f"return a dict with exactly the keys {sorted(keys)}, got {got!r}"
+    if not all(isinstance(got[k], int) and got[k] >= 1 for k in ("micro_batch_size", "grad_acc")):
+        return f"micro_batch_size and grad_acc must be positive ints, got {got!r}"
+    if got["recompute"] not in RECOMPUTE:
+        return f"recompute must be one of {RECOMPUTE}, got {got['recompute']!r}"
+    return ""
+
+
+def over_budget(mc, s, b, recompute, budget):
+    """Why `peak_bound` exceeds the budget, and what to try."""
+    est = planner.memory_estimate(mc, s, b, "fp32", recompute)
+    bound = lesson.peak_bound(mc, s, b, "fp32", recompute)
+    states, acts, working = est["total"] - est["activations"], est["activations"], bound - est["total"]
+    why = (f"over budget by {(bound - budget) / MiB:.1f} MiB: model states {states / MiB:.1f} + saved activations "
+           f"{acts / MiB:.1f} + backward working set {working / MiB:.1f} = {bound / MiB:.1f} MiB (peak_bound) > "
+           f"{budget / MiB:g} MiB")
+    if states > budget:
+        return why + (" — the model states alone exceed the budget: no micro-batch size or recomputation helps "
+                      "(lesson 04 shards them over devices)")
+    if b > 1:
+        share = "dominate" if acts + working > states else "are the part that shrinks"
+        return why + (f" — the activations of micro-batch {b} {share}; try a smaller micro-batch with more "
+                      f"accumulation steps (the activations shrink with it, the global batch stays)")
+    if recompute != "full":
+        return why + (" — micro-batch 1 is as small as it gets: keep fewer activations with recomputation "
+                      "(selective drops the attention core's, full all but each layer's input)")
+    return why + " — even micro-batch 1 with full recomputation does not fit"
+
+
+def slower_than(got, expected):
+    """Why `got` is slower than `expected` by the exercise's rule (the least recomputation, then the fewest
+    micro-batches); '' when it is not."""
+    mine, theirs = RECOMPUTE.index(got["recompute"]), RECOMPUTE.index(expected["recompute"])
+    if mine > theirs:
+        return (f"it recomputes ({got['recompute']}) although {describe(expected)} fits: recomputation repeats forward "
+                f"work during the backward (full: every layer's forward once more, about +33% FLOPs; selective: the "
+                f"attention core only)")
+    if mine == theirs and got["grad_acc"] > expected["grad_acc"]:
+        return (f"{got['grad_acc']} micro-batches of {got['micro_batch_size']} where {expected['grad_acc']} of "
+                f"{expected['micro_batch_size']} fit: every micro-batch is one more pass over all the weights with "
+                f"smaller matmuls (on a GPU small micro-batches leave the tensor cores idle)")
+    return ""
+
+
+def real_step(settings, s, choice):
+    """A short real run of the choice on the CPU: the allocator's peak over the second (steady) step, and
+    tokens/s of the fastest of two more steps."""
+    cfg = lesson.make_cfg("tiny", seq_len=s, **settings, **choice)
+    r = lesson.step_memory(cfg, torch.device("cpu"), steps=2, timed_steps=2)
+    return dict(peak=r["steps"][-1]["peak"], op=r["steps"][-1]["peak_op"], tokens_per_s=r["tokens_per_s"])
+
+
+def check_plan_step(mod, ref, report):
+    for name, settings, s, gb, budget_mib in PUZZLES:
+        mc, budget = lesson.make_cfg("tiny", **settings).model_config(), budget_mib * MiB
+        what = f"plan_step({name}: {model_name(settings)}, s={s}, global batch {gb}, {budget_mib} MiB)"
+        done, got = call(report, what, mod.plan_step, mc, s, gb, budget)
+        if not done:
+            continue
+        if malformed(got):
+            report.fail(what, malformed(got))
+            continue
+        b, k, recompute = got["micro_batch_size"], got["grad_acc"], got["recompute"]
+        if b * k != gb:
+            report.fail(what, f"micro_batch_size x grad_acc = {b} x {k} = {b * k} sequences, but the global batch is {gb}: "
+                              "gradient accumulation splits the batch, it must not change it")
+            continue
+        if lesson.peak_bound(mc, s, b, "fp32", recompute) > budget:
+            report.fail(what, over_budget(mc, s, b, recompute, budget))
+            continue
+        mine = real_step(settings, s, got)
+        measured = f"measured peak {mine['peak'] / MiB:.1f} of {budget_mib} MiB, {mine['tokens_per_s']:,.0f} tokens/s"
+        if mine["peak"] > budget:
+            report.fail(what, f"peak_bound fits, but the real step peaked at {mine['peak'] / MiB:.1f} MiB, "
+                              f"{(mine['peak'] - budget) / MiB:.1f} MiB over the budget (at {mine['op']}): leave more headroom")
+            continue
+        expected = ref.plan_step(mc, s, gb, budget)
+        why = slower_than(got, expected)
+        if not why:
+            same = "" if got == expected else f" (the reference: {describe(expected)})"
+            report.ok(what, f": {describe(got)}{same}; {measured}")
+            continue
+        theirs = real_step(settings, s, expected)
+        report.fail(what, f"{describe(got)} fits ({measured}) but is not the fastest choice: {why}. Measured: yours "
+                          f"{mine['tokens_per_s']:,.0f}, the reference's {theirs['tokens_per_s']:,.0f} tokens/s "
+                          f"(x{mine['tokens_per_s'] / theirs['tokens_per_s']:.2f}; a shared CPU's timings vary by tens of "
+                          f"percent: the rule decides, not this one measurement)")
+
+
+CHECKS = {"count_parameters": check_count_parameters, "model_state_bytes": check_model_state_bytes,
+          "activation_bytes_per_layer": check_activation_bytes_per_layer,
+          "accumulate_gradients": check_accumulate_gradients, "plan_step": check_plan_step}
+
+
+def check_one(name, path, report):
+    mod, ref = load(path, "ex01"), load(SOLUTIONS, "ex01_ref")
+    if not hasattr(mod, name):
+        report.fail(name, f"{Path(path).name} has no function {name}")
+        return
+    CHECKS[name](mod, ref, report)
 
 
 def check(names=None, module=None):
     """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
-    path = Path(module) if module else LEARNER
-    ref, report = load(SOLUTIONS), Report()
-    try:
-        mod = load(path)
-    except Exception as e:  # noqa: BLE001 - a syntax error in the learner's file
-        print(f"cannot import {path}: {type(e).__name__}: {e}")
-        return False
-    unknown = [n for n in names or () if n not in CHECKS]
-    if unknown:
-        print(f"unknown exercise {unknown[0]!r}; pick from {', '.join(CHECKS)}")
-        return False
-    for name in names or CHECKS:
-        print(f"{name}  ({path.relative_to(HERE) if path.is_relative_to(HERE) else path})")
-        if not hasattr(mod, name):
-            report.fail(name, f"{path.name} has no function {name}")
-            continue
-        CHECKS[name](mod, ref, report)
-    print("all checks passed" if not report.failed else f"{report.failed} check(s) failed")
-    return report.failed == 0
+    return check_all(names, Path(module).resolve() if module else LEARNER, list(CHECKS), check_one, "ex01")
 
 
 def main(argv=None):
@@ -265,8 +356,7 @@ def main(argv=None):
     p.add_argument("--solutions", action="store_true", help="check the reference solutions")
     p.add_argument("--module", help="check this file instead of lessons/01_single_device/exercise.py")
     args = p.parse_args(argv)
-    module = SOLUTIONS if args.solutions else args.module
-    return 0 if check(args.names, module) else 1
+    return 0 if check(args.names, SOLUTIONS if args.solutions else args.module) else 1
 
 
 if __name__ == "__main__":

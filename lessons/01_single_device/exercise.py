@@ -2,11 +2,13 @@
     python lessons/01_single_device/check.py                      # all exercises
     python lessons/01_single_device/check.py count_parameters     # just one
 It runs your function on several inputs against the reference (and against measurement) and says what is
-off. The lesson notebook (lessons/01_single_device/01_single_device.ipynb) has everything you need; the solutions are in solution.py
+off; for the puzzle, plan_step, it also runs your choice for a couple of steps on the CPU. The lesson notebook (lessons/01_single_device/01_single_device.ipynb) has everything you need; the solutions are in solution.py
 (look after trying).
 """
 import torch
 import torch.nn.functional as F
+
+from experiment import peak_bound  # noqa: F401  (this folder's experiment.py, section 4b; for plan_step)
 
 
 def count_parameters(cfg) -> int:
@@ -42,4 +44,21 @@ def accumulate_gradients(model, input_ids, targets, k) -> float:
     micro-batches; run forward and backward on each so that afterwards every p.grad equals the gradient
     of the mean cross-entropy over the WHOLE batch (p.grad starts as None). Return that mean loss (float).
     The loss of one micro-batch: F.cross_entropy(logits.float().view(-1, vocab), targets.reshape(-1))."""
+    raise NotImplementedError("not written yet")
+
+
+def plan_step(model_config, seq_len, global_batch, budget_bytes) -> dict:
+    """The puzzle. One training step of `model_config` (fp32, AdamW, one device) on `global_batch` sequences of
+    `seq_len` tokens must fit in `budget_bytes` of device memory, at the highest throughput. Choose
+    {"micro_batch_size": b, "grad_acc": k, "recompute": "none" | "selective" | "full"}.
+
+    - The global batch is fixed: b * k == global_batch.
+    - It fits when peak_bound(model_config, seq_len, b, "fp32", recompute) <= budget_bytes: the planner's count
+      plus the backward's working set, the bound section 4b checks against the allocator. (The checker also
+      runs your choice and measures the allocator's peak.)
+    - The fastest choice that fits repeats the least work: recomputation first ("none" < "selective" <
+      "full": each re-runs more of the forward during the backward), then the fewest micro-batches (each is
+      another pass over all the weights with smaller matmuls).
+    Precision is not part of the choice: on a CPU bf16 may be slower than fp32 (section 4e).
+    Return None if nothing fits."""
     raise NotImplementedError("not written yet")

@@ -1,23 +1,31 @@
-"""Lesson 01, the experiment: where the memory of one training step goes on ONE device, and what the three
-single-device tools (activation recomputation, gradient accumulation, bf16 autocast) buy and cost.
+"""Lesson 01, the experiment: where the memory and the time of one training step go on ONE device, and what the
+three single-device tools (activation recomputation, gradient accumulation, bf16 autocast) buy and cost.
 
-    python lessons/01_single_device/experiment.py --out runs/lessons/01_single_device [--only memory,recompute]
+    python lessons/01_single_device/experiment.py --out runs/lessons/01_single_device [--only memory,allocator]
     torchrun --nproc_per_node 1 lessons/01_single_device/experiment.py --out ...      # the same, under torchrun
-    PICOTRON_FAST=1 python lessons/01_single_device/experiment.py ...                 # short settings (CI, ~1 min)
+    PICOTRON_FAST=1 python lessons/01_single_device/experiment.py ...                 # short settings
 
 Each experiment writes OUT/<name>.json, which the notebook plots:
-    memory      one real training step per (model size, sequence length, dtype): bytes of params, grads,
-                optimizer state (walking the tensors) and activations (saved-tensor hooks), next to
-                picotron.planner.memory_estimate
-    recompute   none / selective / full, for sdpa and eager attention: activation bytes, forward+backward
-                time, and loss and gradients compared with no recomputation
-    accumulate  one batch of B sequences vs k micro-batches of B/k: gradients and activation bytes
+    memory      one real training step per (model size, sequence length, dtype): the COUNTED bytes of params,
+                grads and optimizer state (walking the tensors) and of the tensors autograd saves for backward
+                (a saved-tensor hook), next to picotron.planner.memory_estimate
+    allocator   what the allocator itself holds while the model is built and trained for two steps, from
+                torch.profiler (profile_memory=True): memory in use over time, cut at the phases, next to the
+                counted bytes (on a GPU also max_memory_allocated and a memory-history snapshot)
+    recompute   none / selective / full, for sdpa and eager attention: saved bytes, forward+backward time,
+                and loss and gradients compared with no recomputation
+    accumulate  one batch of B sequences vs k micro-batches of B/k: gradients and saved bytes
     precision   fp32 vs bf16 autocast: two short runs of picotron.train (loss curves, tokens/s, memory)
     throughput  tokens/s and MFU against the measured matmul peak for a few model sizes (picotron.train)
-`saved_tensors_table` and the plot_* functions are imported by the notebook.
+    trace       one steady training step under torch.profiler: OUT/trace_step.json (a Chrome/Perfetto trace)
+                and each operator's self time by phase
+The notebook imports `saved_tensors_table`, `peak_bound` and the plot_* functions; check.py uses `step_memory`.
 """
 import argparse
+import bisect
 import functools
+import gc
+import itertools
 import os
 import sys
 import time
@@ -28,13 +36,15 @@ import _common  # noqa: E402  (puts the repository root on sys.path)
 
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from picotron import data, metrics, planner  # noqa: E402
 from picotron import train as trainer  # noqa: E402
-from picotron.parallelize import parallelize  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import DecoderLayer, rope_cos_sin  # noqa: E402
+from picotron.parallelize import parallelize  # noqa: E402
 
 # Model sizes of the sweeps: the "tiny" preset (byte vocabulary) widened and deepened.
 SIZES = {
@@ -43,14 +53,15 @@ SIZES = {
     "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6),
 }
 GPU_SIZES = {"smollm-135m": dict(preset="smollm-135m"), "smollm-360m": dict(preset="smollm-360m")}
+MB = 2**20
 
 
 # ------------------------------------------------------------------------ the saved-tensor table
 def saved_tensors_table(model_config, seq_len=16, batch=2, dtype="fp32", recompute="none"):
     """Every tensor autograd saves in ONE decoder layer's forward: module, op, shape, dtype, bytes, note.
 
-    Two hooks do the work: forward pre/post hooks keep track of the current sub-module, a TorchFunctionMode
-    remembers the torch function being called, and a saved-tensor hook records what autograd keeps.
+    Forward pre/post hooks keep track of the current sub-module, a TorchFunctionMode remembers the torch
+    function being called, and a saved-tensor hook records what autograd keeps.
     A storage already saved counts once (note "same storage"); parameters are not activations."""
     torch.manual_seed(0)
     layer = DecoderLayer(model_config)
@@ -135,62 +146,231 @@ def batches(cfg, step=1):
     return loader.micro_batches(step)
 
 
-def forward_backward(run, micro_batches):
-    """Forward and backward of one step's micro-batches through the trainer's step engine (`run.schedule`:
-    loss / k per micro-batch, gradients add up in p.grad, bf16 autocast if cfg.dtype says so).
-    Returns (loss, activation bytes of the first micro-batch, seconds)."""
-    device = run.schedule.device
-    metrics.sync(device)
-    t0 = time.perf_counter()
-    loss = float(run.schedule.run(run.model, micro_batches, run.loss_fn))  # float(): waits for the device
-    metrics.sync(device)
-    return loss, run.schedule.activation_bytes, time.perf_counter() - t0
-
-
-def measure(cfg, mesh, steps=1, keep_grads=False):
-    """`steps` real training steps (AdamW included) of a freshly initialised model on the same batch, on ONE
-    device (`Mesh.local`: no process group, no replicas): measured memory by category, the fastest steady
-    forward+backward time, the first loss (and gradients)."""
-    device = mesh.device
-    run = parallelize(cfg, Mesh.local(device))  # what the trainer builds: model, AdamW, step engine, loss
-    micro = batches(cfg)
-    times = []
-    for step in range(steps):
-        metrics.reset_device_peak(device)
-        loss, act, dt = forward_backward(run, micro)
-        if step == 0:
-            first_loss = loss
-            grads = [p.grad.detach().clone() for p in run.raw.parameters()] if keep_grads else None
-        mem = run.model.memory()  # params and grads, by walking the tensors
+def train_step(run, micro, keep_grads=False):
+    """One optimizer step as the trainer takes it (without clipping and the lr schedule): the step engine
+    (`run.schedule`: loss / k per micro-batch, gradients adding up in p.grad, bf16 autocast if cfg.dtype says
+    so), then AdamW, then the gradients are dropped. Returns the loss, the COUNTED bytes (params and grads
+    walked before the optimizer step, AdamW's state after it, the saved tensors of the first micro-batch) and,
+    with keep_grads, a copy of the gradients."""
+    loss = float(run.schedule.run(run.model, micro, run.loss_fn))  # float(): waits for the device
+    counted = run.model.memory()
+    grads = [p.grad.detach().clone() for p in run.raw.parameters()] if keep_grads else None
+    with record_function("optimizer"):
         run.optimizer.step()
-        mem["optimizer"] = metrics.optimizer_bytes(run.optimizer)  # the state AdamW creates at its first step
         run.model.zero_grad(set_to_none=True)
-        mem.update(activations=act, device_peak=metrics.device_peak_bytes(device))
-        times.append(dt)
-    steady = times[1:] or times  # the first step pays for allocations and kernel selection
-    return dict(mem=mem, time=min(steady), loss=first_loss, grads=grads)  # min: least disturbed by other work
+    counted.update(optimizer=metrics.optimizer_bytes(run.optimizer), activations=run.schedule.activation_bytes)
+    return loss, counted, grads
+
+
+def measure(cfg, device, steps=1, keep_grads=False):
+    """`steps` real training steps of a freshly initialised model on the same batch, on ONE device
+    (`Mesh.local`: no process group): the counted memory by category, the fastest steady step time, the
+    first step's loss (and gradients)."""
+    run, micro, times = parallelize(cfg, Mesh.local(device)), batches(cfg), []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        loss, mem, grads = train_step(run, micro, keep_grads and step == 0)
+        metrics.sync(device)
+        times.append(time.perf_counter() - t0)
+        if step == 0:
+            first = dict(loss=loss, grads=grads)
+    steady = times[1:] or times  # the first step pays for allocations, AdamW's state and kernel selection
+    return dict(mem=mem, time=min(steady), **first)
 
 
 def row(cfg, size, result):
     mc = cfg.model_config()
     est = planner.memory_estimate(mc, cfg.seq_len, cfg.micro_batch_size, cfg.dtype, cfg.recompute)
     return dict(size=size, n_params=mc.num_params(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
-                dtype=cfg.dtype, recompute=cfg.recompute, attn_impl=mc.attn_impl, measured=result["mem"],
-                estimate=est, time=result["time"], loss=result["loss"])
+                grad_acc=cfg.grad_acc, dtype=cfg.dtype, recompute=cfg.recompute, attn_impl=mc.attn_impl,
+                counted=result["mem"], estimate=est, time=result["time"], loss=result["loss"])
+
+
+def max_abs_diff(tensors, reference):
+    return max((t - r).abs().max().item() for t, r in zip(tensors, reference))
+
+
+# -------------------------------------------------------------- the allocator's view (torch.profiler)
+PHASES = ("forward", "backward", "optimizer")
+
+
+class ProfilerPhases:
+    """Stands in for the step engine's timeline (`schedule.OneStage.timeline`): each micro-batch's forward and
+    backward become named ranges of the profiler's trace, so memory and time can be cut at them."""
+
+    def record(self, name, **info):
+        return record_function(name)
+
+
+def activities(device):
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+def step_memory(cfg, device, steps=2, timeline=False, snapshot=None, timed_steps=0):
+    """What the allocator holds while the model of `cfg` is built and trained for `steps` steps on `device`.
+
+    torch.profiler with profile_memory=True records every allocation and free on the device; their running
+    sum is the memory in use. The data are loaded before the profiler starts (and Python is not a tensor),
+    so the sum is exactly what building and training the model allocates. Returns, per step, the memory in
+    use at its start, after its first forward, when its optimizer step starts and at its end, its peak and
+    the operator running at the peak; the counted bytes (`train_step`); with `timeline`, the memory over time
+    and the phases. CUDA: also the caching allocator's max_memory_allocated/reserved per step and, with
+    `snapshot` (a path), a memory-history snapshot for https://pytorch.org/memory_viz. `timed_steps` more
+    steps without the profiler give tokens/s."""
+    micro, cuda = batches(cfg), device.type == "cuda"
+    gc.collect()  # a tensor allocated while an earlier profile ran and freed during this one would count as a free
+    if cuda and snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    caching = []
+    with profile(activities=activities(device), profile_memory=True) as prof:
+        with record_function("build"):
+            run = parallelize(cfg, Mesh.local(device))
+        run.schedule.timeline = ProfilerPhases()
+        for step in range(1, steps + 1):
+            metrics.reset_device_peak(device)
+            with record_function(f"step {step}"):
+                _, counted, _ = train_step(run, micro)
+            if cuda:
+                caching.append(dict(allocated=torch.cuda.max_memory_allocated(device),
+                                    reserved=torch.cuda.max_memory_reserved(device)))
+    if cuda and snapshot:
+        torch.cuda.memory._dump_snapshot(str(snapshot))
+        torch.cuda.memory._record_memory_history(enabled=None)
+    result = dict(memory_in_use(prof.profiler.kineto_results.events(), device, steps, timeline),
+                  counted=counted, cuda=caching or None)
+    times = []
+    for _ in range(timed_steps):
+        t0 = time.perf_counter()
+        train_step(run, micro)
+        times.append(time.perf_counter() - t0)
+    if times:
+        result["tokens_per_s"] = cfg.tokens_per_step / min(times)
+    return result
+
+
+def memory_in_use(events, device, steps, timeline=False, bins=1500):
+    """`step_memory`'s analysis of the profiler's events (kineto's, times in ns): "[memory]" events carry the
+    bytes allocated (> 0) or freed (< 0) on a device; our ranges ("build", "step n", "forward", ...) cut them."""
+    kind = device.type.upper()
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events
+                 if e.name() == "[memory]" and str(e.device_type()).endswith(kind))
+    t, level = [m[0] for m in mem], list(itertools.accumulate(n for _, n in mem))
+    ranges, ops = [], []
+    for e in events:
+        name = e.name()
+        if name == "[memory]" or not str(e.device_type()).endswith("CPU"):  # ranges and operators, not GPU kernels
+            continue
+        if name in ("build", *PHASES) or name.startswith("step "):
+            ranges.append((e.start_ns(), e.end_ns(), name))
+        else:
+            ops.append((e.start_ns(), e.end_ns(), name))
+    ranges.sort()
+
+    def before(ns):  # memory in use just before time ns
+        i = bisect.bisect_left(t, ns) - 1
+        return level[i] if i >= 0 else 0
+
+    def after(ns):
+        i = bisect.bisect_right(t, ns) - 1
+        return level[i] if i >= 0 else 0
+
+    def running_at(ns):
+        """The innermost operator running at ns, and the autograd node (backward) it belongs to."""
+        around = [o for o in ops if o[0] <= ns <= o[1]]
+        node = [o[2].split(": ")[-1] for o in around if o[2].startswith("autograd::engine::evaluate_function")]
+        inner = min(around, key=lambda o: o[1] - o[0])[2] if around else "?"
+        return inner + (f" in {min(node, key=len)}" if node else "")
+
+    build = next(r for r in ranges if r[2] == "build")
+    out = dict(after_build=after(build[1]), steps=[])
+    for n in range(1, steps + 1):
+        s0, s1, _ = next(r for r in ranges if r[2] == f"step {n}")
+        inside = [r for r in ranges if s0 <= r[0] and r[1] <= s1 and r[2] in PHASES]
+        i, j = bisect.bisect_left(t, s0), bisect.bisect_right(t, s1)
+        k = max(range(i, j), key=level.__getitem__)
+        out["steps"].append(dict(
+            start=before(s0), end=after(s1), peak=level[k], peak_op=running_at(t[k]),
+            peak_phase=next((r[2] for r in inside if r[0] <= t[k] <= r[1]), "between phases"),
+            after_forward=after(next(r for r in inside if r[2] == "forward")[1]),
+            before_optimizer=before(next(r for r in inside if r[2] == "optimizer")[0])))
+    if timeline:  # the most memory in use in each of `bins` slices of time: peaks survive the thinning
+        t0, t1 = build[0], max(r[1] for r in ranges)
+        edges = [t0 + (t1 - t0) * q / bins for q in range(bins + 1)]
+        out["timeline"] = dict(ms=[(a - t0) / 1e6 for a in edges[:-1]], bytes=[
+            max([before(a)] + level[bisect.bisect_left(t, a):bisect.bisect_right(t, b)]) for a, b in zip(edges, edges[1:])],
+            phases=[(name, (a - t0) / 1e6, (b - t0) / 1e6) for a, b, name in ranges])
+    return out
+
+
+def peak_bound(mc, seq_len, micro_batch_size, dtype="fp32", recompute="none"):
+    """A rule of thumb for the allocator's peak in a steady step (section 4b checks it): the planner's count
+    (params + grads + AdamW state + saved tensors) plus the backward's working set. The backward of a layer
+    holds gradients of what the layer saved: at most one layer's saved tensors without recomputation (L1).
+    Recomputation brings back, for one layer at a time, what it dropped: the whole layer's L1 (full) or the
+    attention block's share of it (selective). The loss adds two fp32 logits-sized gradients (4·s·b·v each)."""
+    s, b = seq_len, micro_batch_size
+    layer = planner.activation_terms_per_layer(mc, s, b, dtype)
+    again = {"none": 0, "selective": layer["self_attn"], "full": sum(layer.values())}[recompute]
+    working = sum(layer.values()) + again + 2 * 4 * s * b * mc.vocab_size
+    return planner.memory_estimate(mc, s, b, dtype, recompute)["total"] + working
+
+
+# ---------------------------------------------------------------------------- where the time goes
+def self_time_by_phase(events, device, top=6):
+    """Each operator's self time (its own, not that of the operators it calls; on a GPU, the time of the
+    kernels it launched) summed by name within each phase. On a CPU the phase's own self time is the time
+    between operators: Python and the autograd engine's bookkeeping."""
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in events if e.device_type == DeviceType.CPU]  # operators (their kernels count in their time)
+    out = {}
+    for mark in (e for e in events if e.name in PHASES):
+        lo, hi = mark.time_range.start, mark.time_range.end
+        total = {}
+        for e in events:
+            if e.name in PHASES or e.name == "step" or not lo <= e.time_range.start < hi:
+                continue
+            name = "autograd engine" if e.name.startswith("autograd::engine") else e.name
+            total[name] = total.get(name, 0) + getattr(e, key)
+        if device.type != "cuda":
+            total["(between operators)"] = mark.self_cpu_time_total
+        ranked = sorted(total.items(), key=lambda kv: -kv[1])
+        out[mark.name] = dict(wall_ms=(hi - lo) / 1e3, self_ms=sum(total.values()) / 1e3,
+                              top=[(name, us / 1e3) for name, us in ranked[:top]],
+                              other_ms=sum(us for _, us in ranked[top:]) / 1e3)
+    return out
 
 
 # --------------------------------------------------------------------------------- experiments
 def exp_memory(mesh, fast, out):
     sizes = ["tiny", "small"] if fast else ["tiny", "small", "medium"]
     seqs, b = ([64, 128, 256], 2) if fast else ([128, 256, 512], 8)
-    runs = [(s, L, "fp32") for s in sizes for L in seqs] + [("tiny", L, "bf16") for L in seqs]
     rows = []
-    for size, seq, dtype in runs:
+    for size, seq, dtype in [(s, L, "fp32") for s in sizes for L in seqs] + [("tiny", L, "bf16") for L in seqs]:
         cfg = make_cfg(size, seq_len=seq, micro_batch_size=b, dtype=dtype)
-        rows.append(row(cfg, size, measure(cfg, mesh)))
+        rows.append(row(cfg, size, measure(cfg, mesh.device)))
         r = rows[-1]
-        print(f"memory  {size:<7}{dtype:<5} s={seq:<4} activations measured {r['measured']['activations']:>12,} "
+        print(f"memory  {size:<7}{dtype:<5} s={seq:<4} counted saved tensors {r['counted']['activations']:>12,} "
               f"B, planner {r['estimate']['activations']:>12,} B", flush=True)
+    return rows
+
+
+def exp_allocator(mesh, fast, out):
+    seq, b = (256, 4) if fast else (512, 8)
+    rows = []
+    for j, (recompute, mb, k) in enumerate([("none", b, 1), ("full", b, 1), ("none", b // 2, 2)]):
+        cfg = make_cfg("small", seq_len=seq, micro_batch_size=mb, grad_acc=k, recompute=recompute)
+        snapshot = Path(out) / "memory_snapshot.pickle" if j == 0 and mesh.device.type == "cuda" else None
+        r = step_memory(cfg, mesh.device, timeline=j == 0, snapshot=snapshot)
+        mc = cfg.model_config()
+        r.update(size="small", seq_len=seq, micro_batch_size=mb, grad_acc=k, recompute=recompute,
+                 vocab_size=mc.vocab_size, snapshot=str(snapshot) if snapshot else None,
+                 estimate=planner.memory_estimate(mc, seq, mb, cfg.dtype, recompute),
+                 layer=planner.activation_bytes_per_layer(mc, seq, mb, cfg.dtype),
+                 bound=peak_bound(mc, seq, mb, cfg.dtype, recompute))
+        rows.append(r)
+        last = r["steps"][-1]
+        print(f"allocator  recompute {recompute:<5} micro-batch {mb} x {k}: last step's peak {last['peak'] / MB:7.2f} MiB "
+              f"({last['peak_phase']}, {last['peak_op']}) | counted total {r['estimate']['total'] / MB:7.2f} MiB", flush=True)
     return rows
 
 
@@ -201,14 +381,13 @@ def exp_recompute(mesh, fast, out):
         ref = None
         for mode in ("none", "selective", "full"):
             cfg = make_cfg("small", seq_len=seq, micro_batch_size=b, recompute=mode, attn_impl=impl)
-            res = measure(cfg, mesh, steps=steps, keep_grads=True)
+            res = measure(cfg, mesh.device, steps=steps, keep_grads=True)
             ref = ref or res
             r = row(cfg, "small", res)
-            r["max_grad_diff"] = max((g - g0).abs().max().item() for g, g0 in zip(res["grads"], ref["grads"]))
-            r["loss_diff"] = abs(res["loss"] - ref["loss"])
+            r.update(max_grad_diff=max_abs_diff(res["grads"], ref["grads"]), loss_diff=abs(res["loss"] - ref["loss"]))
             rows.append(r)
-            print(f"recompute {impl:<6}{mode:<10} activations {r['measured']['activations']:>12,} B | "
-                  f"fwd+bwd {1e3 * r['time']:7.1f} ms | max |grad - grad(none)| {r['max_grad_diff']:.1e}", flush=True)
+            print(f"recompute {impl:<6}{mode:<10} counted saved tensors {r['counted']['activations']:>12,} B | "
+                  f"step {1e3 * r['time']:7.1f} ms | max |grad - grad(none)| {r['max_grad_diff']:.1e}", flush=True)
     return rows
 
 
@@ -217,14 +396,14 @@ def exp_accumulate(mesh, fast, out):
     rows, ref = [], None
     for k in ks:
         cfg = make_cfg("tiny", seq_len=seq, micro_batch_size=global_batch // k, grad_acc=k)
-        res = measure(cfg, mesh, steps=2, keep_grads=True)
+        res = measure(cfg, mesh.device, steps=3, keep_grads=True)
         ref = ref or res
         r = row(cfg, "tiny", res)
-        r.update(grad_acc=k, max_grad_diff=max((g - g0).abs().max().item() for g, g0 in zip(res["grads"], ref["grads"])),
-                 max_grad=max(g0.abs().max().item() for g0 in ref["grads"]), loss_diff=abs(res["loss"] - ref["loss"]))
+        r.update(max_grad_diff=max_abs_diff(res["grads"], ref["grads"]), loss_diff=abs(res["loss"] - ref["loss"]),
+                 max_grad=max(g.abs().max().item() for g in ref["grads"]))
         rows.append(r)
-        print(f"accumulate k={k:<3} micro-batch {global_batch // k:<3} activations {r['measured']['activations']:>11,} B"
-              f" | max |grad - grad(k=1)| {r['max_grad_diff']:.1e} | loss {r['loss']:.6f}", flush=True)
+        print(f"accumulate k={k:<3} micro-batch {global_batch // k:<3} counted saved tensors {r['counted']['activations']:>11,}"
+              f" B | step {1e3 * r['time']:6.1f} ms | max |grad - grad(k=1)| {r['max_grad_diff']:.1e}", flush=True)
     return rows
 
 
@@ -237,6 +416,7 @@ def exp_precision(mesh, fast, out):
         trainer.train(cfg, mesh)
         history, summary = metrics.read_metrics(cfg.out)
         runs[dtype] = dict(steps=[r["step"] for r in history], loss=[r["loss"] for r in history],
+                           grad_norm=[r["grad_norm"] for r in history],
                            val=[(r["step"], r["val_loss"]) for r in history if "val_loss" in r],
                            summary=summary, estimate=planner.memory_estimate(cfg.model_config(), seq, b, dtype))
     return runs
@@ -257,33 +437,110 @@ def exp_throughput(mesh, fast, out):
     return rows
 
 
+def exp_trace(mesh, fast, out):
+    seq, b = (256, 4) if fast else (512, 8)
+    cfg, device = make_cfg("small", seq_len=seq, micro_batch_size=b), mesh.device
+    run, micro = parallelize(cfg, Mesh.local(device)), batches(cfg)
+    run.schedule.timeline = ProfilerPhases()
+    train_step(run, micro)  # a first step: AdamW creates its state, kernels are chosen
+    with profile(activities=activities(device)) as prof:
+        with record_function("step"):
+            train_step(run, micro)
+    path = Path(out) / "trace_step.json"
+    prof.export_chrome_trace(str(path))
+    phases = self_time_by_phase(prof.events(), device)
+    for name, p in phases.items():
+        print(f"trace  {name:<10} {p['wall_ms']:8.1f} ms | " + ", ".join(f"{n} {ms:.1f}" for n, ms in p["top"][:3]), flush=True)
+    return dict(trace=str(path), trace_mb=path.stat().st_size / 1e6, size="small", seq_len=seq, micro_batch_size=b,
+                time="device" if device.type == "cuda" else "cpu", phases=phases)
+
+
 # ------------------------------------------------------------------------ plots (for the notebook)
 PARTS = ("params", "grads", "optimizer", "activations")
+LABELS = dict(params="params", grads="grads", optimizer="optimizer state", activations="activations (counted saved tensors)")
 COLORS = dict(params="#4c72b0", grads="#dd8452", optimizer="#55a868", activations="#c44e52")
-MB = 2**20
+PHASE_COLORS = dict(build="#bbbbbb", forward="#4c72b0", backward="#dd8452", optimizer="#55a868")
 
 
 def stacked_bar(ax, x, breakdown, width=0.38, hatch=None, label=True, scale=MB):
     bottom = 0
     for part in PARTS:
         ax.bar(x, breakdown[part] / scale, width, bottom=bottom, color=COLORS[part], hatch=hatch,
-               edgecolor="white", label=part if label else None)
+               edgecolor="white", label=LABELS[part] if label else None)
         bottom += breakdown[part] / scale
 
 
 def plot_memory(rows):
-    """Measured (solid) beside planner (hatched) stacked bars, one pair per (size, dtype, seq)."""
+    """Counted (solid) beside planner (hatched) stacked bars, one pair per (size, dtype, seq)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(rows)), 3.6))
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(rows)), 3.8))
     for j, r in enumerate(rows):
-        stacked_bar(ax, j - 0.2, r["measured"], label=j == 0)
+        stacked_bar(ax, j - 0.2, r["counted"], label=j == 0)
         stacked_bar(ax, j + 0.2, r["estimate"], hatch="//", label=False)
     ax.set_xticks(range(len(rows)), [f"{r['size']}\n{r['dtype']} s={r['seq_len']}" for r in rows], fontsize=8)
+    ax.set_ylabel("MiB (counted tensor bytes)")
+    ax.set_title(f"One training step, micro-batch {rows[0]['micro_batch_size']}: counted (left) vs "
+                 "planner.memory_estimate (right, hatched)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_allocator_timeline(r):
+    """Memory in use (the allocator, via torch.profiler) over the build and two steps, phases shaded, with
+    the counted levels it should reach."""
+    import matplotlib.pyplot as plt
+
+    tl, c, est = r["timeline"], r["counted"], r["estimate"]
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    for name, a, b in tl["phases"]:
+        if name in PHASE_COLORS:
+            ax.axvspan(a, b, color=PHASE_COLORS[name], alpha=0.18, lw=0)
+    ax.plot(tl["ms"], [x / MB for x in tl["bytes"]], color="k", lw=1.2, drawstyle="steps-post")
+    levels = [(c["params"] + c["optimizer"] + c["activations"], "params + optimizer state + counted saved tensors", ":"),
+              (est["total"], "counted estimate: params + grads + optimizer + saved tensors", "--"),
+              (r["bound"], "peak_bound: estimate + the backward's working set (rule of thumb)", "-.")]
+    for y, label, ls in levels:
+        ax.axhline(y / MB, color="#8172b2", ls=ls, lw=1)
+        ax.text(tl["ms"][0], y / MB, " " + label, fontsize=8, va="bottom", color="#5a4f7c")
+    last = r["steps"][-1]
+    ax.annotate(f"step 2 peak {last['peak'] / MB:.1f} MiB\n{last['peak_op']}", xy=(tl["ms"][tl["bytes"].index(max(tl["bytes"]))], last["peak"] / MB),
+                xytext=(0.99, 0.5), textcoords="axes fraction", ha="right", fontsize=8,
+                arrowprops=dict(arrowstyle="->", lw=0.8))
+    for name, a, b in tl["phases"]:
+        if name.startswith("step "):
+            ax.text((a + b) / 2, 1.0, name, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=col, alpha=0.3) for col in PHASE_COLORS.values()]
+    ax.legend(handles, list(PHASE_COLORS), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="phase",
+              title_fontsize=8)
+    ax.set(xlabel="ms since the profiler started (build, step 1, step 2)", ylabel="MiB in use (allocator)",
+           ylim=(0, 1.25 * max(r["bound"], max(tl["bytes"])) / MB))
+    fig.suptitle(f"What the allocator holds: {r['size']} model, s={r['seq_len']}, micro-batch {r['micro_batch_size']}, "
+                 f"fp32, torch.profiler(profile_memory=True)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_allocator_peaks(rows):
+    """Per variant: the allocator's peak in step 2 between the counted levels that bracket it."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    labels = [f"recompute {r['recompute']}\nmicro-batch {r['micro_batch_size']} x {r['grad_acc']}" for r in rows]
+    bars = [("params + optimizer + saved tensors", lambda r: r["counted"]["params"] + r["counted"]["optimizer"]
+             + r["counted"]["activations"], "#c44e52"),
+            ("counted estimate (all four)", lambda r: r["estimate"]["total"], "#8172b2"),
+            ("allocator peak (step 2)", lambda r: r["steps"][-1]["peak"], "k"),
+            ("peak_bound", lambda r: r["bound"], "#bbbbbb")]
+    for j, (label, value, color) in enumerate(bars):
+        xs = [i + 0.2 * (j - 1.5) for i in range(len(rows))]
+        ax.bar(xs, [value(r) / MB for r in rows], 0.2, color=color, label=label)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("MiB")
-    ax.set_title(f"One training step, micro-batch {rows[0]['micro_batch_size']}: measured (left) vs "
-                 "planner.memory_estimate (right, hatched)")
-    ax.legend(fontsize=8)
+    ax.set_title(f"{rows[0]['size']} model, s={rows[0]['seq_len']}, global batch "
+                 f"{rows[0]['micro_batch_size'] * rows[0]['grad_acc']}: the peak against the counts", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
@@ -296,15 +553,15 @@ def plot_recompute(rows):
     for j, impl in enumerate(("sdpa", "eager")):
         sel = {r["recompute"]: r for r in rows if r["attn_impl"] == impl}
         xs = [m + 0.38 * (j - 0.5) for m in range(3)]
-        ax1.bar(xs, [sel[m]["measured"]["activations"] / MB for m in modes], 0.38, label=f"{impl} measured")
+        ax1.bar(xs, [sel[m]["counted"]["activations"] / MB for m in modes], 0.38, label=f"{impl}, counted")
         ax1.plot(xs, [sel[m]["estimate"]["activations"] / MB for m in modes], "k_", ms=18,
                  label="planner" if j == 0 else None)
         ax2.bar(xs, [1e3 * sel[m]["time"] for m in modes], 0.38, label=impl)
     r0 = rows[0]
-    ax1.set(xticks=range(3), xticklabels=modes, ylabel="activation MiB",
-            title=f"held for backward (s={r0['seq_len']}, b={r0['micro_batch_size']})")
-    ax2.set(xticks=range(3), xticklabels=modes, ylabel="ms", title="forward + backward time")
-    ax1.legend(fontsize=8), ax2.legend(fontsize=8)
+    ax1.set(xticks=range(3), xticklabels=modes, ylabel="MiB (counted saved tensors)",
+            title=f"kept for backward (s={r0['seq_len']}, b={r0['micro_batch_size']})")
+    ax2.set(xticks=range(3), xticklabels=modes, ylabel="ms", title="one training step (fastest of a few)")
+    ax1.legend(fontsize=8), ax2.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     return fig
 
@@ -312,14 +569,14 @@ def plot_recompute(rows):
 def plot_accumulate(rows):
     import matplotlib.pyplot as plt
 
-    ks = [r["grad_acc"] for r in rows]
-    act = [r["measured"]["activations"] / MB for r in rows]
+    ks = [str(r["grad_acc"]) for r in rows]
+    act = [r["counted"]["activations"] / MB for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
-    ax1.bar([str(k) for k in ks], act, color=COLORS["activations"], label="measured")
-    ax1.plot([str(k) for k in ks], [act[0] / k for k in ks], "ko--", label="(k=1) / k")
-    ax1.set(xlabel="k micro-batches per step", ylabel="activation MiB", title="activations of one micro-batch")
+    ax1.bar(ks, act, color=COLORS["activations"], label="counted")
+    ax1.plot(ks, [act[0] / r["grad_acc"] for r in rows], "ko--", label="(k=1) / k")
+    ax1.set(xlabel="k micro-batches per step", ylabel="MiB (counted saved tensors)", title="saved for backward, one micro-batch")
     ax1.legend(fontsize=8)
-    ax2.bar([str(k) for k in ks], [max(r["max_grad_diff"], 1e-12) for r in rows], color="gray")
+    ax2.bar(ks, [max(r["max_grad_diff"], 1e-12) for r in rows], color="gray")
     ax2.set(yscale="log", ylim=(1e-12, 1), xlabel="k", title="max |grad(k) - grad(k=1)|  (fp32 rounding)")
     fig.tight_layout()
     return fig
@@ -333,7 +590,7 @@ def plot_precision(runs):
         ax1.plot(r["steps"], r["loss"], label=f"{dtype} train")
         if r["val"]:
             ax1.plot(*zip(*r["val"]), "o--", label=f"{dtype} val")
-    ax1.set(xlabel="step", ylabel="loss", title="same seed, same batches (the curves overlap)")
+    ax1.set(xlabel="step", ylabel="loss", title="same seed, same batches")
     ax1.legend(fontsize=8)
     fp32, bf16 = runs["fp32"], runs["bf16"]  # the difference, which the overlapping curves hide
     ax4.plot(fp32["steps"], [b - a for a, b in zip(fp32["loss"], bf16["loss"])], color="#4c72b0",
@@ -348,7 +605,7 @@ def plot_precision(runs):
     ax2.bar(names, [runs[d]["summary"]["tokens_per_s"] for d in names], color=["#4c72b0", "#dd8452"])
     ax2.set(title="tokens/s", yscale="log")
     ax3.bar(names, [runs[d]["summary"]["mem"]["activations"] / MB for d in names], color=COLORS["activations"])
-    ax3.set(title="activation MiB")
+    ax3.set(title="MiB (counted saved)")
     fig.tight_layout()
     return fig
 
@@ -370,6 +627,29 @@ def plot_throughput(rows):
     return fig
 
 
+def plot_trace(result):
+    """Top operators by self time, one panel per phase."""
+    import matplotlib.pyplot as plt
+
+    def short(name, width=26):
+        name = name.removeprefix("aten::")
+        return name if len(name) <= width else name[:width - 1] + "…"
+
+    phases = [p for p in PHASES if p in result["phases"]]
+    fig, axes = plt.subplots(1, len(phases), figsize=(13, 3.4))
+    for ax, name in zip(axes, phases):
+        p = result["phases"][name]
+        items = p["top"] + [("other", p["other_ms"])]
+        ax.barh([short(n) for n, _ in items][::-1], [ms for _, ms in items][::-1], color=PHASE_COLORS[name])
+        ax.set_title(f"{name}: {p['wall_ms']:.0f} ms", fontsize=10)
+        ax.set_xlabel(f"self time, ms ({result['time']})", fontsize=8)
+        ax.tick_params(labelsize=8)
+    fig.suptitle(f"One steady training step, {result['size']} model, s={result['seq_len']}, "
+                 f"micro-batch {result['micro_batch_size']}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_estimate(estimates, limit_gb=80, title=""):
     """Horizontal stacked bars of planner estimates {label: breakdown} in GB, with a device-memory line."""
     import matplotlib.pyplot as plt
@@ -378,7 +658,7 @@ def plot_estimate(estimates, limit_gb=80, title=""):
     for j, (label, est) in enumerate(estimates.items()):
         left = 0
         for part in PARTS:
-            ax.barh(j, est[part] / 1e9, left=left, color=COLORS[part], label=part if j == 0 else None)
+            ax.barh(j, est[part] / 1e9, left=left, color=COLORS[part], label=LABELS[part] if j == 0 else None)
             left += est[part] / 1e9
         ax.text(left, j, f" {left:,.1f} GB", va="center", fontsize=8)
     top = max(sum(est[p] for p in PARTS) for est in estimates.values()) / 1e9
@@ -392,7 +672,7 @@ def plot_estimate(estimates, limit_gb=80, title=""):
     return fig
 
 
-EXPERIMENTS = ("memory", "recompute", "accumulate", "precision", "throughput")
+EXPERIMENTS = ("memory", "allocator", "recompute", "accumulate", "precision", "throughput", "trace")
 
 
 def main(argv=None):

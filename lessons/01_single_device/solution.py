@@ -4,6 +4,8 @@
 """
 import torch.nn.functional as F
 
+from experiment import peak_bound  # this folder's experiment.py: the planner's count + the backward's working set
+
 
 def count_parameters(cfg) -> int:
     """Exact parameter count of picotron's Llama for a ModelConfig."""
@@ -52,3 +54,13 @@ def accumulate_gradients(model, input_ids, targets, k) -> float:
         loss.backward()                                  # adds into p.grad: no zero_grad in between
         total += loss.item()
     return total
+
+
+def plan_step(model_config, seq_len, global_batch, budget_bytes) -> dict:
+    """The fastest choice that fits: the least recomputation, then the biggest micro-batch (fewest passes)."""
+    sizes = sorted((b for b in range(1, global_batch + 1) if global_batch % b == 0), reverse=True)
+    for recompute in ("none", "selective", "full"):      # recomputation repeats work: as little as we can
+        for b in sizes:                                  # then as few micro-batches as fit
+            if peak_bound(model_config, seq_len, b, "fp32", recompute) <= budget_bytes:
+                return {"micro_batch_size": b, "grad_acc": global_batch // b, "recompute": recompute}
+    return None                                          # not even micro-batch 1 with full recomputation
