@@ -23,7 +23,6 @@ import math
 import re
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -34,7 +33,7 @@ import torch  # noqa: E402
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import Report, _Failure, check_all, cli, failure_message, load, where  # noqa: E402,F401
+from _checker import _Failure, entry_points, failure_message, load, where  # noqa: E402
 import _common  # noqa: E402
 
 MODEL = _common.load_lesson("02_collectives")  # experiment.py: the alpha-beta model the puzzle is checked against
@@ -477,15 +476,8 @@ def check_one(name, path, report, timeout_s):
             report.ok(what, f": {'; '.join(label(c, n) for c in cases)}; {pattern}")
 
 
-def check(names=None, module=None, timeout_s=TIMEOUT_S):
-    """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
-    path = Path(module).resolve() if module else LEARNER
-    return check_all(names, path, CASES, partial(check_one, timeout_s=timeout_s), "ex02")
-
-
-def main(argv=None):
-    return cli(argv, "Check lesson 02's exercises on 2, 3 and 4 processes (the puzzle: model, then a real run).",
-               check, CASES, LEARNER, SOLUTIONS, TIMEOUT_S)
+check, main = entry_points("Check lesson 02's exercises on 2, 3 and 4 processes (the puzzle: model, then a real run).", CASES, check_one,
+                           LEARNER, SOLUTIONS, TIMEOUT_S, "ex02")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ every rank's batches, and meets the other ranks at a store-based rendezvous befo
 in a collective shows up as a hang rather than as a peer that left.
 """
 import sys
-from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,7 +34,7 @@ import torch  # noqa: E402
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import (_Failure, check_all, cli, failure_message, hang_message, load,  # noqa: E402,F401
+from _checker import (_Failure, entry_points, failure_message, hang_message, load, on_ranks,  # noqa: E402
                       rendezvous, where)
 
 LEARNER = HERE / "exercise.py"
@@ -506,35 +505,13 @@ def check_bucket_size(path, report, timeout_s):
 def check_one(name, path, report, timeout_s):
     if name == "bucket_size":
         return check_bucket_size(path, report, timeout_s)
-    for n in WORLD_SIZES:
-        what = f"{EXERCISES[name]} on {n} ranks"
-        try:
-            results = run_on_ranks(_on_rank, n, str(path), name, str(SOLUTIONS), timeout_s=timeout_s)
-        except RankTimeout as e:
-            report.fail(what, hang_message(e, path, timeout_s))
-            return  # it would hang again on the next world size
-        except RankError as e:
-            message = failure_message(e)
-            report.fail(what, message)
-            if "NotImplementedError" in message or "cannot import" in message:
-                return
-            continue
-        problem = COMPARE[name](n, results)
-        if problem:
-            report.fail(what, problem)
-        else:
-            report.ok(what, f": {SUCCESS[name]}")
+    on_ranks(lambda n: f"{EXERCISES[name]} on {n} ranks", WORLD_SIZES,
+             lambda n: run_on_ranks(_on_rank, n, str(path), name, str(SOLUTIONS), timeout_s=timeout_s),
+             lambda n, results: (COMPARE[name](n, results), f": {SUCCESS[name]}"), report, path, timeout_s)
 
 
-def check(names=None, module=None, timeout_s=TIMEOUT_S):
-    """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
-    path = Path(module).resolve() if module else LEARNER
-    return check_all(names, path, EXERCISES, partial(check_one, timeout_s=timeout_s), "ex03")
-
-
-def main(argv=None):
-    return cli(argv, "Check lesson 03's exercises on 2 and 3 processes.", check, EXERCISES,
-               LEARNER, SOLUTIONS, TIMEOUT_S)
+check, main = entry_points("Check lesson 03's exercises on 2 and 3 processes.", EXERCISES, check_one,
+                           LEARNER, SOLUTIONS, TIMEOUT_S, "ex03")
 
 
 if __name__ == "__main__":

@@ -41,8 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import (_Failure, check_all, cli, failure_message, hang_message, load,  # noqa: E402,F401
-                      rendezvous, where)
+from _checker import _Failure, entry_points, load, on_ranks, rendezvous, where  # noqa: E402
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
@@ -680,35 +679,13 @@ def check_plan(path, report, timeout_s):
 def check_one(name, path, report, timeout_s):
     if name == "plan":
         return check_plan(path, report, timeout_s)
-    for n in WORLD_SIZES[name]:
-        what = f"{EXERCISES[name]} on {n} ranks"
-        try:
-            results = run_on_ranks(_on_rank, n, str(path), name, str(SOLUTIONS), timeout_s=timeout_s)
-        except RankTimeout as e:
-            report.fail(what, hang_message(e, path, timeout_s))
-            return  # it would hang again on the next world size
-        except RankError as e:
-            message = failure_message(e)
-            report.fail(what, message)
-            if "NotImplementedError" in message or "cannot import" in message:
-                return
-            continue
-        problem = COMPARE[name](n, results)
-        if problem:
-            report.fail(what, problem)
-        else:
-            report.ok(what, f": {SUCCESS[name]}")
+    on_ranks(lambda n: f"{EXERCISES[name]} on {n} ranks", WORLD_SIZES[name],
+             lambda n: run_on_ranks(_on_rank, n, str(path), name, str(SOLUTIONS), timeout_s=timeout_s),
+             lambda n, results: (COMPARE[name](n, results), f": {SUCCESS[name]}"), report, path, timeout_s)
 
 
-def check(names=None, module=None, timeout_s=TIMEOUT_S):
-    """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
-    path = Path(module).resolve() if module else LEARNER
-    return check_all(names, path, EXERCISES, partial(check_one, timeout_s=timeout_s), "ex05")
-
-
-def main(argv=None):
-    return cli(argv, "Check lesson 05's exercises (on 2 and 4 processes).", check, EXERCISES,
-               LEARNER, SOLUTIONS, TIMEOUT_S)
+check, main = entry_points("Check lesson 05's exercises (on 2 and 4 processes).", EXERCISES, check_one,
+                           LEARNER, SOLUTIONS, TIMEOUT_S, "ex05")
 
 
 if __name__ == "__main__":
