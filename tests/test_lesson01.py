@@ -8,12 +8,11 @@ allocator's levels at the phase boundaries must match the counts within 1% (the 
 step, and checkpoint's saved RNG state make the small difference).
 """
 import dataclasses
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _lessons import checker
 import torch
 
 from picotron import data, metrics, planner
@@ -24,7 +23,6 @@ from picotron.parallelize import parallelize
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSON = ROOT / "lessons" / "01_single_device"
-CHECKER = LESSON / "check.py"
 ACTIVATION_RTOL = 1e-3
 sys.path.insert(0, str(LESSON))  # the lesson's experiment.py and check.py
 
@@ -116,10 +114,7 @@ def test_trace_is_written_and_self_times_add_up(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- the checker
-def run_checker(*args):
-    proc = subprocess.run([sys.executable, str(CHECKER), *args], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return proc.returncode, proc.stdout + proc.stderr
+run_checker = checker('01_single_device', timeout=600)
 
 
 def test_checker_passes_the_solutions():

@@ -5,16 +5,14 @@ with the reason), and the notebook end to end in FAST mode (it launches the benc
 Timings are never asserted: the benchmark's numbers are shown in the notebook, not tested.
 """
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _lessons import checker
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKER = ROOT / "lessons" / "02_collectives" / "check.py"
 sys.path.insert(0, str(ROOT / "lessons"))
 
 import _common  # noqa: E402
@@ -81,10 +79,7 @@ def test_encoding_decodes_sums():
 
 
 # ------------------------------------------------------------------------------------------- the checker
-def run_checker(*args, timeout=120):
-    proc = subprocess.run([sys.executable, str(CHECKER), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return proc.returncode, proc.stdout + proc.stderr
+run_checker = checker('02_collectives', timeout=120)
 
 
 def test_checker_passes_the_solutions():

@@ -5,12 +5,11 @@ widget's memory model, the flat layout at dp = 3, and the notebook end to end in
 
 No timing is asserted: on a shared CPU timings are measurements, not pass/fail criteria.
 """
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _lessons import checker
 
 from picotron import planner
 
@@ -20,10 +19,7 @@ SOLUTIONS = ROOT / "lessons" / "04_zero" / "solution.py"
 sys.path.insert(0, str(ROOT / "lessons"))
 
 
-def run_checker(*args, timeout=240):
-    proc = subprocess.run([sys.executable, str(CHECKER), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return proc.returncode, proc.stdout + proc.stderr
+run_checker = checker('04_zero', timeout=240)
 
 
 def test_checker_passes_the_solutions():

@@ -5,25 +5,20 @@ the puzzle's planner, and the notebook end to end in FAST mode.
 
 No timing is asserted: on a shared CPU timings are measurements, not pass/fail criteria.
 """
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _lessons import checker
 
 from picotron.model import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKER = ROOT / "lessons" / "05_tensor_parallel" / "check.py"
 SOLUTIONS = ROOT / "lessons" / "05_tensor_parallel" / "solution.py"
 sys.path.insert(0, str(ROOT / "lessons"))
 
 
-def run_checker(*args, timeout=240):
-    proc = subprocess.run([sys.executable, str(CHECKER), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return proc.returncode, proc.stdout + proc.stderr
+run_checker = checker('05_tensor_parallel', timeout=240)
 
 
 def test_checker_passes_the_solutions():
