@@ -61,14 +61,14 @@ def main():
     p.add_argument("--steps", type=int, default=200, help="timed rounds")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-mb", default="1,25")
-    p.add_argument("--size", default="small", choices=list(lesson.SIZES))
+    p.add_argument("--size", default="small", choices=list(_common.SIZES))
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=2)
     args = p.parse_args()
     import os
 
     mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
-    cfg = lesson.make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
+    cfg = _common.make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
     try:
         for mb in (float(x) for x in args.bucket_mb.split(",")):
             ours = lesson.Variant("ours", cfg, mesh, "bucket", mb, record_comm=False)

@@ -22,7 +22,6 @@ each variant alone in fresh processes (CPU: anonymous resident memory sampled ev
 allocator's peak).
 """
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -36,27 +35,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.zero_vs_fsdp import RSSPeak, local_bytes  # noqa: E402
+from benchmarks.zero_vs_fsdp import SIZES, RSSPeak, local_bytes, make_cfg, tokens  # noqa: E402  (same models, corpus)
 from picotron import data, data_parallel, marks, metrics  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import Llama  # noqa: E402
 from picotron.parallelize import build_optimizer, parallelize  # noqa: E402
-
-SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),
-         "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
-
-
-def make_cfg(size="small", **kw):
-    return Config(**{"preset": "tiny", "sample_tokens": 0, "eval_every": 0, **SIZES[size], **kw})
-
-
-@functools.lru_cache(maxsize=1)
-def tokens():
-    """The embedded corpus as byte tokens, loaded once per process (before any memory baseline)."""
-    tok = data.get_tokenizer("byte")
-    return data.TokenData(tok.encode_tensor(data.load_text("shakespeare")), tok.vocab_size)
-
 
 def dtensor_model(cfg, mesh):
     """The unsharded Llama, initialised like ours, then sharded by torch's parallelize_module."""

@@ -5,13 +5,19 @@
     run_dir(name)   runs/lessons/<name>/, created
     launch(...)     run a lesson's experiment.py with torchrun on N processes; returns its printed output
     load_json/save_json, load_lesson(name) (import lessons/<name>/experiment.py as a module)
+    SIZES, make_cfg(size, **kw), tokens()   the lessons' models (picotron Configs) and the embedded corpus
+    cli(lesson, experiments, ...)           the command line every experiment.py shares (--out, --only, --fast)
+    saved(name, file, record, t0, rank)     save one experiment's results and say where they went
     show_source(obj, start, stop)   print the lines of a function between two markers
     interactive(draw, controls)     a figure drawn once, then redrawn from ipywidgets controls in a live kernel
     parity(got, ref)                the parity standard applied to two loss curves (window, drift beyond it)
     parity_checks(label, got, ref)  the ✓/✗ lines a lesson prints for them
 """
+import argparse
+import functools
 import importlib.util
 import json
+import time
 import os
 import sys
 from pathlib import Path
@@ -21,6 +27,58 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 FAST = os.environ.get("PICOTRON_FAST", "0") == "1"
+# OpenMP threads that wait for each other sleep instead of spinning: on a shared machine a spinning thread takes the
+# core its partner needs, and a 2-thread run became 2-10x slower on a busy 2-core machine; an idle machine loses little.
+# Every experiment imports this module before torch, and launch()'s processes inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),  # 3.3 M parameters
+         "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
+
+
+def make_cfg(size="small", **kw):
+    """A picotron Config of the lessons' small or medium model (no sampling, no evaluation), with `kw` on top."""
+    from picotron.config import Config
+
+    return Config(**{"preset": "tiny", "sample_tokens": 0, "eval_every": 0, **SIZES[size], **kw})
+
+
+@functools.lru_cache(maxsize=1)
+def tokens():
+    """The embedded Shakespeare as byte tokens (what picotron.train reads), loaded once per process."""
+    from picotron import data
+
+    tok = data.get_tokenizer("byte")
+    return data.TokenData(tok.encode_tensor(data.load_text("shakespeare")), tok.vocab_size)
+
+
+def cli(lesson, experiments, doc, default=None, argv=None, extra=(), namespace=None):
+    """Parse an experiment script's command line: --out (runs/lessons/<lesson>/), --only (a comma-separated subset
+    of `experiments`, default `default` or all), --fast, plus `extra` (a list of (flags, kwargs) for add_argument).
+    A name outside `experiments` is refused with the list. Returns (args, names, out), the folder created."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "runs" / "lessons" / lesson))
+    p.add_argument("--only", default=",".join(default or experiments), help=f"comma-separated subset of {experiments}")
+    p.add_argument("--fast", action="store_true", default=FAST, help="short settings (or PICOTRON_FAST=1)")
+    for flags, kwargs in extra:
+        p.add_argument(*flags, **kwargs)
+    args = p.parse_args(argv, namespace=namespace)
+    names = args.only.split(",")
+    if any(name not in experiments for name in names):
+        p.error(f"--only {args.only!r}: pick a comma-separated subset of {', '.join(experiments)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return args, names, out
+
+
+def saved(name, file, record, t0, rank=0):
+    """On rank 0: write `record` (plus the seconds since t0) to `file` and print `== name: N s -> file`."""
+    if rank == 0:
+        seconds = time.perf_counter() - t0
+        save_json(dict(record, seconds=seconds), file)
+        path = os.path.relpath(file)  # short (and free of home directories) in notebooks
+        print(f"== {name}: {seconds:.1f} s -> {file if path.startswith('..') else path}", flush=True)
 
 
 def run_dir(name):
@@ -45,7 +103,7 @@ def load_lesson(name):
     return module
 
 
-def launch(script, args=(), nproc=1, timeout_s=900, quiet=False):
+def launch(script, args=(), nproc=1, timeout_s=3600, quiet=False):
     """`torchrun --nproc_per_node nproc lessons/<script> args` (script: e.g. "03_data_parallel/experiment.py"), with the CPU's cores shared between the
     processes (OMP_NUM_THREADS = cores // nproc: more threads than cores makes CPU runs 10x slower).
     Prints the script's output (unless quiet) and returns it; raises with its tail if it fails or hangs."""

@@ -230,7 +230,7 @@ _common.show_source(trainer.train, "loss = run.schedule.run", "model.zero_grad")
 # (`metrics.ActivationCounter`, in the step engine). The planner predicts all four from the config alone.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "memory"], timeout_s=3600)
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "memory"])
 memory = _common.load_json(OUT / "memory.json")["results"]
 for r in memory:
     ratios = "  ".join(f"{p} {r['counted'][p] / r['estimate'][p]:.6f}" for p in lesson.PARTS)
@@ -256,7 +256,7 @@ lesson.plot_memory(memory); plt.show()
 # global batch as two micro-batches.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "allocator"], timeout_s=3600)
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "allocator"])
 allocator = _common.load_json(OUT / "allocator.json")["results"]
 main = allocator[0]
 c, (s1, s2) = main["counted"], main["steps"]
@@ -322,7 +322,7 @@ lesson.plot_allocator_peaks(allocator); plt.show()
 # the loss and the gradients must not change at all.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "recompute"], timeout_s=3600)
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "recompute"])
 recompute = _common.load_json(OUT / "recompute.json")["results"]
 for impl in ("sdpa", "eager"):
     base = next(r for r in recompute if r["attn_impl"] == impl and r["recompute"] == "none")
@@ -351,7 +351,7 @@ lesson.plot_recompute(recompute); plt.show()
 # summed in `p.grad`. The maths is the same, only the order of the float additions changes.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "accumulate"], timeout_s=3600)
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "accumulate"])
 accumulate = _common.load_json(OUT / "accumulate.json")["results"]
 a1 = accumulate[0]["counted"]["activations"]
 for r in accumulate:
@@ -374,7 +374,7 @@ lesson.plot_accumulate(accumulate); plt.show()
 # Two short runs of the real trainer (`picotron.train.train`), same seed and batches.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "precision"], timeout_s=3600)
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "precision"])
 precision = _common.load_json(OUT / "precision.json")
 runs = precision["results"]
 for d, r in runs.items():
@@ -419,7 +419,7 @@ lesson.plot_precision(runs); plt.show()
 # datasheet peak is shown as well.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "throughput"], timeout_s=3600)
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "throughput"])
 throughput = _common.load_json(OUT / "throughput.json")
 for r in throughput["results"]:
     print(f"{r['size']:<12}{r['num_params'] / 1e6:7.2f} M params | {r['flops_per_token'] / 1e6:7.1f} MFLOP/token | "
@@ -443,7 +443,7 @@ lesson.plot_throughput(throughput["results"]); plt.show()
 # own, without the operators it calls; on a GPU the time of the kernels it launched) summed by phase.
 
 # %%
-_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "trace"], timeout_s=3600)
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "trace"])
 trace = _common.load_json(OUT / "trace.json")["results"]
 print(f"trace: {trace['trace']} ({trace['trace_mb']:.1f} MB) — open it at https://ui.perfetto.dev or chrome://tracing")
 phases = trace["phases"]

@@ -21,12 +21,10 @@ Each experiment writes OUT/<name>.json, which the notebook plots:
                 and each operator's self time by phase
 The notebook imports `saved_tensors_table`, `peak_bound` and the plot_* functions; check.py uses `step_memory`.
 """
-import argparse
 import bisect
 import functools
 import gc
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -676,26 +674,14 @@ EXPERIMENTS = ("memory", "allocator", "recompute", "accumulate", "precision", "t
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(_common.ROOT / "runs" / "lessons" / "01_single_device"))
-    p.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma-separated subset of {EXPERIMENTS}")
-    p.add_argument("--fast", action="store_true", default=_common.FAST, help="short settings (or PICOTRON_FAST=1)")
-    args = p.parse_args(argv)
-    names = args.only.split(",")
-    if any(name not in EXPERIMENTS for name in names):
-        p.error(f"--only {args.only!r}: pick a comma-separated subset of {', '.join(EXPERIMENTS)}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, names, out = _common.cli("01_single_device", EXPERIMENTS, __doc__, argv=argv)
     mesh = Mesh.init()
     try:
         env = dict(device=str(mesh.device), torch=torch.__version__, threads=torch.get_num_threads(), fast=args.fast)
         for name in names:
             t0 = time.perf_counter()
             result = globals()[f"exp_{name}"](mesh, args.fast, out)
-            _common.save_json(dict(env, results=result, seconds=time.perf_counter() - t0), out / f"{name}.json")
-            path = os.path.relpath(out / f"{name}.json")  # short (and free of home directories) in notebooks
-            print(f"== {name}: {time.perf_counter() - t0:.1f} s -> {out / f'{name}.json' if path.startswith('..') else path}",
-                  flush=True)
+            _common.saved(name, out / f"{name}.json", dict(env, results=result), t0)
     finally:
         mesh.destroy()
 

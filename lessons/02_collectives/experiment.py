@@ -13,7 +13,6 @@ Each experiment writes OUT/<name>.json, which the notebook plots with the plot_*
                  interleaved repeat by repeat, with alpha-beta fits
 A repeat's time is the slowest rank's (after a barrier); we keep the median over repeats.
 """
-import argparse
 import copy
 import math
 import os
@@ -659,17 +658,8 @@ EXPERIMENTS = ("correctness", "trace", "ring", "bandwidth")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(_common.ROOT / "runs" / "lessons" / "02_collectives"))
-    p.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma-separated subset of {EXPERIMENTS}")
-    p.add_argument("--fast", action="store_true", default=_common.FAST, help="short settings (or PICOTRON_FAST=1)")
-    p.add_argument("--no-timing", action="store_true", help="ring: check results and bytes only")
-    args = p.parse_args(argv)
-    names = args.only.split(",")
-    if any(name not in EXPERIMENTS for name in names):
-        p.error(f"--only {args.only!r}: pick a comma-separated subset of {', '.join(EXPERIMENTS)}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args, names, out = _common.cli("02_collectives", EXPERIMENTS, __doc__, argv=argv, extra=[
+        (["--no-timing"], dict(action="store_true", help="ring: check results and bytes only"))])
     mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
     try:
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=mesh.world_size, torch=torch.__version__,
@@ -678,9 +668,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             kwargs = dict(timing=not args.no_timing) if name == "ring" else {}
             result = globals()[f"exp_{name}"](mesh, args.fast, out, **kwargs)
-            if mesh.rank == 0:
-                _common.save_json(dict(env, results=result, seconds=time.perf_counter() - t0), out / f"{name}.json")
-                print(f"== {name}: {time.perf_counter() - t0:.1f} s -> {out / f'{name}.json'}", flush=True)
+            _common.saved(name, out / f"{name}.json", dict(env, results=result), t0, mesh.rank)
             dist.barrier()
     finally:
         mesh.destroy()

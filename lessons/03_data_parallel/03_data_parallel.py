@@ -34,14 +34,13 @@ MiB, N = 2**20, 2
 
 def run(only, nproc=2, *args):
     # torchrun --nproc_per_node nproc lessons/03_data_parallel/experiment.py --out OUT --only <only> ...; show its output
-    out = _common.launch("03_data_parallel/experiment.py", ["--out", OUT, "--only", only, *args], nproc=nproc, quiet=True,
-                         timeout_s=3000)  # the full settings on a busy shared machine can take long
+    out = _common.launch("03_data_parallel/experiment.py", ["--out", OUT, "--only", only, *args], nproc=nproc, quiet=True)
     print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |"))))
 
 def check(name, ok, detail):
     print(f"{'✓' if ok else '✗'} {name}: {detail}")
 
-mc = ModelConfig.from_preset("tiny", **lesson.SIZES["small"])
+mc = ModelConfig.from_preset("tiny", **_common.SIZES["small"])
 print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': {mc.num_params() / 1e6:.2f} M parameters, "
       f"{4 * mc.num_params() / MiB:.1f} MiB of fp32 gradients")
 

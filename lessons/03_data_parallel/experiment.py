@@ -22,26 +22,20 @@ import sys
 import time
 from pathlib import Path
 
-# OpenMP threads that wait for each other sleep instead of spinning: on a shared machine a spinning thread takes the
-# core its partner needs, and a 2-thread dp=1 run can become ten times slower (set before torch is imported)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
 import _common  # noqa: E402  (puts the repository root on sys.path)
-from _common import gather, run_interleaved, union_length  # noqa: E402  (run_interleaved: for benchmarks/ too)
+from _common import gather, make_cfg, run_interleaved, tokens, union_length  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from picotron import data, data_parallel, metrics, parallelize, schedule  # noqa: E402
 from picotron import train as trainer  # noqa: E402
-from picotron.config import Config  # noqa: E402
 from picotron.link import EmulatedLink  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import Llama, loss_fn  # noqa: E402
 
 # "small": the tiny preset widened (3.3 M parameters, 12.5 MiB of fp32 gradients in 39 tensors)
-SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),
-         "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
 MiB = 2**20
 BUCKET_SIZES, EMULATED_SIZES = (0, 0.25, 1, 4, 25), (0, 0.25, 0.5, 1, 2, 4, 25)  # MiB; 0: one bucket per tensor
 EMULATED = dict(micro_batch_size=8)  # 4x the tokens: backward dwarfs the real copy that runs under the emulated link
@@ -55,17 +49,6 @@ def settings(fast, mesh):
     if mesh.device.type == "cuda":
         return dict(size="medium", seq_len=512, micro_batch_size=8, steps=20 if fast else 50, warmup=3)
     return dict(size="small", seq_len=64, micro_batch_size=2, steps=ARGS.steps or (10 if fast else 40), warmup=2)
-
-
-def make_cfg(size="small", **kw):
-    return Config(**{"preset": "tiny", "sample_tokens": 0, "eval_every": 0, **SIZES[size], **kw})
-
-
-@functools.lru_cache(maxsize=1)
-def tokens():
-    """The embedded Shakespeare as byte tokens (what picotron.train reads), loaded once per process."""
-    tok = data.get_tokenizer("byte")
-    return data.TokenData(tok.encode_tensor(data.load_text("shakespeare")), tok.vocab_size)
 
 
 def grad_tensor_bytes(mc, nbytes=4):
@@ -578,17 +561,9 @@ plot_parity = functools.partial(_common.plot_parity, what="dp ranks")  # for the
 
 def main(argv=None):
     global OUT
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(OUT))
-    p.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma-separated subset of {EXPERIMENTS}")
-    p.add_argument("--fast", action="store_true", default=_common.FAST, help="short settings (or PICOTRON_FAST=1)")
-    p.add_argument("--steps", type=int, help="timed steps (rounds) per variant of the timed experiments")
-    p.add_argument("--link", help="BANDWIDTH,LATENCY (bytes/s, s) of the emulated link (default: chosen from backward)")
-    p.parse_args(argv, namespace=ARGS)
-    if any(name not in EXPERIMENTS for name in ARGS.only.split(",")):
-        p.error(f"--only {ARGS.only!r}: pick a comma-separated subset of {', '.join(EXPERIMENTS)}")
-    OUT = Path(ARGS.out)
-    OUT.mkdir(parents=True, exist_ok=True)
+    _, names, OUT = _common.cli("03_data_parallel", EXPERIMENTS, __doc__, argv=argv, namespace=ARGS, extra=[
+        (["--steps"], dict(type=int, help="timed steps (rounds) per variant of the timed experiments")),
+        (["--link"], dict(help="BANDWIDTH,LATENCY (bytes/s, s) of the emulated link (default: chosen from backward)"))])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = Mesh.init(dp=world)
     try:
@@ -598,18 +573,14 @@ def main(argv=None):
                    threads=torch.get_num_threads(), cores=os.cpu_count(), fast=ARGS.fast, size=st["size"],
                    num_params=mc.num_params(), grad_bytes=4 * mc.num_params(), grad_tensor_bytes=grad_tensor_bytes(mc),
                    seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"])
-        for name in ARGS.only.split(","):
+        for name in names:
             if world == 1 and name != "scaling":
                 print(f"== {name}: needs at least 2 processes (torchrun --nproc_per_node 2); skipped", flush=True)
                 continue
             t0 = time.perf_counter()
             result = globals()[f"exp_{name}"](mesh, ARGS.fast)
             file = OUT / (f"{name}_dp{world}.json" if name == "scaling" else f"{name}.json")
-            if mesh.rank == 0:
-                _common.save_json(dict(env, results=result, seconds=time.perf_counter() - t0), file)
-                path = os.path.relpath(file)  # short (and free of home directories) in notebooks
-                print(f"== {name}: {time.perf_counter() - t0:.1f} s -> {file if path.startswith('..') else path}",
-                      flush=True)
+            _common.saved(name, file, dict(env, results=result), t0, mesh.rank)
     finally:
         mesh.destroy()
 

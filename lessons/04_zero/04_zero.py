@@ -44,7 +44,7 @@ def run(only, nproc=2):
     out = _common.launch("04_zero/experiment.py", ["--out", OUT, "--only", only], nproc=nproc, quiet=True)
     print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |", "done: "))))
 
-mc = ModelConfig.from_preset("tiny", **lesson.SIZES["small"])
+mc = ModelConfig.from_preset("tiny", **_common.SIZES["small"])
 psi = mc.num_params()
 print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': Ψ = {psi / 1e6:.2f} M parameters, "
       f"{16 * psi / MiB:.1f} MiB of fp32 model states (16 bytes per parameter)")

@@ -12,9 +12,7 @@ OUT/<name>.json (`stages` and `parity`: OUT/<name>_dp<N>.json) from rank 0:
 Variants are built as picotron.train builds a run (`parallelize`) and step as it steps; timed variants run in one
 process group, one step of each in turn, a barrier before each; a step's time is the slowest rank's.
 """
-import argparse
 import dataclasses
-import functools
 import os
 import statistics
 import sys
@@ -23,18 +21,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
 import _common  # noqa: E402  (puts the repository root on sys.path)
-from _common import gather, run_interleaved, union_length  # noqa: E402
+from _common import gather, make_cfg, run_interleaved, tokens, union_length  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
 from picotron import data, link as link_mod, marks, metrics, planner, zero3  # noqa: E402
 from picotron import train as trainer  # noqa: E402
-from picotron.config import Config  # noqa: E402
 from picotron.mesh import Axis, Mesh  # noqa: E402
 from picotron.parallelize import build_model, parallelize  # noqa: E402
 
-SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),  # 3.3 M parameters
-         "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
 MiB = 2**20
 BUCKET_MB = 4.0  # stages 0-2: ~4 MiB buckets, so the small model (12.5 MiB of fp32 parameters) makes a few units
 STAGE_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -49,17 +44,6 @@ def settings(fast, mesh):
     return dict(size="small" if mesh.device.type == "cpu" else "medium", seq_len=64, micro_batch_size=2,
                 tl_seq_len=128, tl_micro_batch_size=8, steps=3 if fast else 20, tl_steps=5 if fast else 12,
                 warmup=1 if fast else 2, fsdp_steps=8 if fast else 60, parity_steps=10 if fast else 20)
-
-
-def make_cfg(size="small", **kw):
-    return Config(**{"preset": "tiny", "sample_tokens": 0, "eval_every": 0, **SIZES[size], **kw})
-
-
-@functools.lru_cache(maxsize=1)
-def tokens():
-    """The embedded Shakespeare as byte tokens (what picotron.train reads), loaded once per process."""
-    tok = data.get_tokenizer("byte")
-    return data.TokenData(tok.encode_tensor(data.load_text("shakespeare")), tok.vocab_size)
 
 
 class Variant:
@@ -457,27 +441,18 @@ def plot_memory_model(n_params, n, stage, recipe="ours", capacity_gb=80.0, title
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(_common.ROOT / "runs" / "lessons" / "04_zero"))
-    p.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma-separated subset of {EXPERIMENTS}")
-    p.add_argument("--fast", action="store_true", default=_common.FAST, help="short settings (or PICOTRON_FAST=1)")
-    args = p.parse_args(argv)
-    if not set(args.only.split(",")) <= set(EXPERIMENTS):
-        p.error(f"--only {args.only!r}: pick a comma-separated subset of {', '.join(EXPERIMENTS)}")
-    out, world = Path(args.out), int(os.environ.get("WORLD_SIZE", "1"))
-    out.mkdir(parents=True, exist_ok=True)
+    args, names, out = _common.cli("04_zero", EXPERIMENTS, __doc__, argv=argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     with Mesh.init(dp=world) as mesh:
         st = settings(args.fast, mesh)
-        for name in args.only.split(","):
+        for name in names:
             if (world == 1) != (name in ONE_PROCESS) and name not in ANY_WORLD:
                 print(f"== {name}: launch it with {'one process' if name in ONE_PROCESS else '2+ processes'}; skipped")
                 continue
             t0, result = time.perf_counter(), globals()[f"exp_{name}"](mesh, st, out)
             file = out / (f"{name}_dp{world}.json" if name in PER_DP else f"{name}.json")
-            if mesh.rank == 0:
-                _common.save_json(dict(settings=st, world_size=world, device=str(mesh.device), results=result), file)
-                print(f"== {name}: {time.perf_counter() - t0:.1f} s -> {os.path.relpath(file, _common.ROOT)}",
-                      flush=True)
+            _common.saved(name, file, dict(settings=st, world_size=world, device=str(mesh.device), results=result), t0,
+                          mesh.rank)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def run(only, nproc=2, dp=1):
 def check(name, ok, detail):
     print(f"{'✓' if ok else '✗'} {name}: {detail}")
 
-mc = ModelConfig.from_preset("tiny", **lesson.SIZES["small"])
+mc = ModelConfig.from_preset("tiny", **_common.SIZES["small"])
 st = lesson.settings(FAST)  # this machine's settings (the experiments pick the GPU ones on a GPU)
 print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': {mc.num_params() / 1e6:.2f} M parameters, "
       f"h={mc.hidden_size}, {mc.num_attention_heads} heads, {mc.num_key_value_heads} KV heads, {mc.num_hidden_layers} layers; "

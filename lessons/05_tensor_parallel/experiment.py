@@ -12,7 +12,6 @@ DTensor (benchmarks/tp_vs_dtensor.py); parity: picotron.train at tp = world size
 dp x tp grid with ZeRO-1 (its groups, the rows each rank reads, the losses). Timed variants share one process
 group, one step of each in turn; a step takes as long as its slowest rank.
 """
-import argparse
 from collections import Counter
 import os
 import statistics
@@ -23,10 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
 import _common  # noqa: E402  (puts the repository root on sys.path)
-# OpenMP threads that spin while they wait collapse when other programs share the cores (a single process with two
-# threads ran 2-3x slower on a busy 2-core machine); waiting passively costs little on an idle one. Set before torch.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-from _common import gather, run_interleaved  # noqa: E402
+from _common import SIZES, gather, make_cfg, run_interleaved  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -37,9 +33,8 @@ from picotron.model import Llama, ModelConfig  # noqa: E402
 from picotron.parallelize import parallelize  # noqa: E402
 from picotron.train import load_data, train  # noqa: E402
 
-# "small": the tiny preset widened (3.3 M parameters), as in lessons 03 and 04: 8 heads, 4 KV heads, so tp = 1, 2, 4.
-SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),
-         "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
+# SIZES["small"]: the tiny preset widened (3.3 M parameters), as in lessons 03 and 04: 8 heads, 4 KV heads, so tp = 1,
+# 2, 4.
 MiB = 2**20
 OPS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
        "broadcast": "broadcast"}  # metrics.Recorder's kinds of collective, as the lesson prints them
@@ -61,10 +56,6 @@ def settings(fast, device_type="cpu"):
                     dtensor_steps=20 if fast else 100, parity_steps=10 if fast else 20, parity_seq_len=128)
     return dict(size="small", seq_len=128, micro_batch_size=4, steps=3 if fast else 30, warmup=1 if fast else 3,
                 dtensor_steps=4 if fast else 60, parity_steps=10 if fast else 20, parity_seq_len=64)
-
-
-def make_cfg(size="small", **kw):
-    return Config(**{"preset": "tiny", "sample_tokens": 0, "eval_every": 0, **SIZES[size], **kw})
 
 
 # ------------------------------------------------------------------- shard shapes, without processes
@@ -807,17 +798,11 @@ def plot_puzzle(mc=None, budgets=PUZZLE["budgets_mib"]):
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(_common.ROOT / "runs" / "lessons" / "05_tensor_parallel"))
-    p.add_argument("--only", default=",".join(EXPERIMENTS[:-1]), help=f"comma-separated subset of {EXPERIMENTS}")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree (grid only); tp = world size / dp")
-    p.add_argument("--fast", action="store_true", default=_common.FAST, help="short settings (or PICOTRON_FAST=1)")
-    args = p.parse_args(argv)
-    names = args.only.split(",")
-    if any(name not in EXPERIMENTS for name in names) or (args.dp > 1 and names != ["grid"]):
-        p.error(f"--only {args.only!r}: pick a comma-separated subset of {', '.join(EXPERIMENTS)} (with --dp: grid)")
-    out, world = Path(args.out), int(os.environ.get("WORLD_SIZE", "1"))
-    out.mkdir(parents=True, exist_ok=True)
+    args, names, out = _common.cli("05_tensor_parallel", EXPERIMENTS, __doc__, EXPERIMENTS[:-1], argv, extra=[
+        (["--dp"], dict(type=int, default=1, help="data-parallel degree (grid only); tp = world size / dp"))])
+    if args.dp > 1 and names != ["grid"]:
+        sys.exit(f"--dp {args.dp} with --only {args.only}: only the grid experiment has a dp axis; run --only grid")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = Mesh.init(dp=args.dp, tp=world // args.dp)
     try:
         st = settings(args.fast, mesh.device.type)
@@ -830,11 +815,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             result = globals()[f"exp_{name}"](mesh, st, out)
             file = out / f"{name}{f'_dp{args.dp}' if args.dp > 1 else ''}_tp{mesh.tp.size}.json"
-            if mesh.rank == 0:
-                _common.save_json(dict(env, results=result, seconds=time.perf_counter() - t0), file)
-                path = os.path.relpath(file)  # short (and free of home directories) in notebooks
-                print(f"== {name}: {time.perf_counter() - t0:.1f} s -> {file if path.startswith('..') else path}",
-                      flush=True)
+            _common.saved(name, file, dict(env, results=result), t0, mesh.rank)
     finally:
         mesh.destroy()
 
