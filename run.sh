@@ -87,7 +87,7 @@ case "$cmd" in
   setup)   setup ;;
   test)    shift; setup; exec "$PY" -m pytest -q "$@" ;;
   lessons) setup; exec "$PY" -m jupyter notebook --notebook-dir lessons ;;
-  figures) setup; exec "$PY" figures/make.py ;;
+  figures) shift; setup; exec "$PY" figures/make.py "$@" ;;
   python)  shift; setup; exec "$PY" "$@" ;;
   train)   [ $# -gt 0 ] && shift; train "$@" ;;
   -*)      train "$@" ;;
