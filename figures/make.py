@@ -11,6 +11,7 @@ import base64
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import matplotlib
@@ -55,7 +56,7 @@ def lesson(folder, fast, run=True):
     import _notebook
     import nbformat
 
-    nb_path = folder / f"{folder.name}.ipynb"
+    nb_path, t0 = folder / f"{folder.name}.ipynb", time.perf_counter()
     if run:
         _notebook.build(folder / f"{folder.name}.py", nb_path)
         failed, passed, errors = _notebook.execute(nb_path, fast)
@@ -69,7 +70,8 @@ def lesson(folder, fast, run=True):
             if "image/png" in o.get("data", {})]
     for k, png in enumerate(pngs, 1):
         (HERE / f"{number}_{k}.png").write_bytes(base64.b64decode(png))
-    print(f"lesson {folder.name}: {passed} checks hold, {len(failed)} fail, {len(errors)} errors; "
+    print(f"lesson {folder.name} ({time.perf_counter() - t0:.0f} s): {passed} checks hold, {len(failed)} fail, "
+          f"{len(errors)} errors; "
           f"wrote figures/{number}_1..{len(pngs)}.png", flush=True)
     for line in failed + errors:
         print("   ", line)

@@ -110,7 +110,10 @@ def launch(script, args=(), nproc=1, timeout_s=3600, quiet=False):
     from picotron.launch import run_torchrun
 
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    result = run_torchrun(ROOT / "lessons" / script, nproc, [str(a) for a in args], timeout_s=timeout_s,
+    # paths inside the repository go relative to it (the cwd of the run), so printed paths stay short and free of
+    # home directories in a notebook's outputs
+    args = [str(a.relative_to(ROOT)) if isinstance(a, Path) and ROOT in a.parents else str(a) for a in args]
+    result = run_torchrun(ROOT / "lessons" / script, nproc, args, timeout_s=timeout_s,
                           env={"OMP_NUM_THREADS": str(threads)}, cwd=ROOT)
     if not quiet:
         print(result.stdout.rstrip())
