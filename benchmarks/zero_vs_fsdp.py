@@ -17,7 +17,6 @@ every millisecond, each variant alone in fresh processes, `--memory`).
 """
 import argparse
 import dataclasses
-import functools
 import os
 import statistics
 import sys
@@ -26,7 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "lessons"))
+from _common import SIZES, make_cfg, tokens  # noqa: E402,F401  (the lessons' models and corpus; puts ROOT on sys.path)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -37,21 +37,6 @@ from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import loss_fn  # noqa: E402
 from picotron.parallelize import autocast_for, build_model, build_optimizer, parallelize  # noqa: E402
-
-SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),
-         "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6)}
-
-
-def make_cfg(size="small", **kw):
-    return Config(**{"preset": "tiny", "sample_tokens": 0, "eval_every": 0, **SIZES[size], **kw})
-
-
-@functools.lru_cache(maxsize=1)
-def tokens():
-    """The embedded corpus as byte tokens, loaded once per process (before any memory baseline)."""
-    tok = data.get_tokenizer("byte")
-    return data.TokenData(tok.encode_tensor(data.load_text("shakespeare")), tok.vocab_size)
-
 
 class FSDP2(data_parallel.GradSync):
     """torch's FSDP2 behind our gradient-sync protocol (as data_parallel.TorchDDP is torch's DDP): `fully_shard` on

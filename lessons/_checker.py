@@ -67,6 +67,20 @@ def check_all(names, path, exercises, check_one, prefix):
     return report.failed == 0
 
 
+def attempt(launch, report, what, path, timeout_s):
+    """One multi-rank run: launch()'s results, or None once a hang (with the waiting ranks' lines) or a rank's
+    exception has been reported as the failure of `what`."""
+    from picotron.launch import RankError, RankTimeout
+
+    try:
+        return launch()
+    except RankTimeout as e:
+        report.fail(what, hang_message(e, path, timeout_s))
+    except RankError as e:
+        report.fail(what, failure_message(e))
+    return None
+
+
 def on_ranks(what, world_sizes, launch, judge, report, path, timeout_s):
     """The loop every multi-rank exercise shares: for each n in world_sizes, results = launch(n) (run_on_ranks);
     a hang is reported with the waiting ranks' lines and ends the exercise (it would hang again), an exception is

@@ -17,9 +17,9 @@ import argparse
 import functools
 import importlib.util
 import json
-import time
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -84,9 +84,9 @@ def build(src, dst):
     return nb
 
 
-def execute(path, fast, out=None, timeout_s=6000, cwd=None):
-    """Run the notebook at `path` top to bottom in `cwd` (default: its folder; PICOTRON_FAST=1 if fast); write the
-    executed notebook to `out` (default: in place). Returns (failed ✓/✗ lines, passed count, error outputs)."""
+def execute(path, fast, timeout_s=6000, cwd=None):
+    """Run the notebook at `path` top to bottom in `cwd` (default: its folder; PICOTRON_FAST=1 if fast) and save
+    it with its outputs. Returns (failed ✓/✗ lines, passed count, error outputs)."""
     import nbclient
     import nbformat
 
@@ -98,7 +98,7 @@ def execute(path, fast, out=None, timeout_s=6000, cwd=None):
         client.execute()
     except nbclient.exceptions.CellExecutionError:
         pass  # the error is in the cell's outputs, reported below
-    nbformat.write(nb, out or path)
+    nbformat.write(nb, path)
     return results(nb)
 
 

@@ -31,11 +31,10 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import pic
 
 import torch  # noqa: E402
 
-from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
+from picotron.launch import run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import (_Failure, entry_points, failure_message, hang_message, load, on_ranks,  # noqa: E402
-                      rendezvous, where)
+from _checker import _Failure, attempt, entry_points, load, on_ranks, rendezvous, where  # noqa: E402
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
@@ -474,14 +473,11 @@ def check_bucket_size(path, report, timeout_s):
     report.ok(what, ": right exposed times on 5 cases, the best bucket size on 3 links (the lesson's overlap model)")
     what = "best_bucket_mb, measured on an emulated link"
     timeout_s = max(timeout_s, REAL_RUN_TIMEOUT_S)
-    try:
-        res = run_on_ranks(_on_rank, 2, str(path), "bucket_size", str(SOLUTIONS), timeout_s=timeout_s)[0]
-    except RankTimeout as e:
-        report.fail(what, hang_message(e, path, timeout_s))
+    results = attempt(lambda: run_on_ranks(_on_rank, 2, str(path), "bucket_size", str(SOLUTIONS),
+                                           timeout_s=timeout_s), report, what, path, timeout_s)
+    if results is None:
         return
-    except RankError as e:
-        report.fail(what, failure_message(e))
-        return
+    res = results[0]
     lesson, (bandwidth, latency) = _lesson(), res["link"]
     link = f"emulated link: {bandwidth / 1e6:g} MB/s, {1e3 * latency:g} ms latency, sized from a backward of " \
            f"{1e3 * res['backward']:.0f} ms"

@@ -38,11 +38,10 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import pic
 import torch  # noqa: E402
 
 from picotron import metrics  # noqa: E402
-from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
+from picotron.launch import run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import (_Failure, entry_points, failure_message, hang_message, load, on_ranks,  # noqa: E402
-                      rendezvous, where)
+from _checker import _Failure, attempt, entry_points, load, on_ranks, rendezvous, where  # noqa: E402
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
@@ -684,13 +683,9 @@ def check_plan(path, report, timeout_s):
     if any(p and p.startswith(f"plan({b}) returned") for b, p in zip(PUZZLE_BUDGETS, problems)):
         report.fail(what, next(p for p in problems if p))
         return
-    try:
-        measured = run_on_ranks(_on_rank, f["dp"], str(path), "plan", str(SOLUTIONS), timeout_s=timeout_s)
-    except RankTimeout as e:
-        report.fail(what, hang_message(e, path, timeout_s))
-        return
-    except RankError as e:
-        report.fail(what, failure_message(e))
+    measured = attempt(lambda: run_on_ranks(_on_rank, f["dp"], str(path), "plan", str(SOLUTIONS),
+                                            timeout_s=timeout_s), report, what, path, timeout_s)
+    if measured is None:
         return
     lines, failures = [], []
     for b, problem in zip(PUZZLE_BUDGETS, problems):
