@@ -162,15 +162,16 @@ class DataParallel(_Replicated):
             p.register_post_accumulate_grad_hook(self._hook)
 
     def _hook(self, p):
+        if not self.sync:  # under no_sync the gradients only add up; only a synced backward counts arrivals
+            return
         bucket = self.bucket_of[p]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):  # the last gradient of this bucket just arrived
             bucket.ready = 0
-            if self.sync:
-                bucket.buffer.div_(self.axis.size)
-                mib = bucket.buffer.numel() * bucket.buffer.element_size() / 2**20
-                bucket.work = self.axis.all_reduce(bucket.buffer, async_op=True, label=f"all-reduce bucket {bucket.index}",
-                                                   bucket=bucket.index, mib=mib)
+            bucket.buffer.div_(self.axis.size)
+            mib = bucket.buffer.numel() * bucket.buffer.element_size() / 2**20
+            bucket.work = self.axis.all_reduce(bucket.buffer, async_op=True, label=f"all-reduce bucket {bucket.index}",
+                                               bucket=bucket.index, mib=mib)
 
     def forward(self, *args, **kwargs):
         # A new forward while buckets are still being sent would let the next backward add into buffers in

@@ -2,7 +2,8 @@
 
 A strategy that cuts a parameter into pieces marks it: tensor parallelism marks its slices ("tp",), ZeRO
 marks the optimizer's pieces with the dimensions of its axis ("dp", "cp") on top of the parameter's own,
-pipeline and expert parallelism will mark theirs ("pp", "ep"). An unmarked parameter is replicated: the same
+pipeline parallelism marks every parameter of a stage ("pp",) (and the last stage's copy of a tied embedding
+as a copy, counted once), expert parallelism will mark its experts ("ep"). An unmarked parameter is replicated: the same
 values (and, after the gradient sync, the same gradient) on every rank of the dimensions it is not sharded
 over. Code that must see every element exactly once (the global gradient norm, a parameter count) reads the
 marks instead of asking which strategies are on.
@@ -32,7 +33,10 @@ def sharded_over(p):
 
 
 def counted_here(p, mesh):
-    """True on exactly one rank of each group holding the same values of `p` (coordinate 0 where replicated)."""
+    """True on exactly one rank of each group holding the same values of `p` (coordinate 0 where replicated).
+    A pipeline's second copy of a tied embedding (`p.is_copy`) is never counted: stage 0 counts it."""
+    if getattr(p, "is_copy", False):
+        return False
     return all(mesh.coords[d] == 0 for d in GRID if d not in sharded_over(p))
 
 

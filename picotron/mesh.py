@@ -229,11 +229,11 @@ class Mesh:
 
     Attributes: rank, world_size, local_rank, device, backend, sizes, coords, and the axes
     `dp`, `pp`, `cp`, `tp`, `dp_cp` (dp x cp together: gradients of replicated parameters are averaged over
-    it) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
+    it), `pp_ends` (the first and last pipeline stage, which share tied embeddings) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
     pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage.
     """
 
-    AXES = ("dp", "pp", "cp", "tp", "dp_cp", "world")
+    AXES = ("dp", "pp", "cp", "tp", "dp_cp", "pp_ends", "world")
 
     def __init__(self, rank, world_size, sizes, device, backend, groups, local_rank=0, owns_world=False,
                  collectives="torch"):
@@ -244,7 +244,8 @@ class Mesh:
         self.comm = Comm(collective_ops(collectives))  # shared by every axis of this mesh
         self._created, self._owns_world = [], owns_world
         for name, (ranks, group, created) in groups.items():
-            dims = ORDER if name == "world" else ("dp", "cp") if name == "dp_cp" else (name,)
+            dims = ORDER if name == "world" else ("dp", "cp") if name == "dp_cp" else ("pp",) if name == "pp_ends" \
+                else (name,)
             setattr(self, name, Axis(name, ranks, group, ranks.index(rank), dims, self.comm))
             if created:
                 self._created.append(group)
@@ -311,6 +312,11 @@ class Mesh:
                     group, created = dist.new_group(ranks, timeout=timeout), True
                 if rank in ranks:
                     groups[name] = (ranks, group, created)
+        for ranks in group_ranks(sizes, "pp"):  # the first and last stage: tied embeddings sync between them
+            ends = sorted({ranks[0], ranks[-1]})
+            group, created = (dist.new_group(ends, timeout=timeout), True) if len(ends) > 1 else (None, False)
+            if rank in ranks:
+                groups["pp_ends"] = (ends, group, created) if rank in ends else ([rank], None, False)
         groups["world"] = (list(range(world_size)), dist.group.WORLD, False)
         return cls(rank, world_size, sizes, dev, backend, groups, local_rank, owns_world, collectives)
 

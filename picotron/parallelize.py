@@ -6,14 +6,15 @@ builds this rank's part of the model and everything a training step needs:
 
     1. the model on the meta device (shapes only: no memory, no init cost);
     2. tensor parallelism swaps linears, embedding and norms for sharded ones (mesh.tp; nothing at tp = 1);
-       (context parallelism will swap the attention core, expert parallelism the MLP, and pipeline
-       parallelism keep this stage's layers here, in that order: see the slots below);
+       (context parallelism will swap the attention core, expert parallelism the MLP: see the slots below);
+       pipeline parallelism keeps this rank's stages (chunks) of the layers, names unchanged;
     3. materialise on the device and initialise: every value depends on the seed and the parameter's name
        only, so every layout starts from the same weights, each rank holding its slices;
     4. activation recomputation;
     5. wrap for gradient synchronisation over mesh.dp_cp: data parallelism, ZeRO-1/2, ZeRO-3, or `Local`
        when there is one replica;
-    6. the optimizer (ZeRO-1/2: a sharded one whose step all-gathers the updated chunks), the step schedule,
+    6. the optimizer (ZeRO-1/2: a sharded one whose step all-gathers the updated chunks), the step schedule
+       (gradient accumulation, or with pp > 1 the pipeline schedule run by `pipeline_parallel.Pipeline`),
        the loss (vocab-parallel under tp), what a checkpoint saves, and the model that generates text.
 
 `train.py` uses only what this returns, so adding a strategy means adding it here (and its own module), not
@@ -25,7 +26,7 @@ from functools import partial
 
 import torch
 
-from picotron import data_parallel, schedule, tensor_parallel, zero, zero3
+from picotron import data_parallel, pipeline_parallel, schedule, tensor_parallel, zero, zero3
 from picotron.model import Llama, loss_fn
 
 
@@ -47,15 +48,38 @@ class Parallelized:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
 
-def build_model(cfg, mesh):
-    """Steps 1-4: this rank's shards of the model, initialised, on mesh.device (not yet wrapped)."""
-    with torch.device("meta"):
-        model = Llama(cfg.model_config())
-    tensor_parallel.apply(model, mesh.tp, sp=cfg.sp)  # a no-op when tp = 1
-    # slots, in this order: context_parallel.apply (attention core), expert_parallel.apply (MLP),
-    # pipeline_parallel.keep_stage (this stage's layers; names and hence init unchanged)
+def pipeline_schedule(cfg, pp_size=None):
+    """The pipeline schedule of this run (micro-batches = grad_acc), or None with one stage."""
+    pp_size = cfg.pp if pp_size is None else pp_size
+    if pp_size == 1:
+        return None
+    return pipeline_parallel.build(cfg.pp_schedule, pp_size, cfg.grad_acc,
+                                   pipeline_parallel.chunks_of(cfg.pp_schedule, cfg.pp_chunks))
+
+
+def build_model(cfg, mesh, store=None):
+    """Steps 1-4: this rank's shards of the model, initialised, on mesh.device (not yet wrapped): a Llama,
+    or with pp > 1 a PipelineStage holding this rank's chunks. `store`: a split schedule's WeightGradStore."""
+    mc = cfg.model_config()
+
+    def whole():
+        with torch.device("meta"):
+            model = Llama(mc)
+        tensor_parallel.apply(model, mesh.tp, sp=cfg.sp)  # a no-op when tp = 1
+        # slots, in this order: context_parallel.apply (attention core), expert_parallel.apply (MLP)
+        return model
+
+    plan = pipeline_schedule(cfg, mesh.pp.size)
+    if plan is None:
+        model = whole()
+    else:  # this stage's layers (names, hence init, unchanged)
+        model = pipeline_parallel.keep_stage(whole, plan, mesh.pp.rank, mc, cfg.seq_len)
     model.to_empty(device=mesh.device)
+    if plan is not None:
+        pipeline_parallel.mark_stage(model, plan, mesh.pp)
     model.init_weights(cfg.seed)
+    if store is not None:
+        pipeline_parallel.defer_weight_grads(model, store)
     model.recompute = cfg.recompute
     return model
 
@@ -91,19 +115,28 @@ def parallelize(cfg, mesh, recorder=None):
     loss_axis = mesh.dp_cp
     if recorder is not None:
         mesh = mesh.recorded(recorder)
-    raw = build_model(cfg, mesh)
+    plan = pipeline_schedule(cfg, mesh.pp.size)
+    store = pipeline_parallel.WeightGradStore() if plan is not None and plan.split else None
+    raw = build_model(cfg, mesh, store)
     model = wrap_for_sync(raw, cfg, mesh.dp_cp)
     optimizer = build_optimizer(model.optimizer_groups(), cfg, mesh.device)
     if cfg.zero in (1, 2):  # the step updates this rank's chunk, then all-gathers every chunk
         optimizer = zero.ShardedOptimizer(optimizer, model)
     tp = mesh.tp.size > 1
+    autocast = autocast_for(cfg, mesh.device)
+    if plan is None:
+        steps = schedule.OneStage(loss_axis, mesh.device, autocast)
+        sampler = tensor_parallel.FullVocabLogits(raw, mesh.tp, sp=cfg.sp) if tp else raw
+    else:  # the step engine runs the pipeline schedule; text and evaluation go through the stages too
+        steps = pipeline_parallel.Pipeline(plan, mesh, raw.config.hidden_size, seq_div=mesh.tp.size if cfg.sp else 1,
+                                           ends=mesh.pp_ends, autocast=autocast, store=store)
+        sampler = pipeline_parallel.PipelineSampler(
+            raw, steps, head=partial(tensor_parallel.gather_vocab, axis=mesh.tp) if tp else None)
     return Parallelized(
-        model=model, raw=raw, optimizer=optimizer,
-        schedule=schedule.OneStage(loss_axis, mesh.device, autocast_for(cfg, mesh.device)),
+        model=model, raw=raw, optimizer=optimizer, schedule=steps,
         loss_fn=partial(tensor_parallel.loss_fn, axis=mesh.tp) if tp else loss_fn,  # tp: vocab-parallel
         checkpoint=model if cfg.zero else raw,  # ZeRO: each rank saves its shards; else the (tp-sharded) model
-        sampler=tensor_parallel.FullVocabLogits(raw, mesh.tp, sp=cfg.sp) if tp else raw,
-        description=describe(cfg, mesh))
+        sampler=sampler, description=describe(cfg, mesh))
 
 
 def describe(cfg, mesh):
@@ -116,9 +149,13 @@ def describe(cfg, mesh):
                                                           else ")"))
     if mesh.tp.size > 1:
         parts.append(f"tensor parallel tp={mesh.tp.size}" + (" + sequence parallel" if cfg.sp else ""))
+    if mesh.pp.size > 1:
+        v = pipeline_parallel.chunks_of(cfg.pp_schedule, cfg.pp_chunks)
+        parts.append(f"pipeline pp={mesh.pp.size} ({cfg.pp_schedule}, {cfg.grad_acc} micro-batches"
+                     + (f", {v} chunks per rank)" if v > 1 else ")"))
     if cfg.collectives == "ours":
         parts.append("collectives from send/recv (lesson 02)")
     return " | ".join(parts) or "one process"
 
 
-STRATEGIES = (data_parallel, zero, tensor_parallel)  # each exports check(cfg, model_config); config calls them
+STRATEGIES = (data_parallel, zero, tensor_parallel, pipeline_parallel)  # each exports check(cfg, model_config); config calls them

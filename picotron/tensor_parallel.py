@@ -151,7 +151,10 @@ def leave_tp(y, axis, sp=False):
 
 # ------------------------------------------------------------------------------------------------- layers
 class _Sharded(nn.Module):
-    """Holds `weight`: this rank's slice, along dimension `dim`, of a matrix of shape `full_shape`."""
+    """Holds `weight`: this rank's slice, along dimension `dim`, of a matrix of shape `full_shape`. The linear
+    layers multiply through `matmul` (F.linear; a split pipeline schedule routes it to defer the weight
+    gradient)."""
+    matmul = staticmethod(F.linear)
 
     def __init__(self, full_shape, dim, axis, device=None, dtype=None):
         super().__init__()
@@ -192,7 +195,7 @@ class ColumnParallelLinear(_Sharded):
     def forward(self, x):
         if self.enter:
             x = enter_tp(x, self.axis, self.sp)
-        return F.linear(x, self.weight)
+        return self.matmul(x, self.weight)
 
 
 class RowParallelLinear(_Sharded):
@@ -204,7 +207,7 @@ class RowParallelLinear(_Sharded):
         self.sp = sp
 
     def forward(self, x):
-        return leave_tp(F.linear(x, self.weight), self.axis, self.sp)
+        return leave_tp(self.matmul(x, self.weight), self.axis, self.sp)
 
 
 class VocabParallelEmbedding(_Sharded):
@@ -284,10 +287,15 @@ class FullVocabLogits(nn.Module):
         s, n = ids.shape[1], self.axis.size
         if self.sp and s % n:
             ids = F.pad(ids, (0, n - s % n))
-        logits = self.model(ids)[:, :s].contiguous()
-        parts = logits.new_empty((n * logits.shape[0],) + logits.shape[1:])  # ranks' [b, s, v/n] stacked along b
-        self.axis.all_gather_into(parts, logits)
-        return torch.cat(parts.chunk(n), dim=-1)
+        return gather_vocab(self.model(ids)[:, :s], self.axis)
+
+
+def gather_vocab(logits, axis):
+    """[b, s, v/n] on each tp rank -> [b, s, v], the ranks' vocabulary slices side by side."""
+    logits, n = logits.contiguous(), axis.size
+    parts = logits.new_empty((n * logits.shape[0],) + logits.shape[1:])  # ranks' [b, s, v/n] stacked along b
+    axis.all_gather_into(parts, logits)
+    return torch.cat(parts.chunk(n), dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------- apply

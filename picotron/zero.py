@@ -248,6 +248,8 @@ class ZeroDataParallel(ShardedGradSync):
             self.unit_of[p] = unit
 
     def _grad_ready(self, p):
+        if self.stage == 1 and not self.sync:  # stage 1 under no_sync: gradients add up, nothing counted
+            return
         unit = self.unit_of[p]
         unit.ready += 1
         if unit.ready < len(unit.params):
