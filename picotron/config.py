@@ -114,6 +114,7 @@ class Config:
     num_key_value_heads: Optional[int] = None
     max_position_embeddings: Optional[int] = None
     attn_impl: Optional[str] = None
+    tie_word_embeddings: Optional[bool] = None
 
     @property
     def world_size(self):
@@ -135,7 +136,8 @@ class Config:
 
         if self.preset not in PRESETS:
             raise ConfigError(f"preset={self.preset!r} is not a known model; pick one of {', '.join(PRESETS)}.")
-        overrides = {k: getattr(self, k) for k in MODEL_FIELDS + ("attn_impl",) if getattr(self, k) is not None}
+        overrides = {k: getattr(self, k) for k in MODEL_FIELDS + ("attn_impl", "tie_word_embeddings")
+                     if getattr(self, k) is not None}
         return dataclasses.replace(ModelConfig.from_preset(self.preset), **overrides)
 
     def to_dict(self):
@@ -208,6 +210,8 @@ HELP = {  # what `--help` says of each setting (allowed values are added from th
     "timeout_s": "seconds any collective may wait before the job stops with an error (a dead rank cannot hang it)",
     "sample_tokens": "length of the text sample printed at the end (0 = none)",
     "attn_impl": "attention kernel: sdpa (torch's fused attention) or eager (the written-out softmax)",
+    "tie_word_embeddings": "the LM head shares the embedding matrix (with --pp: two copies on the first and last "
+                           "stage, their gradients summed)",
 }
 CHOICES = {"dtype": DTYPES, "recompute": RECOMPUTE, "dp_impl": DP_IMPLS, "zero": ZERO_STAGES,
            "pp_schedule": PP_SCHEDULES, "device": DEVICES, "attn_impl": ("sdpa", "eager"),

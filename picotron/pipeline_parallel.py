@@ -344,7 +344,8 @@ class WeightGradStore:
     """Split schedules (ZB-H1, ZB-V): during B, every linear layer computes only the gradient of its input and
     stashes (input, output gradient); W later turns them into weight gradients, dW = gᵀx, accumulated by
     autograd (so the gradient-sync hooks fire as for any gradient). Norm and embedding weights, cheap, get
-    theirs in B."""
+    theirs in B. The weight enters the B graph detached: autograd must not even visit its accumulator there
+    (its post-accumulate hooks, which data parallelism counts, fire even for a None gradient)."""
 
     def __init__(self):
         self.deferring = False
@@ -352,34 +353,43 @@ class WeightGradStore:
         self.queues = defaultdict(list)  # (mb, chunk) -> stashed items, waiting for their W
 
     def linear(self, x, weight):
-        return _DeferredLinear.apply(x, weight, self)
+        return _DeferredLinear.apply(x, weight.detach(), (weight,), self)
 
     def collect(self, key):
         self.queues[key], self.stash = self.stash, []
 
     def flush(self, key):
         """Compute and accumulate the weight gradients of (mb, chunk)'s B."""
-        items = self.queues.pop(key, [])
-        if items:
+        _accumulate(self.queues.pop(key, []))
+
+
+def _accumulate(items):
+    """Weight gradients gᵀx of stashed (weight, x, g), accumulated into .grad by autograd (hooks fire)."""
+    if items:
+        with torch.enable_grad():
             dummies = [_WeightGrad.apply(w, x, g) for w, x, g in items]
-            torch.autograd.backward(dummies, [torch.ones((), device=d.device) for d in dummies])
+        torch.autograd.backward(dummies, [torch.ones((), device=d.device) for d in dummies])
 
 
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, store):
+    def forward(ctx, x, detached, boxed, store):
         ctx.save_for_backward(x)
-        ctx.weight, ctx.store = weight, store  # the Parameter itself: a saved copy would accumulate elsewhere
-        return F.linear(x, weight)
+        # the Parameter itself, inside a tuple so that autograd draws no edge to it (a saved copy of it would
+        # also accumulate elsewhere)
+        (ctx.weight,), ctx.store = boxed, store
+        return F.linear(x, detached)
 
     @staticmethod
     def backward(ctx, grad_out):
         (x,), weight = ctx.saved_tensors, ctx.weight
         grad_x = grad_out @ weight.to(grad_out.dtype)
+        item = (weight, x.detach(), grad_out.detach())
         if ctx.store.deferring:
-            ctx.store.stash.append((weight, x.detach(), grad_out.detach()))
-            return grad_x, None, None
-        return grad_x, _weight_grad(x, grad_out, weight), None
+            ctx.store.stash.append(item)
+        else:  # a backward outside a split schedule: the weight gradient now
+            _accumulate([item])
+        return grad_x, None, None, None
 
 
 def _weight_grad(x, grad_out, weight):

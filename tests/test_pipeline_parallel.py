@@ -6,13 +6,11 @@ The schedules themselves are checked by the simulator in test_pipeline_schedules
 import pytest
 import torch
 
-from picotron import pipeline_parallel as pp_mod
 from picotron import train as train_mod
 from picotron.config import Config, ConfigError, validate
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
-from picotron.model import ModelConfig
 from picotron.parallelize import parallelize
 from picotron.tensor_parallel import gather_from_tp
 from picotron.train import train
@@ -39,7 +37,11 @@ def _child(layout, out):
         _, loader = train_mod.load_data(cfg, mesh)
         run = parallelize(cfg, mesh)
         run.schedule.run(run.model, loader.micro_batches(1), run.loss_fn)
-        grads = _grads(run, mesh) if mesh.dp.rank == 0 and mesh.tp.rank == 0 else {}
+        if cfg.zero == 1:  # each rank holds the mean gradient of its shard only: all-gather the shards
+            for unit in run.model.units:
+                mesh.dp_cp.all_gather_into(unit.grad_full, unit.grad_full[unit.lo:unit.hi].clone())
+        grads = _grads(run, mesh)  # every tp rank takes part in the gathers
+        grads = grads if mesh.dp.rank == 0 and mesh.tp.rank == 0 else {}
         mesh.world.all_reduce(torch.zeros(1))  # everyone done with the first step before training anew
     cfg2 = Config(out=out, **{**SMALL, **layout})
     with Mesh.init(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp) as mesh:
@@ -50,19 +52,15 @@ def _child(layout, out):
 
 def _reference(layout, out):
     """The single process on the same global batch: dp x grad_acc micro-batches of the same size."""
-    ref = {**SMALL, "grad_acc": layout.get("grad_acc", 1) * layout.get("dp", 1),
-           **{k: v for k, v in layout.items() if k in ("recompute", "tie", "num_hidden_layers")}}
-    return run_on_ranks(_child, 1, {k: v for k, v in ref.items() if k in Config.__dataclass_fields__}, out,
-                        timeout_s=120)[0]
+    ref = {"grad_acc": layout.get("grad_acc", 1) * layout.get("dp", 1),
+           **{k: v for k, v in layout.items() if k in ("recompute", "tie_word_embeddings", "num_hidden_layers")}}
+    return run_on_ranks(_child, 1, ref, out, timeout_s=120)[0]
 
 
 def _check(tmp_path, layout, ref_layout=None):
     world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
     results = run_on_ranks(_child, world, layout, str(tmp_path / "pp"), timeout_s=240)
     ref_grads, ref_records, _ = _reference(ref_layout or layout, str(tmp_path / "ref"))
-    records = results[0][1]
-    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_records], rel=1e-5)
-    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in ref_records], rel=1e-5)
     seen = set()
     for grads, _, _ in results:
         for name, g in grads.items():
@@ -70,6 +68,9 @@ def _check(tmp_path, layout, ref_layout=None):
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{layout}: {name}: {m}")
             seen.add(name)
     assert seen >= set(ref_grads), f"parameters no stage holds: {sorted(set(ref_grads) - seen)}"
+    records = results[0][1]
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_records], rel=1e-5)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in ref_records], rel=1e-5)
 
 
 SCHEDULES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1)]
@@ -78,3 +79,87 @@ SCHEDULES = [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v"
 @pytest.mark.parametrize("schedule,chunks", SCHEDULES)
 def test_every_schedule_matches_one_process_at_pp2(tmp_path, schedule, chunks):
     _check(tmp_path, dict(pp=2, pp_schedule=schedule, pp_chunks=chunks, grad_acc=4))
+
+
+L8 = dict(num_hidden_layers=8)  # pp = 4 with two chunks per rank needs 8 stages
+
+
+@pytest.mark.parametrize("schedule,chunks", SCHEDULES)
+def test_every_schedule_matches_one_process_at_pp4(tmp_path, schedule, chunks):
+    _check(tmp_path, dict(pp=4, pp_schedule=schedule, pp_chunks=chunks, grad_acc=8, **L8))
+
+
+@pytest.mark.parametrize("schedule,chunks,pp", [("1f1b", 1, 2), ("zb-v", 1, 2), ("interleaved", 2, 4), ("afab", 1, 4)])
+def test_tied_embeddings_across_stages(tmp_path, schedule, chunks, pp):
+    """The first stage's embedding and the last stage's head are two copies of one matrix: their gradients
+    are summed (an all-reduce between the two ranks; in memory on zb-v's rank 0, which holds both ends),
+    and the gradient equals the single process's tied gradient."""
+    _check(tmp_path, dict(pp=pp, pp_schedule=schedule, pp_chunks=chunks, grad_acc=pp * 2, tie_word_embeddings=True,
+                          **(L8 if pp == 4 else {})))
+
+
+@pytest.mark.parametrize("schedule,recompute", [("1f1b", "full"), ("zb-h1", "full"), ("zb-v", "selective"),
+                                                ("interleaved", "selective")])
+def test_schedules_with_recompute(tmp_path, schedule, recompute):
+    _check(tmp_path, dict(pp=2, pp_schedule=schedule, pp_chunks=2 if schedule == "interleaved" else 1, grad_acc=4,
+                          recompute=recompute))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
+def test_pp2_dp2(tmp_path, schedule):
+    """Each dp replica runs the pipeline on its rows; a stage's gradients are averaged over its dp group once,
+    during the last backward (and W) of each chunk."""
+    _check(tmp_path, dict(pp=2, dp=2, pp_schedule=schedule, pp_chunks=2 if schedule == "interleaved" else 1,
+                          grad_acc=4))
+
+
+@pytest.mark.parametrize("schedule,sp", [("1f1b", False), ("1f1b", True), ("zb-v", True), ("zb-h1", False)])
+def test_pp2_tp2(tmp_path, schedule, sp):
+    """Tensor-parallel stages: activations travel between the same tp rank of neighbouring stages ([b, s/tp, h]
+    with sp); split schedules defer the tensor-parallel linears' weight gradients too."""
+    _check(tmp_path, dict(pp=2, tp=2, sp=sp, pp_schedule=schedule, grad_acc=4))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pp2_dp2_zero1(tmp_path, schedule):
+    _check(tmp_path, dict(pp=2, dp=2, zero=1, pp_schedule=schedule, grad_acc=4))
+
+
+def _eval_sample_child(layout):
+    cfg = Config(**{**SMALL, **layout})
+    with Mesh.init(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp) as mesh:
+        _, loader = train_mod.load_data(cfg, mesh)
+        run = parallelize(cfg, mesh)
+        val = run.schedule.evaluate(run.raw, list(loader.val_batches(2)), run.loss_fn)
+        ids = torch.tensor([[10, 20, 30, 40, 50]])
+        logits = run.sampler(ids)
+        return val, logits
+
+
+@pytest.mark.parametrize("layout", [dict(pp=2, pp_schedule="zb-v"), dict(pp=2, tp=2, sp=True),
+                                    dict(pp=4, pp_schedule="interleaved", pp_chunks=2, grad_acc=4, **L8)])
+def test_evaluation_and_text_go_through_the_pipeline(layout):
+    """The validation loss and the full-vocabulary logits of the sampler, on every rank, equal one process's."""
+    world = layout.get("pp", 1) * layout.get("tp", 1)
+    ref_val, ref_logits = run_on_ranks(_eval_sample_child, 1, {k: v for k, v in layout.items()
+                                                               if k == "num_hidden_layers"}, timeout_s=120)[0]
+    for val, logits in run_on_ranks(_eval_sample_child, world, layout, timeout_s=120):
+        assert val == pytest.approx(ref_val, rel=1e-5)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(pp=2, zero=2, dp=2), "zero=2 with pp=2 is not supported"),
+    (dict(pp=2, zero=1, dp=2, tie_word_embeddings=True), "tied embeddings is not supported"),
+    (dict(pp=2, dp=2, dp_impl="ddp"), "dp_impl='ddp' with pp=2 is not supported"),
+    (dict(pp=8), "needs 8 stages of at least one layer each but the model has num_hidden_layers=4"),
+    (dict(pp=2, pp_schedule="interleaved", pp_chunks=2, grad_acc=3), "needs grad_acc=3"),
+    (dict(pp=2, pp_schedule="1f1b", pp_chunks=2), "pp_chunks=2 applies to the interleaved schedule only"),
+    (dict(pp=2, pp_schedule="interleaved"), "pp_chunks=1 is plain 1F1B"),
+    (dict(pp=2, pp_schedule="zb-v", num_hidden_layers=3), "needs 4 stages"),
+])
+def test_bad_pipeline_settings_get_one_sentence(settings, message):
+    cfg = Config(**settings)
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(cfg, cfg.world_size)
+    assert str(e.value).count(". ") == 0 and "\n" not in str(e.value)
