@@ -31,7 +31,6 @@ Activations in flight: AFAB keeps all m micro-batches' activations until the bac
 backward as soon as the first micro-batch has come back, so stage i keeps at most p - i.
 """
 import math
-import time
 from collections import defaultdict, namedtuple
 from contextlib import nullcontext
 from dataclasses import dataclass, field
