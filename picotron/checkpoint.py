@@ -64,7 +64,7 @@ def latest(out):
 
 
 # What must match for a checkpoint to load: the model's shape and how it is cut into shards.
-LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "sp")
+LAYOUT_FIELDS = ("dp", "tp", "pp", "pp_schedule", "pp_chunks", "cp", "ep", "zero", "sp")
 
 
 def resume_problem(cfg):

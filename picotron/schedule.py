@@ -11,7 +11,8 @@ business.
 `OneStage` is gradient accumulation: the whole model on this rank, k micro-batches one after the other,
 each loss divided by k so the gradients add up to the gradient of the mean. The replicas exchange gradients
 once, during the last backward (`no_sync` around the others). It is the trivial pipeline schedule, one stage;
-pipeline parallelism's schedules (AFAB, 1F1B, ...) follow the same contract with several stages.
+with several stages `pipeline_parallel.Pipeline` runs AFAB, 1F1B, interleaved or zero-bubble schedules under
+the same contract (and, given a one-stage schedule, does exactly what OneStage does).
 
 The engine also measures, because only it sees a micro-batch go through: `activation_bytes`, what autograd
 saved for backward in the step's first micro-batch (`metrics.ActivationCounter`).

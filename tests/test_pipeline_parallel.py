@@ -163,3 +163,48 @@ def test_bad_pipeline_settings_get_one_sentence(settings, message):
     with pytest.raises(ConfigError, match=message) as e:
         validate(cfg, cfg.world_size)
     assert str(e.value).count(". ") == 0 and "\n" not in str(e.value)
+
+
+def test_one_stage_pipeline_is_gradient_accumulation():
+    """The executor with a one-stage schedule (the whole model as one chunk) is today's step engine: the same
+    loss and gradients as schedule.OneStage."""
+    from picotron import pipeline_parallel as pp
+    from picotron.model import Llama
+    cfg = Config(grad_acc=3, **SMALL)
+    mesh = Mesh.local()
+    run = parallelize(cfg, mesh)
+    _, loader = train_mod.load_data(cfg, mesh)
+    batches = loader.micro_batches(1)
+    want = run.schedule.run(run.model, batches, run.loss_fn)
+    mc = cfg.model_config()
+    for name in ("afab", "1f1b", "zb-h1"):
+        plan = pp.build(name, 1, 3)
+        with torch.device("meta"):
+            stage = pp.keep_stage(lambda: Llama(mc), plan, 0, mc, cfg.seq_len)
+        stage.to_empty(device="cpu")
+        pp.mark_stage(stage, plan, mesh.pp)
+        stage.init_weights(cfg.seed)
+        store = pp.WeightGradStore() if plan.split else None
+        if store:
+            pp.defer_weight_grads(stage, store)
+        from picotron.data_parallel import Local
+        got = pp.Pipeline(plan, mesh, mc.hidden_size, store=store).run(Local(stage), batches, run.loss_fn)
+        assert got.item() == pytest.approx(want.item(), rel=1e-6), name
+        for (n, p), q in zip(stage.chunks[0].named_parameters(), run.raw.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {n}: {m}")
+
+
+def _resume_child(out, steps, resume):
+    cfg = Config(out=out, pp=2, pp_schedule="zb-v", grad_acc=4, save_every=2, resume=resume,
+                 **{**SMALL, "steps": steps})
+    with Mesh.init(pp=2) as mesh:
+        train(cfg, mesh)
+        return [r["loss"] for r in read_metrics(out)[0]] if mesh.rank == 0 else None
+
+
+def test_pipeline_checkpoint_resumes_exactly(tmp_path):
+    """Each rank saves its own stages; a resumed run continues with the uninterrupted run's losses, bit for bit."""
+    whole = run_on_ranks(_resume_child, 2, str(tmp_path / "a"), 4, False, timeout_s=180)[0]
+    run_on_ranks(_resume_child, 2, str(tmp_path / "b"), 2, False, timeout_s=180)
+    resumed = run_on_ranks(_resume_child, 2, str(tmp_path / "b"), 4, True, timeout_s=180)[0]
+    assert resumed == whole
