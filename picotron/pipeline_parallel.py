@@ -148,59 +148,53 @@ def zb_h1(p, m):
 
 
 def zb_v(p, m):
-    """A V-shaped zero-bubble schedule (after ZB-V): two chunks per rank, rank r holding stages r and
-    2p-1-r, so the first and the last stage sit on rank 0 and every rank has work at both ends of the step.
-    The order comes from running the step on an ideal machine (t_F = t_B = t_W) and letting each idle rank
-    take, in this priority, a ready B (it frees memory and feeds the critical path), a ready F while it keeps
-    fewer than 2p chunk-activations alive (1F1B's memory), else a W. A pure function of (p, m)."""
-    s_total = 2 * p
-    where = [(s, 0) if s < p else (2 * p - 1 - s, 1) for s in range(s_total)]
-    done = {}  # (kind, mb, stage) -> finish time
-    free = [0] * p
-    alive = [0] * p
-    ranks = [[] for _ in range(p)]
-    todo = {("F", i, s) for i in range(m) for s in range(s_total)} | {("B", i, s) for i in range(m) for s in range(s_total)} \
-        | {("W", i, s) for i in range(m) for s in range(s_total)}
-    next_f = [[0, 0] for _ in range(p)]  # per rank and chunk: the next micro-batch to forward (in order)
-    next_b = [[0, 0] for _ in range(p)]
-    next_w = [[0, 0] for _ in range(p)]
-    while todo:
-        r = min(range(p), key=lambda k: (free[k], k))
-        t = free[r]
+    """ZB-V (Qi et al. 2024, section 5): two chunks per rank in a V, rank r holding stages r and 2p-1-r, so the
+    first and the last stage share rank 0 and every rank has work at both ends of the step; the backward split
+    into B and W. Each phase's length follows from when a micro-batch can arrive, with t_F = t_B = t_W:
+      warm-up    2(p-r)-1 forwards of chunk 0 (micro-batch 0 needs that long to come back down the V),
+                 then r times (chunk 1's F, chunk 0's F), then p-r times chunk 1's F, B, W;
+      steady     F, B, W of chunk 0 then of chunk 1, one micro-batch each;
+      cool-down  B of chunk 0 and of chunk 1, the W's held back r rounds to fill the wait for the next B,
+                 the rest of the W's at the end.
+    Every call is guarded (a forward of chunk 1 only after the same micro-batch's chunk 0 on this rank, a B
+    of chunk 0 only after chunk 1's), so any m works. At most 2p chunk-activations (p whole stages, 1F1B's
+    worst stage) are alive."""
+    ranks = []
+    for r in range(p):
+        acts, f, b, w = [], [0, 0], [0, 0], [0, 0]
 
-        def ready_at(kind, i, s):
-            if kind == "F":
-                dep = [("F", i, s - 1)] if s > 0 else []
-            elif kind == "B":
-                dep = [("F", i, s)] + ([("B", i, s + 1)] if s < s_total - 1 else [])
-            else:
-                dep = [("B", i, s)]
-            return max((done.get(d, math.inf) for d in dep), default=0)
+        def fwd(c):
+            if f[c] < m and (c == 0 or f[1] < f[0]):
+                acts.append(Action("F", f[c], c))
+                f[c] += 1
 
-        options = []
-        for c in (1, 0):
-            s = c * (2 * p - 1 - r) + (1 - c) * r
-            if next_b[r][c] < m and ready_at("B", next_b[r][c], s) <= t:
-                options.append((0, -s, ("B", next_b[r][c], s)))
-            if next_f[r][c] < m and alive[r] < 2 * p and ready_at("F", next_f[r][c], s) <= t:
-                options.append((1, -s, ("F", next_f[r][c], s)))
-            if next_w[r][c] < next_b[r][c]:
-                options.append((2, -s, ("W", next_w[r][c], s)))
-        if not options:  # nothing ready: jump to the earliest time something becomes ready on this rank
-            later = [x for k in ("F", "B") for c in (0, 1)
-                     for x in [ready_at(k, (next_f if k == "F" else next_b)[r][c], r if c == 0 else 2 * p - 1 - r)
-                               if (next_f if k == "F" else next_b)[r][c] < m else math.inf] if x > t]
-            free[r] = min(later) if later and min(later) < math.inf else max(free) + 1
-            continue
-        _, _, (kind, i, s) = min(options)
-        c = where[s][1]
-        done[(kind, i, s)] = t + 1
-        free[r] = t + 1
-        todo.discard((kind, i, s))
-        counter = {"F": next_f, "B": next_b, "W": next_w}[kind]
-        counter[r][c] += 1
-        alive[r] += {"F": 1, "B": 0, "W": -1}[kind]
-        ranks[r].append(Action(kind, i, c))
+        def bwd(c):
+            if b[c] < f[c] and (c == 1 or b[0] < b[1]):
+                acts.append(Action("B", b[c], c))
+                b[c] += 1
+
+        def wgt(c):
+            if w[c] < b[c]:
+                acts.append(Action("W", w[c], c))
+                w[c] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            fwd(0)
+        for _ in range(r):
+            fwd(1), fwd(0)
+        for _ in range(p - r):
+            fwd(1), bwd(1), wgt(1)
+        while f[0] < m or f[1] < m:
+            fwd(0), bwd(0), wgt(0), fwd(1), bwd(1), wgt(1)
+        rounds = 0
+        while b[0] < m or b[1] < m:
+            bwd(0), bwd(1)
+            rounds += 1
+            if rounds > r:
+                wgt(0) if w[0] < w[1] else wgt(1)
+        while w[0] < m or w[1] < m:
+            wgt(0) if w[0] < m and (w[0] < w[1] or w[1] >= m) else wgt(1)
+        ranks.append(acts)
     return Schedule("zb-v", p, m, 2, ranks, split=True, shape="v")
 
 
@@ -662,6 +656,7 @@ class Pipeline:
         b, seq = micro_batches[0][0].shape
         self.act_shape = (b, seq // self.seq_div, self.hidden)
         saved, alive = {}, {}  # (mb, chunk) -> (input, output); -> activation bytes saved by its forward
+        per_chunk = {}  # chunk -> activation bytes one micro-batch's forward saves
         self.peak_activation_bytes = 0
         total = torch.zeros((), device=self.mesh.device)
         acts = sch.ranks[self.rank]
@@ -676,11 +671,14 @@ class Pipeline:
             with self._phase(a):
                 if a.kind == "F":
                     x = x_ids if s == 0 else self._receive(a).requires_grad_()
-                    with self.autocast(), metrics.ActivationCounter(chunk) as counter:
+                    # every micro-batch of a chunk saves the same bytes: count the first one's (hooks cost time)
+                    counter = metrics.ActivationCounter(chunk) if a.chunk not in per_chunk else nullcontext()
+                    with self.autocast(), counter:
                         out = chunk(x, positions)
                         if s == self.last_stage:
                             out = loss_fn(out, y) / m
-                    alive[(a.mb, a.chunk)] = counter.bytes
+                    per_chunk.setdefault(a.chunk, getattr(counter, "bytes", 0))
+                    alive[(a.mb, a.chunk)] = per_chunk[a.chunk]
                     self.peak_activation_bytes = max(self.peak_activation_bytes, sum(alive.values()))
                     if s == self.last_stage:
                         total += out.detach()
