@@ -1,0 +1,686 @@
+"""Lesson 07's experiments: pipeline parallelism measured through picotron's own seam (`parallelize`, as
+picotron.train runs it), and the notebook's simulator helpers and plots.
+
+    torchrun --nproc_per_node 2 lessons/07_pipeline_parallel/experiment.py [--only bubble,memory,parity]
+    PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
+
+Rank 0 writes OUT/<name>_pp<p>.json. bubble: every schedule (AFAB, 1F1B, interleaved v=2, ZB-H1, ZB-V) for several
+micro-batch counts m, each step's actions timed on every rank (`Pipeline(timeline=...)`), the wait for a message
+cut out of the action it happened in; from that the measured bubble, each kind of action's mean time, the
+point-to-point bytes per step and the Gantt chart of the last step. memory: one step per schedule with every tensor
+autograd saves tracked while it is alive (saved-tensor hooks whose packed objects say when autograd lets them go),
+the weight-gradient store's stash added: the peak per stage against the schedule's prediction. parity:
+picotron.train at pp = world size for each schedule (and tied embeddings) against one process, trained in rank 0.
+"""
+import os
+import statistics
+import sys
+import time
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
+import _common  # noqa: E402  (puts the repository root on sys.path)
+from _common import gather, make_cfg  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from picotron import marks, metrics, pipeline_parallel as pp  # noqa: E402
+from picotron.mesh import Mesh  # noqa: E402
+from picotron.parallelize import parallelize  # noqa: E402
+from picotron.train import load_data, train  # noqa: E402
+
+MiB = 2**20
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v")
+FORMULA = ("afab", "1f1b", "interleaved", "zb-h1")  # the ones with a closed-form bubble
+LABELS = {"afab": "AFAB (GPipe)", "1f1b": "1F1B", "interleaved": "interleaved, v=2", "zb-h1": "ZB-H1", "zb-v": "ZB-V"}
+KIND_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+FONT = 8
+
+
+def settings(fast, device_type="cpu"):
+    """The experiments' model (the lessons' 'small' one with 8 layers: 4 per stage at pp=2, 2 per chunk interleaved;
+    its LM head over 256 byte tokens costs 8% of a layer, so the stages cost nearly the same) and batches."""
+    if device_type == "cuda":
+        return dict(size="medium", layers=8, seq_len=512, micro_batch_size=4, ms=(2, 4, 8) if fast else (2, 4, 8, 16),
+                    steps=3 if fast else 6, max_steps=10 if fast else 16, quiet=0.12, warmup=2, parity_steps=10, parity_seq_len=64, parity_layers=4,
+                    parity_grad_acc=4)
+    return dict(size="small", layers=8, seq_len=128, micro_batch_size=2, ms=(2, 4, 8) if fast else (2, 4, 8, 16),
+                steps=3 if fast else 6, max_steps=10 if fast else 20, quiet=0.12, warmup=1, parity_steps=10 if fast else 20, parity_seq_len=32, parity_layers=4,
+                parity_grad_acc=4)
+
+
+def cfg_for(st, name, m, p, **kw):
+    """The experiments' Config for schedule `name` over m micro-batches on p stages."""
+    return make_cfg(st["size"], num_hidden_layers=st["layers"], seq_len=st["seq_len"],
+                    micro_batch_size=st["micro_batch_size"], pp=p, pp_schedule=name, grad_acc=m,
+                    pp_chunks=2 if name == "interleaved" else 1, **kw)
+
+
+def chunks(name):
+    return pp.chunks_of(name, 2)
+
+
+# ------------------------------------------------------------------------------- the schedule's side
+def simulated(name, p, m, v=None, cost=None, latency=0.0):
+    """pipeline_parallel.simulate of schedule `name` (v: chunks per rank, default its own)."""
+    return pp.simulate(pp.build(name, p, m, chunks(name) if v is None else v), cost=cost, latency=latency)
+
+
+def formula(name, p, m, v=2):
+    """The closed-form bubble (fraction of the step), or None (ZB-V has none)."""
+    return pp.bubble_formula(name, p, m, v) if name in FORMULA else None
+
+
+def zb_h1_formula(p, m, t_f, t_b, t_w):
+    """ZB-H1's closed form for any t_F, t_B, t_W (docs/reference.md): step m(t_F + t_B + t_W) + (p-1)(t_F + t_B - t_W),
+    work m(t_F + t_B + t_W) per rank; with t_F = t_B = t_W it is (p-1)/(3m+p-1)."""
+    idle = (p - 1) * (t_f + t_b - t_w)
+    return idle / (m * (t_f + t_b + t_w) + idle)
+
+
+def predicted_peak(schedule, rank, per_chunk, stash=None):
+    """The most activation bytes `rank` holds at once if it keeps each chunk's `per_chunk[c]` bytes from a
+    micro-batch's F until its B (split schedules: until its W): the schedule's own prediction. With `stash`
+    (split schedules: {chunk: bytes the weight-gradient store keeps from a B until its W}), B frees the forward's
+    bytes and keeps the stash instead."""
+    alive, peak = 0, 0
+    release = "W" if schedule.split and stash is None else "B"
+    for a in schedule.ranks[rank]:
+        c = a.chunk
+        if a.kind == "F":
+            alive += per_chunk[c]
+        elif a.kind == release:
+            alive -= per_chunk[c]
+        if stash is not None:
+            alive += stash[c] if a.kind == "B" else -stash[c] if a.kind == "W" else 0
+        peak = max(peak, alive)
+    return peak
+
+
+def p2p_formula(name, p, m, b, s, h, elem=4):
+    """Bytes sent per step, all ranks together: every stage boundary carries each micro-batch's activation forward
+    and its gradient back, b·s·h numbers each, fp32: 2(S-1)·m·b·s·h·4 for S = p·v stages; with the V shape the
+    boundary in the V's turn (stage p-1 -> p) stays on one rank: 2(S-2)·m·b·s·h·4."""
+    v = chunks(name)
+    boundaries = p * v - 1 - (1 if name == "zb-v" else 0)
+    return 2 * boundaries * m * b * s * h * elem
+
+
+# ------------------------------------------------------------------------------------------- measuring
+class CpuTimeline(metrics.Timeline):
+    """A Timeline whose events also carry the CPU time this thread spent inside them (`cpu`): an action's wall time
+    minus its CPU time minus its wait for a message is time the process was runnable but had no core."""
+
+    @contextmanager
+    def record(self, name, **info):
+        c0 = time.thread_time()
+        with super().record(name, **info):
+            yield
+        self.events[-1]["cpu"] = time.thread_time() - c0
+
+
+class Stepper:
+    """One schedule built as picotron.train builds it (`parallelize`), stepped as it steps (schedule.run, clipping,
+    optimizer step, zero_grad), with a Timeline on the executor. The executor records each action as one event;
+    a receive waited on inside an action is recorded too (the executor's `_receive`, wrapped on this instance
+    only), so that `busy` can leave the wait out."""
+
+    def __init__(self, cfg, mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.run = parallelize(cfg, mesh)
+        self.pipe = self.run.schedule
+        self.tl = self.pipe.timeline = CpuTimeline(mesh.device, mesh.rank)
+        receive = self.pipe._receive
+
+        def timed(a):
+            t0 = self.tl.now()
+            x = receive(a)
+            self.tl.add("wait", t0, self.tl.now(), micro=a.mb, chunk=a.chunk, of=a.kind)
+            return x
+        self.pipe._receive = timed
+        self.loader = load_data(cfg, mesh)[1]
+        self.losses = []
+
+    def step(self, step):
+        """One step; returns this rank's events (absolute seconds: comparable across processes on one machine,
+        perf_counter being the system's monotonic clock) and the bytes it sent."""
+        run = self.run
+        dist.barrier(self.mesh.pp.group)
+        self.tl.events.clear()
+        before = self.pipe.p2p_bytes
+        loss = self.pipe.run(run.model, self.loader.micro_batches(step), run.loss_fn)
+        marks.clip_grad_norm(run.params, self.cfg.grad_clip, self.mesh)
+        run.optimizer.step()
+        run.model.zero_grad(set_to_none=True)
+        self.losses.append(loss.item())
+        events = [dict(e, start=e["start"] + self.tl.t0, end=e["end"] + self.tl.t0) for e in self.tl.events]
+        return events, self.pipe.p2p_bytes - before
+
+
+KIND = {"forward": "F", "backward": "B", "weight": "W"}
+
+
+def actions(events):
+    """[(rank, kind, mb, chunk, start, compute_start, end, cpu)] from every rank's events: an action's compute starts
+    when the wait for its message (if any) inside it ended; cpu: the CPU seconds the action used."""
+    waits = {(e["rank"], e["of"], e["micro"], e["chunk"]): e for e in events if e["name"] == "wait"}
+    out = []
+    for e in events:
+        if e["name"] in KIND:
+            k = KIND[e["name"]]
+            w = waits.get((e["rank"], k, e["micro"], e["chunk"]))
+            out.append((e["rank"], k, e["micro"], e["chunk"], e["start"], w["end"] if w else e["start"], e["end"],
+                        e.get("cpu", 0.0)))
+    return sorted(out, key=lambda x: (x[0], x[4]))
+
+
+def disturbance(acts, p):
+    """The share of the step's rank-time in which a rank had work but no core (another program ran): inside each
+    action, its compute time minus the CPU time it got; between two actions of a rank, the gap (the executor needs
+    well under a millisecond there). 0 on a quiet machine."""
+    t0, t1 = min(a[4] for a in acts), max(a[6] for a in acts)
+    lost = sum(max(0.0, (a[6] - a[5]) - a[7]) for a in acts)
+    for r in range(p):
+        mine = [a for a in acts if a[0] == r]
+        lost += sum(max(0.0, b[4] - a[6] - 1e-3) for a, b in zip(mine, mine[1:]))
+    return lost / (p * (t1 - t0))
+
+
+def spread(acts):
+    """The largest, over the kinds of action, relative standard deviation of that kind's compute times in one step,
+    all ranks and micro-batches together: a few percent when every stage computes at the same speed all step long
+    (ours cost the same); more when another program slowed one rank for a while, without taking its core."""
+    out = 0.0
+    for k in "FBW":
+        d = [a[6] - a[5] for a in acts if a[1] == k]
+        if len(d) > 1:
+            out = max(out, statistics.pstdev(d) / statistics.mean(d))
+    return out
+
+
+def quality(acts, p):
+    """How far a step is from a quiet machine's: its disturbance (rank-time without a core) plus its spread."""
+    return disturbance(acts, p) + spread(acts)
+
+
+def measured_bubble(acts, p):
+    """1 - (busy time summed over ranks) / (ranks x step time); the step: first action's start to last one's end."""
+    t0, t1 = min(a[4] for a in acts), max(a[6] for a in acts)
+    busy = sum(a[6] - a[5] for a in acts)
+    return 1 - busy / (p * (t1 - t0)), t1 - t0
+
+
+def mean_costs(acts_by_step, p, v):
+    """{rank: {chunk: {kind: mean compute seconds}}} over the measured steps."""
+    bins = {}
+    for acts in acts_by_step:
+        for r, k, _, c, _, c0, e, _ in acts:
+            bins.setdefault((r, c, k), []).append(e - c0)
+    return {r: {c: {k: statistics.mean(bins[(r, c, k)]) for k in "FBW" if (r, c, k) in bins} for c in range(v)}
+            for r in range(p)}
+
+
+def balance(acts):
+    """The largest ratio, over the kinds of action, of the slowest to the fastest (rank, chunk)'s mean time in one
+    step: 1.0 when every stage costs the same; a step in which another program took a core looks unbalanced."""
+    times = {}
+    for r, k, _, c, _, c0, e, _ in acts:
+        times.setdefault(k, {}).setdefault((r, c), []).append(e - c0)
+    return max(max(means) / min(means) for means in
+               ([statistics.mean(x) for x in by.values()] for by in times.values()))
+
+
+def latency_of(acts, schedule):
+    """The median delay from a message's producer finishing to its consumer starting to compute, over the messages
+    the consumer waited for (a wait longer than 1 µs): what the simulator's `latency` stands for."""
+    ends = {(r, k, mb, c): e for r, k, mb, c, _, _, e, _ in acts}
+    delays = []
+    for r, k, mb, c, s, c0, e, _ in acts:
+        if c0 - s < 1e-6 or k == "W":
+            continue
+        stage = schedule.stage(r, c)
+        src = stage - 1 if k == "F" else stage + 1
+        sr, sc = schedule.where(src)
+        if sr != r and (sr, k, mb, sc) in ends:
+            delays.append(c0 - ends[(sr, k, mb, sc)])
+    return statistics.median(delays) if delays else 0.0
+
+
+def _say(mesh, text):
+    if mesh.rank == 0:
+        print(text, flush=True)
+
+
+def exp_bubble(mesh, st, out):
+    """Every schedule at every m of the settings (ZB-V: the largest m only): measured steps with their timelines."""
+    p, rows = mesh.pp.size, []
+    b, s, h = st["micro_batch_size"], st["seq_len"], _common.SIZES[st["size"]]["hidden_size"]
+    for name in SCHEDULES:
+        for m in (st["ms"] if name != "zb-v" else st["ms"][-1:]):
+            if name == "interleaved" and m % p:
+                continue
+            stepper, steps, p2p = Stepper(cfg_for(st, name, m, p), mesh), [], []
+            for k in range(st["warmup"] + st["max_steps"]):
+                events, sent = stepper.step(k + 1)
+                every = sum(gather(events, mesh), [])  # the same list on every rank: they decide alike below
+                total = sum(gather(sent, mesh))
+                if k >= st["warmup"]:
+                    steps.append(actions(every))
+                    p2p.append(total)
+                if len(steps) >= st["steps"] and min(quality(a, p) for a in steps) <= st["quiet"]:
+                    break
+            sch, v = stepper.pipe.schedule, chunks(name)
+            bubbles = [measured_bubble(a, p) for a in steps]
+            quiet = [k for k in range(len(steps)) if quality(steps[k], p) <= st["quiet"]]
+            # the shortest quiet step (a message delivered late lengthens a step without showing in its actions), or
+            # the least disturbed one
+            best = (min(quiet, key=lambda k: bubbles[k][1]) if quiet else
+                    min(range(len(steps)), key=lambda k: quality(steps[k], p)))
+            acts = steps[best]
+            costs = mean_costs([acts], p, v)
+            lat = latency_of(acts, sch)
+            sim = pp.simulate(sch, cost=lambda a, r: costs[r][a.chunk][a.kind])  # messages instant
+            sim_lat = pp.simulate(sch, cost=lambda a, r: costs[r][a.chunk][a.kind], latency=lat)
+            per_kind = {k: statistics.mean(costs[r][c][k] for r in range(p) for c in range(v) if k in costs[r][c])
+                        for k in "FBW" if any(k in costs[r][c] for r in range(p) for c in range(v))}
+            row = dict(name=name, m=m, p=p, v=v, bubble=bubbles[best][0], step_s=bubbles[best][1],
+                       bubbles=[x[0] for x in bubbles], step_times=[x[1] for x in bubbles], balance=balance(acts),
+                       disturbance=disturbance(acts, p), spread=spread(acts), qualities=[quality(a, p) for a in steps],
+                       formula=formula(name, p, m), sim_unit=simulated(name, p, m).bubble,
+                       formula_costs=(zb_h1_formula(p, m, per_kind["F"], per_kind["B"], per_kind["W"])
+                                      if name == "zb-h1" else formula(name, p, m)),
+                       sim_measured=sim.bubble, sim_measured_latency=sim_lat.bubble, sim_makespan=sim.makespan,
+                       latency=lat, costs={str(r): {str(c): x for c, x in cs.items()} for r, cs in costs.items()},
+                       per_kind=per_kind, p2p=p2p, p2p_formula=p2p_formula(name, p, m, b, s, h),
+                       gantt=acts, losses=stepper.losses)
+            rows.append(row)
+            _say(mesh, f"{LABELS[name]:<17} m={m:<3} bubble measured {row['bubble']:6.1%} | formula "
+                       + (f"{row['formula']:6.1%}" if row["formula"] is not None else "  --  ")
+                       + f" | simulated with measured costs {row['sim_measured']:6.1%} | step {1e3 * row['step_s']:6.0f} ms"
+                       f" | t_F {1e3 * per_kind['F']:.1f} t_B {1e3 * per_kind['B']:.1f}"
+                       + (f" t_W {1e3 * per_kind['W']:.1f}" if "W" in per_kind else "") + " ms"
+                       f" | p2p {row['p2p'][-1] / MiB:.2f} MiB/step (formula {row['p2p_formula'] / MiB:.2f})")
+            del stepper
+    return dict(rows=rows, b=b, s=s, h=h)
+
+
+# --------------------------------------------------------------------------------------- live activations
+class _Held:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+class LiveActivations:
+    """The bytes of every tensor autograd keeps for backward, while it keeps it: a saved-tensor pack hook hands
+    autograd a small holder instead of the tensor, and the holder's finalizer runs when autograd lets it go (after
+    the node's backward ran). Storages are counted once however many holders share them; parameters are not
+    activations. `bytes` now, `peak` since `reset_peak()`."""
+
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.live = {}  # storage pointer -> [bytes, holders]
+        self.bytes = self.peak = 0
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if ptr in self.params or nbytes == 0 or t.device.type == "meta":
+            return t
+        entry = self.live.setdefault(ptr, [nbytes, 0])
+        if entry[1] == 0:
+            self.bytes += nbytes
+            self.peak = max(self.peak, self.bytes)
+        entry[1] += 1
+        held = _Held(t)
+        weakref.finalize(held, self._drop, ptr)
+        return held
+
+    def _drop(self, ptr):
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self.live[ptr]
+
+    @staticmethod
+    def unpack(x):
+        return x.t if isinstance(x, _Held) else x
+
+    def reset_peak(self):
+        self.peak = self.bytes
+
+
+@contextmanager
+def tracking(tracker):
+    """While inside: every saved tensor goes through `tracker`, also inside the executor's own ActivationCounter
+    (which counts the first micro-batch of each chunk; hooks nest, the innermost wins), whose count still runs."""
+    original = metrics.ActivationCounter
+
+    class Both(original):
+        def __enter__(self):
+            def pack(t):
+                self._pack(t)
+                return tracker.pack(t)
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, tracker.unpack)
+            self._hooks.__enter__()
+            return self
+
+    metrics.ActivationCounter = Both
+    hooks = torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack)
+    try:
+        with hooks:
+            yield tracker
+    finally:
+        metrics.ActivationCounter = original
+
+
+def stash_bytes(store, tracker):
+    """Bytes the weight-gradient store keeps for the W's still to come (inputs and output gradients of the linear
+    layers), counting only storages autograd no longer holds."""
+    if store is None:
+        return 0
+    seen, total = set(), 0
+    for items in store.queues.values():
+        for _, x, g in items:
+            for t in (x, g):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in seen and ptr not in tracker.live:
+                    seen.add(ptr)
+                    total += t.untyped_storage().nbytes()
+    return total
+
+
+class MemoryTimeline(metrics.Timeline):
+    """A Timeline whose events also carry the live activation bytes: at the action's start, its peak inside and
+    at its end (autograd's saved tensors plus the weight-gradient store's stash)."""
+
+    def __init__(self, device, rank, tracker, store):
+        super().__init__(device, rank)
+        self.tracker, self.store = tracker, store
+
+    @contextmanager
+    def record(self, name, **info):
+        tr = self.tracker
+        stash0 = stash_bytes(self.store, tr)
+        before = tr.bytes + stash0
+        tr.reset_peak()
+        with super().record(name, **info):
+            yield
+        stash = stash_bytes(self.store, tr)
+        self.events[-1].update(before=before, after=tr.bytes + stash, peak=max(before, tr.bytes + stash, tr.peak + min(stash0, stash)),
+                               stash=stash - stash0, saved=tr.bytes - (before - stash0))
+
+
+def exp_memory(mesh, st, out):
+    """One step of each schedule (m = the largest of the settings) with live activations tracked: the peak per stage,
+    each chunk's bytes per micro-batch (the growth over its first forward), the schedule's prediction from them and
+    the executor's own count (`Pipeline.peak_activation_bytes`)."""
+    p, rows = mesh.pp.size, []
+    m = st["ms"][-1]
+    for name in SCHEDULES:
+        stepper = Stepper(cfg_for(st, name, m, p), mesh)
+        stepper.step(1)  # warm-up
+        tracker = LiveActivations(stepper.run.raw)
+        stepper.pipe.timeline = MemoryTimeline(mesh.device, mesh.rank, tracker, stepper.pipe.store)
+        stepper.tl = stepper.pipe.timeline
+        with tracking(tracker):
+            events, _ = stepper.step(2)
+        sch = stepper.pipe.schedule
+        per_chunk, stash = {}, {}
+        for e in events:
+            if e["name"] == "forward" and e["chunk"] not in per_chunk:
+                per_chunk[e["chunk"]] = e["after"] - e["before"]
+            if e["name"] == "backward" and e["chunk"] not in stash:
+                stash[e["chunk"]] = e["stash"]
+        me = dict(rank=mesh.rank, peak=max(e["peak"] for e in events if e["name"] in KIND), per_chunk=per_chunk,
+                  stash=stash if sch.split else None, predicted=predicted_peak(sch, mesh.pp.rank, per_chunk),
+                  predicted_stash=predicted_peak(sch, mesh.pp.rank, per_chunk, stash) if sch.split else None,
+                  executor=stepper.pipe.peak_activation_bytes, left=tracker.bytes + stash_bytes(stepper.pipe.store, tracker),
+                  curve=[(e["name"], e["micro"], e["chunk"], e["after"]) for e in events if e["name"] in KIND],
+                  alive_units=simulated(name, p, m).peak_alive[mesh.pp.rank])
+        ranks = gather(me, mesh)
+        rows.append(dict(name=name, m=m, p=p, ranks=ranks))
+        _say(mesh, f"{LABELS[name]:<17} m={m}: peak activations per stage " + ", ".join(
+            f"stage {r['rank']} {r['peak'] / MiB:.2f} MiB (predicted {r['predicted'] / MiB:.2f}"
+            + (f", with the stash {r['predicted_stash'] / MiB:.2f}" if r["predicted_stash"] else "") + f", executor's count "
+            f"{r['executor'] / MiB:.2f}; {r['alive_units']} micro-batches)" for r in ranks))
+        del stepper
+    return dict(rows=rows)
+
+
+# --------------------------------------------------------------------------------------------- parity
+def _trained(mesh, st, out, name, **kw):
+    """picotron.train on `mesh` with the parity settings: (per-step losses on rank 0, what parallelize built)."""
+    cfg = make_cfg(st["size"], num_hidden_layers=st["parity_layers"], steps=st["parity_steps"],
+                   seq_len=st["parity_seq_len"], micro_batch_size=2, grad_acc=st["parity_grad_acc"], warmup_steps=2,
+                   lr=3e-3, log_every=st["parity_steps"], out=str(Path(out) / name), **kw)
+    _, run = train(cfg, mesh, return_model=True)
+    losses = [r["loss"] for r in metrics.read_metrics(cfg.out)[0]] if mesh.rank == 0 else None
+    return losses, run
+
+
+def tied_copies(run, mesh):
+    """(rank, name, weight) of the tied matrix on this rank: the first stage's embedding, the last stage's head."""
+    out = []
+    for chunk, s in zip(run.raw.chunks, run.raw.stage_ids):
+        if chunk.embed_tokens is not None:
+            out.append((s, "embed_tokens.weight", chunk.embed_tokens.weight.detach().clone()))
+        if chunk.lm_head is not None:
+            out.append((s, "lm_head.weight", chunk.lm_head.weight.detach().clone()))
+    return out
+
+
+def exp_parity(mesh, st, out):
+    """picotron.train at pp = world size for every schedule, and 1F1B with tied embeddings; the references (pp=1, the
+    same global batch) trained by rank 0 alone, in its own process."""
+    p, result = mesh.pp.size, dict(losses={}, reference={})
+    for name in SCHEDULES:
+        kw = dict(pp=p, pp_schedule=name, pp_chunks=2 if name == "interleaved" else 1)
+        result["losses"][name] = _trained(mesh, st, out, f"parity_{name}", **kw)[0]
+    losses, run = _trained(mesh, st, out, "parity_tied", pp=p, pp_schedule="1f1b", tie_word_embeddings=True)
+    result["losses"]["1f1b, tied"] = losses
+    copies = sum(gather([(s, n, w.tolist()) for s, n, w in tied_copies(run, mesh)], mesh), [])
+    if mesh.rank == 0:
+        (_, n0, w0), (_, n1, w1) = sorted(copies)[0], sorted(copies)[-1]
+        result["tied"] = dict(first=n0, last=n1, max_abs_diff=(torch.tensor(w0) - torch.tensor(w1)).abs().max().item())
+        local = Mesh.local(mesh.device)
+        result["reference"]["untied"] = _trained(local, st, out, "parity_reference")[0]
+        result["reference"]["tied"] = _trained(local, st, out, "parity_reference_tied", tie_word_embeddings=True)[0]
+    dist.barrier(mesh.pp.group)
+    return result
+
+
+EXPERIMENTS = ("bubble", "memory", "parity")
+
+
+# ----------------------------------------------------------------------------- plots (for the notebook)
+def _legend_below(ax, ncol=3, dy=-0.2, **kw):
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, dy), ncol=ncol, fontsize=FONT, frameon=False, **kw)
+
+
+def draw_gantt(ax, bars, p, title="", span=None, labels=True):
+    """bars: [(rank, kind, mb, chunk, start, end)]: one row per rank (rank 0 on top), F blue, B orange, W green;
+    a second chunk drawn hatched; the micro-batch written in each bar wide enough for it."""
+    from matplotlib.patches import Patch
+
+    span = span or max(b[5] for b in bars)
+    for r, k, mb, c, s, e in bars:
+        ax.barh(r, e - s, left=s, height=0.8, color=KIND_COLORS[k], edgecolor="white", lw=0.4,
+                hatch="///" if c else None)
+        if labels and (e - s) > span / 60:
+            ax.text((s + e) / 2, r, str(mb), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=FONT)
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_xlim(0, span)
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.tick_params(axis="x", labelsize=FONT)
+    return [Patch(color=KIND_COLORS[k], label=n) for k, n in (("F", "F forward"), ("B", "B backward (input grad "
+            "when split)"), ("W", "W weight grad"))] + [Patch(facecolor="white", edgecolor="k", hatch="///",
+                                                             label="second chunk")]
+
+
+def sim_bars(sim):
+    return [(r, a.kind, a.mb, a.chunk, s, e) for r, t in enumerate(sim.timeline) for a, s, e in t]
+
+
+def measured_bars(acts):
+    """Measured actions as bars (compute only: the wait inside an action is left blank), in ms from the step's start."""
+    t0 = min(a[4] for a in acts)
+    return [(r, k, mb, c, 1e3 * (c0 - t0), 1e3 * (e - t0)) for r, k, mb, c, _, c0, e, _ in acts]
+
+
+def plot_gantt_pairs(rows, names=SCHEDULES, m=None):
+    """One row per schedule: simulated with unit costs (t_F = 1, t_B = 2; split: 1, 1, 1) on the left, measured on
+    the right (ms), at micro-batch count m where measured (else, and by default, the largest measured)."""
+    import matplotlib.pyplot as plt
+
+    def pick(n):
+        mine = {r["m"]: r for r in rows if r["name"] == n}
+        return mine.get(m, mine[max(mine)])
+    picked = [pick(n) for n in names]
+    fig, axes = plt.subplots(len(picked), 2, figsize=(13, 1.25 * sum(r["p"] for r in picked) / 2 + 0.9 * len(picked)),
+                             squeeze=False)
+    for (ax1, ax2), row in zip(axes, picked):
+        sim = simulated(row["name"], row["p"], row["m"])
+        handles = draw_gantt(ax1, sim_bars(sim), row["p"], f"{LABELS[row['name']]}, m={row['m']}: simulated, "
+                             f"bubble {sim.bubble:.0%}")
+        draw_gantt(ax2, measured_bars(row["gantt"]), row["p"], f"measured on {row['p']} processes (the kept one of "
+                   f"{len(row['bubbles'])} steps): bubble {row['bubble']:.0%}, step {1e3 * row['step_s']:.0f} ms")
+    axes[-1][0].set_xlabel("time (t_F = 1)", fontsize=FONT)
+    axes[-1][1].set_xlabel("ms since the step's first action", fontsize=FONT)
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=FONT, frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
+def plot_bubbles(rows, p4=None):
+    """Bubble against m per schedule: measured (dots), the closed form (line), the simulator with the measured costs
+    (crosses); right: p = 4 from the simulator (unit costs) and the closed form."""
+    import matplotlib.pyplot as plt
+
+    colors = {"afab": "#4c72b0", "1f1b": "#8172b2", "interleaved": "#c44e52", "zb-h1": "#55a868", "zb-v": "#dd8452"}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.0))
+    ax = axes[0]
+    for name in SCHEDULES:
+        rs = sorted((r for r in rows if r["name"] == name), key=lambda r: r["m"])
+        ms = [r["m"] for r in rs]
+        ax.plot(ms, [r["bubble"] for r in rs], "o", color=colors[name], ms=7, label=f"{LABELS[name]} measured")
+        ax.plot(ms, [r["sim_measured"] for r in rs], "x", color=colors[name], ms=8, mew=2)
+        if name in FORMULA:
+            grid = range(min(ms), max(ms) + 1)
+            ax.plot(list(grid), [formula(name, rs[0]["p"], g) for g in grid], "-", color=colors[name], lw=1,
+                    alpha=0.7, ls="--" if name == "1f1b" else "-")
+    ax.plot([], [], "kx", label="simulated with the measured t_F, t_B, t_W")
+    ax.plot([], [], "k-", lw=1, label="closed form")
+    ax.set(xscale="log", xlabel="micro-batches m", ylabel="bubble (idle fraction of the step)", ylim=(0, None),
+           title=f"p = {rows[0]['p']}: measured on this machine")
+    ax.set_xticks(sorted({r["m"] for r in rows}), [str(m) for m in sorted({r["m"] for r in rows})])
+    ax.minorticks_off()
+    _legend_below(ax, ncol=2, dy=-0.16)
+    ax = axes[1]
+    p = 4
+    ms = [4, 8, 16, 32, 64]
+    for name in SCHEDULES:
+        ax.plot(ms, [simulated(name, p, m).bubble for m in ms], "o-" if name != "zb-v" else "s-", color=colors[name],
+                label=LABELS[name], ms=4)
+    for name in FORMULA:
+        ax.plot(ms, [formula(name, p, m) for m in ms], ":", color="k", lw=0.8)
+    ax.set(xscale="log", xlabel="micro-batches m", ylim=(0, None),
+           title="p = 4: the simulator (unit costs), closed forms dotted")
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.minorticks_off()
+    _legend_below(ax, ncol=3, dy=-0.16)
+    fig.tight_layout()
+    return fig
+
+
+def plot_memory(res):
+    """Peak activations per stage and schedule: measured (solid) beside the schedule's prediction (hatched), and the
+    live bytes of the measured step action by action, per stage, for AFAB and 1F1B."""
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    p = rows[0]["p"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw=dict(width_ratios=[1.3, 1]))
+    width = 0.8 / (2 * p)
+    stage_colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]
+    for x, row in enumerate(rows):
+        for r in row["ranks"]:
+            k = r["rank"]
+            ax1.bar(x - 0.4 + width * (2 * k + 0.5), r["peak"] / MiB, width, color=stage_colors[k],
+                    label=f"rank {k} measured" if x == 0 else None)
+            ax1.bar(x - 0.4 + width * (2 * k + 1.5), r["predicted"] / MiB, width, color=stage_colors[k], alpha=0.45,
+                    hatch="//", label=f"rank {k}: the schedule's prediction" if x == 0 else None)
+    ax1.set_xticks(range(len(rows)), [LABELS[r["name"]] for r in rows], fontsize=FONT)
+    ax1.set(ylabel="MiB (activations autograd keeps)", title=f"peak activations per rank, m={rows[0]['m']}")
+    _legend_below(ax1, ncol=2, dy=-0.12)
+    for row, ls in zip([r for r in rows if r["name"] in ("afab", "1f1b")], ("-", "--")):
+        for r in row["ranks"]:
+            ax2.plot([a[3] / MiB for a in r["curve"]], ls, color=stage_colors[r["rank"]], lw=1.3,
+                     label=f"{LABELS[row['name']]}, rank {r['rank']}")
+    ax2.set(xlabel="the rank's actions, in order", ylabel="MiB alive after the action",
+            title="alive activations through one step")
+    _legend_below(ax2, ncol=2, dy=-0.16)
+    fig.tight_layout()
+    return fig
+
+
+def plot_widget(name, p, m, v):
+    """The widget's picture: the simulated Gantt chart (unit costs) and the chunk-activations alive per rank."""
+    import matplotlib.pyplot as plt
+
+    sch = pp.build(name, p, m, v)
+    sim = pp.simulate(sch)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.5 * p + 1.8), gridspec_kw=dict(width_ratios=[4, 1]))
+    handles = draw_gantt(ax1, sim_bars(sim), p, f"{LABELS.get(name, name)}: p={p}, m={m}, v={sch.v}: bubble "
+                         f"{sim.bubble:.1%} of the step (t_F = 1, t_B = 2; split: t_F = t_B = t_W = 1)", labels=m <= 16)
+    ax1.set_xlabel("time", fontsize=FONT)
+    units = [x / sch.v for x in sim.peak_alive]
+    ax2.barh(range(p), units, color="#c44e52")
+    for r, u in enumerate(units):
+        ax2.text(u, r, f" {u:g}", va="center", fontsize=FONT)
+    ax2.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=FONT)
+    ax2.set_ylim(p - 0.5, -0.5)
+    ax2.set_xlim(0, max(units) * 1.3)
+    ax2.set_title("peak activations\n(micro-batches of a whole stage)", fontsize=9)
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=FONT, frameon=False)
+    fig.tight_layout(rect=(0, 0.1 if p < 4 else 0.06, 1, 1))
+    return fig, sim
+
+
+def plot_parity(pairs):
+    """_common.plot_parity with its legends under the axes."""
+    fig = _common.plot_parity(pairs, what="each schedule at pp=2")
+    fig.set_size_inches(10, 4.4)
+    for ax in fig.axes:
+        _legend_below(ax, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv=None):
+    args, names, out = _common.cli("07_pipeline_parallel", EXPERIMENTS, __doc__, argv=argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        sys.exit("run it on 2 or more processes: torchrun --nproc_per_node 2 lessons/07_pipeline_parallel/experiment.py")
+    mesh = Mesh.init(pp=world)
+    try:
+        st = settings(args.fast, mesh.device.type)
+        env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, pp=world, torch=torch.__version__,
+                   threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
+        for name in names:
+            t0 = time.perf_counter()
+            result = globals()[f"exp_{name}"](mesh, st, out)
+            _common.saved(name, out / f"{name}_pp{world}.json", dict(env, results=result), t0, mesh.rank)
+    finally:
+        mesh.destroy()
+
+
+if __name__ == "__main__":
+    main()
