@@ -252,7 +252,7 @@ lesson.plot_bubbles(rows); plt.show()
 # when another program slowed one rank for a whole run, the measured costs carry that too. What it does not know is
 # the time between actions and the messages' delivery: gloo moves a message with its own threads, which need a core
 # while both ranks compute on our two, so a message sometimes arrives milliseconds after it was sent. That costs most
-# where actions are short and messages many — interleaving and ZB-V, whose measured bubble sits a few points above
+# where actions are short and messages many — interleaving and ZB-V, whose measured bubble sits a point or two above
 # the simulated one. (`experiment.latency_of` measures the median delay of the messages a rank waited for, and the
 # row keeps the simulation with it as `sim_measured_latency`; applied to every message it overshoots, since most
 # arrive before they are needed.) The step-to-step range printed on the right is the noise of a shared machine; the
