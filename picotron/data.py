@@ -27,8 +27,9 @@ through that block. With the global batch G fixed, the SET of rows in one step i
 the same tensors, merely handed to other (rank, micro-step) slots: dp=2 x grad_acc=1 trains on
 exactly the batches dp=1 x grad_acc=2 does. That is what makes the data-parallel parity tests possible.
 
-Context parallelism (a later lesson) will slice each row along the sequence dimension here as well;
-every cp rank of a dp group receives the same rows, so it does not enter the offsets.
+Context parallelism slices each row along the sequence: every cp rank of a dp group draws the same rows (cp
+does not enter the offsets) and keeps the columns at its ``positions`` (``context_parallel.positions``: two
+chunks of 2·cp), which travel with the batch so that RoPE sees each token's true position.
 """
 from __future__ import annotations
 
@@ -287,9 +288,16 @@ class DataLoader:
     step engine runs) and ``.val_batches(n)``."""
 
     def __init__(self, data: TokenData, *, seq_len: int, micro_batch_size: int, grad_acc: int = 1,
-                 dp_size: int = 1, dp_rank: int = 0, seed: int = 0):
+                 dp_size: int = 1, dp_rank: int = 0, seed: int = 0, positions: torch.Tensor | None = None):
         self.data, self.seq_len, self.micro_batch_size = data, seq_len, micro_batch_size
         self.grad_acc, self.dp_size, self.dp_rank, self.seed = grad_acc, dp_size, dp_rank, seed
+        # the token positions this rank keeps of every row (context parallelism), in its order; default all
+        self.positions = torch.arange(seq_len) if positions is None else positions.long()
+
+    def _keep(self, x, y):
+        if len(self.positions) == self.seq_len and bool((self.positions == torch.arange(self.seq_len)).all()):
+            return Batch(x, y, self.positions)
+        return Batch(x[:, self.positions], y[:, self.positions], self.positions)
 
     @property
     def global_batch(self) -> int:
@@ -302,14 +310,14 @@ class DataLoader:
                          dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.seed)
 
     def micro_batches(self, step: int):
-        """This rank's grad_acc micro-batches of optimizer step `step`, as `Batch`es."""
-        positions = torch.arange(self.seq_len)
-        return [Batch(*self.batch(step, k), positions) for k in range(self.grad_acc)]
+        """This rank's grad_acc micro-batches of optimizer step `step`, as `Batch`es (its tokens of each row)."""
+        return [self._keep(*self.batch(step, k)) for k in range(self.grad_acc)]
 
     def val_batches(self, n: int):
-        """Yield ``n`` fixed validation batches of [micro_batch_size, seq_len], identical on every rank
-        and for every layout (a trainer may still split them over dp ranks and average)."""
+        """Yield ``n`` fixed validation `Batch`es of [micro_batch_size, seq_len] rows, the same rows on every rank
+        and for every layout (a trainer may still split them over dp ranks and average); each rank gets its
+        tokens of them, as in training."""
         b = self.micro_batch_size
         offsets = val_offsets(len(self.data.val), n * b, self.seq_len)
         for k in range(n):
-            yield _windows(self.data.val, offsets[k * b: (k + 1) * b], self.seq_len)
+            yield self._keep(*_windows(self.data.val, offsets[k * b: (k + 1) * b], self.seq_len))

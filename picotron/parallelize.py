@@ -6,7 +6,8 @@ builds this rank's part of the model and everything a training step needs:
 
     1. the model on the meta device (shapes only: no memory, no init cost);
     2. tensor parallelism swaps linears, embedding and norms for sharded ones (mesh.tp; nothing at tp = 1);
-       (context parallelism will swap the attention core, expert parallelism the MLP: see the slots below);
+       context parallelism swaps every attention core for ring (or all-gather) attention (mesh.cp);
+       (expert parallelism will swap the MLP: see the slot below);
        pipeline parallelism keeps this rank's stages (chunks) of the layers, names unchanged;
     3. materialise on the device and initialise: every value depends on the seed and the parameter's name
        only, so every layout starts from the same weights, each rank holding its slices;
@@ -26,7 +27,7 @@ from functools import partial
 
 import torch
 
-from picotron import data_parallel, pipeline_parallel, schedule, tensor_parallel, zero, zero3
+from picotron import context_parallel, data_parallel, pipeline_parallel, schedule, tensor_parallel, zero, zero3
 from picotron.model import Llama, loss_fn
 
 
@@ -66,7 +67,8 @@ def build_model(cfg, mesh, store=None):
         with torch.device("meta"):
             model = Llama(mc)
         tensor_parallel.apply(model, mesh.tp, sp=cfg.sp)  # a no-op when tp = 1
-        # slots, in this order: context_parallel.apply (attention core), expert_parallel.apply (MLP)
+        context_parallel.apply(model, mesh.cp, impl=cfg.cp_impl, layout=cfg.cp_layout)  # a no-op when cp = 1
+        # slot: expert_parallel.apply (MLP)
         return model
 
     plan = pipeline_schedule(cfg, mesh.pp.size)
@@ -125,13 +127,15 @@ def parallelize(cfg, mesh, recorder=None):
     tp = mesh.tp.size > 1
     autocast = autocast_for(cfg, mesh.device)
     if plan is None:
-        steps = schedule.OneStage(loss_axis, mesh.device, autocast)
+        steps = schedule.OneStage(loss_axis, mesh.device, autocast, tokens=mesh.cp)
         sampler = tensor_parallel.FullVocabLogits(raw, mesh.tp, sp=cfg.sp) if tp else raw
     else:  # the step engine runs the pipeline schedule; text and evaluation go through the stages too
         steps = pipeline_parallel.Pipeline(plan, mesh, raw.config.hidden_size, seq_div=mesh.tp.size if cfg.sp else 1,
                                            ends=mesh.pp_ends, autocast=autocast, store=store)
         sampler = pipeline_parallel.PipelineSampler(
             raw, steps, head=partial(tensor_parallel.gather_vocab, axis=mesh.tp) if tp else None)
+    if mesh.cp.size > 1:  # text: every rank runs the prompt whole (attention not split)
+        sampler = context_parallel.WholeSequence(sampler, raw)
     return Parallelized(
         model=model, raw=raw, optimizer=optimizer, schedule=steps,
         loss_fn=partial(tensor_parallel.loss_fn, axis=mesh.tp) if tp else loss_fn,  # tp: vocab-parallel
@@ -145,7 +149,8 @@ def describe(cfg, mesh):
     if cfg.zero:
         parts.append(f"ZeRO-{cfg.zero} over dp*cp={mesh.dp_cp.size}")
     elif mesh.dp_cp.size > 1:
-        parts.append(f"data parallel ({cfg.dp_impl}" + (f", {cfg.bucket_mb:g} MiB buckets)" if cfg.dp_impl == "bucket"
+        over = f" over dp*cp={mesh.dp_cp.size}" if mesh.cp.size > 1 else ""
+        parts.append(f"data parallel{over} ({cfg.dp_impl}" + (f", {cfg.bucket_mb:g} MiB buckets)" if cfg.dp_impl == "bucket"
                                                           else ")"))
     if mesh.tp.size > 1:
         parts.append(f"tensor parallel tp={mesh.tp.size}" + (" + sequence parallel" if cfg.sp else ""))
@@ -153,9 +158,11 @@ def describe(cfg, mesh):
         v = pipeline_parallel.chunks_of(cfg.pp_schedule, cfg.pp_chunks)
         parts.append(f"pipeline pp={mesh.pp.size} ({cfg.pp_schedule}, {cfg.grad_acc} micro-batches"
                      + (f", {v} chunks per rank)" if v > 1 else ")"))
+    if mesh.cp.size > 1:
+        parts.append(f"context parallel cp={mesh.cp.size} ({cfg.cp_impl}, {cfg.cp_layout})")
     if cfg.collectives == "ours":
         parts.append("collectives from send/recv (lesson 02)")
     return " | ".join(parts) or "one process"
 
 
-STRATEGIES = (data_parallel, zero, tensor_parallel, pipeline_parallel)  # each exports check(cfg, model_config); config calls them
+STRATEGIES = (data_parallel, zero, tensor_parallel, context_parallel, pipeline_parallel)  # each exports check(cfg, model_config); config calls them

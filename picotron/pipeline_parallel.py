@@ -761,7 +761,7 @@ class Pipeline:
             _, y, _ = _triple(batch)
             out = self.forward_only(stage, batch, head=lambda z: loss_fn(z, y.to(z.device)))
             t = torch.zeros((), device=self.mesh.device) if out is None else out.float()
-            losses.append(_from_last(t, self.pp, self.schedule).item())
+            losses.append(self.mesh.cp.mean(_from_last(t, self.pp, self.schedule)).item())  # cp: tokens split
         stage.train()
         return sum(losses) / len(losses)
 

@@ -30,8 +30,9 @@ class OneStage:
     `timeline` (a metrics.Timeline, for lessons): each micro-batch's "forward" and "backward" and the final
     "wait" for the gradient sync become events on it (each synchronises the device to time the work)."""
 
-    def __init__(self, replicas, device, autocast=nullcontext, timeline=None):
+    def __init__(self, replicas, device, autocast=nullcontext, timeline=None, tokens=None):
         self.replicas, self.device, self.autocast = replicas, device, autocast
+        self.tokens = tokens  # the cp axis: ranks holding different tokens of the same rows (evaluation averages)
         self.timeline = timeline
         self.activation_bytes = 0
 
@@ -62,12 +63,14 @@ class OneStage:
 
     @torch.no_grad()
     def evaluate(self, model, batches, loss_fn):
-        """The mean loss over `batches`, forward only (every rank runs it: ZeRO-3 and tp forwards are collective)."""
+        """The mean loss over `batches`, forward only (every rank runs it: ZeRO-3 and tp forwards are collective);
+        under cp each rank sees its tokens of each batch, and the mean is taken over the cp ranks."""
         model.eval()
         losses = []
         for batch in batches:
             x, y, positions = self._to_device(batch)
             with self.autocast():
-                losses.append(loss_fn(model(x, positions), y).item())
+                loss = loss_fn(model(x, positions), y).float()
+            losses.append((loss if self.tokens is None else self.tokens.mean(loss)).item())
         model.train()
         return sum(losses) / len(losses)

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch
 
 from picotron import config as config_mod
-from picotron import checkpoint, data, launch, metrics
+from picotron import checkpoint, context_parallel, data, launch, metrics
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.model import generate
@@ -92,16 +92,19 @@ def lr_at(step, cfg):
 
 
 def load_data(cfg, mesh):
-    """The tokenizer and this rank's loader (its dp rank's rows; the tp ranks of a replica read the same)."""
+    """The tokenizer and this rank's loader (its dp rank's rows, its cp rank's tokens of them; the tp ranks of a
+    replica read the same)."""
     tokenizer = data.get_tokenizer(cfg.tokenizer)
     tokens = tokenizer.encode_tensor(data.load_text(cfg.data))
     try:
         data.check_size(cfg.data, len(tokens), cfg.seq_len)
     except data.DataError as e:
         raise Stopped(f"picotron: error: {e}", 2) from None
+    keep = context_parallel.positions(cfg.seq_len, mesh.cp.size, mesh.cp.rank, cfg.cp_layout) if mesh.cp.size > 1 \
+        else None  # context parallelism: this rank's tokens of every row
     loader = data.DataLoader(data.TokenData(tokens, tokenizer.vocab_size),
                              seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, grad_acc=cfg.grad_acc,
-                             dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed)
+                             dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed, positions=keep)
     return tokenizer, loader
 
 

@@ -184,7 +184,7 @@ def test_train_and_val_are_disjoint(corpus):
     assert offsets.max() > len(corpus.train) - 50_000  # ...but do reach its end
     loader = DataLoader(corpus, seq_len=seq_len, micro_batch_size=8)
     val_text = ByteTokenizer().decode(corpus.val)
-    for x, y in loader.val_batches(3):
+    for x, y, _ in loader.val_batches(3):
         assert torch.equal(x[:, 1:], y[:, :-1])
         assert all(ByteTokenizer().decode(r) in val_text for r in x)
 
@@ -194,7 +194,7 @@ def test_val_batches_are_fixed_and_layout_independent(corpus):
     b = list(DataLoader(corpus, seq_len=32, micro_batch_size=4, grad_acc=2, dp_size=4, dp_rank=3,
                         seed=9).val_batches(5))
     assert len(a) == 5 and all(torch.equal(u[0], v[0]) and torch.equal(u[1], v[1]) for u, v in zip(a, b))
-    assert len({r for x, _ in a for r in rows_of(x)}) == 20  # distinct, spread over the split
+    assert len({r for x, _, _ in a for r in rows_of(x)}) == 20  # distinct, spread over the split
 
 
 def test_bad_arguments_are_rejected(corpus):
@@ -204,3 +204,25 @@ def test_bad_arguments_are_rejected(corpus):
         get_batch(corpus.train, 0, 0, seq_len=8, micro_batch_size=2, dp_size=2, dp_rank=2)
     with pytest.raises(ValueError, match="too few"):
         get_batch(torch.arange(5), 0, 0, seq_len=8, micro_batch_size=2)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_context_parallel_ranks_hold_their_tokens_of_the_same_rows(corpus, layout):
+    """Each cp rank gets the same rows, keeps its two chunks of every one, with their true positions; the pieces
+    put back together are the whole batch (training and validation)."""
+    from picotron import context_parallel as cpm
+    whole = DataLoader(corpus, seq_len=32, micro_batch_size=2, grad_acc=2)
+    for cp in (2, 4):
+        ranks = [DataLoader(corpus, seq_len=32, micro_batch_size=2, grad_acc=2,
+                            positions=cpm.positions(32, cp, r, layout)) for r in range(cp)]
+        for k, full in enumerate(whole.micro_batches(3)):
+            pieces = [loader.micro_batches(3)[k] for loader in ranks]
+            assert all(p.inputs.shape == (2, 32 // cp) for p in pieces)
+            assert torch.equal(cpm.unsplit([p.inputs for p in pieces], layout), full.inputs)
+            assert torch.equal(cpm.unsplit([p.targets for p in pieces], layout), full.targets)
+            assert torch.equal(torch.sort(torch.cat([p.positions for p in pieces])).values, torch.arange(32))
+            for p in pieces:  # a token's position is its column in the full row
+                assert torch.equal(full.inputs[:, p.positions], p.inputs)
+        val = [list(loader.val_batches(2)) for loader in ranks]
+        for k, full in enumerate(whole.val_batches(2)):
+            assert torch.equal(cpm.unsplit([v[k].inputs for v in val], layout), full.inputs)

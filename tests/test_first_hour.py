@@ -283,7 +283,7 @@ def test_help_is_a_reference():
         assert f"--{field.replace('_', '-')}" in text, field
     assert "one of fp32, bf16" in text and "one of 0, 1, 2, 3" in text and "one of naive, overlap, bucket, ddp" in text
     assert "one of none, selective, full" in text and "0 = no clipping" in text
-    assert "arrive with lessons 06 and 08" in text and "--pp-schedule" in text and "any mix" not in text
+    assert "arrives with lesson 08" in text and "--pp-schedule" in text and "--cp-impl" in text and "any mix" not in text
 
 
 # ------------------------------------------------------------------------------------- run.sh

@@ -1,0 +1,405 @@
+"""Context parallelism: every sequence cut over the cp ranks; attention passes K/V around a ring.
+
+Everything in a transformer layer but attention works token by token, so a rank holding only some of a
+sequence's tokens can run it alone. Attention needs every earlier token's key and value. Two ways to give
+them to it:
+
+    ring        each rank keeps its queries; the K/V blocks travel the ring of cp ranks (rank r sends to
+                r+1, receives from r-1), one block per step for cp steps, the next block in flight while the
+                current one is computed. Each step's partial output is merged into the running one with the
+                log-sum-exp of its scores (the online softmax), so the result is exactly full attention.
+                Backward walks the ring again: dQ stays, dK/dV travel with their block and arrive home last.
+    allgather   gather all of K/V once (an all-gather; its backward is a reduce-scatter), attend locally:
+                simple, but every rank holds the whole K/V for a moment (the baseline).
+
+Layouts: the sequence is cut into 2·cp chunks of c = s/(2·cp) tokens, and each rank holds two of them.
+
+    contiguous  rank r holds chunks 2r and 2r+1 (one block). Causal: the last rank attends to everything,
+                the first to its own block only: the work is unbalanced, ranks wait for the slowest.
+    zigzag      rank r holds chunks r and 2cp-1-r. Every rank gets one early and one late chunk, and at
+                every ring step exactly half of a block's (query chunk, key chunk) pairs are visible.
+
+    cp = 2, 4 chunks:   contiguous  rank 0: [0 1]  rank 1: [2 3]
+                        zigzag      rank 0: [0 3]  rank 1: [1 2]
+
+Causal masking, chunk by chunk: a query chunk qc sees a key chunk kc whole when kc < qc, with the causal
+mask when kc == qc (only at the ring's first step, a rank's own block), and not at all when kc > qc
+(skipped: no compute). Positions: each rank's tokens keep their true positions (`positions`), which the
+loader hands out with the tokens and RoPE uses; nothing else in the model needs to know.
+
+GQA: only the KV heads travel (a/k times fewer bytes than the repeated heads); a block is computed with the
+query heads grouped over their KV head, never repeating K/V.
+
+    context_parallel.apply(model, mesh.cp, impl="ring", layout="zigzag")   # swaps every Attention.core
+
+Gradients of every (replicated) parameter are then averaged over dp x cp by the data-parallel wrapper:
+context ranks see different tokens of the same sequences, so their gradients differ and must be averaged,
+also when dp = 1.
+"""
+import math
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from picotron.model import AttentionCore, apply_rope
+
+IMPLS = ("ring", "allgather")
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# ================================================================================= who holds which tokens
+def chunks_of(rank, cp, layout="zigzag"):
+    """The two chunk indices (of 2·cp) rank `rank` holds, in the order they sit in its local sequence."""
+    if layout == "zigzag":
+        return (rank, 2 * cp - 1 - rank)
+    if layout == "contiguous":
+        return (2 * rank, 2 * rank + 1)
+    raise ValueError(f"unknown cp layout {layout!r}; use one of {LAYOUTS}.")
+
+
+def positions(seq_len, cp, rank, layout="zigzag"):
+    """The true positions (0..seq_len-1) of the tokens rank `rank` holds, in its local order: [seq_len / cp]."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len={seq_len} does not split into 2*cp={2 * cp} equal chunks.")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunks_of(rank, cp, layout)])
+
+
+def split(x, cp, rank, layout="zigzag", dim=1):
+    """This rank's tokens of a full sequence tensor (its positions along `dim`)."""
+    return x.index_select(dim, positions(x.shape[dim], cp, rank, layout).to(x.device))
+
+
+def unsplit(pieces, layout="zigzag", dim=1):
+    """The full sequence from every rank's piece (pieces[r] = split(x, cp, r)): the inverse of `split`."""
+    cp = len(pieces)
+    s = pieces[0].shape[dim] * cp
+    order = torch.cat([positions(s, cp, r, layout) for r in range(cp)])
+    full = torch.cat(pieces, dim=dim)
+    return full.index_select(dim, torch.argsort(order).to(full.device))
+
+
+def visibility(q_chunk, k_chunk):
+    """How query chunk q_chunk sees key chunk k_chunk under the causal mask: 'all', 'causal' or 'none'."""
+    return "all" if k_chunk < q_chunk else "causal" if k_chunk == q_chunk else "none"
+
+
+# ================================================================================= one block, by hand
+def _acc_dtype(t):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _scores(q, k, causal, scale):
+    """Grouped scores [b, kv_heads, group, cq, ck] in the accumulation dtype (fp32, or fp64 for fp64 inputs)."""
+    b, a, cq, d = q.shape
+    kh = k.shape[1]
+    qg = q.reshape(b, kh, a // kh, cq, d).to(_acc_dtype(q))
+    s = (qg @ k.to(qg.dtype).unsqueeze(2).transpose(-2, -1)) * scale
+    if causal:  # the diagonal block: query i sees keys 0..i of it
+        future = torch.ones(cq, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(future, float("-inf"))
+    return s
+
+
+def block_forward(q, k, v, causal, scale):
+    """softmax(q k^T · scale) v over one block, and the log-sum-exp of each query's scores.
+
+    q [b, a, cq, d], k/v [b, kh, ck, d] (a multiple of kh query heads) -> out [b, a, cq, d], lse [b, a, cq],
+    both in the accumulation dtype. out is normalised: out = exp(s - lse) v."""
+    b, a, cq, d = q.shape
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = p @ v.to(p.dtype).unsqueeze(2)
+    return out.reshape(b, a, cq, d), lse.reshape(b, a, cq)
+
+
+def merge(out, lse, out_b, lse_b):
+    """The attention over the union of two key sets from each set's normalised output and log-sum-exp.
+
+    With L = log(e^lse + e^lse_b) (computed as logaddexp: no exp of a large number is ever formed), the
+    weights e^(lse - L) and e^(lse_b - L) are each at most 1, and sum to 1: out = w·out + w_b·out_b."""
+    if out is None:
+        return out_b, lse_b
+    new = torch.logaddexp(lse, lse_b)
+    return (out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1)), new
+
+
+def block_backward(q, k, v, dout, lse, delta, causal, scale):
+    """Gradients of one block's share of the attention, given the FINAL lse and delta = rowsum(dout * out).
+
+    With P = exp(S - lse) (this block's probabilities under the full softmax): dV = P^T dout,
+    dP = dout V^T, dS = P * (dP - delta), dQ = dS K · scale, dK = dS^T Q · scale. Returns dq [b, a, cq, d]
+    and dk, dv [b, kh, ck, d] (summed over each KV head's group of query heads), in the accumulation dtype."""
+    b, a, cq, d = q.shape
+    kh = k.shape[1]
+    s = _scores(q, k, causal, scale)
+    p = torch.exp(s - lse.reshape(b, kh, a // kh, cq).unsqueeze(-1))
+    dog = dout.reshape(b, kh, a // kh, cq, d).to(p.dtype)
+    dv = (p.transpose(-2, -1) @ dog).sum(2)
+    dp = dog @ v.to(p.dtype).unsqueeze(2).transpose(-2, -1)
+    ds = p * (dp - delta.reshape(b, kh, a // kh, cq).unsqueeze(-1))
+    dq = (ds @ k.to(p.dtype).unsqueeze(2)) * scale
+    dk = (ds.transpose(-2, -1) @ q.reshape(b, kh, a // kh, cq, d).to(p.dtype)).sum(2) * scale
+    return dq.reshape(b, a, cq, d), dk, dv
+
+
+# ================================================================================= the ring
+class _Ring:
+    """One exchange per ring step: send a tensor to the next rank, receive the same shape from the previous."""
+
+    TAGS = {"kv": 1, "dkv": 2}  # K/V and their gradients never mistake one another
+
+    def __init__(self, axis, core):
+        self.axis, self.core = axis, core
+        n, r = axis.size, axis.rank
+        self.next, self.prev = axis.ranks[(r + 1) % n], axis.ranks[(r - 1) % n]
+
+    def start(self, t, what):
+        buf = torch.empty_like(t)
+        t = t.contiguous()
+        tag = self.TAGS[what]
+        works = [dist.isend(t, dst=self.next, group=self.axis.group, tag=tag),
+                 dist.irecv(buf, src=self.prev, group=self.axis.group, tag=tag)]
+        self.core.count(what, t.numel() * t.element_size())
+        return buf, works, t  # keep t alive until the send completes
+
+    def finish(self, pending, step, what):
+        buf, works, _ = pending
+        with self.core.phase("wait", step=step, what=what):
+            for w in works:
+                w.wait()
+        return buf
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence, K/V passed around `axis`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, axis, layout, core):
+        with torch.autocast(q.device.type, enabled=False):  # the block math stays in fp32 under bf16 autocast
+            return RingAttention._forward(ctx, q, k, v, axis, layout, core)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, axis, layout, core):
+        n, r = axis.size, axis.rank
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        ring, mine = _Ring(axis, core), chunks_of(r, n, layout)
+        qs = q.chunk(2, dim=2)
+        outs, lses = [None, None], [None, None]
+        kv = torch.stack([k, v])  # one message per step: [2, b, kv_heads, s/cp, d]
+        for step in range(n):
+            pending = ring.start(kv, "kv") if step + 1 < n else None  # the next block travels meanwhile
+            theirs = chunks_of((r - step) % n, n, layout)
+            with core.phase("attention", step=step):
+                for i in range(2):
+                    for j, (kc, vc) in enumerate(zip(kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2))):
+                        seen = visibility(mine[i], theirs[j])
+                        if seen != "none":
+                            o, l = block_forward(qs[i], kc, vc, seen == "causal", scale)
+                            outs[i], lses[i] = merge(outs[i], lses[i], o, l)
+            if pending is not None:
+                kv = ring.finish(pending, step, "kv")
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.axis, ctx.layout, ctx.core, ctx.scale = axis, layout, core, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return RingAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        axis, layout, core, scale = ctx.axis, ctx.layout, ctx.core, ctx.scale
+        n, r = axis.size, axis.rank
+        ring, mine = _Ring(axis, core), chunks_of(r, n, layout)
+        delta = (dout.to(out.dtype) * out).sum(-1)  # rowsum(dO * O) with the final O
+        qs, dos = q.chunk(2, dim=2), dout.chunk(2, dim=2)
+        lse_i, delta_i = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        dq = [torch.zeros_like(t, dtype=out.dtype) for t in qs]
+        kv = torch.stack([k, v])
+        dkv, dkv_pending = None, None  # the gradient of the block held now, as far as the ranks before got
+        for step in range(n):
+            kv_pending = ring.start(kv, "kv") if step + 1 < n else None
+            theirs = chunks_of((r - step) % n, n, layout)
+            mine_dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
+            with core.phase("attention-backward", step=step):
+                for i in range(2):
+                    for j, (kc, vc) in enumerate(zip(kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2))):
+                        seen = visibility(mine[i], theirs[j])
+                        if seen != "none":
+                            g_q, g_k, g_v = block_backward(qs[i], kc, vc, dos[i], lse_i[i], delta_i[i],
+                                                           seen == "causal", scale)
+                            dq[i] += g_q
+                            mine_dkv[0].chunk(2, dim=2)[j].add_(g_k)
+                            mine_dkv[1].chunk(2, dim=2)[j].add_(g_v)
+            if dkv_pending is not None:  # what the previous ranks added to this block's gradient
+                mine_dkv += ring.finish(dkv_pending, step, "dkv")
+            dkv = mine_dkv
+            dkv_pending = ring.start(dkv, "dkv")  # on to the next rank, which holds this block next (or owns it)
+            if kv_pending is not None:
+                kv = ring.finish(kv_pending, step, "kv")
+        dkv = ring.finish(dkv_pending, n, "dkv")  # my own block's gradient, home after a full turn
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+# ================================================================================= the all-gather baseline
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along `axis` (dim 0 of the result = the rank); backward: reduce-scatter (the sum of every
+    rank's gradient for this rank's piece)."""
+
+    @staticmethod
+    def forward(ctx, t, axis, core):
+        t = t.contiguous()
+        out = torch.empty((axis.size * t.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
+        axis.all_gather_into(out, t)
+        out = out.view((axis.size,) + t.shape)
+        core.count("kv", t.numel() * t.element_size() * (axis.size - 1))
+        ctx.axis, ctx.core = axis, core
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        axis = ctx.axis
+        piece = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
+        axis.reduce_scatter_into(piece, grad.contiguous().view((-1,) + grad.shape[2:]))
+        ctx.core.count("dkv", piece.numel() * piece.element_size() * (axis.size - 1))
+        return piece, None, None
+
+
+def allgather_attention(q, k, v, axis, layout, core):
+    """Gather every rank's K/V once, then attend this rank's queries to the whole sequence (masked by position)."""
+    n, s = axis.size, q.shape[2] * axis.size
+    kv = _GatherSequence.apply(torch.stack([k, v]), axis, core)  # [n, 2, b, kh, s/n, d], in rank order
+    k_all = torch.cat(list(kv[:, 0]), dim=2)
+    v_all = torch.cat(list(kv[:, 1]), dim=2)
+    k_pos = torch.cat([positions(s, n, r, layout) for r in range(n)]).to(q.device)
+    q_pos = positions(s, n, axis.rank, layout).to(q.device)
+    with core.phase("attention"):
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=q_pos[:, None] >= k_pos[None, :],
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
+# ================================================================================= the model's seam
+class ContextParallelAttention(nn.Module):
+    """What replaces `model.AttentionCore` under cp: RoPE at each token's true position (the positions came
+    with the batch), then ring or all-gather attention over `axis`.
+
+    `bytes`: what this layer sent since the last `reset()`, by kind ("kv" forward, "dkv" backward);
+    `timeline` (a metrics.Timeline, for lessons): each ring step's compute and its waits become events.
+    `whole = True` (see `whole_sequence`) makes it plain causal attention over a full, unsplit sequence,
+    which every rank then computes alike: what generating text needs."""
+
+    def __init__(self, axis, impl="ring", layout="zigzag"):
+        super().__init__()
+        if impl not in IMPLS:
+            raise ValueError(f"unknown cp impl {impl!r}; use one of {IMPLS}.")
+        chunks_of(0, 1, layout)  # validates the name
+        self.axis, self.impl, self.layout = axis, impl, layout
+        self.whole, self.timeline, self.layer = False, None, None
+        self.reset()
+
+    def reset(self):
+        self.bytes = {"kv": 0, "dkv": 0}
+
+    def count(self, what, nbytes):
+        self.bytes[what] += nbytes
+
+    def phase(self, name, **info):
+        if self.timeline is None:
+            return nullcontext()
+        return self.timeline.record(name, layer=self.layer, **info)
+
+    def forward(self, q, k, v, cos, sin):
+        q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        if self.whole or self.axis.size == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.impl == "ring":
+            return RingAttention.apply(q, k, v, self.axis, self.layout, self)
+        return allgather_attention(q, k, v, self.axis, self.layout, self)
+
+    def extra_repr(self):
+        return f"cp={self.axis.size}, {self.impl}, {self.layout}"
+
+
+def cores(model):
+    """Every ContextParallelAttention in `model`."""
+    return [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
+
+
+def apply(model, axis, impl="ring", layout="zigzag"):
+    """Swap every layer's attention core of `model` (a Llama) for context-parallel attention over `axis` (the
+    mesh's cp axis), in place; cp = 1 leaves the model untouched. The batches must then hold this rank's
+    tokens (`split`) with their positions."""
+    if axis.size == 1:
+        return model
+    for i, layer in zip(model.layers.indices(), model.layers):
+        attn = layer.self_attn
+        if not isinstance(attn.core, AttentionCore):
+            raise ValueError(f"layer {i}'s attention core is already {type(attn.core).__name__}.")
+        attn.core = ContextParallelAttention(axis, impl, layout)
+        attn.core.layer = i
+    return model
+
+
+@contextmanager
+def whole_sequence(model):
+    """Inside: the model's context-parallel cores attend over the full sequence each rank is given."""
+    found = cores(model)
+    for c in found:
+        c.whole = True
+    try:
+        yield
+    finally:
+        for c in found:
+            c.whole = False
+
+
+class WholeSequence(nn.Module):
+    """ids -> logits through `inner` with full-sequence attention in `model` (text generation under cp:
+    every rank runs the same prompt whole, so ZeRO-3's gathers and tp's collectives stay in step)."""
+
+    def __init__(self, inner, model):
+        super().__init__()
+        self.inner, self.model, self.config = inner, model, model.config
+
+    def forward(self, ids):
+        with whole_sequence(self.model):
+            return self.inner(ids)
+
+
+def bytes_per_step_formula(cp, b, seq_len, kv_heads, head_dim, layers, elem=4, impl="ring", micro_batches=1):
+    """Bytes one rank sends per optimizer step for attention's K/V under cp (recomputation adds its forwards).
+
+    A block is one rank's K and V: 2·b·kh·(s/cp)·d elements. ring: cp-1 blocks forward, cp-1 again in backward
+    (the ring is walked again rather than keeping every block), and cp dK/dV blocks, accumulated in fp32 (the
+    last one goes home); allgather: cp-1 blocks out in the gather and cp-1 gradient blocks in the reduce-scatter."""
+    block = 2 * b * kv_heads * (seq_len // cp) * head_dim
+    if impl == "ring":
+        per_layer = block * (2 * (cp - 1) * elem + cp * max(elem, 4))
+    else:
+        per_layer = block * 2 * (cp - 1) * elem
+    return layers * micro_batches * per_layer
+
+
+# ================================================================================= the rules
+def check(cfg, model_config):
+    """Context parallelism's rules: the one-sentence problem with these settings, or None."""
+    if cfg.cp == 1:
+        return None
+    if cfg.seq_len % (2 * cfg.cp):
+        good = [c for c in range(1, 65) if cfg.seq_len % (2 * c) == 0][:8]
+        fix = f"pick cp in {{{', '.join(map(str, good))}}} or " if good else ""
+        return (f"cp={cfg.cp} needs seq_len={cfg.seq_len} divisible by 2*cp={2 * cfg.cp} (each rank holds two of "
+                f"2*cp equal chunks of every sequence); {fix}a seq_len that is a multiple of {2 * cfg.cp}.")
+    if model_config.attn_impl == "eager":
+        return (f"attn_impl='eager' with cp={cfg.cp}: context parallelism computes attention block by block itself "
+                f"(the s x s score matrix is never formed whole), so the eager path would never run; drop "
+                f"--attn-impl eager.")
+    return None
