@@ -182,6 +182,22 @@ def test_whole_model_matches_one_process(tmp_path, layout):
     _check(tmp_path, layout)
 
 
+def _unsynced_child(out):
+    """cp = 2, dp = 1 with the gradient averaging over the cp ranks left out (a peer's bug): each rank keeps the
+    gradient of its own tokens' loss only."""
+    from picotron import data_parallel, parallelize as par
+    par.wrap_for_sync = lambda raw, cfg, axis: data_parallel.Local(raw)
+    return _model_child(dict(cp=2), out)[0]
+
+
+def test_the_parity_check_catches_gradients_not_averaged_over_cp(tmp_path):
+    """The parity test above can fail: skip the dp x cp average at dp = 1 and the gradients are wrong."""
+    grads = run_on_ranks(_unsynced_child, 2, str(tmp_path / "cp"), timeout_s=120)[0]
+    ref = run_on_ranks(_model_child, 1, {}, str(tmp_path / "ref"), timeout_s=120)[0][0]
+    worst = max(((grads[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
+    assert worst > 0.1, worst
+
+
 def test_recompute_and_text_through_context_parallelism(tmp_path):
     """Selective recomputation reruns the ring in backward; the text sample (whole-sequence attention on every
     rank) is one process's."""
