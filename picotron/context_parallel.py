@@ -157,13 +157,18 @@ class _Ring:
         self.axis, self.core = axis, core
         n, r = axis.size, axis.rank
         self.next, self.prev = axis.ranks[(r + 1) % n], axis.ranks[(r - 1) % n]
+        self.batched = dist.get_backend(axis.group) == "nccl"
 
     def start(self, t, what):
         buf = torch.empty_like(t)
         t = t.contiguous()
-        tag = self.TAGS[what]
-        works = [dist.isend(t, dst=self.next, group=self.axis.group, tag=tag),
-                 dist.irecv(buf, src=self.prev, group=self.axis.group, tag=tag)]
+        tag, group = self.TAGS[what], self.axis.group
+        if self.batched:  # NCCL: one group call, else both ranks could sit in a send waiting for the other's receive
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, self.next, group, tag),
+                                            dist.P2POp(dist.irecv, buf, self.prev, group, tag)])
+        else:  # gloo: plain isend/irecv (batch_isend_irecv has hung on gloo in some versions)
+            works = [dist.isend(t, dst=self.next, group=group, tag=tag),
+                     dist.irecv(buf, src=self.prev, group=group, tag=tag)]
         self.core.count(what, t.numel() * t.element_size())
         return buf, works, t  # keep t alive until the send completes
 
