@@ -177,6 +177,12 @@ def test_simulated_schedules_match_the_closed_forms(lesson):
 # ------------------------------------------------------------------------------------------ the notebook
 def test_notebook_runs_in_fast_mode(run_notebook):
     text = run_notebook("07_pipeline_parallel", timeout=900)
+    failed = [line for line in text.splitlines() if "✗" in line]
+    if failed and all("measured bubble" in line for line in failed):
+        # only timing checks failed: another program took the cores (the line prints the disturbance). Measure again
+        # once; correctness checks are never retried.
+        print("retrying after a disturbed timing check:\n" + "\n".join(failed))
+        text = run_notebook("07_pipeline_parallel", timeout=900)
     assert "✗" not in text, text
     assert text.count("✓") >= 45, text
     assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
