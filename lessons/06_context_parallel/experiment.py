@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
@@ -186,41 +187,43 @@ def exp_memory(mesh, st, out):
     """Activation bytes of one forward of one rank's tokens (through parallelize, the loader and the loss) for every
     cp dividing the world size (the other ranks: data parallel), ring and all-gather, at every sequence length of
     the settings; then the longest sequence within the budget, by the formula, checked by measuring it and the next
-    length up."""
-    world, rows = mesh.world_size, []
+    length up. One model per (cp, impl): nothing in it depends on the sequence length (RoPE is computed from each
+    batch's positions)."""
+    world, rows, fits = mesh.world_size, [], []
     cps = [c for c in (1, 2, 4, 8) if world % c == 0]
-
-    def measure(cp, s, impl):
-        sub = Mesh.init(dp=world // cp, cp=cp)
-        try:
-            cfg = make_cfg(st["size"], seq_len=s, micro_batch_size=st["b"], dp=world // cp, cp=cp, cp_impl=impl,
-                           max_position_embeddings=max(1024, s))
-            run = par.parallelize(cfg, sub)
-            x, y, positions = load_data(cfg, sub)[1].micro_batches(1)[0]
-            with metrics.ActivationCounter(run.model) as counter:
-                loss = run.loss_fn(run.model(x, positions), y)
-            del loss
-            return counter.bytes, run.raw.config
-        finally:
-            sub.destroy()
-
+    budget, longest = st["budget_mib"] * MiB, 8192
     for cp in cps:
         for impl in (("ring", "allgather") if cp > 1 else ("ring",)):
-            for s in st["mem_seqs"]:
-                got, mc = measure(cp, s, impl)
-                mine = gather(got, mesh)
-                rows.append(dict(cp=cp, impl=impl, s=s, measured=mine[0], every_rank=mine,
-                                 formula=activation_bytes(mc, s, st["b"], cp, impl),
-                                 parts=activation_parts(mc, s, st["b"], cp, impl)))
-                _say(mesh, f"cp={cp} {impl:<9} s={s:<5}: {mine[0] / MiB:7.2f} MiB per rank measured, formula "
-                           f"{rows[-1]['formula'] / MiB:7.2f}")
-    budget, fits = st["budget_mib"] * MiB, []
-    for cp in cps:
-        s_max = longest_fitting(mc, st["b"], cp, budget)
-        at, above = measure(cp, s_max, "ring")[0], measure(cp, s_max + 2 * cp, "ring")[0]
-        fits.append(dict(cp=cp, s_max=s_max, at=at, above=above, budget=budget))
-        _say(mesh, f"budget {st['budget_mib']} MiB, cp={cp}: longest s = {s_max} ({at / MiB:.2f} MiB measured); "
-                   f"s = {s_max + 2 * cp}: {above / MiB:.2f} MiB")
+            sub = Mesh.init(dp=world // cp, cp=cp)
+            try:
+                cfg = make_cfg(st["size"], seq_len=2 * cp, micro_batch_size=st["b"], dp=world // cp, cp=cp,
+                               cp_impl=impl, max_position_embeddings=longest)
+                run = par.parallelize(cfg, sub)
+                mc = run.raw.config
+
+                def measure(s):
+                    x, y, positions = load_data(replace(cfg, seq_len=s), sub)[1].micro_batches(1)[0]
+                    with metrics.ActivationCounter(run.model) as counter:
+                        loss = run.loss_fn(run.model(x, positions), y)
+                    del loss
+                    return gather(counter.bytes, mesh)
+
+                for s in st["mem_seqs"]:
+                    mine = measure(s)
+                    rows.append(dict(cp=cp, impl=impl, s=s, measured=mine[0], every_rank=mine,
+                                     formula=activation_bytes(mc, s, st["b"], cp, impl),
+                                     parts=activation_parts(mc, s, st["b"], cp, impl)))
+                    _say(mesh, f"cp={cp} {impl:<9} s={s:<5}: {mine[0] / MiB:7.2f} MiB per rank measured, formula "
+                               f"{rows[-1]['formula'] / MiB:7.2f}")
+                if impl == "ring":
+                    s_max = longest_fitting(mc, st["b"], cp, budget, limit=longest - 2 * cp)
+                    at, above = measure(s_max)[0], measure(s_max + 2 * cp)[0]
+                    fits.append(dict(cp=cp, s_max=s_max, at=at, above=above, budget=budget))
+                    _say(mesh, f"budget {st['budget_mib']} MiB, cp={cp}: longest s = {s_max} ({at / MiB:.2f} MiB "
+                               f"measured); s = {s_max + 2 * cp}: {above / MiB:.2f} MiB")
+                del run
+            finally:
+                sub.destroy()
     return dict(rows=rows, fits=fits, b=st["b"], layers=mc.num_hidden_layers)
 
 
@@ -264,6 +267,7 @@ def exp_balance(mesh, st, out):
             core = cores[layout]
             qi, ki, vi, di, cos, sin = inputs[layout]
             qi, ki, vi = (t.clone().requires_grad_() for t in (qi, ki, vi))
+            core.reset()  # its bytes: this call's only
             dist.barrier(axis.group)
             core.timeline.events.clear()
             t0 = core.timeline.now()
@@ -282,7 +286,9 @@ def exp_balance(mesh, st, out):
                   t_all=t_all, t_causal=t_causal, layouts={})
     for layout in cpm.LAYOUTS:
         rs = reps[layout]
-        per_rank = {what: [min(r[what][k] for r in rs) for k in range(cp)] for what in ("cpu", "fwd_cpu", "bwd_cpu")}
+        per_rank = {what: [sum(min(r[what][k][j] for r in rs) for j in range(cp)) for k in range(cp)]
+                    for what in ("fwd_cpu", "bwd_cpu")}  # each ring step's quietest repeat: the noise filtered step by step
+        per_rank["cpu"] = [f + b for f, b in zip(per_rank["fwd_cpu"], per_rank["bwd_cpu"])]
         per_rank.update({what: [statistics.median(r[what][k] for r in rs) for k in range(cp)]
                          for what in ("wall", "wait_kv", "wait_dkv", "call")})
         quiet = min(range(len(rs)), key=lambda j: max(rs[j]["call"]))
@@ -293,7 +299,7 @@ def exp_balance(mesh, st, out):
                    predicted_costs=predicted_ratio(cp, layout, t_causal / t_all),
                    pairs=[pairs(r, cp, layout) for r in range(cp)], bytes=dict(cores[layout].bytes))
         result["layouts"][layout] = res
-        _say(mesh, f"cp={cp} {layout:<10} s={s}: attention per rank, forward + backward (CPU ms, the least of "
+        _say(mesh, f"cp={cp} {layout:<10} s={s}: attention per rank, forward + backward (CPU ms, each step's least of "
                    f"{len(rs)}) " + " ".join(f"{1e3 * x:7.1f}" for x in per_rank["cpu"])
                    + f" -> max/min {res['ratio']:.2f} (pairs predict {res['predicted']:.2f}, with the measured block "
                      f"costs {res['predicted_costs']:.2f}); forward alone {res['ratio_fwd']:.2f}, backward alone "
@@ -306,25 +312,23 @@ def exp_balance(mesh, st, out):
 def block_costs(reps, cp):
     """(t_all, t_causal): CPU seconds (forward + backward) of one whole block and of one causal (diagonal) block, read
     off zig-zag's ring steps: every step after the first computes two whole blocks, step 0 two causal blocks and
-    one whole. Each rank's least over the repeats, then the median over ranks."""
-    least = [[min(r["steps"][k][j] for r in reps) for j in range(cp)] for k in range(cp)]
+    one whole. Each rank's and step's least over the repeats, then the median over ranks and steps."""
+    least = [[min(r["fwd_cpu"][k][j] for r in reps) + min(r["bwd_cpu"][k][j] for r in reps) for j in range(cp)]
+             for k in range(cp)]
     t_all = statistics.median(x[j] / 2 for x in least for j in range(1, cp))
     return t_all, (statistics.median(x[0] for x in least) - t_all) / 2
 
 
 def summarize(every, cp):
-    """Per rank (lists by rank) of one forward + backward of the core: CPU seconds of its attention compute (all,
-    forward, backward, and per ring step forward + backward: steps[rank][step]), wall seconds of that compute, of
+    """Per rank (lists by rank) of one forward + backward of the core: CPU seconds of each ring step's attention
+    compute, forward and backward (fwd_cpu[rank][step], bwd_cpu[rank][step]); wall seconds of all that compute, of
     the waits for K/V and for dK/dV, and of the whole call."""
-    keys = ("cpu", "fwd_cpu", "bwd_cpu", "wall", "wait_kv", "wait_dkv", "call")
-    out = {k: [0.0] * cp for k in keys}
-    out["steps"] = [[0.0] * cp for _ in range(cp)]
+    out = {k: [0.0] * cp for k in ("wall", "wait_kv", "wait_dkv", "call")}
+    out.update(fwd_cpu=[[0.0] * cp for _ in range(cp)], bwd_cpu=[[0.0] * cp for _ in range(cp)])
     for r, mine in enumerate(every):
         for e in mine["events"]:
             if e["name"] in ("attention", "attention-backward"):
-                out["steps"][r][e["step"]] += e["cpu"]
-                out["cpu"][r] += e["cpu"]
-                out["fwd_cpu" if e["name"] == "attention" else "bwd_cpu"][r] += e["cpu"]
+                out["fwd_cpu" if e["name"] == "attention" else "bwd_cpu"][r][e["step"]] += e["cpu"]
                 out["wall"][r] += e["end"] - e["start"]
             elif e["name"] == "wait":
                 out[f"wait_{e['what']}"][r] += e["end"] - e["start"]

@@ -1,0 +1,570 @@
+"""Lesson 06's notebook, 06_context_parallel.ipynb, as plain Python in the percent format (see lessons/_notebook.py):
+edit this file, never the notebook.
+
+    python lessons/_notebook.py 06_context_parallel --run fast    # rebuild the notebook, execute it in FAST mode
+"""
+
+# %% [markdown]
+# # Lesson 06 — Context parallelism: cut the sequence
+#
+# Data, tensor and pipeline parallelism (lessons 03-07) all leave one thing whole on every rank: the **sequence**.
+# Activations grow with it, linearly with a flash-style attention, and at 32k or 128k tokens one sequence's
+# activations no longer fit a GPU, however the model is cut. **Context parallelism** cuts the sequence itself:
+# each of $c$ ranks holds $s/c$ of every sequence's tokens. Everything in a layer except attention works token by
+# token, so each rank runs it on its tokens alone. Attention needs every earlier token's key and value; the ranks
+# pass their K/V blocks around a **ring** while they compute, and merge the partial results exactly.
+#
+# | piece | what it does | where |
+# |---|---|---|
+# | the log-sum-exp merge | two partial softmax attentions over disjoint key sets → the attention over both, exactly, without overflow | `merge` |
+# | ring attention | K/V blocks travel rank → rank + 1, one per step, the next one in flight while the current is computed; backward walks the ring again, dK/dV travelling home | `RingAttention` |
+# | zig-zag layout | $2c$ chunks, rank $r$ holds chunks $r$ and $2c-1-r$: under the causal mask every rank does the same work | `chunks_of`, `positions` |
+# | all-gather (the baseline, Llama 3's choice) | gather the whole K/V once, attend locally | `allgather_attention` |
+#
+# We measure why long sequences run out of memory and how cp divides it; derive the merge and watch the naive one
+# overflow; run the ring step by step; measure the causal imbalance of the plain layout and how zig-zag removes it;
+# read the code; time the ring with its transfers under the compute; count the bytes against the formula; compare
+# with the all-gather; and check that cp trains exactly like one process — including the trap of cp without dp.
+# The experiments are `experiment.py` in this folder, launched with `torchrun`; `PICOTRON_FAST=1` gives a short run.
+
+# %%
+import sys
+import matplotlib.pyplot as plt
+import torch
+sys.path.insert(0, "..")   # lessons/: the helpers every lesson shares
+import _common
+from picotron import context_parallel as cpm, planner
+from picotron.model import ModelConfig
+
+FAST, OUT = _common.FAST, _common.run_dir("06_context_parallel")
+import experiment as lesson   # this folder's experiment.py: its measurements, formulas and plots
+MiB, GB = 2**20, 1e9
+
+def run(only, nproc=2):
+    # torchrun --nproc_per_node nproc lessons/06_context_parallel/experiment.py --out OUT --only <only>
+    out = _common.launch("06_context_parallel/experiment.py", ["--out", OUT, "--only", only], nproc=nproc, quiet=True)
+    print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |", "done: "))))
+
+def check(name, ok, detail):
+    print(f"{'✓' if ok else '✗'} {name}: {detail}")
+
+st = lesson.settings(FAST)
+mc = lesson.model_config(st)
+print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model: the lessons' '{st['size']}' one, "
+      f"{mc.num_hidden_layers} layers, {mc.num_params() / 1e6:.2f} M parameters, h={mc.hidden_size}, "
+      f"{mc.num_attention_heads} query heads over {mc.num_key_value_heads} KV heads of d={mc.head_dim}")
+
+# %% [markdown]
+# ## 1. The problem: one sequence that no GPU holds
+#
+# Per layer, our Llama keeps for backward (fp32, flash-style attention; lesson 01 lists every tensor,
+# [reference](../../docs/reference.md#activation-memory))
+# $A_\text{layer} = sbh\,(32 + 8k/a) + 16\,sbi + sb\,(8 + 4a)$ bytes: **linear in the sequence length $s$** — and in
+# the micro-batch $b$, which is already 1 for long sequences. Tensor parallelism divides part of it, pipeline
+# parallelism divides the layers, ZeRO divides the model states; none divides $s$. Llama-3-8B in bf16 with selective
+# recomputation (the planner's count, `planner.activation_bytes`), activations alone, per GPU:
+
+# %%
+llama8 = ModelConfig.from_preset("llama3-8b")
+print(f"Llama-3-8B ({llama8.num_params() / 1e9:.1f} B parameters), bf16, selective recomputation, one sequence:")
+print(f"{'s':>8} " + " ".join(f"{f'cp={c}':>9}" for c in (1, 2, 4, 8, 16)) + "   (GB of activations per GPU)")
+for s in (8192, 32768, 131072):
+    print(f"{s:>8} " + " ".join(f"{planner.activation_bytes(llama8, s // c, 1, 'bf16', 'selective') / GB:>9.1f}"
+                                for c in (1, 2, 4, 8, 16)))
+
+# %% [markdown]
+# At 128k tokens one sequence needs over a terabyte of activations; even full recomputation (only each layer's
+# input kept) leaves 140 GB. Every term that grows with $s$ is divided by $c$ when each rank holds $s/c$ tokens;
+# what stays is what does not depend on $s$ (here the 14 GB of bf16 weight copies autocast saves). Llama 3 405B's
+# 128k-token stage ran with $c = 16$, next to tensor parallelism 8 and pipeline parallelism 16 on 16,384 GPUs (Llama
+# Team 2024, Table 4).
+#
+# **Measured.** One forward of the lessons' small model through `parallelize` and the loader, as `picotron.train`
+# runs it, with every tensor autograd saves counted (`metrics.ActivationCounter`), at $c = 1, 2, 4$ on 4
+# processes (the other ranks: data parallel). The formula (`lesson.activation_parts`) is the project's count with
+# $s \to s/c$, plus what context parallelism changes: each rank's ids and targets are picked out of every row (new
+# tensors); the ring's output comes out as $[b, a, s/c, d]$ and `o_proj` reads it as $[b, s/c, h]$, a copy ($4bh\,s/c$
+# per layer); the all-gather keeps the **whole** sequence's K and V, and `sdpa` keeps its mask as fp32
+# $[s/c, s]$ — quadratic in $s$. Then the longest sequence whose activations fit a budget, by the formula, checked by
+# measuring it and the next length up.
+
+# %%
+run("memory", nproc=4)
+mem = _common.load_json(OUT / "memory_cp4.json")["results"]
+for r in mem["rows"]:
+    print(f"cp={r['cp']} {r['impl']:<9} s={r['s']:<5} {r['measured'] / MiB:8.3f} MiB per rank measured, formula "
+          f"{r['formula'] / MiB:8.3f}  ({r['measured'] / next(x for x in mem['rows'] if x['cp'] == 1 and x['s'] == r['s'])['measured']:.3f} of cp=1's)")
+lesson.plot_memory(mem); plt.show()
+
+# %%
+check("activations per rank = the formula, to the byte", all(r["measured"] == r["formula"] for r in mem["rows"]),
+      f"{len(mem['rows'])} (cp, impl, s) cases, ring and all-gather")
+check("every rank keeps the same bytes", all(len(set(r["every_rank"])) == 1 for r in mem["rows"]),
+      "4 ranks each (their tokens differ, their sizes do not)")
+ag = [(r, next(x for x in mem["rows"] if (x["cp"], x["impl"], x["s"]) == (r["cp"], "ring", r["s"])))
+      for r in mem["rows"] if r["impl"] == "allgather"]
+check("the all-gather keeps more than the ring, and the gap grows faster than s",
+      all(a["measured"] > b["measured"] for a, b in ag)
+      and all((a2["measured"] - b2["measured"]) / (a1["measured"] - b1["measured"]) > a2["s"] / a1["s"]
+              for (a1, b1), (a2, b2) in zip(ag, ag[1:]) if a1["cp"] == a2["cp"]),
+      "; ".join(f"cp={a['cp']} s={a['s']}: +{(a['measured'] - b['measured']) / MiB:.2f} MiB" for a, b in ag))
+one = next(f for f in mem["fits"] if f["cp"] == 1)
+for f in mem["fits"]:
+    check(f"budget {f['budget'] / MiB:g} MiB, cp={f['cp']}: the longest s by the formula fits, the next one does not",
+          f["at"] <= f["budget"] < f["above"],
+          f"s={f['s_max']}: {f['at'] / MiB:.2f} MiB measured; s={f['s_max'] + 2 * f['cp']}: {f['above'] / MiB:.2f} MiB")
+    if f["cp"] > 1:
+        check(f"cp={f['cp']} holds about cp times cp=1's longest sequence", abs(f["s_max"] / one["s_max"] / f["cp"] - 1) < 0.1,
+              f"{f['s_max']} / {one['s_max']} = {f['s_max'] / one['s_max']:.2f}")
+
+# %% [markdown]
+# The measurement is the formula to the byte, on every rank. Each rank of $c$ keeps $1/c$ of one process's
+# activations plus the ring's copy for `o_proj` (a few percent here; a library could lay the ring's output out as
+# `o_proj` reads it), so the longest sequence within a budget grows almost $c$-fold. The all-gather's extra grows
+# faster than $s$: the whole K/V (linear in $s$) and, with our `sdpa` call, an fp32 mask of $s/c \times s$.
+#
+# **Takeaway:** activations grow with $s$, and context parallelism is the one cut that divides $s$: per rank
+# they fall to about $1/c$.
+#
+# ## 2. The idea
+#
+# ### (a) Attention in blocks: the log-sum-exp merge
+# A rank holds its queries and, at any moment, one block of keys and values. For one query with scores
+# $s_j = q \cdot k_j / \sqrt d$, block $i$ gives its normalised output and the log-sum-exp of its scores:
+#
+# $$o_i = \sum_{j \in i} e^{s_j - \ell_i}\, v_j, \qquad \ell_i = \log \sum_{j\in i} e^{s_j}.$$
+#
+# Over all blocks the softmax denominator is $\sum_i e^{\ell_i} = e^{\ell}$, so
+#
+# $$o = \sum_j e^{s_j - \ell}\, v_j = \sum_i e^{\ell_i - \ell} \sum_{j\in i} e^{s_j - \ell_i} v_j = \sum_i e^{\ell_i - \ell}\, o_i,
+# \qquad \ell = \log \sum_i e^{\ell_i}.$$
+#
+# Merging two at a time: $\ell = \operatorname{logaddexp}(\ell_a, \ell_b)$ and $o = e^{\ell_a - \ell}\, o_a + e^{\ell_b -
+# \ell}\, o_b$. The weights are at most 1 and sum to 1; $e^{\ell}$ itself is never formed. (This is FlashAttention's
+# online softmax, [reference](../../docs/reference.md#context-parallelism).) The library's `merge`:
+
+# %%
+_common.show_source(cpm.merge)
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64), torch.randn(1, 2, 12, 8, generator=g, dtype=torch.float64),
+           torch.randn(1, 2, 12, 8, generator=g, dtype=torch.float64))
+whole, lse_whole = cpm.block_forward(q, k, v, causal=False, scale=1.0)
+blocks = [cpm.block_forward(q, k[:, :, i:j], v[:, :, i:j], causal=False, scale=1.0) for i, j in ((0, 5), (5, 9), (9, 12))]
+o, lse = None, None
+for ob, lb in blocks:
+    o, lse = cpm.merge(o, lse, ob, lb)
+err = max((o - whole).abs().max().item(), (lse - lse_whole).abs().max().item())
+check("three key blocks merged = softmax attention over all 12 keys (float64)", err < 1e-12, f"max |difference| {err:.1e}")
+
+# %% [markdown]
+# **Why not merge with $e^{\ell_i}$ directly?** $o = (e^{\ell_a} o_a + e^{\ell_b} o_b)/(e^{\ell_a} + e^{\ell_b})$ is the
+# same in exact arithmetic, but fp32 overflows past $e^{88.7}$. Scores that large happen (a query aligned with a key
+# of norm 30 in 64 dimensions is enough); here they are near 1000:
+
+# %%
+qb = torch.ones(1, 1, 2, 8)
+kb, vb = torch.full((1, 1, 6, 8), 125.0) + torch.randn(1, 1, 6, 8, generator=g), torch.randn(1, 1, 6, 8, generator=g)
+ref, ref_lse = cpm.block_forward(qb.double(), kb.double(), vb.double(), causal=False, scale=1.0)
+a_, b_ = (cpm.block_forward(qb, kb[:, :, i:j], vb[:, :, i:j], causal=False, scale=1.0) for i, j in ((0, 3), (3, 6)))
+naive, naive_lse = lesson.naive_merge(*a_, *b_)
+good, good_lse = cpm.merge(*a_, *b_)
+print(f"scores {(qb @ kb.transpose(-2, -1)).min():.0f}..{(qb @ kb.transpose(-2, -1)).max():.0f}; fp32's largest "
+      f"finite e^x: x = {torch.log(torch.tensor(torch.finfo(torch.float32).max)):.1f}")
+print(f"naive merge: out {naive[0, 0, 0, :3].tolist()}, lse {naive_lse[0, 0].tolist()}")
+print(f"logaddexp merge: out {[round(x, 4) for x in good[0, 0, 0, :3].tolist()]}, lse "
+      f"{[round(x, 3) for x in good_lse[0, 0].tolist()]}")
+check("the naive merge overflows (inf / inf = nan)", not torch.isfinite(naive).any(), "every output element nan")
+rel = ((good.double() - ref).abs().max() / ref.abs().max()).item()
+check("the log-sum-exp merge stays finite and right in fp32", bool(torch.isfinite(good).all()) and rel < 1e-4,
+      f"max |difference| to float64 {rel:.1e} of the largest output (fp32 rounds lse ~ 1000 to 6e-5, the weights "
+      f"e^(lse_i - L) inherit it)")
+
+# %% [markdown]
+# ### (b) The ring, step by step
+# Cut the sequence into $2c$ chunks; each rank holds two (which two: part (c)). Rank $r$ keeps its queries. At each
+# step it computes with the K/V block it holds, and meanwhile sends that block to rank $r+1$ and receives the next
+# from rank $r-1$. After step $j$ it has seen the K/V of ranks $r, r-1, \dots, r-j$; after $c$ steps, all of them.
+# Within a step, each (query chunk, key chunk) pair is one block: a key chunk *before* the query chunk is seen
+# whole (`all`), the chunk itself under the causal mask (`causal`, only at step 0: a rank's own block), a chunk
+# *after* it not at all (`none`: skipped, no compute). `lesson.ring_by_hand` runs exactly this in one process with
+# the library's `block_forward` and `merge` — the ring without its messages — for $c = 4$, zig-zag:
+
+# %%
+cp = 4
+g = torch.Generator().manual_seed(1)
+q, k, v = (torch.randn(1, 4, 32, 8, generator=g, dtype=torch.float64), torch.randn(1, 2, 32, 8, generator=g, dtype=torch.float64),
+           torch.randn(1, 2, 32, 8, generator=g, dtype=torch.float64))
+full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+for layout in cpm.LAYOUTS:
+    out, log = lesson.ring_by_hand(q, k, v, cp, layout)
+    if layout == "zigzag":
+        for step in range(cp):
+            print(f"step {step}: " + " | ".join(
+                f"r{r} has K/V of r{(r - step) % cp}: " + " ".join(f"({qc},{kc}){seen[0]}" for qc, kc, seen in log[(r, step)])
+                for r in range(cp)))
+        print("(q chunk, k chunk) a = all, c = causal, n = none (skipped)")
+    check(f"the ring by hand, cp={cp}, {layout}: every rank's output = its piece of full causal attention (float64)",
+          (out - full).abs().max() < 1e-12, f"max |difference| {(out - full).abs().max():.1e}")
+seen = [(qc, kc) for (r, step), blocks in log.items() for qc, kc, s in blocks if s != "none"]
+check("over the ring, every (query chunk, key chunk) pair with key <= query is computed once, and nothing else",
+      sorted(seen) == sorted((qc, kc) for qc in range(2 * cp) for kc in range(qc + 1)),
+      f"{len(seen)} blocks = {2 * cp} x {2 * cp + 1} / 2")
+
+# %% [markdown]
+# Backward walks the ring again ([reference](../../docs/reference.md#context-parallelism)): with the *final*
+# log-sum-exp $\ell$ and $D = \operatorname{rowsum}(dO \circ O)$ each block's share of the gradient is known alone
+# ($P = e^{S - \ell}$, $dS = P \circ (dO\,V^\top - D)$), so $dQ$ accumulates at home while each block's $dK, dV$ travel
+# with it, every rank adding its part, and arrive at their owner after a full turn.
+#
+# ### (c) Causal imbalance, and the zig-zag layout
+# With the causal mask, the last tokens attend to everything and the first to almost nothing. Cut the sequence in
+# order — rank $r$ holds chunks $2r$ and $2r+1$, the **contiguous** layout — and the last rank has all the work:
+# rank 0 only ever sees its own block, rank $c-1$ everything. The **zig-zag** layout gives rank $r$ chunks $r$ and
+# $2c-1-r$, one early and one late: every rank gets the same work. Counting blocks over a whole ring (a causal
+# block costs about half a whole one in a kernel that skips the masked half — the reference's count; ours computes
+# the whole block and masks it, so it counts one):
+
+# %%
+print(f"{'cp':>3} {'layout':<11} {'blocks per rank (causal = 1)':<34} {'max/min':>8}   "
+      f"{'work per rank (causal = 1/2)':<30} {'max/min':>8}")
+for c in (2, 4, 8):
+    for layout in cpm.LAYOUTS:
+        w1 = [lesson.pairs(r, c, layout) for r in range(c)]
+        w2 = [lesson.pairs(r, c, layout, 0.5) for r in range(c)]
+        print(f"{c:>3} {layout:<11} {str([int(x) for x in w1]):<34} {max(w1) / min(w1):>8.2f}   {str(w2):<30} "
+              f"{max(w2) / min(w2):>8.2f}")
+check("zig-zag: every rank computes the same blocks' worth, any cp", all(
+    len({lesson.pairs(r, c, "zigzag", w) for r in range(c)}) == 1 for c in range(1, 9) for w in (0.5, 1.0)), "cp = 1..8")
+check("contiguous: rank r computes 4r + 3 blocks (4r + 2 with causal = 1/2): the slowest / fastest is 2cp - 1 at best",
+      all(lesson.pairs(r, c, "contiguous") == 4 * r + 3 and lesson.pairs(r, c, "contiguous", 0.5) == 4 * r + 2
+          for c in range(1, 9) for r in range(c)), "cp = 1..8")
+
+# %% [markdown]
+# At every ring step the ranks exchange blocks, so a rank with less work waits for the slowest: the contiguous
+# layout runs at the pace of its last rank. Zig-zag costs nothing extra: the loader hands each rank its tokens with
+# their true positions (`positions`), which RoPE uses, and the ring never needs to know.
+#
+# **Takeaway:** partial attentions merge exactly through their log-sum-exps; a ring of $c$ steps brings every
+# block to every rank; zig-zag makes the causal work equal.
+#
+# ## 3. Read the code
+#
+# `picotron/context_parallel.py`. Which tokens a rank holds (the loader picks `positions` out of every row, in
+# `picotron/train.py`'s `load_data`):
+
+# %%
+_common.show_source(cpm.chunks_of)
+_common.show_source(cpm.positions, "c = seq_len")
+_common.show_source(cpm.visibility)
+
+# %% [markdown]
+# One block, by hand (scores in fp32, the query heads grouped over their KV head so K/V are never repeated), and the
+# ring's forward: the next K/V block is started before this step's blocks are computed, and waited for after.
+# `core.phase` records each step's compute ("attention") and each wait on the core's `timeline` when one is set:
+# section 4 draws them.
+
+# %%
+_common.show_source(cpm.block_forward, "b, a, cq, d", "return out.reshape")
+_common.show_source(cpm.RingAttention._forward, "ring, mine", "ctx.save_for_backward")
+
+# %% [markdown]
+# The exchange itself: on gloo a plain `isend` to the next rank and `irecv` from the previous one (on NCCL one
+# `batch_isend_irecv`, so that two ranks never sit in a send each waiting for the other's receive); every byte
+# sent is counted on the core (`core.bytes`):
+
+# %%
+_common.show_source(cpm._Ring.start)
+
+# %% [markdown]
+# The backward: the K/V blocks make the same turn again; each step adds this rank's share to the gradient of the
+# block it holds, which travels on with the block (`dkv`), so every block's dK/dV arrive at its owner after a full
+# turn:
+
+# %%
+_common.show_source(cpm.RingAttention._backward, "for step in range(n):", "dkv = ring.finish(dkv_pending, n")
+
+# %% [markdown]
+# Wiring it in: `apply` swaps every layer's attention core (RoPE at the true positions, then ring or all-gather);
+# `parallelize` wraps the model for gradient averaging over **dp × cp** (`mesh.dp_cp`): the cp ranks hold the same
+# weights but see different tokens, so their gradients differ and must be averaged — section 5 shows what happens
+# when they are not.
+
+# %%
+_common.show_source(cpm.ContextParallelAttention.forward)
+_common.show_source(cpm.bytes_per_step_formula, "block = ")
+
+# %% [markdown]
+# **Takeaway:** a block is a few matmuls and a log-sum-exp; the ring is a loop that starts the next exchange
+# before computing; the backward is the same loop with gradients riding along.
+#
+# ## 4. Run it
+#
+# ### (a) Causal balance, measured on 2 and 4 processes
+# The attention core alone (the small model's: 8 query heads over 4 KV heads, $d = 32$), forward and backward, on a
+# sequence of 2048 tokens, each layout in turn, several repeats; each ring step's compute is an event on the core's
+# timeline. This machine has 2 cores: at $c = 2$ each rank has one; at $c = 4$ four processes share two, so a rank
+# spends part of each step waiting for a core. The events therefore also carry the **CPU time** the rank's thread
+# used, which waiting does not inflate, and each rank's time is the least over the repeats (the quietest).
+# Prediction: the block counts of section 2(c) weighted by what a whole and a causal block cost, read off
+# zig-zag's own steps (a step after the first computes two whole blocks; step 0 two causal and one whole).
+
+# %%
+run("balance,train,parity", nproc=2)   # this section's runs and the next one's (section 5: parity)
+run("balance,train,parity", nproc=4)
+bal = {c: _common.load_json(OUT / f"balance_cp{c}.json")["results"] for c in (2, 4)}
+for c, res in bal.items():
+    print(f"cp={c}: a whole block {1e3 * res['t_all']:.1f} ms, a causal one {1e3 * res['t_causal']:.1f} ms (CPU, "
+          f"forward + backward)")
+    for layout, r in res["layouts"].items():
+        print(f"  {layout:<11} per rank {[round(1e3 * x) for x in r['per_rank']['cpu']]} ms: max/min {r['ratio']:.2f}; "
+              f"predicted {r['predicted_costs']:.2f} (blocks {r['predicted']:.2f}, with causal = 1/2 "
+              f"{r['predicted_ideal']:.2f}); a call takes {1e3 * max(r['per_rank']['call']):.0f} ms (median)")
+lesson.plot_balance([bal[2], bal[4]]); plt.show()
+
+# %%
+for c, res in bal.items():
+    zz, co = res["layouts"]["zigzag"], res["layouts"]["contiguous"]
+    check(f"cp={c}: zig-zag balances the ranks (attention max/min near 1)", zz["ratio"] <= 1.35,
+          f"max/min {zz['ratio']:.2f} (the blocks predict 1; this shared machine's noise: up to 1.35)")
+    far = 1.6 if c == 2 else 2.2
+    check(f"cp={c}: contiguous does not (max/min far from 1)", co["ratio"] >= far,
+          f"max/min {co['ratio']:.2f} (>= {far}; predicted {co['predicted_costs']:.2f}, blocks {co['predicted']:.2f})")
+    t = co["per_rank"]["cpu"]
+    check(f"cp={c}, contiguous: the attention time grows with the rank (rank r: 4r + 3 blocks)",
+          all(a < b for a, b in zip(t, t[1:])), " < ".join(f"{1e3 * x:.0f}" for x in t) + " ms")
+
+# %% [markdown]
+# Zig-zag's ranks do the same work; contiguous's work grows with the rank, and its slowest rank sets the pace. The
+# prediction weighs the block counts by what the blocks cost on this CPU — a causal block is *dearer* than a whole
+# one here (the same matmuls, plus building and applying the mask), so the ratio sits below the textbook's $2c - 1$,
+# which assumes a kernel that skips the masked half. How close the measurement comes depends on the machine: this
+# one has 2 cores shared with whatever else runs, and even CPU time is not immune (a rank that shares a core's
+# caches with another process computes more slowly), so a run's contiguous ratio moves by a few tenths around the
+# prediction, and at $c = 4$, four processes on two cores, by more. The order of the ranks and the size of the
+# imbalance do not move.
+#
+# ### (b) The timeline: K/V transfers under the compute
+# The quietest repeat at $c = 2$, from the core's own events: each ring step's compute (forward, then backward), the
+# waits, and, in grey, each K/V block from the moment the step starts sending it (just before its compute) until the
+# step waits for it (after its compute).
+
+# %%
+lesson.plot_ring_timeline(bal[2]); plt.show()
+r2 = bal[2]
+for layout, r in r2["layouts"].items():
+    w = r["per_rank"]
+    print(f"{layout:<11} waits per rank (median): for K/V {[round(1e3 * x, 1) for x in w['wait_kv']]} ms, for dK/dV "
+          f"{[round(1e3 * x, 1) for x in w['wait_dkv']]} ms; compute {[round(1e3 * x) for x in w['wall']]} ms")
+flops = 2 * mc.num_attention_heads * (r2["s"] // 2) / (mc.num_key_value_heads * 4)
+print(f"one K/V block ({r2['block_bytes'] / 1024:.0f} KiB) exchanged alone takes {1e3 * r2['exchange_alone_s']:.2f} ms; "
+      f"one whole block's compute {1e3 * r2['t_all']:.0f} ms (forward + backward); FLOPs per byte sent "
+      f"2a(s/c)/(k·4) = {flops:.0f}")
+
+# %%
+zz = r2["layouts"]["zigzag"]["per_rank"]
+hidden = max(zz["wait_kv"])
+check("cp=2, zig-zag: the K/V transfers hide under the compute", hidden <= 0.25 * 2 * (r2["cp"] - 1) * r2["exchange_alone_s"]
+      or hidden <= 0.01 * max(zz["wall"]),
+      f"the ranks waited at most {1e3 * hidden:.2f} ms for K/V in a forward + backward, against "
+      f"{2 * (r2['cp'] - 1)} exchanges x {1e3 * r2['exchange_alone_s']:.2f} ms alone")
+
+# %% [markdown]
+# Each exchange starts before the step's compute and is waited for after it: the K/V arrive long before they are
+# needed (a block moves in about a millisecond; computing with it takes tens), so the ranks hardly wait for K/V at
+# all. A block carries $2a(s/c)/(k \cdot 4)$ FLOPs of attention per byte sent, which grows with the tokens per rank:
+# long sequences, exactly where context parallelism is needed, are where the ring hides its traffic. The waits that
+# remain are the ranks waiting for *each other*. Zig-zag's are small; contiguous's rank 0 finishes its forward early
+# (nothing to compute after step 0) and spends much of the backward waiting for the dK/dV of the block that rank 1
+# is still working on.
+#
+# ### (c) Bytes per step: counted against the formula
+# Training steps of the model at $c = 2$ and $c = 4$ (section (d)), every attention core counting what it sent.
+# A block is one rank's K and V: $2\,b\,k\,(s/c)\,d$ numbers of the $k$ KV heads (only those travel: grouped-query
+# attention pays $a/k$ times less than repeated heads). Per layer and step each rank sends, ring: $c-1$ blocks
+# forward, $c-1$ again in backward, and $c$ dK/dV blocks (fp32); all-gather: $c-1$ in the gather, $c-1$ in its
+# backward's reduce-scatter.
+
+# %%
+trn = {c: _common.load_json(OUT / f"train_cp{c}.json")["results"] for c in (2, 4)}
+for c, res in trn.items():
+    block = res["rows"]["ring, zigzag"]["formula_parts"]["block"]
+    print(f"cp={c}, s={res['s']}, b={res['b']}, k={res['kv_heads']}, d={res['head_dim']}, {res['layers']} layers: one "
+          f"block {block / 1024:.0f} KiB")
+    for name, r in res["rows"].items():
+        per = r["sent"][0][-1]
+        print(f"  {name:<17} rank 0 sent {per['kv'] / MiB:.3f} MiB forward-type (K/V) + {per['dkv'] / MiB:.3f} MiB "
+              f"backward-type = {(per['kv'] + per['dkv']) / MiB:.3f} MiB; formula {r['formula'] / MiB:.3f} MiB = "
+              f"{r['formula'] // block // res['layers']} blocks per layer")
+for c, res in trn.items():
+    rows = res["rows"].values()
+    check(f"cp={c}: bytes sent per step = bytes_per_step_formula, every variant, rank and step",
+          all(x["kv"] + x["dkv"] == r["formula"] for r in rows for rank in r["sent"] for x in rank),
+          f"{len(res['rows'])} variants x {c} ranks x {len(next(iter(rows))['sent'][0])} steps")
+for c, res in bal.items():
+    want = cpm.bytes_per_step_formula(c, res["b"], res["s"], mc.num_key_value_heads, mc.head_dim, layers=1)
+    got = res["layouts"]["zigzag"]["bytes"]
+    check(f"cp={c}: the balance run's core (one layer, the last call) sent the formula's bytes", got["kv"] + got["dkv"] == want,
+          f"{(got['kv'] + got['dkv']) / MiB:.2f} MiB")
+
+# %% [markdown]
+# The ring sends $3c - 2$ blocks per layer where the all-gather sends $2(c - 1)$: its backward walks the ring again
+# rather than keeping every block (memory!) and returns the gradients in fp32. What the all-gather pays instead is
+# memory: all $c$ blocks at once (section 1).
+#
+# ### (d) Throughput: ring against all-gather
+# The same training step (the small model, $s$ = the train settings', $b = 2$), the three variants one step of each
+# in turn, the median step.
+
+# %%
+for c, res in trn.items():
+    print(f"cp={c} ({c} processes), s={res['s']}: " + "; ".join(
+        f"{name} {r['tokens_per_s']:.0f} tokens/s (median {1e3 * r['step_s']:.0f} ms, steps {1e3 * min(r['times']):.0f}-"
+        f"{1e3 * max(r['times']):.0f} ms)" for name, r in res["rows"].items()))
+lesson.plot_throughput([trn[2], trn[4]]); plt.show()
+
+# %% [markdown]
+# How to read it. Step times on this shared 2-core machine vary by tens of percent from one step to the next (the
+# range is printed; FAST mode runs only two steps of each), so only large differences mean something. The
+# all-gather tends to win here: after its one collective it calls PyTorch's fused attention kernel, while our ring
+# computes each block with plain matmuls and an explicit score matrix, in Python, block by block — a handicap of
+# this implementation, not of the ring. The ring's advantage is memory: it never holds more than two K/V blocks,
+# where the all-gather holds all $c$ (and, here, an $s/c \times s$ mask), which is what lets context parallelism
+# reach sequences the all-gather cannot hold. Zig-zag against contiguous: a training step also runs everything
+# else, which cp divides evenly, so the balance of (a) shows less in a whole step than in the attention alone, and
+# at these lengths less than the noise; section (a)'s per-rank time is the clean measure. At $c = 4$ four processes
+# share two cores: those times are not a scaling result. On GPUs, with a flash-attention kernel per block and
+# NVLink between them, the ring's transfers hide once the tokens per rank are enough; Llama 3 chose the
+# all-gather because it handles any attention mask (documents packed into one sequence) simply, and because with
+# grouped-query attention K and V are small next to Q (Llama Team 2024, §3.3).
+#
+# **Takeaway:** zig-zag balances the ranks; the transfers hide under the compute; the bytes are exactly the
+# formula's; the ring buys memory with a few more bytes than the all-gather.
+#
+# ## 5. Check it: context parallelism trains like one process
+#
+# `picotron.train` with `--cp 2` (zig-zag, contiguous, all-gather) on 2 processes, and `--cp 4` and `--cp 2 --dp 2`
+# on 4, against one process with the same global batch, fp32, same seed: per-step losses within $10^{-5}$
+# relative over the first 10 steps, the [parity standard](../../docs/reference.md#parity-standard) (the full
+# settings train 20 steps; after step 10 the difference is reported as drift against $10^{-3}$, lesson 03 section 5).
+# The references are trained by rank 0 alone. (These runs were launched in section 4.)
+#
+# **The trap.** With dp = 1 there is "no data parallelism", and it is tempting to skip the gradient all-reduce. But
+# the cp ranks see different tokens of the same sequences: each one's gradient is the gradient of *its tokens'*
+# loss only. picotron averages over dp × cp (`mesh.dp_cp`), also when dp = 1. The last run does what a trainer that
+# averages over dp only would do at dp = 1 (`lesson.not_averaged_over_cp`: no sync at all).
+
+# %%
+par = {c: _common.load_json(OUT / f"parity_cp{c}.json")["results"] for c in (2, 4)}
+pairs, spread = {}, {}
+for c, res in par.items():
+    for label, losses in res["losses"].items():
+        pairs[label] = (losses, res["reference"]["dp=2" if "dp=2" in label else "dp=1"])
+        spread[label] = res["spread"][label]
+for label, (got, want) in pairs.items():
+    p_ = _common.parity(got, want)
+    print(f"{label:<17} vs 1 process: max relative loss difference over steps 1-{p_['window']} {p_['worst']:.1e}"
+          + (f", over steps {p_['window'] + 1}-{p_['n_steps']} {p_['beyond']:.1e}" if p_["n_beyond"] else "")
+          + f"; replicas differ by up to {spread[label]:.1e}")
+lesson.plot_parity(pairs); plt.show()
+
+# %%
+for label, (got, want) in pairs.items():
+    if label == "not averaged":
+        continue
+    for line in _common.parity_checks(label, got, want):
+        check(*line)
+    check(f"{label}: every rank holds the same weights after training", spread[label] == 0.0,
+          f"max |difference| {spread[label]}")
+bad = _common.parity(*pairs["not averaged"])
+check("not averaged over cp (dp = 1): the parity check catches it", not bad["ok"] and bad["first_over"] is not None,
+      f"step 1 agrees (the log averages the loss), then step {bad['first_over']} differs by "
+      f"{_common.rel_diffs(*pairs['not averaged'])[bad['first_over'] - 1]:.1e}, the worst of steps 1-10 "
+      f"{bad['worst']:.1e}")
+check("not averaged over cp: the two ranks' weights drift apart", spread["not averaged"] > 1e-3,
+      f"max |difference| {spread['not averaged']:.1e} after {len(pairs['not averaged'][0])} steps")
+
+# %% [markdown]
+# Every layout and both implementations agree with one process to rounding: cutting the sequence changes where
+# attention's blocks are computed, not the arithmetic (a block merges in a different order than a single softmax,
+# hence the last digits). Without the average over cp the first step's *logged* loss still agrees — it is the mean
+# of the ranks' losses — but each rank then steps with half the picture: the weights of the two ranks part, and the
+# loss leaves the reference at step 2. The test suite keeps this trap closed
+# (`tests/test_context_parallel.py::test_the_parity_check_catches_gradients_not_averaged_over_cp`).
+#
+# **Takeaway:** context parallelism is the same training; its gradients are averaged over dp × cp, always.
+#
+# ## 6. Explore: the ring, step by step, for any cp and layout
+#
+# The query chunk × key chunk grid of causal attention: at the chosen ring step, each block is coloured by the rank
+# that computes it (hatched: the causal diagonal), pale where it is computed at another step, white where it is in
+# the future (skipped). Right: each rank's blocks over the whole ring. Questions: at $c = 8$, contiguous, how many
+# steps does rank 0 idle? In zig-zag, why does each rank compute exactly two whole blocks at every step after the
+# first? Which step computes the diagonal? (Widgets need a live kernel; a static viewer shows the default only.)
+
+# %%
+def draw(cp=4, layout="zigzag", step=1):
+    step = min(step, cp - 1)
+    lesson.plot_widget(cp, layout, step); plt.show()
+    for r in range(cp):
+        blocks = lesson.step_blocks(r, step, cp, layout)
+        print(f"rank {r}: holds queries of chunks {cpm.chunks_of(r, cp, layout)} and the K/V of rank {(r - step) % cp} "
+              f"(chunks {cpm.chunks_of((r - step) % cp, cp, layout)}): computes "
+              + (", ".join(f"({qc},{kc}) {seen}" for qc, kc, seen in blocks) if blocks else "nothing (waits)"))
+
+_common.interactive(draw, lambda w: dict(cp=w.IntSlider(value=4, min=1, max=8, description="cp"),
+                                         layout=w.Dropdown(options=list(cpm.LAYOUTS), value="zigzag"),
+                                         step=w.IntSlider(value=1, min=0, max=7, description="ring step")))
+
+# %% [markdown]
+# **Takeaway:** the ring visits every block of the causal triangle exactly once; zig-zag spreads them evenly.
+#
+# ## 7. Exercises
+# Open `lessons/06_context_parallel/exercise.py`:
+#
+# 1. `merge(out, lse, out_b, lse_b)` — the log-sum-exp merge. The checker compares it with softmax attention over
+#    all keys (two and three blocks, float64), names the usual mistakes (the plain sum or mean of the outputs, the
+#    max of the lse's, the weights swapped) and the first wrong value, feeds it scores near 1000 in fp32 (where
+#    forming $e^{\ell}$ overflows), then runs picotron's real ring on 2 and 3 processes with your merge and names
+#    the rank whose output differs from full causal attention.
+# 2. `zigzag_positions(seq_len, cp, rank)` — the zig-zag index map: the positions a rank holds, which RoPE is
+#    given. The checker names the rank and position, and recognises the contiguous layout and chunks in the wrong
+#    order.
+# 3. `step_blocks(rank, step, cp)` — which (query chunk, key chunk) blocks a rank computes at a ring step, and
+#    how (whole or causal). The checker names the rank, step and block, the ring turning the wrong way, a
+#    diagonal block computed whole, a block from the future.
+#
+# Until you write them, the checker reports `NotImplementedError: not written yet`:
+
+# %%
+import check as checker   # this folder's check.py
+all_passed = checker.check()
+
+# %% [markdown]
+# **Takeaway:** the merge is two weights that sum to 1; the layout is an index map; a ring step is "whose K/V do I
+# hold, and which of its chunks can my queries see".
+#
+# ## 8. What it costs, when to use it, what comes next
+#
+# | | per rank | communication | use it when |
+# |---|---|---|---|
+# | context parallel, ring, $c$ ranks | $1/c$ of every sequence's activations (plus a block in flight); the whole model | per layer $3c - 2$ K/V blocks of $2bk(s/c)d$, point to point, overlapped with attention | sequences too long for one GPU's activations even with recomputation; transfers hide when $s/c$ is a few thousand tokens |
+# | context parallel, all-gather | $1/c$, but the whole K/V (and a mask) for a moment | $2(c-1)$ blocks in collectives, not overlapped | K/V are small (grouped-query attention, few KV heads) and the link is fast |
+# | + zig-zag | the same | the same | always with causal attention: it costs nothing |
+#
+# **Its costs.** Gradients are averaged over dp × cp (the cp ranks are replicas for the weights). The ring's
+# transfers hide only while a block's attention takes longer than its transfer, so $s/c$ must stay large: cp
+# cannot go to hundreds on short sequences. Every rank holds the whole model: cp combines with tensor parallelism
+# (inside the node), pipeline parallelism and ZeRO, not instead of them. Document masking (several documents in one
+# sequence) breaks zig-zag's balance and needs per-block bookkeeping.
+#
+# **What ours lacks** (what Megatron-LM, torchtitan, ring-flash-attention and Llama 3's training add): a fused
+# flash-attention kernel per block (ours forms each block's scores), CUDA streams so the exchange really runs beside
+# the compute on a GPU, causal blocks that skip their masked half, hierarchical rings (inside then across nodes),
+# striped and document-aware layouts, and Ulysses-style all-to-all over heads (DeepSpeed), which trades the ring for
+# two all-to-alls and a limit of $c \le$ the number of KV heads.
+#
+# **Next — lesson 08, expert parallelism:** the mixture-of-experts layer, whose experts live on different ranks and
+# whose tokens travel to them with an all-to-all.
+#
+# **Takeaway:** data parallelism cuts the batch, tensor parallelism the layers' matrices, pipeline parallelism the
+# depth, and context parallelism the sequence.
