@@ -7,7 +7,7 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 06 — Context parallelism: cut the sequence
 #
-# Data, tensor and pipeline parallelism (lessons 03-07) all leave one thing whole on every rank: the **sequence**.
+# Data, tensor and pipeline parallelism (lessons 03-05 and 07) all leave one thing whole on every rank: the **sequence**.
 # Activations grow with it, linearly with a flash-style attention, and at 32k or 128k tokens one sequence's
 # activations no longer fit a GPU, however the model is cut. **Context parallelism** cuts the sequence itself:
 # each of $c$ ranks holds $s/c$ of every sequence's tokens. Everything in a layer except attention works token by
@@ -254,7 +254,7 @@ check("contiguous: rank r computes 4r + 3 blocks (4r + 2 with causal = 1/2): the
 
 # %%
 _common.show_source(cpm.chunks_of)
-_common.show_source(cpm.positions, "c = seq_len")
+_common.show_source(cpm.positions)
 _common.show_source(cpm.visibility)
 
 # %% [markdown]
@@ -392,8 +392,8 @@ for c, res in trn.items():
           f"block {block / 1024:.0f} KiB")
     for name, r in res["rows"].items():
         per = r["sent"][0][-1]
-        print(f"  {name:<17} rank 0 sent {per['kv'] / MiB:.3f} MiB forward-type (K/V) + {per['dkv'] / MiB:.3f} MiB "
-              f"backward-type = {(per['kv'] + per['dkv']) / MiB:.3f} MiB; formula {r['formula'] / MiB:.3f} MiB = "
+        print(f"  {name:<17} rank 0 sent {per['kv'] / MiB:.3f} MiB of K/V blocks + {per['dkv'] / MiB:.3f} MiB of "
+              f"their gradients = {(per['kv'] + per['dkv']) / MiB:.3f} MiB; formula {r['formula'] / MiB:.3f} MiB = "
               f"{r['formula'] // block // res['layers']} blocks per layer")
 for c, res in trn.items():
     rows = res["rows"].values()

@@ -113,6 +113,15 @@ def pairs(rank, cp, layout, causal_weight=1.0):
     return total
 
 
+def predicted_times(cp, layout, t_all, t_causal):
+    """Each rank's attention time over the ring if a whole block costs t_all and a causal one t_causal."""
+    out = []
+    for r in range(cp):
+        whole = pairs(r, cp, layout, causal_weight=0.0)
+        out.append(whole * t_all + (pairs(r, cp, layout) - whole) * t_causal)
+    return out
+
+
 def predicted_ratio(cp, layout, causal_weight=1.0):
     """max / min over ranks of `pairs`: the slowest rank's attention work over the fastest's."""
     work = [pairs(r, cp, layout, causal_weight) for r in range(cp)]
@@ -511,19 +520,19 @@ def plot_balance(results):
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.4), squeeze=False)
     for ax, res in zip(axes[0], results):
         cp = res["cp"]
-        zz = res["layouts"]["zigzag"]
-        unit = statistics.mean(zz["per_rank"]["cpu"]) / statistics.mean(zz["pairs"])  # seconds per pair
         w = 0.38
         for j, layout in enumerate(cpm.LAYOUTS):
             r = res["layouts"][layout]
             x = [k + (j - 0.5) * w for k in range(cp)]
             ax.bar(x, [1e3 * t for t in r["per_rank"]["cpu"]], w, color=LAYOUT_COLORS[layout],
-                   label=f"{layout}: max/min {r['ratio']:.2f} (pairs: {r['predicted']:.2f}, with the block costs "
-                         f"{r['predicted_costs']:.2f})")
-            ax.plot(x, [1e3 * unit * p for p in r["pairs"]], "_", color="k", ms=14, mew=2)
-        ax.plot([], [], "_", color="k", ms=10, mew=2, label="pairs x (zig-zag's ms per pair)")
+                   label=f"{layout}: max/min {r['ratio']:.2f} (predicted {r['predicted_costs']:.2f}; block counts "
+                         f"{r['predicted']:.2f})")
+            ax.plot(x, [1e3 * t for t in predicted_times(cp, layout, res["t_all"], res["t_causal"])], "_", color="k",
+                    ms=14, mew=2)
+        ax.plot([], [], "_", color="k", ms=10, mew=2, label="predicted: whole blocks x t_whole + causal blocks x "
+                                                            "t_causal (from zig-zag's steps)")
         ax.set_xticks(range(cp), [f"rank {k}" for k in range(cp)], fontsize=FONT)
-        ax.set(ylabel="attention forward + backward, CPU ms", title=f"cp = {cp}, s = {res['s']}: each rank's ring attention")
+        ax.set(ylabel="CPU ms (forward + backward)", title=f"cp = {cp}, s = {res['s']}: each rank's ring attention")
         ax.title.set_fontsize(9)
         _legend_below(ax, ncol=1, dy=-0.12)
     fig.tight_layout()
@@ -535,6 +544,8 @@ def plot_ring_timeline(res, layouts=cpm.LAYOUTS):
     (forward blue, backward orange, the step written in it), the waits (red), and above each bar a thin grey line
     from the step's start to the end of its wait: the next K/V block (backward: and a dK/dV block) in flight."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     cp = res["cp"]
     fig, axes = plt.subplots(len(layouts), 1, figsize=(13, (0.55 * cp + 0.9) * len(layouts)), squeeze=False)
@@ -562,12 +573,17 @@ def plot_ring_timeline(res, layouts=cpm.LAYOUTS):
         ax.set_yticks(range(cp), [f"rank {k}" for k in range(cp)], fontsize=FONT)
         ax.set_ylim(cp - 0.5, -0.6)
         ax.set_xlim(0, 1e3 * span)
-        r = res["layouts"][layout]
-        ax.set_title(f"{layout}: forward (blue) then backward (orange) of one attention layer, cp = {cp}, s = "
-                     f"{res['s']}; waits red; grey: a K/V block in flight", fontsize=9, loc="left")
+        ax.set_title(f"{layout}: one attention layer's forward and backward, cp = {cp}, s = {res['s']} (the number in a "
+                     f"bar: its ring step)", fontsize=9, loc="left")
         ax.tick_params(axis="x", labelsize=FONT)
     axes[-1, 0].set_xlabel("ms since the call started", fontsize=FONT)
-    fig.tight_layout()
+    handles = [Patch(color=colors["attention"], label="forward: a ring step's blocks"),
+               Patch(color=colors["attention-backward"], label="backward: a ring step's blocks"),
+               Patch(color=colors["wait"], label="waiting (for K/V or dK/dV)"),
+               Line2D([], [], color="0.45", lw=1.6, label="the next K/V block requested (sent at the step's start, "
+                                                          "waited for at its end)")]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=FONT, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
@@ -598,6 +614,7 @@ def plot_parity(pairs):
     """_common.plot_parity with its legends under the axes."""
     fig = _common.plot_parity(pairs, what="each cp run")
     fig.set_size_inches(10, 4.4)
+    fig.axes[1].set_ylim(1e-10, 1e-1)  # the run not averaged over cp leaves the parity range
     for ax in fig.axes:
         _legend_below(ax, ncol=2)
     fig.tight_layout()
