@@ -2,8 +2,9 @@
 
 A smoke test, never a timing test: the ratios of 2 rounds on a shared CI machine mean nothing and are not
 checked. What is checked is that the benchmark builds both sides (ours through `parallelize` and the step
-engine, torch's DDP / FSDP2 / DTensor / pipelining schedules through theirs), takes its steps, and reports;
-before this file a benchmark could rot unseen between the sessions that quote its ratios.
+engine, torch's DDP / FSDP2 / DTensor / pipelining schedules through theirs; cp_bench: our ring attention
+against our all-gather), takes its steps, and reports; before this file a benchmark could rot unseen between
+the sessions that quote its ratios.
 """
 from pathlib import Path
 
@@ -20,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ("tp_vs_dtensor.py", ["--sp"], "our throughput / DTensor's: median"),
     ("pp_vs_torch.py", ["--num-hidden-layers", "4", "--seq-len", "32", "--micro-batch-size", "2",
                         "--micro-batches", "4"], "our throughput / torch's: median"),
+    ("cp_bench.py", ["--num-hidden-layers", "2", "--seq-len", "32", "--micro-batch-size", "1"],
+     "ring zigzag throughput / all-gather zigzag's: median"),
 ])
 def test_benchmark_runs_on_two_ranks(script, args, expect):
     out = run_torchrun(ROOT / "benchmarks" / script, 2, ["--steps", "2", "--warmup", "1", *args],
