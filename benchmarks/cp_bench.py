@@ -167,7 +167,7 @@ def main():
                   f"{mc.num_hidden_layers} layers ({mc.num_params() / 1e6:.1f} M, {mc.num_attention_heads} heads "
                   f"over {mc.num_key_value_heads} KV heads of {mc.head_dim}), {m} x {b}x{s} tokens per step "
                   f"({s // cp} per rank per row), fp32, {time.perf_counter() - t0:.0f} s:")
-            print(f"  first step: " + ", ".join(f"{n} loss {l:.7f} grad norm {g:.7f}" for n, (l, g) in first.items())
+            print("  first step: " + ", ".join(f"{n} loss {l:.7f} grad norm {g:.7f}" for n, (l, g) in first.items())
                   + f" | max relative difference {rel:.1e}")
             for n, r in rows.items():
                 med = statistics.median(r["times"])
