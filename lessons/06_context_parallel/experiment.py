@@ -49,7 +49,7 @@ def settings(fast):
     sequences long enough for attention to be most of the work."""
     return dict(size="small", b=1,
                 mem_seqs=(128, 256, 512) if fast else (256, 512, 1024, 2048), budget_mib=16 if fast else 64,
-                balance_seq=2048, balance_repeats=7 if fast else 11,
+                balance_seq=2048, balance_repeats=9 if fast else 11,
                 train_seq=256 if fast else 1024, train_b=2, train_steps=2 if fast else 6, train_warmup=1,
                 parity_steps=10 if fast else 20, parity_seq_len=64, parity_layers=4, parity_grad_acc=2)
 
