@@ -94,7 +94,8 @@ def test_checker_names_an_overflowing_merge_and_wrong_weights(tmp_path):
                                          "        return out_b, lse_b\n", ""))
     assert "merge(None, None, out_b, lse_b) (the ring's first block: nothing merged yet" in out, out
     assert "raised TypeError" in out and "(line " in out, out
-    out = fails_with(tmp_path, "merge", (RETURN, "    return (out * w.unsqueeze(-1) + out_b * w_b.unsqueeze(-1)).flip(-2), new"))
+    flipped = "    return (out * w.unsqueeze(-1) + out_b * w_b.unsqueeze(-1)).flip(-2), new"
+    out = fails_with(tmp_path, "merge", (RETURN, flipped))
     assert "FAIL  merge: keys cut 7 + 9, float64: out at (batch 0, head 0, query 0" in out, out
 
 
@@ -192,7 +193,8 @@ def test_ring_by_hand_and_the_naive_merge(lesson):
             out, log = lesson.ring_by_hand(q, k, v, cp, layout)
             assert (out - full).abs().max() < 1e-12, (cp, layout)
             for (r, step), blocks in log.items():
-                assert sorted((a, b, s) for a, b, s in blocks if s != "none") == sorted(lesson.step_blocks(r, step, cp, layout))
+                computed = sorted((a, b, s) for a, b, s in blocks if s != "none")
+                assert computed == sorted(lesson.step_blocks(r, step, cp, layout))
     o, l = cpm.block_forward(q, k, v, False, 1.0)
     no, nl = lesson.naive_merge(o, l, o, l)  # small scores: the same as the merge
     mo, ml = cpm.merge(o, l, o, l)

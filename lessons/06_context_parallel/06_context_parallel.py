@@ -91,9 +91,10 @@ for s in (8192, 32768, 131072):
 # %%
 run("memory", nproc=4)
 mem = _common.load_json(OUT / "memory_cp4.json")["results"]
+single = {r["s"]: r["measured"] for r in mem["rows"] if r["cp"] == 1}
 for r in mem["rows"]:
     print(f"cp={r['cp']} {r['impl']:<9} s={r['s']:<5} {r['measured'] / MiB:8.3f} MiB per rank measured, formula "
-          f"{r['formula'] / MiB:8.3f}  ({r['measured'] / next(x for x in mem['rows'] if x['cp'] == 1 and x['s'] == r['s'])['measured']:.3f} of cp=1's)")
+          f"{r['formula'] / MiB:8.3f}  ({r['measured'] / single[r['s']]:.3f} of cp=1's)")
 lesson.plot_memory(mem); plt.show()
 
 # %%
@@ -114,8 +115,8 @@ for f in mem["fits"]:
           f["at"] <= f["budget"] < f["above"],
           f"s={f['s_max']}: {f['at'] / MiB:.2f} MiB measured; s={f['s_max'] + 2 * f['cp']}: {f['above'] / MiB:.2f} MiB")
     if f["cp"] > 1:
-        check(f"cp={f['cp']} holds about cp times cp=1's longest sequence", abs(f["s_max"] / one["s_max"] / f["cp"] - 1) < 0.1,
-              f"{f['s_max']} / {one['s_max']} = {f['s_max'] / one['s_max']:.2f}")
+        check(f"cp={f['cp']} holds about cp times cp=1's longest sequence",
+              abs(f["s_max"] / one["s_max"] / f["cp"] - 1) < 0.1, f"{f['s_max']} / {one['s_max']} = {f['s_max'] / one['s_max']:.2f}")
 
 # %% [markdown]
 # The measurement is the formula to the byte, on every rank. Each rank of $c$ keeps $1/c$ of one process's
@@ -146,10 +147,11 @@ for f in mem["fits"]:
 # %%
 _common.show_source(cpm.merge)
 g = torch.Generator().manual_seed(0)
-q, k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64), torch.randn(1, 2, 12, 8, generator=g, dtype=torch.float64),
-           torch.randn(1, 2, 12, 8, generator=g, dtype=torch.float64))
+randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+q, k, v = randn(1, 2, 4, 8), randn(1, 2, 12, 8), randn(1, 2, 12, 8)   # 4 queries, 12 keys, 2 heads
 whole, lse_whole = cpm.block_forward(q, k, v, causal=False, scale=1.0)
-blocks = [cpm.block_forward(q, k[:, :, i:j], v[:, :, i:j], causal=False, scale=1.0) for i, j in ((0, 5), (5, 9), (9, 12))]
+blocks = [cpm.block_forward(q, k[:, :, i:j], v[:, :, i:j], causal=False, scale=1.0)
+          for i, j in ((0, 5), (5, 9), (9, 12))]   # the keys in three blocks
 o, lse = None, None
 for ob, lb in blocks:
     o, lse = cpm.merge(o, lse, ob, lb)
@@ -191,9 +193,7 @@ check("the log-sum-exp merge stays finite and right in fp32", bool(torch.isfinit
 
 # %%
 cp = 4
-g = torch.Generator().manual_seed(1)
-q, k, v = (torch.randn(1, 4, 32, 8, generator=g, dtype=torch.float64), torch.randn(1, 2, 32, 8, generator=g, dtype=torch.float64),
-           torch.randn(1, 2, 32, 8, generator=g, dtype=torch.float64))
+q, k, v = randn(1, 4, 32, 8), randn(1, 2, 32, 8), randn(1, 2, 32, 8)   # 32 tokens, 4 query heads over 2 KV heads
 full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 for layout in cpm.LAYOUTS:
     out, log = lesson.ring_by_hand(q, k, v, cp, layout)

@@ -213,8 +213,8 @@ def _positions_problem(fn, path):
                 return (f"{head}: holds {len(got)} positions; every rank holds seq_len / cp = {len(want)}: two chunks "
                         f"of seq_len / (2·cp) = {c} tokens")
             if got == cpm.positions(s, cp, r, "contiguous").tolist():
-                return (f"{head}: {_show(got)} is the CONTIGUOUS layout (chunks {2 * r} and {2 * r + 1}); zig-zag pairs "
-                        f"an early and a late chunk: chunks {r} and {2 * cp - 1 - r}")
+                return (f"{head}: {_show(got)} is the CONTIGUOUS layout (chunks {2 * r} and {2 * r + 1}); zig-zag "
+                        f"pairs an early and a late chunk: chunks {r} and {2 * cp - 1 - r}")
             if sorted(got) == sorted(want):
                 return (f"{head}: the right positions in the wrong order: {_show(got)}; chunk {r} comes first, then "
                         f"chunk {2 * cp - 1 - r} (the order the ring's q.chunk(2) and the loader use)")
@@ -223,7 +223,8 @@ def _positions_problem(fn, path):
                 return (f"{head}: your positions are chunks {chunks}, expected chunks ({r}, {2 * cp - 1 - r}) = "
                         f"{_show(want)}")
             i = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
-            return f"{head}: local token {i} has position {got[i]}, expected {want[i]}; yours {_show(got)}, expected {_show(want)}"
+            return (f"{head}: local token {i} has position {got[i]}, expected {want[i]}; yours {_show(got)}, expected "
+                    f"{_show(want)}")
     return None
 
 
@@ -277,14 +278,15 @@ def _blocks_problem(fn, path):
                             f"{src} (chunks {cpm.chunks_of(src, cp)})")
                 for q, k, seen in got:
                     if k > q:
-                        return (f"{head}: block (query chunk {q}, key chunk {k}) is listed ({seen!r}), but key chunk {k} "
-                                f"comes after query chunk {q}: every key in it is in the future of every query: skip it")
+                        return (f"{head}: block (query chunk {q}, key chunk {k}) is listed ({seen!r}), but key chunk "
+                                f"{k} comes after query chunk {q}: every key in it is in the future of every query: "
+                                f"skip it")
                     if k == q and seen != "causal":
                         return (f"{head}: block ({q}, {k}) is a chunk against itself: 'causal' (query i sees keys "
                                 f"0..i of it), not {seen!r}")
                     if k < q and seen != "all":
-                        return (f"{head}: block ({q}, {k}): key chunk {k} lies wholly before query chunk {q}: 'all' (seen "
-                                f"whole), not {seen!r}")
+                        return (f"{head}: block ({q}, {k}): key chunk {k} lies wholly before query chunk {q}: 'all' "
+                                f"(seen whole), not {seen!r}")
                 missing = [b for b in want if b not in got]
                 extra = [b for b in got if b not in want]
                 if missing:

@@ -209,16 +209,8 @@ def exp_memory(mesh, st, out):
                                cp_impl=impl, max_position_embeddings=longest)
                 run = par.parallelize(cfg, sub)
                 mc = run.raw.config
-
-                def measure(s):
-                    x, y, positions = load_data(replace(cfg, seq_len=s), sub)[1].micro_batches(1)[0]
-                    with metrics.ActivationCounter(run.model) as counter:
-                        loss = run.loss_fn(run.model(x, positions), y)
-                    del loss
-                    return gather(counter.bytes, mesh)
-
                 for s in st["mem_seqs"]:
-                    mine = measure(s)
+                    mine = _saved_bytes(run, cfg, sub, s, mesh)
                     rows.append(dict(cp=cp, impl=impl, s=s, measured=mine[0], every_rank=mine,
                                      formula=activation_bytes(mc, s, st["b"], cp, impl),
                                      parts=activation_parts(mc, s, st["b"], cp, impl)))
@@ -226,14 +218,22 @@ def exp_memory(mesh, st, out):
                                f"{rows[-1]['formula'] / MiB:7.2f}")
                 if impl == "ring":
                     s_max = longest_fitting(mc, st["b"], cp, budget, limit=longest - 2 * cp)
-                    at, above = measure(s_max)[0], measure(s_max + 2 * cp)[0]
+                    at, above = (_saved_bytes(run, cfg, sub, x, mesh)[0] for x in (s_max, s_max + 2 * cp))
                     fits.append(dict(cp=cp, s_max=s_max, at=at, above=above, budget=budget))
                     _say(mesh, f"budget {st['budget_mib']} MiB, cp={cp}: longest s = {s_max} ({at / MiB:.2f} MiB "
                                f"measured); s = {s_max + 2 * cp}: {above / MiB:.2f} MiB")
-                del run
             finally:
                 sub.destroy()
     return dict(rows=rows, fits=fits, b=st["b"], layers=mc.num_hidden_layers)
+
+
+def _saved_bytes(run, cfg, sub, s, mesh):
+    """Every rank's bytes autograd keeps in one forward (and the loss) of its tokens of a step-1 batch of length s."""
+    x, y, positions = load_data(replace(cfg, seq_len=s), sub)[1].micro_batches(1)[0]
+    with metrics.ActivationCounter(run.model) as counter:
+        loss = run.loss_fn(run.model(x, positions), y)
+    del loss
+    return gather(counter.bytes, mesh)
 
 
 def _qkv(st, s, seed=0):
@@ -296,12 +296,13 @@ def exp_balance(mesh, st, out):
     for layout in cpm.LAYOUTS:
         rs = reps[layout]
         per_rank = {what: [sum(min(r[what][k][j] for r in rs) for j in range(cp)) for k in range(cp)]
-                    for what in ("fwd_cpu", "bwd_cpu")}  # each ring step's quietest repeat: the noise filtered step by step
+                    for what in ("fwd_cpu", "bwd_cpu")}  # each ring step's quietest repeat: noise filtered step by step
         per_rank["cpu"] = [f + b for f, b in zip(per_rank["fwd_cpu"], per_rank["bwd_cpu"])]
         per_rank.update({what: [statistics.median(r[what][k] for r in rs) for k in range(cp)]
                          for what in ("wall", "wait_kv", "wait_dkv", "call")})
         quiet = min(range(len(rs)), key=lambda j: max(rs[j]["call"]))
-        res = dict(per_rank=per_rank, reps=rs, events=runs[layout][quiet], ratio=max(per_rank["cpu"]) / min(per_rank["cpu"]),
+        res = dict(per_rank=per_rank, reps=rs, events=runs[layout][quiet],
+                   ratio=max(per_rank["cpu"]) / min(per_rank["cpu"]),
                    ratio_fwd=max(per_rank["fwd_cpu"]) / min(per_rank["fwd_cpu"]),
                    ratio_bwd=max(per_rank["bwd_cpu"]) / min(per_rank["bwd_cpu"]),
                    predicted=predicted_ratio(cp, layout), predicted_ideal=predicted_ratio(cp, layout, 0.5),
@@ -312,7 +313,8 @@ def exp_balance(mesh, st, out):
                    f"{len(rs)}) " + " ".join(f"{1e3 * x:7.1f}" for x in per_rank["cpu"])
                    + f" -> max/min {res['ratio']:.2f} (pairs predict {res['predicted']:.2f}, with the measured block "
                      f"costs {res['predicted_costs']:.2f}); forward alone {res['ratio_fwd']:.2f}, backward alone "
-                     f"{res['ratio_bwd']:.2f}; the call per rank (ms, median) " + " ".join(f"{1e3 * x:.0f}" for x in per_rank["call"]))
+                     f"{res['ratio_bwd']:.2f}; the call per rank (ms, median) "
+                   + " ".join(f"{1e3 * x:.0f}" for x in per_rank["call"]))
     _say(mesh, f"block costs (forward + backward, CPU): whole {1e3 * t_all:.1f} ms, causal {1e3 * t_causal:.1f} ms")
     _say(mesh, f"one K/V block ({result['block_bytes'] / 1024:.0f} KiB) exchanged alone: {1e3 * alone:.2f} ms")
     return result
@@ -573,8 +575,8 @@ def plot_ring_timeline(res, layouts=cpm.LAYOUTS):
         ax.set_yticks(range(cp), [f"rank {k}" for k in range(cp)], fontsize=FONT)
         ax.set_ylim(cp - 0.5, -0.6)
         ax.set_xlim(0, 1e3 * span)
-        ax.set_title(f"{layout}: one attention layer's forward and backward, cp = {cp}, s = {res['s']} (the number in a "
-                     f"bar: its ring step)", fontsize=9, loc="left")
+        ax.set_title(f"{layout}: one attention layer's forward and backward, cp = {cp}, s = {res['s']} (the number "
+                     f"in a bar: its ring step)", fontsize=9, loc="left")
         ax.tick_params(axis="x", labelsize=FONT)
     axes[-1, 0].set_xlabel("ms since the call started", fontsize=FONT)
     handles = [Patch(color=colors["attention"], label="forward: a ring step's blocks"),
