@@ -241,6 +241,14 @@ def test_the_widget_draws_every_layout_and_step(lesson):
 # ------------------------------------------------------------------------------------------ the notebook
 def test_notebook_runs_in_fast_mode(run_notebook):
     text = run_notebook("06_context_parallel", timeout=900)
+    timing = ("balances the ranks", "contiguous does not", "the attention time grows with the rank",
+              "transfers hide under the compute")
+    failed = [line for line in text.splitlines() if "✗" in line]
+    if failed and all(any(t in line for t in timing) for line in failed):
+        # only the measured-balance checks failed: another program took the cores (the line prints the ratio).
+        # Measure again once; correctness checks are never retried.
+        print("retrying after a disturbed timing check:\n" + "\n".join(failed))
+        text = run_notebook("06_context_parallel", timeout=900)
     assert "✗" not in text, text
     assert text.count("✓") >= 39, text
     assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
