@@ -4,7 +4,6 @@ Every bad input reads its one sentence (the value, the rule, a fix) and no trace
 stops at that step and keeps the last good checkpoint; Ctrl-C on a real run prints one line and leaves a
 checkpoint that resumes; a second ./run.sh skips set-up and never overwrites an earlier run.
 """
-import json
 import math
 import os
 import shutil
