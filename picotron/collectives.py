@@ -428,6 +428,18 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     return _Done() if async_op else None
 
 
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    """The tensor form of all_to_all: `input` cut along dim 0 into one block per rank (input_split_sizes rows
+    each, or equal blocks), `output` made of the blocks received, in rank order (expert parallelism's dispatch)."""
+    me, ranks = _members(group)
+    if me < 0:
+        return None
+    n = len(ranks)
+    outs = list(output.split(output_split_sizes or [output.shape[0] // n] * n))
+    ins = list(input.split(input_split_sizes or [input.shape[0] // n] * n))
+    return all_to_all(outs, ins, group=group, async_op=async_op)
+
+
 def barrier(group=None, async_op=False, device_ids=None):
     """Return only when every rank of the group has entered: dissemination, ⌈log2 n⌉ rounds of 1 byte."""
     me, ranks = _members(group)

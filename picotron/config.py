@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 # Which strategies the code base supports so far. Each lesson that adds one flips its entry to True.
-IMPLEMENTED = {"dp": True, "tp": True, "pp": True, "cp": True, "ep": False, "zero": True, "sp": True}
+IMPLEMENTED = {"dp": True, "tp": True, "pp": True, "cp": True, "ep": True, "zero": True, "sp": True}
 ARRIVES_WITH = {  # for the "not implemented yet" message
     "dp": "data parallelism arrives with lesson 03", "zero": "ZeRO arrives with lesson 04",
     "tp": "tensor parallelism arrives with lesson 05", "sp": "sequence parallelism arrives with lesson 05",
@@ -55,6 +55,10 @@ COLLECTIVES = ("torch", "ours")
 MAX_LR = 1.0  # Adam's step is about lr per weight: beyond 1, every weight moves more than its own scale
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings")
+
+
+MOE_FIELDS = {"experts": "num_local_experts", "top_k": "num_experts_per_tok", "capacity_factor": "capacity_factor",
+              "aux_loss_coef": "router_aux_loss_coef"}
 
 
 class ConfigError(ValueError):
@@ -119,6 +123,11 @@ class Config:
     max_position_embeddings: Optional[int] = None
     attn_impl: Optional[str] = None
     tie_word_embeddings: Optional[bool] = None
+    # mixture of experts (None = the preset's; --preset tiny-moe has 4 experts, top-2)
+    experts: Optional[int] = None
+    top_k: Optional[int] = None
+    capacity_factor: Optional[float] = None
+    aux_loss_coef: Optional[float] = None
 
     @property
     def world_size(self):
@@ -142,6 +151,9 @@ class Config:
             raise ConfigError(f"preset={self.preset!r} is not a known model; pick one of {', '.join(PRESETS)}.")
         overrides = {k: getattr(self, k) for k in MODEL_FIELDS + ("attn_impl", "tie_word_embeddings")
                      if getattr(self, k) is not None}
+        for ours, theirs in MOE_FIELDS.items():  # our short flags, Hugging Face Mixtral's field names
+            if getattr(self, ours) is not None:
+                overrides[theirs] = getattr(self, ours)
         return dataclasses.replace(ModelConfig.from_preset(self.preset), **overrides)
 
     def to_dict(self):
@@ -177,7 +189,13 @@ HELP = {  # what `--help` says of each setting (allowed values are added from th
                "compute (ring), or gathered whole once (allgather)",
     "cp_layout": "which tokens each cp rank holds: chunks r and 2cp-1-r of 2cp, balancing the causal work "
                  "(zigzag), or one contiguous block (contiguous)",
-    "ep": "expert-parallel degree (arrives with lesson 08)",
+    "ep": "expert-parallel degree: the experts of every MoE layer spread over ep of the dp ranks (ep divides dp), "
+          "tokens sent to them and back with all-to-alls",
+    "experts": "experts per MoE layer (0 = the dense MLP); e.g. --preset tiny --experts 4, or --preset tiny-moe",
+    "top_k": "experts each token is routed to (Mixtral: 2)",
+    "capacity_factor": "with experts: each expert takes at most ceil(c x seq_len x top_k / experts) tokens of a "
+                       "sequence, the rest dropped and counted (0 = no limit)",
+    "aux_loss_coef": "weight of the load-balancing auxiliary loss added to the loss (0 = none)",
     "dp_impl": "how data parallelism exchanges gradients: one all-reduce per tensor after backward (naive), "
                "per tensor during backward (overlap), in buckets during backward (bucket), or torch's DDP (ddp)",
     "bucket_mb": "gradient bucket size in MiB for --dp-impl bucket and ZeRO-1/2",
@@ -309,7 +327,7 @@ def _check_names(cfg):
 def _check_positive(cfg):
     at_least = {"dp": 1, "tp": 1, "pp": 1, "pp_chunks": 1, "cp": 1, "ep": 1, "steps": 1, "seq_len": 1, "micro_batch_size": 1,
                 "grad_acc": 1, "log_every": 1, "timeout_s": 1, "seed": 0, "save_every": 0, "warmup_steps": 0,
-                "eval_every": 0, "eval_batches": 0, "sample_tokens": 0}
+                "eval_every": 0, "eval_batches": 0, "sample_tokens": 0, "experts": 0, "top_k": 1}
     at_least.update({k: 1 for k in MODEL_FIELDS})
     for name, low in at_least.items():
         value = getattr(cfg, name)
@@ -332,8 +350,8 @@ def _check_positive(cfg):
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must lie in [0, 1); pass --{name} 0.9 or 0.95.")
-    for name in ("weight_decay", "grad_clip", "bucket_mb"):
-        if getattr(cfg, name) < 0:
+    for name in ("weight_decay", "grad_clip", "bucket_mb", "capacity_factor", "aux_loss_coef"):
+        if (getattr(cfg, name) or 0) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must not be negative; pass --{name.replace('_', '-')} 0 "
                               f"to switch it off.")
     if cfg.eval_every and not cfg.eval_batches:
@@ -365,10 +383,6 @@ def _check_degrees(cfg, mc):
         problem = strategy.check(cfg, mc)
         if problem:
             raise ConfigError(problem)
-    # Rules of the strategies that have no module yet; they move into it when it arrives.
-    if cfg.dp % cfg.ep:
-        raise ConfigError(f"ep={cfg.ep} does not divide dp={cfg.dp} (expert-parallel ranks are carved out of the "
-                          f"data-parallel ranks); pick ep in {_choices(_fits(cfg.dp))}.")
 
 
 def _check_inputs(cfg, mc):
@@ -441,7 +455,7 @@ Train a Llama-style model on the embedded Shakespeare (or your text), on one pro
 Works today: data parallelism (--dp), ZeRO-1/2/3 (--zero), tensor parallelism (--tp) with sequence
 parallelism (--sp), pipeline parallelism (--pp, --pp-schedule; the micro-batches are --grad-acc), context
 parallelism (--cp, --cp-impl, --cp-layout), gradient accumulation, bf16 autocast, activation recomputation,
-checkpoints. Expert parallelism (--ep) arrives with lesson 08.
+expert parallelism (--ep, with a mixture-of-experts model: --preset tiny-moe or --experts E), checkpoints.
 
 Several processes on one machine: `python -m picotron.train --dp 2 --tp 2` starts them itself (with torchrun,
 one per cell of the dp x pp x cp x tp grid); several machines: torchrun ... -m picotron.train ... on each.

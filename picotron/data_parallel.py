@@ -35,6 +35,12 @@ last backward, `finish_sync()` waits for it, `no_sync()` accumulates without syn
 keeps. At dp = 1 the trainer still wraps the model, in `Local`, which does nothing: the step loop never asks
 which strategy is on. The collectives go through the dp x cp `Axis` the wrapper receives.
 
+Experts (expert parallelism) are the exception: each rank holds only some experts, and the copies of one expert
+sit on the mesh's `edp` axis. `axis_of(p)` (from the parameter marks, `marks.sync_axis`) says which axis a
+gradient is summed over; buckets never mix axes. Whatever the axis, the sum is divided by the dp x cp size: an
+expert's gradient already holds the tokens of every rank of its ep group (the all-to-all brought them), so
+summed over edp it covers the whole global batch, which dp x cp ranks shared.
+
 Caveat, as in DDP: every parameter must receive a gradient in every backward pass, or its bucket never
 fills and the step waits forever (here: until the process-group timeout ends it with an error).
 """
@@ -85,11 +91,14 @@ class Local(GradSync):
 class _Replicated(GradSync):
     """What the data-parallel wrappers share: the axis (dp x cp), no_sync, start from rank 0's weights."""
 
-    def __init__(self, module, axis):
+    def __init__(self, module, axis, axis_of=None):
         super().__init__(module)
-        self.axis = axis
+        self.axis = axis  # dp x cp: the gradients are divided by its size
+        self.axis_of = axis_of or (lambda p: axis)  # where each gradient is summed (experts: edp)
         self.sync = True
-        for t in list(module.parameters()) + list(module.buffers()):  # a safety net: our init is identical
+        for p in module.parameters():  # a safety net: our init is identical
+            self.axis_of(p).broadcast(p.data)
+        for t in module.buffers():
             axis.broadcast(t.data)
 
     @contextmanager
@@ -120,8 +129,8 @@ def buckets(params, bucket_mb):
 class NaiveDataParallel(_Replicated):
     """All-reduce each gradient, synchronously, the moment autograd has accumulated it."""
 
-    def __init__(self, module, axis):
-        super().__init__(module, axis)
+    def __init__(self, module, axis, axis_of=None):
+        super().__init__(module, axis, axis_of)
         for p in module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._hook)
@@ -129,14 +138,14 @@ class NaiveDataParallel(_Replicated):
     def _hook(self, p):
         if self.sync:
             p.grad.div_(self.axis.size)
-            self.axis.all_reduce(p.grad)  # blocks backward until this tensor is averaged
+            self.axis_of(p).all_reduce(p.grad)  # blocks backward until this tensor is averaged
 
 
 class _Bucket:
     """A contiguous gradient buffer for a few parameters; each p.grad is a view into it."""
 
-    def __init__(self, params, index):
-        self.params, self.index = params, index
+    def __init__(self, params, index, axis):
+        self.params, self.index, self.axis = params, index, axis
         p0 = params[0]
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
         self.ready = 0
@@ -153,10 +162,14 @@ class _Bucket:
 class DataParallel(_Replicated):
     """Bucketed, overlapped gradient all-reduce (bucket_mb=0: one bucket per parameter)."""
 
-    def __init__(self, module, axis, bucket_mb=25.0):
-        super().__init__(module, axis)
+    def __init__(self, module, axis, bucket_mb=25.0, axis_of=None):
+        super().__init__(module, axis, axis_of)
         params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = [_Bucket(ps, i) for i, ps in enumerate(buckets(params, bucket_mb))]
+        by_axis = {}  # buckets never mix axes
+        for p in params:
+            by_axis.setdefault(self.axis_of(p), []).append(p)
+        groups = [(a, ps) for a, group in by_axis.items() for ps in buckets(group, bucket_mb)]
+        self.buckets = [_Bucket(ps, i, a) for i, (a, ps) in enumerate(groups)]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for p in params:
             p.register_post_accumulate_grad_hook(self._hook)
@@ -170,7 +183,7 @@ class DataParallel(_Replicated):
             bucket.ready = 0
             bucket.buffer.div_(self.axis.size)
             mib = bucket.buffer.numel() * bucket.buffer.element_size() / 2**20
-            bucket.work = self.axis.all_reduce(bucket.buffer, async_op=True, label=f"all-reduce bucket {bucket.index}",
+            bucket.work = bucket.axis.all_reduce(bucket.buffer, async_op=True, label=f"all-reduce bucket {bucket.index}",
                                                bucket=bucket.index, mib=mib)
 
     def forward(self, *args, **kwargs):
@@ -211,17 +224,18 @@ class TorchDDP(GradSync):
         return self.ddp.no_sync()  # (DDP waits for its all-reduces at the end of backward: finish_sync has nothing to do)
 
 
-def wrap(model, axis, impl="bucket", bucket_mb=25.0):
+def wrap(model, axis, impl="bucket", bucket_mb=25.0, axis_of=None):
     """Wrap `model` for data parallelism over `axis` (the mesh's dp_cp axis); one replica: `Local`.
+    `axis_of(p)`: the axis to sum p's gradient over when it is not `axis` (experts: the mesh's edp).
 
     impl: "naive" (synchronous per-parameter), "overlap" (asynchronous per-parameter), "bucket" (asynchronous
     buckets of bucket_mb MiB) or "ddp" (torch's DistributedDataParallel, to compare against)."""
     if axis.size == 1:
         return Local(model)
     if impl == "naive":
-        return NaiveDataParallel(model, axis)
+        return NaiveDataParallel(model, axis, axis_of)
     if impl in ("overlap", "bucket"):
-        return DataParallel(model, axis, bucket_mb=0 if impl == "overlap" else bucket_mb)
+        return DataParallel(model, axis, bucket_mb=0 if impl == "overlap" else bucket_mb, axis_of=axis_of)
     if impl == "ddp":
         return TorchDDP(model, axis, bucket_mb=bucket_mb)
     raise ValueError(f"dp impl {impl!r}; use 'naive', 'overlap', 'bucket' or 'ddp'.")

@@ -24,7 +24,12 @@ An 8-rank grid, dp=2 pp=2 cp=1 tp=2 (two nodes of four GPUs):
     pp groups  {0,2} {1,3} {4,6} {5,7}    activations flow stage 0 -> stage 1
     dp groups  {0,4} {1,5} {2,6} {3,7}    same shard of the model, different data: across nodes
 
-The pure functions (`grid_coords`, `grid_rank`, `group_ranks`) need no processes and are what the tests and
+Expert parallelism does not add a dimension: it carves its `ep` axis out of dp. The dp ranks are cut into
+blocks of ep consecutive dp coordinates; the ranks of a block hold different experts and exchange tokens
+(`ep`), and the ranks at the same place in every block (and every cp rank) hold the same experts (`edp`,
+where expert gradients are summed). With dp=4, ep=2 (pp=cp=tp=1): ep groups {0,1} {2,3}, edp groups {0,2} {1,3}.
+
+The pure functions (`grid_coords`, `grid_rank`, `group_ranks`, `expert_groups`) need no processes and are what the tests and
 lessons use to reason about layouts; `Mesh.init` turns them into real `torch.distributed` groups.
 """
 import copy
@@ -86,6 +91,20 @@ def group_ranks(sizes, dims):
         c = grid_coords(rank, sizes)
         groups.setdefault(tuple(c[d] for d in ORDER if d not in dims), []).append(rank)
     return list(groups.values())
+
+
+def expert_groups(sizes, ep):
+    """(ep groups, edp groups) as lists of ranks: ep = blocks of ep consecutive dp coordinates (same pp, cp,
+    tp); edp = the same place in every block, with every cp rank (same pp, tp). ep must divide dp."""
+    sizes = _as_sizes(sizes)
+    if sizes["dp"] % ep:
+        raise ValueError(f"ep={ep} does not divide dp={sizes['dp']}.")
+    ep_groups = [ranks[j:j + ep] for ranks in group_ranks(sizes, "dp") for j in range(0, sizes["dp"], ep)]
+    edp_groups = []
+    for ranks in group_ranks(sizes, ("dp", "cp")):
+        for e in range(ep):
+            edp_groups.append([r for r in ranks if grid_coords(r, sizes)["dp"] % ep == e])
+    return sorted(ep_groups), sorted(edp_groups)
 
 
 def pick_device(world_size=1, local_rank=0, device=None):
@@ -175,6 +194,17 @@ class Axis:
                          lambda a: self.comm.ops.reduce_scatter_single(out, t, group=self.group, async_op=a),
                          async_op, label, info)
 
+    def all_to_all_into(self, out, t, out_splits=None, in_splits=None, async_op=False, label=None, **info):
+        """out = the blocks every rank sent this one, in rank order: t is cut along dim 0 into one block per rank
+        (in_splits rows each, or equal blocks), out into the blocks received (out_splits rows each)."""
+        if self.size == 1:
+            if out.data_ptr() != t.data_ptr():
+                out.copy_(t)
+            return _DONE if async_op else None
+        return self._run("all_to_all", t.numel() * t.element_size(),
+                         lambda a: self.comm.ops.all_to_all_single(out, t, out_splits, in_splits, group=self.group,
+                                                                   async_op=a), async_op, label, info)
+
     def broadcast(self, t, index=0):
         """In place: every rank's t = the t of the rank at `index` along this axis."""
         if self.size > 1:
@@ -229,11 +259,11 @@ class Mesh:
 
     Attributes: rank, world_size, local_rank, device, backend, sizes, coords, and the axes
     `dp`, `pp`, `cp`, `tp`, `dp_cp` (dp x cp together: gradients of replicated parameters are averaged over
-    it), `pp_ends` (the first and last pipeline stage, which share tied embeddings) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
+    it), `ep` and `edp` (the experts' axes carved from dp: see the module docstring), `pp_ends` (the first and last pipeline stage, which share tied embeddings) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
     pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage.
     """
 
-    AXES = ("dp", "pp", "cp", "tp", "dp_cp", "pp_ends", "world")
+    AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
 
     def __init__(self, rank, world_size, sizes, device, backend, groups, local_rank=0, owns_world=False,
                  collectives="torch"):
@@ -244,8 +274,8 @@ class Mesh:
         self.comm = Comm(collective_ops(collectives))  # shared by every axis of this mesh
         self._created, self._owns_world = [], owns_world
         for name, (ranks, group, created) in groups.items():
-            dims = ORDER if name == "world" else ("dp", "cp") if name == "dp_cp" else ("pp",) if name == "pp_ends" \
-                else (name,)
+            dims = ORDER if name == "world" else ("dp", "cp") if name in ("dp_cp", "edp") else ("pp",) \
+                if name == "pp_ends" else (name,)
             setattr(self, name, Axis(name, ranks, group, ranks.index(rank), dims, self.comm))
             if created:
                 self._created.append(group)
@@ -262,7 +292,7 @@ class Mesh:
         return cls(0, 1, (1, 1, 1, 1), torch.device(device), None, groups)
 
     @classmethod
-    def init(cls, dp=1, pp=1, cp=1, tp=1, timeout_s=300, backend=None, device=None, collectives="torch"):
+    def init(cls, dp=1, pp=1, cp=1, tp=1, ep=1, timeout_s=300, backend=None, device=None, collectives="torch"):
         """Join (or create) the default process group and build the per-axis groups.
 
         - a process group already exists (e.g. inside `launch.run_on_ranks`): use it as the world;
@@ -317,6 +347,18 @@ class Mesh:
             group, created = (dist.new_group(ends, timeout=timeout), True) if len(ends) > 1 else (None, False)
             if rank in ranks:
                 groups["pp_ends"] = (ends, group, created) if rank in ends else ([rank], None, False)
+        for name, lists in zip(("ep", "edp"), expert_groups(sizes, ep)):  # the experts' axes, carved from dp
+            for ranks in lists:
+                if len(ranks) == world_size:
+                    group, created = dist.group.WORLD, False
+                elif name == "edp" and ep == 1:  # the experts' replicas are all of dp x cp (same groups)
+                    group, created = (groups["dp_cp"][1] if rank in ranks else None), False
+                elif len(ranks) == 1:  # (every group has this size: every rank takes this branch)
+                    group, created = None, False
+                else:
+                    group, created = dist.new_group(ranks, timeout=timeout), True
+                if rank in ranks:
+                    groups[name] = (ranks, group, created)
         groups["world"] = (list(range(world_size)), dist.group.WORLD, False)
         return cls(rank, world_size, sizes, dev, backend, groups, local_rank, owns_world, collectives)
 

@@ -48,6 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from picotron.moe import MoE
+
 
 @dataclass
 class ModelConfig:
@@ -63,6 +65,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     attn_impl: str = "sdpa"  # "sdpa": fused kernel; "eager": explicit softmax that stores the s×s scores
+    # mixture of experts (picotron.moe; 0 experts = the dense SwiGLU MLP), in Hugging Face Mixtral's names
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.01
+    capacity_factor: float = 0.0  # 0: no limit (not a Mixtral field: a training option, GShard/Switch)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_local_experts > 0
 
     @property
     def head_dim(self) -> int:
@@ -74,10 +85,20 @@ class ModelConfig:
             raise ValueError(f"unknown model preset {name!r}; pick one of {sorted(PRESETS)}.")
         return cls(**{**PRESETS[name], **overrides})
 
-    def num_params(self) -> int:
-        """Exact parameter count of `Llama(self)` (a tied lm_head counts once)."""
+    def ffn_params(self, active=False) -> int:
+        """Parameters of one layer's feed-forward: 3·h·i dense; E·3·h·i + E·h (router) with experts, or with
+        active=True only the k experts a token passes through (and the router)."""
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        if not self.is_moe:
+            return mlp
+        return (self.num_experts_per_tok if active else self.num_local_experts) * mlp \
+            + self.num_local_experts * self.hidden_size
+
+    def num_params(self, active=False) -> int:
+        """Exact parameter count of `Llama(self)` (a tied lm_head counts once); active=True: those one token
+        uses (with experts: k of E per layer)."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
+        per_layer = 2 * h * h + 2 * h * kv + self.ffn_params(active) + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_hidden_layers * per_layer + h + head
 
@@ -88,17 +109,23 @@ class ModelConfig:
         lookup and not the norm weights. The attention term counts the full s×s score matrix (PaLM's
         convention), although causal kernels skip about half of it."""
         h, L = self.hidden_size, self.num_hidden_layers
-        n_matmul = self.num_params() - (2 * L + 1) * h
+        n_matmul = self.num_params(active=True) - (2 * L + 1) * h  # with experts: the k a token passes through
         if not self.tie_word_embeddings:
             n_matmul -= self.vocab_size * h
         return 6 * n_matmul + 12 * L * h * seq_len
 
     def to_dict(self) -> dict:
-        """The Hugging Face `config.json` of this model (LlamaForCausalLM)."""
-        d = {k: v for k, v in asdict(self).items() if k != "attn_impl"}
+        """The Hugging Face `config.json` of this model (LlamaForCausalLM, or MixtralForCausalLM with experts)."""
+        moe = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "capacity_factor")
+        d = {k: v for k, v in asdict(self).items() if k != "attn_impl" and (self.is_moe or k not in moe)}
         d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                  head_dim=self.head_dim, attention_bias=False, mlp_bias=False,
                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})  # transformers >= 5
+        if self.is_moe:
+            for k in ("attention_bias", "mlp_bias"):
+                del d[k]
+            d.update(architectures=["MixtralForCausalLM"], model_type="mixtral", output_router_logits=False,
+                     router_jitter_noise=0.0, sliding_window=None)
         return d
 
     @classmethod
@@ -116,6 +143,8 @@ class ModelConfig:
         ]
         if any(problems):
             raise ValueError(f"unsupported Llama config: {', '.join(p for p in problems if p)}.")
+        if d.get("sliding_window") is not None:
+            raise ValueError(f"unsupported config: sliding_window={d['sliding_window']} (only full causal attention).")
         names = {f.name for f in fields(cls)} - {"attn_impl"}
         kwargs = {k: v for k, v in d.items() if k in names}
         kwargs.setdefault("num_key_value_heads", heads)
@@ -140,6 +169,14 @@ PRESETS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                       rope_theta=500000.0),
+    # Mixture of experts: the tiny model with 4 experts of half the MLP width, 2 per token (lessons, tests);
+    # mistralai/Mixtral-8x7B-v0.1 (46.7 B parameters, 12.9 B active).
+    "tiny-moe": dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                     num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01),
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                         rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.02),
 }
 
 
@@ -245,11 +282,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        if config.is_moe:  # Mixtral's name, so the state dict maps 1:1 to its checkpoints
+            self.block_sparse_moe = MoE(config)
+        else:
+            self.mlp = MLP(config)
+
+    @property
+    def feed_forward(self):
+        """The MLP, or the mixture of experts that replaces it."""
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(self, x, cos, sin, selective: bool = False):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, recompute=selective)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -324,7 +369,7 @@ class Llama(nn.Module):
         of depth. Hugging Face's Llama init uses no such scaling; that only matters for training from
         scratch, never for loading weights."""
         std = self.config.initializer_range
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):  # w2: an expert's down projection
             std /= math.sqrt(2 * self.config.num_hidden_layers)
         return std
 

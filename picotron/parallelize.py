@@ -7,7 +7,7 @@ builds this rank's part of the model and everything a training step needs:
     1. the model on the meta device (shapes only: no memory, no init cost);
     2. tensor parallelism swaps linears, embedding and norms for sharded ones (mesh.tp; nothing at tp = 1);
        context parallelism swaps every attention core for ring (or all-gather) attention (mesh.cp);
-       (expert parallelism will swap the MLP: see the slot below);
+       expert parallelism keeps this rank's experts in every MoE layer and gives it the all-to-all (mesh.ep);
        pipeline parallelism keeps this rank's stages (chunks) of the layers, names unchanged;
     3. materialise on the device and initialise: every value depends on the seed and the parameter's name
        only, so every layout starts from the same weights, each rank holding its slices;
@@ -27,7 +27,8 @@ from functools import partial
 
 import torch
 
-from picotron import context_parallel, data_parallel, pipeline_parallel, schedule, tensor_parallel, zero, zero3
+from picotron import (context_parallel, data_parallel, expert_parallel, marks, pipeline_parallel, schedule,
+                      tensor_parallel, zero, zero3)
 from picotron.model import Llama, loss_fn
 
 
@@ -68,7 +69,7 @@ def build_model(cfg, mesh, store=None):
             model = Llama(mc)
         tensor_parallel.apply(model, mesh.tp, sp=cfg.sp)  # a no-op when tp = 1
         context_parallel.apply(model, mesh.cp, impl=cfg.cp_impl, layout=cfg.cp_layout)  # a no-op when cp = 1
-        # slot: expert_parallel.apply (MLP)
+        expert_parallel.apply(model, mesh.ep)  # a no-op when ep = 1
         return model
 
     plan = pipeline_schedule(cfg, mesh.pp.size)
@@ -77,12 +78,16 @@ def build_model(cfg, mesh, store=None):
     else:  # this stage's layers (names, hence init, unchanged)
         model = pipeline_parallel.keep_stage(whole, plan, mesh.pp.rank, mc, cfg.seq_len)
     model.to_empty(device=mesh.device)
+    expert_parallel.mark_experts(model, mesh.ep)  # to_empty made new Parameter objects
     if plan is not None:
         pipeline_parallel.mark_stage(model, plan, mesh.pp)
     model.init_weights(cfg.seed)
     if store is not None:
         pipeline_parallel.defer_weight_grads(model, store)
     model.recompute = cfg.recompute
+    for module in model.modules():  # MoE: the aux loss's weight per micro-batch (and per tp rank: see tensor_parallel)
+        if hasattr(module, "aux_weight"):
+            module.aux_weight = mc.router_aux_loss_coef / cfg.grad_acc / mesh.tp.size
     return model
 
 
@@ -93,13 +98,14 @@ def build_optimizer(groups, cfg, device):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
-def wrap_for_sync(raw, cfg, axis):
-    """Step 5: the gradient-sync wrapper over `axis` (dp x cp)."""
+def wrap_for_sync(raw, cfg, axis, axis_of=None):
+    """Step 5: the gradient-sync wrapper over `axis` (dp x cp); `axis_of(p)`, from the marks: where each gradient is
+    summed (experts: their replicas, the mesh's edp axis)."""
     if cfg.zero == 3:
         return zero3.Zero3(raw, axis)
     if cfg.zero:
-        return zero.wrap(raw, axis, cfg.zero, bucket_mb=cfg.bucket_mb)
-    return data_parallel.wrap(raw, axis, impl=cfg.dp_impl, bucket_mb=cfg.bucket_mb)
+        return zero.wrap(raw, axis, cfg.zero, bucket_mb=cfg.bucket_mb, axis_of=axis_of)
+    return data_parallel.wrap(raw, axis, impl=cfg.dp_impl, bucket_mb=cfg.bucket_mb, axis_of=axis_of)
 
 
 def autocast_for(cfg, device):
@@ -120,7 +126,7 @@ def parallelize(cfg, mesh, recorder=None):
     plan = pipeline_schedule(cfg, mesh.pp.size)
     store = pipeline_parallel.WeightGradStore() if plan is not None and plan.split else None
     raw = build_model(cfg, mesh, store)
-    model = wrap_for_sync(raw, cfg, mesh.dp_cp)
+    model = wrap_for_sync(raw, cfg, mesh.dp_cp, partial(marks.sync_axis, mesh=mesh) if mesh.ep.size > 1 else None)
     optimizer = build_optimizer(model.optimizer_groups(), cfg, mesh.device)
     if cfg.zero in (1, 2):  # the step updates this rank's chunk, then all-gathers every chunk
         optimizer = zero.ShardedOptimizer(optimizer, model)
@@ -160,9 +166,11 @@ def describe(cfg, mesh):
                      + (f", {v} chunks per rank)" if v > 1 else ")"))
     if mesh.cp.size > 1:
         parts.append(f"context parallel cp={mesh.cp.size} ({cfg.cp_impl}, {cfg.cp_layout})")
+    if mesh.ep.size > 1:
+        parts.append(f"expert parallel ep={mesh.ep.size} (experts replicated over edp={mesh.edp.size})")
     if cfg.collectives == "ours":
         parts.append("collectives from send/recv (lesson 02)")
     return " | ".join(parts) or "one process"
 
 
-STRATEGIES = (data_parallel, zero, tensor_parallel, context_parallel, pipeline_parallel)  # each exports check(cfg, model_config); config calls them
+STRATEGIES = (data_parallel, zero, tensor_parallel, context_parallel, pipeline_parallel, expert_parallel)  # each exports check(cfg, model_config); config calls them

@@ -202,12 +202,13 @@ class RowParallelLinear(_Sharded):
     """y = Σ_r x_r W_rᵀ: W's input features split; takes this rank's slice of the input, returns the full
     output (g), or with sp this rank's tokens of it (reduce-scatter)."""
 
-    def __init__(self, in_features, out_features, axis, sp=False, device=None, dtype=None):
+    def __init__(self, in_features, out_features, axis, sp=False, leave=True, device=None, dtype=None):
         super().__init__((out_features, in_features), 1, axis, device, dtype)
-        self.sp = sp
+        self.sp, self.leave = sp, leave  # leave=False: return the partial sum (an MoE block leaves once, later)
 
     def forward(self, x):
-        return leave_tp(self.matmul(x, self.weight), self.axis, self.sp)
+        y = self.matmul(x, self.weight)
+        return leave_tp(y, self.axis, self.sp) if self.leave else y
 
 
 class VocabParallelEmbedding(_Sharded):
@@ -223,6 +224,19 @@ class VocabParallelEmbedding(_Sharded):
         outside = (ids < self.lo) | (ids >= self.lo + self.weight.shape[0])
         out = F.embedding((ids - self.lo).masked_fill(outside, 0), self.weight)
         return leave_tp(out.masked_fill(outside[..., None], 0.0), self.axis, self.sp)
+
+
+class PartialGradLinear(nn.Linear):
+    """A replicated linear (an MoE router) used inside the tp region, where the gradient reaching it is only
+    this rank's part (it weighs partial expert outputs): the weight goes through f, so its gradient is summed
+    over the tp group in backward."""
+
+    def __init__(self, in_features, out_features, axis, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        self.axis = axis
+
+    def forward(self, x):
+        return F.linear(x, CopyToTP.apply(self.weight, self.axis))
 
 
 class SequenceParallelRMSNorm(RMSNorm):
@@ -361,21 +375,24 @@ def apply(model, axis, sp=False):
     def column(lin, enter):
         return ColumnParallelLinear(lin.in_features, lin.out_features, axis, sp=sp, enter=enter, **kw)
 
-    def row(lin):
-        return RowParallelLinear(lin.in_features, lin.out_features, axis, sp=sp, **kw)
+    def row(lin, leave=True):
+        return RowParallelLinear(lin.in_features, lin.out_features, axis, sp=sp, leave=leave, **kw)
 
     def norm(old):
         with torch.device(w.device):
             return SequenceParallelRMSNorm(old.weight.shape[0], old.eps, axis)
 
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = layer.self_attn, layer.feed_forward
         for name in ("q_proj", "k_proj", "v_proj"):  # whole heads per rank: rows [r·a/n·d, (r+1)·a/n·d)
             _swap(attn, name, column(getattr(attn, name), enter=False))
         _swap(attn, "o_proj", row(attn.o_proj))
-        _swap(mlp, "gate_proj", column(mlp.gate_proj, enter=False))
-        _swap(mlp, "up_proj", column(mlp.up_proj, enter=False))
-        _swap(mlp, "down_proj", row(mlp.down_proj))
+        if hasattr(mlp, "experts"):  # MoE: every expert cut like an MLP; the block enters and leaves once
+            _moe(mlp, axis, sp, column, row, kw)
+        else:
+            _swap(mlp, "gate_proj", column(mlp.gate_proj, enter=False))
+            _swap(mlp, "up_proj", column(mlp.up_proj, enter=False))
+            _swap(mlp, "down_proj", row(mlp.down_proj))
         attn.register_forward_pre_hook(partial(_enter_block, axis, sp))
         mlp.register_forward_pre_hook(partial(_enter_block, axis, sp))
         if sp:
@@ -388,6 +405,20 @@ def apply(model, axis, sp=False):
     _swap(model, "lm_head", column(model.lm_head, enter=True))  # logits stay split over the vocabulary
     model.tie_weights()  # tied: the LM head uses the embedding's shard (same rows, same split)
     return model
+
+
+def _moe(moe, axis, sp, column, row, kw):
+    """A mixture-of-experts block under tp: each expert's w1/w3 column-parallel, w2 row-parallel WITHOUT the
+    all-reduce; the block's output (the weighted sum of partial expert outputs) leaves the tp region once, so
+    the router's gradient is partial too (`PartialGradLinear`), and so is the auxiliary loss's: the step
+    engine's `aux_weight` is divided by tp (every tp rank adds the same aux)."""
+    for expert in moe.experts.values():
+        _swap(expert, "w1", column(expert.w1, enter=False))
+        _swap(expert, "w3", column(expert.w3, enter=False))
+        _swap(expert, "w2", row(expert.w2, leave=False))
+    gate = moe.gate
+    _swap(moe, "gate", PartialGradLinear(gate.in_features, gate.out_features, axis, **kw))
+    moe.register_forward_hook(lambda module, args, out: leave_tp(out, axis, sp))
 
 
 def gather_from_tp(t, dim, axis):

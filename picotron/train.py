@@ -239,7 +239,7 @@ def main(argv=None):
     if not under_launcher and cfg.world_size > 1:  # several processes on this machine: start them ourselves
         raise SystemExit(launch.torchrun_main("picotron.train", cfg.world_size, argv))
     try:
-        mesh = Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, timeout_s=cfg.timeout_s,
+        mesh = Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, timeout_s=cfg.timeout_s,
                          device=None if cfg.device == "auto" else cfg.device, collectives=cfg.collectives)
     except KeyboardInterrupt:
         raise SystemExit(130) from None

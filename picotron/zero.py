@@ -44,6 +44,10 @@ every micro-batch and add into the gradient shard (`no_sync` changes nothing the
 The optimizer's pieces are marked as sharded over dp x cp (`picotron.marks`), so the trainer's one global-norm
 clipping counts each gradient element once, whatever else is on.
 
+Experts (expert parallelism) are sharded over ep already and replicated only over the rest of dp x cp, the
+mesh's `edp` axis: their units are cut over that axis instead (`axis_of(p)`, from the marks), while every
+gradient is still divided by the dp x cp size, the number of batch shards it was summed over.
+
 ZeRO-1/2 here: `ZeroDataParallel` syncs the gradients (reduce-scatter into shards) and `ShardedOptimizer` is the
 optimizer: its step updates this rank's chunk and then all-gathers every chunk, so that every rank holds the
 updated parameters again. Stage 3 is in `picotron.zero3`.
@@ -64,8 +68,9 @@ from picotron.data_parallel import GradSync, buckets
 class FlatUnit:
     """Parameters seen as one flat vector of `padded` = n·`chunk` elements; this rank owns [lo, hi)."""
 
-    def __init__(self, name, params, rank, n):
-        self.name, self.params = name, list(params)
+    def __init__(self, name, params, axis):
+        self.name, self.params, self.axis = name, list(params), axis
+        rank, n = axis.rank, axis.size
         sizes = [p.numel() for p in self.params]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.numel = sum(sizes)
@@ -102,9 +107,10 @@ class FlatUnit:
 class ShardedGradSync(GradSync):
     """What the stages share: the axis, the optimizer's pieces, the reduce-scatter pipeline, checkpoints."""
 
-    def __init__(self, module, axis, stage):
+    def __init__(self, module, axis, stage, axis_of=None):
         super().__init__(module)
         self.stage, self.axis = stage, axis
+        self.axis_of = axis_of or (lambda p: axis)  # the axis a parameter's unit is cut over (experts: edp)
         self.n, self.rank = axis.size, axis.rank
         self.sync = True
         self.units = []
@@ -127,7 +133,7 @@ class ShardedGradSync(GradSync):
         self.pieces = []  # (piece, is a matrix, unit, start, length)
         for unit in self.units:
             for p, start, length in unit.pieces():
-                piece = marks.mark(nn.Parameter(unit.shard[start:start + length]), self.axis.dims + marks.sharded_over(p))
+                piece = marks.mark(nn.Parameter(unit.shard[start:start + length]), unit.axis.dims + marks.sharded_over(p))
                 self.pieces.append((piece, p.dim() >= 2, unit, start, length))
         self._attach_piece_grads()
 
@@ -151,7 +157,7 @@ class ShardedGradSync(GradSync):
         for p in unit.params:
             p.grad = None
         flat.div_(self.n)  # the sum over ranks becomes the mean
-        work = self.axis.reduce_scatter_into(flat[unit.lo:unit.hi], flat, async_op=True,  # in place: chunk r gets the sum
+        work = unit.axis.reduce_scatter_into(flat[unit.lo:unit.hi], flat, async_op=True,  # in place: chunk r gets the sum
                                              label=f"reduce-scatter {unit.name}")
         self._pending.append((unit, work, flat))
         self._track(flat.numel() * flat.element_size())
@@ -220,19 +226,23 @@ class ZeroDataParallel(ShardedGradSync):
     optimizer updates. `ShardedOptimizer.step` then all-gathers every chunk (`gather_updated_params`).
     """
 
-    def __init__(self, module, axis, stage, bucket_mb=25.0):
+    def __init__(self, module, axis, stage, bucket_mb=25.0, axis_of=None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel does stages 1 and 2, not {stage}; stage 3 is zero3.Zero3.")
-        super().__init__(module, axis, stage)
+        super().__init__(module, axis, stage, axis_of)
         params = [p for p in module.parameters() if p.requires_grad]
-        for bucket in buckets(params, bucket_mb):
-            self._add_unit(bucket)
+        by_axis = {}  # one set of buckets per axis (experts: edp; the rest: dp x cp)
+        for p in params:
+            by_axis.setdefault(self.axis_of(p), []).append(p)
+        for group in by_axis.values():
+            for bucket in buckets(group, bucket_mb):
+                self._add_unit(bucket)
         self._make_pieces()
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _add_unit(self, params):
-        unit = FlatUnit(f"bucket {len(self.units)}", params, self.rank, self.n)
+        unit = FlatUnit(f"bucket {len(self.units)}", params, self.axis_of(params[0]))
         unit.full = unit.flat([p.detach() for p in params])
         unit.use_as_storage(unit.full)
         unit.shard = unit.full[unit.lo:unit.hi]  # the fp32 parameters this rank updates: a view, no copy
@@ -259,7 +269,7 @@ class ZeroDataParallel(ShardedGradSync):
             self._send_gradients(unit)
         elif self.sync:
             unit.grad_full.div_(self.n)
-            unit.work = self.axis.reduce_scatter_into(unit.grad_full[unit.lo:unit.hi], unit.grad_full, async_op=True,
+            unit.work = unit.axis.reduce_scatter_into(unit.grad_full[unit.lo:unit.hi], unit.grad_full, async_op=True,
                                                       label=f"reduce-scatter {unit.name}")
 
     def forward(self, *args, **kwargs):
@@ -269,7 +279,7 @@ class ZeroDataParallel(ShardedGradSync):
 
     def gather_updated_params(self):
         """After the optimizer step: every rank sends its updated chunk to all (in place, one per bucket)."""
-        works = [self.axis.all_gather_into(u.full, u.shard, async_op=True, label=f"all-gather {u.name}")
+        works = [u.axis.all_gather_into(u.full, u.shard, async_op=True, label=f"all-gather {u.name}")
                  for u in self.units]
         for w in works:
             w.wait()
@@ -301,10 +311,11 @@ class ShardedOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-def wrap(model, axis, stage, bucket_mb=25.0):
-    """ZeRO stage 1 or 2 over `axis` (the mesh's dp_cp axis); stage 3 is picotron.zero3.Zero3."""
+def wrap(model, axis, stage, bucket_mb=25.0, axis_of=None):
+    """ZeRO stage 1 or 2 over `axis` (the mesh's dp_cp axis; `axis_of(p)`: another axis for some parameters,
+    the experts' edp); stage 3 is picotron.zero3.Zero3."""
     if stage in (1, 2):
-        return ZeroDataParallel(model, axis, stage, bucket_mb=bucket_mb)
+        return ZeroDataParallel(model, axis, stage, bucket_mb=bucket_mb, axis_of=axis_of)
     raise ValueError(f"ZeRO stage {stage!r}: zero.wrap does stages 1 and 2; stage 3 is picotron.zero3.Zero3.")
 
 

@@ -31,7 +31,7 @@ class Zero3(ShardedGradSync):
         in_layers = {p for layer in layers for p in layer.parameters()}
         root = [p for p in module.parameters() if p not in in_layers]
         for name, params in [("root", root)] + [(f"layer {i}", list(l.parameters())) for i, l in enumerate(layers)]:
-            unit = FlatUnit(name, params, self.rank, self.n)
+            unit = FlatUnit(name, params, self.axis)
             full = unit.flat([p.detach() for p in params])
             unit.shard = full[unit.lo:unit.hi].clone()  # this rank's fp32 parameters, kept for good
             unit.grad_shard = unit.grad_flat = None

@@ -257,8 +257,9 @@ def test_several_processes_without_torchrun(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- inconsistent rules
-def test_ep_alone_says_not_implemented():
-    assert error_of(ep=2).startswith("ep=2 is not implemented yet")
+def test_ep_without_experts_says_how_to_get_them():
+    msg = error_of(dp=2, ep=2)
+    assert msg.startswith("ep=2 needs a model with experts") and "--preset tiny-moe" in msg
 
 
 def test_zero_needs_data_parallel_ranks():
@@ -282,7 +283,7 @@ def test_help_is_a_reference():
         assert f"--{field.replace('_', '-')}" in text, field
     assert "one of fp32, bf16" in text and "one of 0, 1, 2, 3" in text and "one of naive, overlap, bucket, ddp" in text
     assert "one of none, selective, full" in text and "0 = no clipping" in text
-    assert "arrives with lesson 08" in text and "--pp-schedule" in text and "--cp-impl" in text and "any mix" not in text
+    assert "all-to-all" in text and "--top-k" in text and "--pp-schedule" in text and "--cp-impl" in text and "any mix" not in text
 
 
 # ------------------------------------------------------------------------------------- run.sh

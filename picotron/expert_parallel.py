@@ -1,0 +1,158 @@
+"""Expert parallelism: the experts of every MoE layer spread over ep ranks, tokens sent to them and back with
+two all-to-alls (Lepikhin et al. 2020, "GShard", section 2; Fedus et al. 2022, "Switch Transformers", section 2.2).
+
+A mixture-of-experts layer (picotron.moe) holds E experts, and a token uses k of them. Data parallelism would keep
+all E on every rank; expert parallelism keeps E/ep on each rank of an ep group and moves the TOKENS instead:
+
+    rank 0: experts 0,1        tokens of rank 0 --.   .-- tokens of rank 1
+    rank 1: experts 2,3                            \\ /
+                          dispatch (all-to-all):   X    each token row goes to the rank that holds its expert
+                                                   / \\
+                          experts compute on the rows they received (from every rank of the group)
+                          combine (all-to-all):    the outputs go back where their tokens came from
+
+Per MoE layer and micro-batch, each rank sends the rows of its n tokens that chose experts elsewhere, about
+n·k·(ep−1)/ep rows of h values, once to dispatch and once to combine, and the backward pass the same again:
+4·n·k·h·(ep−1)/ep elements when the routing is balanced (`bytes_per_step_formula`). The sizes vary from step to
+step, so the token counts per expert go first (an all-to-all of E numbers), then the rows with those splits.
+
+The ep axis is carved out of dp (picotron.mesh): the ranks of an ep group see different data AND hold
+different experts. So there are two kinds of parameters: the dense ones (attention, norms, embedding, the
+router), replicated over dp x cp as before, and the experts, marked ("ep",) and replicated only over the mesh's
+`edp` axis (dp/ep x cp ranks). `marks.sync_axis` tells data parallelism and ZeRO where to sum each gradient;
+both divide by dp x cp, because an expert's gradient already contains the tokens of its whole ep group.
+
+Under tensor parallelism each expert is itself cut like a dense MLP (w1, w3 column-parallel, w2 row-parallel)
+and the ep all-to-alls run between ranks of the same tp coordinate (each tp column holds the same tokens):
+picotron.tensor_parallel handles the block's entry and exit.
+
+Rules (`check`): ep divides dp and the number of experts; the model has experts; not with cp (the routing
+statistics and the capacity are per sequence, and cp splits sequences), ZeRO-3 or torch's DDP.
+"""
+import torch
+
+from picotron import marks
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows exchanged over the ep axis: forward sends in_splits[j] rows to rank j and receives out_splits[j]
+    from it; backward sends the gradients back the same way (an all-to-all with the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, axis, exchange, name):
+        ctx.splits, ctx.axis, ctx.exchange, ctx.name = (out_splits, in_splits), axis, exchange, name
+        return exchange.send(x, out_splits, in_splits, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return ctx.exchange.send(grad.contiguous(), in_splits, out_splits, ctx.name + "-backward"), \
+            None, None, None, None, None
+
+
+class Exchange:
+    """What moe.MoE calls when its experts are spread over `axis`: dispatch rows sorted by global expert, get
+    them back after this rank's experts ran. Counts what it sends: `rows` {kind: rows sent to other ranks}."""
+
+    def __init__(self, axis, num_experts):
+        self.axis, self.local = axis, num_experts // axis.size
+        self.rows = {}
+
+    def send(self, x, out_splits, in_splits, name):
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        self.axis.all_to_all_into(out, x.contiguous(), out_splits, in_splits, label=f"all-to-all {name}")
+        self.rows[name] = self.rows.get(name, 0) + sum(in_splits) - in_splits[self.axis.rank]
+        return out
+
+    def dispatch(self, rows, counts):
+        """rows: this rank's (token, choice) rows sorted by expert; counts[e]: how many for each global expert.
+        Returns the rows for this rank's experts, grouped by local expert (every source rank's in turn), their
+        counts per local expert, and what combine needs."""
+        n, L = self.axis.size, self.local
+        received = torch.empty_like(counts)  # received[src·L + e]: rows rank src has for my e-th expert
+        self.axis.all_to_all_into(received, counts.contiguous(), label="all-to-all counts")
+        send = counts.view(n, L).sum(1).tolist()  # rows to each rank (its experts are contiguous in the sort)
+        recv_by = received.view(n, L)
+        recv = recv_by.sum(1).tolist()
+        got = AllToAll.apply(rows, recv, send, self.axis, self, "dispatch")  # source-major: [src][expert] blocks
+        # regroup source-major -> expert-major, so that each local expert's rows are contiguous
+        starts = torch.cumsum(received, 0) - received
+        order = torch.cat([torch.arange(int(starts[s * L + e]), int(starts[s * L + e] + recv_by[s, e]),
+                                        device=rows.device) for e in range(L) for s in range(n)])
+        return got[order], recv_by.sum(0), (order, send, recv)
+
+    def combine(self, out, ctx):
+        """The experts' outputs (expert-major) back to the ranks their rows came from, in dispatch order."""
+        order, send, recv = ctx
+        source_major = torch.empty_like(out).index_copy(0, order, out)  # undo the regrouping
+        return AllToAll.apply(source_major, send, recv, self.axis, self, "combine")
+
+
+def apply(model, axis):
+    """Keep this rank's experts in every MoE layer of `model` (on the meta device, before init), mark them
+    ("ep",) and give each layer the `Exchange` over `axis` (the mesh's ep axis). ep = 1: nothing changes."""
+    if axis.size == 1:
+        return model
+    for layer in model.layers:
+        moe = getattr(layer, "block_sparse_moe", None)
+        if moe is None:
+            continue
+        E, n = moe.num_experts, axis.size
+        if E % n:
+            raise ValueError(f"ep={n} does not divide num_local_experts={E}.")
+        mine = range(axis.rank * E // n, (axis.rank + 1) * E // n)
+        for e in moe.experts.indices():
+            if e not in mine:
+                del moe.experts[str(e)]
+        moe.exchange = Exchange(axis, E)
+    mark_experts(model, axis)
+    return model
+
+
+def mark_experts(model, axis):
+    """Mark every expert parameter as sharded over ep (after to_empty too: it makes new Parameter objects)."""
+    if axis.size == 1:
+        return
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            marks.mark(p, ("ep",))
+
+
+def exchanges(model):
+    """The Exchange of every MoE layer this rank holds (for counting what the all-to-alls sent)."""
+    return [m.exchange for m in model.modules() if getattr(m, "exchange", None) is not None]
+
+
+def bytes_per_step_formula(tokens, k, hidden, ep, layers, elem=4):
+    """All-to-all bytes one rank sends to the others per step if routing is balanced: per MoE layer, its
+    tokens·k rows of `hidden` values, (ep−1)/ep of them elsewhere, four times (dispatch and combine, forward
+    and backward). The measured count uses the real routing (`Exchange.rows`)."""
+    return 4 * layers * tokens * k * hidden * elem * (ep - 1) // ep
+
+
+def check(cfg, model_config):
+    """Expert parallelism's rules: the one-sentence problem with these settings, or None."""
+    ep = cfg.ep
+    E = model_config.num_local_experts
+    if cfg.dp % ep:
+        good = ", ".join(str(d) for d in range(1, cfg.dp + 1) if cfg.dp % d == 0)
+        return (f"ep={ep} does not divide dp={cfg.dp} (expert-parallel ranks are carved out of the data-parallel "
+                f"ranks); pick ep in {{{good}}}.")
+    if ep > 1 and not E:
+        return (f"ep={ep} needs a model with experts, but {cfg.preset!r} is dense; add --experts E (e.g. 4) or "
+                f"use --preset tiny-moe.")
+    if E and ep > 1 and E % ep:
+        good = [d for d in range(1, E + 1) if E % d == 0 and cfg.dp % d == 0]
+        return f"ep={ep} does not divide the {E} experts; pick ep in {{{', '.join(map(str, good))}}}."
+    if E and model_config.num_experts_per_tok > E:
+        return (f"top_k={model_config.num_experts_per_tok} is more than the {E} experts; pick top_k between 1 "
+                f"and {E}.")
+    if E and cfg.cp > 1:
+        return (f"experts with cp={cfg.cp} are not supported (the load-balancing statistics and the capacity are "
+                f"per sequence, and context parallelism splits sequences); drop --cp or the experts.")
+    if E and cfg.zero == 3:
+        return "experts with zero=3 are not supported yet; use --zero 1 or 2."
+    if ep > 1 and cfg.dp_impl == "ddp":
+        return ("ep with dp_impl='ddp' is not supported (torch's DDP averages every gradient over one group, but "
+                "experts are summed over their own replicas); drop --dp-impl ddp.")
+    return None

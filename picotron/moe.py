@@ -1,0 +1,165 @@
+"""A mixture-of-experts feed-forward (Mixtral's sparse MoE block), written to be read.
+
+A dense layer's MLP is replaced by E expert MLPs and a router; each token goes to k of them (Shazeer et al.
+2017; Fedus et al. 2022, "Switch Transformers"; Jiang et al. 2024, "Mixtral of Experts"):
+
+    n = x @ gate.weightᵀ                      [tokens, E]   the router's logits
+    p = softmax(n)                            [tokens, E]   (in fp32)
+    w, e = top-k(p); w = w / Σw               [tokens, k]   Mixtral: softmax first, then top-k, renormalised
+    y_t = Σ_j w_tj · Expert_{e_tj}(x_t)       Expert = SwiGLU: w2(silu(w1 x) * w3 x)
+
+Parameters grow with E, FLOPs per token with k: Mixtral-8x7B holds 46.7 B parameters but each token passes
+through 2 of 8 experts, about 12.9 B. The price is the bookkeeping: the tokens of a batch are regrouped by
+expert (the *dispatch*), each expert runs on its rows, and the outputs are put back in token order, weighted
+(the *combine*). Here the regrouping is one stable sort of the (token, choice) pairs by expert:
+
+    pairs  (t0,e=2) (t0,e=0) (t1,e=1) (t1,e=2) ...      flattened top-k choices, token-major
+    order  argsort(e, stable)                          -> expert 0's rows, then expert 1's, ...
+    rows   x[order // k]                               each expert's tokens, contiguous, in token order
+    out    index_add(order // k, Expert(rows) · w[order])
+
+Expert parallelism (picotron.expert_parallel) puts different experts on different ranks; with that sort the rows
+for one rank's experts are contiguous, so it only has to hand them to `exchange.dispatch` and get them back from
+`exchange.combine` (two all-to-alls). This module calls the two seams and knows nothing else about ranks.
+
+Load balance. Nothing in the language-model loss keeps the router from sending most tokens to a few experts
+(they then learn faster and attract more). The auxiliary loss of Switch (eq. 4-6), in Hugging Face Mixtral's
+form: aux = E · Σ_i f_i · P_i, f_i the fraction of the tokens that picked expert i among their k (Σf = k), P_i
+the mean router probability of expert i; it is k at perfect balance (f_i = k/E, P_i = 1/E) and grows as the
+routing concentrates. (HF sums f and P over all layers before multiplying; here each layer has its own aux and
+the model's is their mean, as in Switch and GShard: equal when the layers route alike.) Its gradient reaches
+the router through `AuxLoss`, an identity on the block's output whose backward also returns aux_weight for the
+aux: the loss the optimizer sees is LM + aux_weight · aux without `forward` returning anything but logits.
+
+Capacity (`capacity_factor` c > 0, GShard/Switch): expert i takes at most ceil(c · s · k / E) tokens of each
+sequence of s tokens, first come first served in token order; the choices beyond are dropped (their weight
+is lost, the residual carries the token), and counted. Per sequence, so the decision does not depend on how the
+batch is split over ranks. c = 0: no limit, nothing dropped (Mixtral's inference).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert in Mixtral's names: w1 (gate) and w3 (up) h->i, w2 (down) i->h."""
+
+    def __init__(self, hidden, intermediate):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, intermediate, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Experts(nn.ModuleDict):
+    """The experts keyed by their GLOBAL index ("0".."E-1"): a rank that keeps experts 4-7 still calls them
+    experts.4 ... experts.7, so names, and hence initial values, do not depend on the layout."""
+
+    def __init__(self, experts):
+        super().__init__({str(i): e for i, e in experts})
+
+    def indices(self):
+        return [int(k) for k in self.keys()]
+
+
+class AuxLoss(torch.autograd.Function):
+    """y = out in forward; in backward, out's gradient passes through and `aux` receives `weight`: as if
+    weight·aux had been added to the loss (Megatron-LM's MoEAuxLossAutoScaler does the same)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, weight):
+        ctx.weight = weight
+        ctx.save_for_backward(aux)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.weight), None
+
+
+def route(logits, k):
+    """(weights [n, k] in fp32, experts [n, k], probs [n, E] fp32): softmax, top-k, renormalise (Mixtral)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = probs.topk(k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), experts, probs
+
+
+def aux_loss(probs, experts, num_experts):
+    """E · Σ_i f_i · P_i (HF Mixtral's load_balancing_loss_func for one layer): f_i = choices of expert i per
+    token (Σf = k), P_i = mean probability of expert i. Differentiable through P only."""
+    counts = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype)
+    return num_experts * (counts / probs.shape[0] * probs.mean(0)).sum()
+
+
+def capacity_keep(experts, seq_len, num_experts, capacity_factor):
+    """A bool mask over the flattened (token, choice) pairs: False for those beyond expert capacity
+    ceil(c·s·k/E) within their sequence, counting in token order (then choice order). All True if c = 0."""
+    flat = experts.flatten()
+    if capacity_factor <= 0:
+        return torch.ones_like(flat, dtype=torch.bool)
+    k = experts.shape[-1]
+    capacity = math.ceil(capacity_factor * seq_len * k / num_experts)
+    per_seq = flat.view(-1, seq_len * k)  # [sequences, s·k], token-major
+    onehot = F.one_hot(per_seq, num_experts)  # [b, s·k, E]
+    place = (onehot.cumsum(1) * onehot).sum(-1)  # 1-based arrival index of each pair at its expert
+    return (place <= capacity).flatten()
+
+
+class MoE(nn.Module):
+    """The sparse MoE block: router `gate` (E x h, no bias) and `experts` (Experts). Replaces the MLP.
+
+    After each forward: `last_aux` (this layer's aux, detached), `counts` (tokens routed per expert, before
+    capacity; summed over forwards until someone resets it to None) and `dropped` (pairs
+    dropped by capacity, summed likewise): what the lessons plot."""
+
+    def __init__(self, config):
+        super().__init__()
+        h, E = config.hidden_size, config.num_local_experts
+        self.num_experts, self.k = E, config.num_experts_per_tok
+        self.capacity_factor = config.capacity_factor
+        self.aux_weight = config.router_aux_loss_coef  # the step engine divides it by the micro-batches
+        self.gate = nn.Linear(h, E, bias=False)
+        self.experts = Experts((i, Expert(h, config.intermediate_size)) for i in range(E))
+        self.exchange = None  # expert parallelism: .dispatch(rows, counts) -> (rows, counts, ctx); .combine(rows, ctx)
+        self.counts, self.dropped = None, 0  # made on the first forward (the model may be built on meta)
+        self.last_aux = None
+
+    def forward(self, x):
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        weights, experts, probs = route(self.gate(flat), self.k)
+        aux = aux_loss(probs, experts, self.num_experts)
+        keep = capacity_keep(experts, s, self.num_experts, self.capacity_factor)
+        chosen = experts.flatten()
+        order = torch.argsort(chosen.masked_fill(~keep, self.num_experts), stable=True)[:int(keep.sum())]
+        counts = torch.bincount(chosen[order], minlength=self.num_experts)
+        rows = flat[order // self.k]  # the dispatch permutation: each expert's tokens, contiguous
+        if self.exchange is None:
+            out = self.run_experts(rows, counts)
+        else:
+            rows, local_counts, ctx = self.exchange.dispatch(rows, counts)
+            out = self.exchange.combine(self.run_experts(rows, local_counts), ctx)
+        out = (out * weights.flatten()[order, None].to(out.dtype)).to(flat.dtype)
+        y = torch.zeros_like(flat).index_add(0, order // self.k, out)  # the combine: back to token order
+        with torch.no_grad():
+            routed = torch.bincount(chosen, minlength=self.num_experts)
+            self.counts = routed if self.counts is None else self.counts + routed
+            self.dropped += int((~keep).sum())
+            self.last_aux = aux.detach()
+        if self.training and torch.is_grad_enabled() and self.aux_weight:
+            y = AuxLoss.apply(y, aux, self.aux_weight)
+        return y.view(b, s, h)
+
+    def run_experts(self, rows, counts):
+        """Each of this rank's experts (in index order) on its slice of `rows` (counts[j] rows for the j-th)."""
+        outs = [expert(part) for expert, part in zip(self.experts.values(), rows.split(counts.tolist()))]
+        return torch.cat(outs) if outs else rows
+
+    def extra_repr(self):
+        return f"experts={self.num_experts}, top_k={self.k}, capacity_factor={self.capacity_factor}"

@@ -1,0 +1,275 @@
+"""Mixture of experts and expert parallelism.
+
+The MoE model: its logits equal transformers' MixtralForCausalLM on the same weights (fp32), both ways through the
+Hugging Face files; its aux loss equals HF's load_balancing_loss_func; Mixtral-8x7B's parameter count is the
+published one; capacity drops exactly the choices beyond ceil(c·s·k/E) per sequence.
+
+On real processes: dispatch then combine is the identity on token ids (no row lost or duplicated); the MoE layer at
+ep = 2 and 4 equals all experts on one process, forward and backward; the whole model per the parity standard (same
+seed, same global batch, fp32; per-step loss and gradient norm within 1e-5 relative; every gradient, experts gathered
+from the ranks that hold them) at ep = 2 and 4, ep2 x tp2 (+ sp), ep2 with ZeRO-1, ep2 x pp2; a negative test
+(expert gradients divided by their own group's size instead of dp) that the parity check catches.
+"""
+import pytest
+import torch
+
+from picotron import expert_parallel, moe
+from picotron import train as train_mod
+from picotron.config import Config, ConfigError, validate
+from picotron.launch import run_on_ranks
+from picotron.mesh import Mesh, expert_groups
+from picotron.metrics import read_metrics
+from picotron.model import Llama, ModelConfig
+from picotron.parallelize import parallelize
+from picotron.tensor_parallel import gather_from_tp
+from picotron.train import train
+
+
+def _model(layers=2, **kw):
+    mc = ModelConfig.from_preset("tiny-moe", num_hidden_layers=layers, **kw)
+    model = Llama(mc).init_weights(0)
+    with torch.no_grad():  # a router that prefers some experts: uneven counts, dispatch sizes that vary
+        for i, layer in enumerate(model.layers):
+            layer.block_sparse_moe.gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(i))
+    return model
+
+
+# ------------------------------------------------------------------------------------------ the model alone
+def test_mixtral_logits_equal_transformers_both_ways(tmp_path):
+    from transformers import MixtralForCausalLM  # in requirements.txt: a missing package must fail, not skip
+
+    ours = _model().eval()
+    ours.save_hf(tmp_path / "ours")
+    hf = MixtralForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+        torch.testing.assert_close(ours(ids), want, rtol=1e-5, atol=1e-5)
+        hf.save_pretrained(tmp_path / "theirs")
+        torch.testing.assert_close(Llama.from_hf(tmp_path / "theirs")(ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_aux_loss_is_hf_load_balancing_loss_for_one_layer():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 2
+    _, experts, probs = moe.route(logits, 2)
+    ours = moe.aux_loss(probs, experts, 8)
+    assert ours.item() == pytest.approx(load_balancing_loss_func((logits,), 8, 2).item(), rel=1e-6)
+    # every expert equally likely and equally chosen: aux = k
+    assert moe.aux_loss(torch.full((8, 8), 1 / 8), torch.arange(16).view(8, 2) % 8, 8).item() == pytest.approx(2.0)
+
+
+def test_mixtral_8x7b_parameters_are_the_published_ones():
+    mc = ModelConfig.from_preset("mixtral-8x7b")
+    assert round(mc.num_params() / 1e9, 1) == 46.7  # "Mixtral of Experts": 46.7B total
+    assert round(mc.num_params(active=True) / 1e9, 1) == 12.9  # 12.9B active per token
+    with torch.device("meta"):
+        assert Llama(ModelConfig.from_preset("tiny-moe")).num_params() == ModelConfig.from_preset("tiny-moe").num_params()
+
+
+def test_capacity_drops_the_choices_beyond_the_limit_in_token_order():
+    experts = torch.tensor([[0, 1], [0, 1], [0, 2], [3, 0]])  # one sequence of 4 tokens, k = 2, E = 4
+    keep = moe.capacity_keep(experts, seq_len=4, num_experts=4, capacity_factor=1.0)  # capacity ceil(4·2/4) = 2
+    assert keep.tolist() == [True, True, True, True, False, True, True, False]  # expert 0's 3rd and 4th choice
+    assert moe.capacity_keep(experts, 4, 4, 0.0).all()
+    model = _model(capacity_factor=0.5)
+    model(torch.randint(0, 256, (2, 16)))
+    assert sum(layer.block_sparse_moe.dropped for layer in model.layers) > 0
+
+
+def test_aux_loss_reaches_the_router_as_if_added_to_the_loss():
+    """The gradient with aux_weight w equals the gradient of (output + w·aux), aux taken from the same forward."""
+    model = _model(layers=1)
+    block = model.layers[0].block_sparse_moe
+    x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(1))
+    block.aux_weight = 0.0
+    y = block(x)
+    _, experts, probs = moe.route(block.gate(x.view(-1, 128)), block.k)
+    (y.sum() + 0.3 * moe.aux_loss(probs, experts, block.num_experts)).backward()
+    want = block.gate.weight.grad.clone()
+    block.zero_grad()
+    block.aux_weight = 0.3
+    block(x).sum().backward()
+    torch.testing.assert_close(block.gate.weight.grad, want, rtol=1e-6, atol=1e-7)
+    assert block.last_aux.item() == pytest.approx(moe.aux_loss(probs, experts, 4).item())
+
+
+# --------------------------------------------------------------------------------------- on real processes
+def _layer_child(ep, seed):
+    """The MoE layer at ep ranks (each with its own tokens) against all experts on this process."""
+    with Mesh.init(dp=torch.distributed.get_world_size(), ep=ep) as mesh:
+        full = _model(layers=1).layers[0].block_sparse_moe
+        full.aux_weight = 0.5
+        mine = expert_parallel.apply(_model(layers=1), mesh.ep).layers[0].block_sparse_moe  # this rank's experts
+        mine.aux_weight = 0.5
+        g = torch.Generator().manual_seed(seed + mesh.rank)
+        x = torch.randn(2, 12, 128, generator=g)
+        dy = torch.randn(2, 12, 128, generator=g)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_full, y_mine = full(x1), mine(x2)
+        y_full.backward(dy)
+        y_mine.backward(dy)
+        grads = {n: p.grad for n, p in mine.named_parameters()}
+        want = {n: p.grad for n, p in full.named_parameters()}
+        return y_mine.detach(), y_full.detach(), x2.grad, x1.grad, grads, want, dict(mine.exchange.rows)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_moe_layer_equals_all_experts_on_one_process(ep):
+    """Forward and input gradient on every rank; expert gradients summed over the ranks that sent tokens equal the
+    sum of the single-process gradients over the same tokens; router gradient per rank."""
+    results = run_on_ranks(_layer_child, ep, ep, 0, timeout_s=120)
+    for rank, (y, y_ref, dx, dx_ref, grads, ref, _) in enumerate(results):
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} output: {m}")
+        torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} input grad: {m}")
+        torch.testing.assert_close(grads["gate.weight"], ref["gate.weight"], rtol=1e-5, atol=1e-6)
+    total = {}  # each expert's gradient lives on one rank and holds every rank's tokens: the sum of the references
+    for *_, ref, _ in results:
+        for n, g in ref.items():
+            total[n] = total.get(n, 0) + g
+    for rank, (*_, grads, _, _) in enumerate(results):
+        for n, g in grads.items():
+            if ".experts." in n:
+                torch.testing.assert_close(g, total[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {n}: {m}")
+
+
+def _round_trip_child(ep):
+    """Token ids as the rows: dispatch + combine with identity experts gives every row back, each expert receives
+    exactly the ids that chose it."""
+    with Mesh.init(dp=ep, ep=ep) as mesh:
+        E, k, n = 8, 2, 20
+        ex = expert_parallel.Exchange(mesh.ep, E)
+        g = torch.Generator().manual_seed(mesh.rank)
+        chosen = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
+        ids = (mesh.rank * 1000 + torch.arange(n)).double()
+        order = torch.argsort(chosen.flatten(), stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=E)
+        rows = torch.stack([ids[order // k], chosen.flatten()[order].double()], 1)
+        got, local_counts, ctx = ex.dispatch(rows, counts)
+        mine = range(mesh.ep.rank * E // ep, (mesh.ep.rank + 1) * E // ep)
+        ok_experts = torch.equal(got[:, 1], torch.cat([torch.full((int(c),), float(e)) for e, c in zip(mine, local_counts)]))
+        back = ex.combine(got, ctx)
+        return torch.equal(back, rows), ok_experts, got[:, 0].tolist(), len(order)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_dispatch_and_combine_lose_and_duplicate_nothing(ep):
+    results = run_on_ranks(_round_trip_child, ep, ep, timeout_s=60)
+    assert all(r[0] for r in results), "combine(dispatch(rows)) != rows"
+    assert all(r[1] for r in results), "a row reached a rank that does not hold its expert, or out of expert order"
+    received = sorted(i for r in results for i in r[2])
+    sent = sorted(float(rank * 1000 + t) for rank in range(ep) for t in range(20) for _ in range(2))
+    assert received == sent  # every (token, choice) row arrived exactly once
+
+
+def test_expert_groups():
+    assert expert_groups((4, 1, 1, 1), 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert expert_groups((4, 1, 1, 2), 2) == ([[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+    assert expert_groups((2, 1, 2, 1), 2) == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+
+
+# ------------------------------------------------------------------------------------------ the whole model
+SMALL = dict(preset="tiny-moe", seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, eval_every=3,
+             eval_batches=1, lr=3e-3, warmup_steps=2, steps=3, grad_clip=1.0)
+
+
+def _grads(run, mesh, cfg):
+    """{name: full gradient} of the parameters this rank holds (tp slices gathered; ZeRO shards gathered over
+    their unit's axis); only ranks at the first place of every replica group return them."""
+    grads = {}
+    if cfg.zero:
+        names = {p: n for n, p in run.raw.named_parameters()}
+        for unit in run.model.units:
+            flat = torch.empty(unit.grad_shard.numel() * unit.axis.size)
+            unit.axis.all_gather_into(flat, unit.grad_shard.contiguous())
+            for p, off in zip(unit.params, unit.offsets):
+                grads[names[p]] = flat[off:off + p.numel()].view(p.shape).clone()
+    else:
+        chunks = run.raw.chunks if hasattr(run.raw, "chunks") else [run.raw]
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if not getattr(p, "is_copy", False):
+                    grads[name] = gather_from_tp(p.grad, getattr(p, "tp_dim", None), mesh.tp)
+    return grads if mesh.edp.rank == 0 and mesh.tp.rank == 0 else {}
+
+
+def _model_child(layout, out, wrong_divisor=False):
+    cfg = Config(out=out, **{**SMALL, **layout})
+    with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep) as mesh:
+        _, loader = train_mod.load_data(cfg, mesh)
+        run = parallelize(cfg, mesh)
+        run.schedule.run(run.model, loader.micro_batches(1), run.loss_fn)
+        if wrong_divisor:  # the trap: each expert's gradient averaged over its own replicas (edp), not over dp x cp
+            for name, p in run.raw.named_parameters():
+                if ".experts." in name:
+                    p.grad.mul_(mesh.dp_cp.size / mesh.edp.size)
+        grads = _grads(run, mesh, cfg)
+        mesh.world.all_reduce(torch.zeros(1))
+    if wrong_divisor:
+        return grads, None, None
+    with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep) as mesh:
+        summary = train(cfg, mesh)
+        records = read_metrics(out)[0] if mesh.rank == 0 else None
+    return grads, records, summary
+
+
+def _reference(tmp_path, layout):
+    parallel = ("dp", "ep", "tp", "sp", "pp", "zero", "grad_acc")
+    ref = {"grad_acc": layout.get("grad_acc", 1) * layout.get("dp", 1),
+           **{k: v for k, v in layout.items() if k not in parallel}}  # the model's own settings (capacity, ...)
+    return run_on_ranks(_model_child, 1, ref, str(tmp_path / "ref"), timeout_s=120)[0]
+
+
+def _check(tmp_path, layout):
+    world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
+    results = run_on_ranks(_model_child, world, layout, str(tmp_path / "ep"), timeout_s=300)
+    ref_grads, ref_records, _ = _reference(tmp_path, layout)
+    seen = set()
+    for grads, _, _ in results:
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{layout}: {name}: {m}")
+            seen.add(name)
+    assert seen == set(ref_grads), f"{layout}: gradients not compared: {sorted(set(ref_grads) - seen)}"
+    records = results[0][1]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in ref_records], rel=1e-5), key
+    assert records[-1]["val_loss"] == pytest.approx(ref_records[-1]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(dp=2, ep=2),  # ep = dp: every expert on one rank (edp = 1), its gradient still divided by dp
+    dict(dp=4, ep=4),
+    dict(dp=4, ep=2),  # experts replicated over edp = 2: summed there
+    dict(dp=2, ep=2, tp=2),
+    dict(dp=2, ep=2, tp=2, sp=True),
+    dict(dp=2, ep=2, zero=1),
+    dict(dp=2, ep=2, pp=2, grad_acc=2),
+    dict(dp=2, ep=2, capacity_factor=1.0),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_whole_model_matches_one_process(tmp_path, layout):
+    _check(tmp_path, layout)
+
+
+def test_the_parity_check_catches_expert_gradients_divided_by_their_own_group():
+    grads = run_on_ranks(_model_child, 2, dict(dp=2, ep=2), str(tmp_dir := __import__("tempfile").mkdtemp()), True,
+                         timeout_s=120)
+    ref = _reference(__import__("pathlib").Path(tmp_dir), dict(dp=2))[0]
+    worst = max(((g[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for g, _, _ in grads for n in g
+                if ".experts." in n)
+    assert worst > 0.5, worst
+
+
+def test_bad_settings_get_one_sentence():
+    def error(**kw):
+        with pytest.raises(ConfigError) as e:
+            validate(Config(**kw), any_world_size=True)
+        return str(e.value)
+    assert error(dp=4, ep=3, preset="tiny-moe").startswith("ep=3 does not divide dp=4")
+    assert error(dp=2, ep=2).startswith("ep=2 needs a model with experts")
+    assert error(dp=8, ep=8, preset="tiny-moe").startswith("ep=8 does not divide the 4 experts; pick ep in {1, 2, 4}")
+    assert error(preset="tiny-moe", top_k=5).startswith("top_k=5 is more than the 4 experts")
+    assert "not supported" in error(preset="tiny-moe", cp=2)
+    assert "zero=3" in error(preset="tiny-moe", dp=2, zero=3)
+    assert error(preset="tiny-moe", capacity_factor=-1.0).startswith("capacity_factor=-1.0 must not be negative")
+    validate(Config(preset="tiny", experts=4, dp=4, ep=4, tp=2), any_world_size=True)
