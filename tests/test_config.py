@@ -171,7 +171,7 @@ def test_data_source_must_exist(tmp_path):
 @pytest.mark.parametrize("name", sorted(config.IMPLEMENTED))
 def test_not_implemented_yet(name, monkeypatch):
     monkeypatch.setitem(config.IMPLEMENTED, name, False)
-    fields = {"sp": {"sp": True, "tp": 2}, "zero": {"zero": 1, "dp": 2}, "ep": {"ep": 2, "dp": 2}}.get(name, {name: 2})
+    fields = {"sp": {"sp": True, "tp": 2}, "zero": {"zero": 1, "dp": 2}, "ep": {"ep": 2, "dp": 2, "preset": "tiny-moe"}}.get(name, {name: 2})
     if name in ("sp", "ep", "zero"):  # sp needs tp, ep and zero need dp: make those available
         monkeypatch.setitem(config.IMPLEMENTED, "tp", True)
         monkeypatch.setitem(config.IMPLEMENTED, "dp", True)
