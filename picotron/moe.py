@@ -163,3 +163,22 @@ class MoE(nn.Module):
 
     def extra_repr(self):
         return f"experts={self.num_experts}, top_k={self.k}, capacity_factor={self.capacity_factor}"
+
+
+def step_stats(model, axis=None):
+    """What the MoE layers of `model` (this rank's) saw since the last call, then reset: {"aux": the mean of the
+    layers' last aux loss, "tokens_per_expert": [per layer: tokens routed to each expert], "dropped": choices
+    dropped by capacity}, counts summed over `axis` (the dp x cp ranks: the whole step's tokens; a collective,
+    so every rank of the axis calls it). None for a dense model."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    if not blocks or any(b.counts is None for b in blocks):
+        return None
+    counts = torch.stack([b.counts for b in blocks])
+    dropped = torch.tensor([float(sum(b.dropped for b in blocks))], device=counts.device)
+    if axis is not None:
+        axis.all_reduce(counts)
+        axis.all_reduce(dropped)
+    aux = float(sum(b.last_aux for b in blocks) / len(blocks))
+    for b in blocks:
+        b.counts, b.dropped = None, 0
+    return {"aux": aux, "tokens_per_expert": counts.tolist(), "dropped": int(dropped.item())}

@@ -167,7 +167,9 @@ def describe(cfg, mesh):
     if mesh.cp.size > 1:
         parts.append(f"context parallel cp={mesh.cp.size} ({cfg.cp_impl}, {cfg.cp_layout})")
     if mesh.ep.size > 1:
-        parts.append(f"expert parallel ep={mesh.ep.size} (experts replicated over edp={mesh.edp.size})")
+        E, copies = cfg.model_config().num_local_experts, mesh.edp.size
+        parts.append(f"expert parallel ep={mesh.ep.size} ({E // mesh.ep.size} of {E} experts per rank, "
+                     f"{copies} cop{'y' if copies == 1 else 'ies'} of each)")
     if cfg.collectives == "ours":
         parts.append("collectives from send/recv (lesson 02)")
     return " | ".join(parts) or "one process"

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch
 
 from picotron import config as config_mod
-from picotron import checkpoint, context_parallel, data, launch, metrics
+from picotron import checkpoint, context_parallel, data, launch, metrics, moe
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.model import generate
@@ -131,9 +131,11 @@ def train(cfg, mesh, return_model=False):
                       f"nothing to do (raise --steps to train further).", 2)
     log = metrics.MetricsLog(cfg.out, enabled=is_logger, resume_step=start if start > 1 else None)
     if is_logger:
-        changed = [f"{k}={getattr(cfg, k)}" for k in config_mod.MODEL_FIELDS if getattr(cfg, k) is not None]
+        changed = [f"{k}={getattr(cfg, k)}" for k in config_mod.MODEL_FIELDS + tuple(config_mod.MOE_FIELDS)
+                   if getattr(cfg, k) is not None]
         name = cfg.preset + (f" ({', '.join(changed)})" if changed else "")
-        print(f"picotron | {mesh} | model {name}: {mc.num_params() / 1e6:.2f} M parameters | {run.description} | "
+        active = f" ({mc.num_params(active=True) / 1e6:.2f} M active per token)" if mc.is_moe else ""
+        print(f"picotron | {mesh} | model {name}: {mc.num_params() / 1e6:.2f} M parameters{active} | {run.description} | "
               f"{tokens_per_step} tokens/step | {cfg.dtype} | recompute {cfg.recompute} | "
               f"measured {peak / 1e9:.1f} GFLOP/s matmul peak | writes {cfg.out}", flush=True)
         if cfg.warmup_steps > cfg.steps:
@@ -167,6 +169,9 @@ def train(cfg, mesh, return_model=False):
                   "mfu": flops_per_step / dt / (peak * mesh.world_size), "mem": mem}
         if datasheet:
             record["mfu_datasheet"] = flops_per_step / dt / (datasheet * mesh.world_size)
+        experts = moe.step_stats(run.raw, mesh.dp_cp)  # MoE: routing of this step (this pipeline stage's layers)
+        if experts is not None:
+            record["moe"] = experts
         if cfg.eval_every and (step % cfg.eval_every == 0 or step in (start, cfg.steps)):
             record["val_loss"] = run.schedule.evaluate(run.raw, loader.val_batches(cfg.eval_batches), run.loss_fn)
         return record
@@ -228,6 +233,8 @@ def progress_line(r, steps):
     line = (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.2f} | "
             f"{r['tokens_per_s']:>9,.0f} tok/s | MFU {100 * r['mfu']:5.1f}% | act {metrics.human_bytes(mem['activations'])}"
             f" | peak {metrics.human_bytes(peak)}")
+    if "moe" in r:  # the load-balancing loss (k when balanced) and the choices dropped by capacity
+        line += f" | aux {r['moe']['aux']:.3f}" + (f" dropped {r['moe']['dropped']}" if r["moe"]["dropped"] else "")
     return line + (f" | val {r['val_loss']:.4f}" if "val_loss" in r else "")
 
 
