@@ -12,6 +12,10 @@ q_proj h->a·d, k_proj/v_proj h->k·d (grouped-query attention: each KV head ser
 is plain multi-head attention), o_proj a·d->h, gate/up_proj h->i, down_proj i->h. RMSNorm has one weight
 vector of size h and no bias; no Linear has a bias.
 
+With experts (`num_local_experts` E > 0, picotron.moe) the MLP becomes Mixtral's sparse block, `block_sparse_moe`:
+a router (E x h) sends each token to `num_experts_per_tok` k of E SwiGLU experts (w1 = gate, w3 = up, w2 = down),
+so the layer holds E·3·h·i parameters but a token uses k·3·h·i of them (`num_params(active=True)`).
+
 Where parameters go, per layer: attention 2h² + 2h·k·d, MLP 3·h·i, norms 2h; plus v·h for the embedding and
 v·h again for an untied lm_head (`ModelConfig.num_params` counts them exactly). Where FLOPs go: each
 parameter in a matmul costs 2 FLOPs per token forward and 4 backward (the 6N rule), and attention adds
@@ -30,6 +34,8 @@ The model knows nothing about parallelism. Things the parallel strategies may re
   * an absent `embed_tokens`, `norm` or `lm_head` (None: another pipeline stage owns it) is a pass-through:
     the model then takes hidden states in or gives them out;
   * attention reads head counts from the tensor shapes, so sharded (tensor-parallel) projections just work;
+  * a MoE block's experts are keyed by global index too (experts.0 ... experts.E-1), and its `exchange` (None
+    here) is where expert parallelism sends the rows sorted by expert away and gets the outputs back;
   * `Attention.core`, a submodule with no parameters (`AttentionCore`), is the one place where tokens see
     each other: context parallelism swaps it; `forward(input_ids, position_ids=None)` takes explicit
     positions ([s] or [b, s]) for the same reason, and the step engine passes them with every batch;
