@@ -378,4 +378,10 @@ def _stop_tree(proc):
 
 
 def _tail(text, lines=40):
-    return "\n".join((text or "").rstrip().splitlines()[-lines:])
+    """The last lines of a run's output; when torchrun reports a failed worker, the lines BEFORE its report (the
+    worker's own error, which the report's ~40 lines would push out) and the report's first line."""
+    all_lines = (text or "").rstrip().splitlines()
+    report = next((i for i, line in enumerate(all_lines) if "failed (exitcode:" in line), None)
+    if report is None:
+        return "\n".join(all_lines[-lines:])
+    return "\n".join(all_lines[max(0, report - lines + 1):report] + [all_lines[report]])

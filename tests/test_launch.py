@@ -191,6 +191,17 @@ def test_run_torchrun_failure_has_output_tail(tmp_path):
     assert "about to fail" in str(e.value) and "bad things on purpose" in e.value.output
 
 
+def test_a_worker_killed_by_a_signal_keeps_its_last_words(tmp_path):
+    """A worker that aborts (SIGABRT, as a C++ error in a communication thread does): torchrun's own report
+    (about 40 lines) does not push the worker's last output out of the message."""
+    script = tmp_path / "abort.py"
+    script.write_text("import os, sys\nfor i in range(5):\n    print('worker line', i, flush=True)\n"
+                      "print('the cause: something broke', file=sys.stderr, flush=True)\nos.abort()\n")
+    with pytest.raises(TorchrunError) as e:
+        run_torchrun(str(script), 1, timeout_s=120)
+    assert "the cause: something broke" in str(e.value) and "exitcode: -6" in str(e.value), str(e.value)
+
+
 def test_run_torchrun_timeout_kills_the_workers(tmp_path):
     script, pid_file = tmp_path / "hang.py", tmp_path / "pid"
     script.write_text(SCRIPT_HANG)
