@@ -1,0 +1,523 @@
+"""Lesson 08's notebook, 08_expert_parallel.ipynb, as plain Python in the percent format (see lessons/_notebook.py):
+edit this file, never the notebook.
+
+    python lessons/_notebook.py 08_expert_parallel --run fast    # rebuild the notebook, execute it in FAST mode
+"""
+
+# %% [markdown]
+# # Lesson 08 — Expert parallelism: many experts, few per token
+#
+# Every strategy so far cut the *same* computation into pieces. A **mixture of experts** (MoE) changes the model
+# instead: each layer's MLP becomes $E$ expert MLPs and a small **router** that sends every token to $k$ of them
+# (Shazeer et al. 2017 revived the idea for language models; GShard, Lepikhin et al. 2020, and Switch
+# Transformers, Fedus et al. 2022, scaled it; Mixtral, Jiang et al. 2024, uses $E = 8$, $k = 2$). The parameters
+# grow with $E$, the work per token only with $k$. **Expert parallelism** then places different experts on
+# different ranks and moves the *tokens* to them: one all-to-all to send each token where its experts live, one to
+# bring the results back.
+#
+# | piece | what it does | where |
+# |---|---|---|
+# | router | softmax over $E$ logits, top-$k$, renormalise (Mixtral) | `moe.route` |
+# | dispatch permutation | one stable sort of the (token, choice) pairs by expert: each expert's rows contiguous | `MoE.forward` |
+# | load-balancing loss | $E \sum_i f_i P_i$: $k$ when balanced, larger when a few experts take the tokens | `moe.aux_loss`, `AuxLoss` |
+# | capacity | at most $\lceil c\,s\,k/E \rceil$ tokens per expert and sequence; the rest dropped | `moe.capacity_keep` |
+# | the exchange | counts, then rows, all-to-all over the ep ranks; back again after the experts | `expert_parallel.Exchange` |
+# | gradients | dense ones averaged over dp; an expert's summed over its replicas (edp), divided by dp | `marks.sync_axis` |
+#
+# We count what experts buy (parameters against FLOPs); route a few tokens by hand; train the small MoE with and
+# without the auxiliary loss and watch the experts' loads; count every byte the all-to-alls send against the
+# formula and put them on a timeline; measure memory and throughput per rank against ep; check that expert
+# parallelism trains exactly like one process — and catch the trap of dividing expert gradients by the wrong
+# group. The experiments are `experiment.py` in this folder, launched with `torchrun`; `PICOTRON_FAST=1` gives a
+# short run.
+
+# %%
+import statistics
+import sys
+import matplotlib.pyplot as plt
+import torch
+sys.path.insert(0, "..")   # lessons/: the helpers every lesson shares
+import _common
+from picotron import expert_parallel, marks, moe
+from picotron.model import ModelConfig
+
+FAST, OUT = _common.FAST, _common.run_dir("08_expert_parallel")
+import experiment as lesson   # this folder's experiment.py: its measurements, formulas and plots
+MiB, GB = 2**20, 1e9
+
+def run(only, nproc=2):
+    # torchrun --nproc_per_node nproc lessons/08_expert_parallel/experiment.py --out OUT --only <only>
+    out = _common.launch("08_expert_parallel/experiment.py", ["--out", OUT, "--only", only], nproc=nproc, quiet=True)
+    print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |", "done: "))))
+
+def check(name, ok, detail):
+    print(f"{'✓' if ok else '✗'} {name}: {detail}")
+
+st = lesson.settings(FAST)
+mc = lesson.model_config(st)
+print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model: '{st['preset']}', {mc.num_hidden_layers} "
+      f"layers, h={mc.hidden_size}, {mc.num_local_experts} experts of i={mc.intermediate_size}, top-"
+      f"{mc.num_experts_per_tok}: {mc.num_params() / 1e6:.2f} M parameters, {mc.num_params(active=True) / 1e6:.2f} M "
+      f"active per token; {st['micro_batch_size']} sequences of {st['seq_len']} tokens per rank and step")
+
+# %% [markdown]
+# ## 1. Why experts: parameters grow, FLOPs per token do not
+#
+# A dense layer's MLP holds $3hi$ parameters and every token multiplies by all of them. With $E$ experts of the same
+# shape and $k$ per token, the layer holds $E \cdot 3hi$ (plus the router, $E h$) but a token passes through
+# $k \cdot 3hi$: the **active** parameters. Training FLOPs per token are $6 N_\text{active}$ plus attention. So an
+# MoE with $E/k = 4$ holds four times the MLP parameters of a dense model of the same cost per token — more to
+# learn with, at the same compute. Mixtral-8x7B is the published example (46.7 B parameters, 12.9 B active).
+
+# %%
+dense_of = lambda m: ModelConfig.from_preset("tiny", **{f: getattr(m, f) for f in ("vocab_size", "hidden_size",
+                                            "num_hidden_layers", "num_attention_heads", "num_key_value_heads")},
+                                            intermediate_size=m.num_experts_per_tok * m.intermediate_size)
+mix = ModelConfig.from_preset("mixtral-8x7b")
+mix_dense = ModelConfig.from_preset("mixtral-8x7b", num_local_experts=0, intermediate_size=2 * mix.intermediate_size)
+rows = [("tiny-moe (E=4, k=2)", mc, 64), ("dense, MLP i = k·i", dense_of(mc), 64),
+        ("Mixtral-8x7B (E=8, k=2)", mix, 4096), ("dense, MLP i = k·i", mix_dense, 4096)]
+print(f"{'model':<26} {'parameters':>14} {'active / token':>15} {'GFLOP / token (train)':>22}")
+for name, m, s in rows:
+    print(f"{name:<26} {m.num_params() / 1e6:>12.2f} M {m.num_params(active=True) / 1e6:>13.2f} M "
+          f"{m.flops_per_token(s) / 1e9:>22.4f}   (s = {s})")
+check("Mixtral-8x7B: 46.7 B parameters, 12.9 B active (the paper's numbers)",
+      (round(mix.num_params() / 1e9, 1), round(mix.num_params(active=True) / 1e9, 1)) == (46.7, 12.9),
+      f"{mix.num_params() / 1e9:.2f} B, {mix.num_params(active=True) / 1e9:.2f} B")
+mlp_ratio = mc.ffn_params() / dense_of(mc).ffn_params()
+check("tiny-moe: the MLP parameters are E/k times the dense model's, the FLOPs per token the same (+ the router)",
+      abs(mlp_ratio - (mc.num_local_experts * 3 * mc.hidden_size * mc.intermediate_size + mc.num_local_experts
+                       * mc.hidden_size) / dense_of(mc).ffn_params()) < 1e-12
+      and mc.flops_per_token(64) - dense_of(mc).flops_per_token(64) == 6 * mc.num_hidden_layers * mc.num_local_experts * mc.hidden_size,
+      f"MLP parameters x{mlp_ratio:.3f}; FLOPs per token {mc.flops_per_token(64):,} against {dense_of(mc).flops_per_token(64):,}: "
+      f"the difference is the router, 6·L·E·h")
+
+# %% [markdown]
+# **Measured.** A forward and backward of 8 × 64 tokens on one process, the dense model against the MoE (median of
+# a few steps):
+
+# %%
+t_dense, t_moe = lesson.time_step("tiny", intermediate_size=2 * mc.intermediate_size), lesson.time_step("tiny-moe")
+print(f"dense (i = {2 * mc.intermediate_size}): {1e3 * t_dense:.0f} ms; tiny-moe (4 experts of i = "
+      f"{mc.intermediate_size}, top-2): {1e3 * t_moe:.0f} ms -> the MoE takes {t_moe / t_dense:.2f}x the dense step "
+      f"for {mc.num_params() / dense_of(mc).num_params():.2f}x the parameters")
+
+# %% [markdown]
+# The FLOPs are the same, the time is not quite: the MoE pays for the bookkeeping — a sort, a gather of the rows,
+# four small matmuls instead of one large one, and an `index_add` back — which on a CPU with matrices this small is
+# a visible share. At Mixtral's size the matmuls dominate and the overhead is a few percent; the price that
+# remains is **memory**: every expert's weights, gradients and optimizer state must live somewhere, though each
+# token uses a quarter of them. Expert parallelism is how that memory is spread.
+#
+# **Takeaway:** parameters scale with $E$, FLOPs with $k$; an MoE is a big model with a small model's cost per
+# token, and a big model's memory.
+#
+# ## 2. Routing, and the dispatch permutation
+#
+# The router is one linear layer, $h \to E$. Mixtral takes the softmax over the $E$ logits (in fp32), keeps the
+# $k$ largest probabilities and renormalises them to sum to 1; the layer's output for token $t$ is
+# $y_t = \sum_j w_{tj}\,\text{Expert}_{e_{tj}}(x_t)$. (Switch uses $k = 1$ and no renormalisation; GShard $k = 2$.)
+# Five tokens, four experts, by hand:
+
+# %%
+logits = torch.randn(5, 4, generator=torch.Generator().manual_seed(3)) * 1.5
+probs, top, chosen, weights = lesson.route_by_hand(logits, 2)
+for t in range(5):
+    print(f"token {t}: probabilities {[round(p, 3) for p in probs[t].tolist()]} -> experts {chosen[t].tolist()} "
+          f"with {[round(p, 3) for p in top[t].tolist()]}, renormalised {[round(w, 3) for w in weights[t].tolist()]}")
+w_lib, e_lib, _ = moe.route(logits, 2)
+check("by hand = picotron's moe.route (weights and experts)", torch.equal(e_lib, chosen) and torch.allclose(w_lib, weights),
+      "softmax -> top-2 -> renormalise")
+
+# %% [markdown]
+# Then the bookkeeping. The $n \cdot k$ (token, choice) pairs are flattened token-major and sorted by expert with a
+# **stable** sort: each expert's pairs become contiguous and stay in token order. `rows = x[order // k]` gathers
+# the inputs; each expert runs on its slice (`counts[e]` rows); `index_add(order // k, out · w[order])` puts the
+# weighted outputs back. Stable matters twice: capacity is "first come, first served" in token order, and the
+# sum is reproducible. With expert parallelism the same sort makes each *rank's* rows contiguous too (its experts
+# are consecutive), so the exchange only needs the counts.
+
+# %%
+order = torch.argsort(chosen.flatten(), stable=True)
+print("pairs (token, expert):", [(p // 2, int(e)) for p, e in enumerate(chosen.flatten())])
+print("order:", order.tolist(), " -> tokens", (order // 2).tolist(), "experts", chosen.flatten()[order].tolist(),
+      " counts", torch.bincount(chosen.flatten(), minlength=4).tolist())
+lesson.plot_routing(logits, 2); plt.show()
+_common.show_source(moe.MoE.forward, "flat = x.reshape", "y = torch.zeros_like")
+
+# %% [markdown]
+# **Takeaway:** routing is softmax, top-$k$, renormalise; dispatching is one stable sort, and combining is its
+# inverse, weighted.
+#
+# ## 3. Load balance
+#
+# Nothing in the language-model loss keeps the router fair: an expert that gets more tokens early learns faster,
+# becomes more attractive and gets even more. Experts that receive nothing are wasted parameters, and with expert
+# parallelism the rank holding the popular experts sets everyone's pace (and with a capacity, drops tokens). The
+# **auxiliary loss** of Switch (eq. 4), in Hugging Face Mixtral's form, per layer:
+#
+# $$\text{aux} = E \sum_{i=1}^E f_i P_i,\qquad f_i = \frac{\#\{\text{choices of expert } i\}}{n},\quad P_i = \frac1n\sum_t p_{t,i}.$$
+#
+# $\sum_i f_i = k$ and $\sum_i P_i = 1$; when both are uniform ($f_i = k/E$, $P_i = 1/E$) aux $= k$, and it grows
+# as the routing concentrates. $f$ is a count (no gradient); the gradient flows through $P$ and pushes probability
+# away from the experts that are chosen most. picotron adds $\alpha \cdot \text{aux}$ (mean over layers) to the
+# loss through `AuxLoss`, an identity in forward whose backward also feeds $\alpha$ to the aux — so the model's
+# `forward` still returns only logits.
+#
+# **Measured.** `picotron.train` on tiny-moe at dp = ep = 2 (two processes, each two experts), the same seed and
+# data, without ($\alpha = 0$) and with the auxiliary loss ($\alpha = 0.01$, tiny-moe's default; Mixtral used
+# 0.02). Every step's record holds `record["moe"]["tokens_per_expert"]` (per layer, summed over the dp ranks). The
+# same launch also runs sections 4-6's measurements on two processes.
+
+# %%
+run("balance,bytes,scaling,parity", nproc=2)
+bal = _common.load_json(OUT / "balance_ep2.json")["results"]
+last = max(1, len(next(iter(bal["runs"].values()))["aux"]) // 10)
+ratios = {}
+for coef, r in bal["runs"].items():
+    ratios[coef] = lesson.window_ratio([{"moe": {"tokens_per_expert": t}} for t in r["tokens_per_expert"]], last)
+    print(f"aux coef {coef:>4}: loss {r['loss'][0]:.3f} -> {r['loss'][-1]:.3f}; aux {r['aux'][0]:.3f} -> "
+          f"{r['aux'][-1]:.3f}; busiest expert / mean over the last {last} steps, per layer "
+          f"{[round(x, 2) for x in ratios[coef]]}; last step's tokens per expert, layer 3: {r['tokens_per_expert'][-1][3]}")
+lesson.plot_balance(bal); plt.show()
+lesson.plot_balance_curves(bal, window=max(3, last)); plt.show()
+
+# %%
+free, aux_run = bal["runs"]["0"], bal["runs"]["0.01"]
+E, k = mc.num_local_experts, mc.num_experts_per_tok
+check("with the auxiliary loss the experts end better balanced (mean over layers of busiest / mean)",
+      statistics.mean(ratios["0.01"]) < statistics.mean(ratios["0"]) - 0.15,
+      f"{statistics.mean(ratios['0.01']):.2f} with aux against {statistics.mean(ratios['0']):.2f} without, over the "
+      f"last {last} steps (1 = balanced, E/k = {E // k} = two experts take every choice)")
+check("without it, a layer collapses onto a few experts", max(ratios["0"]) >= 1.5,
+      f"busiest / mean up to {max(ratios['0']):.2f} (the most is E/k = {E // k}: each token's 2 choices on 2 experts)")
+check("the aux loss: near k = 2 with it, higher without", abs(aux_run["aux"][-1] - k) < 0.15 and
+      free["aux"][-1] > aux_run["aux"][-1] + 0.2, f"last step {aux_run['aux'][-1]:.3f} with, {free['aux'][-1]:.3f} without")
+check("balance costs (almost) nothing in loss", abs(aux_run["loss"][-1] - free["loss"][-1]) < 0.1 * free["loss"][-1],
+      f"final loss {aux_run['loss'][-1]:.3f} with, {free['loss'][-1]:.3f} without")
+
+# %% [markdown]
+# Without the auxiliary loss the deeper layers collapse within tens of steps: two of the four experts take nearly
+# every choice (a ratio of 2 is the most possible with $k = 2$ of $E = 4$: both choices of every token on the
+# same two experts), the others idle. With $\alpha = 0.01$ the heat maps stay even and the aux sits at $k$; the
+# loss is the same to a few percent — at this scale balance is free. (The first layer balances itself better:
+# its input is the embedding of bytes, which varies more than the deeper layers' inputs.)
+#
+# **Capacity.** GShard and Switch bound each expert's work, so that a step's shapes are fixed and one hot expert
+# cannot stall the rest: expert $i$ takes at most $\lceil c\,s\,k/E \rceil$ of a sequence's choices, first come
+# first served; the others are **dropped** (the token keeps its residual, its weight for that expert is lost).
+# Both trained models, one batch, the dropped fraction against $c$; the dashed line is what uniformly random
+# routing would drop (each expert's load Binomial($s$, $k/E$), `lesson.expected_dropped`):
+
+# %%
+for coef, r in bal["runs"].items():
+    print(f"aux coef {coef:>4}: dropped " + ", ".join(f"c={c:g}: {d:.3f}" for c, d in zip(bal["capacities"], r["dropped"])))
+print("uniform:        dropped " + ", ".join(f"c={c:g}: {d:.3f}" for c, d in zip(bal["capacities"], bal["uniform"])))
+lesson.plot_capacity(bal); plt.show()
+check("a larger capacity drops fewer choices, both runs", all(all(a >= b for a, b in zip(r["dropped"], r["dropped"][1:]))
+                                                        for r in bal["runs"].values()),
+      f"c = {bal['capacities'][0]:g} .. {bal['capacities'][-1]:g}")
+i1 = bal["capacities"].index(1.0)
+check("at c = 1 the collapsed router drops far more than the balanced one", free["dropped"][i1] > 2 * aux_run["dropped"][i1],
+      f"{free['dropped'][i1]:.3f} against {aux_run['dropped'][i1]:.3f} of the choices")
+
+# %% [markdown]
+# At $c = 1$ the collapsed router loses a large part of its choices: the load balance is what makes a capacity
+# affordable. Real routers are not uniform even when balanced on average (a sequence's tokens are alike), so
+# they drop more than the binomial line; $c = 1.25$ (Switch's default for training) to 2 keeps the loss small.
+# picotron's default is $c = 0$, no limit (Mixtral's choice, possible because ours has no fixed shapes).
+#
+# **Takeaway:** without a balancing term the router collapses; $E\sum f_i P_i$ keeps it even at no visible cost;
+# capacity trades dropped tokens for bounded work.
+#
+# ## 4. Read the code: the exchange
+#
+# `picotron/expert_parallel.py`. The ep ranks (carved out of dp: they see different data) each keep $E/ep$
+# experts. In a layer, a rank's rows are sorted by expert, so the rows for rank $j$'s experts are one contiguous
+# block: the splits of the all-to-all are sums of `counts`. But the receiver does not know how many rows each
+# sender has for it, so the counts go first (an all-to-all of $E$ numbers), then the rows; the rows arrive
+# grouped by *source*, and are regrouped by *expert* before the experts run:
+
+# %%
+_common.show_source(expert_parallel.Exchange.dispatch)
+_common.show_source(expert_parallel.Exchange.combine)
+
+# %% [markdown]
+# `AllToAll` is an autograd function: backward sends the gradients back the way the rows came (the splits
+# swapped). So per layer and micro-batch there are four all-to-alls of rows — dispatch, combine, and their two
+# backwards — and `Exchange.rows` counts the rows each sent to *other* ranks. With balanced routing a rank's
+# $n$ tokens make $nk$ rows of which $(ep-1)/ep$ leave:
+
+# %%
+_common.show_source(expert_parallel.bytes_per_step_formula, "return")
+_common.show_source(marks.sync_axis)
+
+# %% [markdown]
+# The second function is the gradient rule. Dense parameters are replicated over dp: averaged as always. An expert
+# lives on one rank of each ep group and is replicated only over `edp` (dp / ep ranks); its gradient already holds
+# the tokens of its whole ep group — the all-to-all brought them — so it is **summed over edp and divided by
+# dp** (not by edp): then it is the gradient of the global batch's mean loss, like every other parameter's.
+#
+# **Takeaway:** two all-to-alls per layer and their backwards; counts first, rows second; expert gradients
+# summed over their replicas and divided by the whole dp.
+#
+# ## 5. The all-to-all, counted and timed
+#
+# Training steps at ep = 2 (two processes) and ep = 4 (four), every collective counted by a `metrics.Recorder`
+# (`parallelize(cfg, mesh, recorder=...)`), each layer's `Exchange.rows` read after each step, and every rank's
+# tokens per expert (the routing). From the routing alone the rows are predicted *exactly*: rank $r$ sends to rank
+# $j$ its counts for $j$'s experts (`lesson.send_matrix`, `lesson.predicted_rows`). The Recorder counts each
+# call's whole buffer, the block a rank keeps for itself included, plus the counts ($8E$ bytes):
+# `lesson.predicted_a2a_bytes`. The balanced formula is the expectation, off by the routing's imbalance.
+
+# %%
+run("bytes,scaling,parity", nproc=4)
+byt = {W: _common.load_json(OUT / f"bytes_ep{W}.json")["results"] for W in (2, 4)}
+for W, res in byt.items():
+    for s in res["steps"]:
+        sent = [sum(m.values()) * res["hidden"] * 4 for m in s["measured"]]
+        print(f"ep={W} step {s['step']}: sent to other ranks per rank {[round(b / MiB, 3) for b in sent]} MiB; "
+              f"balanced formula {res['formula'] / MiB:.3f} MiB; Recorder's all-to-all bytes "
+              f"{[round(b / MiB, 3) for b in s['a2a']]} MiB")
+lesson.plot_bytes([byt[2], byt[4]]); plt.show()
+
+# %%
+for W, res in byt.items():
+    n = sum(len(s["measured"]) for s in res["steps"])
+    check(f"ep={W}: rows each Exchange sent = the routing's prediction, every kind, rank and step",
+          all(s["measured"] == s["predicted"] for s in res["steps"]), f"{n} (rank, step) cases x 4 kinds")
+    check(f"ep={W}: the Recorder's all-to-all bytes = the prediction (own block and counts included)",
+          all(s["a2a"] == s["a2a_predicted"] for s in res["steps"]), f"{n} (rank, step) cases")
+    sent = [sum(m.values()) * res["hidden"] * 4 for s in res["steps"] for m in s["measured"]]
+    worst = max(abs(b / res["formula"] - 1) for b in sent)
+    check(f"ep={W}: bytes sent within 35% of the balanced formula", worst < 0.35,
+          f"formula {res['formula'] / MiB:.3f} MiB per rank and step; measured off by up to {100 * worst:.0f}% "
+          f"(the routing is not perfectly balanced)")
+
+# %% [markdown]
+# The counting is exact: the all-to-all sends what the routing says, no more. The formula's
+# $4\,n\,k\,h\,(ep-1)/ep$ elements per layer is what a balanced router costs; each rank sends more or less as its
+# tokens prefer remote or local experts (in a pair of ranks, what one sends in dispatch the other sends in
+# combine). Going from ep = 2 to 4 takes the remote share from 1/2 to 3/4 of the rows.
+#
+# **The timeline.** The last step at ep = 2 and 4, from the Recorder's timeline (collectives) and module hooks
+# (attention and each expert, forward and backward):
+
+# %%
+for W, res in byt.items():
+    lesson.plot_timeline(res); plt.show()
+    sh = lesson.timeline_shares(res)
+    print(f"ep={W}: per rank, all-to-alls {[s['n_a2a'] for s in sh]} calls, "
+          f"{[round(1e3 * s['a2a']) for s in sh]} ms of a {[round(1e3 * s['step']) for s in sh]} ms step "
+          f"({[round(100 * s['a2a'] / s['step']) for s in sh]} %); attention {[round(1e3 * s['attention']) for s in sh]} ms, "
+          f"experts {[round(1e3 * s['experts']) for s in sh]} ms")
+    layers, micro = res["layers"], 1
+    check(f"ep={W}: 5 all-to-alls per layer and micro-batch on every rank (counts, dispatch, combine, 2 backwards)",
+          all(s["n_a2a"] == 5 * layers * micro for s in sh), f"{sh[0]['n_a2a']} = 5 x {layers} layers")
+
+# %% [markdown]
+# Each all-to-all is a synchronisation point: a rank cannot run its experts before every rank has sent its rows,
+# so the all-to-alls also absorb the ranks' differences in speed (the waiting is inside the red bars). Here they
+# are blocking — the experts wait for the dispatch, attention waits for the combine. Production systems overlap
+# them with compute: DeepSeek-V3's DualPipe runs one micro-batch's all-to-all under another's compute, and
+# Megatron-LM and DeepEP split the exchange to pipeline it with the experts.
+#
+# **Takeaway:** the bytes are the routing's, to the byte; the all-to-alls sit on the critical path unless the
+# schedule hides them.
+#
+# ## 6. Memory and throughput per rank against ep
+#
+# The same global batch (8 sequences of 64 tokens per rank), dp = 2 (then 4) with ep = 1 (every expert on every
+# rank: plain data parallelism), 2 and 4, one step of each layout in turn. Model states in fp32 with AdamW: 16
+# bytes per parameter held (weights, gradients, two moments) plus a 4-byte step counter per tensor; a rank holds
+# the dense part and $E/ep$ of every layer's experts (`lesson.model_state_parts`).
+
+# %%
+sca = {W: _common.load_json(OUT / f"scaling_ep{W}.json")["results"] for W in (2, 4)}
+for W, res in sca.items():
+    for ep, r in res["rows"].items():
+        m = r["mem"][0]
+        print(f"{W} processes, ep={ep}: model states per rank {sum(m.values()) / MiB:6.2f} MiB measured (params "
+              f"{m['params'] / MiB:.2f} + grads {m['grads'] / MiB:.2f} + AdamW {m['optimizer'] / MiB:.2f}), formula "
+              f"{r['formula'] / MiB:6.2f}; {r['tokens_per_s']:6.0f} tokens/s (median step {1e3 * r['step_s']:.0f} ms, "
+              f"range {1e3 * min(r['times']):.0f}-{1e3 * max(r['times']):.0f})")
+lesson.plot_scaling([sca[2], sca[4]]); plt.show()
+
+# %%
+for W, res in sca.items():
+    rows = res["rows"]
+    check(f"{W} processes: model states per rank = the formula, to the byte, every ep and rank",
+          all(sum(m.values()) == r["formula"] for r in rows.values() for m in r["mem"]),
+          ", ".join(f"ep={ep}: {r['formula'] / MiB:.2f} MiB" for ep, r in rows.items()))
+    mems = [rows[ep]["formula"] for ep in sorted(rows, key=int)]
+    check(f"{W} processes: each doubling of ep halves the experts held (memory falls toward the dense part)",
+          all(a > b for a, b in zip(mems, mems[1:])),
+          f"dense part {rows['1']['parts']['dense'] * 16 / MiB:.2f} MiB, experts {rows['1']['parts']['experts'] * 16 / MiB:.2f} MiB at ep = 1")
+
+# %% [markdown]
+# Memory is exactly the formula: at ep = $E$ a rank holds one expert per layer, and tiny-moe's states shrink from
+# 22 to about 8 MiB — what makes Mixtral-sized models fit at all (section 7's widget). Throughput, honestly: on this
+# machine ep is **not** faster. Two CPU cores do the same FLOPs whichever rank holds an expert, and ep adds the
+# all-to-alls, the counts' round trip and the regrouping; the four-process runs put four processes on two cores. On GPUs the trade is different: without ep, every rank must
+# hold (and read from memory) all experts; with ep each expert's matmul gets the rows of the whole group (better
+# GPU utilisation for small batches), and the model fits. The cost is the all-to-all, which crosses nodes once ep
+# exceeds a node's GPUs — hence DeepSeek-V3's node-limited routing (each token's experts on at most 4 nodes).
+#
+# **Takeaway:** ep divides the experts' memory by ep exactly; its price is two all-to-alls per layer.
+#
+# ## 7. Check it: expert parallelism trains like one process
+#
+# `picotron.train` at ep = 2 (dp = 2) on two processes, and ep = 4 (dp = 4), dp = 4 × ep = 2 (each expert on two
+# ranks: summed over edp) and ep = 2 × tp = 2 (each expert itself cut like an MLP) on four, against one process
+# with the same global batch (grad_acc × dp), fp32, same seed: per-step loss within $10^{-5}$ relative over 10
+# steps, the [parity standard](../../docs/reference.md#parity-standard). Unlike the dense lessons, both modes train
+# exactly 10 steps and we do not report a drift bound after them: the router is **discrete**. A rounding
+# difference in the last digit of a router logit can flip one token's second choice between two nearly equal
+# experts, and that token's output then changes by a finite amount. In a 20-step run (a longer cosine schedule,
+# hence larger early learning rates) ep2 × tp2 left the standard at step 9 ($2.9 \times 10^{-5}$, then
+# $4 \times 10^{-4}$ at step 10 and up to $3 \times 10^{-3}$ by step 17), and dp4 × ep2's gradient norm jumped by
+# $7 \times 10^{-2}$ at step 20, while the dense layers' rounding alone stays near $10^{-7}$: such jumps are
+# routing flips, not a wrong gradient (the first steps, and every gradient in `tests/test_expert_parallel.py`,
+# agree to $10^{-5}$). The gradient
+# norm is global (every gradient of the model, each counted once), so it checks the gradients too; it is a sum of
+# squares whose order tensor parallelism changes, and after a few steps of AdamW it differs by more than the loss
+# does (ep2 × tp2 reached $1.6 \times 10^{-5}$ in one run), so we hold it to $10^{-4}$ — a hundred times below
+# what the trap produces at step 1.
+#
+# **The trap.** An expert lives on fewer ranks than the dense weights, so it is tempting to average its gradient
+# over its own replicas (edp) as data parallelism averages over its group. But its gradient already sums the
+# tokens of the whole ep group: divided by edp (here 1) instead of dp (here 2), it is twice too large.
+# `lesson.experts_divided_by_edp` does exactly that.
+
+# %%
+GRAD_TOL = 1e-4   # the gradient norm: a sum of squares over 1.4 M gradients, in another order under tp
+par_ = {W: _common.load_json(OUT / f"parity_ep{W}.json")["results"] for W in (2, 4)}
+pairs, norms = {}, {}
+for W, res in par_.items():
+    for label, losses in res["losses"].items():
+        ref = res["reference"][res["ref_of"][label]]
+        pairs[label] = (losses, ref["losses"])
+        norms[label] = (res["grad_norms"][label], ref["grad_norms"])
+for label, (got, want) in pairs.items():
+    p_ = _common.parity(got, want)
+    g_ = _common.parity(*norms[label])
+    print(f"{label:<14} vs 1 process: loss max relative difference over steps 1-{p_['window']} {p_['worst']:.1e}, "
+          f"gradient norm {g_['worst']:.1e}" + (f"; steps {p_['window'] + 1}-{p_['n_steps']}: loss {p_['beyond']:.1e}"
+                                              if p_["n_beyond"] else ""))
+lesson.plot_parity(pairs); plt.show()
+
+# %%
+for label, (got, want) in pairs.items():
+    if label == "experts / edp":
+        continue
+    for line in _common.parity_checks(label, got, want):
+        check(*line)
+    g_ = _common.parity(*norms[label], tol=GRAD_TOL)
+    check(f"gradient norm {label}", g_["ok"], f"within {GRAD_TOL:.0e} relative over steps 1-10: max {g_['worst']:.1e}")
+bad, badg = _common.parity(*pairs["experts / edp"]), _common.parity(*norms["experts / edp"])
+check("expert gradients divided by edp: the gradient norm differs from step 1", badg["first_over"] == 1,
+      f"step 1: {_common.rel_diffs(*norms['experts / edp'])[0]:.1e} relative (the loss of step 1 agrees: same weights)")
+check("expert gradients divided by edp: the loss leaves the reference", not bad["ok"],
+      f"first over 1e-5 at step {bad['first_over']}, worst of steps 1-10 {bad['worst']:.1e}")
+
+# %% [markdown]
+# Every layout trains like one process to rounding. The wrong divisor is visible at once in the gradient norm
+# (the expert part of the gradient doubled); in the loss it is damped — AdamW divides each update by the
+# gradient's own running scale, so a gradient twice too large moves the weights almost as the right one would;
+# only the clipping (which sees the global norm) and Adam's early steps let it through, at the $10^{-4}$ level.
+# A trainer that checks only losses to $10^{-2}$ would miss it; the test suite compares every gradient
+# (`tests/test_expert_parallel.py::test_the_parity_check_catches_expert_gradients_divided_by_their_own_group`).
+#
+# **Takeaway:** expert parallelism is the same training; expert gradients are summed over edp and divided by dp.
+#
+# ## 8. Explore: experts, ep and capacity against memory and bytes per GPU
+#
+# Pick a model, the number of experts $E$, the choices per token $k$, ep and the capacity factor. Left: model states
+# per GPU (bf16 weights and gradients, fp32 AdamW master weights and moments: 16 bytes per parameter) for every ep
+# dividing $E$ (the chosen one dark); middle: the all-to-all bytes each GPU sends per step for 4096 tokens per GPU
+# (balanced, bf16); right: the fraction of choices dropped at capacity $c$ if routing were uniformly random.
+# Questions: how many GPUs does Mixtral-8x7B's model state need at ep = 1, and at ep = 8? Why does the all-to-all
+# traffic hardly grow from ep = 4 to 8? What capacity factor keeps the drops under 1%? (Widgets need a live kernel;
+# a static viewer shows the default only.)
+
+# %%
+def draw(preset="mixtral-8x7b", E=8, k=2, ep=8, c=1.25):
+    E = max(E, 1)
+    ep = max(d for d in range(1, E + 1) if E % d == 0 and d <= ep)
+    n = lesson.widget_numbers(preset, E, k, ep, c)
+    lesson.plot_widget(preset, E, k, ep, c); plt.show()
+    print(f"{preset}, E={E}, k={min(k, E)}, ep={ep}: {n['total'] / 1e9:.2f} B parameters ({n['active'] / 1e9:.2f} B "
+          f"active); per GPU {n['dense'] / 1e9:.2f} B dense + {n['experts'] / 1e9:.2f} B of experts -> model states "
+          f"{n['state_bytes'] / GB:.0f} GB; all-to-all {n['a2a_bytes'] / GB:.2f} GB per step (4096 tokens per GPU); "
+          f"dropped at c={c:g}: {100 * n['dropped']:.3f}% (uniform routing)")
+
+_common.interactive(draw, lambda w: dict(
+    preset=w.Dropdown(options=["mixtral-8x7b", "tiny-moe", "llama3-8b"], value="mixtral-8x7b"),
+    E=w.IntSlider(value=8, min=1, max=64, description="experts E"), k=w.IntSlider(value=2, min=1, max=8, description="top-k"),
+    ep=w.IntSlider(value=8, min=1, max=64, description="ep"), c=w.FloatSlider(value=1.25, min=0.5, max=3, step=0.05,
+                                                                              description="capacity c")))
+
+# %%
+n1, n8 = lesson.widget_numbers(ep=1), lesson.widget_numbers(ep=8)
+check("the widget's numbers: Mixtral-8x7B's states, ep = 1 against ep = 8",
+      n1["state_bytes"] == 16 * n1["total"] and n8["state_bytes"] == 16 * (n8["dense"] + n8["experts"])
+      and n8["experts"] * 8 == n1["experts"], f"{n1['state_bytes'] / GB:.0f} GB -> {n8['state_bytes'] / GB:.0f} GB per GPU")
+
+# %% [markdown]
+# **Takeaway:** ep divides the experts' share of memory; the all-to-all's bytes grow with $k$ and $h$, barely
+# with ep; capacity drops fall fast once $c$ exceeds 1 — for a balanced router.
+#
+# ## 9. Exercises
+# Open `lessons/08_expert_parallel/exercise.py`:
+#
+# 1. `top_k_route(logits, k)` — Mixtral's router: softmax in fp32, top-$k$, renormalise. The checker compares with
+#    `moe.route` for several $(n, E, k)$, names the token and expert, and recognises weights not renormalised, raw
+#    logits as weights, the least probable experts, and a softmax over the wrong dimension.
+# 2. `dispatch_permutation(experts, E)` — the order of the (token, choice) pairs sorted by expert, stable, and the
+#    counts. The checker names an expert whose pairs are out of token order (an unstable sort), token indices
+#    in place of pair indices, a descending sort, an expert missing from the counts.
+# 3. `aux_loss(probs, experts, E)` — $E \sum f_i P_i$, value and gradient. The checker recognises Switch's $f$
+#    normalised by $k$ (balance would give 1), the missing factor $E$, $P$ averaged over the chosen experts
+#    only, and a loss no gradient crosses.
+# 4. `exchange_splits(counts, group)` — on every ep rank: the rows it sends to each rank and receives from each,
+#    after exchanging the counts (one collective). Run on 2 and 4 processes; the checker names the rank and peer.
+#
+# Until you write them, the checker reports `NotImplementedError: not written yet`:
+
+# %%
+import check as checker   # this folder's check.py
+all_passed = checker.check()
+
+# %% [markdown]
+# **Takeaway:** the router is three lines; the dispatch is a stable sort; the balance loss is a dot product of a
+# count and a mean; the exchange needs the counts before the rows.
+#
+# ## 10. What it costs, when to use it, what comes next
+#
+# | | per rank | communication | use it when |
+# |---|---|---|---|
+# | MoE, experts replicated (ep = 1) | every expert: $E \cdot 3hi$ per layer, states ×16 bytes | gradients all-reduced over dp (all experts) | the experts fit; small models |
+# | expert parallel, ep ranks | $E/ep$ experts per layer + the dense part | per layer and micro-batch: counts, then $4\,nkh\,(ep-1)/ep$ elements in four all-to-alls (blocking here) | the experts do not fit; ep within a node's fast links, or routing limited to few nodes |
+# | + capacity $c$ | bounded expert work: fixed shapes | the same, bounded | static shapes (TPUs, CUDA graphs); accept some dropped tokens |
+#
+# **Its costs.** The all-to-alls are on the critical path and their sizes change every step (the counts travel
+# first); unbalanced routing makes the busiest rank everyone's pace, so the balance loss (or DeepSeek-V3's
+# bias-based, loss-free balancing) is not optional. Expert gradients follow their own group (edp) and their own
+# divisor; ZeRO shards them over edp. Small experts give small matmuls: finer experts (DeepSeekMoE) need grouped
+# GEMM kernels.
+#
+# **What ours lacks** (what Megatron-LM, DeepSpeed-MoE, torchtitan and DeepEP add): grouped GEMM over the local
+# experts, the all-to-all overlapped with compute (DualPipe, chunked dispatch), fp8 dispatch, token dropping
+# with padding to static shapes, shared experts (DeepSeekMoE), expert-choice routing (Zhou et al. 2022, each
+# expert picks its tokens), and hierarchical (node-aware) all-to-alls. With context parallelism, routing
+# statistics and capacity become per chunk: picotron refuses that combination.
+#
+# **Sources.** Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts
+# Layer" (noisy top-$k$ gating, a balancing loss); Lepikhin et al. 2020, "GShard" (top-2, expert capacity, experts
+# sharded across devices with all-to-all); Fedus et al. 2022, "Switch Transformers" (top-1, the $E\sum f_i P_i$
+# loss, capacity factors); Jiang et al. 2024, "Mixtral of Experts" (softmax then top-2, renormalised; 46.7 B / 12.9 B).
+#
+# **Next:** lesson 09 puts the strategies together — a 4-D (and with ep, 5-D) layout planned for a real cluster.
+#
+# **Takeaway:** data parallelism cuts the batch, tensor parallelism the matrices, pipeline parallelism the depth,
+# context parallelism the sequence, and expert parallelism the experts — moving tokens instead of weights.

@@ -1,0 +1,51 @@
+"""Lesson 08 exercises: a mixture-of-experts layer's bookkeeping by hand. Write the pieces marked EXERCISE, then
+    python lessons/08_expert_parallel/check.py                  # all exercises
+    python lessons/08_expert_parallel/check.py top_k_route      # just one (or dispatch_permutation, aux_loss,
+                                                                #   exchange_splits)
+Exercises 1-3 are checked in this process against picotron.moe on random routers (several token counts, E and k);
+the checker names the token, expert or value that is wrong and recognises the usual mistakes (weights not
+renormalised, an unstable sort, Switch's fraction normalised by k...). Exercise 4 runs on 2 and 4 real processes
+(gloo): the checker names the rank whose splits are wrong. The lesson notebook
+(lessons/08_expert_parallel/08_expert_parallel.ipynb) reads picotron/moe.py and picotron/expert_parallel.py,
+which do all of this for the whole model; the solutions are in solution.py (look after trying).
+
+What you may use:
+    torch.softmax(x, dim=-1), t.topk(k, dim=-1) -> (values, indices), t.sum(-1, keepdim=True)
+    torch.argsort(t, stable=True), torch.bincount(t, minlength=E), t.flatten()
+    torch.distributed.all_to_all_single(out, t, group=group)   (each rank's t cut in equal blocks, one per rank)
+    torch.distributed.all_gather(list_of_tensors, t, group=group)
+"""
+import torch  # noqa: F401
+import torch.distributed as dist  # noqa: F401
+
+
+def top_k_route(logits, k):
+    """EXERCISE 1: Mixtral's router. logits [n, E] (one row per token). Return (weights, experts), both [n, k]:
+    the k most probable experts of each token (softmax over the E logits, in fp32) and their weights, the chosen
+    probabilities renormalised to sum to 1 per token. Any order of the k choices within a token."""
+    raise NotImplementedError("not written yet")
+
+
+def dispatch_permutation(experts, num_experts):
+    """EXERCISE 2: the dispatch permutation. experts [n, k]: each token's k chosen experts. Flatten the (token,
+    choice) pairs token-major (pair p = token p // k, choice p % k) and return (order, counts): `order` [n·k] the
+    pair indices sorted by expert, pairs of the same expert in token order (a stable sort), so that expert 0's
+    pairs come first, then expert 1's...; `counts` [num_experts] how many pairs each expert got (zeros included)."""
+    raise NotImplementedError("not written yet")
+
+
+def aux_loss(probs, experts, num_experts):
+    """EXERCISE 3: the load-balancing loss (Switch Transformers eq. 4, in Hugging Face Mixtral's form).
+    probs [n, E]: every token's router probabilities; experts [n, k]: its chosen experts. Return the scalar
+    E · Σ_i f_i · P_i, with f_i = (pairs that chose expert i) / n (the number of TOKENS: Σ f_i = k) and P_i the
+    mean probability of expert i over the tokens. It must be differentiable through probs (f is a count)."""
+    raise NotImplementedError("not written yet")
+
+
+def exchange_splits(counts, group=None):
+    """EXERCISE 4 (runs on every rank of `group`, the ep ranks): counts [E] (int64) are this rank's rows for each
+    global expert; rank j of the group holds experts j·E/ep .. (j+1)·E/ep - 1 (ep = the group's size). Return
+    (send, recv), two lists of ep ints: send[j] = rows this rank sends to rank j, recv[j] = rows it receives from
+    rank j (what rank j's send[this rank] is). The all-to-all of the rows needs both as its splits; the ranks
+    only know their own counts, so they must exchange them first (one collective)."""
+    raise NotImplementedError("not written yet")

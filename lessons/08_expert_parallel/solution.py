@@ -1,0 +1,34 @@
+"""Lesson 08 exercises — reference solutions. (The exercise file, lessons/08_expert_parallel/exercise.py, is the
+same file with the marked pieces left to write.)"""
+import torch
+import torch.distributed as dist
+
+
+def top_k_route(logits, k):
+    """EXERCISE 1: softmax over the experts, the k largest, renormalised (Mixtral)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = probs.topk(k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), experts
+
+
+def dispatch_permutation(experts, num_experts):
+    """EXERCISE 2: (token, choice) pairs sorted by expert, stable: each expert's pairs contiguous, in token order."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=num_experts)
+
+
+def aux_loss(probs, experts, num_experts):
+    """EXERCISE 3: E · Σ_i f_i P_i, f_i = choices of expert i per token (Σf = k), P_i = mean probability."""
+    f = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype) / probs.shape[0]
+    return num_experts * (f * probs.mean(0)).sum()
+
+
+def exchange_splits(counts, group=None):
+    """EXERCISE 4: rows to each rank (its experts are contiguous), and, after one all-to-all of the counts, the
+    rows each rank will send here."""
+    ep = dist.get_world_size(group)
+    send = counts.view(ep, -1).sum(1)  # rank j's experts: the j-th block of E/ep counts
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j] = rank j's send[me]
+    return send.tolist(), recv.tolist()
