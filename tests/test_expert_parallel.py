@@ -244,6 +244,7 @@ def _check(tmp_path, layout):
     dict(dp=2, ep=2, tp=2),
     dict(dp=2, ep=2, tp=2, sp=True),
     dict(dp=2, ep=2, zero=1),
+    dict(dp=4, ep=2, zero=2),  # expert units cut over edp = 2, dense units over dp = 4
     dict(dp=2, ep=2, pp=2, grad_acc=2),
     dict(dp=2, ep=2, pp=2, grad_acc=2, pp_schedule="zb-v"),  # a split backward: experts' weight gradients deferred
     dict(dp=2, ep=2, capacity_factor=1.0),
