@@ -11,6 +11,7 @@ averaged over the cp ranks), cp2 x dp2, cp2 x tp2 (+ sp), cp2 x pp2, cp2 with Ze
 import pytest
 import torch
 import torch.nn.functional as F
+from _parity import assert_matches, layout_grads
 
 from picotron import context_parallel as cpm
 from picotron import train as train_mod
@@ -20,7 +21,6 @@ from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
 from picotron.model import apply_rope, rope_cos_sin
 from picotron.parallelize import parallelize
-from picotron.tensor_parallel import gather_from_tp
 from picotron.train import train
 
 
@@ -127,21 +127,7 @@ def _model_child(layout, out):
         _, loader = train_mod.load_data(cfg, mesh)
         run = parallelize(cfg, mesh)
         run.schedule.run(run.model, loader.micro_batches(1), run.loss_fn)
-        grads = {}
-        if cfg.zero:  # each rank holds the mean gradient of its shard: gather the shards over dp x cp
-            names = {p: n for n, p in run.raw.named_parameters()}
-            for unit in run.model.units:
-                flat = torch.empty(unit.grad_shard.numel() * mesh.dp_cp.size)
-                mesh.dp_cp.all_gather_into(flat, unit.grad_shard.contiguous())
-                for p, off in zip(unit.params, unit.offsets):
-                    grads[names[p]] = flat[off:off + p.numel()].view(p.shape).clone()
-        else:
-            chunks = run.raw.chunks if hasattr(run.raw, "chunks") else [run.raw]
-            for chunk in chunks:
-                for name, p in chunk.named_parameters():
-                    if not getattr(p, "is_copy", False):
-                        grads[name] = gather_from_tp(p.grad, getattr(p, "tp_dim", None), mesh.tp)
-        grads = grads if mesh.dp.rank == 0 and mesh.tp.rank == 0 else {}
+        grads = layout_grads(run, mesh, cfg)
         mesh.world.all_reduce(torch.zeros(1))
     with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp) as mesh:
         summary = train(cfg, mesh)
@@ -153,17 +139,7 @@ def _check(tmp_path, layout):
     world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("cp", 1) * layout.get("tp", 1)
     results = run_on_ranks(_model_child, world, layout, str(tmp_path / "cp"), timeout_s=300)
     ref = {"grad_acc": layout.get("grad_acc", 1) * layout.get("dp", 1)}
-    ref_grads, ref_records, _ = run_on_ranks(_model_child, 1, ref, str(tmp_path / "ref"), timeout_s=120)[0]
-    seen = set()
-    for grads, _, _ in results:
-        for name, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{layout}: {name}: {m}")
-            seen.add(name)
-    assert seen == set(ref_grads), f"{layout}: gradients not compared: {sorted(set(ref_grads) - seen)}"
-    records = results[0][1]
-    for key in ("loss", "grad_norm"):
-        assert [r[key] for r in records] == pytest.approx([r[key] for r in ref_records], rel=1e-5), key
-    assert records[-1]["val_loss"] == pytest.approx(ref_records[-1]["val_loss"], rel=1e-5)
+    assert_matches(results, run_on_ranks(_model_child, 1, ref, str(tmp_path / "ref"), timeout_s=120)[0], layout)
 
 
 @pytest.mark.parametrize("layout", [

@@ -12,6 +12,7 @@ from the ranks that hold them) at ep = 2 and 4, ep2 x tp2 (+ sp), ep2 with ZeRO-
 """
 import pytest
 import torch
+from _parity import assert_matches, layout_grads
 
 from picotron import expert_parallel, moe
 from picotron import train as train_mod
@@ -21,7 +22,6 @@ from picotron.mesh import Mesh, expert_groups
 from picotron.metrics import read_metrics
 from picotron.model import Llama, ModelConfig
 from picotron.parallelize import parallelize
-from picotron.tensor_parallel import gather_from_tp
 from picotron.train import train
 
 
@@ -174,26 +174,6 @@ SMALL = dict(preset="tiny-moe", seq_len=32, micro_batch_size=2, sample_tokens=0,
              eval_batches=1, lr=3e-3, warmup_steps=2, steps=3, grad_clip=1.0)
 
 
-def _grads(run, mesh, cfg):
-    """{name: full gradient} of the parameters this rank holds (tp slices gathered; ZeRO shards gathered over
-    their unit's axis); only ranks at the first place of every replica group return them."""
-    grads = {}
-    if cfg.zero:
-        names = {p: n for n, p in run.raw.named_parameters()}
-        for unit in run.model.units:
-            flat = torch.empty(unit.grad_shard.numel() * unit.axis.size)
-            unit.axis.all_gather_into(flat, unit.grad_shard.contiguous())
-            for p, off in zip(unit.params, unit.offsets):
-                grads[names[p]] = flat[off:off + p.numel()].view(p.shape).clone()
-    else:
-        chunks = run.raw.chunks if hasattr(run.raw, "chunks") else [run.raw]
-        for chunk in chunks:
-            for name, p in chunk.named_parameters():
-                if not getattr(p, "is_copy", False):
-                    grads[name] = gather_from_tp(p.grad, getattr(p, "tp_dim", None), mesh.tp)
-    return grads if mesh.edp.rank == 0 and mesh.tp.rank == 0 else {}
-
-
 def _model_child(layout, out, wrong_divisor=False):
     cfg = Config(out=out, **{**SMALL, **layout})
     with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep) as mesh:
@@ -204,7 +184,7 @@ def _model_child(layout, out, wrong_divisor=False):
             for name, p in run.raw.named_parameters():
                 if ".experts." in name:
                     p.grad.mul_(mesh.dp_cp.size / mesh.edp.size)
-        grads = _grads(run, mesh, cfg)
+        grads = layout_grads(run, mesh, cfg)
         mesh.world.all_reduce(torch.zeros(1))
     if wrong_divisor:
         return grads, None, None
@@ -224,17 +204,7 @@ def _reference(tmp_path, layout):
 def _check(tmp_path, layout):
     world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
     results = run_on_ranks(_model_child, world, layout, str(tmp_path / "ep"), timeout_s=300)
-    ref_grads, ref_records, _ = _reference(tmp_path, layout)
-    seen = set()
-    for grads, _, _ in results:
-        for name, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{layout}: {name}: {m}")
-            seen.add(name)
-    assert seen == set(ref_grads), f"{layout}: gradients not compared: {sorted(set(ref_grads) - seen)}"
-    records = results[0][1]
-    for key in ("loss", "grad_norm"):
-        assert [r[key] for r in records] == pytest.approx([r[key] for r in ref_records], rel=1e-5), key
-    assert records[-1]["val_loss"] == pytest.approx(ref_records[-1]["val_loss"], rel=1e-5)
+    assert_matches(results, _reference(tmp_path, layout), layout)
 
 
 @pytest.mark.parametrize("layout", [
