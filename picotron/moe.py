@@ -114,7 +114,7 @@ def capacity_keep(experts, seq_len, num_experts, capacity_factor):
 class MoE(nn.Module):
     """The sparse MoE block: router `gate` (E x h, no bias) and `experts` (Experts). Replaces the MLP.
 
-    After each forward: `last_aux` (this layer's aux, detached), `counts` (tokens routed per expert, before
+    After each training forward: `last_aux` (this layer's aux, detached), `counts` (tokens routed per expert, before
     capacity; summed over forwards until someone resets it to None) and `dropped` (pairs
     dropped by capacity, summed likewise): what the lessons plot."""
 
@@ -147,7 +147,7 @@ class MoE(nn.Module):
             out = self.exchange.combine(self.run_experts(rows, local_counts), ctx)
         out = (out * weights.flatten()[order, None].to(out.dtype)).to(flat.dtype)
         y = torch.zeros_like(flat).index_add(0, order // self.k, out)  # the combine: back to token order
-        with torch.no_grad():
+        if self.training:  # the statistics of training steps only (not of evaluation or text sampling)
             routed = torch.bincount(chosen, minlength=self.num_experts)
             self.counts = routed if self.counts is None else self.counts + routed
             self.dropped += int((~keep).sum())
