@@ -329,6 +329,14 @@ def _env(overrides):
     return env
 
 
+def threads_per_process(nproc, cores=None):
+    """OMP_NUM_THREADS for nproc processes on this machine: the cores shared out, at least one each. Processes
+    that each start a thread pool as wide as the machine fight over the cores (4 on 2 cores: ~10x slower)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // nproc)
+
+
 def torchrun_main(module, nproc, argv):
     """`python -m picotron.train --dp 2 ...` on one machine: run torchrun for it and return the exit status.
 
@@ -336,9 +344,10 @@ def torchrun_main(module, nproc, argv):
     output streams through, except the job's final `picotron: error:/stopped:` line (a divergence, Ctrl-C):
     that is held back, torchrun's failure report that follows it is left out, and the line is printed last.
     Ctrl-C reaches the workers through torchrun: they finish the step, save a checkpoint and say so.
+    OMP_NUM_THREADS, unless set, shares the cores out (`threads_per_process`).
     """
     cmd = torchrun_cmd(module, nproc, argv, module=True)
-    env = _env({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    env = _env({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(nproc)))})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun gets Ctrl-C too and passes it on
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)

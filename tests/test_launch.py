@@ -213,3 +213,9 @@ def test_run_torchrun_timeout_kills_the_workers(tmp_path):
             break
         time.sleep(0.1)
     assert not _alive(pid)
+
+
+def test_launched_processes_share_the_cores_out():
+    from picotron.launch import threads_per_process
+    assert [threads_per_process(n, cores=8) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    assert threads_per_process(4, cores=2) == 1 and threads_per_process(1) >= 1
