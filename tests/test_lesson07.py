@@ -14,16 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _lessons import checker
+from _lessons import solution_tools
 
 from picotron import pipeline_parallel as pp
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDER = ROOT / "lessons" / "07_pipeline_parallel"
-SOLUTIONS = FOLDER / "solution.py"
 sys.path.insert(0, str(ROOT / "lessons"))
 
-run_checker = checker("07_pipeline_parallel", timeout=240)
+run_checker, mutate, fails_with = solution_tools("07_pipeline_parallel")
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +29,6 @@ def lesson():
     import _common
 
     return _common.load_lesson("07_pipeline_parallel")
-
-
-def mutate(tmp_path, *bugs):
-    """The solutions with the given (old, new) replacements, in a file of a new name (a same-size edit within the
-    same second would otherwise be imported from the first one's cached bytecode)."""
-    name = f"wrong{len(list(tmp_path.glob('wrong*.py')))}.py"
-    text = SOLUTIONS.read_text()
-    for old, new in bugs:
-        assert old in text, old
-        text = text.replace(old, new)
-    path = tmp_path / name
-    path.write_text(text)
-    return path
 
 
 # ------------------------------------------------------------------------------------------- the checker
