@@ -3,7 +3,8 @@
 Every lesson notebook (or the ones named: 01, 03_data_parallel, ...) is built from its source and executed top
 to bottom, in its own folder, with the full settings its prose describes; the executed notebook is saved in place
 (the committed notebooks carry these outputs) and its k-th figure is written to figures/NN_k.png, so the README,
-the notebooks and figures/ show the same runs. The main job's loss curve is figures/01_main_job_loss.png.
+the notebooks and figures/ show the same runs. The main job's loss curve is figures/01_main_job_loss.png; the 4D run
+against one process (`./run.sh figures 4d`) is figures/4d_run_loss.png.
 PICOTRON_FAST=1 gives a quick pass (FAST settings: not for committing). Exit status 1 if a lesson's check fails.
 `--no-run` only writes the figures of the notebooks as they are (e.g. after `_notebook.py NN --run full`).
 """
@@ -51,6 +52,40 @@ def main_job():
     save(fig, "01_main_job_loss.png")
 
 
+FOUR_D = ["--dp", "2", "--pp", "2", "--cp", "2", "--tp", "2", "--grad-acc", "4", "--micro-batch-size", "4"]
+
+
+def four_d():
+    """The README's 4D run: dp2 x pp2 x cp2 x tp2 = 16 CPU processes (picotron.train starts them), against one process
+    with the same global batch (8 micro-batches of 4 sequences), from the same seed."""
+    steps = 20 if _common.FAST else 100
+    runs = {"16 processes: dp2 · pp2 · cp2 · tp2": FOUR_D,
+            "one process, 8 micro-batches": ["--grad-acc", "8", "--micro-batch-size", "4"]}
+    curves = {}
+    for i, (label, flags) in enumerate(runs.items()):
+        out = _common.run_dir("figures") / f"4d-{i}"
+        subprocess.run([sys.executable, "-m", "picotron.train", *flags, "--steps", str(steps), "--eval-every", "25",
+                        "--sample-tokens", "0", "--out", str(out)], check=True, cwd=_common.ROOT)
+        curves[label] = read_metrics(out)[0]
+    (a, rows4d), (b, rows1) = curves.items()
+    fig, (ax, dx) = plt.subplots(1, 2, figsize=(10, 3.2))
+    for (label, rows), style in zip(curves.items(), ("-", "--")):
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, lw=1.2, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=8)
+    ax.set_title("the tiny Llama, same seed and global batch", fontsize=9)
+    for key, label in (("loss", "loss"), ("grad_norm", "gradient norm")):
+        dx.semilogy([r["step"] for r in rows1], [max(abs(x[key] - y[key]) / abs(y[key]), 1e-9)
+                                                 for x, y in zip(rows4d, rows1)], lw=1, label=label)
+    dx.axhline(1e-5, color="grey", ls=":", lw=1, label="parity standard (1e-5)")
+    dx.set_xlabel("step")
+    dx.set_ylabel("relative difference, 16 processes vs 1")
+    dx.legend(fontsize=8)
+    dx.set_title("float32 rounding, summed in another order, grows with training", fontsize=9)
+    save(fig, "4d_run_loss.png")
+
+
 def lesson(folder, fast, run=True):
     """Build and execute one lesson's notebook in place; write its figures as figures/NN_k.png, k = 1, 2, ..."""
     import _notebook
@@ -86,5 +121,7 @@ if __name__ == "__main__":
                and (not wanted or any(d.name.startswith(w) for w in wanted))]
     if not wanted and run:
         main_job()
+    if run and (not wanted or "4d" in wanted):
+        four_d()
     ok = [lesson(d, _common.FAST, run) for d in folders]
     sys.exit(0 if all(ok) else 1)
