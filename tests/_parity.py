@@ -8,16 +8,19 @@ from picotron.tensor_parallel import gather_from_tp
 
 def layout_grads(run, mesh, cfg):
     """{name: full gradient} of the parameters this rank holds, after one step of `run` (what `parallelize` built):
-    ZeRO's shards gathered over their unit's axis, tensor-parallel slices gathered over tp. Only the first rank of
+    ZeRO's shards gathered over their unit's axis, then tensor-parallel slices gathered over tp (names as in the
+    single-process model: a pipeline's chunks keep the layers' own indices). Only the first rank of
     each group of replicas returns them (the others: {}), so each gradient is compared once per holder."""
     grads = {}
     if cfg.zero:  # each rank holds the mean gradient of its shard of every unit
-        names = {p: n for n, p in run.raw.named_parameters()}
+        names = {p: n for chunk in getattr(run.raw, "chunks", [run.raw]) for n, p in chunk.named_parameters()}
         for unit in run.model.units:
             flat = torch.empty(unit.grad_shard.numel() * unit.axis.size)
             unit.axis.all_gather_into(flat, unit.grad_shard.contiguous())
             for p, off in zip(unit.params, unit.offsets):
-                grads[names[p]] = flat[off:off + p.numel()].view(p.shape).clone()
+                if not getattr(p, "is_copy", False):
+                    grads[names[p]] = gather_from_tp(flat[off:off + p.numel()].view(p.shape),
+                                                     getattr(p, "tp_dim", None), mesh.tp)
     else:
         for chunk in getattr(run.raw, "chunks", [run.raw]):
             for name, p in chunk.named_parameters():

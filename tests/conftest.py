@@ -29,3 +29,28 @@ def run_notebook(monkeypatch):
         return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
 
     return run
+
+
+# The whole parity matrix (tests/test_parity_matrix.py) is opt-in: its covering subset runs by default.
+MATRIX_FLAG = "--parity-matrix"
+
+
+def pytest_addoption(parser):
+    parser.addoption(MATRIX_FLAG, action="store_true", default=False,
+                     help="run every variant of tests/test_parity_matrix.py (dp, pp, cp, tp in {1, 2}, sp, ZeRO-1, "
+                          "ep on the MoE preset; up to 16 processes), not only its default covering subset")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"parity_matrix: a parity-matrix variant outside the default subset; runs "
+                                       f"with {MATRIX_FLAG}")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption(MATRIX_FLAG):
+        return
+    skip = pytest.mark.skip(reason=f"the whole parity matrix runs with {MATRIX_FLAG} "
+                                   f"(python -m pytest tests/test_parity_matrix.py {MATRIX_FLAG})")
+    for item in items:
+        if item.get_closest_marker("parity_matrix"):
+            item.add_marker(skip)
