@@ -1,0 +1,524 @@
+"""Lesson 09's experiments: every strategy at once. The 4-D grid and its links (pure functions of picotron.mesh),
+one 4-D training run on CPU processes with every rank's timeline, and the notebook's formulas and plots.
+
+    torchrun --nproc_per_node 16 lessons/09_all_together/experiment.py            # dp2 x pp2 x cp2 x tp2
+    PICOTRON_FAST=1 torchrun --nproc_per_node 8 lessons/09_all_together/experiment.py   # pp2 x cp2 x tp2
+
+Rank 0 writes OUT/run4d_<layout>.json. run4d: `picotron.train` on the layout for `steps` steps (the real trainer:
+losses, gradient norms, each rank's memory), then `timed_steps` more steps built and stepped as train builds them
+(`parallelize` with a Recorder on every axis, a timeline on the pipeline executor and on every ring-attention core):
+every rank's events of the last one (pipeline actions, ring attention and its waits, each collective with its axis,
+the pipeline's receives, clipping, the optimizer step), every collective's bytes by axis; then one process with the
+same global batch (grad_acc x dp micro-batches) on rank 0, the reference of the parity check.
+"""
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
+import _common  # noqa: E402  (puts the repository root on sys.path)
+from _common import gather  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from picotron import context_parallel, marks, metrics, parallelize as par  # noqa: E402
+from picotron.config import Config  # noqa: E402
+from picotron.mesh import ORDER, Mesh, grid_coords, grid_rank, group_ranks  # noqa: E402
+from picotron.metrics import read_metrics  # noqa: E402
+from picotron.train import load_data, lr_at, train  # noqa: E402
+
+MiB = 2**20
+FONT = 8
+AXES = ("tp", "cp", "pp", "dp")  # fastest- to slowest-varying: the order of the drawing
+AXIS_COLORS = {"tp": "#c44e52", "cp": "#8172b2", "pp": "#55a868", "dp": "#4c72b0", "dp_cp": "#4c72b0",
+               "world": "#937860", "pp_ends": "#da8bc3"}
+LINKS = {"intra": "inside a node (NVLink, ~450 GB/s per GPU)", "inter": "between nodes (InfiniBand, ~50 GB/s per GPU)"}
+LINK_COLORS = {"intra": "#2a9d8f", "inter": "#e76f51"}
+WHAT_TRAVELS = {"tp": "activations: all-reduces inside every layer, forward and backward (on the critical path)",
+                "cp": "K/V blocks around a ring, every layer (under the attention compute)",
+                "pp": "one activation per micro-batch and stage boundary, its gradient back",
+                "dp": "gradients, once per step (under the backward); with cp: over dp x cp"}
+
+
+def settings(fast):
+    """The 4-D run: the tiny model (h = 128, 4 layers), 128-token sequences, 4 micro-batches of 4 per step and dp
+    rank (1F1B over the pp = 2 stages). Full: dp2 x pp2 x cp2 x tp2, 16 processes; FAST: pp2 x cp2 x tp2, 8."""
+    layout = dict(dp=1, pp=2, cp=2, tp=2) if fast else dict(dp=2, pp=2, cp=2, tp=2)
+    return dict(preset="tiny", layout=layout, seq_len=128, micro_batch_size=4, grad_acc=4,
+                steps=10 if fast else 20, warmup_steps=5, timed_steps=2, gpus_per_node=4)
+
+
+def layout_name(layout):
+    return "-".join(f"{d}{layout.get(d, 1)}" for d in ORDER)
+
+
+def make_cfg(st, **kw):
+    """A picotron Config of the 4-D run (no sampling, no evaluation), with `kw` on top."""
+    return Config(**{"preset": st["preset"], "seq_len": st["seq_len"], "micro_batch_size": st["micro_batch_size"],
+                     "grad_acc": st["grad_acc"], "steps": st["steps"], "warmup_steps": st["warmup_steps"],
+                     "sample_tokens": 0, "eval_every": 0, "log_every": 10**6, **kw})
+
+
+# ---------------------------------------------------------------------------------------- the grid and its links
+def node_of(rank, gpus_per_node):
+    """Launchers give consecutive ranks to the GPUs of one node: rank r sits on node r // gpus_per_node."""
+    return rank // gpus_per_node
+
+
+def link_of(ranks, gpus_per_node):
+    """'intra' when every rank of a group sits on one node, else 'inter' (its traffic crosses the network)."""
+    return "intra" if len({node_of(r, gpus_per_node) for r in ranks}) == 1 else "inter"
+
+
+def groups_and_links(sizes, gpus_per_node):
+    """Per axis (tp, cp, pp, dp): its groups (picotron.mesh.group_ranks), the link class of each, and how many
+    nodes the widest one spans."""
+    out = {}
+    for axis in AXES:
+        groups = group_ranks(sizes, axis)
+        links = [link_of(g, gpus_per_node) for g in groups]
+        out[axis] = dict(size=len(groups[0]), groups=groups, links=links,
+                         nodes=max(len({node_of(r, gpus_per_node) for r in g}) for g in groups))
+    return out
+
+
+def groups_with_order(sizes, order):
+    """The groups of each axis if ranks were numbered with `order` (slowest to fastest) instead of picotron's
+    (dp, pp, cp, tp): what a different choice of the fastest axis would put on one node."""
+    sizes = {d: sizes.get(d, 1) for d in ORDER}
+    out = {}
+    for axis in ORDER:
+        groups = {}
+        for rank in range(math.prod(sizes.values())):
+            c, r = {}, rank
+            for d in reversed(order):
+                r, c[d] = divmod(r, sizes[d])
+            groups.setdefault(tuple(c[d] for d in order if d != axis), []).append(rank)
+        out[axis] = sorted(groups.values())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+class AxisRecorder(metrics.Recorder):
+    """A Recorder whose timeline events also name the axis (tp, cp, pp, dp_cp, world, pp_ends) and the kind of the
+    collective (all_reduce, ...): the Gantt colours them by axis."""
+
+    def collective(self, kind, nbytes, work, label, start, axis=None, **info):
+        return super().collective(kind, nbytes, work, label, start, axis=axis, axis_name=axis, op=kind, **info)
+
+
+class TimedRun:
+    """The layout built as picotron.train builds it (`parallelize`, here with an AxisRecorder on every axis) and
+    stepped as it steps (learning rate, schedule.run, clipping, optimizer step, zero_grad), every piece on one
+    Timeline per rank: pipeline actions (F, B), each wait for a pipeline message, ring attention and its waits, every
+    collective, clipping and the optimizer step."""
+
+    def __init__(self, cfg, mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.tl = metrics.Timeline(mesh.device, mesh.rank)
+        self.recorder = AxisRecorder(self.tl)
+        torch.manual_seed(cfg.seed)
+        self.run = par.parallelize(cfg, mesh, recorder=self.recorder)
+        self.recorded = mesh.recorded(self.recorder)  # clipping's all-reduce over the world, counted and timed
+        self.loader = load_data(cfg, mesh)[1]
+        sch = self.run.schedule
+        if hasattr(sch, "timeline"):
+            sch.timeline = self.tl
+        if hasattr(sch, "_receive"):  # the pipeline's wait for a message from the neighbouring stage
+            receive = sch._receive
+
+            def timed(a):
+                t0 = self.tl.now()
+                x = receive(a)
+                if self.tl.now() - t0 > 0:
+                    self.tl.add("pp wait", t0, self.tl.now(), kind="p2p", axis_name="pp", of=a.kind, micro=a.mb)
+                return x
+            sch._receive = timed
+        for i, core in enumerate(context_parallel.cores(self.run.raw)):
+            core.timeline, core.layer = self.tl, i
+
+    def step(self, step):
+        """One step; returns this rank's events (absolute seconds: comparable across the processes of one machine),
+        its collectives (kind, bytes, axis) and the ring's and the pipeline's point-to-point bytes."""
+        run, tl = self.run, self.tl
+        for core in context_parallel.cores(run.raw):
+            core.reset()
+        sch = run.schedule
+        p2p0 = getattr(sch, "p2p_bytes", 0)
+        self.recorder.reset()
+        dist.barrier()
+        tl.events.clear()
+        t0 = tl.now()
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.cfg)
+        loss = sch.run(run.model, self.loader.micro_batches(step), run.loss_fn)
+        with tl.record("clip", kind="compute"):
+            marks.clip_grad_norm(run.params, self.cfg.grad_clip, self.recorded)
+        with tl.record("optimizer", kind="compute"):
+            run.optimizer.step()
+        run.model.zero_grad(set_to_none=True)
+        t1 = tl.now()
+        base = tl.t0
+        cores = context_parallel.cores(run.raw)
+        return dict(rank=self.mesh.rank, coords=self.mesh.coords, loss=float(loss), start=t0 + base, end=t1 + base,
+                    events=[dict(e, start=e["start"] + base, end=e["end"] + base) for e in tl.events],
+                    log=list(self.recorder.log), pp_bytes=getattr(sch, "p2p_bytes", 0) - p2p0,
+                    cp_bytes={k: sum(c.bytes[k] for c in cores) for k in ("kv", "dkv")})
+
+
+def _say(mesh, text):
+    if mesh.rank == 0:
+        print(text, flush=True)
+
+
+def _curve(cfg):
+    rows, summary = read_metrics(cfg.out)
+    return dict(losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
+                step_time=[r["step_time"] for r in rows], tokens_per_s=summary["tokens_per_s"])
+
+
+def exp_run4d(mesh, st, out):
+    """picotron.train on the layout; then timed steps with every rank's timeline; then one process on rank 0."""
+    layout = {d: mesh.sizes[d] for d in ORDER}
+    name = layout_name(layout)
+    cfg = make_cfg(st, **layout, out=str(Path(out) / f"run4d_{name}"))
+    t0 = time.perf_counter()
+    _, run = train(cfg, mesh, return_model=True)
+    mem = dict(run.model.memory(), optimizer=metrics.optimizer_bytes(run.optimizer),
+               activations=run.schedule.activation_bytes)
+    params = sum(p.numel() for p in run.raw.parameters())
+    train_s = time.perf_counter() - t0
+    del run
+    every_mem = gather(dict(mem=mem, params=params, coords=mesh.coords), mesh)
+    _say(mesh, f"{name}: {st['steps']} steps of picotron.train in {train_s:.1f} s")
+    timed = TimedRun(cfg, mesh)
+    steps = []
+    for s in range(1, st["timed_steps"] + 1):
+        steps.append(gather(timed.step(s), mesh))
+    result = dict(layout=layout, name=name, world=mesh.world_size, train_s=train_s, ranks=every_mem, settings=st,
+                  timed=steps[-1], timed_steps=[[r["end"] - r["start"] for r in ranks] for ranks in steps],
+                  hidden=cfg.model_config().hidden_size, kv_heads=cfg.model_config().num_key_value_heads,
+                  head_dim=cfg.model_config().head_dim, layers=cfg.model_config().num_hidden_layers)
+    if mesh.rank == 0:
+        result["run"] = _curve(cfg)
+        ref = make_cfg(st, grad_acc=st["grad_acc"] * layout["dp"], out=str(Path(out) / f"run4d_reference_{name}"))
+        t0 = time.perf_counter()
+        _, one = train(ref, Mesh.local(mesh.device), return_model=True)
+        result["reference"] = dict(_curve(ref), mem=dict(one.model.memory(),
+                                                          optimizer=metrics.optimizer_bytes(one.optimizer),
+                                                          activations=one.schedule.activation_bytes),
+                                   seconds=time.perf_counter() - t0)
+    dist.barrier()
+    return result
+
+
+EXPERIMENTS = ("run4d",)
+
+
+# ------------------------------------------------------------------------------------- what the run should send
+def stage_layers(layers, pp, stage):
+    """The decoder layers on pipeline stage `stage` when they split evenly (the tiny model: 4 layers, 2 stages)."""
+    return layers // pp
+
+
+def bytes_formula(res, coords):
+    """What one rank should send per step, by axis, from the layout and the model's shapes (fp32, no sp):
+    tp: per micro-batch and layer, two all-reduces of the b·(s/cp)·h activations forward (after attention's o_proj
+        and the MLP's down_proj: g) and two backward (before q/k/v and gate/up: f's gradient); the first stage adds
+        the vocab-parallel embedding's all-reduce, the last the head's f in backward (b·(s/cp)·h) and the
+        vocab-parallel cross-entropy's three all-reduces of b·(s/cp) numbers (max, sum of exponentials, target logit);
+    cp: the ring's K/V blocks (picotron.context_parallel.bytes_per_step_formula, with the kv heads of one tp rank);
+    pp: each micro-batch's activation (first stage) or its gradient (last stage), b·(s/cp)·h;
+    dp_cp: every gradient this rank holds, once (4 bytes per parameter), plus the 4-byte loss averaged for the log;
+    world: the 4-byte sum of squares of the gradient norm."""
+    from picotron.context_parallel import bytes_per_step_formula
+
+    lay, st = res["layout"], res["settings"]
+    b, s, h = st["micro_batch_size"], st["seq_len"] // lay["cp"], res["hidden"]
+    m, L = st["grad_acc"], stage_layers(res["layers"], lay["pp"], coords["pp"])
+    first, last = coords["pp"] == 0, coords["pp"] == lay["pp"] - 1
+    act = b * s * h * 4
+    out = {}
+    if lay["tp"] > 1:
+        out["tp"] = m * ((4 * L + first + last) * act + last * 3 * b * s * 4)
+    if lay["cp"] > 1:
+        out["cp"] = bytes_per_step_formula(lay["cp"], b, st["seq_len"], res["kv_heads"] // lay["tp"], res["head_dim"],
+                                           L, micro_batches=m)
+    if lay["pp"] > 1:
+        out["pp"] = m * act
+    if lay["dp"] * lay["cp"] > 1:
+        out["dp_cp"] = 4 * res["ranks"][grid_rank(coords, lay)]["params"] + 4
+    out["world"] = 4
+    return out
+
+
+def measured_bytes(rank_result):
+    """What one rank sent in the timed step, by axis: the Recorder's collectives, the ring's and the pipeline's
+    point-to-point bytes (the pipeline's 4-byte broadcast of the loss to the first stage left out: it is for the
+    log, like the loss's average over dp_cp, which is kept, being on the same axis as the gradients)."""
+    out = {}
+    for kind, nbytes, axis in rank_result["log"]:
+        if axis == "pp" and kind == "broadcast":
+            continue
+        out[axis] = out.get(axis, 0) + nbytes
+    if rank_result["cp_bytes"]["kv"] or rank_result["cp_bytes"]["dkv"]:
+        out["cp"] = out.get("cp", 0) + rank_result["cp_bytes"]["kv"] + rank_result["cp_bytes"]["dkv"]
+    if rank_result["pp_bytes"]:
+        out["pp"] = out.get("pp", 0) + rank_result["pp_bytes"]
+    return out
+
+
+COMM_CLASSES = ("tp", "cp", "pp", "dp_cp", "world")
+
+
+def event_class(e):
+    """What a timeline event is: 'F'/'B' (pipeline actions), 'clip', 'optimizer', 'attention' (ring compute, inside
+    F and B), or a communication class: 'tp', 'cp' (waiting for the ring), 'pp' (waiting for a neighbour's
+    message), 'dp_cp' (the gradient all-reduce and the loss's average), 'world' (the gradient norm), None."""
+    name = e["name"]
+    if name in ("forward", "backward", "weight"):
+        return {"forward": "F", "backward": "B", "weight": "W"}[name]
+    if name in ("clip", "optimizer"):
+        return name
+    if name.startswith("attention"):
+        return "attention"
+    if name == "wait":
+        return "cp"
+    if e.get("axis_name") in COMM_CLASSES:
+        return e["axis_name"]
+    return None
+
+
+def shares(rank_result):
+    """Seconds of this rank's step: the step, its compute (pipeline actions, clipping and the optimizer, minus the
+    communication inside them), each communication class (the union of its intervals), and idle (nothing running:
+    waiting for the other stage before the first action or after the last)."""
+    ev, t0, t1 = rank_result["events"], rank_result["start"], rank_result["end"]
+    by = {c: [(e["start"], e["end"]) for e in ev if event_class(e) == c] for c in COMM_CLASSES}
+    work = [(e["start"], e["end"]) for e in ev if event_class(e) in ("F", "B", "W", "clip", "optimizer")]
+    comm_all = _common.union_length([iv for c in COMM_CLASSES for iv in by[c]])
+    busy = _common.union_length(work + [iv for c in COMM_CLASSES for iv in by[c]])
+    out = dict(step=t1 - t0, compute=busy - comm_all, idle=(t1 - t0) - busy)
+    out.update({c: _common.union_length(by[c]) for c in COMM_CLASSES})
+    return out
+
+
+# ----------------------------------------------------------------------------- plots (for the notebook)
+def _legend_below(ax, ncol=3, dy=-0.2, **kw):
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, dy), ncol=ncol, fontsize=FONT, frameon=False, **kw)
+
+
+def _cell(sizes, rank):
+    """Where a rank is drawn: row = (dp, pp), column = (cp, tp): with tp fastest, a row is consecutive ranks."""
+    c = grid_coords(rank, sizes)
+    return c["cp"] * sizes["tp"] + c["tp"], c["dp"] * sizes["pp"] + c["pp"]
+
+
+def plot_grid4d(sizes, gpus_per_node):
+    """One panel per axis (tp, cp, pp, dp): every rank at its cell (row = dp, pp; column = cp, tp), shaded by its
+    node; the groups of that axis (picotron.mesh.group_ranks) joined, green inside a node, orange across nodes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    sizes = {d: sizes.get(d, 1) for d in ORDER}
+    info = groups_and_links(sizes, gpus_per_node)
+    cols, rows = sizes["cp"] * sizes["tp"], sizes["dp"] * sizes["pp"]
+    n = math.prod(sizes.values())
+    fig, axes = plt.subplots(1, 4, figsize=(3.3 * 4, 3.0 * rows / max(cols, 1) + 1.6))
+    shades = ["#f1f1f1", "#d9d9d9"]
+    for ax, axis in zip(axes, AXES):
+        for rank in range(n):
+            x, y = _cell(sizes, rank)
+            c = grid_coords(rank, sizes)
+            ax.add_patch(Rectangle((x + 0.08, -y - 0.92), 0.84, 0.84, facecolor=shades[node_of(rank, gpus_per_node) % 2],
+                                   edgecolor="#777777", lw=0.6))
+            ax.text(x + 0.5, -y - 0.38, str(rank), ha="center", va="center", fontsize=10, weight="bold")
+            ax.text(x + 0.5, -y - 0.72, "".join(str(c[d]) for d in ORDER), ha="center", va="center", fontsize=6.5,
+                    color="#555555")
+        for g, link in zip(info[axis]["groups"], info[axis]["links"]):
+            pts = [_cell(sizes, r) for r in g]
+            for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+                far = abs(x1 - x0) + abs(y1 - y0) > 1  # not neighbours: an arc around the cells between them
+                ax.add_patch(FancyArrowPatch((x0 + 0.5, -y0 - 0.5), (x1 + 0.5, -y1 - 0.5), arrowstyle="-",
+                                             connectionstyle=f"arc3,rad={0.45 if far else 0}", shrinkA=11, shrinkB=11,
+                                             color=LINK_COLORS[link], lw=2.2, alpha=0.9, zorder=3))
+        k = info[axis]
+        inter = sum(x == "inter" for x in k["links"])
+        ax.set_title(f"{axis}: {len(k['groups'])} groups of {k['size']}\n"
+                     + (f"all inside a node" if not inter else f"{inter} of {len(k['groups'])} cross nodes"),
+                     fontsize=9, color=AXIS_COLORS[axis])
+        ax.set(xlim=(0, cols), ylim=(-rows - 0.05, 0.05), aspect="equal")
+        ax.axis("off")
+    handles = [Line2D([], [], color=LINK_COLORS[k], lw=2.5, label=v) for k, v in LINKS.items()]
+    handles.append(Rectangle((0, 0), 1, 1, facecolor=shades[0], edgecolor="#777777",
+                             label=f"a node of {gpus_per_node} GPUs (shades alternate); small digits: dp pp cp tp"))
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=FONT, frameon=False)
+    fig.suptitle(f"{' x '.join(f'{d}={sizes[d]}' for d in ORDER)} = {n} ranks, {gpus_per_node} per node: rank = "
+                 f"((dp·{sizes['pp']} + pp)·{sizes['cp']} + cp)·{sizes['tp']} + tp", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+GANTT_COLORS = {"F": "#9ecae1", "B": "#fdae6b", "W": "#a1d99b", "clip": "#bdbdbd", "optimizer": "#636363",
+                "tp": AXIS_COLORS["tp"], "cp": AXIS_COLORS["cp"], "pp": AXIS_COLORS["pp"], "dp_cp": AXIS_COLORS["dp"],
+                "world": AXIS_COLORS["world"]}
+GANTT_LABELS = {"F": "forward of a micro-batch (pipeline action)", "B": "backward of a micro-batch",
+                "clip": "gradient clipping", "optimizer": "optimizer step",
+                "tp": "tp all-reduce (activations)", "cp": "cp: waiting for the next K/V (or dK/dV) block",
+                "pp": "pp: waiting for the neighbour stage's message", "dp_cp": "dp x cp all-reduce (gradients)",
+                "world": "all-reduce of the gradient norm (world)"}
+
+
+def plot_timeline4d(res):
+    """One training step, one band per rank (rank 0 on top): the upper lane its work (pipeline actions F and B, the
+    clipping and the optimizer step), the lower lane its communication by axis."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    every = res["timed"]
+    W = len(every)
+    t0 = min(r["start"] for r in every)
+    span = max(r["end"] for r in every) - t0
+    fig, ax = plt.subplots(figsize=(13, 0.52 * W + 1.8))
+    for r in every:
+        y = r["rank"]
+        for e in r["events"]:
+            c = event_class(e)
+            if c is None or c == "attention":
+                continue
+            upper = c in ("F", "B", "W", "clip", "optimizer")
+            ax.barh(y - 0.17 if upper else y + 0.2, 1e3 * (e["end"] - e["start"]), left=1e3 * (e["start"] - t0),
+                    height=0.4 if upper else 0.3, color=GANTT_COLORS[c], lw=0)
+            if c in ("F", "B") and e["end"] - e["start"] > span / 50:
+                ax.text(1e3 * (e["start"] + e["end"] - 2 * t0) / 2, y - 0.17, f"{c}{e.get('micro', '')}", fontsize=6,
+                        ha="center", va="center")
+    lay = res["layout"]
+    ax.set_yticks(range(W), [f"rank {r['rank']}  " + " ".join(f"{d}{r['coords'][d]}" for d in ORDER) for r in every],
+                  fontsize=7)
+    for r in every[1:]:  # a thin line between pipeline stages' blocks of ranks
+        if r["coords"]["pp"] != every[r["rank"] - 1]["coords"]["pp"]:
+            ax.axhline(r["rank"] - 0.5, color="#999999", lw=0.6)
+    ax.set_ylim(W - 0.5, -0.6)
+    ax.set_xlim(0, 1e3 * span)
+    ax.set_xlabel("ms since the step started (all processes share one clock)", fontsize=FONT)
+    ax.set_title(f"one training step of {layout_name(lay)} ({W} processes, {res['settings']['grad_acc']} micro-batches, "
+                 f"1F1B): upper lane work, lower lane communication", fontsize=9, loc="left")
+    ax.tick_params(axis="x", labelsize=FONT)
+    handles = [Patch(color=GANTT_COLORS[k], label=v) for k, v in GANTT_LABELS.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=FONT, frameon=False)
+    fig.tight_layout(rect=(0, 1.1 / (0.52 * W + 1.8), 1, 1))
+    return fig
+
+
+def plot_shares(res):
+    """Per rank: where its step went (compute, each communication class, idle), stacked, in ms."""
+    import matplotlib.pyplot as plt
+
+    every = res["timed"]
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    parts = [("compute", "#6baed6", "compute (F, B, clipping, optimizer)")] + \
+        [(c, GANTT_COLORS[c], GANTT_LABELS[c]) for c in COMM_CLASSES] + [("idle", "#eeeeee", "idle (nothing to do)")]
+    bottom = [0.0] * len(every)
+    for key, color, label in parts:
+        vals = [1e3 * shares(r)[key] for r in every]
+        ax.bar(range(len(every)), vals, 0.7, bottom=bottom, color=color, label=label, edgecolor="white", lw=0.3)
+        bottom = [a + b for a, b in zip(bottom, vals)]
+    ax.set_xticks(range(len(every)), [str(r["rank"]) for r in every], fontsize=FONT)
+    ax.set(xlabel="rank", ylabel="ms of the step", title="where each rank's step went")
+    ax.title.set_fontsize(9)
+    _legend_below(ax, ncol=4, dy=-0.22)
+    fig.tight_layout()
+    return fig
+
+
+def matrix_table(matrix):
+    """The parity matrix's rows as a grid: {(layout name, preset): {variant suffix: row}}, suffix '' (plain), '+sp',
+    '+zero1', '+sp+zero1' (the ep = 2 rows of tiny-moe under their own layout names)."""
+    grid = {}
+    for r in matrix["rows"]:
+        base, _, rest = r["variant"].partition("+")
+        flags = [f for f in rest.split("+") if f and f != "ep2"] if rest else []
+        key = base + ("+ep2" if r["layout"].get("ep", 1) > 1 else "")
+        grid.setdefault(key, {})["+".join(flags)] = r
+    return grid
+
+
+MATRIX_COLUMNS = ("", "sp", "zero1", "sp+zero1")
+
+
+def plot_matrix(matrix):
+    """Every variant of the parity matrix: rows = layouts (1 to 16 processes, dense then MoE), columns = plain, +sp,
+    +ZeRO-1, +both; the colour is the worst gradient difference relative to its tensor's largest gradient (log),
+    grey = refused by the configuration, blank = not a variant (sp needs tp = 2, ZeRO-1 needs dp·cp > 1)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    grid = matrix_table(matrix)
+    keys = sorted(grid, key=lambda k: ("+ep2" in k, k))
+    fig, ax = plt.subplots(figsize=(8.5, 0.26 * len(keys) + 1.6))
+    norm = LogNorm(1e-8, 1e-5)
+    cmap = plt.get_cmap("viridis")
+    for y, key in enumerate(keys):
+        for x, col in enumerate(MATRIX_COLUMNS):
+            r = grid[key].get(col)
+            if r is None:
+                continue
+            if r.get("refused"):
+                ax.add_patch(plt.Rectangle((x, y), 0.96, 0.9, color="#cccccc"))
+                ax.text(x + 0.48, y + 0.45, "refused", ha="center", va="center", fontsize=6)
+                continue
+            v = max(r["grad_rel"], 1e-8)
+            ax.add_patch(plt.Rectangle((x, y), 0.96, 0.9, color=cmap(norm(v))))
+            ax.text(x + 0.48, y + 0.45, f"{r['grad_rel']:.0e} {'✓' if r['passed'] else '✗'} {r['wall_s']:.0f}s",
+                    ha="center", va="center", fontsize=6, color="white" if norm(v) < 0.6 else "black")
+    ax.set_xlim(0, len(MATRIX_COLUMNS))
+    ax.set_ylim(len(keys), 0)
+    ax.set_xticks([x + 0.48 for x in range(len(MATRIX_COLUMNS))], ["plain", "+ sp", "+ ZeRO-1", "+ sp + ZeRO-1"],
+                  fontsize=FONT)
+    ax.set_yticks([y + 0.45 for y in range(len(keys))],
+                  [f"{k}  ({next(iter(grid[k].values()))['processes']} proc.)" for k in keys], fontsize=6.5)
+    ax.tick_params(length=0)
+    sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
+    fig.colorbar(sm, ax=ax, shrink=0.6, label="worst |Δgrad| / max |grad| of its tensor, one step")
+    ax.set_title("the parity matrix (figures/09_parity_matrix.json): every variant against one process", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_parity(pairs):
+    fig = _common.plot_parity(pairs, what="the 4-D run")
+    fig.set_size_inches(10, 4.0)
+    for ax in fig.axes:
+        _legend_below(ax, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv=None):
+    args, names, out = _common.cli("09_all_together", EXPERIMENTS, __doc__, argv=argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    st = settings(args.fast)
+    layout = st["layout"]
+    if world != math.prod(layout.values()):
+        sys.exit(f"the layout {layout_name(layout)} needs {math.prod(layout.values())} processes: torchrun "
+                 f"--nproc_per_node {math.prod(layout.values())} lessons/09_all_together/experiment.py")
+    mesh = Mesh.init(**layout)
+    try:
+        env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, torch=torch.__version__,
+                   threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
+        for name in names:
+            t0 = time.perf_counter()
+            result = globals()[f"exp_{name}"](mesh, st, out)
+            _common.saved(name, out / f"{name}_{layout_name(layout)}.json", dict(env, results=result), t0, mesh.rank)
+    finally:
+        mesh.destroy()
+
+
+if __name__ == "__main__":
+    main()
