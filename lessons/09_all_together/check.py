@@ -112,8 +112,13 @@ def _want_batch(tokens, s, b, sizes):
 def _batch_problem(fn, path):
     for tokens, s, b, sizes in BATCHES:
         head = f"{tokens:,} tokens per step, sequences of {s}, micro-batch {b}, {_name(sizes)}"
-        got = fn(tokens, s, b, dict(sizes))
         want = _want_batch(tokens, s, b, sizes)
+        try:
+            got = fn(tokens, s, b, dict(sizes))
+        except ValueError as e:
+            return (f"{head}: raised ValueError({str(e)[:80]!r}), but this batch is reachable: {want['sequences']} "
+                    f"sequences = dp {sizes['dp']} x micro-batch {b} x {want['grad_acc']} micro-steps (only the dp "
+                    f"replicas read different sequences)")
         if not isinstance(got, dict):
             return f"{head}: returned {str(got)[:60]!r}; return a dict with {', '.join(want)}"
         for key in want:
