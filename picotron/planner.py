@@ -195,3 +195,233 @@ def memory_estimate(model_config, seq_len, micro_batch_size, dtype="fp32", recom
     }
     out["total"] = sum(out.values())
     return out
+
+
+# ======================================================================================= any layout
+# Everything above is one device. Below: the same bytes for one rank of a dp x pp x cp x tp (x ep) layout,
+# by dividing each term by the degree that splits it. The rules, each from the strategy's own module:
+#   tp   shards every matmul weight of attention and MLP, the embedding and the head (vocabulary-parallel);
+#        norms stay whole. Activations: what lives per head or per intermediate feature (q, k, v, the core's
+#        output and logsumexp, the MLP's inner tensors, the logits) is split; the hidden-size tensors around
+#        them (norm inputs and outputs, the inputs of q/k/v and gate/up) stay whole, unless sp splits them.
+#   sp   splits the hidden-size tensors of the norms and the residual stream over tp (sequence positions).
+#   cp   every token-wise activation is s/cp tokens long; nothing of the model states is split.
+#   pp   a stage holds its layers (split_layers: balanced by FLOPs, the embedding on the first stage, the final
+#        norm and head on the last); its activations are one micro-batch's times the micro-batches alive at the
+#        schedule's peak on that stage (the simulator's count: AFAB m, 1F1B p - i, ...).
+#   ep   a rank holds E/ep experts of every MoE layer (each cut by tp like an MLP).
+#   ZeRO over the dp x cp ranks (experts: over dp x cp / ep): 1 the optimizer state, 2 + gradients, 3 + params.
+from dataclasses import dataclass  # noqa: E402
+from functools import lru_cache  # noqa: E402
+
+DEGREES = ("dp", "tp", "pp", "cp", "ep")
+# With sp, the copies of a block's all-gathered input [b, s, h] autograd keeps: the all-gather returns a transposed
+# view and each projection reading it (q, k, v; gate, up) keeps its own contiguous copy (lesson 05 measures it).
+SP_INPUT_COPIES = {"attention": 3, "mlp": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout and the per-rank batch settings: what a training command line fixes."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+    zero: int = 0
+    pp_schedule: str = "1f1b"
+    pp_chunks: int = 1
+    micro_batch_size: int = 1
+    grad_acc: int = 1
+    recompute: str = "none"
+
+    @property
+    def gpus(self) -> int:
+        """Processes (GPUs) the layout needs: dp·tp·pp·cp (the ep ranks are carved out of the dp ranks)."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    @classmethod
+    def parse(cls, text, **overrides):
+        """'tp8,pp16,dp128' in any order (missing degrees = 1), with optional items 'sp', 'zero1', 'mbs2', 'ga8',
+        'recompute-full', '1f1b' (or another schedule), 'v2' (interleaved chunks). One sentence if it cannot."""
+        from picotron.pipeline_parallel import SCHEDULES
+        values = {}
+        for item in (t.strip() for t in str(text).replace(" ", ",").split(",")):
+            if not item:
+                continue
+            key = next((k for k in ("zero", "mbs", "ga", "dp", "tp", "pp", "cp", "ep", "v")
+                        if item.startswith(k) and item[len(k):].isdigit()), None)
+            if key:
+                values[{"mbs": "micro_batch_size", "ga": "grad_acc", "v": "pp_chunks"}.get(key, key)] = int(item[len(key):])
+            elif item == "sp":
+                values["sp"] = True
+            elif item in SCHEDULES:
+                values["pp_schedule"] = item
+            elif item.startswith("recompute-") and item[10:] in RECOMPUTE:
+                values["recompute"] = item[10:]
+            else:
+                raise ValueError(f"layout item {item!r} in {text!r} is not one of dp/tp/pp/cp/ep/zero/mbs/ga/v followed by a "
+                                 f"number, 'sp', 'recompute-none|selective|full' or a schedule ({', '.join(SCHEDULES)}); "
+                                 f"e.g. 'tp8,pp16,dp128'.")
+        return cls(**{**values, **overrides})
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sp, zero=cfg.zero,
+                   pp_schedule=cfg.pp_schedule, pp_chunks=cfg.pp_chunks, micro_batch_size=cfg.micro_batch_size,
+                   grad_acc=cfg.grad_acc, recompute=cfg.recompute)
+
+    def __str__(self):
+        parts = [f"{k}{getattr(self, k)}" for k in DEGREES if getattr(self, k) > 1] or ["dp1"]
+        parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
+        if self.pp > 1:
+            parts.append(self.pp_schedule + (f"-v{self.pp_chunks}" if self.pp_schedule == "interleaved" else ""))
+        parts += [f"mbs{self.micro_batch_size}", f"ga{self.grad_acc}"]
+        return ",".join(parts + [f"recompute-{self.recompute}"] * (self.recompute != "none"))
+
+
+def stage_layers(mc, pp, seq_len):
+    """Layers per pipeline stage, [(lo, hi), ...] as the pipeline cuts them (balanced by FLOPs)."""
+    if pp == 1:
+        return [(0, mc.num_hidden_layers)]
+    key = (repr(mc), pp, seq_len)
+    if key not in _SPLITS:
+        from picotron.pipeline_parallel import split_layers
+        _SPLITS[key] = split_layers(mc, pp, seq_len)
+    return _SPLITS[key]
+
+
+_SPLITS = {}
+
+
+@lru_cache(maxsize=256)
+def alive_at_peak(schedule, pp, m, v):
+    """Micro-batch activations alive at each stage's peak, per chunk of layers the rank holds (the simulator's
+    count for the schedule): AFAB m, 1F1B p - i, interleaved and zero-bubble their own."""
+    from picotron.pipeline_parallel import build, simulate
+    return tuple(simulate(build(schedule, pp, m, v if schedule == "interleaved" else 1)).peak_alive)
+
+
+def _params_of_stage(mc, layout, lo, hi, first, last):
+    """(dense, expert) parameters one rank of this stage holds (before ZeRO-3)."""
+    h, v, t = mc.hidden_size, mc.vocab_size, layout.tp
+    kv = mc.num_key_value_heads * mc.head_dim
+    attn = (2 * h * h + 2 * h * kv) // t
+    if mc.is_moe:
+        ffn_dense, ffn_expert = mc.num_local_experts * h, mc.num_local_experts // layout.ep * 3 * h * mc.intermediate_size // t
+    else:
+        ffn_dense, ffn_expert = 3 * h * mc.intermediate_size // t, 0
+    n = hi - lo
+    dense = n * (attn + ffn_dense + 2 * h)
+    if first:
+        dense += v * h // t
+    if last:
+        dense += h + (v * h // t if (not mc.tie_word_embeddings or layout.pp > 1 or not first) else 0)
+    return dense, n * ffn_expert
+
+
+def _layer_activations(mc, layout, seq_len, dtype):
+    """Bytes one decoder layer keeps for one micro-batch on one rank (recipe "ours")."""
+    t, c, b = layout.tp, layout.cp, layout.micro_batch_size
+    s = seq_len // c
+    terms = activation_terms_per_layer(mc, s, b, dtype, layout.recompute)
+    if layout.recompute == "full":
+        return terms["layer input (checkpoint)"] / (t if layout.sp else 1)
+    h, sb = mc.hidden_size, s * b
+    norm = terms["input_layernorm"]
+    qkv_in = 3 * 2 * sb * h if dtype == "bf16" else 4 * sb * h
+    core = terms["self_attn"] - qkv_in
+    mlp_in = 2 * 2 * sb * h if dtype == "bf16" else 4 * sb * h
+    mlp_inner = terms["mlp"] - mlp_in
+    moe_rows = 0
+    if mc.is_moe:  # k of E experts per token: the inner tensors of k MLPs (cut by tp); whole rows of h features:
+        k, E = mc.num_experts_per_tok, mc.num_local_experts  # the sorted rows, the experts' outputs and their
+        mlp_inner = mlp_inner * k  # weighted copy (with ep also the rows received and sent back); the router's
+        moe_rows = (3 + 3 * (layout.ep > 1)) * BYTES[dtype] * sb * k * h + 4 * sb * E + 44 * sb * k  # softmax
+    if layout.sp and t > 1:  # our all-gather hands each projection its own contiguous copy of the gathered input
+        qkv_in, mlp_in = SP_INPUT_COPIES["attention"] * qkv_in, SP_INPUT_COPIES["mlp"] * mlp_in
+    out = 2 * norm / (t if layout.sp else 1) + qkv_in + core / t + mlp_in + mlp_inner / t + moe_rows
+    return out + terms.get("bf16 weight copies", 0) / t
+
+
+def _edge_activations(mc, layout, seq_len, dtype, first, last):
+    """Bytes outside the layers for one micro-batch: token ids on the first stage; final norm, head input, the
+    fp32 log-softmax over this rank's slice of the vocabulary and the targets on the last."""
+    t, c, b = layout.tp, layout.cp, layout.micro_batch_size
+    s, h, v = seq_len // c, mc.hidden_size, mc.vocab_size
+    sb = s * b
+    if first:  # tp > 1: the vocabulary-parallel embedding keeps its local ids and their mask instead (9 bytes a token)
+        out = 8 * b * (s + 1) if t == 1 else 9 * sb
+    else:
+        out = 0
+    if last:
+        norm = (8 * sb * h + 4 * sb) / (t if layout.sp else 1)
+        head_in = (2 * sb * h + 2 * v * h / t) if dtype == "bf16" else 4 * sb * h
+        out += norm + head_in + 4 * sb * v / t + (8 * sb + 4 if t == 1 else 9 * sb)
+    return out
+
+
+def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
+    """[{params, grads, optimizer, activations, total}] in bytes, one per pipeline stage, for ONE rank of it at
+    the step's peak. recipe "ours": what picotron's trainer holds and accounts (fp32 parameters, gradients and
+    AdamW moments, `activation_bytes` of our code); "mixed": the textbook bf16 recipe for planning GPU runs
+    (2 + 2 + 12 bytes per parameter, Korthikanti et al.'s activations)."""
+    if recipe not in ("ours", "mixed"):
+        raise ValueError(f"recipe={recipe!r}; use 'ours' or 'mixed'.")
+    _check(dtype, layout.recompute)
+    shard = layout.dp * layout.cp  # the ranks ZeRO shards over
+    eshard = max(1, shard // layout.ep)
+    v = layout.pp_chunks if layout.pp_schedule == "interleaved" else 2 if layout.pp_schedule == "zb-v" else 1
+    stages = layout.pp * v
+    cuts = stage_layers(mc, stages, seq_len)
+    alive = alive_at_peak(layout.pp_schedule, layout.pp, layout.grad_acc, v) if layout.pp > 1 else (1,)
+    per_param = {"ours": (4, 4, 8), "mixed": (2, 2, 12)}[recipe]
+    out = []
+    for rank in range(layout.pp):
+        held = [rank] if v == 1 else ([rank + layout.pp * k for k in range(v)] if layout.pp_schedule == "interleaved"
+                                      else [rank, 2 * layout.pp - 1 - rank])
+        dense = expert = acts = 0
+        for st in held:
+            lo, hi = cuts[st]
+            first, last = st == 0, st == stages - 1
+            d, e = _params_of_stage(mc, layout, lo, hi, first, last)
+            dense, expert = dense + d, expert + e
+            one = (hi - lo) * _layer_activations(mc, layout, seq_len, dtype) \
+                + _edge_activations(mc, layout, seq_len, dtype, first, last)
+            if recipe == "mixed":
+                one = (hi - lo) * _korthikanti(mc, layout, seq_len) + (4 * seq_len // layout.cp * layout.micro_batch_size
+                                                                       * mc.vocab_size / layout.tp if last else 0)
+            acts = max(acts, one)
+        P, G, K = per_param
+        z = layout.zero
+        units = dense / (shard if z >= 1 else 1) + expert / (eshard if z >= 1 else 1)
+        whole = dense + expert
+        row = {"params": P * (units if z >= 3 else whole),
+               "grads": G * (units if z >= 2 else whole),
+               "optimizer": K * units,
+               "activations": acts * alive[rank]}
+        row = {k: int(round(x)) for k, x in row.items()}
+        row["total"] = sum(row.values())
+        out.append(row)
+    return out
+
+
+def _korthikanti(mc, layout, seq_len):
+    """Bytes per layer for one micro-batch in pure bf16 (Korthikanti et al. 2022, eqs. 1-2, Table 2), s split by
+    cp: sbh(10 + 24/t + 5as/(ht)) with tp; sbh/t·(34 + 5as/h) with tp + sp; selective drops the 5as/h term;
+    full keeps the layer input (2sbh, /t with sp)."""
+    s, b, h, a, t = seq_len // layout.cp, layout.micro_batch_size, mc.hidden_size, mc.num_attention_heads, layout.tp
+    attn = 0 if layout.recompute == "selective" else 5 * a * s / h
+    if layout.recompute == "full":
+        return 2 * s * b * h / (t if layout.sp else 1)
+    ffn = 1 if not mc.is_moe else mc.num_experts_per_tok  # the MLP's share (~19 of 34) times k experts
+    base = 34 + 19 * (ffn - 1)
+    if layout.sp:
+        return s * b * h / t * (base + attn)
+    return s * b * h * (10 + (24 + 19 * (ffn - 1)) / t + attn / t)
+
+
+def memory_per_gpu(mc, layout, seq_len, dtype="fp32", recipe="ours"):
+    """The busiest stage's `memory_per_stage` row (by total)."""
+    return max(memory_per_stage(mc, layout, seq_len, dtype, recipe), key=lambda r: r["total"])
