@@ -409,10 +409,10 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
 
 def _korthikanti(mc, layout, seq_len):
     """Bytes per layer for one micro-batch in pure bf16 (Korthikanti et al. 2022, eqs. 1-2, Table 2), s split by
-    cp: sbh(10 + 24/t + 5as/(ht)) with tp; sbh/t·(34 + 5as/h) with tp + sp; selective drops the 5as/h term;
-    full keeps the layer input (2sbh, /t with sp)."""
+    cp: sbh(10 + 24/t + 5as/(ht)) with tp; sbh/t·(34 + 5as/h) with tp + sp; selective recomputation and flash
+    attention (attn_impl "sdpa") drop the 5as/h term; full keeps the layer input (2sbh, /t with sp)."""
     s, b, h, a, t = seq_len // layout.cp, layout.micro_batch_size, mc.hidden_size, mc.num_attention_heads, layout.tp
-    attn = 0 if layout.recompute == "selective" else 5 * a * s / h
+    attn = 0 if layout.recompute == "selective" or mc.attn_impl == "sdpa" else 5 * a * s / h  # flash: no s² kept
     if layout.recompute == "full":
         return 2 * s * b * h / (t if layout.sp else 1)
     ffn = 1 if not mc.is_moe else mc.num_experts_per_tok  # the MLP's share (~19 of 34) times k experts
