@@ -346,15 +346,14 @@ def _layer_activations(mc, layout, seq_len, dtype):
 
 
 def _edge_activations(mc, layout, seq_len, dtype, first, last):
-    """Bytes outside the layers for one micro-batch: token ids on the first stage; final norm, head input, the
-    fp32 log-softmax over this rank's slice of the vocabulary and the targets on the last."""
+    """Bytes outside the layers for one micro-batch: RoPE's tables on every stage; token ids on the first; final norm,
+    head input, the fp32 log-softmax over this rank's slice of the vocabulary and the targets on the last."""
     t, c, b = layout.tp, layout.cp, layout.micro_batch_size
     s, h, v = seq_len // c, mc.hidden_size, mc.vocab_size
     sb = s * b
+    out = 0 if (dtype == "bf16" and layout.recompute == "none") else 2 * s * mc.head_dim * 4  # RoPE's cos, sin
     if first:  # tp > 1: the vocabulary-parallel embedding keeps its local ids and their mask instead (9 bytes a token)
-        out = 8 * b * (s + 1) if t == 1 else 9 * sb
-    else:
-        out = 0
+        out += 8 * b * (s + 1) if t == 1 else 9 * sb
     if last:
         norm = (8 * sb * h + 4 * sb) / (t if layout.sp else 1)
         head_in = (2 * sb * h + 2 * v * h / t) if dtype == "bf16" else 4 * sb * h
