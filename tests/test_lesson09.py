@@ -35,13 +35,13 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions")
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 2, out
+    assert out.count("  ok  ") == 4, out
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
     code, out = run_checker()
     assert code == 1, out
-    for name in ("place", "step_batch"):
+    for name in ("place", "step_batch", "memory_by_part", "choose"):
         assert f"FAIL  {name}: NotImplementedError: not written yet" in out, out
 
 
@@ -76,6 +76,42 @@ def test_checker_names_batch_mistakes(tmp_path):
     assert "(pp-1)/m is the bubble relative to the useful time" in out, out
     out = fails_with(tmp_path, "step_batch", ("    if sequences % per_step:\n        raise", "    if False:\n        raise"))
     assert "no whole number of micro-steps gives this batch" in out and "raise ValueError" in out, out
+
+
+def test_checker_names_memory_mistakes(tmp_path):
+    out = fails_with(tmp_path, "memory_by_part", ('"optimizer": 12 * params', '"optimizer": 8 * params'))
+    assert "optimizer = " in out and "8 bytes per parameter are AdamW's moments" in out, out
+    out = fails_with(tmp_path, "memory_by_part", ("shard = layout.dp * layout.cp", "shard = layout.dp"))
+    assert "llama3-8b, s=8192, dp4,cp2,zero3,mbs1,ga8, stage 0" in out and "you sharded over dp = 4" in out, out
+    out = fails_with(tmp_path, "memory_by_part", ('(shard if z >= 2 else 1)', '(shard if z >= 1 else 1)'))
+    assert "dp8,tp2,pp4,zero1,mbs1,ga16, stage 0" in out and "ZeRO-1 does not shard the grads" in out, out
+    out = fails_with(tmp_path, "memory_by_part", ("alive = min(layout.pp - stage, layout.grad_acc)",
+                                                  "alive = layout.grad_acc"))
+    assert "activations = " in out and "is AFAB's peak; 1F1B keeps pp - stage" in out, out
+    out = fails_with(tmp_path, "memory_by_part", ("alive = min(layout.pp - stage, layout.grad_acc)",
+                                                  "alive = layout.pp - stage"))
+    assert "dp4,pp8,zero1,mbs1,ga3, stage 0" in out and "only m = 3 micro-batches exist" in out, out
+
+
+def test_checker_names_choice_mistakes(tmp_path):
+    out = fails_with(tmp_path, "choose", ("        elif layout.dp * layout.micro_batch_size * layout.grad_acc != global_seqs:\n"
+                                          "            rejected.append((layout, \"batch\"))\n", ""))
+    assert "you kept dp16,zero3,mbs1,ga8 (45.4 GiB, 128 sequences per step): it runs 128 sequences per step, not 256" \
+        in out, out
+    out = fails_with(tmp_path, "choose", ("best = min(kept, key=step_seconds)", "best = min(kept, key=memory_gib)"))
+    assert "you picked tp8,pp2,1f1b,mbs1,ga256, the one needing the least memory (21.7 GiB); step 3 maximises" in out, out
+    # the batch checked first: a layout failing both gets the wrong reason
+    out = fails_with(tmp_path, "choose", (
+        "        if memory_gib(layout) > budget_gib:\n            rejected.append((layout, \"memory\"))\n"
+        "        elif layout.dp * layout.micro_batch_size * layout.grad_acc != global_seqs:\n"
+        "            rejected.append((layout, \"batch\"))",
+        "        if layout.dp * layout.micro_batch_size * layout.grad_acc != global_seqs:\n"
+        "            rejected.append((layout, \"batch\"))\n        elif memory_gib(layout) > budget_gib:\n"
+        "            rejected.append((layout, \"memory\"))"))
+    assert "you rejected dp8,tp2,mbs1,ga8 (83.8 GiB, 64 sequences per step) for 'batch', expected 'memory' (it fails both" \
+        in out, out
+    out = fails_with(tmp_path, "choose", ("memory_gib(layout) > budget_gib", "memory_gib(layout) > 80"))
+    assert "on 16 GPUs of 40.0 GiB" in out and "you rejected dp16,zero3,mbs1,ga8 (45.4 GiB" in out, out
 
 
 # ------------------------------------------------------------------------------------- the experiment's helpers

@@ -29,7 +29,7 @@ from _checker import entry_points, load, where  # noqa: E402
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 30.0
-EXERCISES = {"place": "place", "step_batch": "step_batch"}
+EXERCISES = {"place": "place", "step_batch": "step_batch", "memory_by_part": "memory_by_part", "choose": "choose"}
 
 GRIDS = (dict(dp=2, pp=2, cp=2, tp=2), dict(dp=2, pp=1, cp=1, tp=4), dict(dp=3, pp=2, cp=2, tp=4),
          dict(dp=1, pp=4, cp=1, tp=2), dict(dp=4, pp=1, cp=2, tp=1))
@@ -161,6 +161,140 @@ def _batch_problem(fn, path):
     return None
 
 
+# ------------------------------------------------------------------------------------------ exercise 3
+GiB = 2**30
+# (model, sequence, layout); every stage of each is checked. 1F1B with m < pp in the last one.
+MEMORY_CASES = (("llama3-8b", 8192, "dp8,tp2,pp4,zero1,mbs1,ga16"), ("llama3-8b", 8192, "dp4,cp2,zero3,mbs1,ga8"),
+                ("smollm-1.7b", 2048, "dp16,cp2,pp2,zero1,mbs2,ga8"), ("llama3-8b", 4096, "dp2,tp4,cp2,zero2,mbs1,ga4"),
+                ("smollm-1.7b", 2048, "dp4,pp8,zero1,mbs1,ga3"))
+
+
+def _memory_case(name, seq, text):
+    """(layout, [(params, one micro-batch's activations, the planner's row) per stage]) from picotron.planner."""
+    from dataclasses import replace
+
+    from picotron import planner
+    from picotron.model import ModelConfig
+
+    mc, layout = ModelConfig.from_preset(name), planner.Layout.parse(text)
+    rows = planner.memory_per_stage(mc, layout, seq, "bf16", "mixed")
+    bare = planner.memory_per_stage(mc, replace(layout, zero=0, grad_acc=1), seq, "bf16", "mixed")
+    return layout, [(b["params"] // 2, b["activations"], r) for b, r in zip(bare, rows)]
+
+
+def _memory_problem(fn, path):
+    for name, seq, text in MEMORY_CASES:
+        layout, stages = _memory_case(name, seq, text)
+        shard, z, m = layout.dp * layout.cp, layout.zero, layout.grad_acc
+        for stage, (params, act, want) in enumerate(stages):
+            head = f"{name}, s={seq}, {text}, stage {stage} ({params:,} parameters, {act / GiB:.2f} GiB per micro-batch)"
+            got = fn(params, layout, act, stage)
+            if not isinstance(got, dict) or any(k not in got for k in MEM_KEYS):
+                return f"{head}: returned {str(got)[:60]!r}; return a dict with {', '.join(MEM_KEYS)}"
+            for key in MEM_KEYS:
+                g, w = float(got[key]), want[key]
+                if abs(g - w) <= max(2.0, 1e-9 * w):
+                    continue
+                hint = ""
+                if key == "optimizer" and abs(g - w * 8 / 12) <= 2:
+                    hint = ": 8 bytes per parameter are AdamW's moments; mixed precision also keeps an fp32 master copy (4)"
+                elif z and abs(g * layout.dp - w * shard) <= 2 * shard and layout.cp > 1:
+                    hint = (f": you sharded over dp = {layout.dp}; ZeRO shards over dp x cp = {shard} (the cp ranks "
+                            f"hold the same parameters and average their gradients too)")
+                elif key in ("grads", "params") and abs(g * shard - w) <= 2 * shard:
+                    hint = f": ZeRO-{z} does not shard the {key} (ZeRO-1: optimizer state; 2: + gradients; 3: + parameters)"
+                elif key in ("grads", "params", "optimizer") and abs(g - w * shard) <= 2 * shard:
+                    hint = f": ZeRO-{z} shards the {key} over the dp x cp = {shard} ranks"
+                elif key == "activations":
+                    alive = min(layout.pp - stage, m)
+                    mistakes = {act * m: f"{m} micro-batches alive is AFAB's peak; 1F1B keeps pp - stage",
+                                act * layout.pp: "1F1B keeps pp - stage micro-batches alive on stage i, not pp",
+                                act * (layout.pp - stage): f"only m = {m} micro-batches exist: at most m are alive",
+                                act: "one micro-batch: 1F1B starts pp - stage forwards before the first backward"}
+                    hint = next((f": {why}" for v, why in mistakes.items() if v != act * alive and abs(g - v) <= 2), "")
+                    hint += f" (alive: min(pp - stage, m) = {alive})" if not hint else ""
+                return f"{head}: {key} = {g / GiB:.3f} GiB, expected {w / GiB:.3f} GiB{hint}"
+    return None
+
+
+MEM_KEYS = ("params", "grads", "optimizer", "activations")
+
+
+# ------------------------------------------------------------------------------------------ exercise 4
+# Llama 3 8B on 16 H100 (80 GB), sequences of 8192, 256 per step (2M tokens); then the same on 40 GiB.
+CHOICES = ("dp16,mbs1,ga16", "dp16,zero3,mbs1,ga8", "dp8,tp2,mbs1,ga8", "dp8,tp2,sp,zero1,mbs1,ga32",
+           "dp16,zero2,mbs2,ga8", "dp4,pp4,zero1,mbs1,ga64", "tp8,pp2,mbs1,ga256", "dp16,zero1,mbs1,ga16",
+           "dp16,zero3,recompute-full,mbs2,ga4", "dp8,cp2,zero3,mbs1,ga32")
+CHOICE_JOB = dict(model="llama3-8b", seq=8192, global_seqs=256, budgets=(80e9 / GiB, 40.0))
+
+
+def _choice_tools():
+    from picotron import plan, planner
+    from picotron.model import ModelConfig
+
+    mc, seq, hw = ModelConfig.from_preset(CHOICE_JOB["model"]), CHOICE_JOB["seq"], plan.GPUS["h100-80gb"]
+    layouts = [planner.Layout.parse(t) for t in CHOICES]
+    mem = {x: planner.memory_per_gpu(mc, x, seq, "bf16", "mixed")["total"] / GiB for x in layouts}
+    sec = {x: plan.step_time(mc, x, seq, hw)["total"] for x in layouts}
+    return layouts, mem, sec
+
+
+def reference_choice(layouts, mem, sec, budget, seqs):
+    rejected, kept = [], []
+    for x in layouts:
+        if mem[x] > budget:
+            rejected.append((x, "memory"))
+        elif x.dp * x.micro_batch_size * x.grad_acc != seqs:
+            rejected.append((x, "batch"))
+        else:
+            kept.append(x)
+    return (min(kept, key=sec.get) if kept else None), rejected
+
+
+def _choose_problem(fn, path):
+    layouts, mem, sec = _choice_tools()
+    seqs = CHOICE_JOB["global_seqs"]
+    for budget in CHOICE_JOB["budgets"]:
+        head = f"{CHOICE_JOB['model']} on 16 GPUs of {budget:.1f} GiB, {seqs} sequences of {CHOICE_JOB['seq']} per step"
+        want_best, want_rej = reference_choice(layouts, mem, sec, budget, seqs)
+        got = fn(list(layouts), lambda x: mem[x], lambda x: sec[x], budget, seqs)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            return f"{head}: returned {str(got)[:60]!r}; return (best, rejected)"
+        best, rejected = got
+        reasons = {}
+        for item in rejected or ():
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                return f"{head}: rejected holds {str(item)[:60]!r}; each item is (layout, 'memory' or 'batch')"
+            reasons[item[0]] = item[1]
+        want = dict(want_rej)
+        for x in layouts:
+            n = x.dp * x.micro_batch_size * x.grad_acc
+            what = f"{x} ({mem[x]:.1f} GiB, {n} sequences per step)"
+            if x in want and x not in reasons:
+                return (f"{head}: you kept {what}: " + (f"it needs {mem[x]:.1f} GiB > {budget:.1f}" if want[x] == "memory"
+                        else f"it runs {n} sequences per step, not {seqs}"))
+            if x not in want and x in reasons:
+                return f"{head}: you rejected {what} for {reasons[x]!r}, but it fits ({mem[x]:.1f} <= {budget:.1f} GiB) and runs {seqs}"
+            if x in want and reasons[x] != want[x]:
+                both = " (it fails both: the memory, step 1, is checked first)" if mem[x] > budget else ""
+                return f"{head}: you rejected {what} for {reasons[x]!r}, expected {want[x]!r}{both}"
+        if [x for x, _ in rejected] != [x for x, _ in want_rej]:
+            return f"{head}: rejected in another order than the candidates'; list them as you try them"
+        if best != want_best:
+            if best is None:
+                return f"{head}: no best layout returned; {want_best} fits and reaches the batch"
+            if best in want and want[best] == "batch":
+                return (f"{head}: you picked {best} ({sec[best]:.2f} s per step), but it runs "
+                        f"{best.dp * best.micro_batch_size * best.grad_acc} sequences per step, not {seqs}: its step is "
+                        f"short because it does less work")
+            kept = [x for x in layouts if x not in want]
+            if best == min(kept, key=mem.get):
+                return (f"{head}: you picked {best}, the one needing the least memory ({mem[best]:.1f} GiB); step 3 "
+                        f"maximises throughput: {want_best} takes {sec[want_best]:.2f} s per step against {sec[best]:.2f}")
+            return f"{head}: best {best} ({sec[best]:.2f} s per step), expected {want_best} ({sec[want_best]:.2f} s)"
+    return None
+
+
 def _in_process(name, path, report, problem_of, success):
     try:
         fn = getattr(load(path, "ex09"), name)
@@ -179,8 +313,12 @@ SUCCESS = {
     "place": f": coordinates and the four groups of every rank of {', '.join(_name(g) for g in GRIDS)}",
     "step_batch": f": {len(BATCHES)} layouts from {min(map(_world, BATCHES)):,} to {max(map(_world, BATCHES)):,} GPUs, "
                   f"and {len(IMPOSSIBLE)} impossible batches refused",
+    "memory_by_part": f": every stage of {len(MEMORY_CASES)} layouts of SmolLM-1.7B and Llama 3 8B equals "
+                      f"picotron.planner.memory_per_stage (bf16, mixed)",
+    "choose": f": {len(CHOICES)} layouts of {CHOICE_JOB['model']} on 16 GPUs, with 80 GB and with 40 GiB",
 }
-PROBLEMS = {"place": _place_problem, "step_batch": _batch_problem}
+PROBLEMS = {"place": _place_problem, "step_batch": _batch_problem, "memory_by_part": _memory_problem,
+            "choose": _choose_problem}
 
 
 def check_one(name, path, report, timeout_s):

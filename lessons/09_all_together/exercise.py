@@ -30,3 +30,24 @@ def step_batch(global_batch_tokens, seq_len, micro_batch_size, sizes):
     Raise ValueError when no whole number of micro-batches gives the batch (the tokens are not whole sequences, or
     the sequences do not split evenly over the replicas' micro-batches)."""
     raise NotImplementedError("not written yet")
+
+
+def memory_by_part(params, layout, activations, stage):
+    """EXERCISE 3: the memory of one GPU of a layout, by part, in bytes, in bf16 mixed precision (bf16 parameters
+    and gradients, an fp32 master copy and AdamW's two fp32 moments). `params`: the parameters this GPU's stage
+    holds on it (its slice under tp); `layout`: a picotron.planner.Layout (.dp .tp .pp .cp .zero .grad_acc; the
+    1F1B schedule); `activations`: the bytes one micro-batch's forward leaves on this GPU; `stage`: its pipeline
+    stage (0 = first). Return {"params", "grads", "optimizer", "activations"}: ZeRO-1 shards the optimizer state,
+    ZeRO-2 also the gradients, ZeRO-3 also the parameters, over the ranks that hold the same parameters; the
+    activations are those of the micro-batches alive at the schedule's peak on this stage."""
+    raise NotImplementedError("not written yet")
+
+
+def choose(candidates, memory_gib, step_seconds, budget_gib, global_seqs):
+    """EXERCISE 4: the decision procedure. `candidates`: Layouts (.dp .micro_batch_size .grad_acc ...), in the order
+    to try them; memory_gib(layout) and step_seconds(layout): the planner's predictions; budget_gib: memory per
+    GPU; global_seqs: sequences per optimizer step. Step 1: reject what does not fit ("memory"); step 2: reject
+    what does not run exactly global_seqs sequences per step ("batch"); a layout failing both is rejected at the
+    first step that fails. Step 3: of the rest, the one with the most tokens per second. Return (best or None,
+    [(layout, "memory" | "batch"), ...] in the candidates' order)."""
+    raise NotImplementedError("not written yet")

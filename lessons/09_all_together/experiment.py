@@ -307,6 +307,71 @@ def shares(rank_result):
     return out
 
 
+# ------------------------------------------------------------------------------ the planner: memory and time
+def memory_rows(res):
+    """Per rank of the 4-D run: (measured bytes, the planner's `memory_per_stage` row for its stage, recipe "ours")."""
+    from picotron import planner
+
+    st = res["settings"]
+    layout = planner.Layout(**res["layout"], micro_batch_size=st["micro_batch_size"], grad_acc=st["grad_acc"])
+    pred = planner.memory_per_stage(model_of(st["preset"]), layout, st["seq_len"], "fp32", "ours")
+    return [(x["mem"], pred[x["coords"]["pp"]]) for x in res["ranks"]]
+
+
+LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+JOBS = {"smollm-1.7b": 2048, "llama3-8b": 8192, "llama3-70b": 8192}  # each model's training context (tokens)
+GLOBAL_TOKENS = 4 * 2**20  # 4M tokens per optimizer step
+
+
+def model_of(name):
+    """A preset, or Llama 3 70B (Meta's config.json: h 8192, 80 layers, 64 heads, 8 KV heads, i 28672)."""
+    from picotron.model import PRESETS, ModelConfig
+
+    if name == "llama3-70b" and name not in PRESETS:
+        return ModelConfig(**LLAMA3_70B)
+    return ModelConfig.from_preset(name)
+
+
+def reason_class(why):
+    """The step of the decision procedure a rejection belongs to: 'memory' (step 1), 'batch' (step 2), 'tp' (tp
+    wider than a node), or 'shape' (the model's shapes: heads, layers, the sequence's chunks; a combination
+    picotron refuses)."""
+    if why.startswith("does not fit"):
+        return "memory"
+    if why.startswith("the global batch"):
+        return "batch"
+    if "crosses nodes" in why:
+        return "tp"
+    return "shape"
+
+
+def decide(name, gpus, memory_gib=None, seq_len=None, tokens=GLOBAL_TOKENS, gpu="h100-80gb"):
+    """picotron.plan.search for one job: the model, GPUs (8 per node), memory per GPU (default the GPU's), the sequence
+    (default the model's training context) and the global batch in tokens. Returns the plan, the hardware, the job,
+    the rejections counted by step, and the first rejected candidate in the search's order."""
+    from dataclasses import replace
+
+    from picotron import plan
+
+    hw = plan.GPUS[gpu] if memory_gib is None else replace(plan.GPUS[gpu], memory=memory_gib * 2**30)
+    seq_len = seq_len or JOBS[name]
+    mc = model_of(name)
+    result = plan.search(mc, gpus, hw, seq_len, tokens // seq_len)
+    counts = {}
+    for _, why in result.rejected:
+        counts[reason_class(why)] = counts.get(reason_class(why), 0) + 1
+    return dict(name=name, mc=mc, gpus=gpus, hw=hw, seq_len=seq_len, global_seqs=tokens // seq_len, plan=result,
+                counts=counts, first_rejected=result.rejected[0] if result.rejected else None)
+
+
+STEP_PARTS = ("compute", "tp", "cp", "ep", "pp", "bubble", "dp")
+STEP_COLORS = {"compute": "#6baed6", "tp": AXIS_COLORS["tp"], "cp": AXIS_COLORS["cp"], "ep": "#e377c2",
+               "pp": AXIS_COLORS["pp"], "bubble": "#d9d9d9", "dp": AXIS_COLORS["dp"]}
+MEM_PARTS = ("params", "grads", "optimizer", "activations")
+MEM_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
+
+
 # ----------------------------------------------------------------------------- plots (for the notebook)
 def _legend_below(ax, ncol=3, dy=-0.2, **kw):
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, dy), ncol=ncol, fontsize=FONT, frameon=False, **kw)
@@ -486,6 +551,89 @@ def plot_matrix(matrix):
     sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
     fig.colorbar(sm, ax=ax, shrink=0.6, label="worst |Δgrad| / max |grad| of its tensor, one step")
     ax.set_title("the parity matrix (figures/09_parity_matrix.json): every variant against one process", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_decisions(rows):
+    """The best layout the planner finds for each model (lines) against the number of GPUs: predicted MFU (left) and
+    memory per GPU of that layout (right), each point labelled with its degrees."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.8))
+    for name in dict.fromkeys(r["name"] for r in rows):
+        mine = [r for r in rows if r["name"] == name and r["plan"].ranked]
+        xs = [r["gpus"] for r in mine]
+        line, = ax1.plot(xs, [100 * r["plan"].ranked[0][2]["mfu"] for r in mine], "o-", label=name)
+        ax2.plot(xs, [r["plan"].ranked[0][1]["total"] / 2**30 for r in mine], "o-", color=line.get_color(), label=name)
+        for r in mine:
+            lay = r["plan"].ranked[0][0]
+            short = "·".join(f"{d}{getattr(lay, d)}" for d in ("tp", "pp", "cp", "dp") if getattr(lay, d) > 1)
+            ax1.annotate(short + (f" z{lay.zero}" if lay.zero else ""), (r["gpus"], 100 * r["plan"].ranked[0][2]["mfu"]),
+                         fontsize=6, xytext=(3, 3), textcoords="offset points", color=line.get_color())
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["gpus"] for r in rows})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel("GPUs (H100 80 GB, 8 per node)", fontsize=FONT)
+        ax.tick_params(labelsize=FONT)
+        _legend_below(ax, ncol=3, dy=-0.18)
+    ax1.set(ylabel="predicted MFU of the best layout (%)", title="step 3: the fastest layout that fits and reaches "
+                                                                 "the batch")
+    ax2.axhline(80e9 / 2**30, color="k", ls="--", lw=0.8)
+    ax2.set(ylabel="GiB per GPU (busiest stage)", title="its memory (dashed: 80 GB)")
+    for ax in (ax1, ax2):
+        ax.title.set_fontsize(9)
+    fig.tight_layout()
+    return fig
+
+
+def distinct(ranked, top):
+    """The fastest layout of each shape (dp, tp, pp, cp, ep), in rank order, at most `top` of them: many layouts tie
+    (the same degrees with another ZeRO stage or micro-batch size), and one of each shape says more."""
+    seen, out = set(), []
+    for row in ranked:
+        key = tuple(getattr(row[0], d) for d in ("dp", "tp", "pp", "cp", "ep"))
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+        if len(out) == top:
+            break
+    return out
+
+
+def plot_plan(job, top=6):
+    """The fastest layout of each of the `top` fastest shapes of one job: memory per GPU by part against the budget
+    (left) and the predicted step time by part (right), with tokens/s and MFU."""
+    import matplotlib.pyplot as plt
+
+    ranked = distinct(job["plan"].ranked, top)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.45 * max(len(ranked), 1) + 1.9))
+    names = [str(lay).replace(",recompute-", ",rc-") for lay, _, _ in ranked]
+    for y, (lay, mem, t) in enumerate(ranked):
+        left = 0.0
+        for part in MEM_PARTS:
+            ax1.barh(y, mem[part] / 2**30, left=left, color=MEM_COLORS[part], label=part if y == 0 else None)
+            left += mem[part] / 2**30
+        left = 0.0
+        for part in STEP_PARTS:
+            if t[part] > 0:
+                ax2.barh(y, t[part], left=left, color=STEP_COLORS[part], label=part if part not in
+                         [p for q in ranked[:y] for p in STEP_PARTS if q[2][p] > 0] else None)
+                left += t[part]
+        ax2.text(left, y, f" {t['tokens_per_s']:,.0f} tok/s, MFU {100 * t['mfu']:.0f}%", va="center", fontsize=7)
+    ax1.axvline(job["hw"].memory / 2**30, color="k", ls="--", lw=1, label="memory per GPU")
+    for ax in (ax1, ax2):
+        ax.set_yticks(range(len(ranked)), names if ax is ax1 else [""] * len(ranked), fontsize=6.5)
+        ax.set_ylim(len(ranked) - 0.5, -0.5)
+        ax.tick_params(axis="x", labelsize=FONT)
+        _legend_below(ax, ncol=4, dy=-0.25 if len(ranked) > 3 else -0.4)
+    ax1.set_xlabel("GiB per GPU (bf16 mixed precision: 2 + 2 + 12 bytes per parameter)", fontsize=FONT)
+    ax2.set_xlabel("predicted seconds per step", fontsize=FONT)
+    ax2.set_xlim(0, max((t["total"] for _, _, t in ranked), default=1) * 1.45)
+    fig.suptitle(f"{job['name']} on {job['gpus']} x {job['hw'].name} ({job['hw'].memory / 2**30:.0f} GiB), sequences of "
+                 f"{job['seq_len']}, {job['global_seqs']} per step: {len(job['plan'].ranked)} layouts fit, "
+                 f"{len(job['plan'].rejected)} rejected", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -33,3 +33,30 @@ def step_batch(global_batch_tokens, seq_len, micro_batch_size, sizes):
     return dict(sequences=sequences, grad_acc=grad_acc,
                 tokens_per_micro_batch=micro_batch_size * seq_len // sizes["cp"],
                 bubble=(sizes["pp"] - 1) / (grad_acc + sizes["pp"] - 1))
+
+
+def memory_by_part(params, layout, activations, stage):
+    """EXERCISE 3: bf16 mixed precision holds 2 + 2 + 12 bytes per parameter; ZeRO cuts them over the dp x cp ranks
+    (the ranks that hold the same parameters), stage by stage; 1F1B keeps pp - stage micro-batches alive, at most m."""
+    shard = layout.dp * layout.cp
+    z = layout.zero
+    alive = min(layout.pp - stage, layout.grad_acc)
+    return {"params": 2 * params / (shard if z >= 3 else 1),
+            "grads": 2 * params / (shard if z >= 2 else 1),
+            "optimizer": 12 * params / (shard if z >= 1 else 1),
+            "activations": activations * alive}
+
+
+def choose(candidates, memory_gib, step_seconds, budget_gib, global_seqs):
+    """EXERCISE 4: (1) fit in memory, (2) reach the global batch, (3) the fastest of what is left: with the same
+    batch for all, the shortest step is the most tokens per second."""
+    rejected, kept = [], []
+    for layout in candidates:
+        if memory_gib(layout) > budget_gib:
+            rejected.append((layout, "memory"))
+        elif layout.dp * layout.micro_batch_size * layout.grad_acc != global_seqs:
+            rejected.append((layout, "batch"))
+        else:
+            kept.append(layout)
+    best = min(kept, key=step_seconds) if kept else None
+    return best, rejected
