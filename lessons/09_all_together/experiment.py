@@ -191,9 +191,10 @@ def exp_run4d(mesh, st, out):
     mem = dict(run.model.memory(), optimizer=metrics.optimizer_bytes(run.optimizer),
                activations=run.schedule.activation_bytes)
     params = sum(p.numel() for p in run.raw.parameters())
+    tensors = sum(1 for _ in run.raw.parameters())
     train_s = time.perf_counter() - t0
     del run
-    every_mem = gather(dict(mem=mem, params=params, coords=mesh.coords), mesh)
+    every_mem = gather(dict(mem=mem, params=params, tensors=tensors, coords=mesh.coords), mesh)
     _say(mesh, f"{name}: {st['steps']} steps of picotron.train in {train_s:.1f} s")
     timed = TimedRun(cfg, mesh)
     steps = []
@@ -551,6 +552,32 @@ def plot_matrix(matrix):
     sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
     fig.colorbar(sm, ax=ax, shrink=0.6, label="worst |Δgrad| / max |grad| of its tensor, one step")
     ax.set_title("the parity matrix (figures/09_parity_matrix.json): every variant against one process", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_memory_check(pm):
+    """Every layout of benchmarks/planner_memory.py: its worst rank's measured bytes by part (bars) against the
+    planner's prediction for its stage (black ticks: the total), fp32, recipe "ours"."""
+    import matplotlib.pyplot as plt
+
+    rows = pm["rows"]
+    fig, ax = plt.subplots(figsize=(13, 3.6))
+    for x, r in enumerate(rows):
+        bottom = 0.0
+        for part in MEM_PARTS:
+            ax.bar(x, r["measured"][part] / MiB, 0.7, bottom=bottom, color=MEM_COLORS[part], label=part if x == 0 else None)
+            bottom += r["measured"][part] / MiB
+        ax.plot(x, sum(r["predicted"][k] for k in MEM_PARTS) / MiB, "k_", ms=11, mew=2,
+                label="predicted total" if x == 0 else None)
+    names = [",".join(f"{k}{v}" if not isinstance(v, (bool, str)) else (k if v is True else str(v))
+                      for k, v in r["layout"].items()) or "one process" for r in rows]
+    ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=6.5)
+    ax.set(ylabel="MiB on the worst rank", title="the planner's memory against 30 measured layouts (tiny and tiny-moe, "
+                                                  f"s = {pm['settings']['seq_len']}, micro-batch "
+                                                  f"{pm['settings']['micro_batch_size']}, fp32)")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=FONT, ncol=5, frameon=False)
     fig.tight_layout()
     return fig
 
