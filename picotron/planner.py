@@ -212,7 +212,6 @@ def memory_estimate(model_config, seq_len, micro_batch_size, dtype="fp32", recom
 #   ep   a rank holds E/ep experts of every MoE layer (each cut by tp like an MLP).
 #   ZeRO over the dp x cp ranks (experts: over dp x cp / ep): 1 the optimizer state, 2 + gradients, 3 + params.
 from dataclasses import dataclass  # noqa: E402
-from functools import lru_cache  # noqa: E402
 
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 # With sp, the copies of a block's all-gathered input [b, s, h] autograd keeps: the all-gather returns a transposed
@@ -295,12 +294,37 @@ def stage_layers(mc, pp, seq_len):
 _SPLITS = {}
 
 
-@lru_cache(maxsize=256)
+def _replay(schedule, pp, m, v):
+    """Per rank, the chunk-activation counts (n_0, ..., n_{v-1}) alive after each of its forwards, keeping only the
+    maximal ones (no other moment has at least as many of every chunk). A rank runs its action list in order, so
+    this needs no timing: a forward adds its chunk's activations, its backward (W when the backward is split) frees
+    them; the trainer's pipeline counts exactly so (pipeline_parallel.Pipeline.run)."""
+    key = (schedule, pp, m, v)
+    if key not in _REPLAYS:
+        from picotron.pipeline_parallel import build
+        sch = build(schedule, pp, m, v if schedule == "interleaved" else 1)
+        free = "W" if sch.split else "B"
+        out = []
+        for acts in sch.ranks:
+            n, seen = [0] * sch.v, set()
+            for a in acts:
+                if a.kind == "F":
+                    n[a.chunk] += 1
+                    seen.add(tuple(n))
+                elif a.kind == free:
+                    n[a.chunk] -= 1
+            out.append(tuple(x for x in seen if not any(y != x and all(q >= r for q, r in zip(y, x)) for y in seen)))
+        _REPLAYS[key] = out
+    return _REPLAYS[key]
+
+
+_REPLAYS = {}
+
+
 def alive_at_peak(schedule, pp, m, v):
-    """Micro-batch activations alive at each stage's peak, per chunk of layers the rank holds (the simulator's
-    count for the schedule): AFAB m, 1F1B p - i, interleaved and zero-bubble their own."""
-    from picotron.pipeline_parallel import build, simulate
-    return tuple(simulate(build(schedule, pp, m, v if schedule == "interleaved" else 1)).peak_alive)
+    """Micro-batch activations (chunks) alive at each rank's peak: AFAB m, 1F1B min(p - i, m), interleaved and
+    zero-bubble their own (the same count as `pipeline_parallel.simulate(...).peak_alive`)."""
+    return tuple(max(sum(x) for x in rank) for rank in _replay(schedule, pp, m, v))
 
 
 def _params_of_stage(mc, layout, lo, hi, first, last):
@@ -365,7 +389,8 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     """[{params, grads, optimizer, activations, total}] in bytes, one per pipeline stage, for ONE rank of it at
     the step's peak. recipe "ours": what picotron's trainer holds and accounts (fp32 parameters, gradients and
     AdamW moments, `activation_bytes` of our code); "mixed": the textbook bf16 recipe for planning GPU runs
-    (2 + 2 + 12 bytes per parameter, Korthikanti et al.'s activations)."""
+    (2 + 2 + 12 bytes per parameter, `mixed_activation_bytes_per_layer`). The activations at the peak: each chunk
+    of layers the rank holds times its micro-batches alive at the worst moment of the schedule (`_replay`)."""
     if recipe not in ("ours", "mixed"):
         raise ValueError(f"recipe={recipe!r}; use 'ours' or 'mixed'.")
     _check(dtype, layout.recompute)
@@ -374,53 +399,83 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     v = layout.pp_chunks if layout.pp_schedule == "interleaved" else 2 if layout.pp_schedule == "zb-v" else 1
     stages = layout.pp * v
     cuts = stage_layers(mc, stages, seq_len)
-    alive = alive_at_peak(layout.pp_schedule, layout.pp, layout.grad_acc, v) if layout.pp > 1 else (1,)
-    per_param = {"ours": (4, 4, 8), "mixed": (2, 2, 12)}[recipe]
+    vectors = _replay(layout.pp_schedule, layout.pp, layout.grad_acc, v) if layout.pp > 1 else [((1,),)]
+    if recipe == "ours":
+        layer = _layer_activations(mc, layout, seq_len, dtype)
+        edge = lambda first, last: _edge_activations(mc, layout, seq_len, dtype, first, last)  # noqa: E731
+    else:
+        layer = mixed_activation_bytes_per_layer(mc, seq_len // layout.cp, layout.micro_batch_size, layout.tp,
+                                                 layout.sp, layout.recompute)
+        edge = lambda first, last: _mixed_edge(mc, layout, seq_len, first, last)  # noqa: E731
+    P, G, K = {"ours": (4, 4, 8), "mixed": (2, 2, 12)}[recipe]
     out = []
     for rank in range(layout.pp):
         held = [rank] if v == 1 else ([rank + layout.pp * k for k in range(v)] if layout.pp_schedule == "interleaved"
-                                      else [rank, 2 * layout.pp - 1 - rank])
-        dense = expert = acts = 0
+                                      else [rank, 2 * layout.pp - 1 - rank])  # chunk c of this rank is stage held[c]
+        dense = expert = 0
+        chunk_bytes = []
         for st in held:
             lo, hi = cuts[st]
             first, last = st == 0, st == stages - 1
             d, e = _params_of_stage(mc, layout, lo, hi, first, last)
             dense, expert = dense + d, expert + e
-            one = (hi - lo) * _layer_activations(mc, layout, seq_len, dtype) \
-                + _edge_activations(mc, layout, seq_len, dtype, first, last)
-            if recipe == "mixed":
-                one = (hi - lo) * _korthikanti(mc, layout, seq_len) + (4 * seq_len // layout.cp * layout.micro_batch_size
-                                                                       * mc.vocab_size / layout.tp if last else 0)
-            acts = max(acts, one)
-        P, G, K = per_param
+            chunk_bytes.append((hi - lo) * layer + edge(first, last))
+        acts = max(sum(n * b for n, b in zip(counts, chunk_bytes)) for counts in vectors[rank])
         z = layout.zero
         units = dense / (shard if z >= 1 else 1) + expert / (eshard if z >= 1 else 1)
         whole = dense + expert
         row = {"params": P * (units if z >= 3 else whole),
                "grads": G * (units if z >= 2 else whole),
                "optimizer": K * units,
-               "activations": acts * alive[rank]}
+               "activations": acts}
         row = {k: int(round(x)) for k, x in row.items()}
         row["total"] = sum(row.values())
         out.append(row)
     return out
 
 
-def _korthikanti(mc, layout, seq_len):
-    """Bytes per layer for one micro-batch in pure bf16 (Korthikanti et al. 2022, eqs. 1-2, Table 2), s split by
-    cp: sbh(10 + 24/t + 5as/(ht)) with tp; sbh/t·(34 + 5as/h) with tp + sp; selective recomputation and flash
-    attention (attn_impl "sdpa") drop the 5as/h term; full keeps the layer input (2sbh, /t with sp)."""
-    s, b, h, a, t = seq_len // layout.cp, layout.micro_batch_size, mc.hidden_size, mc.num_attention_heads, layout.tp
-    attn = 0 if layout.recompute == "selective" or mc.attn_impl == "sdpa" else 5 * a * s / h  # flash: no s² kept
-    if layout.recompute == "full":
-        return 2 * s * b * h / (t if layout.sp else 1)
-    ffn = 1 if not mc.is_moe else mc.num_experts_per_tok  # the MLP's share (~19 of 34) times k experts
-    base = 34 + 19 * (ffn - 1)
-    if layout.sp:
-        return s * b * h / t * (base + attn)
-    return s * b * h * (10 + (24 + 19 * (ffn - 1)) / t + attn / t)
+def mixed_activation_bytes_per_layer(mc, seq_len, micro_batch_size, tp=1, sp=False, recompute="none"):
+    """Bytes one decoder layer keeps for backward in a bf16 Megatron-style implementation of OUR layer (RMSNorm,
+    GQA, SwiGLU, no dropout, flash attention), counted the way Korthikanti et al. 2022 (section 4.1) count GPT's:
+
+        whole under tp (split by sp):  the inputs of the two norms, of q/k/v and of gate/up     2·4 = 8 sbh
+        split by tp:                   q 2sbh, k and v 2·2sbh·k/a, the attention output 2sbh
+                                       (the kernel's and o_proj's input: one tensor), gate and up
+                                       outputs 2·2sbi, their product (down's input) 2sbi        sbh(4 + 4k/a + 6i/h)
+        eager attention only:          the bf16 softmax 2·a·s²·b (flash kernels keep no s² term)
+
+    so sbh(8 + (4 + 4k/a + 6i/h)/t) with tp, sbh(12 + 4k/a + 6i/h)/t with tp and sp. GPT's layer (k = a, a 4h GELU
+    MLP keeping its input and output, 16sbh, two dropout masks 2sbh) gives their 34: sbh(10 + 24/t). "selective"
+    drops the s² term (Korthikanti's selective recomputation); "full" keeps the layer input, 2sbh (/t with sp).
+    Experts: the MLP's split part k times, plus the k routed copies of each row in and out (4k·sbh)."""
+    s, b, h, a, t = seq_len, micro_batch_size, mc.hidden_size, mc.num_attention_heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    k = mc.num_experts_per_tok if mc.is_moe else 1
+    ffn = 6 * mc.intermediate_size / h * k + (4 * k if mc.is_moe else 0)
+    split = 4 + 4 * mc.num_key_value_heads / a + ffn
+    core = 2 * a * s * s * b / t if (mc.attn_impl == "eager" and recompute == "none") else 0
+    return (sbh * (8 + split) / t if sp else sbh * (8 + split / t)) + core
+
+
+def _mixed_edge(mc, layout, seq_len, first, last):
+    """Bytes outside the layers for one micro-batch, bf16 recipe: the ids on the first stage; on the last the final
+    norm's and the head's inputs (2sbh each, /t with sp) and the fp32 log-probabilities of this rank's vocabulary."""
+    s, b, h, t = seq_len // layout.cp, layout.micro_batch_size, mc.hidden_size, layout.tp
+    out = 8 * s * b if first else 0
+    if last:
+        out += 4 * s * b * h / (t if layout.sp else 1) + 4 * s * b * mc.vocab_size / t
+    return out
 
 
 def memory_per_gpu(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     """The busiest stage's `memory_per_stage` row (by total)."""
     return max(memory_per_stage(mc, layout, seq_len, dtype, recipe), key=lambda r: r["total"])
+
+
+def step_time(mc, layout, seq_len, hw, dtype="bf16"):
+    """Seconds of one optimizer step by part, with tokens/s and MFU: `picotron.plan.step_time` (the time model lives
+    with the hardware table)."""
+    from picotron.plan import step_time as time_of
+    return time_of(mc, layout, seq_len, hw, dtype)
