@@ -183,6 +183,20 @@ PRESETS = {
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
                          rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.02),
+    # Large models for the planner (python -m picotron.plan): meta-llama/Meta-Llama-3-70B and Llama 3.1 405B (the
+    # Llama 3 paper, Table 3; pre-trained at 8K tokens: 3.1's longer context uses a RoPE scaling we do not model).
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+                       rope_theta=500000.0),
+    "llama3-405b": dict(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                        num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=8192,
+                        rope_theta=500000.0),
+    # BLOOM-176B's size as a Llama (bigscience/bloom: h 14336, 70 layers, 112 heads, vocabulary 250,880, tied): BLOOM
+    # has ALiBi instead of RoPE, LayerNorms with biases (and one after the embedding) and a 4h GELU MLP; here a SwiGLU
+    # of i = 8h/3 has the same 8h² parameters and FLOPs, so 176.2 B parameters against BLOOM's 176.25 B.
+    "bloom-176b": dict(vocab_size=250880, hidden_size=14336, intermediate_size=38229, num_hidden_layers=70,
+                       num_attention_heads=112, num_key_value_heads=112, max_position_embeddings=2048,
+                       tie_word_embeddings=True),
 }
 
 

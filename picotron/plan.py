@@ -10,9 +10,10 @@ remains, take the fastest. `planner.memory_per_stage` gives the bytes of a layou
   * the command line (`--layout tp8,pp16,dp128` evaluates one layout instead of searching).
 
 The time model (every term in one function, `step_time`), for one rank of the busiest pipeline stage:
-  compute   FLOPs per token (6N + 12·L·h·s, the trainer's count; + the recomputed forward: 2N + 4·L·h·s with full
-            recomputation, the attention core's 4·L·h·s with selective) × the step's tokens ÷ GPUs, at
-            peak × efficiency. One efficiency for every run (EFFICIENCY), not tuned per run.
+  compute   FLOPs per token (6N + 12·L·h·s, the trainer's count, attention not halved for causality; + the recomputed
+            forward: 2N + 4·L·h·s with full recomputation, the attention core's 4·L·h·s with selective) × the step's
+            tokens ÷ GPUs × the busiest rank's share of the layers (and the head), at peak × efficiency. One
+            efficiency for every run (EFFICIENCY), not tuned per run.
   tp        per layer and micro-batch 4 all-reduces of b·(s/cp)·h elements (2 forward, 2 backward; with sp the same
             bytes as all-gathers + reduce-scatters; full recomputation repeats the 2 forward ones); not overlapped.
   cp        ring attention: per layer and micro-batch (cp−1) K/V blocks forward, (cp−1) K/V + (cp−1) dK/dV backward,
@@ -22,54 +23,65 @@ The time model (every term in one function, `step_time`), for one rank of the bu
   pp        point-to-point: per micro-batch and chunk one activation forward and one gradient backward; the bubble:
             the schedule's idle fraction B (1F1B/AFAB (p−1)/(m+p−1), interleaved (p−1)/(vm+p−1), ZB-H1
             (p−1)/(3m+p−1), ZB-V from the simulator) stretches the busy time by 1/(1−B).
-  dp        gradient all-reduce over dp×cp (ZeRO-1/2: reduce-scatter + all-gather, the same bytes; ZeRO-3 also
-            gathers the parameters for every micro-batch's forward and backward), overlapped with the last
-            micro-batch's backward (2/3 of its compute): only the excess counts.
+  dp        over dp×cp, gradients in the recipe's precision: ZeRO-0/1 one all-reduce (reduce-scatter + all-gather)
+            hidden behind the last micro-batch's backward (2/3 of its compute); ZeRO-2/3 keep only a shard of the
+            gradients, so they reduce-scatter every micro-batch's, hidden behind every backward, then all-gather the
+            parameters (ZeRO-3: for every micro-batch's forward and backward, hidden behind all the compute). Only
+            the excess counts.
 Collectives are rings: all-reduce 2(n−1)·α + 2(n−1)/n·bytes/bw; all-gather, reduce-scatter, all-to-all
-(n−1)·α + (n−1)/n·bytes/bw; a send α + bytes/bw. A group is inside a node when the ranks it spans fit in one
-(grid order dp, pp, cp, tp with tp fastest: tp spans tp ranks, cp tp·cp, pp tp·cp·pp, ep tp·cp·pp·ep, dp all).
+(n−1)·α + (n−1)/n·bytes/bw; a send α + bytes/bw. A group is on NVLink when each of its copies lies in one node
+(grid order dp, pp, cp, tp with tp fastest: tp spans tp ranks, cp tp·cp, pp tp·cp·pp, ep tp·cp·pp·ep, dp all;
+the span must divide the GPUs per node), on the network otherwise.
 
 What it ignores: kernels' efficiency changing with the matmul shapes, the optimizer step and data loading, network
-contention between groups, stragglers, and imbalanced expert routing. docs/reference.md#finding-a-layout-the-planner
-has the derivations and the published runs with their sources.
+contention between groups, stragglers, imbalanced expert routing, and memory beyond what autograd keeps and the
+model states (temporaries, the allocator's cache, communication buffers: BLOOM's published 60 GB per GPU against
+our 40 GiB shows how much). docs/reference.md#finding-a-layout-the-planner has the derivations and the published
+runs with their sources.
 """
 import argparse
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from picotron.planner import Layout, memory_per_gpu, stage_layers
+from picotron.planner import RECIPES, Layout, memory_per_gpu, memory_per_stage, stage_layers
 
 GiB = 1024 ** 3
-EFFICIENCY = 0.6  # achieved / datasheet FLOP/s of the model's kernels; one value for every prediction
+MiB = 1024 ** 2
+# Achieved / datasheet FLOP/s of a layer's kernels (matmuls, attention, norms, elementwise): one round value for
+# every prediction, not fitted per run. A large bf16 matmul alone reaches about 0.8 of the H100's datasheet peak.
+EFFICIENCY = 0.6
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """One kind of accelerator and its links. peak: dense bf16 FLOP/s (fp32 on a CPU: what it measured)."""
+    """One kind of accelerator and its links. peak: dense bf16 FLOP/s (fp32 on a CPU: what it measured); memory: the
+    bytes a process sees (nvidia-smi's total); α: seconds per ring step; bw: bytes/s per device and direction."""
     name: str
     peak: float
-    memory: float  # bytes per device
+    memory: float
     gpus_per_node: int = 8
-    intra_alpha: float = 5e-6  # s per ring step inside a node
-    intra_bw: float = 300e9  # bytes/s per device and direction
+    intra_alpha: float = 5e-6
+    intra_bw: float = 300e9
     inter_alpha: float = 10e-6
     inter_bw: float = 25e9
     efficiency: float = EFFICIENCY
     source: str = ""
 
 
-GPUS = {  # datasheet dense bf16 peaks, memory, NVLink per direction, network per GPU
-    "a100-40gb": Hardware("A100 40GB SXM", 312e12, 40e9, 8, 5e-6, 300e9, 10e-6, 25e9,
-                          source="NVIDIA A100 datasheet (312 TFLOP/s bf16 dense; NVLink 3: 600 GB/s both ways); "
-                                 "DGX A100: 8 x 200 Gb/s HDR InfiniBand per node"),
-    "a100-80gb": Hardware("A100 80GB SXM", 312e12, 80e9, 8, 5e-6, 300e9, 10e-6, 25e9,
-                          source="NVIDIA A100 datasheet; DGX A100 / Selene: 8 x 200 Gb/s HDR InfiniBand per node"),
-    "h100-80gb": Hardware("H100 80GB SXM", 989.5e12, 80e9, 8, 5e-6, 450e9, 10e-6, 50e9,
-                          source="NVIDIA H100 datasheet (989.5 TFLOP/s bf16 dense; NVLink 4: 900 GB/s both ways); "
-                                 "400 Gb/s InfiniBand or RoCE per GPU"),
-    "h200": Hardware("H200 141GB SXM", 989.5e12, 141e9, 8, 5e-6, 450e9, 10e-6, 50e9,
-                     source="NVIDIA H200 datasheet (H100's compute, 141 GB HBM3e); 400 Gb/s per GPU"),
+GPUS = {  # datasheet dense bf16 peaks, memory as nvidia-smi / torch report it, NVLink per direction, network per GPU
+    "a100-40gb": Hardware("A100 40GB SXM", 312e12, 40537 * MiB, 8, 5e-6, 300e9, 10e-6, 25e9,
+                          source="NVIDIA A100 datasheet (312 TFLOP/s bf16 dense; NVLink 3: 600 GB/s both ways; nvidia-smi "
+                                 "shows 40,537 MiB); DGX A100: 8 x 200 Gb/s HDR InfiniBand per node"),
+    "a100-80gb": Hardware("A100 80GB SXM", 312e12, 85_056_798_720, 8, 5e-6, 300e9, 10e-6, 25e9,
+                          source="NVIDIA A100 datasheet (torch reports 85,056,798,720 bytes = 79.2 GiB); DGX A100 / "
+                                 "Selene: 8 x 200 Gb/s HDR InfiniBand per node"),
+    "h100-80gb": Hardware("H100 80GB SXM", 989.5e12, 81559 * MiB, 8, 5e-6, 450e9, 10e-6, 50e9,
+                          source="NVIDIA H100 datasheet (989.5 TFLOP/s bf16 dense; NVLink 4: 900 GB/s both ways; "
+                                 "nvidia-smi shows 81,559 MiB); 400 Gb/s InfiniBand or RoCE per GPU"),
+    "h200": Hardware("H200 141GB SXM", 989.5e12, 143771 * MiB, 8, 5e-6, 450e9, 10e-6, 50e9,
+                     source="NVIDIA H200 datasheet (H100's compute, 141 GB HBM3e; nvidia-smi shows 143,771 MiB); "
+                            "400 Gb/s per GPU"),
 }
 
 
@@ -81,6 +93,8 @@ def cpu_hardware(peak, alpha, bw, cores, memory=16 * GiB, efficiency=1.0):
 
 # --------------------------------------------------------------------------------------------- the time model
 def _ring(kind, n, nbytes, alpha, bw):
+    """One collective over n ranks on a ring (nccl-tests' bus-bandwidth convention): an all-reduce is a
+    reduce-scatter then an all-gather, 2(n−1) steps each moving 1/n of the buffer; the others take n−1 steps."""
     if n <= 1:
         return 0.0
     steps, share = (2 * (n - 1), 2 * (n - 1) / n) if kind == "all_reduce" else (n - 1, (n - 1) / n)
@@ -88,8 +102,10 @@ def _ring(kind, n, nbytes, alpha, bw):
 
 
 def _link(hw, span):
-    """(α, bandwidth) of a group spanning `span` consecutive ranks: NVLink inside a node, the network across."""
-    return (hw.intra_alpha, hw.intra_bw) if span <= hw.gpus_per_node else (hw.inter_alpha, hw.inter_bw)
+    """(α, bandwidth) of a group spanning `span` consecutive ranks: NVLink when every such group lies inside a node
+    (span divides the GPUs per node), the network otherwise."""
+    inside = span <= hw.gpus_per_node and hw.gpus_per_node % span == 0
+    return (hw.intra_alpha, hw.intra_bw) if inside else (hw.inter_alpha, hw.inter_bw)
 
 
 def _bubble(layout):
@@ -102,9 +118,32 @@ def _bubble(layout):
     return bubble_formula(layout.pp_schedule, p, m, v)
 
 
-def step_time(mc, layout, seq_len, hw, dtype="bf16"):
+def _chunks(layout):
+    return layout.pp_chunks if layout.pp_schedule == "interleaved" else 2 if layout.pp_schedule == "zb-v" else 1
+
+
+def busiest_share(mc, layout, seq_len):
+    """(share of the model's FLOPs on the busiest pipeline rank, its layers): 1/pp when the stages balance; the
+    layers are cut as the pipeline cuts them (split_layers: the head's matmul counts, the embedding does not)."""
+    if layout.pp == 1:
+        return 1.0, mc.num_hidden_layers
+    from picotron.pipeline_parallel import layer_costs
+    v = _chunks(layout)
+    costs = layer_costs(mc, seq_len)
+    cuts = stage_layers(mc, layout.pp * v, seq_len)
+    best = (0.0, 0)
+    for rank in range(layout.pp):
+        held = [rank + layout.pp * k for k in range(v)] if layout.pp_schedule != "zb-v" else [rank, 2 * layout.pp - 1 - rank]
+        flops = sum(sum(costs[1 + lo:1 + hi]) + (costs[-1] if st == len(cuts) - 1 else 0)
+                    for st in held for lo, hi in [cuts[st]])
+        best = max(best, (flops, sum(cuts[st][1] - cuts[st][0] for st in held)))
+    return best[0] / sum(costs), best[1]
+
+
+def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     """Predicted seconds of one optimizer step by part (module docstring), with tokens/s, model FLOP/s per GPU
-    (`tflops`: 6N + 12Lhs per token, no recomputation) and MFU against the datasheet peak."""
+    (`tflops`: 6N + 12·L·h·s per token, no recomputation), `hardware_tflops` (with the recomputed forward) and MFU
+    against the datasheet peak."""
     L, h, s = mc.num_hidden_layers, mc.hidden_size, seq_len
     t, c, p, d, e, m, b = layout.tp, layout.cp, layout.pp, layout.dp, layout.ep, layout.grad_acc, layout.micro_batch_size
     el = 2 if dtype == "bf16" else 4
@@ -112,8 +151,9 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16"):
     tokens = d * m * b * s
     per_token = mc.flops_per_token(s)
     extra = {"full": per_token / 3, "selective": 4 * L * h * s, "none": 0}[layout.recompute]
-    compute = (per_token + extra) * tokens / gpus / (hw.peak * hw.efficiency)
-    layers = max(hi - lo for lo, hi in stage_layers(mc, p, s))  # the busiest stage's layers
+    share, layers = busiest_share(mc, layout, s)
+    rate = hw.peak * hw.efficiency
+    compute = (per_token + extra) * tokens / gpus * (share * p) / rate  # the busiest rank's FLOPs
     local = b * (s // c)  # tokens of one micro-batch on one rank
     # tensor parallelism: 4 all-reduces of the activation per layer and micro-batch (+2 with full recompute)
     calls = 4 + (2 if layout.recompute == "full" else 0)
@@ -123,28 +163,35 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16"):
     block = 2 * local * kv * el / t
     a_link = _link(hw, t * c)
     ring = 4 * (c - 1) * (a_link[0] + block / a_link[1]) if c > 1 else 0.0
-    attn_compute = 12 * h * s * local / t / (hw.peak * hw.efficiency)  # forward + backward, this rank's heads
+    attn_compute = 12 * h * s * local / t / rate  # forward + backward, this rank's heads
     cp = m * layers * max(0.0, ring - attn_compute)
     # expert parallelism: 4 all-to-alls of the k copies of each token per MoE layer and micro-batch
     ep = 0.0
     if mc.is_moe and e > 1:
         ep = m * layers * 4 * _ring("all_to_all", e, local * mc.num_experts_per_tok * h * el, *_link(hw, t * c * p * e))
     # pipeline: one activation and one gradient per micro-batch and chunk, then the bubble
-    v = layout.pp_chunks if layout.pp_schedule == "interleaved" else 2 if layout.pp_schedule == "zb-v" else 1
+    v = _chunks(layout)
     p_link = _link(hw, t * c * p)
     pp_p2p = 2 * m * v * (p_link[0] + local * h * el / (t if layout.sp else 1) / p_link[1]) if p > 1 else 0.0
     busy = compute + tp + cp + ep + pp_p2p
     bubble_fraction = _bubble(layout)
     bubble = busy * bubble_fraction / (1 - bubble_fraction) if bubble_fraction < 1 else math.inf
-    # data parallelism over dp x cp: the gradients (ZeRO-3: + the parameter gathers), overlapped with backward
+    # data parallelism over dp x cp, in the recipe's gradient precision: ZeRO-0/1 all-reduce (reduce-scatter +
+    # all-gather) once, overlapped with the last micro-batch's backward; ZeRO-2/3 hold only their shard of the
+    # gradients, so they reduce-scatter every micro-batch's (overlapped with every backward) and all-gather the updated
+    # parameters (ZeRO-3: for every micro-batch's forward and backward instead, overlapped with all the compute)
     params = mc.num_params() / (t * p)
-    grad_bytes = params * (4 if dtype == "fp32" else 2)
+    grad_bytes = params * (4 if dtype == "fp32" else RECIPES[recipe][1])
     dp_link = _link(hw, gpus)
     n = d * c
-    dp_total = _ring("all_reduce", n, grad_bytes, *dp_link)
-    if layout.zero == 3:
-        dp_total += 2 * m * _ring("all_gather", n, params * el, *dp_link)
-    overlap = (2 / 3) * compute / m * (m if layout.zero == 3 else 1)
+    if layout.zero >= 2:
+        gathers = 2 * m if layout.zero == 3 else 1
+        dp_total = m * _ring("reduce_scatter", n, grad_bytes, *dp_link) + gathers * _ring("all_gather", n, params * el,
+                                                                                          *dp_link)
+        overlap = compute if layout.zero == 3 else (2 / 3) * compute
+    else:
+        dp_total = _ring("all_reduce", n, grad_bytes, *dp_link)
+        overlap = (2 / 3) * compute / m
     dp = max(0.0, dp_total - overlap)
     total = busy + bubble + dp
     out = {"compute": compute, "tp": tp, "cp": cp, "ep": ep, "pp": pp_p2p, "bubble": bubble, "dp": dp, "total": total}
@@ -160,23 +207,31 @@ def _divisors(n, limit=None):
     return [k for k in range(1, n + 1) if n % k == 0 and (limit is None or k <= limit)]
 
 
-def check_layout(mc, layout, seq_len, hw, global_seqs, dtype="bf16", recipe="mixed"):
-    """(memory row, None) if the layout can run this job, else (memory row or None, one sentence why not)."""
+def check_layout(mc, layout, seq_len, hw, global_seqs, dtype="bf16", recipe="mixed", cross_node_tp=False,
+                 zero_with_pp=False):
+    """(memory row, None) if the layout can run this job, else (memory row or None, one sentence why not). A tp group
+    wider than a node is refused unless `cross_node_tp` (then it runs, its all-reduces on the network); ZeRO-2/3 with
+    a pipeline unless `zero_with_pp` (FSDP with pipelining, as Llama 3 ran: gradients reduce-scattered every
+    micro-batch)."""
     heads, kv = mc.num_attention_heads, mc.num_key_value_heads
     if heads % layout.tp or kv % layout.tp:
         return None, f"tp={layout.tp} does not divide the {heads} attention heads and {kv} KV heads"
-    if layout.tp > hw.gpus_per_node:
-        return None, f"tp={layout.tp} crosses nodes of {hw.gpus_per_node} GPUs (its 4 all-reduces per layer would run on the network)"
+    if (layout.tp > hw.gpus_per_node or hw.gpus_per_node % layout.tp) and not cross_node_tp:
+        return None, (f"tp={layout.tp} crosses nodes of {hw.gpus_per_node} GPUs (its 4 all-reduces per layer would run "
+                      f"on the network)")
     if seq_len % (2 * layout.cp):
         return None, f"seq_len {seq_len} does not split into 2·cp = {2 * layout.cp} chunks"
-    if layout.pp * (layout.pp_chunks if layout.pp_schedule == "interleaved" else 1) > mc.num_hidden_layers:
-        return None, f"pp={layout.pp} (x{layout.pp_chunks} chunks) has more stages than the {mc.num_hidden_layers} layers"
-    if layout.pp_schedule == "interleaved" and layout.grad_acc % layout.pp:
+    if layout.pp * _chunks(layout) > mc.num_hidden_layers:
+        return None, f"pp={layout.pp} (x{_chunks(layout)} chunks) has more stages than the {mc.num_hidden_layers} layers"
+    if layout.pp_schedule == "interleaved" and layout.pp_chunks > 1 and layout.grad_acc % layout.pp:
         return None, f"interleaved needs the micro-batches ({layout.grad_acc}) to be a multiple of pp={layout.pp}"
-    if layout.zero >= 2 and layout.pp > 1:
-        return None, f"ZeRO-{layout.zero} with pp={layout.pp}: gradients would be cut every micro-batch (picotron refuses it)"
+    if layout.zero >= 2 and layout.pp > 1 and not zero_with_pp:
+        return None, (f"ZeRO-{layout.zero} with pp={layout.pp}: gradients would be cut every micro-batch (picotron and "
+                      f"DeepSpeed's pipeline refuse it)")
     if mc.is_moe and (mc.num_local_experts % layout.ep or layout.dp % layout.ep):
         return None, f"ep={layout.ep} must divide the {mc.num_local_experts} experts and dp={layout.dp}"
+    if not mc.is_moe and layout.ep > 1:
+        return None, f"ep={layout.ep} needs a model with experts"
     if layout.dp * layout.micro_batch_size * layout.grad_acc != global_seqs:
         return None, (f"the global batch of {global_seqs} sequences is not dp·mbs·grad_acc = {layout.dp}·"
                       f"{layout.micro_batch_size}·{layout.grad_acc}")
@@ -187,23 +242,39 @@ def check_layout(mc, layout, seq_len, hw, global_seqs, dtype="bf16", recipe="mix
     return mem, None
 
 
-def candidates(mc, gpus, hw, seq_len, global_seqs, micro_batches=(1, 2, 4, 8)):
-    """Every layout of the job: tp (inside a node), cp, pp, dp = the rest, ep (MoE), ZeRO 0-3, sp, micro-batch
-    size, recomputation, 1F1B or interleaved (v = 2)."""
-    for tp in _divisors(gpus, hw.gpus_per_node):
-        for cp in (k for k in _divisors(gpus // tp) if k & (k - 1) == 0 and k <= 16):
+SPACE = dict(  # what `candidates` enumerates; a run's `available` narrows it
+    max_tp=None,  # None: a node
+    cp=(1, 2, 4, 8, 16),
+    zero=(0, 1, 2, 3),
+    sp=(False, True),
+    recompute=("none", "selective", "full"),
+    schedules=(("1f1b", 1), ("interleaved", 2)),
+    micro_batches=(1, 2, 4, 8),
+    zero_with_pp=False,  # ZeRO-2/3 together with pp > 1 (picotron, DeepSpeed and Megatron refuse it; FSDP + PP allows)
+)
+
+
+def candidates(mc, gpus, hw, seq_len, global_seqs, space=None):
+    """Every layout of the job in `space` (SPACE by default): tp dividing a node (or whole nodes up to max_tp), cp, pp
+    up to the layers,
+    dp = the rest, ep (MoE), micro-batch size, ZeRO stage, sp, recomputation, pipeline schedule. A micro-batch size
+    that does not divide the batch comes out once, with grad_acc = 0."""
+    sp_ = {**SPACE, **(space or {})}
+    node = hw.gpus_per_node
+    for tp in (k for k in _divisors(gpus, sp_["max_tp"] or node) if (node % k == 0 if k <= node else k % node == 0)):
+        for cp in (k for k in _divisors(gpus // tp) if k in sp_["cp"]):
             for pp in _divisors(gpus // (tp * cp), mc.num_hidden_layers):
                 dp = gpus // (tp * cp * pp)
                 for ep in (_divisors(math.gcd(dp, mc.num_local_experts)) if mc.is_moe else [1]):
-                    for mbs in micro_batches:
+                    for mbs in sp_["micro_batches"]:
                         if global_seqs % (dp * mbs):
                             yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch_size=mbs, grad_acc=0)
                             continue
                         ga = global_seqs // (dp * mbs)
-                        for zero in (0, 1, 2, 3):
-                            for sp in ((False, True) if tp > 1 else (False,)):
-                                for recompute in ("none", "selective", "full"):
-                                    for sched, v in ((("1f1b", 1), ("interleaved", 2)) if pp > 1 else (("1f1b", 1),)):
+                        for zero in sp_["zero"]:
+                            for sp in (sp_["sp"] if tp > 1 else (False,)):
+                                for recompute in sp_["recompute"]:
+                                    for sched, v in (sp_["schedules"] if pp > 1 else (("1f1b", 1),)):
                                         yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero, pp_schedule=sched,
                                                      pp_chunks=v, micro_batch_size=mbs, grad_acc=ga, recompute=recompute)
 
@@ -214,26 +285,42 @@ class Plan:
     rejected: list  # [(layout, reason)]
 
 
-def search(mc, gpus, hw, seq_len, global_seqs, dtype="bf16", recipe="mixed"):
-    """Rank every feasible layout by predicted tokens/s (ties: less memory); keep each rejected one's reason."""
+def search(mc, gpus, hw, seq_len, global_seqs, dtype="bf16", recipe="mixed", space=None):
+    """Rank every feasible layout by predicted tokens/s (ties: less memory, then fewer strategies); keep each rejected
+    one's reason. tp wider than a node is searched only when space["max_tp"] asks for it (then it runs, flagged)."""
     ranked, rejected = [], []
-    for layout in candidates(mc, gpus, hw, seq_len, global_seqs):
+    cross = bool(space and (space.get("max_tp") or 0) > hw.gpus_per_node)
+    zpp = bool(space and space.get("zero_with_pp"))
+    for layout in candidates(mc, gpus, hw, seq_len, global_seqs, space):
         if layout.grad_acc == 0:
             rejected.append((layout, f"the global batch of {global_seqs} sequences is not divisible by dp·mbs = "
                                      f"{layout.dp}·{layout.micro_batch_size}"))
             continue
-        mem, why = check_layout(mc, layout, seq_len, hw, global_seqs, dtype, recipe)
+        mem, why = check_layout(mc, layout, seq_len, hw, global_seqs, dtype, recipe, cross_node_tp=cross,
+                                zero_with_pp=zpp)
         if why:
             rejected.append((layout, why))
         else:
-            ranked.append((layout, mem, step_time(mc, layout, seq_len, hw, dtype)))
-    ranked.sort(key=lambda r: (-r[2]["tokens_per_s"], r[1]["total"]))
+            ranked.append((layout, mem, step_time(mc, layout, seq_len, hw, dtype, recipe)))
+    ranked.sort(key=lambda r: (-round(r[2]["tokens_per_s"], 6), r[1]["total"], _complexity(r[0])))
     return Plan(ranked, rejected)
 
 
+def _complexity(layout):
+    return (sum(getattr(layout, k) > 1 for k in ("tp", "pp", "cp", "ep")) + layout.sp + layout.zero,
+            str(layout))
+
+
 def rank_of(plan, layout):
-    """1-based rank of `layout` in the plan (ignoring nothing), or None if it was not a candidate or was rejected."""
+    """1-based rank of `layout` in the plan, or None if it was not a candidate or was rejected."""
     return next((i for i, (lay, _, _) in enumerate(plan.ranked, 1) if lay == layout), None)
+
+
+def why_faster(slow, fast):
+    """One clause: the parts of the step where `fast` (a step_time row) saves the most time over `slow`."""
+    gains = sorted(((slow[k] - fast[k], k) for k in ("compute", "tp", "cp", "ep", "pp", "bubble", "dp")), reverse=True)
+    said = [f"{k} {slow[k]:.2f} -> {fast[k]:.2f} s" for g, k in gains if g > 0.02 * slow["total"]][:3]
+    return ", ".join(said) or "about the same parts"
 
 
 # -------------------------------------------------------------------------------------------- published runs
@@ -249,6 +336,10 @@ class Published:
     tflops: float  # published TFLOP/s per GPU
     source: str
     counts_recompute: bool = True  # the published figure counts the recomputed forward (Megatron's eq. 3)
+    available: dict = field(default_factory=dict)  # the search space the run's software offered (SPACE overrides)
+    memory_gb: float = 0.0  # published memory per GPU (GB), 0 if not published
+    recipe: str = "mixed"  # the bytes per parameter of its precision recipe (planner.RECIPES)
+    notes: str = ""  # what we had to assume
 
 
 def _gpt(h, layers, heads, vocab):
@@ -259,51 +350,100 @@ def _gpt(h, layers, heads, vocab):
                 tie_word_embeddings=True)
 
 
+def _preset(name):
+    from picotron.model import PRESETS
+    return dict(PRESETS[name])
+
+
 JEAN_ZAY = replace(GPUS["a100-80gb"], name="A100 80GB (Jean Zay)", inter_bw=4 * 100e9 / 8 / 8,
                    source="BLOOM paper §3.4.1: 48 nodes of 8 A100 80GB, NVLink inside, 4 x 100 Gb/s Omni-Path per node")
+# What each run's software offered (2021-22 Megatron: no ZeRO, no sequence parallelism or selective recomputation, which
+# Korthikanti et al. added in 2022; no context parallelism; Megatron-DeepSpeed's pipeline: 1F1B only).
+MEGATRON_2021 = dict(zero=(0,), sp=(False,), cp=(1,), recompute=("none", "full"),
+                     schedules=(("1f1b", 1), ("interleaved", 2)))
+MEGATRON_DEEPSPEED_2022 = dict(zero=(0, 1), sp=(False,), cp=(1,), recompute=("none", "full"), schedules=(("1f1b", 1),))
 PUBLISHED = [
-    Published("BLOOM-176B", _gpt(14336, 70, 112, 250880), 384, JEAN_ZAY,
+    Published("BLOOM-176B", _preset("bloom-176b"), 384, JEAN_ZAY,
               Layout(dp=8, tp=4, pp=12, zero=1, micro_batch_size=2, grad_acc=128, recompute="full"), 2048, 2048, 150,
-              "BigScience, BLOOM (arXiv:2211.05100) §3.4: tp 4, pp 12, dp 8, ZeRO-1, global batch 2048 x 2048 tokens, "
-              "about 150 TFLOP/s per GPU"),
+              "BigScience, tr11-176B-ml.slurm (github.com/bigscience-workshop/bigscience, train/tr11-176B-ml): TP_SIZE=4, "
+              "PP_SIZE=12, MICRO_BATCH_SIZE=2, GLOBAL_BATCH_SIZE=2048, SEQ_LEN=2048, --checkpoint-activations, bf16 "
+              "optimizer 'its own zero stage 1'; the BigScience 176B model page: 384 A100 80GB, 'one copy of the model "
+              "takes 48 GPUs (using 60 GB of memory on each GPU)', 'about 150 TFLOPs'; BLOOM paper (arXiv:2211.05100) §3.4",
+              available=MEGATRON_DEEPSPEED_2022, memory_gb=60, recipe="mixed-fp32-grads",
+              notes="ALiBi and a 4h GELU MLP described as a Llama of the same size (bloom-176b preset); DeepSpeed's "
+                    "BF16 optimizer accumulates gradients in fp32"),
     Published("Megatron GPT 145.6B", _gpt(12288, 80, 96, 51200), 1536, GPUS["a100-80gb"],
               Layout(dp=24, tp=8, pp=8, pp_schedule="interleaved", pp_chunks=2, micro_batch_size=1, grad_acc=96,
                      recompute="full"), 2048, 2304, 148,
-              "Narayanan et al. 2021 (arXiv:2104.04473) Table 1: tp 8, pp 8, 1536 A100, batch 2304, 148 TFLOP/s per GPU"),
+              "Narayanan et al. 2021 (arXiv:2104.04473) Table 1: 96 heads, h 12288, 80 layers, tp 8, pp 8, 1536 A100, "
+              "batch 2304, 148 TFLOP/s per GPU (47% of peak)", available=MEGATRON_2021,
+              notes="micro-batch 1, 2 chunks per rank and full recomputation assumed"),
     Published("Megatron GPT 1T", _gpt(25600, 128, 160, 51200), 3072, GPUS["a100-80gb"],
               Layout(dp=6, tp=8, pp=64, pp_schedule="interleaved", pp_chunks=2, micro_batch_size=1, grad_acc=512,
                      recompute="full"), 2048, 3072, 163,
-              "Narayanan et al. 2021 Table 1: tp 8, pp 64, 3072 A100, batch 3072, 163 TFLOP/s per GPU (52% of peak)"),
-    Published("Llama 3 405B", dict(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                                    num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=8192),
-              16384, GPUS["h100-80gb"], Layout(dp=128, tp=8, pp=16, sp=True, zero=1, pp_schedule="interleaved",
-                                               pp_chunks=4, micro_batch_size=1, grad_acc=16, recompute="full"), 8192, 2048,
-              400, "Llama 3 paper (arXiv:2407.21783) Table 4: 16,384 H100, tp 8, cp 1, pp 16, dp 128, seq 8192, "
-                   "16M tokens per batch, an interleaved schedule, 400 TFLOP/s per GPU (41% MFU: model FLOPs). Not "
-                   "stated there: sp, the ZeRO stage, the chunks per rank and recomputation; we take sp, ZeRO-1, v = 4 "
-                   "and full recomputation (without it the first stage does not fit 80 GB in this model)",
-              counts_recompute=False),
+              "Narayanan et al. 2021 Table 1: 160 heads, h 25600, 128 layers, tp 8, pp 64, 3072 A100, batch 3072, "
+              "163 TFLOP/s per GPU (52% of peak)", available=MEGATRON_2021,
+              notes="micro-batch 1, 2 chunks per rank and full recomputation assumed"),
+    Published("Llama 3 405B", _preset("llama3-405b"), 16384, GPUS["h100-80gb"],
+              Layout(dp=128, tp=8, pp=16, sp=True, zero=2, pp_schedule="interleaved", pp_chunks=7, micro_batch_size=1,
+                     grad_acc=16, recompute="none"), 8192, 2048, 400,
+              "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Table 4: 16,384 H100, tp 8, cp 1, pp 16, dp 128, "
+              "seq 8192, 16M tokens per batch, 400 TFLOP/s per GPU, 41% BF16 MFU; §3.3.2: an interleaved schedule, "
+              "FSDP sharding optimizer states and gradients (weights kept after the forward), 'pre-train Llama 3 on "
+              "sequences of 8K tokens without activation checkpointing'",
+              counts_recompute=False, recipe="mixed-fp32-grads", available={"zero_with_pp": True},
+              notes="chunks per rank not published: 126 layers = 16 x 8 - 2 suggests 8 with the first and last chunks "
+                    "holding only the embedding and the head (as the paper describes); our pipeline needs a layer in "
+                    "every chunk, so v = 7; sp assumed; its FSDP as ZeRO-2 with fp32 gradients (weights whole during the "
+                    "step, gradients reduce-scattered in fp32 every micro-batch)"),
 ]
 
 
 def evaluate_published(run, rank=True):
-    """{fits, why, memory, time, predicted_tflops (counted as published: with the recomputed forward), ratio, rank,
-    of, best} for one published run; rank=False skips the search (seconds for the largest runs)."""
+    """For one published run: {fits, why, memory, time, predicted_tflops (counted as published: with the recomputed
+    forward where it was), ratio (predicted / published)}; with rank: its place among every layout of the job
+    (rank, of, best, why_best) and among those its software offered (rank_available, of_available, best_available,
+    why_available), plus above / above_less_recompute / above_fewer_stages (the layouts ranked above it)."""
     from picotron.model import ModelConfig
     mc = ModelConfig(**run.model)
-    mem, why = check_layout(mc, run.layout, run.seq_len, run.hardware, run.global_seqs)
-    time = step_time(mc, run.layout, run.seq_len, run.hardware)
+    space = {**SPACE, **run.available}
+    mem, why = check_layout(mc, run.layout, run.seq_len, run.hardware, run.global_seqs, recipe=run.recipe,
+                            zero_with_pp=space["zero_with_pp"])
+    time = step_time(mc, run.layout, run.seq_len, run.hardware, recipe=run.recipe)
     predicted = time["hardware_tflops" if run.counts_recompute else "tflops"]
     out = dict(fits=why is None, why=why, memory=mem, time=time, predicted_tflops=predicted, ratio=predicted / run.tflops)
     if rank:
-        plan = search(mc, run.gpus, run.hardware, run.seq_len, run.global_seqs)
+        # the full space plus the run's own schedule (so that its layout is a candidate)
+        own = {"schedules": tuple(dict.fromkeys(SPACE["schedules"] + ((run.layout.pp_schedule, run.layout.pp_chunks),))),
+               "micro_batches": tuple(sorted(set(SPACE["micro_batches"]) | {run.layout.micro_batch_size})),
+               "zero_with_pp": space["zero_with_pp"]}
+        plan = search(mc, run.gpus, run.hardware, run.seq_len, run.global_seqs, recipe=run.recipe, space=own)
         k = rank_of(plan, run.layout)
         above = [lay for lay, _, _ in plan.ranked[:(k or 1) - 1]]
         out.update(rank=k, of=len(plan.ranked), best=plan.ranked[0] if plan.ranked else None,
+                   above=len(above),
                    above_less_recompute=sum(RECOMPUTE_ORDER[a.recompute] < RECOMPUTE_ORDER[run.layout.recompute]
                                             for a in above),
-                   above_fewer_stages=sum(a.pp < run.layout.pp for a in above), above=len(above))
+                   above_fewer_stages=sum(a.pp < run.layout.pp for a in above))
+        out["why_best"] = why_faster(time, plan.ranked[0][2]) if plan.ranked else ""
+        narrow = {**own, **run.available,
+                  "micro_batches": own["micro_batches"]}
+        narrow["schedules"] = tuple(sch for sch in narrow["schedules"])
+        kept = Plan([r for r in plan.ranked if _within(r[0], narrow)], [])
+        k2 = rank_of(kept, run.layout)
+        out.update(rank_available=k2, of_available=len(kept.ranked),
+                   best_available=kept.ranked[0] if kept.ranked else None,
+                   why_available=why_faster(time, kept.ranked[0][2]) if kept.ranked else "")
     return out
+
+
+def _within(layout, space):
+    """Whether `layout` lies in `space` (SPACE overridden)."""
+    sp_ = {**SPACE, **space}
+    return (layout.zero in sp_["zero"] and layout.sp in sp_["sp"] + ((False,) if layout.tp == 1 else ())
+            and layout.cp in sp_["cp"] and layout.recompute in sp_["recompute"]
+            and (layout.pp == 1 or (layout.pp_schedule, layout.pp_chunks) in sp_["schedules"])
+            and layout.micro_batch_size in sp_["micro_batches"])
 
 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
@@ -311,61 +451,108 @@ RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 
 # ----------------------------------------------------------------------------------------------- command line
 def _tokens(text):
-    """'4M', '512K', '1G' or a plain number of tokens."""
+    """'4M', '512K', '1G' or a plain number of tokens (K = 1024)."""
     t = str(text).strip().upper()
     scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(t[-1:], 1)
     try:
-        return int(float(t[:-1] if scale > 1 else t) * scale)
+        value = float(t[:-1] if scale > 1 else t) * scale
     except ValueError:
-        raise ValueError(f"--global-batch-tokens {text!r} is not a number of tokens; write e.g. 4M, 512K or 1048576.")
-
-
-def build_parser():
-    from picotron.config import MODEL_FIELDS
-    from picotron.model import PRESETS
-    p = argparse.ArgumentParser(prog="python -m picotron.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
-    for field in MODEL_FIELDS:
-        p.add_argument("--" + field.replace("_", "-"), type=int, default=None)
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
-    p.add_argument("--gpus-per-node", type=int, default=None)
-    p.add_argument("--memory-gib", type=float, default=None, help="memory per GPU (default: the GPU's)")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch-tokens", default="1M")
-    p.add_argument("--layout", default=None, help="evaluate this layout, e.g. tp8,pp16,dp128,zero1,mbs1")
-    p.add_argument("--top", type=int, default=10)
-    p.add_argument("--published", action="store_true", help="evaluate the published runs instead")
-    return p
+        value = float("nan")
+    if not (value >= 1 and value == int(value)):
+        raise PlanError(f"--global-batch-tokens {text!r} is not a number of tokens; write e.g. 4M, 512K or 1048576.")
+    return int(value)
 
 
 class PlanError(ValueError):
     pass
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        print(f"picotron.plan: error: {message}; see --help.", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser():
+    """The training command's model flags (a preset, then any ModelConfig field, the MoE flags), then the job."""
+    from picotron.config import MODEL_FIELDS, MOE_FIELDS
+    p = _Parser(prog="python -m picotron.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama3-8b", help="a model preset (picotron.model.PRESETS); default llama3-8b")
+    for name in MODEL_FIELDS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None, metavar="N", help=f"model override: {name}")
+    p.add_argument("--experts", type=int, default=None, metavar="E", help="experts per MoE layer (0 = dense)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="experts per token")
+    p.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--attn-impl", choices=("sdpa", "eager"), default=None)
+    assert {"experts", "top_k"} <= set(MOE_FIELDS)
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: --nodes x --gpus-per-node, the "
+                                                         "layout's, or 8)")
+    p.add_argument("--nodes", type=int, default=None)
+    p.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--memory-gib", type=float, default=None, help="memory per GPU (default: the GPU's)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step: 4M, 512K (K = 1024) or a number")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="element size of activations and messages")
+    p.add_argument("--recipe", choices=("mixed", "mixed-fp32-grads", "ours"), default="mixed",
+                   help="bytes per parameter and activations: bf16 mixed precision 2+2+12 (default), with fp32 gradient "
+                        "accumulation 2+4+12, or picotron's fp32 trainer 4+4+8"),
+    p.add_argument("--layout", default=None, help="evaluate this layout, e.g. tp8,pp16,dp128 (+ zero1, sp, mbs2, ga8, "
+                                                  "interleaved, v2, recompute-full)")
+    p.add_argument("--max-tp", type=int, default=None, help="search tp up to this (beyond a node: flagged)")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--published", action="store_true", help="evaluate and rank the published runs instead")
+    return p
+
+
 def _job(ns):
-    from picotron.config import MODEL_FIELDS
-    from picotron.model import ModelConfig
+    from picotron.config import MODEL_FIELDS, MOE_FIELDS
+    from picotron.model import PRESETS, ModelConfig
+    if ns.preset not in PRESETS:
+        raise PlanError(f"--preset {ns.preset!r} is not a known model; pick one of {', '.join(PRESETS)} (or describe it "
+                        f"with --hidden-size, --num-hidden-layers, ...).")
     if ns.gpu not in GPUS:
         raise PlanError(f"--gpu {ns.gpu!r} is not known; pick one of {', '.join(GPUS)}.")
     hw = GPUS[ns.gpu]
+    for flag in ("gpus", "nodes", "gpus_per_node", "seq_len", "top", "max_tp"):
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            raise PlanError(f"--{flag.replace('_', '-')} {value} must be at least 1.")
     if ns.gpus_per_node:
         hw = replace(hw, gpus_per_node=ns.gpus_per_node)
-    if ns.memory_gib:
+    if ns.memory_gib is not None:
+        if not ns.memory_gib > 0:
+            raise PlanError(f"--memory-gib {ns.memory_gib} must be positive; e.g. --memory-gib 40.")
         hw = replace(hw, memory=ns.memory_gib * GiB)
-    if ns.gpus < 1:
-        raise PlanError(f"--gpus {ns.gpus} must be at least 1.")
     overrides = {f: getattr(ns, f) for f in MODEL_FIELDS if getattr(ns, f, None) is not None}
+    for ours in ("experts", "top_k"):
+        if getattr(ns, ours) is not None:
+            overrides[MOE_FIELDS[ours]] = getattr(ns, ours)
+    for name in ("tie_word_embeddings", "attn_impl"):
+        if getattr(ns, name) is not None:
+            overrides[name] = getattr(ns, name)
+    bad = next((f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if isinstance(v, int) and not
+                isinstance(v, bool) and v < (0 if k == "num_local_experts" else 1)), None)
+    if bad:
+        raise PlanError(f"{bad} must be a positive number.")
     mc = ModelConfig.from_preset(ns.preset, **overrides)
+    if mc.hidden_size % mc.num_attention_heads or mc.num_attention_heads % mc.num_key_value_heads:
+        raise PlanError(f"hidden_size {mc.hidden_size}, {mc.num_attention_heads} heads and {mc.num_key_value_heads} KV "
+                        f"heads do not nest (heads must divide hidden_size, KV heads the heads); change one of them.")
+    nodes_gpus = ns.nodes * hw.gpus_per_node if ns.nodes else None
+    if ns.gpus and nodes_gpus and ns.gpus != nodes_gpus:
+        raise PlanError(f"--gpus {ns.gpus} is not --nodes {ns.nodes} x {hw.gpus_per_node} GPUs per node; give one of them.")
+    gpus = ns.gpus or nodes_gpus or (Layout.parse(ns.layout).gpus if ns.layout else 8)
     tokens = _tokens(ns.global_batch_tokens)
-    if tokens % ns.seq_len or tokens < ns.seq_len:
+    if tokens % ns.seq_len:
         raise PlanError(f"--global-batch-tokens {tokens} is not a whole number of sequences of --seq-len {ns.seq_len}; "
                         f"use a multiple of {ns.seq_len} (e.g. {max(1, tokens // ns.seq_len) * ns.seq_len}).")
-    return mc, hw, tokens // ns.seq_len
+    return mc, hw, gpus, tokens // ns.seq_len
 
 
-def _row(layout, mem, t):
-    return (f"{str(layout):52s} {mem['total'] / GiB:7.1f} {t['total']:8.3f} {t['tokens_per_s']:11,.0f} "
+def _row(layout, mem, t, hw=None):
+    flag = "*" if hw is not None and _link(hw, layout.tp)[1] != hw.intra_bw else ""
+    return (f"{str(layout) + flag:52s} {mem['total'] / GiB:7.1f} {t['total']:8.3f} {t['tokens_per_s']:11,.0f} "
             f"{100 * t['mfu']:5.1f}%  " + " ".join(f"{k} {100 * t[k] / t['total']:.0f}%" for k in
                                                    ("compute", "tp", "cp", "ep", "pp", "bubble", "dp") if t[k] > 0))
 
@@ -373,57 +560,80 @@ def _row(layout, mem, t):
 HEADER = f"{'layout':52s} {'GiB/GPU':>7s} {'step s':>8s} {'tokens/s':>11s} {'MFU':>6s}  step time by part"
 
 
+def _describe(name, mc, gpus, hw, seq_len, seqs):
+    return (f"{name} ({mc.num_params() / 1e9:.2f} B parameters) on {gpus} x {hw.name} ({hw.memory / GiB:.1f} GiB, "
+            f"{hw.gpus_per_node} per node), seq {seq_len}, {seqs} sequences ({seqs * seq_len:,} tokens) per step")
+
+
+def print_published(runs=None, rank=True, out=print):
+    """The published runs against the model: fits, predicted vs published throughput, rank and why others rank higher."""
+    for run in runs or PUBLISHED:
+        r = evaluate_published(run, rank=rank)
+        mem = r["memory"]
+        shown = f"{mem['total'] / GiB:.1f} GiB per GPU" + (f" (published {run.memory_gb:.0f} GB)" if run.memory_gb else "")
+        out(f"{run.name}: {run.gpus:,} x {run.hardware.name}, {run.layout}: "
+            f"{'fits, ' + shown if r['fits'] else 'REJECTED: ' + r['why']}; predicted {r['predicted_tflops']:.0f} "
+            f"TFLOP/s per GPU vs published {run.tflops:.0f} ({r['ratio']:.2f}x)")
+        if r.get("rank"):
+            best, _, t = r["best"]
+            out(f"    rank {r['rank']} of {r['of']}; of the {r['above']} above it {r['above_less_recompute']} recompute "
+                f"less; the fastest, {best}, {t['tokens_per_s'] / r['time']['tokens_per_s']:.2f}x: {r['why_best']}")
+            if r.get("rank_available"):
+                best, _, t = r["best_available"]
+                out(f"    with what its software offered: rank {r['rank_available']} of {r['of_available']}; the fastest, "
+                    f"{best}, {t['tokens_per_s'] / r['time']['tokens_per_s']:.2f}x: {r['why_available']}")
+        if run.notes:
+            out(f"    assumed: {run.notes}")
+
+
 def main(argv=None):
     ns = build_parser().parse_args(argv)
     try:
         if ns.published:
-            for run in PUBLISHED:
-                r = evaluate_published(run, rank=run.gpus <= 4096)
-                where = f"rank {r['rank']} of {r['of']}" if r.get("rank") else "not ranked"
-                print(f"{run.name}: {run.gpus} x {run.hardware.name}, {run.layout}: "
-                      f"{'fits' if r['fits'] else 'REJECTED: ' + r['why']}; predicted {r['predicted_tflops']:.0f} "
-                      f"TFLOP/s per GPU vs published {run.tflops:.0f} ({r['ratio']:.2f}x); {where}")
-                if r.get("rank"):
-                    best, _, t = r["best"]
-                    print(f"    of the {r['above']} predicted faster, {r['above_less_recompute']} recompute less and "
-                          f"{r['above_fewer_stages']} use fewer pipeline stages; the fastest: {best} "
-                          f"({t['tokens_per_s'] / r['time']['tokens_per_s']:.2f}x its tokens/s)")
+            print_published()
             return 0
-        mc, hw, seqs = _job(ns)
+        mc, hw, gpus, seqs = _job(ns)
         if ns.layout:
             layout = Layout.parse(ns.layout)
-            if layout.gpus != ns.gpus:
-                raise PlanError(f"--layout {ns.layout!r} uses {layout.gpus} GPUs (dp·tp·pp·cp), not --gpus {ns.gpus}; "
+            if layout.gpus != gpus:
+                raise PlanError(f"--layout {ns.layout!r} uses {layout.gpus} GPUs (dp·tp·pp·cp), not {gpus}; "
                                 f"change a degree or --gpus.")
             if "ga" not in ns.layout:
                 layout = replace(layout, grad_acc=max(1, seqs // (layout.dp * layout.micro_batch_size)))
-            mem, why = check_layout(mc, layout, ns.seq_len, hw, seqs)
-            t = step_time(mc, layout, ns.seq_len, hw)
-            print(f"{ns.preset} ({mc.num_params() / 1e9:.2f} B parameters) on {ns.gpus} x {hw.name}, seq {ns.seq_len}, "
-                  f"{seqs} sequences per step")
+            mem, why = check_layout(mc, layout, ns.seq_len, hw, seqs, ns.dtype, ns.recipe, cross_node_tp=True)
+            print(_describe(ns.preset, mc, gpus, hw, ns.seq_len, seqs))
+            if _link(hw, layout.tp)[1] != hw.intra_bw:
+                print(f"note: tp={layout.tp} crosses nodes of {hw.gpus_per_node}: its all-reduces run on the network")
             print(f"{layout}: " + ("fits" if why is None else "does not run: " + why))
             if mem:
-                print("memory per GPU (GiB): " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in mem.items()))
+                stages = [r["total"] / GiB for r in memory_per_stage(mc, layout, ns.seq_len, ns.dtype, ns.recipe)]
+                print("memory per GPU (GiB), busiest stage: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in mem.items())
+                      + ("; total per stage: " + ", ".join(f"{x:.1f}" for x in stages) if len(stages) > 1 else ""))
+            t = step_time(mc, layout, ns.seq_len, hw, ns.dtype)
             print(HEADER)
-            print(_row(layout, mem or {"total": float("nan")}, t))
+            print(_row(layout, mem or {"total": float("nan")}, t, hw))
+            print(f"predicted: {t['total']:.3f} s per step, {t['tokens_per_s']:,.0f} tokens/s, {t['tflops']:.0f} TFLOP/s "
+                  f"per GPU of model FLOPs, MFU {100 * t['mfu']:.1f}% (efficiency {hw.efficiency:.2f} of the peak)")
             return 0 if why is None else 1
-        plan = search(mc, ns.gpus, hw, ns.seq_len, seqs)
-        print(f"{ns.preset} ({mc.num_params() / 1e9:.2f} B parameters) on {ns.gpus} x {hw.name}, seq {ns.seq_len}, "
-              f"{seqs} sequences ({seqs * ns.seq_len:,} tokens) per step: {len(plan.ranked)} layouts fit, "
+        space = {"max_tp": ns.max_tp} if ns.max_tp else None
+        plan = search(mc, gpus, hw, ns.seq_len, seqs, ns.dtype, ns.recipe, space)
+        print(_describe(ns.preset, mc, gpus, hw, ns.seq_len, seqs) + f": {len(plan.ranked)} layouts fit, "
               f"{len(plan.rejected)} rejected")
         print(HEADER)
         for layout, mem, t in plan.ranked[:ns.top]:
-            print(_row(layout, mem, t))
+            print(_row(layout, mem, t, hw))
+        if any(_link(hw, lay.tp)[1] != hw.intra_bw for lay, _, _ in plan.ranked[:ns.top]):
+            print(f"* tp crosses nodes of {hw.gpus_per_node} GPUs")
         reasons = {}
         for layout, why in plan.rejected:
-            key = why.split(":")[0] if why.startswith("does not fit") else why.split(" ")[0] + " " + why.split(" ")[1]
-            reasons.setdefault(key, (0, layout, why))
-            reasons[key] = (reasons[key][0] + 1, *reasons[key][1:])
+            key = why.split(":")[0] if why.startswith("does not fit") else " ".join(why.split(" ")[:2])
+            n, first, text = reasons.get(key, (0, layout, why))
+            reasons[key] = (n + 1, first, text)
         print("rejected, by reason (one example each):")
         for key, (n, layout, why) in sorted(reasons.items(), key=lambda kv: -kv[1][0]):
             print(f"  {n:6d} x  {layout}: {why}")
         return 0 if plan.ranked else 1
-    except (PlanError, ValueError) as e:
+    except ValueError as e:
         print(f"picotron.plan: error: {e}", file=sys.stderr)
         return 2
 

@@ -385,14 +385,21 @@ def _edge_activations(mc, layout, seq_len, dtype, first, last):
     return out
 
 
+# Bytes per parameter (params, grads, optimizer state) of each recipe: "ours" = picotron's trainer (fp32 weights are
+# their own master copy, AdamW's two moments); "mixed" = the ZeRO paper's bf16 mixed precision (bf16 weights and
+# gradients, an fp32 master copy and the moments); "mixed-fp32-grads" = the same with gradients accumulated in fp32, as
+# Megatron-LM does under bf16, DeepSpeed's BF16 optimizer and Llama 3 (its paper, section 3.3.2) do.
+RECIPES = {"ours": (4, 4, 8), "mixed": (2, 2, 12), "mixed-fp32-grads": (2, 4, 12)}
+
+
 def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     """[{params, grads, optimizer, activations, total}] in bytes, one per pipeline stage, for ONE rank of it at
     the step's peak. recipe "ours": what picotron's trainer holds and accounts (fp32 parameters, gradients and
     AdamW moments, `activation_bytes` of our code); "mixed": the textbook bf16 recipe for planning GPU runs
-    (2 + 2 + 12 bytes per parameter, `mixed_activation_bytes_per_layer`). The activations at the peak: each chunk
+    (2 + 2 + 12 bytes per parameter, `mixed_activation_bytes_per_layer`); "mixed-fp32-grads": 2 + 4 + 12 (RECIPES). The activations at the peak: each chunk
     of layers the rank holds times its micro-batches alive at the worst moment of the schedule (`_replay`)."""
-    if recipe not in ("ours", "mixed"):
-        raise ValueError(f"recipe={recipe!r}; use 'ours' or 'mixed'.")
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe={recipe!r}; use one of {', '.join(RECIPES)}.")
     _check(dtype, layout.recompute)
     shard = layout.dp * layout.cp  # the ranks ZeRO shards over
     eshard = max(1, shard // layout.ep)
@@ -407,7 +414,7 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
         layer = mixed_activation_bytes_per_layer(mc, seq_len // layout.cp, layout.micro_batch_size, layout.tp,
                                                  layout.sp, layout.recompute)
         edge = lambda first, last: _mixed_edge(mc, layout, seq_len, first, last)  # noqa: E731
-    P, G, K = {"ours": (4, 4, 8), "mixed": (2, 2, 12)}[recipe]
+    P, G, K = RECIPES[recipe]
     out = []
     for rank in range(layout.pp):
         held = [rank] if v == 1 else ([rank + layout.pp * k for k in range(v)] if layout.pp_schedule == "interleaved"
