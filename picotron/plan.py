@@ -302,7 +302,7 @@ def search(mc, gpus, hw, seq_len, global_seqs, dtype="bf16", recipe="mixed", spa
             rejected.append((layout, why))
         else:
             ranked.append((layout, mem, step_time(mc, layout, seq_len, hw, dtype, recipe)))
-    ranked.sort(key=lambda r: (-round(r[2]["tokens_per_s"], 6), r[1]["total"], _complexity(r[0])))
+    ranked.sort(key=lambda r: (-float(f"{r[2]['tokens_per_s']:.9g}"), r[1]["total"], _complexity(r[0])))
     return Plan(ranked, rejected)
 
 
