@@ -607,8 +607,10 @@ def plot_decisions(rows):
         _legend_below(ax, ncol=3, dy=-0.18)
     ax1.set(ylabel="predicted MFU of the best layout (%)", title="step 3: the fastest layout that fits and reaches "
                                                                  "the batch")
-    ax2.axhline(80e9 / 2**30, color="k", ls="--", lw=0.8)
-    ax2.set(ylabel="GiB per GPU (busiest stage)", title="its memory (dashed: 80 GB)")
+    hw = rows[0]["hw"]
+    ax2.axhline(hw.memory / 2**30, color="k", ls="--", lw=0.8)
+    ax2.set(ylabel="GiB per GPU (busiest stage)", title=f"its memory (dashed: the {hw.memory / 2**30:.1f} GiB of an "
+                                                         f"{hw.name.split()[0]})")
     for ax in (ax1, ax2):
         ax.title.set_fontsize(9)
     fig.tight_layout()
