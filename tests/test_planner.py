@@ -327,3 +327,42 @@ def test_bloom_is_ranked_among_the_candidates_with_the_reasons_above_it():
     assert "compute" in r["why_best"] or "bubble" in r["why_best"]
     # its published memory (60 GB on each GPU, nvidia-smi's view) is more than the model counts
     assert 0.5 < r["memory"]["total"] / (bloom.memory_gb * 1e9) < 1
+
+
+# ------------------------------------------------------------------------------ the time model against runs
+def _time_bench():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "planner_time.py"
+    spec = importlib.util.spec_from_file_location("planner_time", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rank_correlation_by_hand():
+    pt = _time_bench()
+    assert list(pt.ranks([3, 1, 3, 2])) == [3.5, 1, 3.5, 2]  # the tie shares ranks 3 and 4
+    assert pt.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert pt.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert pt.spearman([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(1 - 6 * 2 / (4 * 15))  # 1 - 6Σd²/(n(n²-1))
+
+
+def test_the_committed_time_table_is_todays_model():
+    """figures/09_planner_time.json (lesson 09) holds measured times and the planner's predictions from the measured
+    hardware; if plan.step_time changes, the predictions must be redone: python benchmarks/planner_time.py --out ..."""
+    import json
+    from pathlib import Path
+    pt = _time_bench()
+    table = json.loads((Path(__file__).resolve().parents[1] / "figures" / "09_planner_time.json").read_text())
+    assert [r["layout"] for r in table["rows"]] == pt.LAYOUTS
+    assert len({pt.name_of(x) for x in pt.LAYOUTS}) == len(pt.LAYOUTS)
+    peaks = {1: table["peak"], 2: table["peak_beside"]}
+    for r in table["rows"]:
+        hw = plan.cpu_hardware(peaks[r["processes"]], table["link"]["alpha"], table["link"]["bw"], cores=2,
+                               efficiency=table["efficiency"])
+        assert pt.predict(r["layout"], hw)["total"] == pytest.approx(r["predicted"], rel=1e-9), \
+            f"{r['name']}: plan.step_time changed since the table was measured; rerun benchmarks/planner_time.py"
+    assert table["rows"][0]["ratio"] == pytest.approx(1.0)  # the efficiency was fitted on the one-process run
+    assert pt.spearman([r["predicted"] for r in table["rows"]], [r["measured"] for r in table["rows"]]) == \
+        pytest.approx(table["spearman"])

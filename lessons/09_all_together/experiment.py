@@ -13,7 +13,6 @@ same global batch (grad_acc x dp micro-batches) on rank 0, the reference of the 
 """
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -416,7 +415,7 @@ def plot_grid4d(sizes, gpus_per_node):
         k = info[axis]
         inter = sum(x == "inter" for x in k["links"])
         ax.set_title(f"{axis}: {len(k['groups'])} groups of {k['size']}\n"
-                     + (f"all inside a node" if not inter else f"{inter} of {len(k['groups'])} cross nodes"),
+                     + ("all inside a node" if not inter else f"{inter} of {len(k['groups'])} cross nodes"),
                      fontsize=9, color=AXIS_COLORS[axis])
         ax.set(xlim=(0, cols), ylim=(-rows - 0.05, 0.05), aspect="equal")
         ax.axis("off")
@@ -578,6 +577,44 @@ def plot_memory_check(pm):
                                                   f"{pm['settings']['micro_batch_size']}, fp32)")
     ax.title.set_fontsize(9)
     ax.legend(fontsize=FONT, ncol=5, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_time_check(pt):
+    """Every layout of benchmarks/planner_time.py: measured step time (x) against the planner's prediction (y) on this
+    machine as plan.cpu_hardware describes it (left), and the predicted step by part beside the measured total (right)."""
+    import matplotlib.pyplot as plt
+
+    rows = pt["rows"]
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["measured"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.4), gridspec_kw=dict(width_ratios=[1, 2]))
+    two = [i for i in order if rows[i]["processes"] == 2]
+    for k, i in enumerate(order):
+        if rows[i]["processes"] == 2:
+            ax1.plot(rows[i]["measured"], rows[i]["predicted"], "o", color="C0", ms=4)
+            ax1.annotate(str(k + 1), (rows[i]["measured"], rows[i]["predicted"]), fontsize=6.5, xytext=(2, 2),
+                         textcoords="offset points")
+    lo = min(min(rows[i]["measured"], rows[i]["predicted"]) for i in two) * 0.95
+    hi = max(max(rows[i]["measured"], rows[i]["predicted"]) for i in two) * 1.03
+    ax1.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    ax1.set(xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step time (s)", ylabel="predicted (s)",
+            title=f"the {len(two)} two-process layouts (numbered as on the right): Spearman "
+                  f"{pt['spearman_two_process']:.2f}")
+    for x, i in enumerate(order):
+        bottom = 0.0
+        for part in ("compute", "tp", "cp", "pp", "bubble", "dp"):
+            v = rows[i]["parts"][part]
+            ax2.bar(x - 0.18, v, 0.36, bottom=bottom, color=STEP_COLORS[part], label=part if x == 0 else None)
+            bottom += v
+        ax2.bar(x + 0.18, rows[i]["measured"], 0.36, color="0.6", label="measured" if x == 0 else None)
+    ax2.set_xticks(range(len(rows)), [f"{x + 1}: {rows[i]['name']}" + (" (1 proc.)" if rows[i]["processes"] == 1 else "")
+                                      for x, i in enumerate(order)], rotation=60, ha="right", fontsize=6)
+    ax2.set(ylabel="seconds per step", title=f"predicted by part (left bar) and measured (grey), fastest first; "
+                                             f"Spearman over all {len(rows)}: {pt['spearman']:.2f}")
+    ax2.legend(fontsize=FONT, ncol=7, frameon=False)
+    for ax in (ax1, ax2):
+        ax.title.set_fontsize(9)
     fig.tight_layout()
     return fig
 
