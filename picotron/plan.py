@@ -491,6 +491,9 @@ def build_parser():
     p.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
     p.add_argument("--gpus-per-node", type=int, default=None)
     p.add_argument("--memory-gib", type=float, default=None, help="memory per GPU (default: the GPU's)")
+    p.add_argument("--headroom", type=float, default=0.0,
+                   help="fraction of each GPU's memory to keep free for what the model does not count (allocator "
+                        "fragmentation, the CUDA context, NCCL buffers); e.g. 0.1. Default 0: the whole memory")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step: 4M, 512K (K = 1024) or a number")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="element size of activations and messages")
@@ -524,6 +527,11 @@ def _job(ns):
         if not ns.memory_gib > 0:
             raise PlanError(f"--memory-gib {ns.memory_gib} must be positive; e.g. --memory-gib 40.")
         hw = replace(hw, memory=ns.memory_gib * GiB)
+    if not 0 <= ns.headroom < 1:
+        raise PlanError(f"--headroom {ns.headroom} must be a fraction in [0, 1); e.g. --headroom 0.1 keeps 10% of each "
+                        f"GPU's memory free.")
+    if ns.headroom:
+        hw = replace(hw, memory=hw.memory * (1 - ns.headroom))
     overrides = {f: getattr(ns, f) for f in MODEL_FIELDS if getattr(ns, f, None) is not None}
     for ours in ("experts", "top_k"):
         if getattr(ns, ours) is not None:
@@ -560,8 +568,9 @@ def _row(layout, mem, t, hw=None):
 HEADER = f"{'layout':52s} {'GiB/GPU':>7s} {'step s':>8s} {'tokens/s':>11s} {'MFU':>6s}  step time by part"
 
 
-def _describe(name, mc, gpus, hw, seq_len, seqs):
-    return (f"{name} ({mc.num_params() / 1e9:.2f} B parameters) on {gpus} x {hw.name} ({hw.memory / GiB:.1f} GiB, "
+def _describe(name, mc, gpus, hw, seq_len, seqs, headroom=0.0):
+    mem = f"{hw.memory / GiB:.1f} GiB" + (f" usable, {100 * headroom:g}% kept free" if headroom else "")
+    return (f"{name} ({mc.num_params() / 1e9:.2f} B parameters) on {gpus} x {hw.name} ({mem}, "
             f"{hw.gpus_per_node} per node), seq {seq_len}, {seqs} sequences ({seqs * seq_len:,} tokens) per step")
 
 
@@ -601,7 +610,7 @@ def main(argv=None):
             if "ga" not in ns.layout:
                 layout = replace(layout, grad_acc=max(1, seqs // (layout.dp * layout.micro_batch_size)))
             mem, why = check_layout(mc, layout, ns.seq_len, hw, seqs, ns.dtype, ns.recipe, cross_node_tp=True)
-            print(_describe(ns.preset, mc, gpus, hw, ns.seq_len, seqs))
+            print(_describe(ns.preset, mc, gpus, hw, ns.seq_len, seqs, ns.headroom))
             if _link(hw, layout.tp)[1] != hw.intra_bw:
                 print(f"note: tp={layout.tp} crosses nodes of {hw.gpus_per_node}: its all-reduces run on the network")
             print(f"{layout}: " + ("fits" if why is None else "does not run: " + why))
@@ -617,7 +626,7 @@ def main(argv=None):
             return 0 if why is None else 1
         space = {"max_tp": ns.max_tp} if ns.max_tp else None
         plan = search(mc, gpus, hw, ns.seq_len, seqs, ns.dtype, ns.recipe, space)
-        print(_describe(ns.preset, mc, gpus, hw, ns.seq_len, seqs) + f": {len(plan.ranked)} layouts fit, "
+        print(_describe(ns.preset, mc, gpus, hw, ns.seq_len, seqs, ns.headroom) + f": {len(plan.ranked)} layouts fit, "
               f"{len(plan.rejected)} rejected")
         print(HEADER)
         for layout, mem, t in plan.ranked[:ns.top]:

@@ -257,6 +257,18 @@ def test_the_command_line_ranks_and_evaluates(capsys):
                       "--layout", "tp8,pp4,dp2,zero1,recompute-full"]) == 0
     out = capsys.readouterr().out
     assert "on 64 x H100" in out and "total per stage:" in out
+    # headroom: the same layout judged against 90% of the memory (fits at 79.6 GiB, not at 71.6)
+    args = ["--preset", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch-tokens", "512K", "--layout",
+            "dp8,zero1,mbs1,ga8"]
+    need = planner.memory_per_gpu(ModelConfig.from_preset("llama3-8b"), Layout.parse("dp8,zero1,mbs1,ga8"), 8192,
+                                  "bf16", "mixed")["total"]
+    budget = plan.GPUS["h100-80gb"].memory
+    assert 0.9 * budget < need <= budget  # the case this checks: fits the whole memory, not 90% of it
+    assert plan.main(args) == 0
+    capsys.readouterr()
+    assert plan.main(args + ["--headroom", "0.1"]) == 1
+    out = capsys.readouterr().out
+    assert f"({0.9 * budget / 2**30:.1f} GiB usable, 10% kept free" in out and "does not fit" in out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -269,6 +281,7 @@ def test_the_command_line_ranks_and_evaluates(capsys):
     (["--gpus", "16", "--nodes", "4"], "--gpus 16 is not --nodes 4 x 8 GPUs per node"),
     (["--num-attention-heads", "7"], "do not nest"),
     (["--gpus", "0"], "--gpus 0 must be at least 1"),
+    (["--headroom", "1.5"], "--headroom 1.5 must be a fraction in [0, 1)"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
 ])
 def test_bad_input_gets_one_sentence(capsys, args, message):
