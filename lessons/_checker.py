@@ -26,6 +26,24 @@ def where(exc, path):
     return f" (line {frames[-1].lineno}: {frames[-1].line})" if frames else ""
 
 
+def in_process(name, path, report, problem_of, success, prefix, label=None):
+    """Check one single-process exercise: load the learner's function `name`, ask `problem_of(fn, path)` for the
+    first problem (None if none), report it under `label` (default: the name). Any exception in the learner's code
+    is a failed check naming its line."""
+    label = label or name
+    try:
+        fn = getattr(load(path, prefix), name)
+        problem = problem_of(fn, path)
+    except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
+        report.fail(label, f"{type(e).__name__}: {e}{where(e, path)}")
+        return False
+    if problem:
+        report.fail(label, problem)
+        return False
+    report.ok(label, success)
+    return True
+
+
 def failure_message(e):
     """One line from a RankError: the learner's exception as the child described it."""
     found = re.findall(r"_Failure: (.*)", e.traceback or "")

@@ -37,7 +37,7 @@ from picotron import context_parallel as cpm  # noqa: E402
 from picotron.launch import run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import _Failure, entry_points, load, on_ranks, rendezvous, where  # noqa: E402
+from _checker import _Failure, entry_points, in_process, load, on_ranks, rendezvous, where  # noqa: E402
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
@@ -305,18 +305,7 @@ def _reference_blocks(rank, step, cp, src=None):
 
 
 def _in_process(name, path, report, problem_of, success):
-    what = EXERCISES[name]
-    try:
-        fn = getattr(load(path, "ex06"), name)
-        problem = problem_of(fn, path)
-    except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
-        report.fail(what, f"{type(e).__name__}: {e}{where(e, path)}")
-        return False
-    if problem:
-        report.fail(what, problem)
-        return False
-    report.ok(what, success)
-    return True
+    return in_process(name, path, report, problem_of, success, "ex06", label=EXERCISES[name])
 
 
 def _on_rank(path, name):

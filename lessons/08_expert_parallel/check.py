@@ -33,7 +33,7 @@ from picotron import moe  # noqa: E402
 from picotron.launch import run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import _Failure, entry_points, load, on_ranks, rendezvous, where  # noqa: E402
+from _checker import _Failure, entry_points, in_process, load, on_ranks, rendezvous, where  # noqa: E402
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
@@ -245,17 +245,7 @@ def _on_rank(path, name):
 
 
 def _in_process(name, path, report, problem_of, success):
-    try:
-        fn = getattr(load(path, "ex08"), name)
-        problem = problem_of(fn, path)
-    except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
-        report.fail(name, f"{type(e).__name__}: {e}{where(e, path)}")
-        return False
-    if problem:
-        report.fail(name, problem)
-        return False
-    report.ok(name, success)
-    return True
+    return in_process(name, path, report, problem_of, success, "ex08")
 
 
 CASES = ", ".join(f"({n}, {E}, {k})" for n, E, k in ROUTERS)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import pic
 from picotron.mesh import ORDER, grid_coords, group_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import entry_points, load, where  # noqa: E402
+from _checker import entry_points, in_process  # noqa: E402
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
@@ -301,17 +301,7 @@ def _choose_problem(fn, path):
 
 
 def _in_process(name, path, report, problem_of, success):
-    try:
-        fn = getattr(load(path, "ex09"), name)
-        problem = problem_of(fn, path)
-    except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
-        report.fail(name, f"{type(e).__name__}: {e}{where(e, path)}")
-        return False
-    if problem:
-        report.fail(name, problem)
-        return False
-    report.ok(name, success)
-    return True
+    return in_process(name, path, report, problem_of, success, "ex09")
 
 
 SUCCESS = {
