@@ -35,22 +35,33 @@ def run_notebook(monkeypatch):
 MATRIX_FLAG = "--parity-matrix"
 
 
+# Heavier cases of a few matrices (more processes, the same code paths as a default case) are opt-in too, so the
+# default suite stays near 30 minutes on a 2-core machine: `--heavy` runs them (`--heavy --parity-matrix`: everything).
+HEAVY_FLAG = "--heavy"
+
+
 def pytest_addoption(parser):
+    parser.addoption(HEAVY_FLAG, action="store_true", default=False,
+                     help="also run the heavier cases marked `heavy` (8-process collectives, every schedule at pp = 4, "
+                          "every ring-attention variant at every cp), whose code paths the default cases cover")
     parser.addoption(MATRIX_FLAG, action="store_true", default=False,
                      help="run every variant of tests/test_parity_matrix.py (dp, pp, cp, tp in {1, 2}, sp, ZeRO-1, "
                           "ep on the MoE preset; up to 16 processes), not only its default covering subset")
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", f"heavy: a heavier case whose code paths a default case covers; runs with "
+                                       f"{HEAVY_FLAG}")
     config.addinivalue_line("markers", f"parity_matrix: a parity-matrix variant outside the default subset; runs "
                                        f"with {MATRIX_FLAG}")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption(MATRIX_FLAG):
-        return
-    skip = pytest.mark.skip(reason=f"the whole parity matrix runs with {MATRIX_FLAG} "
-                                   f"(python -m pytest tests/test_parity_matrix.py {MATRIX_FLAG})")
+    heavy = pytest.mark.skip(reason=f"a heavier case, covered by the default ones; runs with {HEAVY_FLAG}")
+    matrix = pytest.mark.skip(reason=f"the whole parity matrix runs with {MATRIX_FLAG} "
+                                     f"(python -m pytest tests/test_parity_matrix.py {MATRIX_FLAG})")
     for item in items:
-        if item.get_closest_marker("parity_matrix"):
-            item.add_marker(skip)
+        if item.get_closest_marker("heavy") and not config.getoption(HEAVY_FLAG):
+            item.add_marker(heavy)
+        if item.get_closest_marker("parity_matrix") and not config.getoption(MATRIX_FLAG):
+            item.add_marker(matrix)
