@@ -479,10 +479,3 @@ def _mixed_edge(mc, layout, seq_len, first, last):
 def memory_per_gpu(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     """The busiest stage's `memory_per_stage` row (by total)."""
     return max(memory_per_stage(mc, layout, seq_len, dtype, recipe), key=lambda r: r["total"])
-
-
-def step_time(mc, layout, seq_len, hw, dtype="bf16"):
-    """Seconds of one optimizer step by part, with tokens/s and MFU: `picotron.plan.step_time` (the time model lives
-    with the hardware table)."""
-    from picotron.plan import step_time as time_of
-    return time_of(mc, layout, seq_len, hw, dtype)
