@@ -226,7 +226,7 @@ def main():
     mesh = Mesh.init(tp=int(os.environ.get("WORLD_SIZE", "1")))
     cfg = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, tp=mesh.tp.size,
                    sp=args.sp)
-    try:
+    with mesh:  # a normal end waits for every rank before the groups go (Mesh.__exit__)
         t0 = time.perf_counter()
         rows = compare(cfg, mesh, args.steps, args.warmup)
         if mesh.rank == 0:
@@ -241,8 +241,6 @@ def main():
                       f"{st['params'] / 2**20:.2f} MiB, grads {st['grads'] / 2**20:.2f} MiB, optimizer "
                       f"{st['optimizer'] / 2**20:.2f} MiB | losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
             print(f"  our throughput / DTensor's: median {med:.3f} (quartiles {q1:.3f}-{q3:.3f})", flush=True)
-    finally:
-        mesh.destroy()
 
 
 if __name__ == "__main__":

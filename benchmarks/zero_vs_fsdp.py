@@ -187,7 +187,7 @@ def main():
     args = p.parse_args()
     mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
     cfg = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
-    try:
+    with mesh:  # a normal end waits for every rank before the groups go (Mesh.__exit__)
         t0 = time.perf_counter()
         rows = compare(cfg, mesh, args.steps, args.warmup)
         if mesh.rank == 0:
@@ -201,8 +201,6 @@ def main():
                       f"{st['params'] / 2**20:.2f} MiB, grads {st['grads'] / 2**20:.2f} MiB, optimizer "
                       f"{st['optimizer'] / 2**20:.2f} MiB | loss after {len(r['losses'])} steps {r['losses'][-1]:.4f}")
             print(f"  our throughput / FSDP2's: median {med:.3f} (quartiles {q1:.3f}-{q3:.3f})", flush=True)
-    finally:
-        mesh.destroy()
     if args.memory and int(os.environ.get("RANK", "0")) == 0:
         print("memory alone (run with --memory from a single process: python benchmarks/zero_vs_fsdp.py --memory)")
 

@@ -33,6 +33,7 @@ The pure functions (`grid_coords`, `grid_rank`, `group_ranks`, `expert_groups`) 
 lessons use to reason about layouts; `Mesh.init` turns them into real `torch.distributed` groups.
 """
 import copy
+import gc
 import math
 import os
 from datetime import timedelta
@@ -395,10 +396,18 @@ class Mesh:
         self.world.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def destroy(self):
-        """Destroy the groups this mesh made (and the world group if Mesh.init created it)."""
+    def destroy(self, wait=False):
+        """Destroy the groups this mesh made (and the world group if Mesh.init created it).
+
+        Objects still referenced only from cycles (autograd graphs, module hooks) are collected first, so no
+        collective's pending work outlives its group into interpreter shutdown (gloo aborts the process then).
+        `wait=True` (a normal end, every rank here): a barrier first, so no rank tears its groups down while
+        another still has a collective in flight."""
         if not dist.is_initialized():
             return
+        gc.collect()
+        if wait:
+            dist.barrier()
         for group in self._created:
             dist.destroy_process_group(group)
         self._created = []
@@ -408,8 +417,8 @@ class Mesh:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.destroy()
+    def __exit__(self, exc_type, exc, tb):
+        self.destroy(wait=exc_type is None)
 
     def __repr__(self):
         grid = " ".join(f"{d}={self.sizes[d]}" for d in ORDER)
