@@ -1,57 +1,105 @@
-"""Saving and resuming a run, atomically and exactly.
+"""Checkpoints: sharded, atomic, asynchronous if asked, and loadable into any other layout.
 
-A checkpoint is a folder `OUT/checkpoints/step_000120/` holding one file per rank (`rank_00000.pt`: its
-model shard, its optimizer state, the step) and `config.json`. A file `OUT/checkpoints/latest` names the
-newest complete folder. Two rules make it safe and exact:
+What a step's checkpoint holds, `OUT/checkpoints/step_000120/`:
 
-* Atomic: everything is written into `step_000120.tmp/`, then the folder is renamed, then `latest` is
-  replaced by renaming a temporary file onto it. A crash at any moment leaves either the old checkpoint or
-  the new one, never half of one. (A rename within one filesystem is atomic on POSIX.)
-* Exact: a resumed run must do what the uninterrupted run would have done. The model and the optimizer's
-  moments are saved bit for bit; the learning rate is a function of the step; the batches are a pure
-  function of (seed, step, rank) (`picotron.data`), and the model has no dropout, so there is no random
-  state to carry. Losses after resuming are identical, not merely close (tests/test_train.py).
+    config.json            the run's settings (model, layout, seed, batch)
+    rank_00003.pt          rank 3's tensors: each slice it is the one holder of (values + Adam's moments),
+                           its RNG state
+    rank_00003.json        rank 3's index: for each slice, where it sits in the full tensor
 
-This first version saves each rank's own state. Loading into a different layout (re-sharding) comes with
-the checkpointing lesson.
+An index entry says `name` (the parameter's name in the whole model, the same in every layout: the layers
+keep their global numbers, experts theirs), `shape` (the full tensor's), `offsets` and `box` (the corner and
+shape of this rank's tensor-parallel or expert slice) and `flat` (ZeRO: the elements [a, b) of that box,
+flattened, that this rank's optimizer piece holds; null otherwise):
+
+    layers.0.mlp.down_proj.weight  shape [64, 128]  offsets [0, 64]  box [64, 64]  flat [1024, 3072]
+      = full[0:64, 64:128].flatten()[1024:3072]       (tp rank 1 of 2, dp rank 1 of a ZeRO over 2)
+
+Each element of the model is written exactly once: a rank writes a slice only where it is the first holder
+of those values (`marks.counted_here`: coordinate 0 along every dimension the slice is replicated over).
+
+Loading into another layout (resharding) needs nothing else. The new layout's ranks compute the same
+(name, offsets, box, flat) of every tensor THEY hold; each one, a parameter at a time, assembles the full
+tensor from the pieces that carry that name and cuts its own slice out. ZeRO-3 at dp 4 → one process,
+dp2·tp2·pp2 + ZeRO-1 → tp 4: the same code. Loading checks that every element it needs was written.
+
+Atomic. Every rank writes into `step_000120.tmp/` (each file as `.part`, flushed and fsync'ed, then renamed);
+after a barrier rank 0 renames the folder to `step_000120/`, then replaces the pointer `latest` (written to
+a temporary file, fsync'ed, renamed). A rename within one file system is atomic on POSIX, so a crash at any
+moment leaves `latest` naming a complete checkpoint: the old one or the new one. Then all but the newest
+`keep` checkpoints are removed.
+
+Asynchronous (`--async-save`). The step's tensors are copied to host memory (the only pause training sees),
+then a background thread writes them and commits, coordinated over a process group of its own (gloo), so
+its barriers never interleave with the training's collectives. Never two writes at once: the next save, and
+the end of training, first wait for the one in flight.
+
+Exact resume. The model and Adam's moments are saved bit for bit; the learning rate is a function of the
+step; the batches are a pure function of (seed, step, rank) (`picotron.data`), so the data position is the
+step; the model draws no random numbers in training (no dropout), and each rank's RNG state is saved and
+restored anyway when the layout is the same. Same layout: the resumed losses are identical to the
+uninterrupted run's, bit for bit. Another layout: the values loaded are identical, but the sums of the next
+steps run in another order (all-reduce over other ranks, matmuls cut elsewhere), so the losses agree to the
+parity tolerance (~1e-6 relative in fp32), not bit for bit.
 """
-import dataclasses
+import glob
 import json
 import os
+import re
 import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+
+from picotron import marks
 
 
+# ------------------------------------------------------------------------------------------- the index
+@dataclass(frozen=True)
+class Slice:
+    """Where one tensor a rank holds sits in the full model."""
+    name: str               # the parameter's name in the whole model
+    shape: tuple            # the full tensor's shape
+    offsets: tuple          # the corner of this rank's box (tensor-parallel slice) in the full tensor
+    box: tuple              # the box's shape
+    flat: tuple = None      # ZeRO: [a, b) of the flattened box held by this piece; None: the whole box
+
+    def cut(self, full):
+        """This slice of `full` (a tensor of `shape`)."""
+        region = full[tuple(slice(o, o + n) for o, n in zip(self.offsets, self.box))]
+        return region if self.flat is None else region.reshape(-1)[self.flat[0]:self.flat[1]]
+
+
+def canonical(name):
+    """A parameter's name in the whole model: a pipeline stage's chunk prefix removed."""
+    return re.sub(r"^chunks\.\d+\.", "", name)
+
+
+def placements(run):
+    """[(tensor, Slice)] for every tensor the optimizer updates on this rank (ZeRO: its pieces), in the
+    optimizer's order. Read off the marks: a piece's `part_of`, a tensor-parallel slice's `full_shape` and
+    `shard_offsets`, a pipeline's copy of a tied embedding (`is_copy`, it holds embed_tokens.weight)."""
+    names = {p: canonical(n) for n, p in run.raw.named_parameters()}
+    out = []
+    for q in run.params:
+        base, flat = q, None
+        if hasattr(q, "part_of"):
+            base, at, n = q.part_of
+            flat = (at, at + n)
+        name = "embed_tokens.weight" if getattr(base, "is_copy", False) else names[base]
+        shape = tuple(getattr(base, "full_shape", base.shape))
+        offsets = tuple(getattr(base, "shard_offsets", (0,) * len(shape)))
+        out.append((q, Slice(name, shape, offsets, tuple(base.shape), flat)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ folders
 def step_dir(out, step):
     return os.path.join(out, "checkpoints", f"step_{step:06d}")
-
-
-def save(out, step, model, optimizer, cfg, mesh):
-    """Write this step's checkpoint: every rank its own file, rank 0 the folder's rename and `latest`."""
-    final = step_dir(out, step)
-    tmp = final + ".tmp"
-    if mesh.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=1)
-    barrier(mesh)  # the tmp folder exists before anyone writes into it
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "world_size": mesh.world_size}
-    path = os.path.join(tmp, f"rank_{mesh.rank:05d}.pt")
-    torch.save(state, path + ".part")
-    os.replace(path + ".part", path)
-    barrier(mesh)  # every rank's file is complete
-    if mesh.rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        latest = os.path.join(out, "checkpoints", "latest")
-        with open(latest + ".tmp", "w") as f:
-            f.write(os.path.basename(final))
-        os.replace(latest + ".tmp", latest)
-    barrier(mesh)
-    return final
 
 
 def latest(out):
@@ -63,15 +111,274 @@ def latest(out):
         return None
 
 
-# What must match for a checkpoint to load: the model's shape and how it is cut into shards.
-LAYOUT_FIELDS = ("dp", "tp", "pp", "pp_schedule", "pp_chunks", "cp", "ep", "zero", "sp")
+def step_of(folder):
+    return int(os.path.basename(folder).rsplit("_", 1)[-1])
 
 
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path, write):
+    """write(f) into path + '.part', flush and fsync it, then rename it to path."""
+    with open(path + ".part", "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".part", path)
+
+
+# ------------------------------------------------------------------------------------------- saving
+def snapshot(run, mesh, step):
+    """This rank's part of the checkpoint, copied to host memory: ({key: tensor}, index entries, meta)."""
+    tensors, index = {}, []
+    state = run.optimizer.state
+    for i, (q, s) in enumerate(placements(run)):
+        if not marks.counted_here(q, mesh):
+            continue  # another rank writes these values
+        key = str(i)
+        tensors[f"{key}.value"] = q.detach().to("cpu", copy=True)
+        scalars = {}
+        for kind, v in state.get(q, {}).items():  # Adam: exp_avg, exp_avg_sq (tensors like q), step (a scalar)
+            if torch.is_tensor(v) and v.shape == q.shape:
+                tensors[f"{key}.{kind}"] = v.detach().to("cpu", copy=True)
+            else:
+                scalars[kind] = float(v)
+        index.append({"key": key, **asdict(s), "scalars": scalars})
+    meta = {"rank": mesh.rank, "world_size": mesh.world_size, "step": step, "layout": dict(mesh.sizes, ep=mesh.ep.size),
+            "rng": torch.get_rng_state()}
+    if mesh.device.type == "cuda":
+        meta["cuda_rng"] = torch.cuda.get_rng_state(mesh.device)
+    return tensors, index, meta
+
+
+class Saver:
+    """Writes checkpoints for one run: `save(step, run)`, then `close()` (waits for a write in flight).
+
+    keep: how many complete checkpoints to keep (the newest). asynchronous: write in a background thread.
+    on_write(step): called on every rank while its file is half written (fault injection; None in training)."""
+
+    def __init__(self, out, cfg, mesh, keep=3, asynchronous=False, on_write=None):
+        self.out, self.cfg, self.mesh, self.keep, self.asynchronous = out, cfg, mesh, keep, asynchronous
+        self.on_write = on_write
+        self.root = os.path.join(out, "checkpoints")
+        self.thread, self.error, self.newest = None, None, latest(out)
+        self.times = []  # per save: {"step", "snapshot_s", "write_s", "bytes"} (this rank)
+        self.group = None
+        if mesh.world_size > 1:  # the writer's own group: its barriers never meet the training's collectives
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
+        if mesh.rank == 0:  # leftovers of a write that a crash cut short
+            for tmp in glob.glob(os.path.join(self.root, "step_*.tmp")):
+                shutil.rmtree(tmp, ignore_errors=True)
+        self._barrier()
+
+    def _barrier(self):
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def save(self, step, run):
+        """Checkpoint the state after `step`'s update. Asynchronous: returns once the tensors are on the host."""
+        self.wait()  # never two writes at once
+        t0 = time.perf_counter()
+        payload = snapshot(run, self.mesh, step)
+        record = {"step": step, "snapshot_s": time.perf_counter() - t0, "start": t0,
+                  "bytes": sum(t.numel() * t.element_size() for t in payload[0].values())}
+        self.times.append(record)
+        if self.asynchronous:
+            self.thread = threading.Thread(target=self._write_guarded, args=(step, payload, record), daemon=True,
+                                           name=f"checkpoint step {step}")
+            self.thread.start()
+        else:
+            self._write(step, payload, record)
+        return step_dir(self.out, step)
+
+    def wait(self):
+        """Wait for the write in flight (if any); raise its error if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"writing a checkpoint failed: {error}") from error
+
+    close = wait
+
+    def _write_guarded(self, step, payload, record):
+        try:
+            self._write(step, payload, record)
+        except BaseException as e:  # re-raised by the next wait() on the main thread
+            self.error = e
+
+    def _write(self, step, payload, record):
+        tensors, index, meta = payload
+        t0 = time.perf_counter()
+        final = step_dir(self.out, step)
+        tmp = final + ".tmp"
+        os.makedirs(tmp, exist_ok=True)
+        base = os.path.join(tmp, f"rank_{self.mesh.rank:05d}")
+        if self.mesh.rank == 0:
+            _write_atomic(os.path.join(tmp, "config.json"),
+                          lambda f: f.write(json.dumps(self.cfg.to_dict(), indent=1).encode()))
+
+        def write_tensors(f):
+            torch.save({"tensors": tensors, "meta": meta}, f)
+            if self.on_write is not None:
+                f.flush()
+                self.on_write(step)  # a fault injected here dies with the file half written
+        _write_atomic(base + ".pt", write_tensors)
+        info = {k: v for k, v in meta.items() if "rng" not in k}
+        text = json.dumps(info)[:-1] + ', "slices": [\n' + ",\n".join(json.dumps(e) for e in index) + "\n]}\n"
+        _write_atomic(base + ".json", lambda f: f.write(text.encode()))  # one slice per line
+        self._barrier()  # every rank's files are complete
+        if self.mesh.rank == 0:
+            self._commit(tmp, final)
+        self._barrier()
+        self.newest = final
+        record["write_s"] = time.perf_counter() - t0
+
+    def _commit(self, tmp, final):
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
+        os.replace(tmp, final)
+        pointer = os.path.join(self.root, "latest")
+        _write_atomic(pointer, lambda f: f.write(os.path.basename(final).encode()))
+        _fsync_dir(self.root)
+        done = sorted(d for d in glob.glob(os.path.join(self.root, "step_*")) if not d.endswith(".tmp"))
+        for old in done[:-self.keep] if self.keep > 0 else []:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ loading
+class Reader:
+    """A checkpoint folder's indexes, and its tensors on demand (memory-mapped: only what is asked is read)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        paths = sorted(glob.glob(os.path.join(folder, "rank_*.json")))
+        if not paths:
+            raise FileNotFoundError(f"checkpoint {folder} has no rank_*.json index (not a picotron checkpoint?)")
+        self.ranks = [json.load(open(p)) for p in paths]
+        self.world_size = self.ranks[0]["world_size"]
+        if len(self.ranks) != self.world_size:
+            raise FileNotFoundError(f"checkpoint {folder} was written by {self.world_size} ranks but holds "
+                                    f"{len(self.ranks)} index files")
+        self.step = self.ranks[0]["step"]
+        self.sources = {}  # name -> [(rank, entry)]
+        for r in self.ranks:
+            for e in r["slices"]:
+                self.sources.setdefault(e["name"], []).append((r["rank"], e))
+        self._files = {}
+
+    def file(self, rank):
+        if rank not in self._files:
+            self._files[rank] = torch.load(os.path.join(self.folder, f"rank_{rank:05d}.pt"), map_location="cpu",
+                                           mmap=True, weights_only=True)
+        return self._files[rank]
+
+    def names(self):
+        return sorted(self.sources)
+
+    def assemble(self, name):
+        """{kind: the full tensor} for one parameter ("value", "exp_avg", ...), its scalars (Adam's step),
+        and a mask of the elements the checkpoint holds."""
+        entries = self.sources[name]
+        shape = tuple(entries[0][1]["shape"])
+        kinds = [k.split(".", 1)[1] for k in self.file(entries[0][0])["tensors"] if k.split(".")[0] == entries[0][1]["key"]]
+        full = {k: None for k in kinds}
+        covered = torch.zeros(shape, dtype=torch.bool)
+        boxes = {}
+        for rank, e in entries:  # the pieces of each box (a ZeRO over dp cuts a tp slice into flat ranges)
+            boxes.setdefault((tuple(e["offsets"]), tuple(e["box"])), []).append((rank, e))
+        for (offsets, box), pieces in boxes.items():
+            where = tuple(slice(o, o + n) for o, n in zip(offsets, box))
+            numel = int(torch.Size(box).numel())
+            have = torch.zeros(numel, dtype=torch.bool)
+            bufs = {}
+            for rank, e in pieces:
+                a, b = e["flat"] if e["flat"] is not None else (0, numel)
+                have[a:b] = True
+                for k in kinds:
+                    t = self.file(rank)["tensors"][f"{e['key']}.{k}"]
+                    if k not in bufs:
+                        bufs[k] = torch.zeros(numel, dtype=t.dtype)
+                    bufs[k][a:b] = t.reshape(-1)
+            for k in kinds:
+                if full[k] is None:
+                    full[k] = torch.zeros(shape, dtype=bufs[k].dtype)
+                full[k][where] = bufs[k].view(box)
+            covered[where] |= have.view(box)
+        return full, entries[0][1]["scalars"], covered
+
+
+def load(folder, run, mesh):
+    """Fill this rank's parameters and optimizer state from `folder`, written at any layout; return its step.
+
+    Each rank assembles, one parameter at a time, the full tensors of the names it holds and cuts its slices
+    out (peak extra memory: one full parameter and its moments). Same layout: each rank's RNG state too."""
+    reader = Reader(folder)
+    targets = placements(run)
+    by_name = {}
+    for i, (q, s) in enumerate(targets):
+        by_name.setdefault(s.name, []).append((i, q, s))
+    opt_state = run.optimizer.state_dict()
+    state = {}
+    for name, wanted in by_name.items():
+        if name not in reader.sources:
+            raise KeyError(f"checkpoint {folder} holds no {name} (written for another model?)")
+        full, scalars, covered = reader.assemble(name)
+        for i, q, s in wanted:
+            if s.shape != tuple(full["value"].shape):
+                raise ValueError(f"checkpoint {folder}: {name} has shape {tuple(full['value'].shape)}, this model "
+                                 f"{s.shape}")
+            if not bool(s.cut(covered).all()):
+                raise ValueError(f"checkpoint {folder} lacks part of {name} (a rank's file missing or cut short?)")
+            with torch.no_grad():
+                q.copy_(s.cut(full["value"]).reshape(q.shape))
+            moments = {k: s.cut(t).reshape(q.shape).clone() for k, t in full.items() if k != "value"}
+            if moments:
+                state[i] = {**{k: torch.tensor(v, dtype=torch.float32) for k, v in scalars.items()}, **moments}
+        del full
+    if state:
+        opt_state["state"] = state
+        run.optimizer.load_state_dict(opt_state)
+    after = getattr(run.model, "after_load", None)
+    if after is not None:
+        after()  # ZeRO-1/2: every rank's full parameters from the loaded pieces
+    if reader.world_size == mesh.world_size and reader.ranks[mesh.rank]["layout"] == dict(mesh.sizes, ep=mesh.ep.size):
+        meta = reader.file(mesh.rank)["meta"]
+        torch.set_rng_state(meta["rng"])
+        if "cuda_rng" in meta and mesh.device.type == "cuda":
+            torch.cuda.set_rng_state(meta["cuda_rng"], mesh.device)
+    return reader.step
+
+
+def consolidate(folder):
+    """The whole model from a checkpoint, in one process: {"step", "config", "params": {name: full tensor},
+    "optimizer": {name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}}}."""
+    reader = Reader(folder)
+    params, optimizer = {}, {}
+    for name in reader.names():
+        full, scalars, covered = reader.assemble(name)
+        if not bool(covered.all()):
+            raise ValueError(f"checkpoint {folder} lacks part of {name} (a rank's file missing or cut short?)")
+        params[name] = full.pop("value")
+        optimizer[name] = {**full, **scalars}
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    return {"step": reader.step, "config": config, "params": params, "optimizer": optimizer}
+
+
+# ------------------------------------------------------------------------------- before any process
 def resume_problem(cfg):
     """Why `--resume` cannot continue from cfg.out's newest checkpoint (one sentence), or None if it can.
 
-    Compares the checkpoint's config.json with cfg before any process starts: the resolved model shape
-    (names the first field that differs) and the parallel layout (each rank's file holds its own shards)."""
+    Compares the checkpoint's config.json with cfg before any process starts: the resolved model shape must
+    be the same (names the first field that differs); the layout may differ (the checkpoint is resharded)."""
     folder = latest(cfg.out)
     if folder is None:
         return None  # nothing saved yet: the run starts from step 1 (the trainer says so)
@@ -80,35 +387,33 @@ def resume_problem(cfg):
             saved = type(cfg).from_dict(json.load(f), source=os.path.join(folder, "config.json"))
     except (OSError, ValueError) as e:
         return f"checkpoint {folder} cannot be read ({e}); resume from another --out or start anew without --resume."
-    was, now = dataclasses.asdict(saved.model_config()), dataclasses.asdict(cfg.model_config())
+    was, now = asdict(saved.model_config()), asdict(cfg.model_config())
     for name in was:
-        if was[name] != now[name]:
+        if was[name] != now[name] and name != "attn_impl":
             return (f"checkpoint {folder} holds a model with {name}={was[name]}, this run asks for {name}={now[name]}; "
                     f"resume with the checkpoint's model settings (--preset {saved.preset} and its overrides) or "
                     f"pass a new --out to start another run.")
-    for name in LAYOUT_FIELDS:
-        if getattr(saved, name) != getattr(cfg, name):
-            return (f"checkpoint {folder} was written with {name}={getattr(saved, name)}, this run has "
-                    f"{name}={getattr(cfg, name)}, and each rank's file holds its own shards; resume with "
-                    f"{name}={getattr(saved, name)} (loading into another layout is not supported yet).")
-    step = int(os.path.basename(folder).rsplit("_", 1)[-1])
+    step = step_of(folder)
     if step >= cfg.steps:
         return (f"the checkpoint in {cfg.out} is at step {step} >= --steps {cfg.steps}; nothing to do (raise --steps "
                 f"to train further).")
     return None
 
 
-def load(folder, model, optimizer, mesh):
-    """Restore this rank's model and optimizer state from a checkpoint folder; return its step."""
-    state = torch.load(os.path.join(folder, f"rank_{mesh.rank:05d}.pt"), map_location=mesh.device, weights_only=True)
-    if state["world_size"] != mesh.world_size:
-        raise RuntimeError(f"checkpoint {folder} was written by {state['world_size']} ranks, this run has "
-                           f"{mesh.world_size}; resume with the same layout.")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return state["step"]
-
-
-def barrier(mesh):
-    if mesh.world_size > 1:
-        torch.distributed.barrier()
+def resume_notes(cfg, folder):
+    """What differs from the run that wrote `folder` and what that means for exactness (lines, maybe none)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        saved = json.load(f)
+    notes = []
+    layout = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_chunks")
+    changed = [f"{k} {saved.get(k)} -> {getattr(cfg, k)}" for k in layout if saved.get(k) != getattr(cfg, k)]
+    if changed:
+        notes.append(f"resharding the checkpoint ({', '.join(changed)}): the same values, but sums in another order, "
+                     f"so losses match the uninterrupted run to ~1e-6, not bit for bit")
+    batch = ("seed", "seq_len", "micro_batch_size", "grad_acc")
+    was = saved.get("dp", 1) * saved.get("micro_batch_size", 1) * saved.get("grad_acc", 1)
+    now = cfg.dp * cfg.micro_batch_size * cfg.grad_acc
+    if was != now or any(saved.get(k) != getattr(cfg, k) for k in ("seed", "seq_len")):
+        notes.append(f"the data differs from the run that wrote it ({', '.join(batch)}, global batch {was} -> {now} "
+                     f"sequences): training goes on, but not as that run would have")
+    return notes

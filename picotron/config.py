@@ -95,6 +95,12 @@ class Config:
     out: str = "runs/default"
     save_every: int = 0
     resume: bool = False
+    keep_checkpoints: int = 3
+    async_save: bool = False
+    # faults: what survives them (picotron.faults, picotron.checkpoint)
+    max_restarts: int = 0
+    on_nonfinite: str = "stop"  # stop | skip
+    faults: str = ""
     # optimizer (AdamW, warm-up then cosine decay to min_lr)
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -216,7 +222,13 @@ HELP = {  # what `--help` says of each setting (allowed values are added from th
     "seed": "seed of the initial weights and of the batches (the same for every layout)",
     "out": "folder for metrics.jsonl and checkpoints/",
     "save_every": "write a checkpoint every K steps to OUT/checkpoints (0 = never; Ctrl-C still saves one)",
-    "resume": "continue from the newest checkpoint in OUT (same model and layout)",
+    "resume": "continue from the newest checkpoint in OUT (same model; any layout: the checkpoint is resharded)",
+    "keep_checkpoints": "how many of the newest checkpoints to keep (older ones are deleted; 0 = keep all)",
+    "async_save": "write checkpoints in a background thread (training pauses only to copy the tensors to host memory)",
+    "max_restarts": "restart the job this many times after a rank dies (torchrun --max-restarts); each restart "
+                    "resumes from the newest checkpoint",
+    "on_nonfinite": "when the loss or gradient norm is inf/NaN: stop (say which step) or skip (drop that step's update)",
+    "faults": "inject faults to test recovery: kill@STEP[:rN], kill-save@STEP[:rN], nan@STEP, comma-separated",
     "lr": "peak learning rate of AdamW, reached after the warm-up",
     "min_lr": "learning rate at the last step (cosine decay from lr)",
     "warmup_steps": "steps of linear warm-up from 0 to lr",
@@ -241,7 +253,7 @@ HELP = {  # what `--help` says of each setting (allowed values are added from th
 }
 CHOICES = {"dtype": DTYPES, "recompute": RECOMPUTE, "dp_impl": DP_IMPLS, "zero": ZERO_STAGES,
            "pp_schedule": PP_SCHEDULES, "cp_impl": CP_IMPLS, "cp_layout": CP_LAYOUTS, "device": DEVICES, "attn_impl": ("sdpa", "eager"),
-           "collectives": COLLECTIVES}
+           "collectives": COLLECTIVES, "on_nonfinite": ("stop", "skip")}
 
 
 def _field_types():
@@ -294,6 +306,7 @@ def validate(cfg, world_size=None, any_world_size=False):
     _check_implemented(cfg)
     _check_degrees(cfg, mc)
     _check_inputs(cfg, mc)
+    _check_faults(cfg)
     if world_size != cfg.world_size:
         raise ConfigError(
             f"world size {world_size} does not equal dp*pp*cp*tp = {cfg.dp}*{cfg.pp}*{cfg.cp}*{cfg.tp} = "
@@ -310,7 +323,8 @@ def _check_names(cfg):
                                  ("cp_layout", cfg.cp_layout, CP_LAYOUTS),
                                  ("zero", cfg.zero, ZERO_STAGES), ("device", cfg.device, DEVICES),
                                  ("collectives", cfg.collectives, COLLECTIVES),
-                                 ("attn_impl", cfg.attn_impl, (None, "sdpa", "eager"))]:
+                                 ("attn_impl", cfg.attn_impl, (None, "sdpa", "eager")),
+                                 ("on_nonfinite", cfg.on_nonfinite, ("stop", "skip"))]:
         if value not in allowed:
             shown = ", ".join(str(a) for a in allowed if a is not None)
             raise ConfigError(f"{name}={value!r} is not one of the known values; pick one of {shown}.")
@@ -327,6 +341,7 @@ def _check_names(cfg):
 def _check_positive(cfg):
     at_least = {"dp": 1, "tp": 1, "pp": 1, "pp_chunks": 1, "cp": 1, "ep": 1, "steps": 1, "seq_len": 1, "micro_batch_size": 1,
                 "grad_acc": 1, "log_every": 1, "timeout_s": 1, "seed": 0, "save_every": 0, "warmup_steps": 0,
+                "keep_checkpoints": 0, "max_restarts": 0,
                 "eval_every": 0, "eval_batches": 0, "sample_tokens": 0, "experts": 0, "top_k": 1}
     at_least.update({k: 1 for k in MODEL_FIELDS})
     for name, low in at_least.items():
@@ -403,6 +418,17 @@ def _check_inputs(cfg, mc):
         raise ConfigError(str(e)) from None
     if problem:
         raise ConfigError(problem)
+
+
+def _check_faults(cfg):
+    from picotron import faults
+
+    problem = faults.problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+    if cfg.max_restarts and not cfg.save_every:
+        raise ConfigError(f"max_restarts={cfg.max_restarts} without checkpoints would restart from step 1 each time; "
+                          f"pass --save-every K (e.g. --save-every {max(1, cfg.steps // 10)}).")
 
 
 def _check_implemented(cfg):

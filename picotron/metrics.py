@@ -281,8 +281,8 @@ class MetricsLog:
             os.makedirs(out_dir, exist_ok=True)
             kept = []
             if resume_step is not None and os.path.exists(self.path):
-                with open(self.path) as f:
-                    kept = [line for line in f if json.loads(line).get("step", resume_step) < resume_step]
+                with open(self.path) as f:  # (a line a killed run left half written is dropped too)
+                    kept = [line for line in f if _step_of(line, resume_step) < resume_step]
             self._f = open(self.path, "w")
             self._f.writelines(kept)
 
@@ -310,3 +310,10 @@ def human_bytes(n):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+def _step_of(line, default):
+    try:
+        return json.loads(line).get("step", default)
+    except ValueError:
+        return default

@@ -16,7 +16,8 @@ builds this rank's part of the model and everything a training step needs:
        when there is one replica;
     6. the optimizer (ZeRO-1/2: a sharded one whose step all-gathers the updated chunks), the step schedule
        (gradient accumulation, or with pp > 1 the pipeline schedule run by `pipeline_parallel.Pipeline`),
-       the loss (vocab-parallel under tp), what a checkpoint saves, and the model that generates text.
+       the loss (vocab-parallel under tp) and the model that generates text. (Checkpoints read the
+       optimizer's tensors and their marks: picotron.checkpoint.)
 
 `train.py` uses only what this returns, so adding a strategy means adding it here (and its own module), not
 another `if` in the training loop. Each strategy's rules live in its module's `check(cfg, model_config)`.
@@ -40,7 +41,6 @@ class Parallelized:
     optimizer: object          # .step(), .param_groups, .state, .state_dict(), .load_state_dict()
     schedule: object           # .run(model, micro_batches, loss_fn) -> the global-batch loss; .evaluate(...)
     loss_fn: object            # loss_fn(logits, targets) -> mean loss of this rank's tokens
-    checkpoint: object         # what a checkpoint saves and loads (.state_dict / .load_state_dict)
     sampler: torch.nn.Module   # ids -> logits over the whole vocabulary, for generating text
     description: str           # the strategies in use, for the start-up line
 
@@ -116,7 +116,7 @@ def autocast_for(cfg, device):
 
 
 def parallelize(cfg, mesh, recorder=None):
-    """This rank's model, optimizer, schedule, loss, checkpoint state and sampler for `cfg` on `mesh`.
+    """This rank's model, optimizer, schedule, loss and sampler for `cfg` on `mesh`.
 
     `recorder`: a metrics.Recorder that counts (and times) every collective of the model and its gradient sync
     (lessons; the schedule's 4-byte average of the loss for the log is left out)."""
@@ -145,7 +145,6 @@ def parallelize(cfg, mesh, recorder=None):
     return Parallelized(
         model=model, raw=raw, optimizer=optimizer, schedule=steps,
         loss_fn=partial(tensor_parallel.loss_fn, axis=mesh.tp) if tp else loss_fn,  # tp: vocab-parallel
-        checkpoint=model if cfg.zero else raw,  # ZeRO: each rank saves its shards; else the (tp-sharded) model
         sampler=sampler, description=describe(cfg, mesh))
 
 

@@ -168,8 +168,9 @@ class _Sharded(nn.Module):
     def take_shard(self, full):
         return full.chunk(self.size, dim=self.dim)[self.rank]
 
-    def _mark(self):  # what Llama.init_weights, clipping and the tests read off the parameter
+    def _mark(self):  # what Llama.init_weights, clipping, checkpoints and the tests read off the parameter
         self.weight.full_shape, self.weight.take_shard, self.weight.tp_dim = self.full_shape, self.take_shard, self.dim
+        self.weight.shard_offsets = tuple(self.rank * n if d == self.dim else 0 for d, n in enumerate(self.weight.shape))
         marks.mark(self.weight, self.axis.dims)
 
     def _apply(self, fn, recurse=True):  # to_empty() from the meta device makes new Parameter objects: re-mark

@@ -8,7 +8,11 @@ One optimizer step, in order:
                                                          # gradients synchronised; the global-batch loss
     clip the global gradient norm to grad_clip           # each gradient element counted once (its marks)
     stop if the loss or the norm is not finite           # before the update: the weights stay sane
-    optimizer.step(), zero the gradients
+    optimizer.step(), zero the gradients                 # (--on-nonfinite skip: drop the update, go on)
+    every save_every steps a checkpoint                  # picotron.checkpoint: sharded, atomic, maybe async
+
+Faults. Under torchrun with --max-restarts N, a job whose rank died starts again and resumes by itself from
+the newest complete checkpoint (`faults.attempt()` > 0 acts as --resume); --faults injects deaths to try it.
 
 With one pipeline stage, `schedule.run` is gradient accumulation: for each of grad_acc micro-batches,
 logits = model(x) (under bf16 autocast if --dtype bf16; parameters stay fp32), loss = cross_entropy / grad_acc,
@@ -32,7 +36,7 @@ from contextlib import contextmanager
 import torch
 
 from picotron import config as config_mod
-from picotron import checkpoint, context_parallel, data, launch, metrics, moe
+from picotron import checkpoint, context_parallel, data, faults, launch, metrics, moe
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.model import generate
@@ -120,12 +124,19 @@ def train(cfg, mesh, return_model=False):
     flops_per_step = metrics.flops_per_token(mc, cfg.seq_len) * tokens_per_step
     peak = metrics.measured_matmul_peak(device, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
     datasheet = metrics.datasheet_peak(device)
-    start, folder = 1, checkpoint.latest(cfg.out) if cfg.resume else None
+    injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size)
+    resume = cfg.resume or faults.attempt() > 0  # a restart after a lost rank resumes by itself
+    start, folder = 1, checkpoint.latest(cfg.out) if resume else None
     if folder:
-        start = checkpoint.load(folder, run.checkpoint, optimizer, mesh) + 1
-    if is_logger and cfg.resume:
-        print(f"resuming from {folder} at step {start}" if folder else
-              f"--resume: no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
+        start = checkpoint.load(folder, run, mesh) + 1
+    if is_logger and resume:
+        why = f"restart {faults.attempt()}: " if faults.attempt() else ""
+        print(f"{why}resuming from {folder} at step {start}" if folder else
+              f"{why or '--resume: '}no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
+        for note in checkpoint.resume_notes(cfg, folder) if folder else []:
+            print(f"picotron: note: {note}", flush=True)
+    saver = checkpoint.Saver(cfg.out, cfg, mesh, keep=cfg.keep_checkpoints, asynchronous=cfg.async_save,
+                             on_write=lambda step: injector.maybe_kill("kill-save", step))
     if start > cfg.steps:
         raise Stopped(f"picotron: error: the checkpoint in {cfg.out} is at step {start - 1} >= --steps {cfg.steps}; "
                       f"nothing to do (raise --steps to train further).", 2)
@@ -149,16 +160,21 @@ def train(cfg, mesh, return_model=False):
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = run.schedule.run(model, loader.micro_batches(step), run.loss_fn)
+        loss_fn = poisoned(run.loss_fn) if injector.poisoned(step) else run.loss_fn
+        loss = run.schedule.run(model, loader.micro_batches(step), loss_fn)
         grad_norm = clip_grad_norm(run.params, cfg.grad_clip, mesh)
         mem = model.memory()  # gradients still alive here
         loss_value = float(loss)  # .item(): waits for the device
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):  # the same on every rank: all stop
+        injector.maybe_kill("kill", step)  # mid-step: gradients computed, the update not yet applied
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        if not finite and cfg.on_nonfinite == "stop":  # the same on every rank (a global loss and norm): all stop
             clip = f"clip harder (--grad-clip {cfg.grad_clip:g})" if cfg.grad_clip else "clip (--grad-clip 1)"
+            saver.wait()
             raise Stopped(f"picotron: stopped: the run diverged at step {step}: loss {loss_value}, gradient norm "
                           f"{grad_norm}; it stopped before applying that update; lower --lr (now {cfg.lr:g}) or "
-                          f"{clip}; {resume_hint(cfg, newest)}.", 1)
-        optimizer.step()
+                          f"{clip}, or pass --on-nonfinite skip; {resume_hint(cfg, saver.newest)}.", 1)
+        if finite:
+            optimizer.step()
         model.zero_grad(set_to_none=True)
         metrics.sync(device)
         dt = time.perf_counter() - t0
@@ -167,6 +183,8 @@ def train(cfg, mesh, return_model=False):
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                   "tokens": step * tokens_per_step, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
                   "mfu": flops_per_step / dt / (peak * mesh.world_size), "mem": mem}
+        if not finite:  # --on-nonfinite skip: this step changed nothing
+            record["skipped"] = True
         if datasheet:
             record["mfu_datasheet"] = flops_per_step / dt / (datasheet * mesh.world_size)
         experts = moe.step_stats(run.raw, mesh.dp_cp)  # MoE: routing of this step (this pipeline stage's layers)
@@ -176,27 +194,35 @@ def train(cfg, mesh, return_model=False):
             record["val_loss"] = run.schedule.evaluate(run.raw, loader.val_batches(cfg.eval_batches), run.loss_fn)
         return record
 
-    history, val_loss, t_start, newest = [], None, time.perf_counter(), folder
+    history, val_loss, t_start = [], None, time.perf_counter()
     try:
         with interruptible(announce=is_logger) as stop_asked:
             for step in range(start, cfg.steps + 1):
                 try:
                     record = one_step(step)
                 except KeyboardInterrupt:  # a second Ctrl-C: stop at once, without saving a half-done step
+                    saver.wait()
                     raise Stopped(f"picotron: stopped: interrupted during step {step}/{cfg.steps}; "
-                                  f"{resume_hint(cfg, newest)}.", 130) from None
+                                  f"{resume_hint(cfg, saver.newest)}.", 130) from None
                 val_loss = record.get("val_loss", val_loss)
                 log.write(record)
                 history.append(record)
+                if is_logger and record.get("skipped"):
+                    print(f"picotron: step {step} skipped: loss {record['loss']}, gradient norm "
+                          f"{record['grad_norm']} (--on-nonfinite skip); the weights are those of step {step - 1}",
+                          flush=True)
                 if cfg.save_every and step % cfg.save_every == 0:
-                    newest = checkpoint.save(cfg.out, step, run.checkpoint, optimizer, cfg, mesh)
+                    saver.save(step, run)
                 if is_logger and (step % cfg.log_every == 0 or step in (1, cfg.steps) or "val_loss" in record):
                     print(progress_line(record, cfg.steps), flush=True)
                 if step < cfg.steps and mesh.agree(stop_asked()):  # every rank stops after the same step
-                    if newest != checkpoint.step_dir(cfg.out, step):
-                        newest = checkpoint.save(cfg.out, step, run.checkpoint, optimizer, cfg, mesh)
+                    saver.wait()
+                    if saver.newest != checkpoint.step_dir(cfg.out, step):
+                        saver.save(step, run)
+                        saver.wait()
                     raise Stopped(f"picotron: stopped: interrupted after step {step}/{cfg.steps}; "
-                                  f"{resume_hint(cfg, newest)}.", 130)
+                                  f"{resume_hint(cfg, saver.newest)}.", 130)
+        saver.close()  # the last write in flight ends before the run does
     except Stopped:
         log.close()  # the steps so far stay in metrics.jsonl
         raise
@@ -225,6 +251,13 @@ def train(cfg, mesh, return_model=False):
             print("---- sample ----\n" + data.printable(tokenizer, out[0].tolist()).strip() + "\n----------------",
                   flush=True)
     return (summary, run) if return_model else summary
+
+
+def poisoned(loss_fn):
+    """--faults nan@STEP: the loss (hence every gradient) of that step is NaN on every rank."""
+    def nan_loss(logits, targets):
+        return loss_fn(logits, targets) * float("nan")
+    return nan_loss
 
 
 def progress_line(r, steps):

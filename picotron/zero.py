@@ -94,11 +94,12 @@ class FlatUnit:
             p.data = flat[off:off + p.numel()].view_as(p)
 
     def pieces(self):
-        """(parameter, start in this rank's chunk, length) for each tensor the chunk touches."""
+        """(parameter, start in this rank's chunk, length, start in the flattened parameter) for each tensor the
+        chunk touches."""
         for p, off in zip(self.params, self.offsets):
             a, b = max(self.lo, off), min(self.hi, off + p.numel())
             if a < b:
-                yield p, a - self.lo, b - a
+                yield p, a - self.lo, b - a, a - off
 
     def nbytes(self):
         return self.padded * self.params[0].element_size()
@@ -129,11 +130,14 @@ class ShardedGradSync(GradSync):
 
     def _make_pieces(self):
         """The optimizer's parameters: 1-D views of each unit's shard, their .grad views of the gradient shard.
-        Each piece is marked as sharded over this axis on top of its parameter's own marks."""
+        Each piece is marked as sharded over this axis on top of its parameter's own marks, and says which
+        elements of its parameter it holds (`part_of`: the parameter, the first element, the count; checkpoints
+        read it to place the piece in the full tensor)."""
         self.pieces = []  # (piece, is a matrix, unit, start, length)
         for unit in self.units:
-            for p, start, length in unit.pieces():
+            for p, start, length, at in unit.pieces():
                 piece = marks.mark(nn.Parameter(unit.shard[start:start + length]), unit.axis.dims + marks.sharded_over(p))
+                piece.part_of = (p, at, length)
                 self.pieces.append((piece, p.dim() >= 2, unit, start, length))
         self._attach_piece_grads()
 
@@ -207,13 +211,9 @@ class ShardedGradSync(GradSync):
         with self.gathered() if self.stage == 3 else torch.no_grad():
             return {name: p.detach().clone() for name, p in self.module.named_parameters()}
 
-    # -- checkpoints: every rank saves its own shards (1/n of the parameters) --------------------------
-    def state_dict(self, *args, **kwargs):
-        return {f"zero{self.stage}.{u.name}": u.shard.detach().clone() for u in self.units}
-
-    def load_state_dict(self, state, strict=True):
-        for u in self.units:
-            u.shard.copy_(state[f"zero{self.stage}.{u.name}"])
+    # -- checkpoints (picotron.checkpoint writes and fills the optimizer's pieces, each rank its own) ------
+    def after_load(self):
+        """The pieces were filled from a checkpoint: stages 1-2 rebuild every rank's full parameters."""
         if self.stage < 3:
             self.gather_updated_params()
 

@@ -56,7 +56,7 @@ def test_one_process_goes_through_the_same_seam():
     mesh = Mesh.local()
     cfg = Config(grad_acc=2, **SMALL)
     run = parallelize(cfg, mesh)
-    assert isinstance(run.model, data_parallel.Local) and run.raw is run.model.module and run.checkpoint is run.raw
+    assert isinstance(run.model, data_parallel.Local) and run.raw is run.model.module
     _, loader = train_mod.load_data(cfg, mesh)
     batches = loader.micro_batches(1)
     loss = run.schedule.run(run.model, batches, run.loss_fn)

@@ -1,0 +1,163 @@
+"""Checkpoints: the index, resharding between layouts (the same parameters and Adam state, element for element),
+training that goes on at another layout, atomic and asynchronous writes, keeping the last k, export."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from picotron import checkpoint
+from picotron.config import Config
+from picotron.launch import run_on_ranks
+from picotron.mesh import Mesh
+from picotron.metrics import read_metrics
+from picotron.parallelize import parallelize
+from picotron.train import train
+
+SMALL = dict(seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, eval_every=0, lr=3e-3,
+             warmup_steps=2, grad_clip=1.0)
+
+
+def _degrees(cfg):
+    return dict(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep)
+
+
+def _train(layout, out, steps, save_every=0, resume=False, **kw):
+    """Child: train `steps` steps at `layout`, saving every `save_every`; rank 0 returns the metrics records."""
+    cfg = Config(out=out, steps=steps, save_every=save_every, resume=resume, **{**SMALL, **layout, **kw})
+    with Mesh.init(**_degrees(cfg)) as mesh:
+        train(cfg, mesh)
+        return read_metrics(out)[0] if mesh.rank == 0 else None
+
+
+def _reshard(layout, src, out):
+    """Child: build `layout`, load the checkpoint `src` (written at any layout), save it again at this layout."""
+    cfg = Config(out=out, **{**SMALL, **layout})
+    with Mesh.init(**_degrees(cfg)) as mesh:
+        run = parallelize(cfg, mesh)
+        step = checkpoint.load(src, run, mesh)
+        saver = checkpoint.Saver(out, cfg, mesh)
+        saver.save(step, run)
+        saver.close()
+        return step
+
+
+def rewind(out, step):
+    """Make the run in `out` look stopped after `step`: its later checkpoints removed, `latest` pointing at step's
+    (the learning-rate schedule depends on --steps, so a run that is to be resumed is run with the final --steps)."""
+    root = os.path.join(out, "checkpoints")
+    for name in os.listdir(root):
+        if name.startswith("step_") and int(name.split("_")[1]) > step:
+            shutil.rmtree(os.path.join(root, name))
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write(f"step_{step:06d}")
+
+
+def world(layout):
+    return layout.get("dp", 1) * layout.get("pp", 1) * layout.get("cp", 1) * layout.get("tp", 1)
+
+
+def assert_same_state(a, b, label):
+    """Two consolidated checkpoints hold the same step, parameters and optimizer state, bit for bit."""
+    assert a["step"] == b["step"], label
+    assert set(a["params"]) == set(b["params"]), f"{label}: {set(a['params']) ^ set(b['params'])}"
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), f"{label}: parameter {name} differs"
+        assert a["optimizer"][name].keys() == b["optimizer"][name].keys(), f"{label}: {name}"
+        for kind, v in a["optimizer"][name].items():
+            w = b["optimizer"][name][kind]
+            assert (torch.equal(v, w) if torch.is_tensor(v) else v == w), f"{label}: {name} {kind} differs"
+
+
+# (written at, loaded and written again at): every strategy on one side or the other, ZeRO 1/2/3 both ways
+PAIRS = [
+    ("dp2-tp2-pp2+zero1 -> tp4", dict(dp=2, tp=2, pp=2, zero=1, grad_acc=2), dict(tp=4)),
+    ("dp4+zero3 -> 1", dict(dp=4, zero=3), dict()),
+    ("cp2-pp2 -> dp2", dict(cp=2, pp=2, grad_acc=2), dict(dp=2)),
+    ("1 -> dp2-tp2+zero3", dict(), dict(dp=2, tp=2, zero=3)),
+    ("tp2+sp+dp2+zero2 -> pp2 interleaved", dict(tp=2, sp=True, dp=2, zero=2),
+     dict(pp=2, pp_schedule="interleaved", pp_chunks=2, grad_acc=2)),
+    ("moe dp2-ep2+zero1 -> moe tp2", dict(preset="tiny-moe", dp=2, ep=2, zero=1), dict(preset="tiny-moe", tp=2)),
+    ("tied pp2 -> tied dp2+zero1", dict(pp=2, grad_acc=2, tie_word_embeddings=True),
+     dict(dp=2, zero=1, tie_word_embeddings=True)),
+]
+
+
+@pytest.mark.parametrize("label,src,dst", PAIRS, ids=[p[0] for p in PAIRS])
+def test_reshard_round_trip_keeps_every_value(tmp_path, label, src, dst):
+    """Train 2 steps at `src`, save; load at `dst` and save again: both checkpoints, consolidated, are equal bit
+    for bit (parameters, Adam's moments and step), and every element was written exactly once."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run_on_ranks(_train, world(src), src, a, 2, 2, timeout_s=240)
+    step = run_on_ranks(_reshard, world(dst), dst, checkpoint.latest(a), b, timeout_s=240)[0]
+    assert step == 2
+    first, second = checkpoint.consolidate(checkpoint.latest(a)), checkpoint.consolidate(checkpoint.latest(b))
+    assert_same_state(first, second, label)
+    assert all(v["step"] == 2.0 for v in first["optimizer"].values())
+    for folder in (checkpoint.latest(a), checkpoint.latest(b)):  # no element written twice
+        written = sum(torch.Size(e["box"] if e["flat"] is None else [e["flat"][1] - e["flat"][0]]).numel()
+                      for r in checkpoint.Reader(folder).ranks for e in r["slices"])
+        assert written == sum(p.numel() for p in first["params"].values()), folder
+
+
+def test_training_goes_on_at_another_layout(tmp_path):
+    """6 steps at dp2·tp2 with ZeRO-1; the same run resumed from its step-3 checkpoint at pp2 (1F1B over the same
+    global batch) ends with the uninterrupted run's losses, to the parity tolerance (sums in another order)."""
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    src = dict(dp=2, tp=2, zero=1, grad_acc=1)
+    ref = run_on_ranks(_train, 4, src, full, 6, timeout_s=240)[0]
+    run_on_ranks(_train, 4, src, cut, 6, 3, timeout_s=240)
+    rewind(cut, 3)
+    resumed = run_on_ranks(_train, 2, dict(pp=2, grad_acc=2), cut, 6, 3, True, timeout_s=240)[0]
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert [r["loss"] for r in resumed[:3]] == [r["loss"] for r in ref[:3]]  # kept from the first run
+    assert [r["loss"] for r in resumed[3:]] == pytest.approx([r["loss"] for r in ref[3:]], rel=1e-5)
+    assert [r["grad_norm"] for r in resumed[3:]] == pytest.approx([r["grad_norm"] for r in ref[3:]], rel=1e-5)
+
+
+def test_same_layout_resume_is_bit_for_bit_and_async_writes_the_same(tmp_path):
+    """dp2 + ZeRO-2: resuming from the step-2 checkpoint gives the uninterrupted losses exactly; an asynchronous
+    writer writes the same checkpoint as the synchronous one; only the newest `keep` checkpoints remain."""
+    layout = dict(dp=2, zero=2)
+    sync, cut, asyn = (str(tmp_path / n) for n in ("sync", "cut", "async"))
+    ref = run_on_ranks(_train, 2, layout, sync, 5, 1, keep_checkpoints=2, timeout_s=240)[0]
+    run_on_ranks(_train, 2, layout, cut, 5, 2, timeout_s=240)
+    rewind(cut, 2)
+    resumed = run_on_ranks(_train, 2, layout, cut, 5, 0, True, timeout_s=240)[0]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in ref]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in ref]
+    run_on_ranks(_train, 2, layout, asyn, 5, 1, async_save=True, keep_checkpoints=2, timeout_s=240)
+    for out in (sync, asyn):
+        kept = sorted(os.listdir(os.path.join(out, "checkpoints")))
+        assert kept == ["latest", "step_000004", "step_000005"], kept
+    assert_same_state(checkpoint.consolidate(checkpoint.latest(sync)), checkpoint.consolidate(checkpoint.latest(asyn)),
+                      "async vs sync")
+
+
+def test_index_says_where_each_slice_sits(tmp_path):
+    """tp2 + ZeRO-1 over dp2: a row-parallel weight's index entry names its box in the full tensor and the flat
+    range of it the rank's optimizer piece holds; the value there is the consolidated tensor's."""
+    out = str(tmp_path / "run")
+    run_on_ranks(_train, 4, dict(dp=2, tp=2, zero=1), out, 1, 1, timeout_s=240)
+    folder = checkpoint.latest(out)
+    reader = checkpoint.Reader(folder)
+    full = checkpoint.consolidate(folder)["params"]["layers.0.mlp.down_proj.weight"]  # [128, 384]: split on dim 1
+    entries = [(r["rank"], e) for r in reader.ranks for e in r["slices"] if e["name"] == "layers.0.mlp.down_proj.weight"]
+    boxes = sorted({(tuple(e["offsets"]), tuple(e["box"])) for _, e in entries})
+    assert boxes == [((0, 0), (128, 192)), ((0, 192), (128, 192))]
+    for rank, e in entries:
+        value = reader.file(rank)["tensors"][f"{e['key']}.value"]
+        s = checkpoint.Slice(e["name"], tuple(e["shape"]), tuple(e["offsets"]), tuple(e["box"]),
+                             None if e["flat"] is None else tuple(e["flat"]))
+        assert torch.equal(s.cut(full), value.reshape(-1) if s.flat else value)
+    assert json.load(open(os.path.join(folder, "config.json")))["zero"] == 1
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    out = str(tmp_path / "run")
+    run_on_ranks(_train, 2, dict(dp=2, zero=1), out, 1, 1, timeout_s=240)
+    folder = checkpoint.latest(out)
+    os.remove(os.path.join(folder, "rank_00001.json"))
+    with pytest.raises(FileNotFoundError, match="written by 2 ranks but holds 1 index"):
+        checkpoint.consolidate(folder)
