@@ -337,35 +337,53 @@ def threads_per_process(nproc, cores=None):
     return max(1, (cores or 1) // nproc)
 
 
-def torchrun_main(module, nproc, argv):
+def torchrun_main(module, nproc, argv, max_restarts=0, hint=None):
     """`python -m picotron.train --dp 2 ...` on one machine: run torchrun for it and return the exit status.
 
     The settings were validated before this is called, so a bad one never starts a process. The workers'
     output streams through, except the job's final `picotron: error:/stopped:` line (a divergence, Ctrl-C):
     that is held back, torchrun's failure report that follows it is left out, and the line is printed last.
-    Ctrl-C reaches the workers through torchrun: they finish the step, save a checkpoint and say so.
-    OMP_NUM_THREADS, unless set, shares the cores out (`threads_per_process`).
+    A rank that dies (killed, crashed) is named in one line instead of torchrun's report: with restarts left
+    (`max_restarts`, torchrun's --max-restarts) every rank starts again and resumes; else the job ends, and
+    `hint()` says where the newest checkpoint is. Ctrl-C reaches the workers through torchrun: they finish
+    the step, save a checkpoint and say so. OMP_NUM_THREADS, unless set, shares the cores out.
     """
     cmd = torchrun_cmd(module, nproc, argv, module=True)
+    if max_restarts:
+        cmd[4:4] = ["--max-restarts", str(max_restarts)]
     env = _env({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(nproc)))})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun gets Ctrl-C too and passes it on
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
         last = None  # the job's own last word: "picotron: error: ..." or "picotron: stopped: ..."
+        lost, failures = None, 0  # the rank torchrun saw fail last, and how often a worker group failed
         for line in proc.stdout:
+            failed = _WORKER_FAILED.search(line)
             if line.startswith(("picotron: error:", "picotron: stopped:")):
                 last = line.rstrip("\n")  # held back: printed once, at the very end
-            elif last is None and not _TORCHRUN_CHATTER.search(line):
-                print(line, end="", flush=True)
+            elif failed and last is None:
+                failures += 1
+                lost = f"rank {failed.group(2)} died ({_exit_reason(int(failed.group(1)))})"
+                if failures <= max_restarts:
+                    print(f"picotron: {lost}; restart {failures} of {max_restarts}: torchrun starts every rank again "
+                          f"and they resume from the newest checkpoint", flush=True)
+            elif last is None and failures <= max_restarts and not _TORCHRUN_CHATTER.search(line):
+                print(line, end="", flush=True)  # (after the last failure: torchrun's report, left out)
         code = proc.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
     if last:  # torchrun's own report of the failed workers, which followed it, is left out
         print(last, file=sys.stderr, flush=True)
         code = 2 if last.startswith("picotron: error:") else 130 if "interrupted" in last else code or 1
+    elif code and lost:
+        restarts = f" after {max_restarts} restart{'s' if max_restarts > 1 else ''}" if max_restarts else ""
+        print(f"picotron: stopped: {lost}{restarts}; torchrun stopped the other ranks"
+              + (f"; {hint()}" if hint else "") + ".", file=sys.stderr, flush=True)
     return code
 
 
+# torchrun's line when a worker dies or fails: "failed (exitcode: -9) local_rank: 1 (pid: 7903) of binary: ..."
+_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 # torchrun's log lines while it passes Ctrl-C on to the workers (they say what happens themselves)
 _TORCHRUN_CHATTER = re.compile(r"^[WI]\d{4} .*torch/distributed/elastic/.*(death signal|closing signal)")
 

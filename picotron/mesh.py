@@ -326,9 +326,13 @@ class Mesh:
             backend = backend or default_backend
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
-            if in_env:
-                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                        timeout=timeout, device_id=dev if dev.type == "cuda" else None)
+            if in_env:  # torchrun: its store, our keys prefixed by the attempt (a restarted job must not read
+                # the addresses the previous attempt's ranks published: seen on gloo after --max-restarts)
+                store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                dist.init_process_group(backend, store=dist.PrefixStore(f"picotron/attempt_{attempt}", store),
+                                        rank=rank, world_size=world_size, timeout=timeout,
+                                        device_id=dev if dev.type == "cuda" else None)
             else:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         if world_size != need:

@@ -276,8 +276,9 @@ def main(argv=None):
     under_launcher = "WORLD_SIZE" in os.environ  # torchrun (or a test harness) started this process
     # Validated before any process group exists; a bad setting exits 2 with one sentence.
     cfg = config_mod.cli(argv, any_world_size=not under_launcher)
-    if not under_launcher and cfg.world_size > 1:  # several processes on this machine: start them ourselves
-        raise SystemExit(launch.torchrun_main("picotron.train", cfg.world_size, argv))
+    if not under_launcher and (cfg.world_size > 1 or cfg.max_restarts):  # start the processes ourselves
+        raise SystemExit(launch.torchrun_main("picotron.train", cfg.world_size, argv, max_restarts=cfg.max_restarts,
+                                              hint=lambda: resume_hint(cfg, checkpoint.latest(cfg.out))))
     try:
         mesh = Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, timeout_s=cfg.timeout_s,
                          device=None if cfg.device == "auto" else cfg.device, collectives=cfg.collectives)
