@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from picotron import checkpoint
-from picotron.config import Config
+from picotron.config import Config, validate
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
@@ -88,6 +88,8 @@ PAIRS = [
 def test_reshard_round_trip_keeps_every_value(tmp_path, label, src, dst):
     """Train 2 steps at `src`, save; load at `dst` and save again: both checkpoints, consolidated, are equal bit
     for bit (parameters, Adam's moments and step), and every element was written exactly once."""
+    for layout in (src, dst):  # layouts the command line accepts
+        validate(Config(**{**SMALL, **layout}), any_world_size=True)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     run_on_ranks(_train, world(src), src, a, 2, 2, timeout_s=240)
     step = run_on_ranks(_reshard, world(dst), dst, checkpoint.latest(a), b, timeout_s=240)[0]
@@ -161,3 +163,26 @@ def test_a_missing_rank_file_is_named(tmp_path):
     os.remove(os.path.join(folder, "rank_00001.json"))
     with pytest.raises(FileNotFoundError, match="written by 2 ranks but holds 1 index"):
         checkpoint.consolidate(folder)
+
+
+@pytest.mark.parametrize("preset,layout", [("tiny", dict(dp=2, tp=2, zero=1)), ("tiny-moe", dict(dp=2, ep=2, zero=2))],
+                         ids=["llama dp2-tp2+zero1", "mixtral dp2-ep2+zero2"])
+def test_export_from_any_layout_loads_in_transformers(tmp_path, preset, layout):
+    """A checkpoint written by 4 or 2 ranks, exported by `python -m picotron.export`, loads with transformers'
+    AutoModelForCausalLM (Llama or Mixtral); its logits equal ours on the consolidated weights (fp32, 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    from picotron import export
+    from picotron.model import Llama
+
+    out = str(tmp_path / "run")
+    run_on_ranks(_train, world(layout), dict(preset=preset, **layout), out, 2, 2, timeout_s=240)
+    assert export.main([out, str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    whole = checkpoint.consolidate(checkpoint.latest(out))
+    ours = Llama(Config(preset=preset).model_config())
+    ours.load_state_dict(whole["params"], strict=False)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+    assert export.main([str(tmp_path / "nothing"), str(tmp_path / "hf2")]) == 2
