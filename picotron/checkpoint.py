@@ -167,7 +167,7 @@ class Saver:
         self.on_write = on_write
         self.root = os.path.join(out, "checkpoints")
         self.thread, self.error, self.newest = None, None, latest(out)
-        self.times = []  # per save: {"step", "snapshot_s", "write_s", "bytes"} (this rank)
+        self.times = []  # per save (this rank): {"step", "start", "snapshot_s", "write_start", "write_s", "bytes"}
         self.group = None
         if mesh.world_size > 1:  # the writer's own group: its barriers never meet the training's collectives
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
@@ -205,7 +205,12 @@ class Saver:
             error, self.error = self.error, None
             raise RuntimeError(f"writing a checkpoint failed: {error}") from error
 
-    close = wait
+    def close(self):
+        """Wait for the write in flight, then free the writer's process group (the Saver is done)."""
+        self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
 
     def _write_guarded(self, step, payload, record):
         try:
@@ -238,7 +243,7 @@ class Saver:
             self._commit(tmp, final)
         self._barrier()
         self.newest = final
-        record["write_s"] = time.perf_counter() - t0
+        record["write_start"], record["write_s"] = t0, time.perf_counter() - t0
 
     def _commit(self, tmp, final):
         _fsync_dir(tmp)

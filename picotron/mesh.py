@@ -128,6 +128,9 @@ def pick_device(world_size=1, local_rank=0, device=None):
     return torch.device("cpu"), "gloo"
 
 
+_INITS = []  # the worlds Mesh.init has made in this process (their store keys never meet)
+
+
 class Axis:
     """One axis of the grid as this rank sees it: `name`, `dims` (the grid dimensions it spans: ("tp",), or
     ("dp", "cp") for the combined axis), `ranks` (the global ranks along it, ascending), `group`, `rank`
@@ -330,7 +333,9 @@ class Mesh:
                 # the addresses the previous attempt's ranks published: seen on gloo after --max-restarts)
                 store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
                 attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                dist.init_process_group(backend, store=dist.PrefixStore(f"picotron/attempt_{attempt}", store),
+                _INITS.append(attempt)  # (and by how many worlds this process made before: every rank alike)
+                prefix = f"picotron/attempt_{attempt}/world_{len(_INITS)}"
+                dist.init_process_group(backend, store=dist.PrefixStore(prefix, store),
                                         rank=rank, world_size=world_size, timeout=timeout,
                                         device_id=dev if dev.type == "cuda" else None)
             else:
