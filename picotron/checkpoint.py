@@ -18,10 +18,9 @@ flattened, that this rank's optimizer piece holds; null otherwise):
 Each element of the model is written exactly once: a rank writes a slice only where it is the first holder
 of those values (`marks.counted_here`: coordinate 0 along every dimension the slice is replicated over).
 
-Loading into another layout (resharding) needs nothing else. The new layout's ranks compute the same
-(name, offsets, box, flat) of every tensor THEY hold; each one, a parameter at a time, assembles the full
-tensor from the pieces that carry that name and cuts its own slice out. ZeRO-3 at dp 4 → one process,
-dp2·tp2·pp2 + ZeRO-1 → tp 4: the same code. Loading checks that every element it needs was written.
+Loading into another layout (resharding, `picotron.reshard`) needs nothing else: the new layout's ranks compute
+the same (name, offsets, box, flat) of every tensor THEY hold and cut their slices out of the full tensors the
+pieces assemble into.
 
 Atomic. Every rank writes into `step_000120.tmp/` (each file as `.part`, flushed and fsync'ed, then renamed);
 after a barrier rank 0 renames the folder to `step_000120/`, then replaces the pointer `latest` (written to
@@ -256,126 +255,6 @@ class Saver:
         for old in done[:-self.keep] if self.keep > 0 else []:
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
-
-
-# ------------------------------------------------------------------------------------------ loading
-class Reader:
-    """A checkpoint folder's indexes, and its tensors on demand (memory-mapped: only what is asked is read)."""
-
-    def __init__(self, folder):
-        self.folder = folder
-        paths = sorted(glob.glob(os.path.join(folder, "rank_*.json")))
-        if not paths:
-            raise FileNotFoundError(f"checkpoint {folder} has no rank_*.json index (not a picotron checkpoint?)")
-        self.ranks = [json.load(open(p)) for p in paths]
-        self.world_size = self.ranks[0]["world_size"]
-        if len(self.ranks) != self.world_size:
-            raise FileNotFoundError(f"checkpoint {folder} was written by {self.world_size} ranks but holds "
-                                    f"{len(self.ranks)} index files")
-        self.step = self.ranks[0]["step"]
-        self.sources = {}  # name -> [(rank, entry)]
-        for r in self.ranks:
-            for e in r["slices"]:
-                self.sources.setdefault(e["name"], []).append((r["rank"], e))
-        self._files = {}
-
-    def file(self, rank):
-        if rank not in self._files:
-            self._files[rank] = torch.load(os.path.join(self.folder, f"rank_{rank:05d}.pt"), map_location="cpu",
-                                           mmap=True, weights_only=True)
-        return self._files[rank]
-
-    def names(self):
-        return sorted(self.sources)
-
-    def assemble(self, name):
-        """{kind: the full tensor} for one parameter ("value", "exp_avg", ...), its scalars (Adam's step),
-        and a mask of the elements the checkpoint holds."""
-        entries = self.sources[name]
-        shape = tuple(entries[0][1]["shape"])
-        kinds = [k.split(".", 1)[1] for k in self.file(entries[0][0])["tensors"] if k.split(".")[0] == entries[0][1]["key"]]
-        full = {k: None for k in kinds}
-        covered = torch.zeros(shape, dtype=torch.bool)
-        boxes = {}
-        for rank, e in entries:  # the pieces of each box (a ZeRO over dp cuts a tp slice into flat ranges)
-            boxes.setdefault((tuple(e["offsets"]), tuple(e["box"])), []).append((rank, e))
-        for (offsets, box), pieces in boxes.items():
-            where = tuple(slice(o, o + n) for o, n in zip(offsets, box))
-            numel = int(torch.Size(box).numel())
-            have = torch.zeros(numel, dtype=torch.bool)
-            bufs = {}
-            for rank, e in pieces:
-                a, b = e["flat"] if e["flat"] is not None else (0, numel)
-                have[a:b] = True
-                for k in kinds:
-                    t = self.file(rank)["tensors"][f"{e['key']}.{k}"]
-                    if k not in bufs:
-                        bufs[k] = torch.zeros(numel, dtype=t.dtype)
-                    bufs[k][a:b] = t.reshape(-1)
-            for k in kinds:
-                if full[k] is None:
-                    full[k] = torch.zeros(shape, dtype=bufs[k].dtype)
-                full[k][where] = bufs[k].view(box)
-            covered[where] |= have.view(box)
-        return full, entries[0][1]["scalars"], covered
-
-
-def load(folder, run, mesh):
-    """Fill this rank's parameters and optimizer state from `folder`, written at any layout; return its step.
-
-    Each rank assembles, one parameter at a time, the full tensors of the names it holds and cuts its slices
-    out (peak extra memory: one full parameter and its moments). Same layout: each rank's RNG state too."""
-    reader = Reader(folder)
-    targets = placements(run)
-    by_name = {}
-    for i, (q, s) in enumerate(targets):
-        by_name.setdefault(s.name, []).append((i, q, s))
-    opt_state = run.optimizer.state_dict()
-    state = {}
-    for name, wanted in by_name.items():
-        if name not in reader.sources:
-            raise KeyError(f"checkpoint {folder} holds no {name} (written for another model?)")
-        full, scalars, covered = reader.assemble(name)
-        for i, q, s in wanted:
-            if s.shape != tuple(full["value"].shape):
-                raise ValueError(f"checkpoint {folder}: {name} has shape {tuple(full['value'].shape)}, this model "
-                                 f"{s.shape}")
-            if not bool(s.cut(covered).all()):
-                raise ValueError(f"checkpoint {folder} lacks part of {name} (a rank's file missing or cut short?)")
-            with torch.no_grad():
-                q.copy_(s.cut(full["value"]).reshape(q.shape))
-            moments = {k: s.cut(t).reshape(q.shape).clone() for k, t in full.items() if k != "value"}
-            if moments:
-                state[i] = {**{k: torch.tensor(v, dtype=torch.float32) for k, v in scalars.items()}, **moments}
-        del full
-    if state:
-        opt_state["state"] = state
-        run.optimizer.load_state_dict(opt_state)
-    after = getattr(run.model, "after_load", None)
-    if after is not None:
-        after()  # ZeRO-1/2: every rank's full parameters from the loaded pieces
-    if reader.world_size == mesh.world_size and reader.ranks[mesh.rank]["layout"] == dict(mesh.sizes, ep=mesh.ep.size):
-        meta = reader.file(mesh.rank)["meta"]
-        torch.set_rng_state(meta["rng"])
-        if "cuda_rng" in meta and mesh.device.type == "cuda":
-            torch.cuda.set_rng_state(meta["cuda_rng"], mesh.device)
-    return reader.step
-
-
-def consolidate(folder):
-    """The whole model from a checkpoint, in one process: {"step", "config", "params": {name: full tensor},
-    "optimizer": {name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}}}."""
-    reader = Reader(folder)
-    params, optimizer = {}, {}
-    for name in reader.names():
-        full, scalars, covered = reader.assemble(name)
-        if not bool(covered.all()):
-            raise ValueError(f"checkpoint {folder} lacks part of {name} (a rank's file missing or cut short?)")
-        params[name] = full.pop("value")
-        optimizer[name] = {**full, **scalars}
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    return {"step": reader.step, "config": config, "params": params, "optimizer": optimizer}
 
 
 # ------------------------------------------------------------------------------- before any process

@@ -3,7 +3,7 @@
     python -m picotron.export runs/default hf_model/            # the run's newest checkpoint
     python -m picotron.export runs/default/checkpoints/step_000120 hf_model/ --dtype bf16
 
-The checkpoint's slices are assembled into whole tensors (`checkpoint.consolidate`, one process, no process
+The checkpoint's slices are assembled into whole tensors (`reshard.consolidate`, one process, no process
 group), put into a one-process Llama, and written as `config.json` + `model.safetensors`
 (`LlamaForCausalLM`, or `MixtralForCausalLM` for a mixture-of-experts model). Adam's state is not exported.
 """
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from picotron import checkpoint
+from picotron import checkpoint, reshard
 from picotron.config import Config
 from picotron.model import Llama
 
@@ -31,7 +31,7 @@ def folder_of(path):
 
 def export(path, directory, dtype=None):
     """Write the checkpoint at `path` to `directory` in the Hugging Face layout; return the model (CPU)."""
-    whole = checkpoint.consolidate(folder_of(path))
+    whole = reshard.consolidate(folder_of(path))
     cfg = Config.from_dict(whole["config"], source=path)
     with torch.device("meta"):
         model = Llama(cfg.model_config())

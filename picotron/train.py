@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import torch
 
 from picotron import config as config_mod
-from picotron import checkpoint, context_parallel, data, faults, launch, metrics, moe
+from picotron import checkpoint, context_parallel, data, faults, launch, metrics, moe, reshard
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.model import generate
@@ -128,7 +128,7 @@ def train(cfg, mesh, return_model=False):
     resume = cfg.resume or faults.attempt() > 0  # a restart after a lost rank resumes by itself
     start, folder = 1, checkpoint.latest(cfg.out) if resume else None
     if folder:
-        start = checkpoint.load(folder, run, mesh) + 1
+        start = reshard.load(folder, run, mesh) + 1
     if is_logger and resume:
         why = f"restart {faults.attempt()}: " if faults.attempt() else ""
         print(f"{why}resuming from {folder} at step {start}" if folder else

@@ -43,7 +43,8 @@ HEAVY_FLAG = "--heavy"
 def pytest_addoption(parser):
     parser.addoption(HEAVY_FLAG, action="store_true", default=False,
                      help="also run the heavier cases marked `heavy` (8-process collectives, every schedule at pp = 4, "
-                          "every ring-attention variant at every cp), whose code paths the default cases cover")
+                          "every ring-attention variant at every cp, three more checkpoint reshard pairs), whose code paths the "
+                          "default cases cover")
     parser.addoption(MATRIX_FLAG, action="store_true", default=False,
                      help="run every variant of tests/test_parity_matrix.py (dp, pp, cp, tp in {1, 2}, sp, ZeRO-1, "
                           "ep on the MoE preset; up to 16 processes), not only its default covering subset")

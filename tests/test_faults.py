@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from picotron import checkpoint
+from picotron import checkpoint, reshard
 from picotron.config import Config, ConfigError, validate
 from picotron.metrics import read_metrics
 
@@ -74,7 +74,7 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path):
     folder = checkpoint.latest(str(tmp_path))
     assert folder.endswith("step_000002")
     assert os.path.isdir(os.path.join(tmp_path, "checkpoints", "step_000004.tmp"))
-    assert checkpoint.consolidate(folder)["step"] == 2
+    assert reshard.consolidate(folder)["step"] == 2
     code, out, err, _ = picotron("--dp", 2, "--steps", 6, "--save-every", 2, "--out", tmp_path, "--resume")
     assert code == 0, err
     assert f"resuming from {folder} at step 3" in out
@@ -91,7 +91,7 @@ def test_a_non_finite_step_is_skipped_when_asked(tmp_path):
     assert "picotron: step 3 skipped: loss nan" in out
     records = read_metrics(str(tmp_path))[0]
     assert [bool(r.get("skipped")) for r in records] == [False, False, True, False, False]
-    ckpt = {s: checkpoint.consolidate(checkpoint.step_dir(str(tmp_path), s)) for s in (2, 3)}
+    ckpt = {s: reshard.consolidate(checkpoint.step_dir(str(tmp_path), s)) for s in (2, 3)}
     for name, p in ckpt[2]["params"].items():
         assert torch.equal(p, ckpt[3]["params"][name]), name
         assert ckpt[3]["optimizer"][name]["step"] == 2.0
@@ -123,5 +123,5 @@ def test_the_index_is_one_slice_per_line(tmp_path):
     code, _, err, _ = picotron("--steps", 1, "--save-every", 1, "--out", tmp_path)
     assert code == 0, err
     lines = open(os.path.join(checkpoint.latest(str(tmp_path)), "rank_00000.json")).read().splitlines()
-    assert len(lines) == 2 + len(checkpoint.Reader(checkpoint.latest(str(tmp_path))).ranks[0]["slices"])
+    assert len(lines) == 2 + len(reshard.Reader(checkpoint.latest(str(tmp_path))).ranks[0]["slices"])
     assert json.loads("\n".join(lines))["step"] == 1

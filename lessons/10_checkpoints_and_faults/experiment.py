@@ -37,7 +37,7 @@ from _common import gather  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import checkpoint  # noqa: E402
+from picotron import checkpoint, reshard  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.parallelize import parallelize  # noqa: E402
 from picotron.train import load_data  # noqa: E402
@@ -120,7 +120,7 @@ def exp_cost(mesh, st, out):
                     nbytes = gather(dict(bytes=rec["bytes"], snapshot_s=rec["snapshot_s"], write_s=rec["write_s"]), sub)
                     dist.barrier()
                     t0 = time.perf_counter()
-                    checkpoint.load(checkpoint.latest(str(folder)), trainer.run, sub)
+                    reshard.load(checkpoint.latest(str(folder)), trainer.run, sub)
                     t = torch.tensor([time.perf_counter() - t0])
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
                     loads.append(t.item())
@@ -212,7 +212,7 @@ def exp_dcp(mesh, st, out):
                                 saver.save(1, trainer.run)
                                 saver.close()
                             elif who == "ours":
-                                checkpoint.load(checkpoint.latest(str(folder)), trainer.run, sub)
+                                reshard.load(checkpoint.latest(str(folder)), trainer.run, sub)
                             elif what == "save":
                                 dcp.save(dcp_state(trainer.run, sub), checkpoint_id=str(folder))
                             else:
@@ -330,7 +330,7 @@ def resume_demo(out, fast):
         code, stdout, err = picotron(*args, *common, "--out", d, "--resume")
         if code:
             raise RuntimeError(f"{label}: {err[-2000:]}")
-        curves[label] = [loss for step, loss in attempts(stdout)[0] if isinstance(step, int)]
+        curves[label] = [r["loss"] for r in read_metrics(str(d))[0]]  # the steps after the resume, full floats
     return dict(steps=n, mid=mid, reference=ref, curves=curves)
 
 
@@ -351,7 +351,7 @@ def _load_and_save(layout, src, out):
     cfg = Config(out=out, seq_len=32, micro_batch_size=2, sample_tokens=0, eval_every=0, **layout)
     with Mesh.init(**{d: getattr(cfg, d) for d in ("dp", "pp", "cp", "tp", "ep")}) as m:
         run = parallelize(cfg, m)
-        step = checkpoint.load(src, run, m)
+        step = reshard.load(src, run, m)
         saver = checkpoint.Saver(out, cfg, m)
         saver.save(step, run)
         saver.close()
@@ -383,7 +383,7 @@ def round_trips(out, fast):
         t0 = time.perf_counter()
         run_on_ranks(_train_and_save, world(src), src, str(a), 2, timeout_s=300)
         run_on_ranks(_load_and_save, world(dst), dst, checkpoint.latest(str(a)), str(b), timeout_s=300)
-        one, two = checkpoint.consolidate(checkpoint.latest(str(a))), checkpoint.consolidate(checkpoint.latest(str(b)))
+        one, two = reshard.consolidate(checkpoint.latest(str(a))), reshard.consolidate(checkpoint.latest(str(b)))
         tensors = differ = 0
         for name, p in one["params"].items():
             for x, y in [(p, two["params"][name])] + [(v, two["optimizer"][name][k]) for k, v in
