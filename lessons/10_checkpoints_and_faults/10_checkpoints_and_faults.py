@@ -49,7 +49,7 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}")
 # model has no dropout, so the data position is the step and no generator is used in training; each rank's RNG
 # state is saved anyway. In fp32 that is $4 + 4 + 4 = 12$ bytes per parameter. (The mixed-precision recipe of
 # lesson 04 holds 16 in memory; its checkpoint needs the fp32 master weights and the moments, again 12: the bf16
-# copy and the gradients follow from them.)
+# copy and the gradients follow from them; the formulas and their sources: [the reference](../../docs/reference.md#checkpoints-and-failures).)
 #
 # The experiment: one run of `picotron.train` (one process, 2 micro-batches per step), a checkpoint in the middle,
 # and four runs resumed from it — in the same layout; resharded to two processes (dp2 + ZeRO-1, the same global
@@ -264,7 +264,8 @@ for r in dcp:
 # Daly (2006) refines it for saves that are not small against $M$: $T^* = \sqrt{2CM}\,[1 + \tfrac13\sqrt{C/2M} +
 # \tfrac19 (C/2M)] - C$ for $C < 2M$. The failure rate grows with the number of GPUs: from the Llama 3 run, one
 # unexpected interruption per $54 \times 24 \times 16384 / 419 \approx 50{,}700$ GPU-hours, so $M = 50{,}700\,\text{h} / N$.
-# A simulation checks the formula: failures drawn at random over a month of work, the lost time counted.
+# A simulation checks the formula: failures drawn at random over months of work, the lost time counted (the
+# derivation and the sources: [reference](../../docs/reference.md#checkpoints-and-failures)).
 
 # %%
 C, R = 60.0, 300.0   # a one-minute save, a five-minute restart (both assumptions; measure yours)
