@@ -59,7 +59,7 @@ def settings(fast):
                 async_size="small" if fast else "medium", async_steps=8 if fast else 16, async_every=2 if fast else 4,
                 async_rounds=1 if fast else 2,
                 dcp_sizes=("small",) if fast else ("small", "medium"), dcp_rounds=2 if fast else 4,
-                demo_steps=12 if fast else 30, demo_every=3 if fast else 5)
+                demo_steps=20 if fast else 30, demo_every=3 if fast else 5)
 
 
 def make_cfg(size, **kw):
