@@ -55,7 +55,7 @@ def attempt():
 
 
 class Injector:
-    """The faults of this run, for one rank: `maybe_kill(where, step)` and `poisoned(step)`."""
+    """The faults of this run, for one rank: `maybe_kill(where, step)` and `loss_fn(step, loss_fn)`."""
 
     def __init__(self, spec, rank, world_size):
         self.rank, self.world_size = rank, world_size
@@ -76,5 +76,8 @@ class Injector:
                   f"{'step' if where == 'kill' else 'the checkpoint of step'} {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def poisoned(self, step):
-        return step in self.nan_steps
+    def loss_fn(self, step, loss_fn):
+        """`loss_fn`, or at a nan@STEP step one whose loss (hence every gradient) is NaN on every rank."""
+        if step not in self.nan_steps:
+            return loss_fn
+        return lambda logits, targets: loss_fn(logits, targets) * float("nan")

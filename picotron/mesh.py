@@ -34,6 +34,7 @@ lessons use to reason about layouts; `Mesh.init` turns them into real `torch.dis
 """
 import copy
 import gc
+import itertools
 import math
 import os
 from datetime import timedelta
@@ -128,7 +129,7 @@ def pick_device(world_size=1, local_rank=0, device=None):
     return torch.device("cpu"), "gloo"
 
 
-_INITS = []  # the worlds Mesh.init has made in this process (their store keys never meet)
+_WORLDS = itertools.count(1)  # numbers the worlds Mesh.init makes in this process (their store keys never meet)
 
 
 class Axis:
@@ -333,8 +334,7 @@ class Mesh:
                 # the addresses the previous attempt's ranks published: seen on gloo after --max-restarts)
                 store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
                 attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                _INITS.append(attempt)  # (and by how many worlds this process made before: every rank alike)
-                prefix = f"picotron/attempt_{attempt}/world_{len(_INITS)}"
+                prefix = f"picotron/attempt_{attempt}/world_{next(_WORLDS)}"  # (every rank counts alike)
                 dist.init_process_group(backend, store=dist.PrefixStore(prefix, store),
                                         rank=rank, world_size=world_size, timeout=timeout,
                                         device_id=dev if dev.type == "cuda" else None)

@@ -160,8 +160,7 @@ def train(cfg, mesh, return_model=False):
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_fn = poisoned(run.loss_fn) if injector.poisoned(step) else run.loss_fn
-        loss = run.schedule.run(model, loader.micro_batches(step), loss_fn)
+        loss = run.schedule.run(model, loader.micro_batches(step), injector.loss_fn(step, run.loss_fn))
         grad_norm = clip_grad_norm(run.params, cfg.grad_clip, mesh)
         mem = model.memory()  # gradients still alive here
         loss_value = float(loss)  # .item(): waits for the device
@@ -251,13 +250,6 @@ def train(cfg, mesh, return_model=False):
             print("---- sample ----\n" + data.printable(tokenizer, out[0].tolist()).strip() + "\n----------------",
                   flush=True)
     return (summary, run) if return_model else summary
-
-
-def poisoned(loss_fn):
-    """--faults nan@STEP: the loss (hence every gradient) of that step is NaN on every rank."""
-    def nan_loss(logits, targets):
-        return loss_fn(logits, targets) * float("nan")
-    return nan_loss
 
 
 def progress_line(r, steps):
