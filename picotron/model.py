@@ -37,11 +37,15 @@ The model knows nothing about parallelism. Things the parallel strategies may re
   * a MoE block's experts are keyed by global index too (experts.0 ... experts.E-1), and its `exchange` (None
     here) is where expert parallelism sends the rows sorted by expert away and gets the outputs back;
   * `Attention.core`, a submodule with no parameters (`AttentionCore`), is the one place where tokens see
-    each other: context parallelism swaps it; `forward(input_ids, position_ids=None)` takes explicit
-    positions ([s] or [b, s]) for the same reason, and the step engine passes them with every batch;
+    each other (`attn_impl`: "sdpa", "eager" or "flash", picotron.kernels' tiled attention): context
+    parallelism swaps it; `forward(input_ids, position_ids=None)` takes explicit positions ([s] or [b, s])
+    for the same reason, and the step engine passes them with every batch;
   * `init_weights(seed)` draws every parameter from a generator seeded by (seed, parameter name) only, so
     every layout initialises identically. A strategy that shards a parameter may attach `p.full_shape` and
     `p.take_shard(full) -> shard` to it; `init_weights` then draws the full tensor and keeps its shard.
+
+Each RMSNorm and dense MLP has a `kernel` attribute, "plain" (the PyTorch ops written here) unless
+`use_kernels(model, impl)` routes them through picotron.kernels' fused RMSNorm and SwiGLU.
 """
 import json
 import math
@@ -54,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from picotron import kernels
 from picotron.moe import MoE
 
 
@@ -70,7 +75,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
-    attn_impl: str = "sdpa"  # "sdpa": fused kernel; "eager": explicit softmax that stores the s×s scores
+    attn_impl: str = "sdpa"  # "sdpa": fused kernel; "eager": explicit softmax that stores the s×s scores;
+    # "flash": picotron.kernels.flash_attention, the tiled online softmax in plain PyTorch (a reference: slow)
     # mixture of experts (picotron.moe; 0 experts = the dense SwiGLU MLP), in Hugging Face Mixtral's names
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
@@ -203,6 +209,7 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------- layers
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) * weight, computed in float32 (as HF does) and cast back."""
+    kernel = "plain"  # or a picotron.kernels impl ("auto", "triton", "compile"): see use_kernels
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -210,6 +217,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if self.kernel != "plain":
+            return kernels.rms_norm(x, self.weight, self.eps, impl=self.kernel)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -247,8 +256,10 @@ class AttentionCore(nn.Module):
         groups = q.shape[1] // k.shape[1]
         if self.attn_impl == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups > 1)
+        if self.attn_impl == "flash":
+            return kernels.flash_attention(q, k, v, causal=True)
         if self.attn_impl != "eager":
-            raise ValueError(f"unknown attn_impl {self.attn_impl!r}; use 'sdpa' or 'eager'.")
+            raise ValueError(f"unknown attn_impl {self.attn_impl!r}; use 'sdpa', 'eager' or 'flash'.")
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # [b, a, s, s]: the 5·a·s/h term
         s_q, s_k = scores.shape[-2:]
@@ -285,6 +296,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
+    kernel = "plain"  # or a picotron.kernels impl: see use_kernels
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -293,6 +305,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
+        if self.kernel != "plain":
+            return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x), impl=self.kernel))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -315,6 +329,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, selective: bool = False):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, recompute=selective)
         return x + self.feed_forward(self.post_attention_layernorm(x))
+
+
+def use_kernels(model, impl: str = "auto"):
+    """Send every RMSNorm and dense MLP of `model` through picotron.kernels' fused RMSNorm and SwiGLU (impl
+    "auto", "triton" or "compile"), or back through the plain ops ("plain"). The same arithmetic, so the
+    same results up to rounding; parameters are untouched. (SequenceParallelRMSNorm and the experts of a MoE
+    keep their own forward.)"""
+    if impl not in kernels.IMPLS:
+        raise ValueError(f"unknown kernel impl {impl!r}; use one of {kernels.IMPLS}.")
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, MLP)):
+            m.kernel = impl
+    return model
 
 
 # ------------------------------------------------------------------------------------------------ model
