@@ -79,13 +79,13 @@ def canonical(name):
 
 
 def placements(run):
-    """[(tensor, Slice)] for every tensor the optimizer updates on this rank (ZeRO: its pieces), in the
-    optimizer's order. Read off the marks: a piece's `part_of`, a tensor-parallel slice's `full_shape` and
+    """[(tensor, Slice)] for every tensor the optimizer updates on this rank (ZeRO: its pieces; under a master copy
+    the fp32 masters, so a resume is exact), in the optimizer's order. Read off the marks: a piece's `part_of`, a tensor-parallel slice's `full_shape` and
     `shard_offsets`, a pipeline's copy of a tied embedding (`is_copy`, it holds embed_tokens.weight)."""
     names = {p: canonical(n) for n, p in run.raw.named_parameters()}
     out = []
     for q in run.params:
-        base, flat = q, None
+        base, flat = getattr(q, "master_of", q), None  # an fp32 master copy (bf16-params, fp16) saves for its parameter
         if hasattr(q, "part_of"):
             base, at, n = q.part_of
             flat = (at, at + n)
@@ -152,6 +152,8 @@ def snapshot(run, mesh, step):
             "rng": torch.get_rng_state()}
     if mesh.device.type == "cuda":
         meta["cuda_rng"] = torch.cuda.get_rng_state(mesh.device)
+    if run.scaler is not None and run.scaler.dynamic:  # fp16: the loss scale and its clock
+        meta["loss_scale"] = run.scaler.state_dict()
     return tensors, index, meta
 
 

@@ -43,8 +43,10 @@ ARRIVES_WITH = {  # for the "not implemented yet" message
     "cp": "context parallelism arrives with lesson 06", "pp": "pipeline parallelism arrives with lesson 07",
     "ep": "expert parallelism arrives with lesson 08",
 }
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "bf16-params", "fp16", "fp8")  # picotron.precision: what each keeps in which dtype
 DP_IMPLS = ("naive", "overlap", "bucket", "ddp")
+ATTN_IMPLS = ("sdpa", "eager", "flash")
+KERNELS = ("plain", "compile", "triton", "auto")
 RECOMPUTE = ("none", "selective", "full")
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v")
 CP_IMPLS = ("ring", "allgather")
@@ -89,6 +91,9 @@ class Config:
     micro_batch_size: int = 16
     grad_acc: int = 1
     dtype: str = "fp32"
+    loss_scale: str = "dynamic"  # fp16 only: dynamic | none | a number (a static scale)
+    kernels: str = "plain"  # RMSNorm and SwiGLU: plain | compile | triton | auto (picotron.kernels)
+    compile: bool = False  # torch.compile every decoder layer
     recompute: str = "none"
     seed: int = 0
     # output and checkpoints
@@ -217,7 +222,12 @@ HELP = {  # what `--help` says of each setting (allowed values are added from th
     "seq_len": "tokens per sequence",
     "micro_batch_size": "sequences per micro-batch on each data-parallel rank",
     "grad_acc": "micro-batches accumulated per optimizer step (global batch = dp x grad_acc x micro_batch_size)",
-    "dtype": "fp32, or bf16 autocast for the matmuls (parameters and optimizer state stay fp32)",
+    "dtype": "precision recipe: fp32; bf16 (autocast for the matmuls, parameters and optimizer state stay fp32); "
+             "bf16-params (bf16 parameters and gradients, fp32 master weights and moments in the optimizer); fp16 "
+             "(the same in fp16, with loss scaling); fp8 (the decoder's matmuls in FP8 with per-tensor scales, "
+             "simulated on CPU)",
+    "loss_scale": "fp16's loss scaling: dynamic (halve on overflow and skip the step, double after 2000 clean "
+                  "steps), none, or a number (a static scale)",
     "recompute": "activation recomputation: none, selective (attention scores) or full (each layer from its input)",
     "seed": "seed of the initial weights and of the batches (the same for every layout)",
     "out": "folder for metrics.jsonl and checkpoints/",
@@ -247,12 +257,17 @@ HELP = {  # what `--help` says of each setting (allowed values are added from th
                    "written from send/recv (ours)",
     "timeout_s": "seconds any collective may wait before the job stops with an error (a dead rank cannot hang it)",
     "sample_tokens": "length of the text sample printed at the end (0 = none)",
-    "attn_impl": "attention kernel: sdpa (torch's fused attention) or eager (the written-out softmax)",
+    "attn_impl": "attention kernel: sdpa (torch's fused attention), eager (the written-out softmax) or flash "
+                 "(picotron.kernels' tiled attention with an online softmax, in plain PyTorch: a reference, slow)",
+    "kernels": "RMSNorm and SwiGLU: plain (PyTorch ops), compile (torch.compile fuses each), triton (hand-written "
+               "Triton kernels: a CUDA GPU, or TRITON_INTERPRET=1 on a CPU) or auto (triton on a GPU, else compile)",
+    "compile": "torch.compile every decoder layer (the first steps pay for compiling)",
     "tie_word_embeddings": "the LM head shares the embedding matrix (with --pp: two copies on the first and last "
                            "stage, their gradients summed)",
 }
 CHOICES = {"dtype": DTYPES, "recompute": RECOMPUTE, "dp_impl": DP_IMPLS, "zero": ZERO_STAGES,
-           "pp_schedule": PP_SCHEDULES, "cp_impl": CP_IMPLS, "cp_layout": CP_LAYOUTS, "device": DEVICES, "attn_impl": ("sdpa", "eager"),
+           "pp_schedule": PP_SCHEDULES, "cp_impl": CP_IMPLS, "cp_layout": CP_LAYOUTS, "device": DEVICES, "attn_impl": ATTN_IMPLS,
+           "kernels": KERNELS,
            "collectives": COLLECTIVES, "on_nonfinite": ("stop", "skip")}
 
 
@@ -323,7 +338,7 @@ def _check_names(cfg):
                                  ("cp_layout", cfg.cp_layout, CP_LAYOUTS),
                                  ("zero", cfg.zero, ZERO_STAGES), ("device", cfg.device, DEVICES),
                                  ("collectives", cfg.collectives, COLLECTIVES),
-                                 ("attn_impl", cfg.attn_impl, (None, "sdpa", "eager")),
+                                 ("attn_impl", cfg.attn_impl, (None,) + ATTN_IMPLS), ("kernels", cfg.kernels, KERNELS),
                                  ("on_nonfinite", cfg.on_nonfinite, ("stop", "skip"))]:
         if value not in allowed:
             shown = ", ".join(str(a) for a in allowed if a is not None)
@@ -480,8 +495,8 @@ Train a Llama-style model on the embedded Shakespeare (or your text), on one pro
 
 Works today: data parallelism (--dp), ZeRO-1/2/3 (--zero), tensor parallelism (--tp) with sequence
 parallelism (--sp), pipeline parallelism (--pp, --pp-schedule; the micro-batches are --grad-acc), context
-parallelism (--cp, --cp-impl, --cp-layout), gradient accumulation, bf16 autocast, activation recomputation,
-expert parallelism (--ep, with a mixture-of-experts model: --preset tiny-moe or --experts E), checkpoints.
+parallelism (--cp, --cp-impl, --cp-layout), gradient accumulation, activation recomputation, expert parallelism (--ep, with a mixture-of-experts
+model: --preset tiny-moe or --experts E), checkpoints, precision recipes (--dtype bf16, bf16-params, fp16, fp8).
 
 Several processes on one machine: `python -m picotron.train --dp 2 --tp 2` starts them itself (with torchrun,
 one per cell of the dp x pp x cp x tp grid); several machines: torchrun ... -m picotron.train ... on each.

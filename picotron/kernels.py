@@ -359,3 +359,12 @@ def swiglu(gate, up, impl: str = "auto"):
     if impl == "triton":
         return TritonSwiGLU.apply(gate, up)
     return (_compiled(swiglu_plain) if impl == "compile" else swiglu_plain)(gate, up)
+
+
+def check(cfg, model_config):
+    """The kernels' rule for a training run: the one-sentence problem, or None."""
+    gpu = torch.cuda.is_available() and cfg.device != "cpu"
+    if cfg.kernels == "triton" and not triton_runs_on("cuda" if gpu else "cpu"):
+        return ("kernels='triton' needs the triton package and a CUDA GPU (or TRITON_INTERPRET=1 on a CPU, slow); "
+                "pass --kernels compile or auto, or pip install triton.")
+    return None

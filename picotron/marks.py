@@ -56,8 +56,9 @@ def sync_axis(p, mesh):
     return mesh.edp if "ep" in sharded_over(p) else mesh.dp_cp
 
 
-def clip_grad_norm(params, max_norm, mesh):
+def clip_grad_norm(params, max_norm, mesh, grad_scale=1.0):
     """Scale the gradients so their global L2 norm is at most max_norm (0: never); return the norm before.
+    `grad_scale`: the gradients hold grad_scale times the gradient (fp16's loss scale S): the norm is divided by it.
 
     "Global" is over every gradient element of the whole model, each counted once, whatever the layout:
     the marks say which gradients are slices (summed over the ranks) and which are copies (counted once)."""
@@ -73,6 +74,7 @@ def clip_grad_norm(params, max_norm, mesh):
         square = (norms.square() * here).sum()
         mesh.world.all_reduce(square)
         total = square.sqrt()
+    total = total / grad_scale
     if max_norm > 0:  # 0 = no clipping (the norm is still measured and logged)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

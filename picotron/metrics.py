@@ -84,7 +84,10 @@ def tensor_bytes(tensors):
 
 
 def optimizer_bytes(optimizer):
-    return sum(tensor_bytes(v for v in s.values() if torch.is_tensor(v)) for s in optimizer.state.values())
+    """The optimizer's state (Adam's moments and step counters) and, under bf16-params or fp16, its fp32 master
+    copy of the parameters (precision.MasterWeights)."""
+    masters = tensor_bytes(getattr(optimizer, "masters", ()))
+    return masters + sum(tensor_bytes(v for v in s.values() if torch.is_tensor(v)) for s in optimizer.state.values())
 
 
 def memory_breakdown(model, optimizer=None):

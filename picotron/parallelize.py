@@ -28,9 +28,10 @@ from functools import partial
 
 import torch
 
-from picotron import (context_parallel, data_parallel, expert_parallel, marks, pipeline_parallel, schedule,
-                      tensor_parallel, zero, zero3)
-from picotron.model import Llama, loss_fn
+from picotron import (context_parallel, data_parallel, expert_parallel, marks, pipeline_parallel, precision,
+                      schedule, tensor_parallel, zero, zero3)
+from picotron import fp8, kernels
+from picotron.model import DecoderLayer, Llama, loss_fn, use_kernels
 
 
 @dataclass
@@ -43,11 +44,18 @@ class Parallelized:
     loss_fn: object            # loss_fn(logits, targets) -> mean loss of this rank's tokens
     sampler: torch.nn.Module   # ids -> logits over the whole vocabulary, for generating text
     description: str           # the strategies in use, for the start-up line
+    scaler: precision.LossScaler = None  # fp16's loss scale (S = 1, never updated, for every other recipe)
 
     @property
     def params(self):
         """The parameters the optimizer updates on this rank (ZeRO: its pieces), with their marks."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @property
+    def grad_params(self):
+        """The tensors the backward leaves gradients in, with their marks: `params`, or under a master copy
+        (bf16-params, fp16) the low-precision ones the fp32 masters are copies of."""
+        return precision.grad_params(self.optimizer)
 
 
 def pipeline_schedule(cfg, pp_size=None):
@@ -77,25 +85,36 @@ def build_model(cfg, mesh, store=None):
         model = whole()
     else:  # this stage's layers (names, hence init, unchanged)
         model = pipeline_parallel.keep_stage(whole, plan, mesh.pp.rank, mc, cfg.seq_len)
+    if cfg.kernels != "plain":  # fused RMSNorm and SwiGLU (picotron.kernels)
+        use_kernels(model, cfg.kernels)
+    if precision.recipe(cfg).fp8:  # the decoder layers' linears through FP8 matmuls (picotron.fp8)
+        fp8.apply(model)
     model.to_empty(device=mesh.device)
     expert_parallel.mark_experts(model, mesh.ep)  # to_empty made new Parameter objects
     if plan is not None:
         pipeline_parallel.mark_stage(model, plan, mesh.pp)
-    model.init_weights(cfg.seed)
+    model.init_weights(cfg.seed)  # in fp32, then rounded to the recipe's parameter dtype
+    precision.cast_parameters(model, precision.recipe(cfg).param_dtype)
     if store is not None:
         pipeline_parallel.defer_weight_grads(model, store)
     model.recompute = cfg.recompute
+    if cfg.compile:  # each decoder layer compiled on its own: the strategies' hooks stay around it, in eager
+        for layer in model.modules():
+            if isinstance(layer, DecoderLayer):
+                layer.compile()
     for module in model.modules():  # MoE: the aux loss's weight per micro-batch (and per tp rank: see tensor_parallel)
         if hasattr(module, "aux_weight"):
             module.aux_weight = mc.router_aux_loss_coef / cfg.grad_acc / mesh.tp.size
     return model
 
 
-def build_optimizer(groups, cfg, device):
-    """AdamW over (decay, no_decay) parameter lists: weight decay on matrices only (not on norm gains)."""
+def build_optimizer(groups, cfg, device, scaler=None):
+    """AdamW over (decay, no_decay) parameter lists: weight decay on matrices only (not on norm gains); under
+    bf16-params and fp16, over fp32 master copies of the parameters (precision.MasterWeights)."""
     decay, no_decay = groups
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    adamw = partial(torch.optim.AdamW, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    return precision.MasterWeights(groups, adamw, scaler) if precision.recipe(cfg).master else adamw(groups)
 
 
 def wrap_for_sync(raw, cfg, axis, axis_of=None):
@@ -109,9 +128,10 @@ def wrap_for_sync(raw, cfg, axis, axis_of=None):
 
 
 def autocast_for(cfg, device):
-    """The mixed-precision context of a forward: bf16 autocast, or nothing (fp32)."""
-    if cfg.dtype == "bf16":
-        return partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    """The mixed-precision context of a forward: autocast to the recipe's matmul dtype, or nothing (fp32)."""
+    dtype = precision.recipe(cfg).autocast
+    if dtype is not None:
+        return partial(torch.autocast, device.type, dtype=dtype)
     return nullcontext
 
 
@@ -127,7 +147,8 @@ def parallelize(cfg, mesh, recorder=None):
     store = pipeline_parallel.WeightGradStore() if plan is not None and plan.split else None
     raw = build_model(cfg, mesh, store)
     model = wrap_for_sync(raw, cfg, mesh.dp_cp, partial(marks.sync_axis, mesh=mesh) if mesh.ep.size > 1 else None)
-    optimizer = build_optimizer(model.optimizer_groups(), cfg, mesh.device)
+    scaler = precision.loss_scaler(cfg)
+    optimizer = build_optimizer(model.optimizer_groups(), cfg, mesh.device, scaler)
     if cfg.zero in (1, 2):  # the step updates this rank's chunk, then all-gathers every chunk
         optimizer = zero.ShardedOptimizer(optimizer, model)
     tp = mesh.tp.size > 1
@@ -137,15 +158,16 @@ def parallelize(cfg, mesh, recorder=None):
         sampler = tensor_parallel.FullVocabLogits(raw, mesh.tp, sp=cfg.sp) if tp else raw
     else:  # the step engine runs the pipeline schedule; text and evaluation go through the stages too
         steps = pipeline_parallel.Pipeline(plan, mesh, raw.config.hidden_size, seq_div=mesh.tp.size if cfg.sp else 1,
-                                           ends=mesh.pp_ends, autocast=autocast, store=store)
+                                           ends=mesh.pp_ends, autocast=autocast, store=store,
+                                           dtype=precision.recipe(cfg).param_dtype)
         sampler = pipeline_parallel.PipelineSampler(
             raw, steps, head=partial(tensor_parallel.gather_vocab, axis=mesh.tp) if tp else None)
     if mesh.cp.size > 1:  # text: every rank runs the prompt whole (attention not split)
         sampler = context_parallel.WholeSequence(sampler, raw)
+    loss = partial(tensor_parallel.loss_fn, axis=mesh.tp) if tp else loss_fn  # tp: vocab-parallel
     return Parallelized(
-        model=model, raw=raw, optimizer=optimizer, schedule=steps,
-        loss_fn=partial(tensor_parallel.loss_fn, axis=mesh.tp) if tp else loss_fn,  # tp: vocab-parallel
-        sampler=sampler, description=describe(cfg, mesh))
+        model=model, raw=raw, optimizer=optimizer, schedule=steps, loss_fn=precision.scaled(loss, scaler),
+        sampler=sampler, description=describe(cfg, mesh), scaler=scaler)
 
 
 def describe(cfg, mesh):
@@ -174,4 +196,6 @@ def describe(cfg, mesh):
     return " | ".join(parts) or "one process"
 
 
-STRATEGIES = (data_parallel, zero, tensor_parallel, context_parallel, pipeline_parallel, expert_parallel)  # each exports check(cfg, model_config); config calls them
+# each exports check(cfg, model_config); config calls them
+STRATEGIES = (data_parallel, zero, tensor_parallel, context_parallel, pipeline_parallel, expert_parallel, precision,
+              kernels)

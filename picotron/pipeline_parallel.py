@@ -564,8 +564,9 @@ class Pipeline:
     one rank (the V's turn) the tensor is handed over in memory."""
 
     def __init__(self, schedule, mesh, hidden, seq_div=1, ends=None, autocast=nullcontext, store=None,
-                 timeline=None):
+                 timeline=None, dtype=torch.float32):
         self.schedule, self.mesh, self.pp = schedule, mesh, mesh.pp
+        self.dtype = dtype  # of the residual stream that travels: the parameters' (fp32, or bf16/fp16 parameters)
         self.hidden, self.seq_div = hidden, seq_div  # an activation is [b, s / seq_div, hidden] (sp: seq_div = tp)
         self.ends, self.autocast, self.store, self.timeline = ends, autocast, store, timeline
         self.activation_bytes = 0
@@ -603,7 +604,7 @@ class Pipeline:
         queue = self.incoming[src]
         while self.posted[src] < len(queue):
             key = queue[self.posted[src]]
-            buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.mesh.device)  # fp32 residual
+            buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.mesh.device)
             self.pending[key] = (buf, torch.distributed.irecv(buf, src=self._global(src), group=self.pp.group))
             self.posted[src] += 1
             if key == upto:
@@ -633,7 +634,7 @@ class Pipeline:
 
     def _send(self, t, kind, mb, to_stage):
         r, c = self.schedule.where(to_stage)
-        t = t.detach().float().contiguous()
+        t = t.detach().to(self.dtype).contiguous()
         if r == self.rank:
             self.local[(kind, mb, c)] = t
             return
@@ -739,7 +740,7 @@ class Pipeline:
                 if s > 0:
                     prev, _ = sch.where(s - 1)
                     if prev != self.rank:
-                        x = torch.empty(shape, device=self.mesh.device)
+                        x = torch.empty(shape, dtype=self.dtype, device=self.mesh.device)
                         torch.distributed.recv(x, src=self._global(prev), group=self.pp.group)
                 with self.autocast():
                     x = stage.chunks[c](x, positions)
@@ -748,7 +749,7 @@ class Pipeline:
                 else:
                     nxt, _ = sch.where(s + 1)
                     if nxt != self.rank:
-                        torch.distributed.send(x.float().contiguous(), dst=self._global(nxt), group=self.pp.group)
+                        torch.distributed.send(x.to(self.dtype).contiguous(), dst=self._global(nxt), group=self.pp.group)
         return out
 
     @torch.no_grad()

@@ -128,12 +128,12 @@ def activation_terms_per_layer(mc, seq_len, micro_batch_size, dtype="fp32", reco
     if recompute == "selective":
         core = p * sb * (h + 2 * kvd) + p * sbh  # q, k, v before RoPE + the core's output
         rope = 0  # the bf16 casts of cos/sin now happen inside the checkpoint
-    elif mc.attn_impl == "sdpa":
+    elif mc.attn_impl in ("sdpa", "flash"):  # both save q, k, v, the output and an fp32 log-sum-exp per row
         core = p * sb * (2 * h + 2 * kvd) + 4 * a * sb  # q, k, v after RoPE, output; fp32 logsumexp
     elif mc.attn_impl == "eager":
         core = 4 * p * sbh + s * s + 4 * a * s * s * b + (2 * a * s * s * b if bf16 else 0)
     else:
-        raise ValueError(f"attn_impl={mc.attn_impl!r}; use 'sdpa' or 'eager'.")
+        raise ValueError(f"attn_impl={mc.attn_impl!r}; use 'sdpa', 'flash' or 'eager'.")
     terms = {
         "input_layernorm": norm,
         "self_attn": qkv_in + rope + core,

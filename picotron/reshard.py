@@ -116,9 +116,12 @@ def load(folder, run, mesh):
     if state:
         opt_state["state"] = state
         run.optimizer.load_state_dict(opt_state)
-    after = getattr(run.model, "after_load", None)
-    if after is not None:
-        after()  # ZeRO-1/2: every rank's full parameters from the loaded pieces
+    for after in (getattr(run.optimizer, "after_load", None), getattr(run.model, "after_load", None)):
+        if after is not None:
+            after()  # masters rounded into the parameters (bf16-params, fp16), then ZeRO-1/2's full parameters
+    scale = reader.file(0)["meta"].get("loss_scale")
+    if scale is not None and run.scaler is not None and run.scaler.dynamic:
+        run.scaler.load_state_dict(scale)
     if reader.world_size == mesh.world_size and reader.ranks[mesh.rank]["layout"] == dict(mesh.sizes, ep=mesh.ep.size):
         meta = reader.file(mesh.rank)["meta"]
         torch.set_rng_state(meta["rng"])

@@ -9,6 +9,8 @@ One optimizer step, in order:
     clip the global gradient norm to grad_clip           # each gradient element counted once (its marks)
     stop if the loss or the norm is not finite           # before the update: the weights stay sane
     optimizer.step(), zero the gradients                 # (--on-nonfinite skip: drop the update, go on)
+                                                         # (fp16: an overflow skips the step, halves the
+                                                         # loss scale; picotron.precision)
     every save_every steps a checkpoint                  # picotron.checkpoint: sharded, atomic, maybe async
 
 Faults. Under torchrun with --max-restarts N, a job whose rank died starts again and resumes by itself from
@@ -18,9 +20,9 @@ With one pipeline stage, `schedule.run` is gradient accumulation: for each of gr
 logits = model(x) (under bf16 autocast if --dtype bf16; parameters stay fp32), loss = cross_entropy / grad_acc,
 loss.backward() (gradients add up in p.grad), the replicas exchanging gradients during the last backward.
 
-Mixed precision: the parameters, gradients and optimizer state stay fp32 (the "master weights"); autocast
-runs the matmuls in bf16 and keeps reductions (softmax, norms, the loss) in fp32. bf16 has fp32's exponent
-range, so no loss scaling is needed.
+Mixed precision (--dtype, picotron.precision): bf16 autocasts the matmuls over fp32 parameters, gradients and
+optimizer state; bf16-params and fp16 keep bf16/fp16 parameters and gradients and an fp32 master copy in the
+optimizer; fp16 scales the loss so small gradients do not underflow; fp8 runs the decoder's matmuls in FP8.
 
 Every step writes one line to OUT/metrics.jsonl (loss, lr, grad_norm, tokens, tokens_per_s, mfu, memory by
 category), every `log_every` steps a progress line, every `eval_every` steps the validation loss, and at the
@@ -36,7 +38,7 @@ from contextlib import contextmanager
 import torch
 
 from picotron import config as config_mod
-from picotron import checkpoint, context_parallel, data, faults, launch, metrics, moe, reshard
+from picotron import checkpoint, context_parallel, data, faults, launch, metrics, moe, precision, reshard
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.model import generate
@@ -122,7 +124,7 @@ def train(cfg, mesh, return_model=False):
     model, optimizer, mc = run.model, run.optimizer, run.raw.config
     tokens_per_step = mesh.dp.size * cfg.grad_acc * cfg.micro_batch_size * cfg.seq_len
     flops_per_step = metrics.flops_per_token(mc, cfg.seq_len) * tokens_per_step
-    peak = metrics.measured_matmul_peak(device, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+    peak = metrics.measured_matmul_peak(device, precision.recipe(cfg).compute_dtype)
     datasheet = metrics.datasheet_peak(device)
     injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size)
     resume = cfg.resume or faults.attempt() > 0  # a restart after a lost rank resumes by itself
@@ -161,12 +163,15 @@ def train(cfg, mesh, return_model=False):
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss = run.schedule.run(model, loader.micro_batches(step), injector.loss_fn(step, run.loss_fn))
-        grad_norm = clip_grad_norm(run.params, cfg.grad_clip, mesh)
+        scale = run.scaler.scale  # fp16: the gradients are S times the gradient (S = 1 otherwise)
+        grad_norm = clip_grad_norm(run.grad_params, cfg.grad_clip, mesh, grad_scale=scale)
         mem = model.memory()  # gradients still alive here
         loss_value = float(loss)  # .item(): waits for the device
         injector.maybe_kill("kill", step)  # mid-step: gradients computed, the update not yet applied
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-        if not finite and cfg.on_nonfinite == "stop":  # the same on every rank (a global loss and norm): all stop
+        overflow = run.scaler.dynamic and math.isfinite(loss_value) and not finite  # fp16: S too large
+        run.scaler.update(overflow)  # an overflow halves S (this step is skipped); clean steps grow it
+        if not finite and not overflow and cfg.on_nonfinite == "stop":  # the same on every rank: all stop
             clip = f"clip harder (--grad-clip {cfg.grad_clip:g})" if cfg.grad_clip else "clip (--grad-clip 1)"
             saver.wait()
             raise Stopped(f"picotron: stopped: the run diverged at step {step}: loss {loss_value}, gradient norm "
@@ -182,8 +187,10 @@ def train(cfg, mesh, return_model=False):
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                   "tokens": step * tokens_per_step, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
                   "mfu": flops_per_step / dt / (peak * mesh.world_size), "mem": mem}
-        if not finite:  # --on-nonfinite skip: this step changed nothing
+        if not finite:  # --on-nonfinite skip, or fp16's overflow: this step changed nothing
             record["skipped"] = True
+        if run.scaler.dynamic:
+            record.update(loss_scale=scale, overflow=overflow, overflows=run.scaler.skipped)
         if datasheet:
             record["mfu_datasheet"] = flops_per_step / dt / (datasheet * mesh.world_size)
         experts = moe.step_stats(run.raw, mesh.dp_cp)  # MoE: routing of this step (this pipeline stage's layers)
@@ -206,7 +213,10 @@ def train(cfg, mesh, return_model=False):
                 val_loss = record.get("val_loss", val_loss)
                 log.write(record)
                 history.append(record)
-                if is_logger and record.get("skipped"):
+                if is_logger and record.get("overflow"):
+                    print(f"picotron: step {step} skipped: the fp16 gradients overflowed at loss scale "
+                          f"{record['loss_scale']:g}; the scale is now {run.scaler.scale:g}", flush=True)
+                elif is_logger and record.get("skipped"):
                     print(f"picotron: step {step} skipped: loss {record['loss']}, gradient norm "
                           f"{record['grad_norm']} (--on-nonfinite skip); the weights are those of step {step - 1}",
                           flush=True)
@@ -234,6 +244,8 @@ def train(cfg, mesh, return_model=False):
                "flops_per_token": metrics.flops_per_token(mc, cfg.seq_len), "num_params": mc.num_params(),
                "elapsed_s": time.perf_counter() - t_start, "world_size": mesh.world_size,
                "device": str(device), "mem": history[-1]["mem"]}
+    if run.scaler.dynamic:
+        summary.update(loss_scale=run.scaler.scale, overflows=run.scaler.skipped)
     log.write(summary)
     log.close()
     if is_logger:

@@ -310,6 +310,9 @@ class ShardedOptimizer:
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state)
 
+    def __getattr__(self, name):  # what a master-copy optimizer adds (model_params, masters, after_load, ...)
+        return getattr(self.__dict__["optimizer"], name)
+
 
 def wrap(model, axis, stage, bucket_mb=25.0, axis_of=None):
     """ZeRO stage 1 or 2 over `axis` (the mesh's dp_cp axis; `axis_of(p)`: another axis for some parameters,
