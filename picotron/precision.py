@@ -12,8 +12,8 @@ the optimizer's share, then the gradients', then the parameters' by the data-par
 parameters ZeRO-3 gathers bf16, half the bytes of fp32.) Activations are what autocast makes them: bf16/fp16
 out of every matmul; norms, softmax and the loss computed in fp32 (picotron.model does that itself).
 
-Why a master copy. bf16 keeps 8 bits of mantissa: a weight near 1 moves in steps of 2^-8 ≈ 0.004, so an
-update of lr·1 = 3e-4 added to a bf16 weight is rounded away. The optimizer therefore keeps an fp32 copy of
+Why a master copy. bf16 keeps 8 significant bits: the neighbours of 1.0 are 1 - 2^-8 and 1 + 2^-7, so an
+update of lr·1 = 3e-4 added to a bf16 weight of 1.0 is rounded away. The optimizer therefore keeps an fp32 copy of
 every parameter, adds the update there, and rounds the result into the bf16 parameter the next forward uses
 (Micikevicius et al. 2018, https://arxiv.org/abs/1710.03740; Rajbhandari et al. 2020 (ZeRO),
 https://arxiv.org/abs/1910.02054, section 3.1).
