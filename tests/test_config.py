@@ -145,9 +145,9 @@ def test_optimizer_ranges():
 
 
 @pytest.mark.parametrize("field, value, listed", [
-    ("preset", "gpt-5", "tiny, smollm-135m"), ("pp_schedule", "gpipe", "afab, 1f1b"), ("dtype", "fp16", "fp32, bf16"),
+    ("preset", "gpt-5", "tiny, smollm-135m"), ("pp_schedule", "gpipe", "afab, 1f1b"), ("dtype", "fp64", "fp32, bf16"),
     ("recompute", "some", "none, selective, full"), ("dp_impl", "fast", "naive, overlap, bucket, ddp"), ("zero", 4, "0, 1, 2, 3"), ("device", "tpu", "auto, cpu, cuda"),
-    ("attn_impl", "flash", "sdpa, eager"),
+    ("attn_impl", "xformers", "sdpa, eager, flash"),
 ])
 def test_unknown_names(field, value, listed):
     msg = error_of(**{field: value})

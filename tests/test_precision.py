@@ -3,7 +3,7 @@ table (16 bytes per parameter, split 4 + 4 + 8 or 2 + 2 + 12), fp16's loss scali
 overflowing steps, ZeRO-3 gathering half the bytes in bf16, resuming exactly, and the recipes under every
 strategy.
 
-Tolerances. bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 0.2%), fp16 11 bits (2^-12 ≈ 0.02%). One
+Tolerances. bf16 keeps 8 significant bits (relative rounding up to 2^-8 ≈ 0.4%), fp16 11 bits (2^-11 ≈ 0.05%). One
 forward of the tiny model rounds thousands of times, and training feeds the differences back, so the low-precision
 loss curves are held to 2% relative of fp32's per step (measured here, 512 tokens per step: at most 0.3% (bf16) and 0.45% (fp16) over 20 steps); a recipe that
 broke the master weights or the scaling (an update rounded away, gradients S times too large) leaves that band
