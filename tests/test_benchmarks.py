@@ -4,7 +4,7 @@ A smoke test, never a timing test: the ratios of 2 rounds on a shared CI machine
 checked. What is checked is that the benchmark builds both sides (ours through `parallelize` and the step
 engine, torch's DDP / FSDP2 / DTensor / pipelining schedules through theirs; cp_bench: our ring attention
 against our all-gather), takes its steps, and reports; before this file a benchmark could rot unseen between
-the sessions that quote its ratios.
+the sessions that quote its ratios. (kernels_bench.py runs in one process.)
 """
 from pathlib import Path
 
@@ -28,3 +28,18 @@ def test_benchmark_runs_on_two_ranks(script, args, expect):
     out = run_torchrun(ROOT / "benchmarks" / script, 2, ["--steps", "2", "--warmup", "1", *args],
                        timeout_s=300, cwd=ROOT).stdout
     assert expect in out, out[-2000:]
+
+
+def test_kernels_benchmark_runs():
+    """One process: flash attention vs SDPA and eager, fused RMSNorm/SwiGLU vs plain, the model step per recipe."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernels_bench.py"), "--rounds", "2",
+                          "--steps-model", "1", "--seq-lens", "64"], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    for expect in ("ours throughput / sdpa's: median", "compile throughput / plain's: median",
+                   "--dtype fp8 vs plain fp32"):
+        assert expect in out.stdout, out.stdout[-2000:]

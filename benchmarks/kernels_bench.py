@@ -1,0 +1,163 @@
+"""Kernels and precision recipes against what a user would pick instead, side by side in one process.
+
+    python benchmarks/kernels_bench.py [--rounds 15] [--seq-lens 256,1024] [--size small] [--steps-model 3]
+
+Each comparison times both sides in the same round, the order alternating, and reports the median of the paired
+ratios with their quartiles (a ratio > 1: ours is faster). Before timing, both sides' results are compared
+(the benchmark stops if they disagree):
+
+  attention   picotron.kernels.flash_attention (tiles and an online softmax in plain PyTorch) against torch's
+              F.scaled_dot_product_attention (a fused kernel) and the written-out softmax ('eager'), forward +
+              backward, at each sequence length; also the bytes each moves (kernels.attention_bytes)
+  rms_norm    kernels.rms_norm with impl=compile (torch.compile's fused code) against the plain ops
+  swiglu      kernels.swiglu, the same
+  model step  a training step of the lessons' model: --compile (every decoder layer compiled), --kernels
+              compile, and each --dtype recipe, against the plain fp32 step
+
+On a CPU the plain-PyTorch flash attention is slower than SDPA's C++ kernel (it is a reference: Python loops
+over tiles); its point is memory (no s x s tensor) and the algorithm. On a GPU the Triton and compiled kernels
+are where fusion pays: rerun there.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "lessons"))
+from _common import SIZES, make_cfg  # noqa: E402  (the lessons' models; puts ROOT on sys.path)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from picotron import kernels  # noqa: E402
+from picotron.mesh import Mesh  # noqa: E402
+from picotron.parallelize import parallelize  # noqa: E402
+from picotron.train import load_data  # noqa: E402
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def paired(rounds, ours, theirs):
+    """Median and quartiles of theirs' time / ours' time over rounds (alternating which goes first)."""
+    ours(), theirs()  # warm-up (compilation, allocations)
+    ratios, t_ours, t_theirs = [], [], []
+    for r in range(rounds):
+        a, b = (timed(ours), timed(theirs)) if r % 2 == 0 else tuple(reversed((timed(theirs), timed(ours))))
+        ratios.append(b / a)
+        t_ours.append(a)
+        t_theirs.append(b)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return statistics.median(t_ours), statistics.median(t_theirs), statistics.median(ratios), q[0], q[2]
+
+
+def report(name, ours, theirs, result):
+    a, b, med, lo, hi = result
+    print(f"  {name:<44} {ours} {1e3 * a:8.2f} ms, {theirs} {1e3 * b:8.2f} ms | {ours} throughput / {theirs}'s: "
+          f"median {med:.2f} (quartiles {lo:.2f}-{hi:.2f})", flush=True)
+
+
+def attention(rounds, seq_lens):
+    b, a, kv, d = 2, 8, 4, 32
+    print(f"attention forward + backward, b={b}, {a} query heads over {kv} KV heads of d={d}, fp32:")
+    for s in seq_lens:
+        g = torch.Generator().manual_seed(s)
+        q, k, v = (torch.randn(b, h, s, d, generator=g, requires_grad=True) for h in (a, kv, kv))
+        dout = torch.randn(b, a, s, d, generator=g)
+
+        def run(fn):
+            def step():
+                for t in (q, k, v):
+                    t.grad = None
+                fn().backward(dout)
+            return step
+        flash = run(lambda: kernels.flash_attention(q, k, v, causal=True))
+        sdpa = run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+        def eager():
+            kk, vv = k.repeat_interleave(a // kv, 1), v.repeat_interleave(a // kv, 1)
+            scores = (q @ kk.transpose(-2, -1)) / d ** 0.5
+            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+            return torch.softmax(scores, -1) @ vv
+        eager = run(eager)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        got = kernels.flash_attention(q, k, v, causal=True)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            raise SystemExit(f"flash attention disagrees with SDPA at s={s}: {(got - want).abs().max():.2e}")
+        naive, tiled = (kernels.attention_bytes(b, a, kv, s, d, 4, impl=i) for i in ("naive", "tiled"))
+        print(f"  s={s}: bytes moved by one forward: written out {naive / 2**20:.1f} MiB, tiled {tiled / 2**20:.1f} MiB "
+              f"({naive / tiled:.1f}x less)")
+        report(f"s={s}: flash (ours, plain PyTorch) vs SDPA", "ours", "sdpa", paired(rounds, flash, sdpa))
+        report(f"s={s}: flash (ours) vs eager", "ours", "eager", paired(rounds, flash, eager))
+
+
+def fused(rounds):
+    print("fused RMSNorm and SwiGLU, forward + backward, fp32 [8, 256, 1024] (SwiGLU's inputs [8, 256, 2816]):")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 256, 1024, generator=g, requires_grad=True)
+    w = torch.ones(1024, requires_grad=True)
+    gate, up = (torch.randn(8, 256, 2816, generator=g, requires_grad=True) for _ in range(2))
+    impls = ["compile"] + (["triton"] if kernels.triton_runs_on("cpu") else [])
+    for impl in impls:
+        def norm(i):
+            return lambda: kernels.rms_norm(x, w, 1e-5, impl=i).sum().backward()
+
+        def glu(i):
+            return lambda: kernels.swiglu(gate, up, impl=i).sum().backward()
+        if not torch.allclose(kernels.rms_norm(x, w, 1e-5, impl=impl), kernels.rms_norm(x, w, 1e-5, impl="plain"),
+                              rtol=1e-5, atol=1e-5):
+            raise SystemExit(f"rms_norm impl={impl} disagrees with the plain ops")
+        report(f"rms_norm {impl} vs plain", impl, "plain", paired(rounds, norm(impl), norm("plain")))
+        report(f"swiglu {impl} vs plain", impl, "plain", paired(rounds, glu(impl), glu("plain")))
+
+
+def model_steps(rounds, size, steps):
+    mesh = Mesh.local()
+    variants = {"plain fp32": {}, "--compile": dict(compile=True), "--kernels compile": dict(kernels="compile"),
+                "--dtype bf16": dict(dtype="bf16"), "--dtype bf16-params": dict(dtype="bf16-params"),
+                "--dtype fp8": dict(dtype="fp8")}
+    runs = {}
+    for name, kw in variants.items():
+        cfg = make_cfg(size, **kw)
+        run = parallelize(cfg, mesh)
+        _, loader = load_data(cfg, mesh)
+        runs[name] = (run, loader)
+    cfg = make_cfg(size)
+    print(f"a training step of the lessons' '{size}' model (h={SIZES[size]['hidden_size']}), {cfg.micro_batch_size} x {cfg.seq_len} "
+          f"tokens, {steps} steps per timing:")
+
+    def stepper(name):
+        run, loader = runs[name]
+
+        def go():
+            for i in range(steps):
+                run.schedule.run(run.model, loader.micro_batches(i + 1), run.loss_fn)
+                run.optimizer.step()
+                run.model.zero_grad(set_to_none=True)
+        return go
+    for name in variants:
+        if name != "plain fp32":
+            report(name + " vs plain fp32", "this", "plain", paired(rounds, stepper(name), stepper("plain fp32")))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--seq-lens", default="256,1024")
+    p.add_argument("--size", default="small", choices=sorted(SIZES))
+    p.add_argument("--steps-model", type=int, default=3)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    print(f"kernels and precision recipes, one process ({torch.get_num_threads()} threads), {args.rounds} rounds:")
+    attention(args.rounds, [int(s) for s in args.seq_lens.split(",")])
+    fused(args.rounds)
+    model_steps(args.rounds, args.size, args.steps_model)
+
+
+if __name__ == "__main__":
+    main()
