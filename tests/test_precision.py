@@ -41,11 +41,16 @@ def fp32_losses(tmp_path_factory):
     return _losses(tmp_path_factory.mktemp("fp32"), "fp32")
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "bf16-params", "fp16"])
+# fp8: E4M3 keeps 4 significant bits (each operand rounded by up to 2^-4 = 6%, the errors averaging down over a
+# dot product's terms): measured 4.1% at worst over the 20 steps, held to 8%
+TOLERANCE = {"bf16": 2e-2, "bf16-params": 2e-2, "fp16": 2e-2, "fp8": 8e-2}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
 def test_each_recipe_follows_the_fp32_loss_curve(tmp_path, fp32_losses, dtype):
     losses = _losses(tmp_path, dtype, dtype=dtype)
     assert len(losses) == SMALL["steps"] and all(math.isfinite(l) for l in losses)
-    assert _worst(losses, fp32_losses) < 2e-2, (dtype, losses, fp32_losses)
+    assert _worst(losses, fp32_losses) < TOLERANCE[dtype], (dtype, losses, fp32_losses)
     assert losses[-1] < 0.75 * losses[0]  # it learns
 
 
@@ -81,8 +86,6 @@ def test_master_weights_step_is_an_fp32_adamw_step_rounded_to_bf16():
 def test_model_states_are_the_formulas_bytes(dtype):
     """Parameters, gradients and optimizer state after a step, to the byte: 16 bytes per parameter in every
     recipe (+ AdamW's 4-byte step counter per tensor)."""
-    if dtype == "fp8":
-        pytest.importorskip("picotron.fp8")
     cfg = Config(dtype=dtype, **SMALL)
     mesh = Mesh.local()
     run = parallelize(cfg, mesh)
