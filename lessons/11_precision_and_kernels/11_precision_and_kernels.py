@@ -1,0 +1,683 @@
+"""Lesson 11's notebook, 11_precision_and_kernels.ipynb, as plain Python in the percent format (see
+lessons/_notebook.py): edit this file, never the notebook.
+
+    python lessons/_notebook.py 11_precision_and_kernels --run fast    # rebuild, execute in FAST mode
+"""
+
+# %% [markdown]
+# # Lesson 11 — Precision and kernels: fewer bits per number, fewer trips to memory
+#
+# An H100 multiplies bf16 matrices at about 989 TFLOP/s and FP8 ones at about 1,979 (dense), plain fp32 at about 67;
+# and it moves 3.35 TB/s to and from its memory, so it does ~300 bf16 FLOPs in the time one byte arrives (NVIDIA H100
+# SXM datasheet). Two consequences shape every large training run.
+# Numbers are stored and multiplied in 16 or 8 bits, and something must keep training from noticing: fp32 master
+# weights, loss scaling, per-tensor scales. And an operation that does only a few FLOPs per byte it moves runs at
+# the speed of memory, not of arithmetic: attention written out op by op, and the small layers between the
+# matmuls, must be tiled and fused so their intermediates never make the trip to memory.
+#
+# This lesson measures both, on the model and on real tensors: the five formats' range and rounding (cast, not
+# quoted); fp16 failing — most gradient elements flushed to zero, a loss curve that lags behind — and loss scaling
+# repairing it exactly; what each `--dtype` recipe keeps in memory and sends over the network; FP8's per-tensor
+# scales, and why the gradients get the format with more range; attention's bytes counted, its arithmetic
+# intensity against a machine's balance, and the tiled online softmax that removes the $s^2$ traffic; fused
+# RMSNorm and SwiGLU and `torch.compile`; a profile of one training step. The code is `picotron/precision.py`,
+# `picotron/fp8.py` and `picotron/kernels.py`; the measurements are `experiment.py` in this folder; the formulas and
+# their sources are in [the reference](../../docs/reference.md#precision-and-kernels). `PICOTRON_FAST=1` gives a short
+# run. Everything runs on this CPU; where a GPU would show something different, the text says what to expect.
+
+# %%
+import math
+import sys
+import matplotlib.pyplot as plt
+import torch
+sys.path.insert(0, "..")   # lessons/: the helpers every lesson shares
+import _common
+from picotron import fp8, kernels, metrics, precision
+
+FAST, OUT = _common.FAST, _common.run_dir("11_precision_and_kernels")
+import experiment as lesson   # this folder's experiment.py: its measurements, formulas and plots
+MiB = 2**20
+
+def check(name, ok, detail):
+    print(f"{'✓' if ok else '✗'} {name}: {detail}")
+
+st = lesson.settings(FAST)
+print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; torch {torch.__version__}, "
+      f"{torch.get_num_threads()} thread(s)")
+
+# %% [markdown]
+# ## 1. Five number formats, measured by casting
+#
+# A binary float with $e$ exponent bits and $m$ mantissa bits stores $\pm 1.f \times 2^{E - \text{bias}}$ with
+# bias $= 2^{e-1} - 1$. Its **range** runs from the smallest normal number $2^{1 - \text{bias}}$ to the largest,
+# $(2 - 2^{-m})\,2^{2^e - 2 - \text{bias}}$ (the top exponent is kept for inf and NaN); below the smallest normal the
+# *subnormals* $0.f \times 2^{1-\text{bias}}$ reach down to $2^{1-\text{bias}-m}$ with fewer and fewer significant
+# bits. Its **precision**: rounding to nearest moves any number inside the normal range by at most
+# $u = 2^{-(m+1)}$ of itself (the unit roundoff, half the gap between 1 and the next number). FP8's E4M3 (torch's
+# `float8_e4m3fn`, "finite") has no infinities and only one NaN pattern, so its top exponent holds numbers too, up
+# to $1.75 \cdot 2^8 = 448$ (IEEE 754-2019; Goldberg 1991; Micikevicius et al. 2022 for FP8).
+#
+# The experiment: each format's numbers from these formulas, against `torch.finfo`; then a sweep of values spread
+# evenly in $\log_2$ over the whole range and beyond, each cast into the format and back: the smallest positive
+# value that comes back, the worst relative error inside the normal range, and what happens below and above.
+
+# %%
+print(f"{'format':<6} {'e':>2} {'m':>3} {'largest':>11} {'smallest normal':>16} {'smallest subnormal':>19} "
+      f"{'u = 2^-(m+1)':>13} {'binades':>8}")
+for name in lesson.FORMATS:
+    f = lesson.format_formulas(name)
+    print(f"{name:<6} {f['e']:>2} {f['m']:>3} {f['max']:>11.4g} {f['normal']:>16.4g} {f['subnormal']:>19.4g} "
+          f"{f['u']:>13.3g} {f['binades']:>8.1f}")
+lesson.plot_formats(); plt.show()
+
+# %%
+for name, (dtype, e, m, _) in lesson.FORMATS.items():
+    f, fi, got = lesson.format_formulas(name), torch.finfo(dtype), lesson.measure_format(name)
+    check(f"{name}: the formulas are torch.finfo's", (f["max"], f["normal"], f["eps"]) == (fi.max, fi.tiny, fi.eps),
+          f"largest {f['max']:.6g}, smallest normal 2^{math.log2(f['normal']):.0f}, eps 2^-{m} (bias {f['bias']})")
+    check(f"{name}: measured by casting {got['samples']:,} values", got["smallest_positive"] == f["subnormal"]
+          and 0.95 * f["u"] / (1 + f["u"]) <= got["max_rel_normal"] <= f["u"] and got["below_half_subnormal_zero"],
+          f"smallest positive result {got['smallest_positive']:.4g} = 2^{math.log2(got['smallest_positive']):.0f} "
+          f"(the smallest subnormal); worst relative error in the normal range {got['max_rel_normal']:.3g} "
+          f"(u = {f['u']:.3g}; the worst case, just above a power of 2, is u/(1 + u) = {f['u'] / (1 + f['u']):.3g}); "
+          f"below half the smallest subnormal: 0; above the largest: {got['above_max']}")
+
+# %% [markdown]
+# The right panel is the whole story of low precision in one picture. Inside its normal range every format keeps
+# the same *relative* error whatever the magnitude — $2^{-24}$ for fp32, $2^{-8}$ for bf16 (0.4%), $2^{-11}$ for fp16,
+# 6% and 12% for the FP8 formats — and outside it the error climbs to 100% (a value flushed to 0) or to infinity.
+# bf16 is fp32 with 16 mantissa bits cut off: the same 8 exponent bits, the same range ($10^{\pm 38}$), three
+# decimal digits less. fp16 spends more bits on precision and has a range of only 40 binades, from $6 \cdot 10^{-8}$ to
+# 65,504. E4M3 spans 18 binades, E5M2 32. (torch's cast to `float8_e4m3fn` saturates at 448 on this build — there
+# is no infinity to round to — while fp16 and E5M2 overflow to inf.)
+#
+# **Takeaway:** a format is a window of binades with a fixed relative precision inside. What goes wrong in low
+# precision is a value outside its window (too small: flushed to zero; too large: inf), or an update smaller than
+# half a step of the number it is added to.
+#
+# ## 2. fp16: gradients below the window, and loss scaling
+#
+# The gradient of a mean loss over $N$ tokens gives each token a $1/N$ share of every gradient. A step of a real
+# LLM holds $10^5$ to $10^7$ tokens (Llama 3 405B started at 4 M), so each token's contribution to an activation's gradient is
+# tiny; where it falls below fp16's smallest normal ($2^{-14} \approx 6 \cdot 10^{-5}$) it loses bits, below half its
+# smallest subnormal ($2^{-25}$) it becomes zero, and zero gradients propagate backwards as zeros. Micikevicius et al.
+# (2017, section 3.2) found this in real networks; the fix is to multiply the loss by $S$ before the backward pass,
+# which moves every gradient up by $\log_2 S$ binades, and to divide by $S$ in fp32 before the update.
+#
+# Our model is small, our steps are small. To see what fp16 sees in a real run we train MINI (picotron's tiny
+# preset cut to 2 layers of width 64, 0.13 M parameters) on micro-batches of 256 tokens and divide each one's mean
+# loss by $V = 4096$: the gradient is then exactly that of **one micro-batch of a step of $V$ times more tokens**
+# (~$10^6$, a realistic step), as fp16 sees it. First the activation gradients themselves: every decoder submodule's
+# output gradient, one backward pass, captured by hooks — in fp32 (the true values), and then in two real fp16
+# backward passes, without scaling and with $S = 2^{16}$ (the dynamic scaler's starting value).
+
+# %%
+g32 = lesson.activation_grads("fp32")
+g16 = lesson.activation_grads("fp16", scale=1.0)
+g16s = lesson.activation_grads("fp16", scale=2.0**16)
+lesson.plot_grad_histogram(g32, 2.0**16); plt.show()
+bands, bands_s = lesson.fp16_bands(g32), lesson.fp16_bands(g32 * 2.0**16)
+for label, b in (("as computed", bands), ("times S = 2^16", bands_s)):
+    print(f"  fp32 gradients {label:<15}: fp16 would flush {100 * b['zero']:5.1f}% to 0, keep {100 * b['subnormal']:5.1f}% "
+          f"as subnormals, {100 * b['normal']:5.1f}% as normal numbers, overflow {100 * b['overflow']:.1f}%")
+zero16, zero16s, zero32 = (float((g == 0).float().mean()) for g in (g16, g16s, g32))
+print(f"  measured in real fp16 backward passes: {100 * zero16:.1f}% of {len(g16):,} activation-gradient elements are "
+      f"exactly 0 without scaling, {100 * zero16s:.2f}% with S = 2^16 (fp32: {100 * zero32:.2f}%)")
+
+# %%
+check("most activation gradients lie below fp16's normal range", bands["normal"] < 0.01 and bands["zero"] > 0.5,
+      f"{100 * (1 - bands['normal']):.1f}% below 2^-14, {100 * bands['zero']:.1f}% below 2^-25 (flushed to 0)")
+check("a real fp16 backward loses them", zero16 >= 0.9 * bands["zero"] and zero16 > 0.5,
+      f"{100 * zero16:.1f}% exactly zero (the formula's {100 * bands['zero']:.1f}%, plus zeros propagated backwards)")
+check("S = 2^16 moves them into the window", bands_s["zero"] < 0.01 and bands_s["overflow"] == 0 and zero16s < 0.01,
+      f"{100 * bands_s['zero']:.2f}% below 2^-25 after scaling, none overflows; {100 * zero16s:.2f}% zero in the "
+      f"scaled fp16 backward")
+
+# %% [markdown]
+# Now training. The same steps as `picotron.train`'s (the lr schedule, `schedule.run`, the global gradient norm,
+# the loss scale's update, `optimizer.step()` unless the gradients overflowed), with the loss divided by $V$, in
+# fp32, in fp16 without loss scaling (`--loss-scale none`) and in fp16 with dynamic loss scaling (the default).
+# fp16 here is the whole recipe: fp16 parameters and gradients, fp32 master weights and moments (section 3).
+
+# %%
+runs = {"fp32": lesson.train_curve(st["fp16_steps"], v=lesson.V),
+        "fp16, no loss scaling": lesson.train_curve(st["fp16_steps"], v=lesson.V, dtype="fp16", loss_scale="none"),
+        "fp16, dynamic loss scaling": lesson.train_curve(st["fp16_steps"], v=lesson.V, dtype="fp16")}
+lesson.plot_fp16_runs(runs, lesson.V); plt.show()
+for label, r in runs.items():
+    print(f"  {label:<27} final loss {r['loss'][-1]:.3f}, gradient elements exactly 0 at the last step "
+          f"{100 * r['zero_share'][-1]:.1f}%, loss scale {r['final_scale']:g}, {r['seconds']:.1f} s")
+
+# %%
+ref, none, dyn = runs.values()
+worst = max(abs(a - b) / b for a, b in zip(dyn["loss"], ref["loss"]))
+extra = sum(n - r for n, r in zip(none["zero_share"], ref["zero_share"])) / len(ref["zero_share"])
+check("fp16 without loss scaling fails", none["loss"][-1] > ref["loss"][-1] + 0.2 and extra > 0.4,
+      f"final loss {none['loss'][-1]:.3f} against fp32's {ref['loss'][-1]:.3f}; on average {100 * extra:.0f}% more "
+      f"gradient elements exactly zero than fp32's {100 * sum(ref['zero_share']) / len(ref['zero_share']):.1f}% "
+      f"(fp32's zeros: embedding rows of bytes the batches never hold)")
+check("fp16 with dynamic loss scaling trains like fp32", worst < 5e-3 and not any(dyn["skipped"]),
+      f"per-step loss within {worst:.1e} relative of fp32's over {len(ref['loss'])} steps (fp16 rounds each operation "
+      f"to 2^-11), final {dyn['loss'][-1]:.3f} vs {ref['loss'][-1]:.3f}; no overflow at S = {dyn['final_scale']:g}")
+
+# %% [markdown]
+# Without scaling the run does not diverge: it learns from the gradients that survive, and the curve lags behind
+# fp32's for as long as it runs. With $S = 2^{16}$ the fp16 run is fp32's to within fp16's rounding. Note what the
+# fp32 master weights do here: the update is computed from the fp16 gradient divided by $S$ *in fp32*, so the
+# division cannot underflow.
+#
+# **Dynamic loss scaling.** The right $S$ depends on the model and changes during training; too small loses
+# gradients, too large overflows (65,504 is fp16's largest number). So $S$ is found by trial: every step whose
+# gradients hold an inf or NaN is skipped (no update) and halves $S$; after `growth_interval` steps in a row without
+# one, $S$ doubles (torch's `GradScaler` and picotron's `LossScaler`: start at $2^{16}$, growth after 2,000 steps).
+# Here the rule at work from a deliberately absurd $S = 2^{30}$, on MINI's plain loss (no $V$), with a growth interval
+# of 10 steps so that growth shows within 40 steps:
+
+# %%
+_common.show_source(precision.LossScaler.update)
+scale_run = lesson.train_curve(st["scale_steps"], dtype="fp16", start_scale=2.0**30, growth_interval=10)
+lesson.plot_scale(scale_run, 2.0**30, 10); plt.show()
+
+# %%
+sk, bad, S = scale_run["skipped"], scale_run["nonfinite"], scale_run["scale"]
+check("exactly the steps with non-finite gradients were skipped", sk == bad and any(sk),
+      f"{sum(sk)} of {len(sk)} steps skipped: {[i + 1 for i, x in enumerate(sk) if x]} — the steps whose fp16 "
+      f"gradients held an inf or NaN (read off the tensors); the weights moved on every other step and on none of "
+      f"these: {scale_run['moved'] == [not x for x in sk]}")
+rule, clean = [2.0**30], 0   # the rule replayed from the skipped steps alone
+for skipped in sk[:-1]:
+    clean = 0 if skipped else clean + 1
+    rule.append(rule[-1] / 2 if skipped else 2 * rule[-1] if clean == 10 else rule[-1])
+    clean = 0 if clean == 10 else clean
+grew = [i + 2 for i in range(len(S) - 1) if S[i + 1] == 2 * S[i]]
+check("S halves on every skipped step and doubles after 10 clean ones", S == rule,
+      f"S step by step is the rule's, replayed from the skipped steps: from 2^30 to 2^{math.log2(S[-1]):.0f}, halved "
+      f"after each of the {sum(sk)} skipped steps, doubled before step{'s' if len(grew) != 1 else ''} {grew}")
+
+# %% [markdown]
+# The first steps overflow one after the other, each halving $S$, until the gradients fit; from then on $S$
+# hovers below the largest value that fits, probing upwards every `growth_interval` steps and paying one skipped
+# step when it goes too far. With the default interval of 2,000 steps that costs about one step in 2,000.
+#
+# **Takeaway:** fp16 needs loss scaling because the gradients of a large-batch mean loss live below its window;
+# multiply the loss by $S$, divide in fp32, skip and halve on overflow. bf16, with fp32's exponent range, needs none —
+# which is why it replaced fp16 for LLM training wherever the hardware has it.
+#
+# ## 3. What each recipe keeps in memory, and sends
+#
+# `--dtype` picks a recipe (`picotron/precision.py`). Its bytes per parameter $\Psi$ for the model states (no
+# sharding), from the ZeRO paper's accounting (Rajbhandari et al. 2019, section 3.1):
+#
+# | recipe | parameters | gradients | optimizer | total |
+# |---|---:|---:|---:|---:|
+# | fp32, bf16 (autocast), fp8 | 4 | 4 | 8 (two moments) | 16 |
+# | bf16-params, fp16 | 2 | 2 | 4 (fp32 master) + 8 | 16 |
+#
+# Low-precision parameters do not shrink the model states: the optimizer needs an fp32 copy to add small updates
+# to. Why, in one line: the neighbours of 1.0 in bf16 are $1 - 2^{-8}$ and $1 + 2^{-7}$, so adding an update of
+# $3 \cdot 10^{-4}$ (a learning rate times Adam's ~unit step) to a bf16 weight of 1.0 changes nothing:
+
+# %%
+w = torch.tensor(1.0, dtype=torch.bfloat16)
+print(f"bf16: 1.0 + 3e-4 = {float(w + 3e-4)};  fp32: 1.0 + 3e-4 = {float(torch.tensor(1.0) + 3e-4):.7f}")
+check("an update below half a bf16 step is rounded away", float(w + 3e-4) == 1.0 and float(w + 4e-3) != 1.0,
+      "3e-4 added to 1.0 in bf16 leaves 1.0; 4e-3 (above half the gap 2^-7 up to the next number) does not")
+_common.show_source(precision.MasterWeights.step)
+
+# %% [markdown]
+# `MasterWeights` updates the fp32 master one tensor at a time and rounds it into the bf16 (or fp16) parameter, so
+# no fp32 copy of all the gradients ever exists. What low-precision parameters do buy: half the bytes wherever
+# parameters or gradients travel — ZeRO-3's gathers, the data-parallel all-reduce — and smaller activations.
+# The experiment: one step of each recipe on picotron's tiny preset (0.85 M parameters, 8 × 128 tokens), every
+# category of bytes measured (`run.model.memory()`, `metrics.optimizer_bytes`, the saved tensors the step engine
+# counts); then, on 2 processes, one step at dp = 2 with bucketed all-reduce and with ZeRO-3, each collective's
+# bytes counted by a `metrics.Recorder`.
+
+# %%
+mem = lesson.recipe_memory()
+_common.launch("11_precision_and_kernels/experiment.py", ["--out", OUT, "--only", "comm"], nproc=2, quiet=True)
+comm = _common.load_json(OUT / "comm.json")["results"]
+lesson.plot_recipe_memory(mem, comm); plt.show()
+print(f"{'recipe':<12} {'params':>7} {'grads':>7} {'masters':>8} {'moments':>8} {'= states':>9} {'activations':>12}  "
+      f"(bytes per parameter)")
+for r in mem:
+    n = r["num_params"]
+    print(f"{r['recipe']:<12} {r['params'] / n:>7.2f} {r['grads'] / n:>7.2f} {r['masters'] / n:>8.2f} "
+          f"{r['moments'] / n:>8.2f} {(r['params'] + r['grads'] + r['masters'] + r['moments']) / n:>9.3f} "
+          f"{r['activations'] / n:>12.1f}   {r['about']}")
+for label, r in comm.items():
+    print(f"  {label:<22} " + ", ".join(f"{k.replace('_', '-')} {v / r['num_params']:.2f} B/param ({r['calls'][k]} calls)"
+                                         for k, v in sorted(r["bytes"].items())))
+
+# %%
+for r in mem:
+    f, n, t = r["formula"], r["num_params"], r["tensors"]
+    check(f"{r['recipe']}: the model states are the formula's", r["params"] == f["params"] and r["grads"] == f["grads"]
+          and r["masters"] + r["moments"] == f["optimizer"] + 4 * t,
+          f"{r['params'] // n} + {r['grads'] // n} + {(r['masters'] + r['moments'] - 4 * t) // n} bytes per parameter = "
+          f"{(r['params'] + r['grads'] + r['masters'] + r['moments'] - 4 * t) // n} (+ AdamW's 4-byte step counter per "
+          f"tensor, {t} tensors)")
+act = {r["recipe"]: r["activations"] for r in mem}
+check("low precision shrinks the activations, not the model states", act["bf16-params"] < act["bf16"] < act["fp32"]
+      and act["fp8"] < act["fp32"], ", ".join(f"{k} {v / act['fp32']:.2f}" for k, v in act.items()) + " of fp32's")
+half = {layout: comm[f"bf16-params {layout}"]["bytes"] for layout in ("dp2", "dp2 ZeRO-3")}
+full = {layout: comm[f"fp32 {layout}"]["bytes"] for layout in ("dp2", "dp2 ZeRO-3")}
+check("ZeRO-3 gathers bf16 parameters in half the bytes of fp32",
+      2 * half["dp2 ZeRO-3"]["all_gather"] == full["dp2 ZeRO-3"]["all_gather"]
+      and 2 * half["dp2 ZeRO-3"]["reduce_scatter"] == full["dp2 ZeRO-3"]["reduce_scatter"],
+      f"all-gather {half['dp2 ZeRO-3']['all_gather']:,} vs {full['dp2 ZeRO-3']['all_gather']:,} bytes, reduce-scatter "
+      f"{half['dp2 ZeRO-3']['reduce_scatter']:,} vs {full['dp2 ZeRO-3']['reduce_scatter']:,}")
+check("and data parallelism all-reduces bf16 gradients in half, bf16 autocast's fp32 ones in full",
+      2 * half["dp2"]["all_reduce"] == full["dp2"]["all_reduce"] == comm["bf16 dp2"]["bytes"]["all_reduce"],
+      f"{half['dp2']['all_reduce']:,} bytes (bf16-params) vs {full['dp2']['all_reduce']:,} (fp32 and bf16 autocast)")
+
+# %% [markdown]
+# Every recipe holds 16 bytes per parameter of model states, split 4 + 4 + 8 or 2 + 2 + 12. What differs is the
+# activations — bf16 autocast keeps its matmuls' inputs in bf16 (plus a bf16 copy of each weight, lesson 01), bf16
+# parameters make those copies unnecessary, FP8 saves its matmul inputs in one byte — and the traffic: bf16
+# autocast moves fp32 parameters and gradients through every collective, bf16-params half as many bytes.
+#
+# **Takeaway:** mixed precision is about speed, activations and bandwidth; the model states stay at 16 bytes per
+# parameter, and only sharding (ZeRO) divides them.
+#
+# ## 4. FP8: per-tensor scales, E4M3 forward, E5M2 backward
+#
+# FP8's window is narrow: 18 binades for E4M3, 32 for E5M2, at 6% and 12% precision. No fixed window fits every
+# tensor, so each operand of an FP8 matmul is multiplied by its own scale before the cast, and the product divided
+# by both scales afterwards (`picotron/fp8.py`, current scaling):
+#
+# $$s = \frac{f_{\max}}{\max|t|}, \qquad t_q = \text{fp8}\big(\text{clamp}(t \cdot s, \pm f_{\max})\big), \qquad
+# x\,w^\top \approx \frac{x_q\, w_q^\top}{s_x\, s_w}$$
+#
+# so the largest element lands on the format's largest number (448 or 57,344) and the rest use the binades below it.
+# Three real tensors of MINI after 10 training steps — the input of layer 1's `down_proj` (an activation: the
+# SwiGLU product), its weight, and the gradient arriving at its output — quantized with and without the scale, in
+# each format:
+
+# %%
+_common.show_source(fp8.quantize)
+tensors = lesson.capture(steps=10)
+print(f"{'tensor':<11} {'amax':>8} {'binades':>8}  " + "  ".join(f"{fmt + (' scaled' if sc else ' no scale'):>24}"
+                                                     for fmt in ("E4M3", "E5M2") for sc in (False, True)))
+stats = {}
+for name, t in tensors.items():
+    stats[name] = {(fmt, sc): lesson.fp8_stats(t, getattr(fp8, fmt), sc) for fmt in ("E4M3", "E5M2")
+                   for sc in (False, True)}
+    print(f"{name:<11} {float(t.abs().max()):>8.2g} {lesson.binades_below_max(t):>8.1f}  " + "  ".join(
+        f"err {s['rel']:6.4f} zero {100 * s['zero']:5.1f}%" for s in stats[name].values()))
+print("(binades: from the 1% smallest nonzero |t| to max |t|; err = ‖t̂ − t‖/‖t‖; zero = nonzero elements flushed to 0)")
+hist, fp32_run = lesson.amax_history(st["fp8_steps"])
+lesson.plot_fp8_tensors(tensors, hist); plt.show()
+spread = {k: lesson.spread_binades(v) for k, v in hist.items()}
+moves = {k: max(math.log2(max(x) / min(x)) for x in v.values()) for k, v in hist.items()}
+print(f"over {st['fp8_steps']} steps and the 14 decoder linears: activation amaxes span {spread['activation']:.1f} "
+      f"binades (one tensor moves up to {moves['activation']:.1f}), gradient amaxes {spread['gradient']:.1f} "
+      f"({moves['gradient']:.1f})")
+
+# %%
+E4, E5 = lesson.format_formulas("E4M3"), lesson.format_formulas("E5M2")
+check("the per-tensor scale puts every tensor in E4M3's window", all(
+    s[("E4M3", True)]["zero"] < 1e-3 and s[("E4M3", True)]["rel"] < 1.2 * E4["u"] for s in stats.values()),
+      "; ".join(f"{k}: error {s[('E4M3', True)]['rel']:.4f} (u = {E4['u']}), {100 * s[('E4M3', True)]['zero']:.2f}% "
+                f"flushed" for k, s in stats.items()))
+check("without it the gradient underflows E4M3", stats["gradient"][("E4M3", False)]["zero"] > 0.5,
+      f"{100 * stats['gradient'][('E4M3', False)]['zero']:.0f}% of the gradient flushed to 0 (E5M2, 7 binades lower: "
+      f"{100 * stats['gradient'][('E5M2', False)]['zero']:.1f}%)")
+check("scaled, E4M3 is about twice as accurate as E5M2", all(
+    1.5 < s[("E5M2", True)]["rel"] / s[("E4M3", True)]["rel"] < 2.5 for s in stats.values()),
+      "error ratios E5M2/E4M3 " + ", ".join(f"{s[('E5M2', True)]['rel'] / s[('E4M3', True)]['rel']:.2f}"
+                                            for s in stats.values()) + " (one mantissa bit: u doubles)")
+check("gradients spread over more binades than activations", spread["gradient"] > spread["activation"] + 5,
+      f"{spread['gradient']:.1f} against {spread['activation']:.1f} binades across tensors and steps (E4M3's window: "
+      f"{E4['binades']:.0f}, E5M2's: {E5['binades']:.0f})")
+
+# %% [markdown]
+# Within one tensor, after scaling, the spread of values is small here (the "binades" column): E4M3's 18 binades
+# hold all three tensors, and at twice E5M2's precision. So why E5M2 for gradients? Because of the right panel:
+# across layers and over training, the gradients' scale moves over many more binades than the activations' — a
+# gradient tensor's amax can fall by orders of magnitude within a few steps (and jump, as at the spike above). The
+# original FP8 recipes (Micikevicius et al. 2022; Transformer Engine's "HYBRID" format) used *delayed* scaling,
+# a scale taken from the amaxes of past steps: a tensor whose amax fell since then sits lower in the window than
+# the scale expects, and E5M2's 14 extra binades are the margin that keeps it from underflowing. With *current*
+# scaling (ours: the scale of this very tensor, each call) the margin matters less — DeepSeek-V3 (section 3.3)
+# uses E4M3 for every tensor, with one scale per block of 128 values. And without any scale (the "no scale"
+# columns) the gradient, whose amax lies below E4M3's smallest subnormal $2^{-9}$ here, falls out of E4M3's window
+# altogether.
+#
+# The FP8 linear layer: the three matmuls of $y = x W^\top$ with E4M3 operands forward and an E5M2 gradient
+# backward. On this CPU the matmul is simulated, exactly: the FP8 operands are cast back to fp32 and multiplied
+# (a product of two FP8 numbers is exact in fp32); on an H100 `torch._scaled_mm` runs it on the FP8 tensor cores.
+
+# %%
+x2, g2 = tensors["activation"].flatten(0, 1), tensors["gradient"].flatten(0, 1)
+errs = lesson.fp8_linear_errors(x2, tensors["weight"], g2)
+for label, e in (("fp8_linear", errs["fp8"]), ("bf16 F.linear", errs["bf16"])):
+    print(f"  {label:<14} relative error against fp32: y {e[0]:.4f}, grad_x {e[1]:.4f}, grad_w {e[2]:.4f}")
+check("fp8_linear is the dequantized product", errs["explicit"] < 1e-5,
+      f"forward equals dequantize(x_q) @ dequantize(w_q)ᵀ to {errs['explicit']:.1e} (fp32 summation order)")
+check("fp8_linear's error is FP8's", all(e < 0.15 for e in errs["fp8"]) and all(
+    a > 3 * b for a, b in zip(errs["fp8"], errs["bf16"])),
+      f"y {errs['fp8'][0]:.3f}, grad_x {errs['fp8'][1]:.3f}, grad_w {errs['fp8'][2]:.3f}: a few times u_E4M3 = "
+      f"{E4['u']:.4f} / u_E5M2 = {E5['u']:.3f}, far above bf16's {max(errs['bf16']):.4f}")
+
+# %% [markdown]
+# A per-matmul error of a few percent sounds alarming; it is noise with no bias, and training averages it away.
+# `--dtype fp8` on MINI (the decoder layers' seven linears in FP8; embedding, head, norms and attention in bf16,
+# as DeepSeek-V3 keeps them) against bf16 autocast and fp32:
+
+# %%
+curves = {"fp32": fp32_run, "bf16": lesson.train_curve(st["fp8_steps"], dtype="bf16"),
+          "fp8": lesson.train_curve(st["fp8_steps"], dtype="fp8")}
+lesson.plot_fp8_curves(curves); plt.show()
+dev = {k: max(abs(a - b) / b for a, b in zip(r["loss"], curves["fp32"]["loss"])) for k, r in curves.items()}
+for k, r in curves.items():
+    print(f"  {k:<5} final loss {r['loss'][-1]:.4f}, worst per-step relative difference to fp32 {dev[k]:.1e}, "
+          f"{r['seconds']:.1f} s")
+check("FP8 training follows fp32", dev["fp8"] < 2e-2 and curves["fp8"]["loss"][-1] < 0.75 * curves["fp8"]["loss"][0],
+      f"every step within {dev['fp8']:.1e} relative of fp32 (bf16: {dev['bf16']:.1e}); it learns "
+      f"({curves['fp8']['loss'][0]:.2f} → {curves['fp8']['loss'][-1]:.3f})")
+
+# %% [markdown]
+# On this CPU the FP8 run is slower, not faster: the simulation casts and multiplies in fp32. On an H100 the
+# decoder's matmuls would run at up to twice the bf16 rate; a whole step gains less — the casts, the amax
+# reductions and everything kept in bf16 do not speed up — and the gain grows with the model, whose time the
+# large matmuls dominate more and more.
+#
+# **Takeaway:** FP8 works because each tensor gets its own scale; E4M3 where precision matters, E5M2 where the
+# range must absorb a stale scale; the rest of the model stays in higher precision.
+#
+# ## 5. Why attention is memory-bound, and how tiling fixes it
+#
+# Written as three kernels — $S = qk^\top/\sqrt d$, $P = \text{softmax}(S)$, $O = PV$ — attention writes the $s \times s$
+# scores to memory, reads them, writes the probabilities, reads them again. Per forward, with $b$ sequences, $a$
+# query heads, $k$ KV heads, elem bytes per number (`kernels.attention_bytes`):
+#
+# $$\text{naive} = \text{elem}\,(2basd + 2bksd + 4bas^2), \qquad \text{FLOPs} = 4bas^2d
+# \;\Rightarrow\; \text{intensity} \to \frac{d}{\text{elem}} \text{ FLOP/byte}.$$
+#
+# At $d = 128$ in bf16 that is 64 FLOPs per byte, against the ~295 an H100 needs to keep its tensor cores busy
+# (989 TFLOP/s / 3.35 TB/s): memory-bound, whatever $s$. FlashAttention (Dao et al. 2022; Dao 2023) never writes $S$:
+# one tile of $B_q$ queries stays in fast on-chip memory while the key and value tiles stream past, merged by the
+# **online softmax** (Milakov and Gimelshein 2018): keep a running max $m$, a running sum $l$ and an unnormalised
+# output, and rescale both by $e^{m - m'}$ whenever a new tile raises the max:
+
+# %%
+_common.show_source(kernels._flash_forward, "for q0 in range", "lse[..., q0:q1]")
+
+# %% [markdown]
+# Each query tile reads its $q$ once, the K/V tiles it sees, and writes $O$ and one log-sum-exp per row: the traffic
+# grows as $s^2/B_q$ instead of $s^2$. The experiment: `attention_bytes` for a Llama-3-8B-like layer (32 query heads,
+# 8 KV heads, $d = 128$, bf16, tiles of 128) against $s$; the same count *measured* on `kernels.flash_attention`
+# by a dispatch mode that watches which tiles it loads (a cast of a slice of $q$, $k$ or $v$) and what it writes back
+# (a tile of $O$, a slice of lse); the arithmetic intensity against this CPU's balance (its measured matmul peak over
+# its measured copy bandwidth) and the H100's; then our three implementations timed and their saved activations
+# counted.
+
+# %%
+cfg = dict(b=1, a=32, kv=8, d=128, elem=2, block=128, label="32 heads, 8 KV heads, d = 128, bf16")
+rows = []
+for s in [2**i for i in range(8, 17)]:
+    naive = kernels.attention_bytes(1, 32, 8, s, 128, 2, impl="naive")
+    tiled = kernels.attention_bytes(1, 32, 8, s, 128, 2, 128, 128, impl="tiled")
+    rows.append(dict(s=s, naive=naive, tiled=tiled, io=2 * (2 * 32 * s * 128 + 2 * 8 * s * 128),
+                     naive_intensity=lesson.attention_flops(1, 32, s, 128, "naive") / naive,
+                     tiled_intensity=lesson.attention_flops(1, 32, s, 128, "tiled", 128, 128) / tiled))
+peak = metrics.measured_matmul_peak(torch.device("cpu"))
+bandwidth = lesson.memory_bandwidth()
+balance = {f"this CPU: {peak / 1e9:.0f} GFLOP/s / {bandwidth / 1e9:.0f} GB/s = {peak / bandwidth:.1f}": peak / bandwidth,
+           f"H100 SXM datasheet: 989 TFLOP/s / 3.35 TB/s = {lesson.H100['flops'] / lesson.H100['bandwidth']:.0f}":
+           lesson.H100["flops"] / lesson.H100["bandwidth"]}
+times, saved = lesson.time_attention(("sdpa", "eager", "flash"), st["attn_seqs"], repeats=st["repeats"])
+lesson.plot_attention(rows, times, saved, balance, cfg); plt.show()
+for r in rows[::2]:
+    print(f"  s = {r['s']:>6}: naive {metrics.human_bytes(r['naive']):>10}, tiled {metrics.human_bytes(r['tiled']):>10} "
+          f"({r['naive'] / r['tiled']:5.1f}x less); intensity naive {r['naive_intensity']:5.1f}, tiled "
+          f"{r['tiled_intensity']:6.1f} FLOP/byte")
+for s in st["attn_seqs"]:
+    print(f"  s = {s:>5}: forward + backward " + ", ".join(f"{i} {1e3 * times[i][s]:6.1f} ms" for i in times)
+          + " | saved for backward " + ", ".join(f"{i} {saved[i][s] / MiB:5.1f} MiB" for i in saved))
+
+# %%
+counted = [(shape, lesson.counted_flash_bytes(*shape), kernels.attention_bytes(*shape, 2, 64, 64, impl="tiled"))
+           for shape in ((1, 8, 2, 512, 64), (2, 4, 4, 300, 32), (1, 8, 4, 1024, 64))]
+check("attention_bytes counts what the tiled kernel moves", all(c == f for _, c, f in counted),
+      "; ".join(f"(b, a, kv, s, d) = {shape}: {c:,} bytes loaded + written, counted on flash_attention" for shape, c, _
+                in counted))
+b_, a_, k_, s_, d_ = 1, 32, 8, 4096, 128
+check("the naive count is the reference's formula", kernels.attention_bytes(b_, a_, k_, s_, d_, 2, impl="naive")
+      == 2 * (2 * b_ * a_ * s_ * d_ + 2 * b_ * k_ * s_ * d_ + 4 * b_ * a_ * s_ * s_),
+      "elem·(2basd + 2bksd + 4bas²) at s = 4096")
+top = rows[-1]
+check("naive attention is memory-bound on an H100, tiled is not", abs(top["naive_intensity"] - 128 / 2) / 64 < 0.05
+      and top["naive_intensity"] < 295 < top["tiled_intensity"],
+      f"at s = {top['s']}: naive {top['naive_intensity']:.1f} FLOP/byte (→ d/elem = 64), tiled "
+      f"{top['tiled_intensity']:.0f}, the H100's balance ~295")
+errs = lesson.flash_against_sdpa()
+check("tiled attention = SDPA (float64)", max(errs) < 1e-10,
+      f"causal, GQA, s = 200 in tiles of 64: largest difference out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, "
+      f"dv {errs[3]:.1e}")
+S = list(st["attn_seqs"])
+quad = [(saved["eager"][b] - saved["flash"][b]) / (saved["eager"][a] - saved["flash"][a]) for a, b in zip(S, S[1:])]
+lin = [saved["flash"][b] / saved["flash"][a] for a, b in zip(S, S[1:])]
+check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 for r in quad)
+      and all(1.9 < r < 2.1 for r in lin),
+      f"doubling s: eager's s² part (eager − flash) grows {', '.join(f'{r:.2f}x' for r in quad)}; flash "
+      f"{', '.join(f'{r:.2f}x' for r in lin)}")
+
+# %% [markdown]
+# The tiled kernel moves far fewer bytes. At long $s$ both counts are dominated by their $s^2$ terms: the naive
+# $4bas^2$ elements against the tiled $2bkd \cdot s^2/(2B_q)$ (causal: each query tile reads half the keys on
+# average), a ratio of $4aB_q/(kd)$ = 16 for this layer, where the printed ratios level off. The intensity follows:
+# the naive form's tends to $d/\text{elem}$ = 64, the tiled one's to $2aB_q/(k\cdot\text{elem})$ = 512 — above the H100's
+# ~295, so the tiled kernel is compute-bound; larger tiles raise it further (on-chip memory is the limit). The bytes
+# are not only an estimate: the count of the tiles `flash_attention` loads and the outputs it writes, watched op by
+# op, equals `attention_bytes` to the byte.
+#
+# What the times show on this CPU, and what they would show on a GPU. A CPU core's balance point is low (a few FLOPs
+# per byte: its matmul peak is modest, its caches large), so here even the naive form is not starved by memory.
+# Expect `sdpa` (PyTorch's fused CPU kernel) to be the fastest, `eager` to fall behind as $s$ grows (it writes and
+# reads the $s^2$ scores, in fp32), and our `flash` — a readable loop over tiles in Python, each tile a handful of
+# small PyTorch ops — to pay per tile instead. On a GPU the same tiling in one kernel is what wins: FlashAttention-2
+# runs 3–10× faster than a standard PyTorch attention and reaches up to 73% of an A100's peak (Dao 2023, section
+# 4.1). What holds everywhere is the memory: `eager` saves the $s\times s$
+# probabilities for backward (quadrupling when $s$ doubles), `flash` and `sdpa` only $q, k, v$, the output and one
+# log-sum-exp per row, and recompute the probabilities in backward.
+#
+# **Takeaway:** count bytes, not FLOPs: an operation whose FLOPs per byte fall below the machine's balance runs at
+# memory speed. Tiling keeps the $s^2$ intermediates on chip; the online softmax makes the tiles mergeable.
+#
+# ## 6. Fused kernels: RMSNorm and SwiGLU
+#
+# RMSNorm ($y = x/\sqrt{\text{mean}(x^2) + \epsilon} \cdot w$) and SwiGLU ($\text{silu}(g) \cdot u$) do a few FLOPs per
+# element; written in PyTorch each op is a kernel that reads its inputs from memory and writes its output back. The
+# op-by-op RMSNorm forward moves $7N + 6r + h$ elements ($N = r \cdot h$ for $r$ rows): $x^2$ (read $N$, write $N$), its
+# mean ($N$ in, $r$ out), $+\epsilon$ and rsqrt ($2r$ each), $x \cdot \text{rstd}$ ($N + r$ in, $N$ out), $\cdot\, w$
+# ($N + h$ in, $N$ out). A fused kernel reads $x$ and $w$ and writes $y$ (and one rstd per row for backward):
+# $2N + h$. The experiment counts the plain ops' bytes with a dispatch mode, forward and backward, against what
+# the fused kernels in `picotron/kernels.py` read and write; checks `torch.compile`'s fused version against the
+# plain one; and times both.
+
+# %%
+R = st["fused_rows"]
+traffic, fused_times = {}, {}
+for kind, h in (("rms_norm", 1024), ("swiglu", 2816)):
+    fwd, bwd = lesson.count_plain(kind, R, h)
+    traffic[f"{kind} forward"] = dict(plain=fwd.total, fused=lesson.fused_bytes(kind, R, h), ops=len(fwd.ops))
+    traffic[f"{kind} backward"] = dict(plain=bwd.total, fused=lesson.fused_bytes(kind, R, h, backward=True),
+                                       ops=len(bwd.ops))
+    diff, best = lesson.compare_impls(kind, R, h, repeats=st["repeats"])
+    fused_times[f"{kind} [{R}, {h}]"] = best
+    check(f"{kind}: torch.compile = plain", diff["compile"] < 1e-5,
+          f"y and every input gradient within {diff['compile']:.1e} relative of the plain ops' ([{R}, {h}], fp32)")
+lesson.plot_fused(traffic, fused_times); plt.show()
+for label, t in traffic.items():
+    print(f"  {label:<18} plain {t['plain'] / MiB:7.1f} MiB in {t['ops']:>2} ops, fused {t['fused'] / MiB:6.1f} MiB: "
+          f"{t['plain'] / t['fused']:.1f}x")
+for label, t in fused_times.items():
+    print(f"  {label:<22} forward + backward: plain {1e3 * t['plain']:.1f} ms, compile {1e3 * t['compile']:.1f} ms "
+          f"({t['plain'] / t['compile']:.1f}x)")
+print(f"  triton: {'installed' if kernels.triton is not None else 'not installed here'}; "
+      "its kernels run compiled on a CUDA GPU or, with TRITON_INTERPRET=1 set before the import, under its interpreter "
+      "(tests/test_kernels.py runs them that way where triton is installed)")
+
+# %%
+check("the plain RMSNorm's bytes are the formula's", traffic["rms_norm forward"]["plain"]
+      == lesson.rms_norm_plain_bytes(R, 1024),
+      f"{traffic['rms_norm forward']['plain']:,} bytes counted op by op = 4·(7N + 6r + h), N = {R} × 1024")
+
+# %% [markdown]
+# Fusing cuts the RMSNorm forward's traffic about 3.5× and its backward's more (autograd's op-by-op backward
+# re-reads and re-writes every intermediate); SwiGLU, already two ops, gains less. These are memory-bound
+# operations, so on a GPU their time follows their bytes, and a fused kernel gains about what it saves in traffic
+# (Liger Kernel, Hsu et al. 2024, ships such kernels for LLM training). `torch.compile` writes fused kernels itself
+# — C++ loops here, Triton kernels on a GPU; the times above are this CPU's (the first call, not timed, compiles).
+#
+# `--compile` compiles every decoder layer of a training run. The same 2-layer MINI, with and without it:
+
+# %%
+compiled = {flag: lesson.compile_run(flag, st["compile_steps"]) for flag in (False, True)}
+for flag, r in compiled.items():
+    steady = sorted(r["step_time"][1:])[len(r["step_time"][1:]) // 2]
+    print(f"  --compile {'on ' if flag else 'off'}: first step {1e3 * r['step_time'][0]:7.1f} ms"
+          f"{' (compiling)' if flag else '            '}, then median "
+          f"{1e3 * steady:5.1f} ms per step; losses {', '.join(f'{x:.5f}' for x in r['loss'][:4])}, ...")
+rel = max(abs(a - b) / b for a, b in zip(compiled[True]["loss"], compiled[False]["loss"]))
+check("--compile trains the same model", rel < 1e-5 and len(compiled[True]["loss"]) == st["compile_steps"],
+      f"{st['compile_steps']} steps, per-step losses within {rel:.1e} relative (the fused code rounds in another order)")
+
+# %% [markdown]
+# On a model this small a compiled step is not much faster: its time is Python and dispatch overhead, which
+# compiling trims, and the matmuls, which it does not change. On a GPU, where every small op between the matmuls
+# costs a kernel launch and a round trip through memory, compiling pays more; the first step pays the compilation
+# (seconds to minutes).
+#
+# **Takeaway:** fuse what is memory-bound; let the compiler do it where it can, write the kernel (Triton, CUDA)
+# where it cannot — attention was the case that needed a new algorithm, not just fusion.
+#
+# ## 7. Where a step's time goes: a profile
+#
+# `torch.profiler` records every operator a step runs, with its time excluding its children ("self" time) and, for
+# matmuls, the FLOPs it did. One training step of picotron's tiny preset (8 × 128 tokens), after one step of warm-up:
+
+# %%
+prof = lesson.profile_step()
+fig, groups = lesson.plot_profile(prof); plt.show()
+total = sum(r["self_s"] for r in prof["ops"])
+mm = sum(r["flops"] for r in prof["ops"] if r["op"] == "aten::mm")
+for name in sorted(groups, key=groups.get, reverse=True):
+    print(f"  {name:<22} {1e3 * groups[name]:7.1f} ms  {100 * groups[name] / total:5.1f}%")
+print(f"  the step: {1e3 * prof['wall']:.0f} ms under the profiler, {1e3 * prof['plain']:.0f} ms without it; "
+      f"self times sum to {1e3 * total:.0f} ms")
+
+# %%
+check("the profiler's matmul FLOPs are 6 × linear parameters × tokens", mm == 6 * prof["linear_params"] * prof["tokens"],
+      f"aten::mm counted {mm:,} FLOPs = 6 × {prof['linear_params']:,} × {prof['tokens']:,} (forward 2, backward 4 per "
+      f"weight per token); the model's 6N + 12Lhs per token adds attention's {prof['flops_per_token'] * prof['tokens'] - mm:,}, "
+      f"inside SDPA, which the profiler does not count")
+check("self times partition the step", total <= 1.05 * prof["wall"],
+      f"{1e3 * total:.0f} ms of self time within the {1e3 * prof['wall']:.0f} ms the profiled step took")
+
+# %% [markdown]
+# In the run above the matmuls dominate, as they should on a CPU, and attention (SDPA's fused CPU kernels, forward
+# and backward) and the elementwise ops and norms share most of the rest; the optimizer (its own ops, and the
+# `mul_`, `lerp_`, `addcdiv_` it calls, grouped here by name) is small for a model this size. On a GPU
+# the same profile (`ProfilerActivity.CUDA`) shows kernels on the device's timeline instead: the matmuls shrink
+# (tensor cores), so the memory-bound kernels — norms, activations, casts, the optimizer — take a larger share, which
+# is exactly what fusion and FP8's fewer bytes go after. Open `prof.export_chrome_trace(...)` in Perfetto to see the
+# step as a timeline.
+#
+# ## 8. Explore: a format, a tensor, a scale
+#
+# Pick a format, one of the model's tensors, and a scale $2^k$ it is multiplied by before the cast (the loss scale
+# for gradients, the per-tensor scale for FP8): its values' histogram over the format's window, and what the cast
+# does to them. Questions: what loss scale puts all of the section-2 gradients (loss / V) into fp16's normal range,
+# and what scale makes them overflow? Which tensors fit E4M3 with no scale at all? For the FP8 formats, what is the
+# error at the per-tensor scale $f_{\max}/\text{amax}$ (printed), and at half and twice it? (Widgets need a live
+# kernel; a static viewer shows the default only.)
+
+# %%
+VIEW = {"activation gradients (loss / V)": g32, "activation (down_proj input)": tensors["activation"],
+        "weight (down_proj)": tensors["weight"], "gradient (down_proj output)": tensors["gradient"]}
+
+def draw(tensor="activation gradients (loss / V)", fmt="fp16", log2_scale=0):
+    t = VIEW[tensor]
+    fig, s = lesson.draw_view(t, tensor, fmt, log2_scale); plt.show()
+    per_tensor = math.log2(lesson.format_formulas(fmt)["max"] / float(t.abs().max()))
+    print(f"{tensor} ({t.numel():,} elements) × 2^{log2_scale} in {fmt}: relative error {s['rel']:.3e}, flushed to 0 "
+          f"{100 * s['zero']:.2f}%, subnormal {100 * s['subnormal']:.2f}%, overflow {100 * s['overflow']:.2f}%; "
+          f"the per-tensor scale fmax/amax would be 2^{per_tensor:.1f}")
+    return s
+
+default_view = lesson.view_stats(g32, "fp16", 0)
+_common.interactive(draw, lambda w: dict(
+    tensor=w.Dropdown(options=list(VIEW), value="activation gradients (loss / V)", description="tensor"),
+    fmt=w.Dropdown(options=list(lesson.FORMATS), value="fp16", description="format"),
+    log2_scale=w.IntSlider(value=0, min=-20, max=40, description="log2 scale")))
+
+# %%
+check("the widget's default = section 2's measurement", abs(default_view["zero"] - bands["zero"]) < 1e-3
+      and abs(default_view["subnormal"] - bands["subnormal"]) < 1e-3,
+      f"casting the loss / V gradients to fp16 flushes {100 * default_view['zero']:.2f}% to 0 (section 2's thresholds: "
+      f"{100 * bands['zero']:.2f}%), keeps {100 * default_view['subnormal']:.2f}% as subnormals "
+      f"({100 * bands['subnormal']:.2f}%)")
+
+# %% [markdown]
+# ## 9. Exercises
+# Open `lessons/11_precision_and_kernels/exercise.py`:
+#
+# 1. `online_softmax_attention(q, k, v, block)` — attention over blocks of keys with a running max, a running sum
+#    and a rescaled accumulator, returning the output and the log-sum-exp. The checker compares with the softmax
+#    computed whole, for block sizes from 1 to more than the keys and for scores around ±1000; it names the block
+#    size and row, and recognises an accumulator (or sum) not rescaled when the max grows, a missing final division,
+#    lse without its max, and exp of unshifted scores overflowing.
+# 2. `update(scale, clean_steps, overflow, ...)` — one step of dynamic loss scaling. The checker runs sequences of
+#    steps against `precision.LossScaler`, names the first wrong step, and recognises a count of clean steps an
+#    overflow does not reset, growth one step late or early, and an overflowing step not skipped.
+# 3. `quantize_e4m3(t)` — per-tensor current scaling into E4M3, checked bit for bit against `fp8.quantize`; the
+#    checker recognises a scale upside down, E5M2's maximum, and an all-zero tensor with an infinite scale.
+#
+# Until you write them, the checker reports `NotImplementedError: not written yet`:
+
+# %%
+import check as checker   # this folder's check.py
+all_passed = checker.check()
+
+# %% [markdown]
+# ## 10. What it costs, when to use it, what comes next
+#
+# | | model states per parameter | what it buys | what it costs |
+# |---|---|---|---|
+# | fp32 | 4 + 4 + 8 | exactness, the reference | the slowest matmuls (no tensor cores' low precisions), double the bytes on the wire |
+# | bf16 autocast (`--dtype bf16`) | 4 + 4 + 8 | bf16 matmuls; smaller activations | a bf16 copy of each weight; fp32 traffic |
+# | bf16 params (`bf16-params`) | 2 + 2 + 12 | half the bytes in every gather and all-reduce | a master copy in the optimizer |
+# | fp16 (`fp16`) | 2 + 2 + 12 | the same on hardware without bf16 | loss scaling, skipped steps |
+# | FP8 (`fp8`) | 4 + 4 + 8 here | up to 2× matmul rate, 1-byte saved inputs (Hopper, Ada, Blackwell) | per-tensor scales, casts; care with outliers |
+# | tiled attention | — | no $s^2$ memory or traffic | a hand-written kernel (FlashAttention) |
+# | fused norms and activations | — | fewer round trips to memory | a compiler, or a kernel to write |
+#
+# **When.** bf16 with fp32 master weights is the default for LLM training wherever the hardware has it; fp16 with
+# dynamic loss scaling where it does not (V100 and older). FP8 pays on Hopper and later at scale, where the matmuls
+# dominate and the casts hide behind them, with scales per tensor (or per block). Flash attention and fused kernels
+# are always on in practice (PyTorch's SDPA picks a flash kernel by itself on a GPU; `torch.compile` fuses the rest).
+#
+# **What ours lacks.** Our FP8 is simulated on CPUs and uses `torch._scaled_mm` only on sm89+ GPUs; it scales per
+# tensor, not per block (DeepSeek-V3) or per 32 elements (Blackwell's MXFP8), and keeps no amax history. Our flash
+# attention is a readable reference in PyTorch, not a kernel: tiles are tensors, not shared memory, and no
+# warp-level work partitioning (FlashAttention-2/3). The Triton kernels cover RMSNorm and SwiGLU only; production
+# stacks also fuse the cross-entropy with the LM head (so the logits never exist), RoPE, and the optimizer step.
+#
+# **Sources.** IEEE 754-2019; Goldberg 1991, "What Every Computer Scientist Should Know About Floating-Point
+# Arithmetic"; Micikevicius et al. 2017, "Mixed Precision Training" (loss scaling, master weights); Micikevicius et
+# al. 2022, "FP8 Formats for Deep Learning"; Rajbhandari et al. 2019, "ZeRO", section 3.1 (2 + 2 + 12 bytes);
+# DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 3.3 (FP8 training, fine-grained scaling); Milakov and
+# Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al. 2022, "FlashAttention"; Dao 2023,
+# "FlashAttention-2", section 4.1; Hsu et al. 2024, "Liger Kernel" (fused RMSNorm, SwiGLU); NVIDIA's H100 datasheet
+# and Transformer Engine FP8 primer; PyTorch's `torch.amp.GradScaler`; the Triton tutorials (fused softmax, layer
+# norm). Formulas and links: [the reference](../../docs/reference.md#precision-and-kernels).
+#
+# **Next:** the lessons end here; `docs/reference.md` collects every formula they checked, and `picotron.plan`
+# (lesson 09) turns them into a layout for your cluster.
+#
+# **Takeaway:** spend bits where the numbers need them — fp32 for the optimizer, bf16 or FP8 for the matmuls, a
+# scale to keep each tensor in its window — and spend trips to memory only where the data must go: tile, fuse, and
+# measure bytes as carefully as FLOPs.
