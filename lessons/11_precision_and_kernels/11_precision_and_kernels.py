@@ -86,8 +86,8 @@ for name, (dtype, e, m, _) in lesson.FORMATS.items():
 # The right panel is the whole story of low precision in one picture. Inside its normal range every format keeps
 # the same *relative* error whatever the magnitude — $2^{-24}$ for fp32, $2^{-8}$ for bf16 (0.4%), $2^{-11}$ for fp16,
 # 6% and 12% for the FP8 formats — and outside it the error climbs to 100% (a value flushed to 0) or to infinity.
-# bf16 is fp32 with 16 mantissa bits cut off: the same 8 exponent bits, the same range ($10^{\pm 38}$), three
-# decimal digits less. fp16 spends more bits on precision and has a range of only 40 binades, from $6 \cdot 10^{-8}$ to
+# bf16 is fp32 with 16 mantissa bits cut off: the same 8 exponent bits, the same range ($10^{\pm 38}$), about 2.4
+# significant decimal digits instead of 7.2. fp16 spends more bits on precision and has a range of only 40 binades, from $6 \cdot 10^{-8}$ to
 # 65,504. E4M3 spans 18 binades, E5M2 32. (torch's cast to `float8_e4m3fn` saturates at 448 on this build — there
 # is no infinity to round to — while fp16 and E5M2 overflow to inf.)
 #
@@ -98,8 +98,8 @@ for name, (dtype, e, m, _) in lesson.FORMATS.items():
 # ## 2. fp16: gradients below the window, and loss scaling
 #
 # The gradient of a mean loss over $N$ tokens gives each token a $1/N$ share of every gradient. A step of a real
-# LLM holds $10^5$ to $10^7$ tokens (Llama 3 405B started at 4 M), so each token's contribution to an activation's gradient is
-# tiny; where it falls below fp16's smallest normal ($2^{-14} \approx 6 \cdot 10^{-5}$) it loses bits, below half its
+# LLM holds $10^5$ to $10^7$ tokens (Llama 3 405B started at 4 M), so each token's contribution to an activation's
+# gradient is tiny; where it falls below fp16's smallest normal ($2^{-14} \approx 6 \cdot 10^{-5}$) it loses bits, below half its
 # smallest subnormal ($2^{-25}$) it becomes zero, and zero gradients propagate backwards as zeros. Micikevicius et al.
 # (2017, section 3.2) found this in real networks; the fix is to multiply the loss by $S$ before the backward pass,
 # which moves every gradient up by $\log_2 S$ binades, and to divide by $S$ in fp32 before the update.
@@ -340,9 +340,9 @@ check("gradients spread over more binades than activations", spread["gradient"] 
 # a scale taken from the amaxes of past steps: a tensor whose amax fell since then sits lower in the window than
 # the scale expects, and E5M2's 14 extra binades are the margin that keeps it from underflowing. With *current*
 # scaling (ours: the scale of this very tensor, each call) the margin matters less — DeepSeek-V3 (section 3.3)
-# uses E4M3 for every tensor, with one scale per block of 128 values. And without any scale (the "no scale"
-# columns) the gradient, whose amax lies below E4M3's smallest subnormal $2^{-9}$ here, falls out of E4M3's window
-# altogether.
+# uses E4M3 for every tensor, with one scale per 1 × 128 tile of activations and per 128 × 128 block of weights.
+# And without any scale (the "no scale" columns) the gradient, whose amax (printed) lies below half E4M3's smallest
+# subnormal, $2^{-10}$, falls out of E4M3's window altogether.
 #
 # The FP8 linear layer: the three matmuls of $y = x W^\top$ with E4M3 operands forward and an E5M2 gradient
 # backward. On this CPU the matmul is simulated, exactly: the FP8 operands are cast back to fp32 and multiplied
@@ -373,7 +373,7 @@ dev = {k: max(abs(a - b) / b for a, b in zip(r["loss"], curves["fp32"]["loss"]))
 for k, r in curves.items():
     print(f"  {k:<5} final loss {r['loss'][-1]:.4f}, worst per-step relative difference to fp32 {dev[k]:.1e}, "
           f"{r['seconds']:.1f} s")
-check("FP8 training follows fp32", dev["fp8"] < 2e-2 and curves["fp8"]["loss"][-1] < 0.75 * curves["fp8"]["loss"][0],
+check("FP8 training follows fp32", dev["fp8"] < 3e-2 and curves["fp8"]["loss"][-1] < 0.75 * curves["fp8"]["loss"][0],
       f"every step within {dev['fp8']:.1e} relative of fp32 (bf16: {dev['bf16']:.1e}); it learns "
       f"({curves['fp8']['loss'][0]:.2f} → {curves['fp8']['loss'][-1]:.3f})")
 
@@ -429,6 +429,8 @@ balance = {f"this CPU: {peak / 1e9:.0f} GFLOP/s / {bandwidth / 1e9:.0f} GB/s = {
            lesson.H100["flops"] / lesson.H100["bandwidth"]}
 times, saved = lesson.time_attention(("sdpa", "eager", "flash"), st["attn_seqs"], repeats=st["repeats"])
 lesson.plot_attention(rows, times, saved, balance, cfg); plt.show()
+print(f"  this CPU: matmul peak {peak / 1e9:.0f} GFLOP/s (fp32, metrics.measured_matmul_peak), copy bandwidth "
+      f"{bandwidth / 1e9:.0f} GB/s (a 256 MiB copy, read + write): balance {peak / bandwidth:.1f} FLOP/byte")
 for r in rows[::2]:
     print(f"  s = {r['s']:>6}: naive {metrics.human_bytes(r['naive']):>10}, tiled {metrics.human_bytes(r['tiled']):>10} "
           f"({r['naive'] / r['tiled']:5.1f}x less); intensity naive {r['naive_intensity']:5.1f}, tiled "
@@ -479,9 +481,9 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 # reads the $s^2$ scores, in fp32), and our `flash` — a readable loop over tiles in Python, each tile a handful of
 # small PyTorch ops — to pay per tile instead. On a GPU the same tiling in one kernel is what wins: FlashAttention-2
 # runs 3–10× faster than a standard PyTorch attention and reaches up to 73% of an A100's peak (Dao 2023, section
-# 4.1). What holds everywhere is the memory: `eager` saves the $s\times s$
-# probabilities for backward (quadrupling when $s$ doubles), `flash` and `sdpa` only $q, k, v$, the output and one
-# log-sum-exp per row, and recompute the probabilities in backward.
+# 4.1). What holds everywhere is the memory: `eager` saves the $s\times s$ probabilities for backward (quadrupling
+# when $s$ doubles), `flash` and `sdpa` only $q, k, v$, the output and one log-sum-exp per row, and recompute the
+# probabilities in backward.
 #
 # **Takeaway:** count bytes, not FLOPs: an operation whose FLOPs per byte fall below the machine's balance runs at
 # memory speed. Tiling keeps the $s^2$ intermediates on chip; the online softmax makes the tiles mergeable.
@@ -535,15 +537,23 @@ check("the plain RMSNorm's bytes are the formula's", traffic["rms_norm forward"]
 # `--compile` compiles every decoder layer of a training run. The same 2-layer MINI, with and without it:
 
 # %%
-compiled = {flag: lesson.compile_run(flag, st["compile_steps"]) for flag in (False, True)}
-for flag, r in compiled.items():
-    steady = sorted(r["step_time"][1:])[len(r["step_time"][1:]) // 2]
-    print(f"  --compile {'on ' if flag else 'off'}: first step {1e3 * r['step_time'][0]:7.1f} ms"
-          f"{' (compiling)' if flag else '            '}, then median "
-          f"{1e3 * steady:5.1f} ms per step; losses {', '.join(f'{x:.5f}' for x in r['loss'][:4])}, ...")
-rel = max(abs(a - b) / b for a, b in zip(compiled[True]["loss"], compiled[False]["loss"]))
-check("--compile trains the same model", rel < 1e-5 and len(compiled[True]["loss"]) == st["compile_steps"],
-      f"{st['compile_steps']} steps, per-step losses within {rel:.1e} relative (the fused code rounds in another order)")
+compiled = {False: [], True: []}
+for flag in (False, True, True, False):   # two runs each, in turn: a busy machine slows both alike
+    compiled[flag].append(lesson.compile_run(flag, st["compile_steps"]))
+median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+steady = {flag: min(median(r["step_time"][1:]) for r in runs_) for flag, runs_ in compiled.items()}
+for flag, runs_ in compiled.items():
+    first = ", ".join(f"{1e3 * r['step_time'][0]:.0f}" for r in runs_)
+    print(f"  --compile {'on ' if flag else 'off'}: first step {first} ms"
+          f"{' (the first run compiles, the second reuses its code)' if flag else ''}, then {1e3 * steady[flag]:.1f} ms "
+          f"per step (the better run's median); losses "
+          f"{', '.join(f'{x:.5f}' for x in runs_[0]['loss'][:4])}, ...")
+print(f"  compiled / not: {steady[True] / steady[False]:.2f} of the step time")
+rel = max(abs(a - b) / b for a, b in zip(compiled[True][0]["loss"], compiled[False][0]["loss"]))
+check("--compile trains the same model", rel < 1e-5 and len(compiled[True][0]["loss"]) == st["compile_steps"]
+      and compiled[True][0]["loss"] == compiled[True][1]["loss"],
+      f"{st['compile_steps']} steps, per-step losses within {rel:.1e} relative of the uncompiled run's (the fused code "
+      f"rounds in another order); the two compiled runs equal to the bit")
 
 # %% [markdown]
 # On a model this small a compiled step is not much faster: its time is Python and dispatch overhead, which
@@ -647,7 +657,7 @@ all_passed = checker.check()
 #
 # | | model states per parameter | what it buys | what it costs |
 # |---|---|---|---|
-# | fp32 | 4 + 4 + 8 | exactness, the reference | the slowest matmuls (no tensor cores' low precisions), double the bytes on the wire |
+# | fp32 | 4 + 4 + 8 | exactness, the reference | the slowest matmuls (an H100: 67 TFLOP/s, not 989), double the bytes on the wire |
 # | bf16 autocast (`--dtype bf16`) | 4 + 4 + 8 | bf16 matmuls; smaller activations | a bf16 copy of each weight; fp32 traffic |
 # | bf16 params (`bf16-params`) | 2 + 2 + 12 | half the bytes in every gather and all-reduce | a master copy in the optimizer |
 # | fp16 (`fp16`) | 2 + 2 + 12 | the same on hardware without bf16 | loss scaling, skipped steps |
@@ -675,8 +685,10 @@ all_passed = checker.check()
 # and Transformer Engine FP8 primer; PyTorch's `torch.amp.GradScaler`; the Triton tutorials (fused softmax, layer
 # norm). Formulas and links: [the reference](../../docs/reference.md#precision-and-kernels).
 #
-# **Next:** the lessons end here; `docs/reference.md` collects every formula they checked, and `picotron.plan`
-# (lesson 09) turns them into a layout for your cluster.
+# **Next:** on a GPU, `python benchmarks/kernels_bench.py` times the same kernels and recipes against what you would
+# pick instead (paired rounds, ratios with quartiles), and `--dtype`, `--attn-impl flash` and `--kernels` /
+# `--compile` switch them on in any training run; [the reference](../../docs/reference.md#precision-and-kernels)
+# collects the formulas checked here.
 #
 # **Takeaway:** spend bits where the numbers need them — fp32 for the optimizer, bf16 or FP8 for the matmuls, a
 # scale to keep each tensor in its window — and spend trips to memory only where the data must go: tile, fuse, and

@@ -387,7 +387,7 @@ PARTS = {"params": "#4c72b0", "grads": "#dd8452", "masters": "#8c8c8c", "moments
 def plot_recipe_memory(rows, comm):
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.4), width_ratios=[1.4, 1])
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.6), width_ratios=[1.2, 1])
     for j, r in enumerate(rows):
         bottom = 0.0
         for part, c in PARTS.items():
@@ -399,18 +399,19 @@ def plot_recipe_memory(rows, comm):
     ax.axhline(16, color="k", ls=":", lw=1)
     ax.set_xticks(range(len(rows)), [r["recipe"] for r in rows], fontsize=FONT)
     ax.set_ylabel("bytes per parameter", fontsize=FONT)
-    ax.set_ylim(0, max(sum(r[p] for p in PARTS) / r["num_params"] for r in rows) * 1.25)
+    ax.set_ylim(0, max(sum(r[p] for p in PARTS) / r["num_params"] for r in rows) * 1.4)
     ax.set_title("measured after one step (label: model states + activations)", fontsize=9)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.legend(fontsize=7, loc="upper center", ncol=5, columnspacing=0.8, handlelength=1.2)
     labels = list(comm)
     for k, (kind, c) in enumerate((("all_reduce", "#8172b2"), ("all_gather", "#4c72b0"),
                                    ("reduce_scatter", "#dd8452"))):
         xs = [j + (k - 1) * 0.27 for j in range(len(labels))]
         bx.bar(xs, [comm[l]["bytes"].get(kind, 0) / comm[l]["num_params"] for l in labels], 0.27, color=c,
                label=kind.replace("_", "-"))
-    bx.set_xticks(range(len(labels)), [l.replace(" ", "\n", 1) for l in labels], fontsize=7)
+    bx.set_xticks(range(len(labels)), [f"{comm[l]['recipe']}\n{comm[l]['layout'].replace('dp2 ', '')}" for l in labels],
+                  fontsize=7)
     bx.set_ylabel("bytes per parameter, one step, rank 0", fontsize=FONT)
-    bx.set_title("collectives at dp = 2 (counted by a Recorder)", fontsize=9)
+    bx.set_title("collectives at dp = 2: bucketed all-reduce, or ZeRO-3 (a Recorder)", fontsize=9)
     bx.legend(fontsize=7)
     for a in (ax, bx):
         a.tick_params(labelsize=FONT)
@@ -509,14 +510,17 @@ def plot_fp8_tensors(tensors, hist):
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.4))
     bins = torch.arange(-40, 4, 0.25).double()
+    peak = 0.0
     for (name, t), c in zip(tensors.items(), ("#4c72b0", "#8c8c8c", "#dd8452")):
         a = t.abs().flatten().double()
         a = torch.log2(a[a > 0] / a.max())  # relative to amax: the scaled picture
         h, _ = torch.histogram(a, bins=bins)
         ax.stairs((h / len(a)).numpy(), bins.numpy(), color=c, lw=1.3, label=name)
-    for fmt, y, c in (("E4M3", 0.92, COLORS["E4M3"]), ("E5M2", 0.84, COLORS["E5M2"])):
+        peak = max(peak, float(h.max() / len(a)))
+    top = 1.45 * peak
+    ax.set_ylim(0, top)
+    for fmt, y, c in (("E4M3", 0.93, COLORS["E4M3"]), ("E5M2", 0.8, COLORS["E5M2"])):
         f = format_formulas(fmt)
-        top = ax.get_ylim()[1]
         lo, mid = math.log2(f["subnormal"] / f["max"]), math.log2(f["normal"] / f["max"])
         ax.plot([lo, mid], [y * top] * 2, ":", color=c, lw=2)
         ax.plot([mid, 0], [y * top] * 2, "-", color=c, lw=2)
@@ -529,11 +533,13 @@ def plot_fp8_tensors(tensors, hist):
     for kind, c in (("activation", "#4c72b0"), ("gradient", "#dd8452")):
         for j, (name, v) in enumerate(hist[kind].items()):
             bx.plot(range(1, len(v) + 1), [math.log2(x) for x in v], "-", color=c, lw=0.8, alpha=0.7,
-                    label=f"{kind}s (input / output gradient of each linear)" if j == 0 else None)
+                    label=("activations: each linear's input" if kind == "activation" else
+                           "gradients: each linear's output gradient") if j == 0 else None)
     bx.set_xlabel("step", fontsize=FONT)
     bx.set_ylabel("log2 amax", fontsize=FONT)
     bx.set_title("amax of the 14 decoder linears over training", fontsize=9)
-    bx.legend(fontsize=7)
+    bx.set_ylim(top=bx.get_ylim()[1] + 7)
+    bx.legend(fontsize=7, loc="upper right", ncol=2)
     for a in (ax, bx):
         a.tick_params(labelsize=FONT)
     fig.tight_layout()
@@ -740,6 +746,13 @@ def plot_attention(rows, times, saved, balance, cfg):
     for impl, t in times.items():
         cx.loglog(list(t), [1e3 * x for x in t.values()], "o-", color=colors[impl], label=impl)
         dx.loglog(list(saved[impl]), [x / MiB for x in saved[impl].values()], "o-", color=colors[impl], label=impl)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    for a in (cx, dx):
+        a.set_xticks(list(next(iter(times.values()))), [str(x) for x in next(iter(times.values()))])
+        a.xaxis.set_minor_formatter(NullFormatter())
+        a.yaxis.set_major_formatter(ScalarFormatter())
+        a.yaxis.set_minor_formatter(NullFormatter())
     cx.set_xlabel("sequence length s", fontsize=FONT)
     cx.set_ylabel("ms, forward + backward (best of runs)", fontsize=FONT)
     cx.set_title("measured on this CPU, fp32 (flash: plain-PyTorch loops)", fontsize=9)
@@ -852,7 +865,7 @@ def plot_fused(rows, times):
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("MiB read + written", fontsize=FONT)
     ax.set_title("memory traffic, fp32", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     impls = list(next(iter(times.values())))
     for k, impl in enumerate(impls):
         bx.bar([j + (k - (len(impls) - 1) / 2) * 0.38 for j in range(len(times))],
@@ -923,6 +936,11 @@ def profile_step(seq_len=128, micro_batch_size=8):
                 tokens=seq_len * micro_batch_size, flops_per_token=run.raw.config.flops_per_token(seq_len))
 
 
+def short_op(op):
+    """A profiler row's name, short enough for a label: no aten:: prefix, SDPA's CPU kernel abbreviated."""
+    return op.replace("aten::", "").replace("_scaled_dot_product_flash_attention_for_cpu", "sdpa_flash_cpu")[:40]
+
+
 def plot_profile(prof, top=14):
     import matplotlib.pyplot as plt
 
@@ -932,7 +950,7 @@ def plot_profile(prof, top=14):
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8), width_ratios=[1.5, 1])
     shown = ops[:top][::-1]
     ax.barh(range(len(shown)), [1e3 * r["self_s"] for r in shown], color=[colors[group_of(r["op"])] for r in shown])
-    ax.set_yticks(range(len(shown)), [f"{r['op'][:38]} ×{r['calls']}" for r in shown], fontsize=6.5)
+    ax.set_yticks(range(len(shown)), [f"{short_op(r['op'])} ×{r['calls']}" for r in shown], fontsize=7)
     ax.set_xlabel("self CPU time, ms", fontsize=FONT)
     ax.set_title(f"top {top} operators of one step (tiny, {prof['tokens']} tokens)", fontsize=9)
     totals = {}
