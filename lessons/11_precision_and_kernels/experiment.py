@@ -245,7 +245,8 @@ def plot_grad_histogram(g32, scale):
                                                                  COLORS["fp16"])):
         h, _ = torch.histogram(torch.log2(a) + shift, bins=bins.double())
         ax.stairs((h / len(a)).numpy(), bins.numpy(), color=c, lw=1.5, label=label)
-    top = ax.get_ylim()[1]
+    top = 1.3 * ax.get_ylim()[1]
+    ax.set_ylim(0, top)
     for x, text in ((lo - 13, "rounded to 0\n(< 2^-25)"), (lo + 1, "subnormal:\nfewer bits"),
                     (hi + 3, "normal: 11 bits"), (math.log2(f["max"]) + 0.5, "overflow\n(inf)")):
         ax.text(x, top * 0.95, text, fontsize=7, va="top")
@@ -741,7 +742,7 @@ def plot_attention(rows, times, saved, balance, cfg):
     bx.set_xlabel("sequence length s", fontsize=FONT)
     bx.set_ylabel("FLOPs per byte moved", fontsize=FONT)
     bx.set_title("arithmetic intensity against machine balance (peak / bandwidth)", fontsize=9)
-    bx.legend(fontsize=7, loc="lower right")
+    bx.legend(fontsize=7, loc="center right")
     colors = {"sdpa": "#4c72b0", "eager": "#c44e52", "flash": "#55a868"}
     for impl, t in times.items():
         cx.loglog(list(t), [1e3 * x for x in t.values()], "o-", color=colors[impl], label=impl)
@@ -865,7 +866,8 @@ def plot_fused(rows, times):
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("MiB read + written", fontsize=FONT)
     ax.set_title("memory traffic, fp32", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.set_ylim(0, 1.3 * max(max(r["plain"], r["fused"]) for r in rows.values()) / MiB)
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
     impls = list(next(iter(times.values())))
     for k, impl in enumerate(impls):
         bx.bar([j + (k - (len(impls) - 1) / 2) * 0.38 for j in range(len(times))],
