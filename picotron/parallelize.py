@@ -10,7 +10,9 @@ builds this rank's part of the model and everything a training step needs:
        expert parallelism keeps this rank's experts in every MoE layer and gives it the all-to-all (mesh.ep);
        pipeline parallelism keeps this rank's stages (chunks) of the layers, names unchanged;
     3. materialise on the device and initialise: every value depends on the seed and the parameter's name
-       only, so every layout starts from the same weights, each rank holding its slices;
+       only, so every layout starts from the same weights, each rank holding its slices (in fp32, then
+       rounded to the precision recipe's parameter dtype: picotron.precision; fp8 and fused kernels swap
+       the layers' matmuls and norms before);
     4. activation recomputation;
     5. wrap for gradient synchronisation over mesh.dp_cp: data parallelism, ZeRO-1/2, ZeRO-3, or `Local`
        when there is one replica;
@@ -28,9 +30,8 @@ from functools import partial
 
 import torch
 
-from picotron import (context_parallel, data_parallel, expert_parallel, marks, pipeline_parallel, precision,
-                      schedule, tensor_parallel, zero, zero3)
-from picotron import fp8, kernels
+from picotron import (context_parallel, data_parallel, expert_parallel, fp8, kernels, marks, pipeline_parallel,
+                      precision, schedule, tensor_parallel, zero, zero3)
 from picotron.model import DecoderLayer, Llama, loss_fn, use_kernels
 
 
