@@ -11,8 +11,8 @@ builds this rank's part of the model and everything a training step needs:
        pipeline parallelism keeps this rank's stages (chunks) of the layers, names unchanged;
     3. materialise on the device and initialise: every value depends on the seed and the parameter's name
        only, so every layout starts from the same weights, each rank holding its slices (in fp32, then
-       rounded to the precision recipe's parameter dtype: picotron.precision; fp8 and fused kernels swap
-       the layers' matmuls and norms before);
+       rounded to the precision recipe's parameter dtype: picotron.precision); just before, --kernels and
+       --dtype fp8 route the norms, SwiGLUs and linears through picotron.kernels and picotron.fp8;
     4. activation recomputation;
     5. wrap for gradient synchronisation over mesh.dp_cp: data parallelism, ZeRO-1/2, ZeRO-3, or `Local`
        when there is one replica;
