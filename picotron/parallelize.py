@@ -56,7 +56,8 @@ class Parallelized:
     def grad_params(self):
         """The tensors the backward leaves gradients in, with their marks: `params`, or under a master copy
         (bf16-params, fp16) the low-precision ones the fp32 masters are copies of."""
-        return precision.grad_params(self.optimizer)
+        held = getattr(self.optimizer, "model_params", None)  # precision.MasterWeights (ZeRO-1/2 forward it)
+        return self.params if held is None else held
 
 
 def pipeline_schedule(cfg, pp_size=None):

@@ -224,20 +224,12 @@ class MasterWeights:
             p.copy_(m)
 
 
-def grad_params(optimizer):
-    """The tensors whose .grad the backward fills, in the optimizer's order: the model's (low-precision)
-    parameters under a master copy, else the optimizer's own."""
-    held = getattr(optimizer, "model_params", None)
-    return held if held is not None else [p for g in optimizer.param_groups for p in g["params"]]
-
-
-
 def check(cfg, model_config):
     """The precision rules: the one-sentence problem with these settings, or None."""
     scale = cfg.loss_scale
     if scale not in ("dynamic", "none"):
         try:
-            ok = float(scale) > 0 and float(scale) < float("inf")
+            ok = 0 < float(scale) < float("inf")  # NaN compares False
         except ValueError:
             ok = False
         if not ok:
