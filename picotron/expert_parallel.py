@@ -65,21 +65,28 @@ class Exchange:
         return out
 
     def dispatch(self, rows, counts):
-        """rows: this rank's (token, choice) rows sorted by expert; counts[e]: how many for each global expert.
-        Returns the rows for this rank's experts, grouped by local expert (every source rank's in turn), their
-        counts per local expert, and what combine needs."""
+        """rows: this rank's (token, choice) rows sorted by expert; counts[e]: how many for each global expert
+        (rows past sum(counts), the choices capacity dropped, sorted last, are not sent). Returns the rows for
+        this rank's experts, grouped by local expert (every source rank's in turn), their counts per local
+        expert (a list) and what combine needs. The host reads the counts ONCE (one device-to-host copy of both
+        count vectors): the all-to-all needs its splits as numbers, and per-element reads would each sync."""
         n, L = self.axis.size, self.local
         received = torch.empty_like(counts)  # received[src·L + e]: rows rank src has for my e-th expert
         self.axis.all_to_all_into(received, counts.contiguous(), label="all-to-all counts")
-        send = counts.view(n, L).sum(1).tolist()  # rows to each rank (its experts are contiguous in the sort)
-        recv_by = received.view(n, L)
-        recv = recv_by.sum(1).tolist()
-        got = AllToAll.apply(rows, recv, send, self.axis, self, "dispatch")  # source-major: [src][expert] blocks
-        # regroup source-major -> expert-major, so that each local expert's rows are contiguous
-        starts = torch.cumsum(received, 0) - received
-        order = torch.cat([torch.arange(int(starts[s * L + e]), int(starts[s * L + e] + recv_by[s, e]),
-                                        device=rows.device) for e in range(L) for s in range(n)])
-        return got[order], recv_by.sum(0), (order, send, recv)
+        both = torch.cat([counts, received]).tolist()  # the one sync of the dispatch
+        mine = [both[n * L + i:n * L + i + L] for i in range(0, n * L, L)]  # mine[src][e]
+        send = [sum(both[j * L:(j + 1) * L]) for j in range(n)]  # rows to each rank (its experts are contiguous)
+        recv = [sum(row) for row in mine]
+        got = AllToAll.apply(rows[:sum(send)], recv, send, self.axis, self, "dispatch")  # source-major blocks
+        # regroup source-major -> expert-major, so that each local expert's rows are contiguous: block (src, e)
+        # starts at starts[src][e] in `got`; expert-major, the blocks go e by e, every source in turn
+        starts = [sum(recv[:s]) + sum(mine[s][:e]) for s in range(n) for e in range(L)]
+        blocks = [(starts[s * L + e], mine[s][e]) for e in range(L) for s in range(n)]
+        lens = torch.tensor([c for _, c in blocks], device=rows.device)
+        shift = torch.tensor([b for b, _ in blocks], device=rows.device) - (torch.cumsum(lens, 0) - lens)
+        total = sum(recv)
+        order = torch.arange(total, device=rows.device) + torch.repeat_interleave(shift, lens, output_size=total)
+        return got[order], [sum(mine[s][e] for s in range(n)) for e in range(L)], (order, send, recv)
 
     def combine(self, out, ctx):
         """The experts' outputs (expert-major) back to the ranks their rows came from, in dispatch order."""

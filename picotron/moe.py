@@ -137,28 +137,31 @@ class MoE(nn.Module):
         aux = aux_loss(probs, experts, self.num_experts)
         keep = capacity_keep(experts, s, self.num_experts, self.capacity_factor)
         chosen = experts.flatten()
-        order = torch.argsort(chosen.masked_fill(~keep, self.num_experts), stable=True)[:int(keep.sum())]
-        counts = torch.bincount(chosen[order], minlength=self.num_experts)
-        rows = flat[order // self.k]  # the dispatch permutation: each expert's tokens, contiguous
+        sort_by = chosen.masked_fill(~keep, self.num_experts)  # a dropped choice sorts last, as "expert E"
+        order = torch.argsort(sort_by, stable=True)
+        counts = torch.bincount(sort_by, minlength=self.num_experts + 1)[:-1]  # kept rows per expert
+        rows = flat[order // self.k]  # the dispatch permutation: each expert's tokens, contiguous (dropped last)
         if self.exchange is None:
-            out = self.run_experts(rows, counts)
-        else:
+            sizes = counts.tolist()  # the host reads the counts once per layer (split needs numbers)
+            out = self.run_experts(rows[:sum(sizes)], sizes)
+        else:  # the exchange reads the counts once, with the other ranks'
             rows, local_counts, ctx = self.exchange.dispatch(rows, counts)
             out = self.exchange.combine(self.run_experts(rows, local_counts), ctx)
+        order = order[:out.shape[0]]  # the kept choices (a shape: known on the host, no sync)
         out = (out * weights.flatten()[order, None].to(out.dtype)).to(flat.dtype)
         y = torch.zeros_like(flat).index_add(0, order // self.k, out)  # the combine: back to token order
         if self.training:  # the statistics of training steps only (not of evaluation or text sampling)
             routed = torch.bincount(chosen, minlength=self.num_experts)
             self.counts = routed if self.counts is None else self.counts + routed
-            self.dropped += int((~keep).sum())
+            self.dropped = self.dropped + (~keep).sum()  # stays on the device (read once per step)
             self.last_aux = aux.detach()
         if self.training and torch.is_grad_enabled() and self.aux_weight:
             y = AuxLoss.apply(y, aux, self.aux_weight)
         return y.view(b, s, h)
 
     def run_experts(self, rows, counts):
-        """Each of this rank's experts (in index order) on its slice of `rows` (counts[j] rows for the j-th)."""
-        outs = [expert(part) for expert, part in zip(self.experts.values(), rows.split(counts.tolist()))]
+        """Each of this rank's experts (in index order) on its slice of `rows` (counts[j] rows for the j-th, a list)."""
+        outs = [expert(part) for expert, part in zip(self.experts.values(), rows.split(list(counts)))]
         return torch.cat(outs) if outs else rows
 
     def extra_repr(self):
@@ -174,7 +177,7 @@ def step_stats(model, axis=None):
     if not blocks or any(b.counts is None for b in blocks):
         return None
     counts = torch.stack([b.counts for b in blocks])
-    dropped = torch.tensor([float(sum(b.dropped for b in blocks))], device=counts.device)
+    dropped = torch.as_tensor(sum(b.dropped for b in blocks), dtype=torch.float32, device=counts.device).reshape(1)
     if axis is not None:
         axis.all_reduce(counts)
         axis.all_reduce(dropped)
