@@ -40,10 +40,10 @@ import math
 from contextlib import contextmanager, nullcontext
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from picotron import p2p
 from picotron.model import AttentionCore, apply_rope
 
 IMPLS = ("ring", "allgather")
@@ -149,26 +149,18 @@ def block_backward(q, k, v, dout, lse, delta, causal, scale):
 
 # ================================================================================= the ring
 class _Ring:
-    """One exchange per ring step: send a tensor to the next rank, receive the same shape from the previous."""
-
-    TAGS = {"kv": 1, "dkv": 2}  # K/V and their gradients never mistake one another
+    """One exchange per ring step: send a tensor to the next rank, receive the same shape from the previous,
+    posted as one batch (picotron.p2p): on NCCL two single messages could each wait for the other's partner."""
 
     def __init__(self, axis, core):
         self.axis, self.core = axis, core
         n, r = axis.size, axis.rank
         self.next, self.prev = axis.ranks[(r + 1) % n], axis.ranks[(r - 1) % n]
-        self.batched = dist.get_backend(axis.group) == "nccl"
 
     def start(self, t, what):
         buf = torch.empty_like(t)
         t = t.contiguous()
-        tag, group = self.TAGS[what], self.axis.group
-        if self.batched:  # NCCL: one group call, else both ranks could sit in a send waiting for the other's receive
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, self.next, group, tag),
-                                            dist.P2POp(dist.irecv, buf, self.prev, group, tag)])
-        else:  # gloo: plain isend/irecv (batch_isend_irecv has hung on gloo in some versions)
-            works = [dist.isend(t, dst=self.next, group=group, tag=tag),
-                     dist.irecv(buf, src=self.prev, group=group, tag=tag)]
+        works = p2p.exchange([("send", t, self.next), ("recv", buf, self.prev)], self.axis.group)
         self.core.count(what, t.numel() * t.element_size())
         return buf, works, t  # keep t alive until the send completes
 

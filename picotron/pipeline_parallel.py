@@ -24,7 +24,8 @@ stage before the last sends its output on; B receives the output gradient from s
 gradient to stage s-1. The generators below are pure functions of (p, m, v); `simulate` runs any schedule on
 an ideal machine (F, B, W taking given times, messages instant) and refuses a wrong one with the first
 problem: an action missing or twice, a B before its F, a W before its B, or a deadlock (which ranks wait for
-what). `Pipeline`, the executor, runs any schedule on real processes with isend/irecv; with one stage it is
+what). `Pipeline`, the executor, runs any schedule on real processes (one message = one batched send or receive on
+the group of its direction, NCCL-safe by construction: see `Pipeline`); with one stage it is
 plain gradient accumulation.
 
 Activations in flight: AFAB keeps all m micro-batches' activations until the backward starts; 1F1B starts
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from picotron import marks, metrics
+from picotron import marks, metrics, p2p
 
 # ============================================================================================ schedules
 Action = namedtuple("Action", "kind mb chunk")  # kind "F" | "B" | "W"; micro-batch; chunk on this rank
@@ -558,10 +559,18 @@ class Pipeline:
     Each rank walks its action list. F: the input is the batch's tokens on stage 0, else the activation
     received from the previous stage; the output goes to the next stage (or, on the last, into the loss,
     divided by m). B: the output gradient arrives from the next stage (the loss on the last); the input's
-    gradient goes back. W: the stashed weight gradients. Messages go with isend/irecv; each rank posts its
-    receives in the order its neighbour sends (known from the neighbour's action list), which keeps every
-    pair of ranks in step on any backend; a receive is posted one action ahead of its use. Between chunks of
-    one rank (the V's turn) the tensor is handed over in memory."""
+    gradient goes back. W: the stashed weight gradients. Between chunks of one rank (the V's turn) the tensor is
+    handed over in memory.
+
+    Messages, and why they cannot hang on NCCL. There, the messages of one communicator run in the order posted
+    on one stream, both directions mixed, and a receive holds the stream until its send arrives. Posting "receive
+    B0 from the next stage" while that stage posts "receive F1 from us" first would wait forever (it did: every
+    schedule, replayed under NCCL's rules). So each direction between two neighbours has its own group
+    (`mesh.pp_links`): a sender posts its sends in its own order, and the receiver posts its receives in that
+    same order — it knows the neighbour's action list — one action ahead of their use, so the next input
+    arrives while this action computes. Each message is one `batch_isend_irecv` (picotron.p2p), which runs on
+    the group's communicator, made with the group, so no host waits at a first contact either.
+    tests/test_nccl_rules.py replays every schedule at pp 2 and 4 under these rules."""
 
     def __init__(self, schedule, mesh, hidden, seq_div=1, ends=None, autocast=nullcontext, store=None,
                  timeline=None, dtype=torch.float32):
@@ -605,7 +614,7 @@ class Pipeline:
         while self.posted[src] < len(queue):
             key = queue[self.posted[src]]
             buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.mesh.device)
-            self.pending[key] = (buf, torch.distributed.irecv(buf, src=self._global(src), group=self.pp.group))
+            self.pending[key] = (buf, self._message("recv", buf, src))
             self.posted[src] += 1
             if key == upto:
                 return
@@ -628,8 +637,8 @@ class Pipeline:
             return self.local.pop((a.kind, a.mb, a.chunk))
         r, key = src
         self._post(r, key)
-        buf, work = self.pending.pop(key)
-        work.wait()
+        buf, works = self.pending.pop(key)
+        p2p.wait_all(works)
         return buf
 
     def _send(self, t, kind, mb, to_stage):
@@ -638,8 +647,15 @@ class Pipeline:
         if r == self.rank:
             self.local[(kind, mb, c)] = t
             return
-        self.sends.append(torch.distributed.isend(t, dst=self._global(r), group=self.pp.group))
+        self.sends += self._message("send", t, r)
         self.p2p_bytes += t.numel() * t.element_size()
+
+    def _message(self, kind, t, peer):
+        """Post one message to / from pipeline rank `peer` on the group of its direction (mesh.pp_links: on
+        NCCL each direction is then its own ordered stream, see mesh.pipeline_links); the handles."""
+        me, other = self._global(self.rank), self._global(peer)
+        link = self.mesh.pp_links[(me, other) if kind == "send" else (other, me)]
+        return p2p.exchange([(kind, t, other)], link)
 
     # -------------------------------------------------------------------------------- the step
     def _phase(self, a):
@@ -741,7 +757,7 @@ class Pipeline:
                     prev, _ = sch.where(s - 1)
                     if prev != self.rank:
                         x = torch.empty(shape, dtype=self.dtype, device=self.mesh.device)
-                        torch.distributed.recv(x, src=self._global(prev), group=self.pp.group)
+                        p2p.wait_all(self._message("recv", x, prev))
                 with self.autocast():
                     x = stage.chunks[c](x, positions)
                 if s == self.last_stage:
@@ -749,7 +765,7 @@ class Pipeline:
                 else:
                     nxt, _ = sch.where(s + 1)
                     if nxt != self.rank:
-                        torch.distributed.send(x.to(self.dtype).contiguous(), dst=self._global(nxt), group=self.pp.group)
+                        p2p.wait_all(self._message("send", x.to(self.dtype).contiguous(), nxt))
         return out
 
     @torch.no_grad()
