@@ -19,6 +19,22 @@ Memory. `memory_breakdown` counts bytes of parameters, gradients and optimizer s
 `ActivationCounter` counts the bytes autograd saves for the backward pass with saved-tensor hooks (each
 storage once; parameters excluded); the device's own peak (CUDA allocator) is added where there is one,
 and on the CPU the process's peak resident set size, which includes Python and torch themselves.
+
+Time. On the CPU a time is the host's clock: the work runs while the host waits for it. On a GPU the host only
+queues kernels, so its clock tells when work was launched, and synchronising the device around every event
+would serialise the very overlap of computation and communication the lessons measure. So on a GPU
+`Timeline.now()` records a CUDA event on the current stream (no wait), and the events are converted to seconds
+only when the timeline is read, with one `torch.cuda.synchronize()` (`Timeline.events`, `dump`, `seconds`).
+A collective's end cannot come from the host either: on NCCL `work.get_future()` is complete at launch, so its
+`then` callback runs at once (1 ms after launch for 643 ms of GPU work, measured on an H200). But torch runs the
+callback of a CUDA-aware future "with some dedicated streams set as current (fetched from a global pool) which
+will be synchronized with those kernels" (torch.futures.Future.then, so in every torch >= 2.4; ProcessGroupNCCL
+makes the work's future on its NCCL stream, so "those kernels" are the collective). The Recorder's callback records
+its end event there: it fires when the collective has finished, whatever the caller's stream is doing, and
+nobody waits. torch's own per-collective timer (TORCH_NCCL_ENABLE_TIMING) measures from an event on the NCCL
+stream, but its duration (WorkNCCL::getDuration) has no Python binding (torch 2.13's Work has none), so the
+start here is an event on the caller's stream just before the launch, where the NCCL stream joins it: a
+collective queued behind another one on the same communicator counts that wait too.
 """
 import json
 import os
@@ -173,33 +189,101 @@ def process_anon_rss_bytes():
 
 
 # ------------------------------------------------------------------------------------ time and events
+class Stamp(float):
+    """A time from `Timeline.now()` on a GPU. As a number it is the host's clock (seconds since t0: when the work
+    was *launched*); it also carries a CUDA event recorded on the current stream at that point, which tells when
+    the GPU *reached* it (and the t0 it counts from). The timeline turns it into seconds when its events are read."""
+
+    __slots__ = ("event", "t0")
+
+    def __new__(cls, seconds, event, t0):
+        stamp = super().__new__(cls, seconds)
+        stamp.event, stamp.t0 = event, t0
+        return stamp
+
+    def __reduce__(self):  # pickled (gathered to another rank) as the plain host time, without its event
+        return float, (float(self),)
+
+
 class Timeline:
-    """Per-rank events (name, start, end in seconds since creation) for timeline / bubble plots."""
+    """Per-rank events (name, start, end in seconds since `t0`) for timeline / bubble plots.
+
+    On a GPU every time from `now()` is a `Stamp` holding a CUDA event; they stay pending until the events are
+    read, which synchronises once: an anchor event recorded when the timeline was made, on an idle device, ties
+    the GPU's clock to perf_counter, and an event's time is `anchor's host time - t0 + anchor.elapsed_time(it)`.
+    Read the events at the end of a step or run, never inside what you measure."""
 
     def __init__(self, device, rank=0, enabled=True):
         self.device, self.rank, self.enabled = device, rank, enabled
+        self._cuda = torch.device(device).type == "cuda"
+        self._events, self._pending = [], []  # every event; those still holding CUDA events
+        if self._cuda:  # the one synchronisation until the events are read: the anchor runs at once
+            torch.cuda.synchronize(device)
+            self._anchor = torch.cuda.Event(enable_timing=True)
+            self._anchor.record()
+            self._anchor_host = time.perf_counter()
         self.t0 = time.perf_counter()
-        self.events = []
+
+    @property
+    def events(self):
+        """The events, every time in seconds since t0 (on a GPU, one synchronisation resolves the pending ones)."""
+        if self._pending:
+            self._resolve()
+        return self._events
+
+    @events.setter
+    def events(self, events):
+        self._events = events
+        self._pending = [e for e in events if isinstance(e["start"], Stamp) or isinstance(e["end"], Stamp)]
 
     @contextmanager
     def record(self, name, **info):
+        """The block as one event; yields it (a dict: add to it, e.g. what else you measured inside)."""
         if not self.enabled:
-            yield
+            yield {}
             return
-        sync(self.device)  # on a GPU, time the work, not the launch
-        start = time.perf_counter() - self.t0
-        yield
-        sync(self.device)
-        self.events.append({"rank": self.rank, "name": name, "start": start,
-                            "end": time.perf_counter() - self.t0, **info})
+        event = {"rank": self.rank, "name": name, "start": self.now(), "end": None, **info}
+        yield event
+        event["end"] = self.now()
+        self._append(event)
 
     def now(self):
-        return time.perf_counter() - self.t0
+        """Seconds since t0; on a GPU, a Stamp: also this point of the current stream (resolved when read)."""
+        t = time.perf_counter() - self.t0
+        if not (self._cuda and self.enabled):
+            return t
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return Stamp(t, event, self.t0)
 
     def add(self, name, start, end, **info):
-        """An event timed elsewhere (e.g. an asynchronous all-reduce, from its completion callback)."""
+        """An event timed elsewhere (start and end from `now()`; e.g. an asynchronous collective's, see Recorder)."""
         if self.enabled:
-            self.events.append({"rank": self.rank, "name": name, "start": start, "end": end, **info})
+            self._append({"rank": self.rank, "name": name, "start": start, "end": end, **info})
+
+    def seconds(self, t):
+        """A time from `now()` as the events give it: a Stamp's GPU time (this synchronises), a float as it is."""
+        if not isinstance(t, Stamp):
+            return t
+        torch.cuda.synchronize(self.device)
+        return self._gpu_seconds(t)
+
+    def _append(self, event):
+        self._events.append(event)
+        if isinstance(event["start"], Stamp) or isinstance(event["end"], Stamp):
+            self._pending.append(event)
+
+    def _resolve(self):
+        torch.cuda.synchronize(self.device)  # every event recorded so far, on every stream, has run
+        pending, self._pending = self._pending, []
+        for e in pending:
+            for key in ("start", "end"):
+                if isinstance(e[key], Stamp):
+                    e[key] = self._gpu_seconds(e[key])
+
+    def _gpu_seconds(self, stamp):
+        """When the GPU reached `stamp`'s event (it has run), in seconds since the t0 of its time, as on the CPU."""
+        return self._anchor_host - stamp.t0 + self._anchor.elapsed_time(stamp.event) / 1e3
 
     def dump(self, path):
         with open(path, "w") as f:
@@ -212,9 +296,13 @@ class Recorder:
     one ran. Attach it to an axis (`mesh.dp_cp.recorded(recorder)`) and hand that axis to a strategy: the
     algorithms never count or time anything themselves.
 
-    Asynchronous collectives are timed from their start to their completion (the work's future). Where the
-    backend gives no future (gloo's reduce-scatter, the send/recv collectives), the end is taken when the
-    caller waits for it, and the event says `end_observed_at_wait`."""
+    The recorder never waits for a collective: the caller computes while it is in flight, as it would unrecorded.
+    A collective runs from `start` (the axis takes `now()` just before launching it) to its completion, which the
+    work's future reports: on gloo its callback runs when the collective has finished; on NCCL it runs at launch
+    but on a stream that waits for the collective, where the end's CUDA event is recorded (module docstring).
+    Where the backend gives no future (gloo's reduce-scatter, the send/recv collectives), the end is taken when
+    the caller waits for it (on a GPU: on the caller's stream after `wait()`, so also after what that stream
+    computed first), and the event says `end_observed_at_wait`."""
 
     def __init__(self, timeline=None):
         self.timeline = timeline
@@ -230,7 +318,7 @@ class Recorder:
         tl = self.timeline
         if tl is None or not tl.enabled:
             return work
-        if work is None:  # it ran synchronously: it is over
+        if work is None:  # it ran synchronously (on a GPU: the caller's stream waits for it): it is over
             tl.add(label, start, tl.now(), kind="comm", **info)
             return work
         try:

@@ -182,9 +182,9 @@ class CpuTimeline(metrics.Timeline):
     @contextmanager
     def record(self, name, **info):
         c0 = time.thread_time()
-        with super().record(name, **info):
-            yield
-        self.events[-1]["cpu"] = time.thread_time() - c0
+        with super().record(name, **info) as event:
+            yield event
+        event["cpu"] = time.thread_time() - c0
 
 
 def _say(mesh, text):
@@ -282,6 +282,7 @@ def exp_balance(mesh, st, out):
             t0 = core.timeline.now()
             core(qi, ki, vi, cos, sin).backward(di)
             t1 = core.timeline.now()
+            t0, t1 = (core.timeline.seconds(t) for t in (t0, t1))  # on a GPU: when the GPU got there
             base = core.timeline.t0
             events = [dict(e, start=e["start"] + base, end=e["end"] + base) for e in core.timeline.events]
             every = gather(dict(events=events, call=(t0 + base, t1 + base)), mesh)

@@ -117,9 +117,9 @@ class CpuTimeline(metrics.Timeline):
     @contextmanager
     def record(self, name, **info):
         c0 = time.thread_time()
-        with super().record(name, **info):
-            yield
-        self.events[-1]["cpu"] = time.thread_time() - c0
+        with super().record(name, **info) as event:
+            yield event
+        event["cpu"] = time.thread_time() - c0
 
 
 class Stepper:
@@ -409,11 +409,11 @@ class MemoryTimeline(metrics.Timeline):
         stash0 = stash_bytes(self.store, tr)
         before = tr.bytes + stash0
         tr.reset_peak()
-        with super().record(name, **info):
-            yield
+        with super().record(name, **info) as event:
+            yield event
         stash = stash_bytes(self.store, tr)
-        self.events[-1].update(before=before, after=tr.bytes + stash, peak=max(before, tr.bytes + stash, tr.peak + min(stash0, stash)),
-                               stash=stash - stash0, saved=tr.bytes - (before - stash0))
+        event.update(before=before, after=tr.bytes + stash, peak=max(before, tr.bytes + stash, tr.peak + min(stash0, stash)),
+                     stash=stash - stash0, saved=tr.bytes - (before - stash0))
 
 
 def exp_memory(mesh, st, out):

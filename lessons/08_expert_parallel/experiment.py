@@ -272,6 +272,7 @@ def exp_bytes(mesh, st, out):
             run.optimizer.step()
             run.model.zero_grad(set_to_none=True)
             t1 = timeline.now()
+            t0, t1 = (timeline.seconds(t) for t in (t0, t1))  # on a GPU: when the GPU got there
             local = moe.step_stats(run.raw)["tokens_per_expert"]  # this rank's routing, per layer (then reset)
             rows = {k: sum(ex.rows.get(k, 0) for ex in exchanges) for k in KINDS}
             mine = dict(rows=rows, a2a=recorder.bytes.get("all_to_all", 0), calls=dict(recorder.calls),

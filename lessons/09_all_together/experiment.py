@@ -161,6 +161,7 @@ class TimedRun:
             run.optimizer.step()
         run.model.zero_grad(set_to_none=True)
         t1 = tl.now()
+        t0, t1 = (tl.seconds(t) for t in (t0, t1))  # on a GPU: when the GPU got there
         base = tl.t0
         cores = context_parallel.cores(run.raw)
         return dict(rank=self.mesh.rank, coords=self.mesh.coords, loss=float(loss), start=t0 + base, end=t1 + base,
