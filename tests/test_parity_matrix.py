@@ -9,7 +9,8 @@ Refused by the configuration (listed in `REFUSED` with validate's sentence and c
 ep = 2 with cp = 2, 12 variants (4 layouts x their sp/ZeRO-1 choices) ("experts with cp=2 are not supported (the load-balancing
 statistics and the capacity are per sequence, and context parallelism splits sequences)").
 
-Each variant is held to the parity standard (`tests/_parity.py`): the same seed, the same global batch (the
+Each variant's communication is also recorded and replayed under NCCL's rules (picotron.nccl_rules: no rank's
+operation may wait forever or meet a mismatched partner), and each is held to the parity standard (`tests/_parity.py`): the same seed, the same global batch (the
 reference has grad_acc = dp·grad_acc), fp32, seq_len 32 (cp = 2 needs a multiple of 2·cp = 4; sp needs
 seq_len/cp divisible by tp), micro-batch 2, 3 steps: every gradient of one step gathered (ZeRO shards, tp slices,
 experts from the ranks that hold them) within 1e-5, the loss and gradient norm of every step within 1e-5 relative,
@@ -43,6 +44,7 @@ import pytest
 import torch
 from _parity import assert_matches, layout_grads
 
+from picotron import nccl_rules
 from picotron import train as train_mod
 from picotron.config import Config, ConfigError, validate
 from picotron.launch import run_on_ranks
@@ -194,16 +196,19 @@ def test_layout_matches_one_process(reference, tmp_path, layout):
     name, world = name_of(layout), world_of(layout)
     ref = reference(layout)
     start = time.perf_counter()
-    results = run_on_ranks(_model_child, world, layout, str(tmp_path / "run"),
-                           timeout_s=600 if world > 8 else 120 + 30 * world)
+    recorded = run_on_ranks(nccl_rules.run_recorded, world, _model_child, layout, str(tmp_path / "run"),
+                            timeout_s=600 if world > 8 else 120 + 30 * world)
     wall = time.perf_counter() - start
+    results = [out for out, _ in recorded]
+    verdict = nccl_rules.replay([trace for _, trace in recorded])  # every message and collective, NCCL's rules
     diffs, passed = differences(results, ref), False
     try:
         assert_matches(results, ref, name)
+        assert verdict.ok, f"{name}: {verdict}"
         passed = True
     finally:
-        ROWS[name] = row_of(name, layout, passed=passed, wall_s=round(wall, 1),
-                            **{k: float(f"{v:.3g}") for k, v in diffs.items()})
+        ROWS[name] = row_of(name, layout, passed=passed, wall_s=round(wall, 1), nccl_replay=verdict.ok,
+                            nccl_ops=verdict.ops, **{k: float(f"{v:.3g}") for k, v in diffs.items()})
         write_table()
 
 

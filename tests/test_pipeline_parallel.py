@@ -6,6 +6,7 @@ The schedules themselves are checked by the simulator in test_pipeline_schedules
 import pytest
 import torch
 
+from picotron import nccl_rules
 from picotron import train as train_mod
 from picotron.config import Config, ConfigError, validate
 from picotron.launch import run_on_ranks
@@ -59,7 +60,10 @@ def _reference(layout, out):
 
 def _check(tmp_path, layout, ref_layout=None):
     world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
-    results = run_on_ranks(_child, world, layout, str(tmp_path / "pp"), timeout_s=240)
+    recorded = run_on_ranks(nccl_rules.run_recorded, world, _child, layout, str(tmp_path / "pp"), timeout_s=240)
+    results = [out for out, _ in recorded]
+    verdict = nccl_rules.replay([trace for _, trace in recorded])  # NCCL's ordering rules, every message
+    assert verdict.ok, f"{layout}: {verdict}"
     ref_grads, ref_records, _ = _reference(ref_layout or layout, str(tmp_path / "ref"))
     seen = set()
     for grads, _, _ in results:
