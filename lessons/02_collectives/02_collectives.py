@@ -203,14 +203,13 @@ for k, r in runs.items():
 # Same result, same bytes. picotron's `all_reduce` runs the same two lists of steps (`_rs_steps`, `_ag_steps`)
 # through `_ring`, which adds three things:
 #
-# 1. **double buffering**: the receive of step $t+1$ is posted (into the second of two scratch buffers) *before*
-#    waiting for step $t$, and a send is waited for only when its buffer is needed again, so a rank can take in
-#    the next chunk while it still adds the last one, and a neighbour that runs ahead is not held up;
-# 2. **pipelining**: every chunk is cut into pieces of `PIECE_BYTES` that travel on their own — piece $j$ of step
-#    $t+1$ leaves as soon as piece $j$ of step $t$ has arrived and been added, so adding one piece overlaps
-#    receiving the next (what NCCL does with its slices);
-# 3. scratch buffers kept between calls, and the $n = 2$ case, where both neighbours are one rank and the lower
-#    rank sends first.
+# 1. **pipelining**: every chunk is cut into pieces of `PIECE_BYTES` that travel on their own — piece $j$ of step
+#    $t+1$ leaves as soon as piece $j$ of step $t$ has arrived and been added, while the other pieces of step $t$
+#    are still in flight, so adding one piece overlaps receiving the next (what NCCL does with its slices);
+# 2. **one batch per exchange**: the send and the receive of (step, piece) are posted together as one
+#    `batch_isend_irecv` (`picotron/p2p.py`), in the same order on every rank — what NCCL needs (section 7 shows
+#    why, and what happens to the dozen-line version there);
+# 3. scratch buffers kept between calls (fresh memory costs a page fault per 4 KiB on the CPU).
 
 # %%
 _common.show_source(C._rs_steps)
@@ -223,9 +222,8 @@ _common.show_source(C._ring)
 # additions of the reduce-scatter (the dashed line below, from the measured time of one addition) — and only
 # where something sits idle to overlap with. On this CPU the same cores that add also move the bytes (gloo copies
 # through the kernel's sockets), an addition is cheap next to a transfer, and chunks below `PIECE_BYTES` are not
-# cut at all: with $n = 4$ nothing changes up to $4\times$`PIECE_BYTES`. Double buffering is worth more the longer
-# a step takes, so look for it at the larger sizes. At small sizes, where a step is mostly fixed costs, `_ring`'s
-# longer Python per step can cost more than both save. The simple ring is timed with a receive buffer it keeps
+# cut at all: with $n = 4$ nothing changes up to $4\times$`PIECE_BYTES`. At small sizes, where a step is mostly
+# fixed costs, `_ring`'s longer Python per step (and a batch's bookkeeping) can cost more than pipelining saves. The simple ring is timed with a receive buffer it keeps
 # between calls, as picotron does, so the comparison is of the schedule (and the code that runs it) alone.
 
 # %%
@@ -245,8 +243,8 @@ print(f"(times in ms) pipelining cuts chunks only above n × PIECE_BYTES = {n * 
                                          for j in piped) or "No size measured here is that large."))
 
 # %% [markdown]
-# **Takeaway:** the ring itself is a dozen lines; the rest of `_ring` is scheduling. Decoupling neighbours and
-# pipelining pay where a step is long and the hardware can overlap (a GPU's links move bytes while its SMs add); on
+# **Takeaway:** the ring itself is a dozen lines; the rest of `_ring` is scheduling. Pipelining pays where a step
+# is long and the hardware can overlap (a GPU's links move bytes while its SMs add); on
 # this CPU the last two columns above say what each bought, size by size.
 #
 # ### The binomial tree
@@ -420,6 +418,39 @@ except NotImplementedError:
 # **Takeaway:** NCCL is this lesson's ring and tree, pipelined in slices over many channels, with an α–β-style cost
 # model choosing per call.
 #
+# ### The order of messages: why the dozen-line ring would hang on NCCL
+# gloo matches each message by sender and tag and buffers it; NCCL does neither. On NCCL the single
+# `isend`/`irecv` between two ranks share one communicator and one CUDA stream, both directions mixed, run in the
+# order posted; a receive holds the stream until its send arrives, and a send its receive (NCCL may buffer a small
+# one; the replay below never counts on it). And the first message between two ranks *creates* their
+# communicator, which blocks the host until the peer posts its own first message to us. Section 4's ring posts
+# "send right, receive left" as two single messages: at $n = 2$ both ranks' streams start with a send to the
+# other, and at $n = 3$ every rank's first message (to its right) waits for its right neighbour, which waits for
+# its own right neighbour: a circle. `picotron.collectives` posts each step's send and receive as **one batch**
+# (`batch_isend_irecv`, `picotron/p2p.py`), in the same order on every rank: a batch runs on the group's own
+# communicator, made with the group, and meets the neighbours' batches whole.
+#
+# `picotron.nccl_rules` records every rank's messages on gloo and replays them under those rules, naming each
+# rank's first stuck operation (`nccl_order.py` in this folder runs both rings):
+
+# %%
+from picotron import nccl_rules
+from picotron.launch import run_on_ranks
+import nccl_order   # this folder: section 4's ring, and picotron.collectives.all_reduce
+
+verdicts = {}
+for n in (2, 3):
+    dozen = run_on_ranks(nccl_rules.run_recorded, n, nccl_order.dozen_line_ring)
+    verdicts[n] = nccl_rules.replay([trace for _, trace in dozen])
+    print(f"dozen-line ring, n = {n}: gloo's sum {dozen[0][0][:3]}...; {verdicts[n]}")
+ours = run_on_ranks(nccl_rules.run_recorded, 3, nccl_order.picotron_ring)
+verdicts["ours"] = nccl_rules.replay([trace for _, trace in ours])
+print(f"picotron.collectives.all_reduce, n = 3: {verdicts['ours']}")
+ok = not verdicts[2].ok and not verdicts[3].ok and verdicts["ours"].ok
+print(f"{'✓' if ok else '✗'} NCCL's rules: the dozen-line ring hangs at n = 2 and 3, picotron's batched ring completes: "
+      f"replayed from gloo recordings ({verdicts['ours'].ops} operations matched)")
+
+# %% [markdown]
 # ## 8. Check it
 # Every claim, as a measured fact (timings are shown above, never asserted):
 

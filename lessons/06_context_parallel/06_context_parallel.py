@@ -268,9 +268,10 @@ _common.show_source(cpm.block_forward, "b, a, cq, d", "return out.reshape")
 _common.show_source(cpm.RingAttention._forward, "ring, mine", "ctx.save_for_backward")
 
 # %% [markdown]
-# The exchange itself: on gloo a plain `isend` to the next rank and `irecv` from the previous one (on NCCL one
-# `batch_isend_irecv`, so that two ranks never sit in a send each waiting for the other's receive); every byte
-# sent is counted on the core (`core.bytes`):
+# The exchange itself: a send to the next rank and a receive from the previous one, posted together as one batch
+# (`picotron.p2p.exchange`, a `batch_isend_irecv`) on gloo and NCCL alike — on NCCL two single messages could each
+# wait for the other's partner (lessons 02 and 07 replay that under NCCL's rules); every byte sent is counted on
+# the core (`core.bytes`):
 
 # %%
 _common.show_source(cpm._Ring.start)

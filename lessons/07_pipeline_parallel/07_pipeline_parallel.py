@@ -173,6 +173,41 @@ except pp.ScheduleError as e:
 _common.show_source(pp.Pipeline.run, "for k, a in enumerate(acts):", "alive.pop((a.mb, a.chunk))")
 
 # %% [markdown]
+# **On a GPU pod: NCCL's rules.** gloo, this laptop's backend, matches each message by sender and tag and buffers
+# it; NCCL does neither. There the single `isend`/`irecv` between two ranks share one communicator and one CUDA
+# stream, both directions mixed, executed in the order they were posted; a receive holds the stream until its send
+# arrives, and a send its receive (NCCL may buffer a small one; the replay below never counts on it). The first
+# version of this executor posted each action's *next* receive before this action's send, as single messages. At
+# $p = 2$, 1F1B, $m = 2$ — rank 0 runs F0 F1 B0 B1, rank 1 runs F0 B0 F1 B1 — rank 0's stream to rank 1 held
+# [send F0, receive B0 (posted early), send F1] and rank 1's held [receive F0, receive F1 (posted early), send B0]:
+# after F0, each rank waits at the head of its stream for a message the other can only send from behind its own
+# head. gloo ran it without a word; a pod hangs until the watchdog kills the job.
+#
+# `picotron.nccl_rules` shows it without a GPU: it records every rank's messages and collectives (here on gloo)
+# and replays them under NCCL's rules, naming each rank's first stuck operation. Below: that order on a toy model
+# (`nccl_order.py` in this folder), then picotron's executor. Its fix: each *direction* between two neighbours has
+# a group of its own (`mesh.pp_links`), and each message is one batch on it (`picotron.p2p`), so a stream carries
+# one direction only, the receiver posts in the sender's order, and nothing can cross. (Megatron-LM instead pairs
+# "send forward, receive backward" in one batch.) `tests/test_nccl_rules.py` replays every schedule at $p = 2$
+# and $4$, and every layout of the parity matrix, this way.
+
+# %%
+from picotron import nccl_rules
+from picotron.launch import run_on_ranks
+import nccl_order   # this folder: the first version's order on a toy model, and one step of picotron's executor
+
+naive = run_on_ranks(nccl_rules.run_recorded, 2, nccl_order.naive_1f1b, 2)
+print("gloo ran the first version's order to the end; each rank's output sum:", [round(out, 3) for out, _ in naive])
+naive_verdict = nccl_rules.replay([trace for _, trace in naive])
+print(naive_verdict)
+ours = run_on_ranks(nccl_rules.run_recorded, 2, nccl_order.picotron_1f1b, 2)
+ours_verdict = nccl_rules.replay([trace for _, trace in ours])
+print(f"picotron's executor, the same schedule on the tiny model (loss {ours[0][0]:.4f}):", ours_verdict)
+check("NCCL's rules: the first version's order deadlocks, picotron's executor completes",
+      not naive_verdict.ok and ours_verdict.ok, f"{len(naive_verdict.problems) - 1} ranks stuck vs "
+      f"{ours_verdict.ops} operations matched")
+
+# %% [markdown]
 # **Tied embeddings.** Small models often share one matrix between the embedding and the LM head. With a pipeline
 # they live on the first and the last stage: the last stage keeps its own copy, initialised equal, and after the
 # backward the two gradients are summed — one all-reduce between exactly those two ranks (Megatron's "embedding
