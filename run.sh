@@ -12,8 +12,8 @@
 # project-local environment, .venv/ here, made on first use (never into the system Python). If the base Python
 # already has a torch (a GPU pod's CUDA build), .venv sees it through --system-site-packages and reuses it;
 # torch==2.13.0 (CPU) is installed only when none is importable. $PYTHON picks the base Python (python3).
-# On several GPUs, train with torchrun from the environment:
-#   .venv/bin/torchrun --nproc_per_node 8 -m picotron.train --dp 8
+# Several processes: ./run.sh --dp 8 starts torchrun itself (one GPU each, or --device cpu). Several machines: the
+# same command on each, with --nnodes N --rdzv-endpoint HOST:PORT [--node-rank R] --out DIR (DIR shared by all).
 set -euo pipefail
 cd "$(dirname "$0")"
 BASE=${PYTHON:-python3}
@@ -56,12 +56,16 @@ setup() {
 }
 
 # A new run never overwrites an old one: runs/main, then runs/main-2, runs/main-3, ... (--out DIR to choose).
-# With --resume, the newest existing runs/main* is continued.
+# With --resume, the newest existing runs/main* is continued. Several nodes (--nnodes N > 1) must name their one
+# folder: each node would pick its own free name (status 2).
 main_out() {
-  local a resume=""
+  local a prev="" resume="" nodes=1
   for a in "$@"; do
-    case "$a" in --out|--out=*|-h|--help) return 1 ;; --resume) resume=1 ;; esac
+    case "$a" in --out|--out=*|-h|--help) return 1 ;; --resume) resume=1 ;; --nnodes=*) nodes=${a#--nnodes=} ;; esac
+    [ "$prev" = --nnodes ] && nodes=$a
+    prev=$a
   done
+  [ "$nodes" = 1 ] || return 2
   local out=runs/main n=2
   if [ -n "$resume" ]; then
     while [ -e "runs/main-$n" ]; do out=runs/main-$n; n=$((n + 1)); done
@@ -77,6 +81,9 @@ train() {
   if out=$(main_out "$@"); then
     echo "== this run writes $out/ (earlier runs are kept; --out DIR to choose)"
     set -- --out "$out" "$@"
+  elif [ $? = 2 ]; then
+    echo "run.sh: error: several nodes (--nnodes) must write one folder that every node sees; pass --out DIR, the same shared path on every node." >&2
+    exit 2
   fi
   exec "$PY" -m picotron.train --steps 600 --eval-every 100 "$@"
 }

@@ -40,6 +40,11 @@ restored anyway when the layout is the same. Same layout: the resumed losses are
 uninterrupted run's, bit for bit. Another layout: the values loaded are identical, but the sums of the next
 steps run in another order (all-reduce over other ranks, matmuls cut elsewhere), so the losses agree to the
 parity tolerance (~1e-6 relative in fp32), not bit for bit.
+
+Several nodes. Every rank writes its own file into one folder and rank 0 commits it, so every node must see
+the same OUT (a shared filesystem). The Saver checks that once, at start-up (rank 0 writes a probe file, every
+rank reads it), and a resume is agreed: rank 0 reads `latest`, sends its step to every rank, and every rank
+checks it sees that folder (`agreed_latest`). Either failure is one sentence on every rank, not a hang.
 """
 import glob
 import json
@@ -114,6 +119,52 @@ def step_of(folder):
     return int(os.path.basename(folder).rsplit("_", 1)[-1])
 
 
+class NotShared(RuntimeError):
+    """Some ranks do not see the checkpoint folder rank 0 sees (nodes without a shared filesystem); one sentence."""
+
+
+def _blind(flag, world_size, rank, all_reduce):
+    """The ranks whose `flag` is true (every rank learns the whole list: one all-reduce of world_size numbers)."""
+    flags = torch.zeros(world_size)
+    flags[rank] = float(bool(flag))
+    flags = all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def _who(ranks):
+    """"rank 5 does", "ranks 4 and 5 do", "ranks 4, 5, 6 and 7 do", "ranks 4, 5, 6 and 9 more do"."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} does"
+    head, tail = (ranks[:-1], str(ranks[-1])) if len(ranks) <= 4 else (ranks[:3], f"{len(ranks) - 3} more")
+    return f"ranks {', '.join(map(str, head))} and {tail} do"
+
+
+def agreed_latest(out, mesh):
+    """The checkpoint folder every rank resumes from, or None: rank 0 reads `latest` and sends its step to every
+    rank (so they load the same step whatever their own `latest` says), and every rank checks that it sees that
+    folder. A rank that does not (another node without a shared filesystem) makes every rank raise NotShared
+    with the same sentence: no rank goes on to wait for it. Two small collectives over the world, once."""
+    if mesh.world_size == 1:
+        return latest(out)
+    folder = latest(out) if mesh.rank == 0 else None
+    t = torch.tensor([step_of(folder) if folder else -1], dtype=torch.int64, device=mesh.device)
+    mesh.world.broadcast(t)
+    step = int(t.item())  # (once, at start-up)
+    if step < 0:
+        return None
+    folder = step_dir(out, step)
+
+    def all_reduce(flags):
+        flags = flags.to(mesh.device)
+        mesh.world.all_reduce(flags)
+        return flags.cpu()
+    blind = _blind(not os.path.isdir(folder), mesh.world_size, mesh.rank, all_reduce)
+    if blind:
+        raise NotShared(f"{_who(blind)} not see {folder} that rank 0 resumes from: every node must see the same "
+                        f"checkpoint folder (a shared filesystem), or copy it there.")
+    return folder
+
+
 def _fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -176,6 +227,36 @@ class Saver:
             for tmp in glob.glob(os.path.join(self.root, "step_*.tmp")):
                 shutil.rmtree(tmp, ignore_errors=True)
         self._barrier()
+        if self.group is not None:
+            self._check_shared()
+
+    def _check_shared(self):
+        """Every rank must see the files rank 0 writes in `root` (rank 0 commits the folder the others wrote into):
+        rank 0 writes a probe with a token of this run, every rank reads it, then rank 0 removes it. Raises
+        NotShared on every rank if some do not see it (nodes without a shared filesystem)."""
+        token = [f"{os.getpid()}-{time.time_ns()}" if self.mesh.rank == 0 else None]
+        dist.broadcast_object_list(token, src=0, group=self.group)
+        probe = os.path.join(self.root, ".shared-probe")
+        if self.mesh.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+            _write_atomic(probe, lambda f: f.write(token[0].encode()))
+        self._barrier()
+        try:
+            with open(probe) as f:
+                seen = f.read() == token[0]
+        except OSError:
+            seen = False
+
+        def all_reduce(flags):
+            dist.all_reduce(flags, group=self.group)
+            return flags
+        blind = _blind(not seen, self.mesh.world_size, self.mesh.rank, all_reduce)
+        if self.mesh.rank == 0:
+            os.remove(probe)
+        if blind:
+            raise NotShared(f"{_who(blind)} not see the files rank 0 writes in {self.root}: every node must write "
+                            f"its checkpoints to the same folder (a shared filesystem); pass an --out that every "
+                            f"node sees.")
 
     def _barrier(self):
         if self.group is not None:

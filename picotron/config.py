@@ -122,6 +122,11 @@ class Config:
     tokenizer: str = "byte"
     device: str = "auto"
     timeout_s: int = 300
+    # several machines (the launcher's: `python -m picotron.train --dp 16 --nnodes 2 ...` on every node)
+    nnodes: int = 1
+    node_rank: Optional[int] = None
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "picotron"
     collectives: str = "torch"  # torch | ours (lesson 02's, built from send/recv)
     sample_tokens: int = 200
     # optional model overrides (None = the preset's value)
@@ -252,7 +257,14 @@ HELP = {  # what `--help` says of each setting (allowed values are added from th
     "data": "training text: shakespeare (embedded), a .txt file, a folder of .txt files, or hf:DATASET "
             "(needs the datasets package and network)",
     "tokenizer": "byte (UTF-8 bytes, 256 ids, no files) or a Hugging Face tokenizer name or local folder",
-    "device": "auto picks cuda + nccl when GPUs are visible, else cpu + gloo",
+    "device": "auto picks cuda + nccl when torch sees GPUs (one per process on each node, else an error that "
+              "names --device cpu), cpu + gloo when it sees none",
+    "nnodes": "machines the job runs on; each runs the same command (dp*pp*cp*tp / nnodes processes each), "
+              "torchrun's rendezvous at --rdzv-endpoint joins them",
+    "node_rank": "this machine's number, 0 to nnodes-1 (0 = the --rdzv-endpoint host): node R gets ranks R*n to "
+                 "R*n+n-1 (torchrun's static rendezvous); without it torchrun numbers the nodes itself (c10d)",
+    "rdzv_endpoint": "HOST:PORT every node can reach, the same on every node (with --node-rank: node 0's address)",
+    "rdzv_id": "the job's name at the rendezvous, the same on every node",
     "collectives": "which collectives every strategy runs on: torch.distributed's own (torch) or lesson 02's, "
                    "written from send/recv (ours)",
     "timeout_s": "seconds any collective may wait before the job stops with an error (a dead rank cannot hang it)",
@@ -322,6 +334,9 @@ def validate(cfg, world_size=None, any_world_size=False):
     _check_degrees(cfg, mc)
     _check_inputs(cfg, mc)
     _check_faults(cfg)
+    _check_nodes(cfg)
+    local = cfg.world_size // cfg.nnodes if any_world_size else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    _check_device(cfg, local)
     if world_size != cfg.world_size:
         raise ConfigError(
             f"world size {world_size} does not equal dp*pp*cp*tp = {cfg.dp}*{cfg.pp}*{cfg.cp}*{cfg.tp} = "
@@ -343,11 +358,6 @@ def _check_names(cfg):
         if value not in allowed:
             shown = ", ".join(str(a) for a in allowed if a is not None)
             raise ConfigError(f"{name}={value!r} is not one of the known values; pick one of {shown}.")
-    if cfg.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("device='cuda' but no CUDA GPU is visible to torch; pass --device auto or --device cpu.")
     if not (cfg.data == "shakespeare" or cfg.data.startswith("hf:") or os.path.exists(cfg.data)):
         raise ConfigError(f"data={cfg.data!r} is neither 'shakespeare', 'hf:<dataset>' nor an existing file or "
                           f"directory; pass --data shakespeare or the path of a .txt file.")
@@ -435,6 +445,56 @@ def _check_inputs(cfg, mc):
         raise ConfigError(problem)
 
 
+def _check_device(cfg, local):
+    """cuda + nccl with one GPU per process of this node, or cpu + gloo; never one for the other in silence."""
+    from picotron.mesh import device_problem
+
+    problem = device_problem(local, cfg.device)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _check_nodes(cfg):
+    if cfg.nnodes < 1:
+        raise ConfigError(f"nnodes={cfg.nnodes} must be a positive integer; pass --nnodes 1 or more.")
+    if cfg.world_size % cfg.nnodes:
+        good = [d for d in range(1, cfg.world_size + 1) if cfg.world_size % d == 0]
+        raise ConfigError(f"dp*pp*cp*tp = {cfg.world_size} processes do not split evenly over nnodes={cfg.nnodes} "
+                          f"(every node runs the same number); pick --nnodes in {_choices(good)} or degrees whose "
+                          f"product is a multiple of {cfg.nnodes}.")
+    if cfg.node_rank is not None and not 0 <= cfg.node_rank < cfg.nnodes:
+        others = "1 on the other" if cfg.nnodes == 2 else f"1 to {cfg.nnodes - 1} on the others"
+        fix = "leave --node-rank out on one machine" if cfg.nnodes == 1 else \
+            f"pass --node-rank 0 on the --rdzv-endpoint host and {others}"
+        raise ConfigError(f"node_rank={cfg.node_rank} is not a node of nnodes={cfg.nnodes}; {fix}.")
+    if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
+        raise ConfigError(f"nnodes={cfg.nnodes} needs a place where the nodes meet; pass --rdzv-endpoint HOST:PORT, "
+                          f"the first node's address and a free port, the same on every node (like 10.0.0.1:29500).")
+    if cfg.rdzv_endpoint:
+        host, _, port = cfg.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"rdzv_endpoint={cfg.rdzv_endpoint!r} is not HOST:PORT; pass the first node's address "
+                              f"and a free port, like --rdzv-endpoint 10.0.0.1:29500.")
+
+
+def placement_note(cfg, per_node):
+    """One sentence when tensor- and context-parallel peers would sit on different nodes (their traffic is
+    per layer, on the critical path: it wants NVLink, not the network), else None. `per_node`: processes per node.
+    The grid puts tp fastest, then cp, so a tp·cp group is tp·cp consecutive ranks; nodes hold consecutive ranks."""
+    group = cfg.tp * cfg.cp
+    if group == 1 or per_node >= cfg.world_size:
+        return None
+    what = "tp" if cfg.cp == 1 else "cp" if cfg.tp == 1 else "tp·cp"
+    procs = f"{per_node} process{'es' if per_node > 1 else ''}"
+    if group > per_node:
+        return (f"{what} = {group} spans {math.ceil(group / per_node)} nodes of {procs}: their per-layer traffic "
+                f"would cross the network; keep {what} <= {per_node}.")
+    if per_node % group:
+        return (f"{what} = {group} does not divide the {procs} per node, so some {what} groups straddle two nodes "
+                f"and their per-layer traffic would cross the network; pick {what} dividing {per_node}.")
+    return None
+
+
 def _check_faults(cfg):
     from picotron import faults
 
@@ -499,7 +559,8 @@ parallelism (--cp, --cp-impl, --cp-layout), gradient accumulation, activation re
 model: --preset tiny-moe or --experts E), checkpoints, precision recipes (--dtype bf16, bf16-params, fp16, fp8).
 
 Several processes on one machine: `python -m picotron.train --dp 2 --tp 2` starts them itself (with torchrun,
-one per cell of the dp x pp x cp x tp grid); several machines: torchrun ... -m picotron.train ... on each.
+one per cell of the dp x pp x cp x tp grid); several machines: the same command on each, plus --nnodes N
+--rdzv-endpoint HOST:PORT (and --node-rank R), or torchrun --nnodes N ... -m picotron.train ... on each.
 Bad settings stop before any process starts, with one sentence: the value, the rule, a fix."""
 
 

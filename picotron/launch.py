@@ -290,10 +290,26 @@ def _stop(procs, grace_s):
 
 
 # ------------------------------------------------------------------------------------------------ torchrun
-def torchrun_cmd(script, nproc, args=(), module=False):
+def torchrun_cmd(script, nproc, args=(), module=False, nnodes=1, node_rank=None, rdzv_endpoint=None,
+                 rdzv_id="picotron", max_restarts=0):
     """The torchrun command line: `python -m torch.distributed.run --standalone --nproc_per_node N script args`
-    (module=True runs `-m script`, e.g. torchrun_cmd("picotron.train", 4, ["--dp", "4"], module=True))."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    (module=True runs `-m script`, e.g. torchrun_cmd("picotron.train", 4, ["--dp", "4"], module=True)).
+
+    nnodes > 1 (N processes on each of nnodes machines, every one running this same command): the nodes meet at
+    `rdzv_endpoint` (HOST:PORT) instead of --standalone's private one. With `node_rank`, torchrun's static
+    rendezvous: node R gets global ranks R*N to R*N+N-1 and node 0 (rank 0, which logs and picks the checkpoint
+    to resume) must be the endpoint's host. Without it, the c10d rendezvous under the job name `rdzv_id`: torchrun
+    numbers the nodes itself (by host name) and the endpoint may be any of them."""
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if nnodes > 1:
+        cmd += ["--nnodes", str(nnodes), "--rdzv-endpoint", str(rdzv_endpoint), "--rdzv-id", str(rdzv_id)]
+        cmd += ["--rdzv-backend", "c10d"] if node_rank is None else ["--rdzv-backend", "static", "--node-rank",
+                                                                      str(node_rank)]
+    else:
+        cmd += ["--standalone"]
+    if max_restarts:
+        cmd += ["--max-restarts", str(max_restarts)]
+    cmd += ["--nproc_per_node", str(nproc)]
     return cmd + (["-m", str(script)] if module else [str(script)]) + [str(a) for a in args]
 
 
@@ -337,8 +353,10 @@ def threads_per_process(nproc, cores=None):
     return max(1, (cores or 1) // nproc)
 
 
-def torchrun_main(module, nproc, argv, max_restarts=0, hint=None):
+def torchrun_main(module, nproc, argv, max_restarts=0, hint=None, **nodes):
     """`python -m picotron.train --dp 2 ...` on one machine: run torchrun for it and return the exit status.
+    `nodes` (nnodes, node_rank, rdzv_endpoint, rdzv_id): this machine is one of several (`torchrun_cmd`), nproc
+    processes here.
 
     The settings were validated before this is called, so a bad one never starts a process. The workers'
     output streams through, except the job's final `picotron: error:/stopped:` line (a divergence, Ctrl-C):
@@ -348,9 +366,7 @@ def torchrun_main(module, nproc, argv, max_restarts=0, hint=None):
     `hint()` says where the newest checkpoint is. Ctrl-C reaches the workers through torchrun: they finish
     the step, save a checkpoint and say so. OMP_NUM_THREADS, unless set, shares the cores out.
     """
-    cmd = torchrun_cmd(module, nproc, argv, module=True)
-    if max_restarts:
-        cmd[4:4] = ["--max-restarts", str(max_restarts)]
+    cmd = torchrun_cmd(module, nproc, argv, module=True, max_restarts=max_restarts, **nodes)
     env = _env({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(nproc)))})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun gets Ctrl-C too and passes it on
     try:

@@ -109,22 +109,38 @@ def expert_groups(sizes, ep):
     return sorted(ep_groups), sorted(edp_groups)
 
 
-def pick_device(world_size=1, local_rank=0, device=None):
-    """(torch.device, backend): one GPU per process with NCCL if there are enough GPUs, else CPU with gloo.
+def device_problem(local_world, device=None):
+    """Why `local_world` processes on this node cannot run on `device` ("auto", "cpu", "cuda"), in one sentence,
+    or None. The rule: cuda + nccl when there is one GPU per local process; cpu + gloo when asked or when torch
+    sees no GPU; never silently one for the other. Calls no torch.cuda function for device="cpu"."""
+    if device in (None, "auto", "cpu") and (device == "cpu" or not torch.cuda.is_available()):
+        return None
+    if device not in (None, "auto", "cuda"):
+        return f"device={device!r} is not one of 'auto', 'cpu', 'cuda'; pass --device auto, cpu or cuda."
+    if not torch.cuda.is_available():
+        return "device='cuda' but no CUDA GPU is visible to torch; pass --device auto or --device cpu."
+    gpus = torch.cuda.device_count()
+    if gpus >= local_world:
+        return None
+    asked = "--device cuda with " if device == "cuda" else ""
+    procs = f"{local_world} process{'es' if local_world > 1 else ''} per node"
+    return (f"{asked}{procs} need{'s' if asked else ''} {local_world} GPUs (one each); this node has {gpus}: pass "
+            f"--device cpu to run them on CPU with gloo, or run at most {gpus} process{'es' if gpus > 1 else ''} "
+            f"per node.")
 
-    `device` forces "cpu" or "cuda"; None/"auto" decides. On the CPU path no CUDA function beyond
-    is_available() is called.
-    """
+
+def pick_device(world_size=1, local_rank=0, device=None):
+    """(torch.device, backend): one GPU per process with NCCL, or CPU with gloo (asked for, or no GPU at all).
+
+    `device` forces "cpu" or "cuda"; None/"auto" decides: cuda when torch sees a GPU, cpu when it sees none.
+    The processes on this node are $LOCAL_WORLD_SIZE (torchrun sets it), else `world_size`; more of them than
+    GPUs raises `device_problem`'s sentence instead of falling back to the CPU in silence. On the CPU path no
+    CUDA function beyond is_available() is called (none at all for device="cpu")."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if device in (None, "auto"):
-        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
-    elif device in ("cpu", "cuda"):
-        use_cuda = device == "cuda"
-        if use_cuda and not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' was requested but torch sees no CUDA GPU; use device='cpu' or 'auto'.")
-    else:
-        raise ValueError(f"device={device!r} is not one of 'auto', 'cpu', 'cuda'.")
-    if use_cuda:
+    problem = device_problem(local_world, device)
+    if problem:
+        raise (ValueError if device not in (None, "auto", "cpu", "cuda") else RuntimeError)(problem)
+    if device != "cpu" and torch.cuda.is_available():
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
 

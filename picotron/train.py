@@ -128,7 +128,12 @@ def train(cfg, mesh, return_model=False):
     datasheet = metrics.datasheet_peak(device)
     injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size)
     resume = cfg.resume or faults.attempt() > 0  # a restart after a lost rank resumes by itself
-    start, folder = 1, checkpoint.latest(cfg.out) if resume else None
+    try:  # several nodes: rank 0 picks the checkpoint, every rank must see it; and every rank must see OUT
+        start, folder = 1, checkpoint.agreed_latest(cfg.out, mesh) if resume else None
+        saver = checkpoint.Saver(cfg.out, cfg, mesh, keep=cfg.keep_checkpoints, asynchronous=cfg.async_save,
+                                 on_write=lambda step: injector.maybe_kill("kill-save", step))
+    except checkpoint.NotShared as e:
+        raise Stopped(f"picotron: error: {e}", 2) from None
     if folder:
         start = reshard.load(folder, run, mesh) + 1
     if is_logger and resume:
@@ -137,8 +142,6 @@ def train(cfg, mesh, return_model=False):
               f"{why or '--resume: '}no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
         for note in checkpoint.resume_notes(cfg, folder) if folder else []:
             print(f"picotron: note: {note}", flush=True)
-    saver = checkpoint.Saver(cfg.out, cfg, mesh, keep=cfg.keep_checkpoints, asynchronous=cfg.async_save,
-                             on_write=lambda step: injector.maybe_kill("kill-save", step))
     if start > cfg.steps:
         raise Stopped(f"picotron: error: the checkpoint in {cfg.out} is at step {start - 1} >= --steps {cfg.steps}; "
                       f"nothing to do (raise --steps to train further).", 2)
@@ -254,14 +257,22 @@ def train(cfg, mesh, return_model=False):
               f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}% of the measured matmul peak, "
               f"{summary['elapsed_s']:.0f} s", flush=True)
     if cfg.sample_tokens:  # every rank generates (the same text): under ZeRO-3 and tp each forward is collective
-        prompt = torch.tensor([tokenizer.encode("\n")], device=device)
-        with autocast_for(cfg, device)():
-            out = generate(run.sampler, prompt, cfg.sample_tokens, temperature=0.8, top_k=40,
-                           generator=torch.Generator(device).manual_seed(cfg.seed))
+        text = sample_text(run.sampler, tokenizer, cfg, device)
         if is_logger:
-            print("---- sample ----\n" + data.printable(tokenizer, out[0].tolist()).strip() + "\n----------------",
-                  flush=True)
+            print("---- sample ----\n" + text + "\n----------------", flush=True)
     return (summary, run) if return_model else summary
+
+
+def sample_text(sampler, tokenizer, cfg, device):
+    """cfg.sample_tokens tokens after a newline, from `sampler` (its forward runs on `device`). Each draw happens
+    on the CPU (`model.generate` moves the last logits there) with a CPU generator seeded with cfg.seed, so the
+    text is the same on every rank and every device; a generator on the model's device (CUDA) cannot draw from
+    CPU probabilities."""
+    prompt = torch.tensor([tokenizer.encode("\n")], device=device)
+    with autocast_for(cfg, device)():
+        out = generate(sampler, prompt, cfg.sample_tokens, temperature=0.8, top_k=40,
+                       generator=torch.Generator("cpu").manual_seed(cfg.seed))
+    return data.printable(tokenizer, out[0].tolist()).strip()
 
 
 def progress_line(r, steps):
@@ -280,22 +291,32 @@ def main(argv=None):
     under_launcher = "WORLD_SIZE" in os.environ  # torchrun (or a test harness) started this process
     # Validated before any process group exists; a bad setting exits 2 with one sentence.
     cfg = config_mod.cli(argv, any_world_size=not under_launcher)
-    if not under_launcher and (cfg.world_size > 1 or cfg.max_restarts):  # start the processes ourselves
-        raise SystemExit(launch.torchrun_main("picotron.train", cfg.world_size, argv, max_restarts=cfg.max_restarts,
-                                              hint=lambda: resume_hint(cfg, checkpoint.latest(cfg.out))))
+    if not under_launcher and (cfg.world_size > 1 or cfg.max_restarts or cfg.nnodes > 1):  # start them ourselves
+        nodes = dict(nnodes=cfg.nnodes, node_rank=cfg.node_rank, rdzv_endpoint=cfg.rdzv_endpoint, rdzv_id=cfg.rdzv_id)
+        raise SystemExit(launch.torchrun_main("picotron.train", cfg.world_size // cfg.nnodes, argv,
+                                              max_restarts=cfg.max_restarts,
+                                              hint=lambda: resume_hint(cfg, checkpoint.latest(cfg.out)), **nodes))
+    if os.environ.get("RANK", "0") == "0":  # tp / cp peers on different nodes: allowed, but say what it costs
+        note = config_mod.placement_note(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)))
+        if note:
+            print(f"picotron: warning: {note}", flush=True)
     try:
         mesh = Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, timeout_s=cfg.timeout_s,
                          device=None if cfg.device == "auto" else cfg.device, collectives=cfg.collectives)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+    # the one line that ends the job: from rank 0, and on several nodes from each node's first process too
+    # (each node's console shows its own processes only)
+    says = mesh.rank == 0 or (mesh.local_rank == 0 and int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size))
+                              < mesh.world_size)
     try:
         train(cfg, mesh)
     except Stopped as e:
-        if mesh.rank == 0:
+        if says:
             print(e, file=sys.stderr, flush=True)
         raise SystemExit(e.code) from None
     except KeyboardInterrupt:  # before the first step (building the model, measuring the matmul peak)
-        if mesh.rank == 0:
+        if says:
             print("picotron: stopped: interrupted before the first step; nothing was saved.", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     finally:

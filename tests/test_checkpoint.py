@@ -189,3 +189,47 @@ def test_export_from_any_layout_loads_in_transformers(tmp_path, preset, layout):
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
     assert export.main([str(tmp_path / "nothing"), str(tmp_path / "hf2")]) == 2
+
+
+# ------------------------------------------------------------------- several nodes: one checkpoint folder for all
+def _own_folder_each(outs, resume):
+    """Child: rank r trains with --out outs[r], as ranks on nodes without a shared filesystem see the same path;
+    returns (exit code, message) of the run's stop on this rank."""
+    from picotron.train import Stopped
+
+    with Mesh.init(dp=2) as mesh:
+        cfg = Config(out=outs[mesh.rank], dp=2, steps=3, save_every=1, resume=resume, **SMALL)
+        try:
+            train(cfg, mesh)
+        except Stopped as e:
+            return e.code, str(e)
+        return None
+
+
+def test_resume_takes_rank_0s_step_and_every_rank_must_see_its_folder(tmp_path):
+    """Rank 0 reads `latest` and sends the step; a rank that does not see that folder stops EVERY rank with one
+    sentence (before: each rank read its own `latest`; one that saw another step, or none, trained on from there
+    while the others resumed from theirs)."""
+    a, b = tmp_path / "node0", tmp_path / "node1"
+    for out, step in ((a, 2), (b, 5)):  # rank 1's own `latest` names another step: rank 0's step wins
+        os.makedirs(out / "checkpoints" / f"step_{step:06d}")
+        (out / "checkpoints" / "latest").write_text(f"step_{step:06d}")
+    results = run_on_ranks(_own_folder_each, 2, [str(a), str(b)], True, timeout_s=120)
+    assert [code for code, _ in results] == [2, 2]
+    assert results[0][1] == (f"picotron: error: rank 1 does not see {a}/checkpoints/step_000002 that rank 0 resumes "
+                             f"from: every node must see the same checkpoint folder (a shared filesystem), or copy "
+                             f"it there.")
+
+
+def test_every_rank_must_see_the_checkpoint_folder_rank_0_writes(tmp_path):
+    """Each rank writes its file into OUT and rank 0 commits the folder: checked once at start-up, one sentence on
+    every rank instead of a checkpoint that lacks the other nodes' files."""
+    a, b = tmp_path / "node0", tmp_path / "node1"
+    results = run_on_ranks(_own_folder_each, 2, [str(a), str(b)], False, timeout_s=120)
+    assert [code for code, _ in results] == [2, 2]
+    assert results[0][1] == (f"picotron: error: rank 1 does not see the files rank 0 writes in {a}/checkpoints: every "
+                             f"node must write its checkpoints to the same folder (a shared filesystem); pass an --out "
+                             f"that every node sees.")
+    assert os.listdir(a / "checkpoints") == []  # the probe is gone
+    assert checkpoint._who([4, 5, 6, 7]) == "ranks 4, 5, 6 and 7 do" and checkpoint._who(list(range(9))) == \
+        "ranks 0, 1, 2 and 6 more do"

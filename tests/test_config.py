@@ -261,3 +261,70 @@ def test_zero_rejects_a_data_parallel_implementation():
     assert msg == ("dp_impl='ddp' does not apply with zero=2 (ZeRO replaces the data-parallel wrapper: it "
                    "reduce-scatters the gradients itself); drop --dp-impl or use zero=0.")
     validate(Config(dp=2, zero=3), 2)
+
+
+# ------------------------------------------------------------------------------------- devices and nodes
+def _gpus(monkeypatch, n):
+    """Pretend torch sees n CUDA GPUs (None: a CPU-only build)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n is not None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n or 0)
+
+
+def launcher_error(**fields):
+    """What `python -m picotron.train ...` says before it starts torchrun (the processes are not there yet)."""
+    with pytest.raises(ConfigError) as e:
+        validate(Config(**fields), any_world_size=True)
+    return one_sentence(str(e.value))
+
+
+def test_more_processes_than_gpus_is_refused_before_torchrun_starts(monkeypatch):
+    """`./run.sh --dp 2` on a one-GPU machine: before, it ran on the CPU without a word."""
+    _gpus(monkeypatch, 1)
+    assert launcher_error(dp=2) == ("2 processes per node need 2 GPUs (one each); this node has 1: pass --device cpu "
+                                    "to run them on CPU with gloo, or run at most 1 process per node.")
+    assert launcher_error(dp=8, device="cuda").startswith("--device cuda with 8 processes per node needs 8 GPUs")
+    validate(Config(dp=2, device="cpu"), any_world_size=True)  # asked for: fine
+    _gpus(monkeypatch, 8)
+    validate(Config(dp=16, nnodes=2, rdzv_endpoint="node0:29500"), any_world_size=True)  # 8 per node, 8 GPUs
+    assert "16 processes per node need 16 GPUs" in launcher_error(dp=16)
+    _gpus(monkeypatch, None)
+    validate(Config(dp=2), any_world_size=True)  # no GPU at all: cpu + gloo, silently (a laptop)
+
+
+def test_under_torchrun_the_node_is_local_world_size(monkeypatch):
+    """Plain `torchrun --nproc_per_node 2 -m picotron.train --dp 2` on a one-GPU machine: every worker validates
+    with LOCAL_WORLD_SIZE before Mesh.init; rank 0 prints the sentence."""
+    _gpus(monkeypatch, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert "2 processes per node need 2 GPUs" in error_of(dp=2, world_size=None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two nodes of one process: one GPU each is enough
+    validate(Config(dp=2))
+
+
+def test_node_rules():
+    assert launcher_error(dp=6, nnodes=4) == (
+        "dp*pp*cp*tp = 6 processes do not split evenly over nnodes=4 (every node runs the same number); pick "
+        "--nnodes in {1, 2, 3, 6} or degrees whose product is a multiple of 4.")
+    assert launcher_error(dp=2, nnodes=2).startswith("nnodes=2 needs a place where the nodes meet; pass --rdzv-endpoint")
+    assert launcher_error(dp=2, nnodes=2, rdzv_endpoint="node0").startswith("rdzv_endpoint='node0' is not HOST:PORT;")
+    assert launcher_error(dp=4, nnodes=2, node_rank=2, rdzv_endpoint="h:1") == (
+        "node_rank=2 is not a node of nnodes=2; pass --node-rank 0 on the --rdzv-endpoint host and 1 on the other.")
+    assert "must be a positive integer" in launcher_error(nnodes=0)
+    validate(Config(dp=4, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500"), any_world_size=True)
+    cfg = parse_args(["--dp", "4", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:29500",
+                      "--rdzv-id", "job7"])
+    assert (cfg.nnodes, cfg.node_rank, cfg.rdzv_endpoint, cfg.rdzv_id) == (2, 1, "h:29500", "job7")
+
+
+def test_tensor_and_context_peers_across_nodes_are_named():
+    note = config.placement_note
+    assert note(Config(tp=16), 8) == ("tp = 16 spans 2 nodes of 8 processes: their per-layer traffic would cross "
+                                      "the network; keep tp <= 8.")
+    assert note(Config(tp=8, cp=2), 8).startswith("tp·cp = 16 spans 2 nodes of 8 processes")
+    assert note(Config(dp=2, tp=4), 6).startswith("tp = 4 does not divide the 6 processes per node, so some tp groups "
+                                                  "straddle two nodes")
+    assert note(Config(dp=2, tp=8), 8) is None and note(Config(dp=16), 8) is None  # dp crosses nodes: fine
+    assert note(Config(tp=2), 2) is None and note(Config(cp=4), 1).startswith("cp = 4 spans 4 nodes of 1 process:")

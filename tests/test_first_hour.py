@@ -4,6 +4,7 @@ Every bad input reads its one sentence (the value, the rule, a fix) and no trace
 stops at that step and keeps the last good checkpoint; Ctrl-C on a real run prints one line and leaves a
 checkpoint that resumes; a second ./run.sh skips set-up and never overwrites an earlier run.
 """
+import json
 import math
 import os
 import shutil
@@ -256,6 +257,81 @@ def test_several_processes_without_torchrun(tmp_path):
     assert [r["step"] for r in read_metrics(str(tmp_path))[0]] == [1, 2]
 
 
+FAKE_GPUS = """import torch  # this test's stand-in for a CUDA machine: torch sees {n} GPU(s), nothing else changes
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: {n}
+"""
+
+
+def test_two_processes_on_one_gpu_is_one_sentence_before_torchrun_starts(tmp_path):
+    """`./run.sh --dp 2` (= python -m picotron.train --dp 2) on a one-GPU machine ran on the CPU without a word;
+    now it names --device cpu before any process starts. (torch.cuda is faked in the child: no GPU here.)"""
+    (tmp_path / "sitecustomize.py").write_text(FAKE_GPUS.format(n=1))
+    code, out, err = picotron("--dp", "2", "--steps", "2", env={"PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=120)
+    assert code == 2 and out == ""  # no torchrun, no worker
+    assert one_line_error(err) == ("picotron: error: 2 processes per node need 2 GPUs (one each); this node has 1: pass "
+                                   "--device cpu to run them on CPU with gloo, or run at most 1 process per node.")
+    code, out, err = picotron("--dp", "2", "--device", "cuda", env={"PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=120)
+    assert code == 2 and "--device cuda with 2 processes per node needs 2 GPUs" in one_line_error(err)
+
+
+def _node(cwd, node_rank, port, *args):
+    """One "machine" of a two-node job on this one: its own folder (not shared), the launcher as a user runs it."""
+    os.makedirs(cwd, exist_ok=True)
+    cmd = [sys.executable, "-m", "picotron.train", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--steps", "3", "--timeout-s", "60", *QUICK, *map(str, args)]
+    if node_rank is not None:
+        cmd += ["--node-rank", str(node_rank)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=ENV,
+                            start_new_session=True)
+
+
+def _finish(*procs, timeout=240):
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+        return [(p.returncode, *o) for p, o in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_two_nodes_resume_only_from_a_folder_both_see(tmp_path):
+    """Two launchers on this machine play two nodes (torchrun's static rendezvous, --node-rank), each in its own
+    folder, --out relative: node 0 has a checkpoint, node 1 does not see it. Rank 0 picks it, rank 1 says it does
+    not see it, and both nodes end with that sentence (no hang); tp = 2 across the nodes is warned about."""
+    from picotron.launch import _free_port
+
+    ckpt = tmp_path / "node0" / "runs" / "x" / "checkpoints" / "step_000002"
+    os.makedirs(ckpt)
+    (ckpt / "config.json").write_text(json.dumps(Config(tp=2, seq_len=32, micro_batch_size=4).to_dict()))
+    (ckpt.parent / "latest").write_text("step_000002")
+    port = _free_port()
+    nodes = [_node(tmp_path / f"node{r}", r, port, "--tp", 2, "--out", "runs/x", "--resume") for r in (0, 1)]
+    (code0, out0, err0), (code1, out1, err1) = _finish(*nodes)
+    sentence = ("picotron: error: rank 1 does not see runs/x/checkpoints/step_000002 that rank 0 resumes from: every "
+                "node must see the same checkpoint folder (a shared filesystem), or copy it there.")
+    assert (code0, code1) == (2, 2), err0 + err1
+    assert err0.strip().splitlines()[-1] == sentence and err1.strip().splitlines()[-1] == sentence, err0 + err1
+    assert ("picotron: warning: tp = 2 spans 2 nodes of 1 process: their per-layer traffic would cross the network; "
+            "keep tp <= 1.") in out0
+    assert "Traceback" not in out0 + err0 + out1 + err1
+
+
+def test_two_nodes_train_together(tmp_path):
+    """The same two "nodes", torchrun's c10d rendezvous (no --node-rank), one shared --out: they train as dp = 2."""
+    from picotron.launch import _free_port
+
+    port, out = _free_port(), tmp_path / "shared"
+    nodes = [_node(tmp_path / f"node{r}", None, port, "--dp", 2, "--out", out, "--save-every", 3) for r in (0, 1)]
+    results = _finish(*nodes)
+    assert [r[0] for r in results] == [0, 0], "\n".join(r[2][-2000:] for r in results)
+    steps, summary = read_metrics(str(out))
+    assert [r["step"] for r in steps] == [1, 2, 3] and summary["world_size"] == 2
+    assert checkpoint.latest(str(out)).endswith("step_000003")
+    assert "warning" not in "".join(r[1] for r in results)  # dp across nodes is what it is for
+
+
 # ------------------------------------------------------------------------------------- inconsistent rules
 def test_ep_without_experts_says_how_to_get_them():
     msg = error_of(dp=2, ep=2)
@@ -366,3 +442,22 @@ def test_run_sh_never_overwrites_an_earlier_run(tmp_path):
     assert "--out runs/main-3" in log.read_text().splitlines()[-1] and not (repo / "runs/main-4").exists()
     _run_sh(repo, env, "--out", "runs/mine")  # an explicit --out is the user's choice
     assert "--out runs/mine" in log.read_text().splitlines()[-1]
+
+
+def test_run_sh_passes_the_node_flags_through_and_several_nodes_name_their_folder(tmp_path):
+    """./run.sh --nnodes 2 ...: each node would pick its own free runs/main-N, so several nodes must pass --out
+    (one folder every node sees); the flags reach picotron.train unchanged, which starts torchrun with them."""
+    repo, log, env = _fake_checkout(tmp_path, has_torch=True)
+    _run_sh(repo, env, "setup")
+    for flag in (["--nnodes", "2"], ["--nnodes=2"]):
+        proc = subprocess.run(["bash", "run.sh", "--dp", "16", *flag, "--rdzv-endpoint", "n0:29500"], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr == (
+            "run.sh: error: several nodes (--nnodes) must write one folder that every node sees; pass --out DIR, the "
+            "same shared path on every node.\n"), proc.stderr
+    shared = tmp_path / "shared"
+    _run_sh(repo, env, "--dp", "16", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "n0:29500", "--out", shared)
+    assert log.read_text().splitlines()[-1].endswith(
+        f"-m picotron.train --steps 600 --eval-every 100 --dp 16 --nnodes 2 --node-rank 1 --rdzv-endpoint n0:29500 "
+        f"--out {shared}")
+    assert "this run writes runs/main/" in _run_sh(repo, env, "--dp", "2", "--nnodes", "1")  # one node: as before

@@ -174,6 +174,21 @@ def test_torchrun_cmd():
     assert torchrun_cmd("picotron.train", 2, module=True)[-2:] == ["-m", "picotron.train"]
 
 
+def test_torchrun_cmd_on_several_nodes():
+    """One node: --standalone (unchanged). Several: the nodes meet at the endpoint: c10d (torchrun numbers the
+    nodes) or, with a node rank, the static rendezvous (node R holds ranks R*n ... R*n+n-1)."""
+    head = [sys.executable, "-m", "torch.distributed.run"]
+    c10d = torchrun_cmd("picotron.train", 8, ["--dp", 16], module=True, nnodes=2, rdzv_endpoint="n0:29500",
+                        max_restarts=2)
+    assert c10d == head + ["--nnodes", "2", "--rdzv-endpoint", "n0:29500", "--rdzv-id", "picotron", "--rdzv-backend",
+                           "c10d", "--max-restarts", "2", "--nproc_per_node", "8", "-m", "picotron.train", "--dp", "16"]
+    static = torchrun_cmd("picotron.train", 8, module=True, nnodes=2, node_rank=1, rdzv_endpoint="n0:29500",
+                          rdzv_id="job")
+    assert static[3:13] == ["--nnodes", "2", "--rdzv-endpoint", "n0:29500", "--rdzv-id", "job", "--rdzv-backend",
+                            "static", "--node-rank", "1"]
+    assert torchrun_cmd("x.py", 2, max_restarts=1)[3:6] == ["--standalone", "--max-restarts", "1"]
+
+
 def test_run_torchrun_ok(tmp_path):
     script = tmp_path / "ok.py"
     script.write_text(SCRIPT_OK)

@@ -69,6 +69,49 @@ def test_pick_device():
         pick_device(1, 0, device="tpu")
 
 
+def _gpus(monkeypatch, n):
+    """Pretend torch sees n CUDA GPUs (n = None: a CPU-only build; any other CUDA call fails the test)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n is not None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n or 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) on a refused layout"))
+
+
+def test_more_processes_per_node_than_gpus_is_one_sentence_never_the_cpu_in_silence(monkeypatch):
+    """DESIGN: cuda + nccl with one GPU per local rank; cpu + gloo when asked or when there is no GPU; never
+    silently one for the other. The node's processes are LOCAL_WORLD_SIZE (torchrun's), else the world."""
+    _gpus(monkeypatch, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(RuntimeError) as e:
+        pick_device(8, 0)
+    assert str(e.value) == ("8 processes per node need 8 GPUs (one each); this node has 1: pass --device cpu to run "
+                            "them on CPU with gloo, or run at most 1 process per node.")
+    with pytest.raises(RuntimeError, match=r"^--device cuda with 8 processes per node needs 8 GPUs .* --device cpu"):
+        pick_device(8, 7, device="cuda")  # (before: rank 7 would have asked for cuda:7 on a one-GPU machine)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("a CUDA call on the CPU path"))
+    assert pick_device(8, 7, device="cpu") == (torch.device("cpu"), "gloo")  # asked for: no CUDA call at all
+    _gpus(monkeypatch, 8)
+    assert pick_device(8, 7) == (torch.device("cuda", 7), "nccl")
+    _gpus(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes of 2 processes: 2 GPUs each is enough
+    assert pick_device(4, 1, device="cuda") == (torch.device("cuda", 1), "nccl")
+    _gpus(monkeypatch, None)  # a CPU-only machine: gloo, without a word
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert pick_device(8, 3) == (torch.device("cpu"), "gloo")
+
+
+def test_mesh_init_refuses_before_any_process_group(monkeypatch):
+    """torchrun --nproc_per_node 2 on a one-GPU machine: Mesh.init says the sentence before init_process_group."""
+    _gpus(monkeypatch, 1)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("a process group was made"))
+    monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: pytest.fail("a rendezvous was started"))
+    for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match="^2 processes per node need 2 GPUs .* pass --device cpu"):
+        Mesh.init(dp=2)
+    assert not dist.is_initialized()
+
+
 def test_single_process_mesh_needs_no_launcher(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)

@@ -154,3 +154,29 @@ def test_model_is_built_on_meta_and_initialised_by_name(mesh):
     b.init_weights(cfg.seed)
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_the_sample_draws_on_the_cpu_whatever_device_the_model_is_on(mesh, tmp_path, monkeypatch):
+    """The end-of-run sample crashed on every GPU: train.py made `torch.Generator(device)` (CUDA) while
+    `model.generate` draws from CPU probabilities ("Expected a 'cpu' device type for generator but found
+    'cuda'"). Here the model's device is 'meta' (this machine has no CUDA; a generator on meta cannot even be made,
+    as the old code would have tried): the prompt goes to the model's device, the generator is a CPU one.
+    What this does not prove: a real CUDA forward (run the main job on a GPU for that)."""
+    from picotron import train as train_mod
+    from picotron.model import generate
+
+    seen = {}
+
+    def spy(model, prompt, n, generator=None, **kw):
+        seen.update(prompt=prompt.device, generator=generator.device, state=generator.get_state())
+        return torch.zeros(1, n + 1, dtype=torch.long)
+    monkeypatch.setattr(train_mod, "generate", spy)
+    cfg = Config(sample_tokens=5, seed=3)
+    train_mod.sample_text(None, data.get_tokenizer("byte"), cfg, torch.device("meta"))
+    assert seen["prompt"].type == "meta" and seen["generator"].type == "cpu"
+    assert torch.equal(seen["state"], torch.Generator().manual_seed(3).get_state())  # seeded: the same on every rank
+    monkeypatch.setattr(train_mod, "generate", generate)
+    cfg = Config(sample_tokens=12, seed=3, **{k: v for k, v in FAST.items() if k != "sample_tokens"})
+    summary, run = train(Config(**{**cfg.to_dict(), "steps": 1, "out": str(tmp_path)}), mesh, return_model=True)
+    texts = [train_mod.sample_text(run.sampler, data.get_tokenizer("byte"), cfg, mesh.device) for _ in range(2)]
+    assert texts[0] == texts[1] and len(texts[0]) > 0  # the real draw, deterministic
