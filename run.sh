@@ -5,6 +5,7 @@
 #   ./run.sh test [pytest flags]   the test suite (multi-rank tests run real gloo processes)
 #   ./run.sh lessons         Jupyter on lessons/
 #   ./run.sh figures         regenerate figures/ from real runs
+#   ./run.sh gpu-check       the one-GPU check: every recipe and kernel for a few steps, one table (benchmarks/gpu_check.py)
 #   ./run.sh setup           only install what is missing
 #   ./run.sh python ...      the project's Python (e.g. ./run.sh python -m picotron.train --help)
 #
@@ -96,7 +97,8 @@ case "$cmd" in
   lessons) setup; exec "$PY" -m jupyter notebook --notebook-dir lessons ;;
   figures) shift; setup; exec "$PY" figures/make.py "$@" ;;
   python)  shift; setup; exec "$PY" "$@" ;;
+  gpu-check) shift; setup; exec "$PY" benchmarks/gpu_check.py "$@" ;;
   train)   [ $# -gt 0 ] && shift; train "$@" ;;
   -*)      train "$@" ;;
-  *)       echo "usage: ./run.sh [train|test|lessons|figures|setup|python] [args]" >&2; exit 2 ;;
+  *)       echo "usage: ./run.sh [train|test|lessons|figures|gpu-check|setup|python] [args]" >&2; exit 2 ;;
 esac

@@ -12,6 +12,16 @@
     interactive(draw, controls)     a figure drawn once, then redrawn from ipywidgets controls in a live kernel
     parity(got, ref)                the parity standard applied to two loss curves (window, drift beyond it)
     parity_checks(label, got, ref)  the ✓/✗ lines a lesson prints for them
+
+Where the lessons run, one setting read here and nowhere else (see "Lessons on a GPU pod" in the README):
+    PICOTRON_DEVICE   auto (default) | cpu | cuda. auto: cuda when torch sees a GPU, else cpu. launch() hands the
+                      choice to every process it starts: cuda + nccl with one GPU per process, or cpu + gloo.
+    PICOTRON_NPROC    the processes of a lesson's main run where the lesson lets you choose (LESSONS[..]["choose"]:
+                      lesson 09's layout, 16 or 8); unset, each lesson runs its own counts (LESSONS), everywhere.
+    device(), gpu_count(), on_gpu()    the choice; gpu_count() calls no torch.cuda function but is_available() on a CPU
+    nproc(lesson, default)             PICOTRON_NPROC, or the lesson's default
+    sized(lesson, settings, fast)      a lesson's CPU settings with its GPU_SETTINGS row on top when on GPUs
+    fits(lesson, nproc) / experiment_device(lesson)   refuse, in one sentence, more processes than GPUs
 """
 import argparse
 import functools
@@ -31,6 +41,141 @@ FAST = os.environ.get("PICOTRON_FAST", "0") == "1"
 # core its partner needs, and a 2-thread run became 2-10x slower on a busy 2-core machine; an idle machine loses little.
 # Every experiment imports this module before torch, and launch()'s processes inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+# ------------------------------------------------------------------------ where the lessons run: one setting
+DEVICES = ("auto", "cpu", "cuda")
+
+# What each lesson launches (its notebook's torchrun process counts, the same on CPU and GPUs: they are part of the
+# lesson) and, where the count is the learner's choice, what PICOTRON_NPROC picks (README: "Lessons on a GPU pod").
+LESSONS = {
+    "01_single_device": dict(nproc=(1,)),
+    "02_collectives": dict(nproc=(2, 3, 4)),
+    "03_data_parallel": dict(nproc=(1, 2, 4)),
+    "04_zero": dict(nproc=(1, 2, 4)),
+    "05_tensor_parallel": dict(nproc=(1, 2, 4)),
+    "06_context_parallel": dict(nproc=(2, 4)),
+    "07_pipeline_parallel": dict(nproc=(2,)),
+    "08_expert_parallel": dict(nproc=(2, 4)),
+    "09_all_together": dict(nproc=(8, 16), choose={16: "dp2-pp2-cp2-tp2", 8: "dp1-pp2-cp2-tp2"}),
+    "10_checkpoints_and_faults": dict(nproc=(2,)),
+    "11_precision_and_kernels": dict(nproc=(2,)),
+}
+
+# On GPUs a lesson's settings change by its row here and by nothing else; every check is the CPU lesson's. The timed
+# experiments grow (a CPU-sized step is all launch latency on a GPU); the experiments that count bytes or compare
+# losses keep their CPU sizes (what they check does not depend on size). A row's "fast" entries apply in FAST mode.
+GPU_SETTINGS = {
+    "01_single_device": dict(  # throughput in bf16 at s = 1024, and the SmolLM models on top of the lessons' three
+        throughput_sizes=("tiny", "small", "medium", "smollm-135m", "smollm-360m"), throughput_seq_len=1024,
+        throughput_micro_batch_size=16, throughput_steps=20, throughput_dtype="bf16",
+        fast=dict(throughput_sizes=("tiny", "small"))),
+    "02_collectives": dict(  # message sizes up to 256 MiB (nccl-tests' range), where NVLink reaches its bandwidth
+        sizes=[2**10 * 2**k for k in range(19)], ring_sizes=[2**10 * 2**k for k in range(19)],
+        fast=dict(sizes=[2**10 * 4**k for k in range(10)], ring_sizes=[2**10 * 4**k for k in range(10)])),
+    "03_data_parallel": dict(  # the timed runs and the scaling runs: the medium model, 8 x 512 tokens per rank
+        size="medium", seq_len=512, micro_batch_size=8, steps=50, warmup=3,
+        scaling_size="medium", scaling_seq_len=512, scaling_micro_batch_size=8, fast=dict(steps=20)),
+    "04_zero": dict(size="medium", tl_seq_len=512, tl_micro_batch_size=8),
+    "05_tensor_parallel": dict(size="medium", seq_len=1024, micro_batch_size=8, steps=40, warmup=3, dtensor_steps=100,
+                               parity_seq_len=128, fast=dict(steps=10, dtensor_steps=20)),
+    "06_context_parallel": dict(balance_seq=4096, train_seq=4096, fast=dict(train_seq=1024)),
+    "07_pipeline_parallel": dict(size="medium", seq_len=512, micro_batch_size=4, max_steps=16, warmup=2,
+                                 parity_steps=10, parity_seq_len=64, fast=dict(max_steps=10)),
+    "08_expert_parallel": dict(seq_len=256),
+    "09_all_together": dict(seq_len=512),
+    "10_checkpoints_and_faults": dict(),  # what saving costs is bytes and the file system's time: the same sizes
+    "11_precision_and_kernels": dict(),  # the notebook's own measurements run in its kernel, on the CPU
+}
+
+
+class DoesNotFit(RuntimeError):
+    """A lesson asked for more processes than this machine has GPUs (the message is one sentence saying what to do)."""
+
+
+def device_setting():
+    """PICOTRON_DEVICE: "auto" (the default), "cpu" or "cuda"; anything else is refused in one sentence."""
+    value = os.environ.get("PICOTRON_DEVICE", "").strip().lower() or "auto"
+    if value not in DEVICES:
+        raise ValueError(f"PICOTRON_DEVICE={os.environ['PICOTRON_DEVICE']!r} is not one of {', '.join(DEVICES)}; "
+                         f"unset it (auto: cuda when torch sees a GPU) or pick one of them.")
+    return value
+
+
+def gpu_count():
+    """The GPUs torch sees; 0 when PICOTRON_DEVICE=cpu or without CUDA (then no torch.cuda function but
+    is_available() is called)."""
+    if device_setting() == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device():
+    """"cuda" or "cpu": where the lessons' processes run (PICOTRON_DEVICE, auto: cuda when torch sees a GPU)."""
+    setting, n = device_setting(), gpu_count()
+    if setting == "cuda" and n == 0:
+        raise RuntimeError("PICOTRON_DEVICE=cuda but torch sees no CUDA GPU; unset it or set PICOTRON_DEVICE=cpu.")
+    return "cuda" if n else "cpu"
+
+
+def on_gpu():
+    return device() == "cuda"
+
+
+def nproc(lesson, default):
+    """PICOTRON_NPROC if set (one of the counts `lesson` lets you choose, LESSONS[lesson]["choose"]), else `default`.
+    Only the lessons with a choice read it; the others' counts are part of the lesson."""
+    value = os.environ.get("PICOTRON_NPROC", "").strip()
+    if not value:
+        return default
+    choose = LESSONS[lesson]["choose"]
+    if not value.isdigit() or int(value) not in choose:
+        counts = " or ".join(f"{n} ({name})" for n, name in sorted(choose.items()))
+        raise ValueError(f"PICOTRON_NPROC={value}: lesson {lesson[:2]} runs {counts} processes; pick one, or unset "
+                         f"it for {default}.")
+    return int(value)
+
+
+def sized(lesson, settings, fast=False, device_type=None):
+    """`settings` (a lesson's CPU settings, FAST or full) with the lesson's GPU_SETTINGS row on top when it runs on
+    GPUs (`device_type`: the mesh's, else device())."""
+    if (device_type or device()) != "cuda":
+        return settings
+    row = dict(GPU_SETTINGS[lesson])
+    faster = row.pop("fast", {})
+    return {**settings, **row, **(faster if fast else {})}
+
+
+def does_not_fit(lesson, processes, gpus):
+    """The one sentence for `processes` processes of `lesson` on a machine with `gpus` GPUs."""
+    choose = {n: name for n, name in LESSONS.get(lesson, {}).get("choose", {}).items() if n <= gpus}
+    smaller = "".join(f", PICOTRON_NPROC={n} for its {n}-process layout ({name})" for n, name in sorted(choose.items()))
+    if processes > 8 and gpus and processes % gpus == 0:  # more than a node holds: torchrun on several nodes
+        elsewhere = f"run its experiment on {processes // gpus} nodes (README: Lessons on a GPU pod)"
+    else:
+        elsewhere = f"run it on a machine with at least {processes} GPUs"
+    return (f"lesson {lesson[:2]} runs {processes} processes; this machine has {gpus} GPU{'s' if gpus != 1 else ''}: "
+            f"set PICOTRON_DEVICE=cpu to run it on CPU{smaller}, or {elsewhere}.")
+
+
+def fits(lesson, processes):
+    """Raise DoesNotFit (one sentence) if `lesson` would start more processes than there are GPUs, on GPUs."""
+    if device() == "cuda" and processes > gpu_count():
+        raise DoesNotFit(does_not_fit(lesson, processes, gpu_count()))
+
+
+def experiment_device(lesson):
+    """The device an experiment's processes use: what launch() chose (PICOTRON_DEVICE; started by hand with torchrun:
+    the same setting). More processes on this node than GPUs: the one sentence, on the node's first process, and exit."""
+    dev = device()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if dev == "cuda" and local > gpu_count():
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(does_not_fit(lesson, local, gpu_count()), file=sys.stderr, flush=True)
+        sys.exit(2)
+    return dev
 
 
 SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4),  # 3.3 M parameters
@@ -105,16 +250,19 @@ def load_lesson(name):
 
 def launch(script, args=(), nproc=1, timeout_s=3600, quiet=False):
     """`torchrun --nproc_per_node nproc lessons/<script> args` (script: e.g. "03_data_parallel/experiment.py"), with the CPU's cores shared between the
-    processes (OMP_NUM_THREADS = cores // nproc: more threads than cores makes CPU runs 10x slower).
+    processes (OMP_NUM_THREADS = cores // nproc: more threads than cores makes CPU runs 10x slower), on device()
+    (PICOTRON_DEVICE): on GPUs one per process, and more processes than GPUs is refused in one sentence (DoesNotFit).
     Prints the script's output (unless quiet) and returns it; raises with its tail if it fails or hangs."""
     from picotron.launch import run_torchrun
 
+    dev = device()  # PICOTRON_DEVICE, resolved here once: every process of the run gets the same answer
+    fits(Path(script).parts[0], nproc)
     threads = max(1, (os.cpu_count() or 1) // nproc)
     # paths inside the repository go relative to it (the cwd of the run), so printed paths stay short and free of
     # home directories in a notebook's outputs
     args = [str(a.relative_to(ROOT)) if isinstance(a, Path) and ROOT in a.parents else str(a) for a in args]
     result = run_torchrun(ROOT / "lessons" / script, nproc, args, timeout_s=timeout_s,
-                          env={"OMP_NUM_THREADS": str(threads)}, cwd=ROOT)
+                          env={"OMP_NUM_THREADS": str(threads), "PICOTRON_DEVICE": dev}, cwd=ROOT)
     if not quiet:
         print(result.stdout.rstrip())
     return result.stdout

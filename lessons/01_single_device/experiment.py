@@ -339,9 +339,28 @@ def self_time_by_phase(events, device, top=6):
 
 
 # --------------------------------------------------------------------------------- experiments
+def settings(fast, device_type=None):
+    """Each experiment's sizes (FAST or full); on GPUs, _common.GPU_SETTINGS["01_single_device"] on top (the
+    throughput runs in bf16 at s = 1024, with the SmolLM models too; what counts bytes keeps its CPU sizes)."""
+    st = dict(memory_sizes=("tiny", "small") if fast else ("tiny", "small", "medium"),
+              memory_seqs=(64, 128, 256) if fast else (128, 256, 512), memory_micro_batch_size=2 if fast else 8,
+              allocator_seq_len=256 if fast else 512, allocator_micro_batch_size=4 if fast else 8,
+              recompute_seq_len=256 if fast else 512, recompute_micro_batch_size=2 if fast else 8,
+              recompute_steps=4 if fast else 6,
+              accumulate_global_batch=8 if fast else 32, accumulate_seq_len=128 if fast else 256,
+              accumulate_ks=(1, 2, 4, 8) if fast else (1, 2, 4, 8, 16),
+              precision_steps=20 if fast else 100, precision_seq_len=64 if fast else 128,
+              precision_micro_batch_size=4 if fast else 8,
+              throughput_sizes=("tiny", "small") if fast else ("tiny", "small", "medium"),
+              throughput_seq_len=128 if fast else 256, throughput_micro_batch_size=8, throughput_steps=4 if fast else 10,
+              throughput_dtype="fp32",  # CPUs without bf16 units emulate it (see the precision experiment)
+              trace_seq_len=256 if fast else 512, trace_micro_batch_size=4 if fast else 8)
+    return _common.sized("01_single_device", st, fast, device_type)
+
+
 def exp_memory(mesh, fast, out):
-    sizes = ["tiny", "small"] if fast else ["tiny", "small", "medium"]
-    seqs, b = ([64, 128, 256], 2) if fast else ([128, 256, 512], 8)
+    st = settings(fast, mesh.device.type)
+    sizes, seqs, b = st["memory_sizes"], st["memory_seqs"], st["memory_micro_batch_size"]
     rows = []
     for size, seq, dtype in [(s, L, "fp32") for s in sizes for L in seqs] + [("tiny", L, "bf16") for L in seqs]:
         cfg = make_cfg(size, seq_len=seq, micro_batch_size=b, dtype=dtype)
@@ -353,7 +372,8 @@ def exp_memory(mesh, fast, out):
 
 
 def exp_allocator(mesh, fast, out):
-    seq, b = (256, 4) if fast else (512, 8)
+    st = settings(fast, mesh.device.type)
+    seq, b = st["allocator_seq_len"], st["allocator_micro_batch_size"]
     rows = []
     for j, (recompute, mb, k) in enumerate([("none", b, 1), ("full", b, 1), ("none", b // 2, 2)]):
         cfg = make_cfg("small", seq_len=seq, micro_batch_size=mb, grad_acc=k, recompute=recompute)
@@ -373,7 +393,8 @@ def exp_allocator(mesh, fast, out):
 
 
 def exp_recompute(mesh, fast, out):
-    seq, b, steps = (256, 2, 4) if fast else (512, 8, 6)
+    st = settings(fast, mesh.device.type)
+    seq, b, steps = st["recompute_seq_len"], st["recompute_micro_batch_size"], st["recompute_steps"]
     rows = []
     for impl in ("sdpa", "eager"):
         ref = None
@@ -390,7 +411,8 @@ def exp_recompute(mesh, fast, out):
 
 
 def exp_accumulate(mesh, fast, out):
-    global_batch, seq, ks = (8, 128, [1, 2, 4, 8]) if fast else (32, 256, [1, 2, 4, 8, 16])
+    st = settings(fast, mesh.device.type)
+    global_batch, seq, ks = st["accumulate_global_batch"], st["accumulate_seq_len"], st["accumulate_ks"]
     rows, ref = [], None
     for k in ks:
         cfg = make_cfg("tiny", seq_len=seq, micro_batch_size=global_batch // k, grad_acc=k)
@@ -406,7 +428,8 @@ def exp_accumulate(mesh, fast, out):
 
 
 def exp_precision(mesh, fast, out):
-    steps, seq, b = (20, 64, 4) if fast else (100, 128, 8)
+    st = settings(fast, mesh.device.type)
+    steps, seq, b = st["precision_steps"], st["precision_seq_len"], st["precision_micro_batch_size"]
     runs = {}
     for dtype in ("fp32", "bf16"):
         cfg = make_cfg("tiny", steps=steps, seq_len=seq, micro_batch_size=b, dtype=dtype, warmup_steps=max(1, steps // 10),
@@ -421,12 +444,11 @@ def exp_precision(mesh, fast, out):
 
 
 def exp_throughput(mesh, fast, out):
-    on_gpu = mesh.device.type == "cuda"
-    sizes = ["tiny", "small", "medium"] + (list(GPU_SIZES) if on_gpu else [])
-    seq, b, steps = (1024, 16, 20) if on_gpu else ((128, 8, 4) if fast else (256, 8, 10))
-    dtype = "bf16" if on_gpu else "fp32"  # CPUs without bf16 units emulate it (see the precision experiment)
+    st = settings(fast, mesh.device.type)
+    seq, b, steps = st["throughput_seq_len"], st["throughput_micro_batch_size"], st["throughput_steps"]
+    dtype = st["throughput_dtype"]
     rows = []
-    for size in (sizes[:2] if fast else sizes):
+    for size in st["throughput_sizes"]:
         cfg = make_cfg(size, steps=steps, seq_len=seq, micro_batch_size=b, dtype=dtype, eval_every=0, log_every=steps,
                        warmup_steps=1, out=str(Path(out) / f"throughput_{size}"))
         summary = trainer.train(cfg, mesh)
@@ -436,7 +458,8 @@ def exp_throughput(mesh, fast, out):
 
 
 def exp_trace(mesh, fast, out):
-    seq, b = (256, 4) if fast else (512, 8)
+    st = settings(fast, mesh.device.type)
+    seq, b = st["trace_seq_len"], st["trace_micro_batch_size"]
     cfg, device = make_cfg("small", seq_len=seq, micro_batch_size=b), mesh.device
     run, micro = parallelize(cfg, Mesh.local(device)), batches(cfg)
     run.schedule.timeline = ProfilerPhases()
@@ -675,7 +698,7 @@ EXPERIMENTS = ("memory", "allocator", "recompute", "accumulate", "precision", "t
 
 def main(argv=None):
     args, names, out = _common.cli("01_single_device", EXPERIMENTS, __doc__, argv=argv)
-    mesh = Mesh.init()
+    mesh = Mesh.init(device=_common.experiment_device("01_single_device"))
     try:
         env = dict(device=str(mesh.device), torch=torch.__version__, threads=torch.get_num_threads(), fast=args.fast)
         for name in names:

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from picotron import collectives as C  # noqa: E402
+from picotron import metrics  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames *_into_tensor; we time both names
@@ -37,6 +38,7 @@ COLLECTIVES = ("broadcast", "reduce", "all_reduce", "naive_all_reduce", "gather"
                "all_gather_into_tensor", "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all")
 INPLACE = ("broadcast", "reduce", "all_reduce", "naive_all_reduce")
 RATIO_AT, VOLUME_BYTES = 16 * MiB, 768 * KiB  # 768 KiB: n = 2, 3, 4, 6, 8 divide it; one piece per chunk
+DEVICE = torch.device("cpu")  # where the tensors live: main() sets the mesh's device
 SETTINGS = {  # sizes are nccl-tests "bytes": the whole buffer of all_reduce, the whole output of all_gather, ...
     "fast": dict(sizes=[KiB * 4**k for k in range(8)], ring_sizes=[KiB * 4**k for k in range(9)], warmup=1,
                  min_repeats=5, max_repeats=15, budget_s=0.25),
@@ -129,6 +131,7 @@ def measure(fns, s):
         dist.barrier()
         t0 = time.perf_counter()
         fn()
+        metrics.sync(DEVICE)  # on a GPU: until the kernels ran, not only until they were queued
         return time.perf_counter() - t0
     for _ in range(s["warmup"]):
         for f in fns:
@@ -250,7 +253,7 @@ def exp_correctness(mesh, fast, out):
     for where, group, members in (("world", None, list(range(n))), (f"ranks {sub}", dist.new_group(sub), sub)):
         for i, (name, dtype, op) in enumerate(cases):
             def make(i=i, dtype=dtype):  # the same seeded values for ours and the built-in
-                g = torch.Generator().manual_seed(1000 * i + rank)
+                g = torch.Generator(DEVICE).manual_seed(1000 * i + rank)
                 return lambda k, _: (torch.randint(-1000, 1000, (k,), generator=g) if dtype == torch.int64
                                      else torch.randn(k, generator=g))
             _, ours, builtin = ours_and_builtin(name, rank, members, members[-1], 1001, 333, make,
@@ -355,7 +358,7 @@ def exp_ring(mesh, fast, out, timing=True):
     lengths = [n, 1001, 4097]  # 1001 and 4097: no n in 2..6 divides them
     equal = []
     for length in lengths:
-        x = torch.randint(-1000, 1000, (length,), generator=torch.Generator().manual_seed(length + rank))
+        x = torch.randint(-1000, 1000, (length,), generator=torch.Generator(DEVICE).manual_seed(length + rank))
         ours, ref = x.clone(), x.clone()
         simple_ring_all_reduce(ours)
         dist.all_reduce(ref)
@@ -369,7 +372,7 @@ def exp_ring(mesh, fast, out, timing=True):
                   piece_bytes=C.PIECE_BYTES, sizes=[], time={k: [] for k in RING_VARIANTS}, add=[])
     if rank == 0:
         print(f"simple ring on {n} ranks == built-in (int64, lengths {lengths}): {equal}", flush=True)
-    s = SETTINGS["fast" if fast else "full"]
+    s = _common.sized("02_collectives", SETTINGS["fast" if fast else "full"], fast)
     for nbytes in s["ring_sizes"] if timing else []:
         t = zeros(nbytes // 4)
         incoming, a, b = (zeros(-(-t.numel() // n)) for _ in range(3))  # incoming: kept between calls, as picotron's
@@ -387,7 +390,7 @@ RING_VARIANTS = ("simple", "one piece", "pieces", "built-in")
 
 def exp_bandwidth(mesh, fast, out):
     n, rank = mesh.world_size, mesh.rank
-    s = SETTINGS["fast" if fast else "full"]
+    s = _common.sized("02_collectives", SETTINGS["fast" if fast else "full"], fast)
     results = {}
     for name in COLLECTIVES:
         rows = dict(bytes=[], repeats=[], ours=[], builtin=[])
@@ -660,7 +663,11 @@ EXPERIMENTS = ("correctness", "trace", "ring", "bandwidth")
 def main(argv=None):
     args, names, out = _common.cli("02_collectives", EXPERIMENTS, __doc__, argv=argv, extra=[
         (["--no-timing"], dict(action="store_true", help="ring: check results and bytes only"))])
-    mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
+    global DEVICE
+    mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")), device=_common.experiment_device("02_collectives"))
+    DEVICE = mesh.device
+    if DEVICE.type == "cuda":  # every tensor the experiments make lives where the collectives run (nccl)
+        torch.set_default_device(DEVICE)
     try:
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=mesh.world_size, torch=torch.__version__,
                    fast=args.fast, cpus=os.cpu_count())

@@ -44,11 +44,19 @@ OUT = _common.ROOT / "runs" / "lessons" / "03_data_parallel"
 COLORS = {"forward": "#4c72b0", "backward": "#55a868", "wait": "#c44e52", "optimizer": "#8172b2"}  # the phases
 
 
-def settings(fast, mesh):
+def all_settings(fast, mesh=None):
+    """The timed experiments' settings and the scaling runs' (scaling_*); on GPUs with
+    _common.GPU_SETTINGS["03_data_parallel"] on top (the mesh's device decides, else _common.device())."""
+    st = dict(size="small", seq_len=64, micro_batch_size=2, steps=10 if fast else 40, warmup=2,
+              scaling_size="small", scaling_seq_len=64 if fast else 128, scaling_micro_batch_size=2 if fast else 8)
+    return _common.sized("03_data_parallel", st, fast, mesh.device.type if mesh else None)
+
+
+def settings(fast, mesh=None):
     """Model, per-rank batch, timed steps per variant and warm-up steps of the timed experiments."""
-    if mesh.device.type == "cuda":
-        return dict(size="medium", seq_len=512, micro_batch_size=8, steps=20 if fast else 50, warmup=3)
-    return dict(size="small", seq_len=64, micro_batch_size=2, steps=ARGS.steps or (10 if fast else 40), warmup=2)
+    st = all_settings(fast, mesh)
+    return dict(size=st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"],
+                steps=ARGS.steps or st["steps"], warmup=st["warmup"])
 
 
 def grad_tensor_bytes(mc, nbytes=4):
@@ -301,7 +309,8 @@ def exp_scaling(mesh, fast):
     """picotron.train with dp = world size, the same micro-batch per rank (weak scaling); with one process also the
     references with grad_acc = 2 and 4 (the same global batch as dp = 2 and 4) for the parity check."""
     steps = 10 if fast else 30  # the parity standard compares 10 steps; the full run shows the drift after
-    st = dict(size="small", seq_len=64 if fast else 128, micro_batch_size=2 if fast else 8)
+    sized = all_settings(fast, mesh)
+    st = dict(size=sized["scaling_size"], seq_len=sized["scaling_seq_len"], micro_batch_size=sized["scaling_micro_batch_size"])
     common = dict(steps=steps, seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], warmup_steps=2,
                   log_every=steps, lr=3e-3)
     n = mesh.world_size
@@ -565,7 +574,7 @@ def main(argv=None):
         (["--steps"], dict(type=int, help="timed steps (rounds) per variant of the timed experiments")),
         (["--link"], dict(help="BANDWIDTH,LATENCY (bytes/s, s) of the emulated link (default: chosen from backward)"))])
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    mesh = Mesh.init(dp=world)
+    mesh = Mesh.init(dp=world, device=_common.experiment_device("03_data_parallel"))
     try:
         st = settings(ARGS.fast, mesh)
         mc = make_cfg(st["size"]).model_config()

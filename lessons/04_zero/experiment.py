@@ -39,11 +39,13 @@ LINK_RATIO = 0.8  # the emulated link: a layer's all-gather takes this fraction 
 LINK_LATENCY = 1e-4
 
 
-def settings(fast, mesh):
-    """Model, tokens per rank (the timeline's `tl_*`: enough compute per layer to hide a transfer behind), steps."""
-    return dict(size="small" if mesh.device.type == "cpu" else "medium", seq_len=64, micro_batch_size=2,
-                tl_seq_len=128, tl_micro_batch_size=8, steps=3 if fast else 20, tl_steps=5 if fast else 12,
-                warmup=1 if fast else 2, fsdp_steps=8 if fast else 60, parity_steps=10 if fast else 20)
+def settings(fast, mesh=None):
+    """Model, tokens per rank (the timeline's `tl_*`: enough compute per layer to hide a transfer behind), steps; on
+    GPUs _common.GPU_SETTINGS["04_zero"] on top (the mesh's device decides, else _common.device())."""
+    st = dict(size="small", seq_len=64, micro_batch_size=2,
+              tl_seq_len=128, tl_micro_batch_size=8, steps=3 if fast else 20, tl_steps=5 if fast else 12,
+              warmup=1 if fast else 2, fsdp_steps=8 if fast else 60, parity_steps=10 if fast else 20)
+    return _common.sized("04_zero", st, fast, mesh.device.type if mesh else None)
 
 
 class Variant:
@@ -443,7 +445,7 @@ def plot_memory_model(n_params, n, stage, recipe="ours", capacity_gb=80.0, title
 def main(argv=None):
     args, names, out = _common.cli("04_zero", EXPERIMENTS, __doc__, argv=argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    with Mesh.init(dp=world) as mesh:
+    with Mesh.init(dp=world, device=_common.experiment_device("04_zero")) as mesh:
         st = settings(args.fast, mesh)
         for name in names:
             if (world == 1) != (name in ONE_PROCESS) and name not in ANY_WORLD:

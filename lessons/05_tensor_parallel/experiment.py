@@ -49,13 +49,12 @@ RANK_COLORS = ["#8dd3c7", "#fdb462", "#bebada", "#fb8072", "#80b1d3", "#b3de69",
 FONT = 8  # the smallest text on any figure
 
 
-def settings(fast, device_type="cpu"):
-    """Model and batch of the experiments (every tp rank sees the whole batch), and the steps per variant."""
-    if device_type == "cuda":
-        return dict(size="medium", seq_len=1024, micro_batch_size=8, steps=10 if fast else 40, warmup=3,
-                    dtensor_steps=20 if fast else 100, parity_steps=10 if fast else 20, parity_seq_len=128)
-    return dict(size="small", seq_len=128, micro_batch_size=4, steps=3 if fast else 30, warmup=1 if fast else 3,
-                dtensor_steps=4 if fast else 60, parity_steps=10 if fast else 20, parity_seq_len=64)
+def settings(fast, device_type=None):
+    """Model and batch of the experiments (every tp rank sees the whole batch), and the steps per variant; on GPUs
+    _common.GPU_SETTINGS["05_tensor_parallel"] on top (device_type: the mesh's, else _common.device())."""
+    st = dict(size="small", seq_len=128, micro_batch_size=4, steps=3 if fast else 30, warmup=1 if fast else 3,
+              dtensor_steps=4 if fast else 60, parity_steps=10 if fast else 20, parity_seq_len=64)
+    return _common.sized("05_tensor_parallel", st, fast, device_type)
 
 
 # ------------------------------------------------------------------- shard shapes, without processes
@@ -803,7 +802,7 @@ def main(argv=None):
     if args.dp > 1 and names != ["grid"]:
         sys.exit(f"--dp {args.dp} with --only {args.only}: only the grid experiment has a dp axis; run --only grid")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    mesh = Mesh.init(dp=args.dp, tp=world // args.dp)
+    mesh = Mesh.init(dp=args.dp, tp=world // args.dp, device=_common.experiment_device("05_tensor_parallel"))
     try:
         st = settings(args.fast, mesh.device.type)
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, dp=args.dp, tp=mesh.tp.size,

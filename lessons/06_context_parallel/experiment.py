@@ -43,15 +43,16 @@ RANK_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860",
 VARIANTS = (("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"))
 
 
-def settings(fast):
+def settings(fast, device_type=None):
     """The experiments' model (the lessons' 'small' one: h = 256, 8 heads over 4 KV heads of d = 32, 4 layers) and
     sequence lengths. Attention grows with s, the rest of a layer does not: the balance and throughput runs use
-    sequences long enough for attention to be most of the work."""
-    return dict(size="small", b=1,
-                mem_seqs=(128, 256, 512) if fast else (256, 512, 1024, 2048), budget_mib=16 if fast else 64,
-                balance_seq=2048, balance_repeats=9 if fast else 11,
-                train_seq=256 if fast else 1024, train_b=2, train_steps=2 if fast else 6, train_warmup=1,
-                parity_steps=10 if fast else 20, parity_seq_len=64, parity_layers=4, parity_grad_acc=2)
+    sequences long enough for attention to be most of the work (on GPUs longer: _common.GPU_SETTINGS)."""
+    st = dict(size="small", b=1,
+              mem_seqs=(128, 256, 512) if fast else (256, 512, 1024, 2048), budget_mib=16 if fast else 64,
+              balance_seq=2048, balance_repeats=9 if fast else 11,
+              train_seq=256 if fast else 1024, train_b=2, train_steps=2 if fast else 6, train_warmup=1,
+              parity_steps=10 if fast else 20, parity_seq_len=64, parity_layers=4, parity_grad_acc=2)
+    return _common.sized("06_context_parallel", st, fast, device_type)
 
 
 def model_config(st, **kw):
@@ -680,9 +681,9 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         sys.exit("run it on 2 or more processes: torchrun --nproc_per_node 2 lessons/06_context_parallel/experiment.py")
-    mesh = Mesh.init(cp=world)
+    mesh = Mesh.init(cp=world, device=_common.experiment_device("06_context_parallel"))
     try:
-        st = settings(args.fast)
+        st = settings(args.fast, mesh.device.type)
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, cp=world, torch=torch.__version__,
                    threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
         for name in names:

@@ -40,16 +40,14 @@ KIND_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 FONT = 8
 
 
-def settings(fast, device_type="cpu"):
+def settings(fast, device_type=None):
     """The experiments' model (the lessons' 'small' one with 8 layers: 4 per stage at pp=2, 2 per chunk interleaved;
-    its LM head over 256 byte tokens costs 8% of a layer, so the stages cost nearly the same) and batches."""
-    if device_type == "cuda":
-        return dict(size="medium", layers=8, seq_len=512, micro_batch_size=4, ms=(2, 4, 8) if fast else (2, 4, 8, 16),
-                    steps=3 if fast else 6, max_steps=10 if fast else 16, quiet=0.12, warmup=2, parity_steps=10, parity_seq_len=64, parity_layers=4,
-                    parity_grad_acc=4)
-    return dict(size="small", layers=8, seq_len=128, micro_batch_size=2, ms=(2, 4, 8) if fast else (2, 4, 8, 16),
-                steps=3 if fast else 6, max_steps=10 if fast else 20, quiet=0.12, warmup=1, parity_steps=10 if fast else 20, parity_seq_len=32, parity_layers=4,
-                parity_grad_acc=4)
+    its LM head over 256 byte tokens costs 8% of a layer, so the stages cost nearly the same) and batches; on GPUs
+    _common.GPU_SETTINGS["07_pipeline_parallel"] on top (device_type: the mesh's, else _common.device())."""
+    st = dict(size="small", layers=8, seq_len=128, micro_batch_size=2, ms=(2, 4, 8) if fast else (2, 4, 8, 16),
+              steps=3 if fast else 6, max_steps=10 if fast else 20, quiet=0.12, warmup=1, parity_steps=10 if fast else 20, parity_seq_len=32, parity_layers=4,
+              parity_grad_acc=4)
+    return _common.sized("07_pipeline_parallel", st, fast, device_type)
 
 
 def cfg_for(st, name, m, p, **kw):
@@ -669,7 +667,7 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         sys.exit("run it on 2 or more processes: torchrun --nproc_per_node 2 lessons/07_pipeline_parallel/experiment.py")
-    mesh = Mesh.init(pp=world)
+    mesh = Mesh.init(pp=world, device=_common.experiment_device("07_pipeline_parallel"))
     try:
         st = settings(args.fast, mesh.device.type)
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, pp=world, torch=torch.__version__,

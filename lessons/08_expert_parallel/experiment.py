@@ -44,13 +44,15 @@ KIND_COLORS = {"dispatch": "#4c72b0", "combine": "#dd8452", "dispatch-backward":
 EXPERT_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3", "#8c8c8c"]
 
 
-def settings(fast):
-    """tiny-moe (h = 128, 4 experts of i = 192, top-2, 4 layers), 8 sequences of 64 tokens per rank and step."""
-    return dict(preset="tiny-moe", seq_len=64, micro_batch_size=8,
-                balance_steps=60 if fast else 200, aux_coefs=(0.0, 0.01), capacities=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
-                bytes_steps=2 if fast else 4,
-                scale_steps=2 if fast else 6, scale_warmup=1,
-                parity_steps=10, parity_seq_len=32, parity_mbs=2, parity_grad_acc=2)
+def settings(fast, device_type=None):
+    """tiny-moe (h = 128, 4 experts of i = 192, top-2, 4 layers), 8 sequences of 64 tokens per rank and step (on GPUs
+    _common.GPU_SETTINGS["08_expert_parallel"] on top; device_type: the mesh's, else _common.device())."""
+    st = dict(preset="tiny-moe", seq_len=64, micro_batch_size=8,
+              balance_steps=60 if fast else 200, aux_coefs=(0.0, 0.01), capacities=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
+              bytes_steps=2 if fast else 4,
+              scale_steps=2 if fast else 6, scale_warmup=1,
+              parity_steps=10, parity_seq_len=32, parity_mbs=2, parity_grad_acc=2)
+    return _common.sized("08_expert_parallel", st, fast, device_type)
 
 
 def make_cfg(st, **kw):
@@ -698,9 +700,9 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         sys.exit("run it on 2 or 4 processes: torchrun --nproc_per_node 2 lessons/08_expert_parallel/experiment.py")
-    mesh = Mesh.init(dp=world)
+    mesh = Mesh.init(dp=world, device=_common.experiment_device("08_expert_parallel"))
     try:
-        st = settings(args.fast)
+        st = settings(args.fast, mesh.device.type)
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, torch=torch.__version__,
                    threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
         for name in names:

@@ -43,12 +43,15 @@ WHAT_TRAVELS = {"tp": "activations: all-reduces inside every layer, forward and 
                 "dp": "gradients, once per step (under the backward); with cp: over dp x cp"}
 
 
-def settings(fast):
+def settings(fast, device_type=None):
     """The 4-D run: the tiny model (h = 128, 4 layers), 128-token sequences, 4 micro-batches of 4 per step and dp
-    rank (1F1B over the pp = 2 stages). Full: dp2 x pp2 x cp2 x tp2, 16 processes; FAST: pp2 x cp2 x tp2, 8."""
-    layout = dict(dp=1, pp=2, cp=2, tp=2) if fast else dict(dp=2, pp=2, cp=2, tp=2)
-    return dict(preset="tiny", layout=layout, seq_len=128, micro_batch_size=4, grad_acc=4,
-                steps=10 if fast else 20, warmup_steps=5, timed_steps=2, gpus_per_node=4)
+    rank (1F1B over the pp = 2 stages). Full: dp2 x pp2 x cp2 x tp2, 16 processes; FAST: pp2 x cp2 x tp2, 8
+    (PICOTRON_NPROC=8 or 16 picks one; on GPUs _common.GPU_SETTINGS["09_all_together"] on top)."""
+    n = _common.nproc("09_all_together", 8 if fast else 16)
+    layout = dict(dp=1, pp=2, cp=2, tp=2) if n == 8 else dict(dp=2, pp=2, cp=2, tp=2)
+    st = dict(preset="tiny", layout=layout, seq_len=128, micro_batch_size=4, grad_acc=4,
+              steps=10 if fast else 20, warmup_steps=5, timed_steps=2, gpus_per_node=4)
+    return _common.sized("09_all_together", st, fast, device_type)
 
 
 def layout_name(layout):
@@ -723,7 +726,7 @@ def main(argv=None):
     if world != math.prod(layout.values()):
         sys.exit(f"the layout {layout_name(layout)} needs {math.prod(layout.values())} processes: torchrun "
                  f"--nproc_per_node {math.prod(layout.values())} lessons/09_all_together/experiment.py")
-    mesh = Mesh.init(**layout)
+    mesh = Mesh.init(**layout, device=_common.experiment_device("09_all_together"))
     try:
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, torch=torch.__version__,
                    threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)

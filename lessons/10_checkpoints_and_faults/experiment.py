@@ -584,9 +584,9 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != 2:
         sys.exit("run on 2 processes: torchrun --nproc_per_node 2 lessons/10_checkpoints_and_faults/experiment.py")
-    st = settings(args.fast)
+    st = _common.sized("10_checkpoints_and_faults", settings(args.fast), args.fast)
     env = dict(world_size=world, torch=torch.__version__, cores=os.cpu_count(), settings=st)
-    with Mesh.init(dp=world) as mesh:  # the world; each experiment makes its layouts' groups inside it
+    with Mesh.init(dp=world, device=_common.experiment_device("10_checkpoints_and_faults")) as mesh:  # the world; each experiment makes its layouts' groups inside it
         for name in names:
             t0 = time.perf_counter()
             result = globals()[f"exp_{name}"](mesh, st, out)
