@@ -9,7 +9,7 @@ Each row is one fresh process with its own time limit: `python -m picotron.train
 as ./run.sh starts it; then the larger model in every precision recipe --dtype fp32, bf16, bf16-params, fp16, fp8;
 bf16 with --kernels triton, --attn-impl flash and --compile; bf16 under torchrun at world size 1, i.e. an NCCL process
 group), and pytest on the tests whose code takes a CUDA path when torch sees a GPU (found by reading tests/: a test
-function that calls torch.cuda.is_available()). The numbers come from the run's own metrics.jsonl
+function that calls torch.cuda.is_available(), or a skipif on cuda / a cuda or gpu marker). The numbers come from the run's own metrics.jsonl
 (picotron.metrics.read_metrics): tokens/s and MFU are the medians over the steps after the first two (warm-up,
 compilation), MFU against the matmul peak the run measured on this device in its compute dtype; peak memory is the
 device's peak (torch.cuda.max_memory_allocated, reset each step; on the CPU the process's peak RSS). A training row
@@ -63,14 +63,16 @@ def rows(st, device):
 
 
 def cuda_tests():
-    """The test functions in tests/ whose code calls torch.cuda.is_available() (they take their CUDA path on a
-    GPU), as pytest node ids."""
+    """The test functions in tests/ that take a CUDA path on a GPU, as pytest node ids: their code calls
+    torch.cuda.is_available(), or a decorator skips them without cuda or marks them cuda/gpu."""
     ids = []
     for path in sorted((ROOT / "tests").glob("test_*.py")):
         text = path.read_text()
         for node in ast.parse(text).body:
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and \
-                    "torch.cuda.is_available()" in ast.get_source_segment(text, node):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and (
+                    "torch.cuda.is_available()" in ast.get_source_segment(text, node)
+                    or any(re.search(r"skip.*cuda|mark\.(cuda|gpu)\b", ast.get_source_segment(text, d))
+                           for d in node.decorator_list)):
                 ids.append(f"tests/{path.name}::{node.name}")
     return ids
 
