@@ -9,8 +9,8 @@ Each row is one fresh process with its own time limit: `python -m picotron.train
 as ./run.sh starts it; then the larger model in every precision recipe --dtype fp32, bf16, bf16-params, fp16, fp8;
 bf16 with --kernels triton, --attn-impl flash and --compile; bf16 under torchrun at world size 1, i.e. an NCCL process
 group), and pytest on the tests whose code takes a CUDA path when torch sees a GPU (found by reading tests/: a test
-function that calls torch.cuda.is_available(), or a skipif on cuda / a cuda or gpu marker). The numbers come from the run's own metrics.jsonl
-(picotron.metrics.read_metrics): tokens/s and MFU are the medians over the steps after the first two (warm-up,
+function that calls torch.cuda.is_available(), or a skipif on cuda / a cuda or gpu marker). The numbers come from
+the run's own metrics.jsonl (picotron.metrics.read_metrics): tokens/s and MFU are the medians over the steps after the first two (warm-up,
 compilation), MFU against the matmul peak the run measured on this device in its compute dtype; peak memory is the
 device's peak (torch.cuda.max_memory_allocated, reset each step; on the CPU the process's peak RSS). A training row
 passes when the process exits 0, every loss is finite and, over 5 or more steps, the last loss is below the first.
