@@ -52,7 +52,7 @@ from _common import SIZES, make_cfg, tokens  # noqa: E402  (the lessons' models 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import data, data_parallel, marks, metrics, pipeline_parallel  # noqa: E402
+from picotron import compat, data, data_parallel, marks, metrics, pipeline_parallel  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import loss_fn  # noqa: E402
 from picotron.parallelize import build_model, build_optimizer, parallelize  # noqa: E402
@@ -202,6 +202,8 @@ def main():
     p.add_argument("--micro-batches", type=int, default=8, help="m, the micro-batches of a step (--grad-acc)")
     p.add_argument("--schedules", default=",".join(PAIRS), help=f"comma-separated subset of {','.join(PAIRS)}")
     args = p.parse_args()
+    if compat.missing("pipelining"):  # a comparison with a torch feature newer than picotron's floor
+        sys.exit(compat.missing("pipelining"))
     names = args.schedules.split(",")
     if any(n not in PAIRS for n in names):
         p.error(f"--schedules {args.schedules!r}: pick a comma-separated subset of {','.join(PAIRS)}")

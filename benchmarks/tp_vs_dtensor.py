@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.zero_vs_fsdp import SIZES, RSSPeak, local_bytes, make_cfg, tokens  # noqa: E402  (same models, corpus)
-from picotron import data, data_parallel, marks, metrics  # noqa: E402
+from picotron import compat, data, data_parallel, marks, metrics  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import Llama  # noqa: E402
@@ -218,6 +218,8 @@ def main():
     p.add_argument("--sp", action="store_true", help="sequence parallelism on both sides")
     p.add_argument("--memory", action="store_true", help="(one process) each variant alone: peak memory")
     args = p.parse_args()
+    if compat.missing("dtensor_tp"):  # a comparison with a torch feature newer than picotron's floor
+        sys.exit(compat.missing("dtensor_tp"))
     if args.memory:
         for name, r in memory_main(args.size, args.seq_len, args.micro_batch_size, sp=args.sp).items():
             print(f"{name:<8} peak above baseline {r['peak'] / 2**20:7.2f} MiB | model states "

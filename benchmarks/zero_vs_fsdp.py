@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from picotron import data, data_parallel, marks, metrics, schedule  # noqa: E402
+from picotron import compat, data, data_parallel, marks, metrics, schedule  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import loss_fn  # noqa: E402
@@ -185,6 +185,8 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--memory", action="store_true", help="also measure each variant's peak memory alone")
     args = p.parse_args()
+    if compat.missing("fsdp2"):  # a comparison with a torch feature newer than picotron's floor
+        sys.exit(compat.missing("fsdp2"))
     mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
     cfg = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
     with mesh:  # a normal end waits for every rank before the groups go (Mesh.__exit__)

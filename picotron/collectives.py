@@ -455,7 +455,3 @@ def barrier(group=None, async_op=False, device_ids=None):
     token.cpu()  # on a GPU: wait until the receives really happened (no CUDA-only call on the CPU path)
     return _Done() if async_op else None
 
-
-# torch 2.13 spells the tensor forms all_gather_single / reduce_scatter_single: the same collectives, so that
-# every strategy can run on these (`--collectives ours`) with torch's own names.
-all_gather_single, reduce_scatter_single = all_gather_into_tensor, reduce_scatter_tensor

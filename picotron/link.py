@@ -26,9 +26,11 @@ import time
 
 import torch
 
+from picotron.compat import collective
+
 # bytes each rank sends for a collective over a buffer of B bytes among n ranks, as a multiple of B (ring)
-TRAFFIC = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_single": lambda n: (n - 1) / n,
-           "reduce_scatter_single": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+TRAFFIC = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_into_tensor": lambda n: (n - 1) / n,
+           "reduce_scatter_tensor": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
 
 
 class EmulatedLink:
@@ -91,14 +93,16 @@ class _LinkOps:
         return self._call("all_reduce", _nbytes(t), group, async_op,
                           lambda a: self.real.all_reduce(t, group=group, async_op=a, **kw))
 
-    def all_gather_single(self, out, t, group=None, async_op=False):
-        return self._call("all_gather_single", _nbytes(out), group, async_op,
-                          lambda a: self.real.all_gather_single(out, t, group=group, async_op=a))
+    def all_gather_into_tensor(self, out, t, group=None, async_op=False):
+        gather = collective(self.real, "all_gather_into_tensor")  # torch's newest spelling (picotron/compat.py)
+        return self._call("all_gather_into_tensor", _nbytes(out), group, async_op,
+                          lambda a: gather(out, t, group=group, async_op=a))
 
-    def reduce_scatter_single(self, out, t, op=None, group=None, async_op=False):
+    def reduce_scatter_tensor(self, out, t, op=None, group=None, async_op=False):
         kw = {} if op is None else {"op": op}
-        return self._call("reduce_scatter_single", _nbytes(t), group, async_op,
-                          lambda a: self.real.reduce_scatter_single(out, t, group=group, async_op=a, **kw))
+        scatter = collective(self.real, "reduce_scatter_tensor")
+        return self._call("reduce_scatter_tensor", _nbytes(t), group, async_op,
+                          lambda a: scatter(out, t, group=group, async_op=a, **kw))
 
     def broadcast(self, t, src, group=None, async_op=False):
         return self._call("broadcast", _nbytes(t), group, async_op,

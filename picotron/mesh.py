@@ -42,6 +42,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from picotron.compat import collective
+
 ORDER = ("dp", "pp", "cp", "tp")  # slowest- to fastest-varying
 
 
@@ -201,8 +203,9 @@ class Axis:
             if out.data_ptr() != t.data_ptr():
                 out.view(-1).copy_(t.reshape(-1))
             return _DONE if async_op else None
+        gather = collective(self.comm.ops, "all_gather_into_tensor")  # this torch's spelling (picotron/compat.py)
         return self._run("all_gather", out.numel() * out.element_size(),
-                         lambda a: self.comm.ops.all_gather_single(out, t, group=self.group, async_op=a),
+                         lambda a: gather(out, t, group=self.group, async_op=a),
                          async_op, label, info)
 
     def reduce_scatter_into(self, out, t, async_op=False, label=None, **info):
@@ -211,8 +214,9 @@ class Axis:
             if out.data_ptr() != t.data_ptr():
                 out.view(-1).copy_(t.reshape(-1))
             return _DONE if async_op else None
+        scatter = collective(self.comm.ops, "reduce_scatter_tensor")  # this torch's spelling (picotron/compat.py)
         return self._run("reduce_scatter", t.numel() * t.element_size(),
-                         lambda a: self.comm.ops.reduce_scatter_single(out, t, group=self.group, async_op=a),
+                         lambda a: scatter(out, t, group=self.group, async_op=a),
                          async_op, label, info)
 
     def all_to_all_into(self, out, t, out_splits=None, in_splits=None, async_op=False, label=None, **info):

@@ -69,7 +69,7 @@ def test_checker_explains_wrong_chunks_and_a_missing_mean(tmp_path):
 
 
 def test_checker_names_a_missing_all_gather_and_a_hang(tmp_path):
-    no_gather = mutate(tmp_path, ("        dist.all_gather_single(self.flat, p.clone(), group=self.group)",
+    no_gather = mutate(tmp_path, ("        dist.all_gather_into_tensor(self.flat, p.clone(), group=self.group)",
                                   "        pass"))
     code, out = run_checker("--module", str(no_gather), "sharded_adamw")
     assert code == 1, out
@@ -77,14 +77,14 @@ def test_checker_names_a_missing_all_gather_and_a_hang(tmp_path):
            "chunk 1 (elements 15..29) is wrong" in out, out
     assert "it still holds its values from before this step. Chunk 1 is rank 1's to update" in out, out
 
-    hang = mutate(tmp_path, ("        dist.all_gather_single(self.flat, p.clone(), group=self.group)",
+    hang = mutate(tmp_path, ("        dist.all_gather_into_tensor(self.flat, p.clone(), group=self.group)",
                              "        if self.rank == 0:\n"
-                             "            dist.all_gather_single(self.flat, p.clone(), group=self.group)"))
+                             "            dist.all_gather_into_tensor(self.flat, p.clone(), group=self.group)"))
     code, out = run_checker("--module", str(hang), "sharded_adamw", "--timeout", "5")
     assert code == 1, out
     assert "FAIL  ShardedAdamW.step on 2 ranks: hang: rank 0 still waiting after 5 s" in out, out
     assert "rank 1 finished and waited for it" in out, out
-    assert "rank 0 waits in step, line " in out and "dist.all_gather_single(self.flat" in out, out
+    assert "rank 0 waits in step, line " in out and "dist.all_gather_into_tensor(self.flat" in out, out
     assert "on 3 ranks" not in out  # a hang is not retried on the next world size
 
 

@@ -55,7 +55,7 @@ def test_collectives_are_exact_and_take_the_links_time():
 def test_link_time_model_and_bad_parameters():
     link = EmulatedLink(100e6, 1e-3)
     assert link.seconds("all_reduce", 100e6, 4) == pytest.approx(1e-3 + 1.5)
-    assert link.seconds("all_gather_single", 100e6, 4) == pytest.approx(1e-3 + 0.75)
+    assert link.seconds("all_gather_into_tensor", 100e6, 4) == pytest.approx(1e-3 + 0.75)
     assert link.seconds("broadcast", 1e6, 8) == pytest.approx(1e-3 + 0.01)
     assert "100 MB/s, 1 ms" in link.label()
     for bad in (dict(bandwidth=0), dict(bandwidth=1e6, latency=-1)):

@@ -419,6 +419,7 @@ def _zero3_run(cls, mesh):
     no_grad; what happened: losses, all-gathers by unit, bytes, unit states, shards, the gathered weights."""
     import torch.distributed as dist
     from picotron import schedule
+    from picotron.compat import collective
     from picotron.mesh import Mesh
     from picotron.model import loss_fn
     from picotron.parallelize import build_model, build_optimizer
@@ -450,7 +451,7 @@ def _zero3_run(cls, mesh):
     expected = []  # the fp32 weights, gathered here with a plain all-gather (not the code under test)
     for u in model.units:
         full = torch.empty(u.padded)
-        dist.all_gather_single(full, u.shard.detach().float().contiguous())
+        collective(dist, "all_gather_into_tensor")(full, u.shard.detach().float().contiguous())
         expected.append(full)
     with model.gathered():
         out["full"] = [u.full.detach().clone() for u in model.units]

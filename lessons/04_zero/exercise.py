@@ -18,13 +18,14 @@ with zeros to n·chunk elements and cut into n equal chunks; rank r owns chunk r
 
 What you may use (torch.distributed, `group` may be None = every rank):
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    dist.reduce_scatter_single(output, input, group=group)  input: n·chunk elements on every rank; output
+    dist.reduce_scatter_tensor(output, input, group=group)  input: n·chunk elements on every rank; output
                                                             (chunk elements) on rank r: the SUM over ranks of
                                                             input[r·chunk:(r+1)·chunk]
-    dist.all_gather_single(output, input, group=group)      input: chunk elements; output (n·chunk) on every
+    dist.all_gather_into_tensor(output, input, group=group) input: chunk elements; output (n·chunk) on every
                                                             rank: rank 0's input, then rank 1's, ...
-(older torch calls them reduce_scatter_tensor and all_gather_into_tensor, same arguments), or, if you did
-lesson 02, the same built from dist.send / dist.recv. Every rank must make the same calls in the same order.
+(torch 2.13 renamed them reduce_scatter_single and all_gather_single, same arguments; the names above still work
+there, with a deprecation warning), or, if you did lesson 02, the same built from dist.send / dist.recv. Every
+rank must make the same calls in the same order.
 """
 import math
 from functools import partial

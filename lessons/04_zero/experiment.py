@@ -180,12 +180,12 @@ def exp_timeline(mesh, st, out):
     forwards = [e["end"] - e["start"] for ev in rows[0]["events"] for e in ev if e["name"].startswith("forward layer")]
     t_forward = statistics.median(forwards)
     n, layer_bytes = mesh.dp_cp.size, 4 * flat_layout(mesh.dp_cp.size, st["size"])[1]["padded"]  # fp32, padded
-    wire = link_mod.TRAFFIC["all_gather_single"](n) * layer_bytes
+    wire = link_mod.TRAFFIC["all_gather_into_tensor"](n) * layer_bytes
     bandwidth = float(f"{wire / (LINK_RATIO * t_forward - LINK_LATENCY):.2g}")
     link = link_mod.EmulatedLink(bandwidth, LINK_LATENCY)
     return dict(rows=rows, link_rows=timeline_rows(mesh.over(link), st, cfg),
                 link=dict(label=link.label(), layer_bytes=layer_bytes, t_forward=t_forward,
-                          t_gather=link.seconds("all_gather_single", layer_bytes, n)))
+                          t_gather=link.seconds("all_gather_into_tensor", layer_bytes, n)))
 
 
 def exp_fsdp(mesh, st, out):

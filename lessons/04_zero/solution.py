@@ -34,7 +34,7 @@ def reduce_scatter_gradients(grads, group=None):
         offset += g.numel()
     flat.div_(n)  # the sum over ranks becomes the mean (divide once, before or after)
     out = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_single(out, flat, group=group)  # rank r receives the sum of everybody's chunk r
+    dist.reduce_scatter_tensor(out, flat, group=group)  # rank r receives the sum of everybody's chunk r
     return out
 
 
@@ -63,7 +63,7 @@ class ShardedAdamW:
         p.addcdiv_(self.exp_avg, denom, value=-self.lr / bias1)
         # every rank's updated chunk to every rank, into the flat vector itself (the input is a copy: it must
         # not be overwritten while it is being sent)
-        dist.all_gather_single(self.flat, p.clone(), group=self.group)
+        dist.all_gather_into_tensor(self.flat, p.clone(), group=self.group)
 
 
 # ------------------------------------------------------------------------ exercises 4 and 5: ZeRO-3, cheaper

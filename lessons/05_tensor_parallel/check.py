@@ -49,7 +49,10 @@ TIMEOUT_S = 15.0
 EXERCISES = {"f_and_g": "CopyToTP and ReduceFromTP", "parallel_mlp": "parallel_mlp",
              "vocab_parallel_cross_entropy": "vocab_parallel_cross_entropy", "plan": "plan (the puzzle)"}
 WORLD_SIZES = {"f_and_g": (2, 4), "parallel_mlp": (2, 4), "vocab_parallel_cross_entropy": (2, 4)}
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "reduce_scatter_single", "broadcast", "reduce")
+# the tensor forms under both names: torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (whichever
+# this torch has are counted; on 2.13 the old name calls the new one, which _Counter counts once, as the outer call)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+               "reduce_scatter_single", "broadcast", "reduce")
 B, S, H, I = 2, 3, 8, 16  # the MLP: b sequences of s tokens, hidden h, intermediate i (4 divides it)
 N_TOK, VOCAB, BIG_ROW, BIG_COL = 12, 24, 5, 17  # the loss: N tokens, vocabulary v; one logit of 120 (overflow)
 
@@ -95,12 +98,18 @@ class _Counter:
     def __init__(self):
         import torch.distributed as dist
 
-        self.dist, self.phase, self.counts, self._orig = dist, "forward", {}, {}
+        self.dist, self.phase, self.counts, self._orig, self._inside = dist, "forward", {}, {}, False
 
     def _count(self, name, fn, /, *args, **kwargs):
+        if self._inside:  # a collective called by a counted one (torch 2.13's deprecated names): not another call
+            return fn(*args, **kwargs)
         key = f"{self.phase} {name}"
         self.counts[key] = self.counts.get(key, 0) + 1
-        return fn(*args, **kwargs)
+        self._inside = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._inside = False
 
     def __enter__(self):
         for name in COLLECTIVES:
