@@ -49,11 +49,15 @@ outside the group returns None at once; all_reduce and broadcast work in place (
 too); only dst's tensor is defined after reduce (ours leaves the others untouched); AVG is SUM / n (for an
 integer tensor it raises, as on gloo); async_op=True runs the collective now and returns a completed
 handle. Bytes travel as uint8 views, so any dtype works (only the reduction, done with torch, sees it).
-NCCL: when two ranks exchange both ways (n = 2) the lower rank sends first, so both never wait to receive.
+NCCL's rules: every exchange in the rings, all-to-all and the barrier is one batch (send + receive posted
+together, picotron.p2p), posted in the same order on every rank; the trees, gather and scatter send each
+piece one way only. tests/test_nccl_rules.py replays all of them under NCCL's ordering rules at 2, 3, 4 ranks.
 """
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+
+from picotron import p2p
 
 PIECE_BYTES = 4 << 20  # pipelining grain of rings and trees (on CPU/gloo 4 MiB beat 1 MiB: ~100 µs CPU a message)
 
@@ -129,23 +133,15 @@ def _finish(t, op, n):
         t.div_(n)  # SUM / n exactly as gloo does (it raises for integer tensors, so does this)
 
 
-def _exchange(send_t, to, recv_t, frm, group, tag=0):
-    """Post a receive from `frm` and a send to `to` (global ranks); return the two handles.
+def _exchange(send_t, to, recv_t, frm, group):
+    """Send to `to` and receive from `frm` (global ranks) as ONE batch (picotron.p2p.exchange); the handles.
 
-    The receive is posted first, so the peer's data can land at once. When both go to the same peer the
-    lower rank sends first: with NCCL the ops between two ranks run in order on one stream.
-    """
-    def recv():
-        return dist.irecv(_bytes(recv_t), frm, group, tag) if recv_t.numel() else None  # nothing to wait for
-
-    def send():
-        return dist.isend(_bytes(send_t), to, group, tag) if send_t.numel() else None
-
-    if to == frm and dist.get_rank() < to:
-        s = send()
-        return recv(), s
-    r = recv()
-    return r, send()
+    One batch, not two single messages: on NCCL the single messages between two ranks run in order on one
+    stream (a receive posted before the matching send on the other side waits forever), and the first one
+    between two ranks blocks until the peer posts too (a ring where everyone first receives from its left
+    hangs). A batch is posted whole on the group's own communicator, and every rank posts its batches in the
+    same order, so they meet."""
+    return p2p.exchange([("send", _bytes(send_t), to), ("recv", _bytes(recv_t), frm)], group)
 
 
 def _wait(*works):  # (isend + wait rather than dist.send: the blocking call costs far more Python time here)
@@ -159,60 +155,40 @@ def _ring(chunks, steps, op, me, ranks, group):
     """Run ring steps over `chunks` (n contiguous 1-D tensors, one per group rank).
 
     steps: a list of (chunk to send, chunk to receive, reduce?) per step; what a rank receives in step t is
-    what it sends in step t+1. Each chunk is cut into pieces of PIECE_BYTES; piece j of step t+1 is sent as
-    soon as piece j of step t has arrived (and been reduced into place), so transfers and reductions overlap.
-    The receive of step t+1 is posted before we wait for step t (two receive buffers used in turn), so a
-    neighbour's data never waits for us to ask for it. Gathered pieces land in place.
+    what it sends in step t+1. Each chunk is cut into pieces of PIECE_BYTES, and (step t, piece j) is one
+    exchange — send piece j of this step's chunk to the right, receive piece j from the left — posted as
+    soon as piece j of step t−1 has arrived (and been reduced into place): the pieces of one step are in
+    flight together, and transfers overlap the reductions. Every rank posts its exchanges in the same order
+    (step by step, piece by piece), so on NCCL each one meets its neighbours' (see _exchange). Gathered
+    pieces land in place; reduced ones land in a scratch buffer first.
     """
     n, T = len(ranks), len(steps)
     left, right = ranks[(me - 1) % n], ranks[(me + 1) % n]
-    ahead = 2 if left != right else 1  # n = 2: one peer both ways; with NCCL its sends and receives alternate
     per = max(1, PIECE_BYTES // chunks[0].element_size())
     longest = max(c.numel() for c in chunks)
     pieces = range(-(-longest // per))
     if any(s[2] for s in steps):
-        bufs = _scratch(ahead * longest, chunks[0], "ring").view(ahead, longest)
-    recvs, sends = {}, {j: [] for j in pieces}  # sends[j]: (chunk, handle) of piece j still in flight
+        buf = _scratch(longest, chunks[0], "ring")
 
     def piece(t, j):
         return t[j * per:(j + 1) * per]
 
-    def recv(t, j):  # post the receive of step t, piece j
-        if t < T:
-            _, recv_i, red = steps[t]
-            into = piece(chunks[recv_i], j)
-            if red:
-                into = piece(bufs[t % ahead], j)[:into.numel()]
-            else:  # a piece we are still sending from must not be overwritten by this receive
-                _wait(*[w for c, w in sends[j] if c == recv_i])
-                sends[j] = [(c, w) for c, w in sends[j] if c != recv_i]
-            recvs[t, j] = into, dist.irecv(_bytes(into), left, group, j) if into.numel() else None
+    def post(t, j):  # exchange (step t, piece j): returns where it lands and its handles
+        send_i, recv_i, red = steps[t]
+        into = piece(chunks[recv_i], j)
+        if red:
+            into = piece(buf, j)[:into.numel()]
+        return into, _exchange(piece(chunks[send_i], j), right, into, left, group)
 
-    def send(t, j):
-        if t < T and piece(chunks[steps[t][0]], j).numel():
-            sends[j].append((steps[t][0], dist.isend(_bytes(piece(chunks[steps[t][0]], j)), right, group, j)))
-
-    def post(t, j):  # the receive(s) posted ahead, then the send; at n = 2 the lower rank sends first
-        if ahead == 2:
-            recv(t + 1, j)
-        elif dist.get_rank() > right:
-            recv(t, j)
-        send(t, j)
-        if ahead == 1 and dist.get_rank() < right:
-            recv(t, j)
-
-    for j in pieces:
-        if ahead == 2:
-            recv(0, j)
-        post(0, j)
+    pending = {(0, j): post(0, j) for j in pieces}
     for t, (_, recv_i, red) in enumerate(steps):
         for j in pieces:
-            into, w = recvs.pop((t, j))
-            _wait(w)
+            into, works = pending.pop((t, j))
+            _wait(*works)
             if red and into.numel():
                 _combine(piece(chunks[recv_i], j), into, op)
-            post(t + 1, j)
-    _wait(*[w for j in pieces for _, w in sends[j]])
+            if t + 1 < T:
+                pending[t + 1, j] = post(t + 1, j)
 
 
 def _rs_steps(me, n):  # after these, rank me holds chunk me reduced over all ranks
@@ -418,7 +394,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     outs = [_flat(t) for t in output_tensor_list]
     ins = [x.reshape(-1).contiguous() for x in input_tensor_list]
     outs[me].copy_(ins[me])
-    works = []
+    works = []  # every round posted at once, in the same order on every rank
     for s in range(1, n):
         to, frm = (me + s) % n, (me - s) % n
         works += _exchange(ins[to], ranks[to], outs[frm], ranks[frm], group)
@@ -454,4 +430,3 @@ def barrier(group=None, async_op=False, device_ids=None):
         k <<= 1
     token.cpu()  # on a GPU: wait until the receives really happened (no CUDA-only call on the CPU path)
     return _Done() if async_op else None
-

@@ -147,6 +147,25 @@ def pick_device(world_size=1, local_rank=0, device=None):
     return torch.device("cpu"), "gloo"
 
 
+def pipeline_links(p):
+    """The directed pairs (sender, receiver) of pipeline positions 0..p-1 that get a process group of their own:
+    both directions between ring neighbours (r, r+1 mod p; the wrap carries the interleaved schedule's turn).
+
+    Why one group per direction: on NCCL the messages of one communicator run in order on one stream, both
+    directions mixed. A stage receiving from the next one while that one receives from it waits forever, unless
+    both post their messages in one agreed order. With a group per direction each stream carries one way only:
+    the sender posts in its order, the receiver posts its receives in that same order (it knows the sender's
+    schedule), and nothing can cross. (Megatron instead pairs each send with the opposite receive in one batch.)"""
+    if p < 2:
+        return []
+    pairs = []
+    for r in range(p):
+        for a, b in ((r, (r + 1) % p), ((r + 1) % p, r)):
+            if (a, b) not in pairs:
+                pairs.append((a, b))
+    return pairs
+
+
 _WORLDS = itertools.count(1)  # numbers the worlds Mesh.init makes in this process (their store keys never meet)
 
 
@@ -285,13 +304,14 @@ class Mesh:
     Attributes: rank, world_size, local_rank, device, backend, sizes, coords, and the axes
     `dp`, `pp`, `cp`, `tp`, `dp_cp` (dp x cp together: gradients of replicated parameters are averaged over
     it), `ep` and `edp` (the experts' axes carved from dp: see the module docstring), `pp_ends` (the first and last pipeline stage, which share tied embeddings) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
-    pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage.
+    pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage; `pp_links`: {(sender, receiver):
+    group} for this rank's pipeline neighbours, one group per direction (`pipeline_links`).
     """
 
     AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
 
     def __init__(self, rank, world_size, sizes, device, backend, groups, local_rank=0, owns_world=False,
-                 collectives="torch"):
+                 collectives="torch", links=None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device, self.backend = device, backend
         self.sizes = _as_sizes(sizes)
@@ -304,6 +324,8 @@ class Mesh:
             setattr(self, name, Axis(name, ranks, group, ranks.index(rank), dims, self.comm))
             if created:
                 self._created.append(group)
+        self.pp_links = dict(links or {})  # (sender, receiver) global ranks -> the group of that direction
+        self._created += list(self.pp_links.values())
         self.is_first_stage = self.pp.rank == 0
         self.is_last_stage = self.pp.rank == self.pp.size - 1
         self.pp_prev_rank = None if self.is_first_stage else self.rank_of(pp=self.pp.rank - 1)
@@ -377,6 +399,12 @@ class Mesh:
             group, created = (dist.new_group(ends, timeout=timeout), True) if len(ends) > 1 else (None, False)
             if rank in ranks:
                 groups["pp_ends"] = (ends, group, created) if rank in ends else ([rank], None, False)
+        links = {}  # one group per direction between pipeline neighbours (why: pipeline_links)
+        for ranks in group_ranks(sizes, "pp"):
+            for a, b in pipeline_links(len(ranks)):
+                group = dist.new_group([ranks[a], ranks[b]], timeout=timeout)
+                if rank in (ranks[a], ranks[b]):
+                    links[ranks[a], ranks[b]] = group
         for name, lists in zip(("ep", "edp"), expert_groups(sizes, ep)):  # the experts' axes, carved from dp
             for ranks in lists:
                 if len(ranks) == world_size:
@@ -390,7 +418,7 @@ class Mesh:
                 if rank in ranks:
                     groups[name] = (ranks, group, created)
         groups["world"] = (list(range(world_size)), dist.group.WORLD, False)
-        return cls(rank, world_size, sizes, dev, backend, groups, local_rank, owns_world, collectives)
+        return cls(rank, world_size, sizes, dev, backend, groups, local_rank, owns_world, collectives, links)
 
     def recorded(self, recorder):
         """The same mesh (same groups, same ranks) with every axis's collectives counted and timed by `recorder`

@@ -195,3 +195,11 @@ def _detail_child(layout, out):
 def test_torch_detail_consistency_check_passes(tmp_path):
     layout = dict(dp=2, pp=2, tp=2, sp=True, zero=1, grad_acc=2)
     assert all(run_on_ranks(_detail_child, 8, layout, str(tmp_path / "run"), init_group=False, timeout_s=300))
+
+
+def test_pipeline_links_are_both_directions_between_ring_neighbours():
+    from picotron.mesh import pipeline_links
+    assert pipeline_links(1) == []
+    assert pipeline_links(2) == [(0, 1), (1, 0)]
+    four = pipeline_links(4)
+    assert len(four) == len(set(four)) == 8 and {(3, 0), (0, 3)} <= set(four)  # the interleaved turn wraps
