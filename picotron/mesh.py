@@ -115,12 +115,13 @@ def device_problem(local_world, device=None):
     """Why `local_world` processes on this node cannot run on `device` ("auto", "cpu", "cuda"), in one sentence,
     or None. The rule: cuda + nccl when there is one GPU per local process; cpu + gloo when asked or when torch
     sees no GPU; never silently one for the other. Calls no torch.cuda function for device="cpu"."""
-    if device in (None, "auto", "cpu") and (device == "cpu" or not torch.cuda.is_available()):
+    if device == "cpu":
         return None
     if device not in (None, "auto", "cuda"):
         return f"device={device!r} is not one of 'auto', 'cpu', 'cuda'; pass --device auto, cpu or cuda."
-    if not torch.cuda.is_available():
-        return "device='cuda' but no CUDA GPU is visible to torch; pass --device auto or --device cpu."
+    if not torch.cuda.is_available():  # auto: gloo on a machine without GPUs
+        return "device='cuda' but no CUDA GPU is visible to torch; pass --device auto or --device cpu." \
+            if device == "cuda" else None
     gpus = torch.cuda.device_count()
     if gpus >= local_world:
         return None
@@ -141,7 +142,7 @@ def pick_device(world_size=1, local_rank=0, device=None):
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     problem = device_problem(local_world, device)
     if problem:
-        raise (ValueError if device not in (None, "auto", "cpu", "cuda") else RuntimeError)(problem)
+        raise (RuntimeError if device in (None, "auto", "cuda") else ValueError)(problem)  # ValueError: no such device
     if device != "cpu" and torch.cuda.is_available():
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"

@@ -266,8 +266,8 @@ def _describe(op):
 class _Item:
     """One entry of a stream: a collective, a single message, or a batch of messages."""
 
-    def __init__(self, rank, ops):
-        self.rank, self.ops, self.done = rank, ops, False
+    def __init__(self, ops):
+        self.ops, self.done = ops, False
         self.matched = [False] * len(ops)
 
 
@@ -315,7 +315,7 @@ def replay(traces):
                 items[rank, batch].ops.append(op)
                 items[rank, batch].matched.append(False)
             else:
-                item = _Item(rank, [op])
+                item = _Item([op])
                 items[rank, ev["handle"]] = item
                 streams.setdefault(key, {}).setdefault(rank, deque()).append(item)
             pc[rank] += 1
