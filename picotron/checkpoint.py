@@ -123,11 +123,11 @@ class NotShared(RuntimeError):
     """Some ranks do not see the checkpoint folder rank 0 sees (nodes without a shared filesystem); one sentence."""
 
 
-def _blind(flag, world_size, rank, all_reduce):
+def _blind(flag, rank, world_size, group, device="cpu"):
     """The ranks whose `flag` is true (every rank learns the whole list: one all-reduce of world_size numbers)."""
-    flags = torch.zeros(world_size)
+    flags = torch.zeros(world_size, device=device)
     flags[rank] = float(bool(flag))
-    flags = all_reduce(flags)
+    dist.all_reduce(flags, group=group)
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 
@@ -153,12 +153,7 @@ def agreed_latest(out, mesh):
     if step < 0:
         return None
     folder = step_dir(out, step)
-
-    def all_reduce(flags):
-        flags = flags.to(mesh.device)
-        mesh.world.all_reduce(flags)
-        return flags.cpu()
-    blind = _blind(not os.path.isdir(folder), mesh.world_size, mesh.rank, all_reduce)
+    blind = _blind(not os.path.isdir(folder), mesh.rank, mesh.world_size, mesh.world.group, mesh.device)
     if blind:
         raise NotShared(f"{_who(blind)} not see {folder} that rank 0 resumes from: every node must see the same "
                         f"checkpoint folder (a shared filesystem), or copy it there.")
@@ -246,11 +241,7 @@ class Saver:
                 seen = f.read() == token[0]
         except OSError:
             seen = False
-
-        def all_reduce(flags):
-            dist.all_reduce(flags, group=self.group)
-            return flags
-        blind = _blind(not seen, self.mesh.world_size, self.mesh.rank, all_reduce)
+        blind = _blind(not seen, self.mesh.rank, self.mesh.world_size, self.group)
         if self.mesh.rank == 0:
             os.remove(probe)
         if blind:
