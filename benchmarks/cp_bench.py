@@ -153,7 +153,7 @@ def main():
         kw["num_hidden_layers"] = args.num_hidden_layers
     base = make_cfg(args.size, **kw)
     threads = torch.get_num_threads()
-    try:
+    with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         t0 = time.perf_counter()
         variants = [Variant(n, dataclasses.replace(base, cp_impl=n.split("/")[0], cp_layout=n.split("/")[1]), mesh)
                     for n in names]
@@ -193,8 +193,6 @@ def main():
                 if a in rows and base_name in rows:
                     med, q1, q3 = quartiles([tb / ta for ta, tb in zip(rows[a]["times"], rows[base_name]["times"])])
                     print(f"  {label}: median {med:.3f} (quartiles {q1:.3f}-{q3:.3f})", flush=True)
-    finally:
-        mesh.destroy()
 
 
 if __name__ == "__main__":

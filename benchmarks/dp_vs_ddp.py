@@ -69,7 +69,7 @@ def main():
 
     mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
     cfg = _common.make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
-    try:
+    with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         for mb in (float(x) for x in args.bucket_mb.split(",")):
             ours = lesson.Variant("ours", cfg, mesh, "bucket", mb, record_comm=False)
             post = lesson.Variant("ours, post-divide", cfg, mesh, "bucket", mb, record_comm=False,
@@ -91,8 +91,6 @@ def main():
                     print(f"  {r['name']:<18} {1e3 * r['median']:7.2f} ms/step | throughput / DDP's: median "
                           f"{statistics.median(paired):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})", flush=True)
             del variants, ours, post, ddp
-    finally:
-        mesh.destroy()
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ def main():
     base = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, pp=pp,
                     num_hidden_layers=args.num_hidden_layers)
     threads = torch.get_num_threads()
-    try:
+    with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         for name in names:
             cfg = schedule_cfg(base, name, args.micro_batches)
             t0 = time.perf_counter()
@@ -240,8 +240,6 @@ def main():
                 print(f"  our p2p bytes per step, all ranks: {rows[0]['p2p'] / 2**20:.2f} MiB counted, formula "
                       f"2·(S-1)·m·b·s·h·4 = {form / 2**20:.2f} MiB{note}")
                 print(f"  our throughput / torch's: median {med:.3f} (quartiles {q1:.3f}-{q3:.3f})", flush=True)
-    finally:
-        mesh.destroy()
 
 
 if __name__ == "__main__":

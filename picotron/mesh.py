@@ -460,7 +460,9 @@ class Mesh:
         Objects still referenced only from cycles (autograd graphs, module hooks) are collected first, so no
         collective's pending work outlives its group into interpreter shutdown (gloo aborts the process then).
         `wait=True` (a normal end, every rank here): a barrier first, so no rank tears its groups down while
-        another still has a collective in flight."""
+        another still has a collective in flight, and the backend's threads have let go of the last collective's
+        tensors before the interpreter shuts down (on torch 2.5 a gloo thread freeing one then aborts the process:
+        "terminate called without an active exception"). `with mesh:` does this on success, not after an error."""
         if not dist.is_initialized():
             return
         gc.collect()

@@ -319,8 +319,12 @@ def main(argv=None):
         if says:
             print("picotron: stopped: interrupted before the first step; nothing was saved.", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+    else:
+        # every rank meets at a barrier first: then no rank's last collective is still being released by its
+        # backend's thread while the interpreter shuts down (gloo on torch 2.5 aborts the process then)
+        mesh.destroy(wait=True)
     finally:
-        mesh.destroy()
+        mesh.destroy()  # after an error: no barrier (a peer may be gone); after success: nothing left to do
 
 
 if __name__ == "__main__":

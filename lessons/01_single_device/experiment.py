@@ -699,14 +699,12 @@ EXPERIMENTS = ("memory", "allocator", "recompute", "accumulate", "precision", "t
 def main(argv=None):
     args, names, out = _common.cli("01_single_device", EXPERIMENTS, __doc__, argv=argv)
     mesh = Mesh.init(device=_common.experiment_device("01_single_device"))
-    try:
+    with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         env = dict(device=str(mesh.device), torch=torch.__version__, threads=torch.get_num_threads(), fast=args.fast)
         for name in names:
             t0 = time.perf_counter()
             result = globals()[f"exp_{name}"](mesh, args.fast, out)
             _common.saved(name, out / f"{name}.json", dict(env, results=result), t0)
-    finally:
-        mesh.destroy()
 
 
 if __name__ == "__main__":

@@ -668,7 +668,7 @@ def main(argv=None):
     DEVICE = mesh.device
     if DEVICE.type == "cuda":  # every tensor the experiments make lives where the collectives run (nccl)
         torch.set_default_device(DEVICE)
-    try:
+    with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=mesh.world_size, torch=torch.__version__,
                    fast=args.fast, cpus=os.cpu_count())
         for name in names:
@@ -677,8 +677,6 @@ def main(argv=None):
             result = globals()[f"exp_{name}"](mesh, args.fast, out, **kwargs)
             _common.saved(name, out / f"{name}.json", dict(env, results=result), t0, mesh.rank)
             dist.barrier()
-    finally:
-        mesh.destroy()
 
 
 if __name__ == "__main__":

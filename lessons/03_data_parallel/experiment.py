@@ -575,7 +575,7 @@ def main(argv=None):
         (["--link"], dict(help="BANDWIDTH,LATENCY (bytes/s, s) of the emulated link (default: chosen from backward)"))])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = Mesh.init(dp=world, device=_common.experiment_device("03_data_parallel"))
-    try:
+    with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         st = settings(ARGS.fast, mesh)
         mc = make_cfg(st["size"]).model_config()
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, torch=torch.__version__,
@@ -590,8 +590,6 @@ def main(argv=None):
             result = globals()[f"exp_{name}"](mesh, ARGS.fast)
             file = OUT / (f"{name}_dp{world}.json" if name == "scaling" else f"{name}.json")
             _common.saved(name, file, dict(env, results=result), t0, mesh.rank)
-    finally:
-        mesh.destroy()
 
 
 if __name__ == "__main__":

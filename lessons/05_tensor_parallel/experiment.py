@@ -803,7 +803,7 @@ def main(argv=None):
         sys.exit(f"--dp {args.dp} with --only {args.only}: only the grid experiment has a dp axis; run --only grid")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = Mesh.init(dp=args.dp, tp=world // args.dp, device=_common.experiment_device("05_tensor_parallel"))
-    try:
+    with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         st = settings(args.fast, mesh.device.type)
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, dp=args.dp, tp=mesh.tp.size,
                    torch=torch.__version__, threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
@@ -815,8 +815,6 @@ def main(argv=None):
             result = globals()[f"exp_{name}"](mesh, st, out)
             file = out / f"{name}{f'_dp{args.dp}' if args.dp > 1 else ''}_tp{mesh.tp.size}.json"
             _common.saved(name, file, dict(env, results=result), t0, mesh.rank)
-    finally:
-        mesh.destroy()
 
 
 if __name__ == "__main__":

@@ -682,7 +682,7 @@ def main(argv=None):
     if world == 1:
         sys.exit("run it on 2 or more processes: torchrun --nproc_per_node 2 lessons/06_context_parallel/experiment.py")
     mesh = Mesh.init(cp=world, device=_common.experiment_device("06_context_parallel"))
-    try:
+    with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         st = settings(args.fast, mesh.device.type)
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, cp=world, torch=torch.__version__,
                    threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
@@ -690,8 +690,6 @@ def main(argv=None):
             t0 = time.perf_counter()
             result = globals()[f"exp_{name}"](mesh, st, out)
             _common.saved(name, out / f"{name}_cp{world}.json", dict(env, results=result), t0, mesh.rank)
-    finally:
-        mesh.destroy()
 
 
 if __name__ == "__main__":

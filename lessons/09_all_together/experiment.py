@@ -727,15 +727,13 @@ def main(argv=None):
         sys.exit(f"the layout {layout_name(layout)} needs {math.prod(layout.values())} processes: torchrun "
                  f"--nproc_per_node {math.prod(layout.values())} lessons/09_all_together/experiment.py")
     mesh = Mesh.init(**layout, device=_common.experiment_device("09_all_together"))
-    try:
+    with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, torch=torch.__version__,
                    threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
         for name in names:
             t0 = time.perf_counter()
             result = globals()[f"exp_{name}"](mesh, st, out)
             _common.saved(name, out / f"{name}_{layout_name(layout)}.json", dict(env, results=result), t0, mesh.rank)
-    finally:
-        mesh.destroy()
 
 
 if __name__ == "__main__":
