@@ -141,16 +141,17 @@ def check(cfg, model_config):
     """Expert parallelism's rules: the one-sentence problem with these settings, or None."""
     ep = cfg.ep
     E = model_config.num_local_experts
-    if cfg.dp % ep:
-        good = ", ".join(str(d) for d in range(1, cfg.dp + 1) if cfg.dp % d == 0)
-        return (f"ep={ep} does not divide dp={cfg.dp} (expert-parallel ranks are carved out of the data-parallel "
-                f"ranks); pick ep in {{{good}}}.")
     if ep > 1 and not E:
         return (f"ep={ep} needs a model with experts, but {cfg.preset!r} is dense; add --experts E (e.g. 4) or "
                 f"use --preset tiny-moe.")
-    if E and ep > 1 and E % ep:
-        good = [d for d in range(1, E + 1) if E % d == 0 and cfg.dp % d == 0]
-        return f"ep={ep} does not divide the {E} experts; pick ep in {{{', '.join(map(str, good))}}}."
+    if cfg.dp % ep or (E and E % ep):  # the experts are split over ep ranks carved out of the dp ranks
+        broken = " and ".join(w for w, bad in ((f"dp={cfg.dp}", cfg.dp % ep), (f"the {E} experts", E and E % ep)) if bad)
+        good = [d for d in range(1, cfg.dp + 1) if cfg.dp % d == 0 and (not E or E % d == 0)]
+        only = "" if len(good) > 1 else \
+            f" (with dp={cfg.dp} only ep=1 fits; e.g. --dp {E} --ep {E} puts the experts on {E} ranks)" if E else ""
+        return (f"ep={ep} does not divide {broken} (expert-parallel ranks are carved out of the dp={cfg.dp} "
+                f"data-parallel ranks and each holds an equal share of the {E} experts, so ep must divide both); "
+                f"pick ep in {{{', '.join(map(str, good))}}}{only}.")
     if E and model_config.num_experts_per_tok > E:
         return (f"top_k={model_config.num_experts_per_tok} is more than the {E} experts; pick top_k between 1 "
                 f"and {E}.")

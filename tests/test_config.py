@@ -107,8 +107,8 @@ def test_sp_needs_local_sequence_divisible_by_tp():
 
 
 def test_ep_must_divide_dp(implemented):
-    msg = error_of(world_size=2, dp=2, ep=3)
-    assert "ep=3 does not divide dp=2" in msg and "pick ep in {1, 2}" in msg
+    msg = error_of(world_size=2, dp=2, ep=3, preset="tiny-moe")
+    assert "ep=3 does not divide dp=2 and the 4 experts" in msg and "pick ep in {1, 2}" in msg
 
 
 def test_seq_len_within_max_positions():

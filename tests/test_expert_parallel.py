@@ -254,7 +254,12 @@ def test_bad_settings_get_one_sentence():
         return str(e.value)
     assert error(dp=4, ep=3, preset="tiny-moe").startswith("ep=3 does not divide dp=4")
     assert error(dp=2, ep=2).startswith("ep=2 needs a model with experts")
-    assert error(dp=8, ep=8, preset="tiny-moe").startswith("ep=8 does not divide the 4 experts; pick ep in {1, 2, 4}")
+    assert error(dp=8, ep=8, preset="tiny-moe").startswith("ep=8 does not divide the 4 experts (")
+    assert error(dp=8, ep=8, preset="tiny-moe").endswith("so ep must divide both); pick ep in {1, 2, 4}.")
+    # the rule names every number it depends on: with dp=3 and 4 experts only ep=1 fits, and it says so
+    assert error(dp=3, ep=3, preset="tiny-moe").endswith(
+        "dp=3 data-parallel ranks and each holds an equal share of the 4 experts, so ep must divide both); pick ep in "
+        "{1} (with dp=3 only ep=1 fits; e.g. --dp 4 --ep 4 puts the experts on 4 ranks).")
     assert error(preset="tiny-moe", top_k=5).startswith("top_k=5 is more than the 4 experts")
     assert "not supported" in error(preset="tiny-moe", cp=2)
     assert "zero=3" in error(preset="tiny-moe", dp=2, zero=3)
