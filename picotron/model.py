@@ -50,7 +50,7 @@ Each RMSNorm and dense MLP has a `kernel` attribute, "plain" (the PyTorch ops wr
 import json
 import math
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -142,27 +142,69 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
-        """Read a Hugging Face Llama `config.json` (transformers 4 or 5 spelling); reject what we don't model."""
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        heads = d["num_attention_heads"]
-        problems = [
-            f"rope_type={rope_type!r} (only plain RoPE)" if rope_type != "default" else "",
-            f"hidden_act={d.get('hidden_act')!r} (only silu)" if d.get("hidden_act", "silu") != "silu" else "",
-            "attention_bias/mlp_bias" if d.get("attention_bias") or d.get("mlp_bias") else "",
-            "head_dim != hidden_size/num_attention_heads"
-            if d.get("head_dim", d["hidden_size"] // heads) * heads != d["hidden_size"] else "",
+        """Read a Hugging Face `config.json` of a LlamaForCausalLM or MixtralForCausalLM as transformers 4 or 5
+        writes it: an absent or null key means what it means to transformers (HF_DEFAULTS; a null
+        num_key_value_heads or head_dim is derived from the head count); a field we cannot honour is refused."""
+        model_type = d.get("model_type") or ("mixtral" if "num_local_experts" in d else "llama")
+        if model_type not in HF_DEFAULTS:
+            raise ValueError(f"unsupported config: model_type={model_type!r}, but picotron reads only 'llama' and "
+                             f"'mixtral' configs (other families differ in ways their config.json does not spell out).")
+        defaults = HF_DEFAULTS[model_type]
+        c = {**defaults, **{k: v for k, v in d.items() if k in defaults and v is not None}}
+        if c["num_key_value_heads"] is None or ("num_key_value_heads" in d and d["num_key_value_heads"] is None):
+            c["num_key_value_heads"] = c["num_attention_heads"]  # what LlamaConfig (and Mixtral in 4.x) do with null
+        h, a, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+        ropes = [r for r in (d.get("rope_parameters"), d.get("rope_scaling")) if r]  # transformers 5, 4
+        theta = next((r["rope_theta"] for r in ropes if r.get("rope_theta") is not None), c["rope_theta"])
+        partial = next((r["partial_rotary_factor"] for r in (*ropes, d) if r.get("partial_rotary_factor") is not None),
+                       1)
+        head_dim = d.get("head_dim")
+        # MixtralConfig has no attention_bias/mlp_bias: transformers ignores them there, and so do we
+        biases = [k for k in ("attention_bias", "mlp_bias") if d.get(k)] if model_type == "llama" else []
+        problems = [f"rope_type={t!r}, but picotron has only plain RoPE (rope_type 'default'); its frequencies differ "
+                    f"from that scaling's, so load a checkpoint without rope scaling"
+                    for t in {r.get("rope_type", r.get("type", "default")) for r in ropes} if t != "default"]
+        problems += [
+            f"partial_rotary_factor={partial}, but picotron rotates the whole head (factor 1)" if partial != 1 else "",
+            f"hidden_act={d['hidden_act']!r}, but picotron's MLP is SwiGLU ('silu' only)"
+            if d.get("hidden_act", "silu") != "silu" else "",
+            f"{' and '.join(f'{k}=true' for k in biases)}, but picotron's Linear layers have no bias" if biases else "",
+            f"hidden_size={h} is not a multiple of num_attention_heads={a}" if h % a else "",
+            f"head_dim={head_dim}, but picotron's attention always has head_dim = hidden_size/num_attention_heads = "
+            f"{h}/{a} = {h // a}, so it can load only checkpoints where the two agree"
+            if head_dim is not None and not h % a and head_dim != h // a else "",
+            f"num_attention_heads={a} is not a multiple of num_key_value_heads={kv} (each KV head serves a whole "
+            f"number of query heads)" if a % kv else "",
+            f"sliding_window={d['sliding_window']}, but picotron has only full causal attention (equal only when no "
+            f"sequence is longer than the window: then set it to null)" if d.get("sliding_window") is not None else "",
+            f"attention_dropout={d['attention_dropout']}, but picotron has no dropout; set it to 0.0 (inference does "
+            f"not use it)" if d.get("attention_dropout") else "",
+            f"router_jitter_noise={d['router_jitter_noise']}, but picotron's router has no noise; set it to 0.0 "
+            f"(inference does not use it)" if d.get("router_jitter_noise") else "",
+            "quantization_config is set, but picotron loads only unquantized weights" if d.get("quantization_config")
+            else "",
         ]
         if any(problems):
-            raise ValueError(f"unsupported Llama config: {', '.join(p for p in problems if p)}.")
-        if d.get("sliding_window") is not None:
-            raise ValueError(f"unsupported config: sliding_window={d['sliding_window']} (only full causal attention).")
-        names = {f.name for f in fields(cls)} - {"attn_impl"}
-        kwargs = {k: v for k, v in d.items() if k in names}
-        kwargs.setdefault("num_key_value_heads", heads)
-        kwargs["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-        return cls(**kwargs)
+            raise ValueError(f"unsupported {model_type} config: {'; '.join(p for p in problems if p)}.")
+        c["rope_theta"] = float(theta)
+        c["rms_norm_eps"], c["initializer_range"] = float(c["rms_norm_eps"]), float(c["initializer_range"])
+        c["tie_word_embeddings"] = bool(c["tie_word_embeddings"])
+        if model_type == "mixtral" and d.get("capacity_factor") is not None:  # picotron's own key (save_hf writes it)
+            c["capacity_factor"] = float(d["capacity_factor"])
+        return cls(**c)
 
+
+# What a key that config.json leaves out means: the defaults of transformers' LlamaConfig and MixtralConfig, the
+# same in transformers 4 and 5 (tests/test_hf_files.py checks them against the installed version).
+_HF_COMMON = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                  rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.02)
+HF_DEFAULTS = {
+    "llama": dict(_HF_COMMON, intermediate_size=11008, num_key_value_heads=None, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6),
+    "mixtral": dict(_HF_COMMON, intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                    rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2,
+                    router_aux_loss_coef=0.001),
+}
 
 PRESETS = {
     # Lessons and tests: byte-level vocabulary, fast on a laptop CPU.
@@ -442,7 +484,10 @@ class Llama(nn.Module):
         from safetensors.torch import load_file
 
         directory = Path(directory)
-        config = ModelConfig.from_hf_dict(json.loads((directory / "config.json").read_text()))
+        try:
+            config = ModelConfig.from_hf_dict(json.loads((directory / "config.json").read_text()))
+        except ValueError as e:
+            raise ValueError(f"{directory / 'config.json'}: {e}") from None
         index = directory / "model.safetensors.index.json"
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
             else ["model.safetensors"]
