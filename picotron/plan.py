@@ -7,7 +7,14 @@ remains, take the fastest. `planner.memory_per_stage` gives the bytes of a layou
   * `step_time`: seconds of one optimizer step by part, from an α-β model of every strategy's collectives;
   * `search`: every layout of a job, ranked by predicted tokens/s, and the rejected ones with their reason;
   * `PUBLISHED`: large runs whose layout and throughput were published, evaluated and ranked by the same model;
-  * the command line (`--layout tp8,pp16,dp128` evaluates one layout instead of searching).
+  * the command line (`--layout tp8,pp16,dp128` evaluates one layout instead of searching; every layout a table row
+    prints, e.g. `dp2,tp4,pp2,cp4,sp,zero1,interleaved-v2,mbs2,ga32`, is accepted verbatim and evaluates the same).
+
+Headroom: a layout may fill only 1 − HEADROOM (0.9) of each GPU's memory by default (`usable`; `--headroom 0.2`
+keeps 20% free, `--headroom 0` none): the model below counts the parameters, gradients, optimizer state and what
+autograd keeps, not the CUDA context, NCCL's buffers, the allocator's fragmentation or the temporaries, which take
+several GiB of an 80 GB card. The header of every answer says how much is usable. `--published` judges the published
+runs against the whole card (they ran).
 
 The time model (every term in one function, `step_time`), for one rank of the busiest pipeline stage:
   compute   FLOPs per token (6N + 12·L·h·s, the trainer's count, attention not halved for causality; + the recomputed
@@ -83,6 +90,20 @@ GPUS = {  # datasheet dense bf16 peaks, memory as nvidia-smi / torch report it, 
                      source="NVIDIA H200 datasheet (H100's compute, 141 GB HBM3e; nvidia-smi shows 143,771 MiB); "
                             "400 Gb/s per GPU"),
 }
+
+
+# Of each GPU's memory, the fraction a plan leaves free by default for what the memory model does not count: the CUDA
+# context and kernels' modules (0.5-1 GiB), NCCL's buffers (hundreds of MiB per communicator), the caching allocator's
+# fragmentation and the temporaries of the largest op, several GiB on an 80 GB card together. `--headroom 0` drops it.
+HEADROOM = 0.1
+
+
+def usable(hw, headroom=HEADROOM):
+    """`hw` with the memory a plan may fill: all but `headroom` (a fraction) of the card's."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"--headroom {headroom} must be a fraction in [0, 1); e.g. --headroom 0.1 keeps 10% of each "
+                         f"GPU's memory free.")
+    return replace(hw, memory=hw.memory * (1 - headroom))
 
 
 def cpu_hardware(peak, alpha, bw, cores, memory=16 * GiB, efficiency=1.0):
@@ -214,6 +235,8 @@ def check_layout(mc, layout, seq_len, hw, global_seqs, dtype="bf16", recipe="mix
     a pipeline unless `zero_with_pp` (FSDP with pipelining, as Llama 3 ran: gradients reduce-scattered every
     micro-batch)."""
     heads, kv = mc.num_attention_heads, mc.num_key_value_heads
+    if global_seqs % (layout.dp * layout.micro_batch_size):
+        return None, _indivisible(global_seqs, layout)
     if heads % layout.tp or kv % layout.tp:
         return None, f"tp={layout.tp} does not divide the {heads} attention heads and {kv} KV heads"
     if (layout.tp > hw.gpus_per_node or hw.gpus_per_node % layout.tp) and not cross_node_tp:
@@ -240,6 +263,11 @@ def check_layout(mc, layout, seq_len, hw, global_seqs, dtype="bf16", recipe="mix
         parts = ", ".join(f"{k} {mem[k] / GiB:.1f}" for k in ("params", "grads", "optimizer", "activations"))
         return mem, f"does not fit: {mem['total'] / GiB:.1f} GiB > {hw.memory / GiB:.1f} GiB ({parts})"
     return mem, None
+
+
+def _indivisible(global_seqs, layout):
+    return (f"the global batch of {global_seqs} sequences is not divisible by dp·mbs = {layout.dp}·"
+            f"{layout.micro_batch_size}")
 
 
 SPACE = dict(  # what `candidates` enumerates; a run's `available` narrows it
@@ -293,8 +321,7 @@ def search(mc, gpus, hw, seq_len, global_seqs, dtype="bf16", recipe="mixed", spa
     zpp = bool(space and space.get("zero_with_pp"))
     for layout in candidates(mc, gpus, hw, seq_len, global_seqs, space):
         if layout.grad_acc == 0:
-            rejected.append((layout, f"the global batch of {global_seqs} sequences is not divisible by dp·mbs = "
-                                     f"{layout.dp}·{layout.micro_batch_size}"))
+            rejected.append((layout, _indivisible(global_seqs, layout)))
             continue
         mem, why = check_layout(mc, layout, seq_len, hw, global_seqs, dtype, recipe, cross_node_tp=cross,
                                 zero_with_pp=zpp)
@@ -490,10 +517,13 @@ def build_parser():
     p.add_argument("--nodes", type=int, default=None)
     p.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
     p.add_argument("--gpus-per-node", type=int, default=None)
-    p.add_argument("--memory-gib", type=float, default=None, help="memory per GPU (default: the GPU's)")
-    p.add_argument("--headroom", type=float, default=0.0,
-                   help="fraction of each GPU's memory to keep free for what the model does not count (allocator "
-                        "fragmentation, the CUDA context, NCCL buffers); e.g. 0.1. Default 0: the whole memory")
+    p.add_argument("--memory-gib", type=float, default=None, help="memory per GPU (default: the GPU's); the "
+                                                                       "headroom is kept free of it too")
+    p.add_argument("--headroom", type=float, default=HEADROOM, metavar="FRACTION",
+                   help=f"fraction of each GPU's memory a layout may not use, for what the memory model does not count "
+                        f"(the CUDA context, NCCL's buffers, the allocator's fragmentation); default {HEADROOM:g} "
+                        f"({100 * HEADROOM:g}%%); --headroom 0 plans to the last byte. --published judges the "
+                        f"published runs against the whole card")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step: 4M, 512K (K = 1024) or a number")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="element size of activations and messages")
@@ -501,7 +531,7 @@ def build_parser():
                    help="bytes per parameter and activations: bf16 mixed precision 2+2+12 (default), with fp32 gradient "
                         "accumulation 2+4+12, or picotron's fp32 trainer 4+4+8"),
     p.add_argument("--layout", default=None, help="evaluate this layout, e.g. tp8,pp16,dp128 (+ zero1, sp, mbs2, ga8, "
-                                                  "interleaved, v2, recompute-full)")
+                                                  "interleaved-v2, recompute-full): any layout a table row shows")
     p.add_argument("--max-tp", type=int, default=None, help="search tp up to this (beyond a node: flagged)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--published", action="store_true", help="evaluate and rank the published runs instead")
@@ -527,11 +557,7 @@ def _job(ns):
         if not ns.memory_gib > 0:
             raise PlanError(f"--memory-gib {ns.memory_gib} must be positive; e.g. --memory-gib 40.")
         hw = replace(hw, memory=ns.memory_gib * GiB)
-    if not 0 <= ns.headroom < 1:
-        raise PlanError(f"--headroom {ns.headroom} must be a fraction in [0, 1); e.g. --headroom 0.1 keeps 10% of each "
-                        f"GPU's memory free.")
-    if ns.headroom:
-        hw = replace(hw, memory=hw.memory * (1 - ns.headroom))
+    card, hw = hw, usable(hw, ns.headroom)
     overrides = {f: getattr(ns, f) for f in MODEL_FIELDS if getattr(ns, f, None) is not None}
     for ours in ("experts", "top_k"):
         if getattr(ns, ours) is not None:
@@ -544,6 +570,9 @@ def _job(ns):
     if bad:
         raise PlanError(f"{bad} must be a positive number.")
     mc = ModelConfig.from_preset(ns.preset, **overrides)
+    base = ModelConfig.from_preset(ns.preset)
+    changed = [f"{k}={v}" for k, v in overrides.items() if getattr(base, k) != v]
+    name = ns.preset + (" with " + ", ".join(changed) if changed else "")  # what the model is, not only its preset
     if mc.hidden_size % mc.num_attention_heads or mc.num_attention_heads % mc.num_key_value_heads:
         raise PlanError(f"hidden_size {mc.hidden_size}, {mc.num_attention_heads} heads and {mc.num_key_value_heads} KV "
                         f"heads do not nest (heads must divide hidden_size, KV heads the heads); change one of them.")
@@ -555,22 +584,30 @@ def _job(ns):
     if tokens % ns.seq_len:
         raise PlanError(f"--global-batch-tokens {tokens} is not a whole number of sequences of --seq-len {ns.seq_len}; "
                         f"use a multiple of {ns.seq_len} (e.g. {max(1, tokens // ns.seq_len) * ns.seq_len}).")
-    return mc, hw, gpus, tokens // ns.seq_len
+    return dict(name=name, mc=mc, card=card, hw=hw, gpus=gpus, seqs=tokens // ns.seq_len)
 
 
-def _row(layout, mem, t, hw=None):
-    flag = "*" if hw is not None and _link(hw, layout.tp)[1] != hw.intra_bw else ""
-    return (f"{str(layout) + flag:52s} {mem['total'] / GiB:7.1f} {t['total']:8.3f} {t['tokens_per_s']:11,.0f} "
+def _row(layout, mem, t, hw=None, why=None):
+    """One table row; the layout first, as --layout reads it. A layout refused before its memory means anything (a
+    shape, the batch) shows a dash and the refusal; a tp wider than a node ends in '*'."""
+    if mem is None or t is None:
+        return f"{str(layout):52s} {'—':>7s}  refused: {why}"
+    flag = "  *" if hw is not None and _link(hw, layout.tp)[1] != hw.intra_bw else ""
+    return (f"{str(layout):52s} {mem['total'] / GiB:7.1f} {t['total']:8.3f} {t['tokens_per_s']:11,.0f} "
             f"{100 * t['mfu']:5.1f}%  " + " ".join(f"{k} {100 * t[k] / t['total']:.0f}%" for k in
-                                                   ("compute", "tp", "cp", "ep", "pp", "bubble", "dp") if t[k] > 0))
+                                                   ("compute", "tp", "cp", "ep", "pp", "bubble", "dp") if t[k] > 0)
+            + flag)
 
 
 HEADER = f"{'layout':52s} {'GiB/GPU':>7s} {'step s':>8s} {'tokens/s':>11s} {'MFU':>6s}  step time by part"
 
 
-def _describe(name, mc, gpus, hw, seq_len, seqs, headroom=0.0):
-    mem = f"{hw.memory / GiB:.1f} GiB" + (f" usable, {100 * headroom:g}% kept free" if headroom else "")
-    return (f"{name} ({mc.num_params() / 1e9:.2f} B parameters) on {gpus} x {hw.name} ({mem}, "
+def _describe(job, seq_len, headroom):
+    """The header: the model (a preset, or what overrides it), the GPUs, the memory a layout may use, the batch."""
+    hw, card, seqs = job["hw"], job["card"], job["seqs"]
+    mem = (f"{hw.memory / GiB:.1f} GiB usable: {100 * headroom:g}% of the {card.memory / GiB:.1f} GiB kept free"
+           if headroom else f"{card.memory / GiB:.1f} GiB, no headroom")
+    return (f"{job['name']} ({job['mc'].num_params() / 1e9:.2f} B parameters) on {job['gpus']} x {card.name} ({mem}, "
             f"{hw.gpus_per_node} per node), seq {seq_len}, {seqs} sequences ({seqs * seq_len:,} tokens) per step")
 
 
@@ -601,16 +638,19 @@ def main(argv=None):
         if ns.published:
             print_published()
             return 0
-        mc, hw, gpus, seqs = _job(ns)
+        job = _job(ns)
+        mc, hw, gpus, seqs = job["mc"], job["hw"], job["gpus"], job["seqs"]
         if ns.layout:
             layout = Layout.parse(ns.layout)
             if layout.gpus != gpus:
                 raise PlanError(f"--layout {ns.layout!r} uses {layout.gpus} GPUs (dp·tp·pp·cp), not {gpus}; "
                                 f"change a degree or --gpus.")
-            if "ga" not in ns.layout:
-                layout = replace(layout, grad_acc=max(1, seqs // (layout.dp * layout.micro_batch_size)))
+            if "ga" not in ns.layout:  # the micro-batches that make the batch (0, printed without ga: none do)
+                per = layout.dp * layout.micro_batch_size
+                layout = replace(layout, grad_acc=seqs // per if seqs % per == 0 else 0)
             mem, why = check_layout(mc, layout, ns.seq_len, hw, seqs, ns.dtype, ns.recipe, cross_node_tp=True)
-            print(_describe(ns.preset, mc, gpus, hw, ns.seq_len, seqs, ns.headroom))
+            t = step_time(mc, layout, ns.seq_len, hw, ns.dtype, ns.recipe) if mem else None  # none if refused early
+            print(_describe(job, ns.seq_len, ns.headroom))
             if _link(hw, layout.tp)[1] != hw.intra_bw:
                 print(f"note: tp={layout.tp} crosses nodes of {hw.gpus_per_node}: its all-reduces run on the network")
             print(f"{layout}: " + ("fits" if why is None else "does not run: " + why))
@@ -618,19 +658,24 @@ def main(argv=None):
                 stages = [r["total"] / GiB for r in memory_per_stage(mc, layout, ns.seq_len, ns.dtype, ns.recipe)]
                 print("memory per GPU (GiB), busiest stage: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in mem.items())
                       + ("; total per stage: " + ", ".join(f"{x:.1f}" for x in stages) if len(stages) > 1 else ""))
-            t = step_time(mc, layout, ns.seq_len, hw, ns.dtype)
             print(HEADER)
-            print(_row(layout, mem or {"total": float("nan")}, t, hw))
-            print(f"predicted: {t['total']:.3f} s per step, {t['tokens_per_s']:,.0f} tokens/s, {t['tflops']:.0f} TFLOP/s "
-                  f"per GPU of model FLOPs, MFU {100 * t['mfu']:.1f}% (efficiency {hw.efficiency:.2f} of the peak)")
+            print(_row(layout, mem, t, hw, why))
+            if t and _link(hw, layout.tp)[1] != hw.intra_bw:
+                print(f"* tp crosses nodes of {hw.gpus_per_node} GPUs")
+            if t:
+                print(f"predicted: {t['total']:.3f} s per step, {t['tokens_per_s']:,.0f} tokens/s, {t['tflops']:.0f} "
+                      f"TFLOP/s per GPU of model FLOPs, MFU {100 * t['mfu']:.1f}% (efficiency {hw.efficiency:.2f} of "
+                      f"the peak)")
             return 0 if why is None else 1
         space = {"max_tp": ns.max_tp} if ns.max_tp else None
         plan = search(mc, gpus, hw, ns.seq_len, seqs, ns.dtype, ns.recipe, space)
-        print(_describe(ns.preset, mc, gpus, hw, ns.seq_len, seqs, ns.headroom) + f": {len(plan.ranked)} layouts fit, "
-              f"{len(plan.rejected)} rejected")
+        print(_describe(job, ns.seq_len, ns.headroom) + f": {len(plan.ranked)} layouts fit, {len(plan.rejected)} "
+              f"rejected")
         print(HEADER)
         for layout, mem, t in plan.ranked[:ns.top]:
             print(_row(layout, mem, t, hw))
+        if not plan.ranked:
+            print(f"{'(no layout fits)':52s} {'—':>7s}")
         if any(_link(hw, lay.tp)[1] != hw.intra_bw for lay, _, _ in plan.ranked[:ns.top]):
             print(f"* tp crosses nodes of {hw.gpus_per_node} GPUs")
         reasons = {}

@@ -243,7 +243,8 @@ class Layout:
     @classmethod
     def parse(cls, text, **overrides):
         """'tp8,pp16,dp128' in any order (missing degrees = 1), with optional items 'sp', 'zero1', 'mbs2', 'ga8',
-        'recompute-full', '1f1b' (or another schedule), 'v2' (interleaved chunks). One sentence if it cannot."""
+        'recompute-full', '1f1b' (or another schedule), 'v2' (interleaved chunks; 'interleaved-v2' says both, as
+        str() prints it). Reads back what str() writes. One sentence if it cannot."""
         from picotron.pipeline_parallel import SCHEDULES
         values = {}
         for item in (t.strip() for t in str(text).replace(" ", ",").split(",")):
@@ -251,18 +252,25 @@ class Layout:
                 continue
             key = next((k for k in ("zero", "mbs", "ga", "dp", "tp", "pp", "cp", "ep", "v")
                         if item.startswith(k) and item[len(k):].isdigit()), None)
+            chunks = item.rpartition("-v")  # 'interleaved-v2': the schedule and its chunks in one item
             if key:
-                values[{"mbs": "micro_batch_size", "ga": "grad_acc", "v": "pp_chunks"}.get(key, key)] = int(item[len(key):])
+                number = int(item[len(key):])
+                if number < (0 if key == "zero" else 1) or (key == "zero" and number > 3):
+                    raise ValueError(f"layout item {item!r} in {text!r}: " + (
+                        "ZeRO's stage is 0, 1, 2 or 3" if key == "zero" else f"{key} must be at least 1") + ".")
+                values[{"mbs": "micro_batch_size", "ga": "grad_acc", "v": "pp_chunks"}.get(key, key)] = number
             elif item == "sp":
                 values["sp"] = True
             elif item in SCHEDULES:
                 values["pp_schedule"] = item
+            elif chunks[0] == "interleaved" and chunks[2].isdigit() and int(chunks[2]) >= 1:
+                values["pp_schedule"], values["pp_chunks"] = "interleaved", int(chunks[2])
             elif item.startswith("recompute-") and item[10:] in RECOMPUTE:
                 values["recompute"] = item[10:]
             else:
                 raise ValueError(f"layout item {item!r} in {text!r} is not one of dp/tp/pp/cp/ep/zero/mbs/ga/v followed by a "
-                                 f"number, 'sp', 'recompute-none|selective|full' or a schedule ({', '.join(SCHEDULES)}); "
-                                 f"e.g. 'tp8,pp16,dp128'.")
+                                 f"number, 'sp', 'recompute-none|selective|full', a schedule ({', '.join(SCHEDULES)}) "
+                                 f"or 'interleaved-v<chunks>'; e.g. 'tp8,pp16,dp128'.")
         return cls(**{**values, **overrides})
 
     @classmethod
@@ -272,11 +280,12 @@ class Layout:
                    grad_acc=cfg.grad_acc, recompute=cfg.recompute)
 
     def __str__(self):
+        """'dp2,tp4,pp2,sp,zero1,interleaved-v2,mbs2,ga32': what `parse` reads back as this layout."""
         parts = [f"{k}{getattr(self, k)}" for k in DEGREES if getattr(self, k) > 1] or ["dp1"]
         parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
         if self.pp > 1:
             parts.append(self.pp_schedule + (f"-v{self.pp_chunks}" if self.pp_schedule == "interleaved" else ""))
-        parts += [f"mbs{self.micro_batch_size}", f"ga{self.grad_acc}"]
+        parts += [f"mbs{self.micro_batch_size}"] + [f"ga{self.grad_acc}"] * (self.grad_acc > 0)  # 0: no whole number
         return ",".join(parts + [f"recompute-{self.recompute}"] * (self.recompute != "none"))
 
 

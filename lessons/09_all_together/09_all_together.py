@@ -383,9 +383,12 @@ check("the predicted throughput is within 25% of each published one", all(0.75 <
 #
 # The Ultra-Scale Playbook's three steps, as a search (`plan.search`): every (dp, tp, pp, cp, ZeRO, sp,
 # micro-batch, recomputation, schedule) of the job, tp at most a node; **(1)** reject what does not fit the GPU's
-# memory (bf16 mixed precision); **(2)** reject what does not run exactly the global batch (dp × micro-batch ×
-# accumulation sequences); **(3)** rank the rest by predicted tokens/s. The jobs: H100 80 GB (8 per node), each
-# model at its training context (SmolLM 2,048 tokens, Llama 3 8,192), 4M tokens per step.
+# memory (bf16 mixed precision) less a headroom: the model counts the model states and the activations, not the CUDA
+# context, NCCL's buffers or the allocator's fragmentation, which take several GiB of a real card, so the plan keeps
+# `plan.HEADROOM` = 10% of it free (71.7 of an H100's 79.6 GiB; `python -m picotron.plan` does the same, `--headroom
+# 0` to fill the card); **(2)** reject what does not run exactly the global batch (dp × micro-batch × accumulation
+# sequences); **(3)** rank the rest by predicted tokens/s. The jobs: H100 80 GB (8 per node), each model at its
+# training context (SmolLM 2,048 tokens, Llama 3 8,192), 4M tokens per step.
 
 # %%
 GPU_COUNTS = (8, 64, 256, 1024)
@@ -415,8 +418,14 @@ lesson.plot_plan(j8); plt.show()
 j70 = {j["gpus"]: j for j in jobs if j["name"] == "llama3-70b"}
 check("Llama 3 70B fits on no layout of 8 GPUs", not j70[8]["plan"].ranked,
       f"even its model states alone, 16 bytes x {j70[8]['mc'].num_params() / 1e9:.1f} B parameters / 8 GPUs = "
-      f"{16 * j70[8]['mc'].num_params() / 8 / 2**30:.0f} GiB per GPU > {j70[8]['hw'].memory / 2**30:.1f} "
+      f"{16 * j70[8]['mc'].num_params() / 8 / 2**30:.0f} GiB per GPU > {j70[8]['hw'].memory / 2**30:.1f} usable "
       f"(every degree together divides them by 8 at most)")
+bare, kept = lesson.decide("llama3-70b", 256, headroom=0)["plan"].ranked[0], j70[256]["plan"].ranked[0]
+check("the headroom changes Llama 3 70B's answer on 256 GPUs: the fastest layout on the whole card leaves less than "
+      "10% of it free", bare[1]["total"] > j70[256]["hw"].memory and str(bare[0]) != str(kept[0]),
+      f"--headroom 0: {bare[0]}, {bare[1]['total'] / 2**30:.1f} of {j70[256]['card'].memory / 2**30:.1f} GiB, MFU "
+      f"{100 * bare[2]['mfu']:.0f}%; 10% kept free: {kept[0]}, {kept[1]['total'] / 2**30:.1f} GiB, MFU "
+      f"{100 * kept[2]['mfu']:.0f}%")
 check("Llama 3 8B on 1,024 GPUs: 512 sequences per step leave room for dp <= 512, so every layout that runs is also "
       "tp, pp or cp", all(lay.dp <= 512 and lay.tp * lay.pp * lay.cp >= 2 for lay, _, _ in j1k["plan"].ranked),
       f"{len(j1k['plan'].ranked)} layouts run; the batch rejected {j1k['counts'].get('batch', 0)} (dp = 1,024)")
@@ -437,10 +446,12 @@ print(f"SmolLM-1.7B on 1,024 GPUs: the fastest pure-dp layout, {pure[0]}, {pure[
 # the GPUs — at 1,024 GPUs and 2,048 sequences a replica would get two, too little backward to hide the gradients'
 # all-reduce across nodes behind (the line above), and tensor parallelism inside the node takes over: fewer, larger
 # replicas. Llama 3 8B's model states need sharding or model parallelism from the start, and a 70B model's do not
-# fit 8 GPUs at all (the model states per model are printed below). MFU falls as the GPUs grow for a fixed global
-# batch: fewer micro-batches per replica, so a larger bubble and less backward to hide the gradients behind. Many
-# layouts tie within a percent at the top (the same degrees with another ZeRO stage or micro-batch): the ranking of
-# close layouts is the model's weakest point.
+# fit 8 GPUs at all (the model states per model are printed below). The headroom is not a detail: the fastest
+# layouts of Llama 3 70B on 256 GPUs fill the card to within a few hundred MiB, which a real run would not survive,
+# and keeping 10% free moves the answer to a pipelined layout a few percent slower. MFU falls as the GPUs grow for
+# a fixed global batch: fewer micro-batches per replica, so a larger bubble and less backward to hide the gradients
+# behind. Many layouts tie within a percent at the top (the same degrees with another ZeRO stage or micro-batch):
+# the ranking of close layouts is the model's weakest point.
 
 # %%
 H100 = plan.GPUS["h100-80gb"].memory
@@ -456,8 +467,8 @@ for name in lesson.JOBS:
 #
 # ## 6. Explore: a model, GPUs, memory and a sequence length → ranked layouts
 #
-# Pick a model, the number of GPUs (H100s, 8 per node), the memory per GPU and the sequence length (4M tokens per
-# step).
+# Pick a model, the number of GPUs (H100s, 8 per node), the memory per GPU (the plan uses 90% of it, as above) and
+# the sequence length (4M tokens per step).
 # Left: the memory per GPU of the fastest layout of each shape, by part, against the budget; right: its predicted
 # step time by part (compute, tp, cp, pp's sends, the bubble, dp's exposed all-reduce). Questions: at what memory
 # does Llama 3 8B on 8 GPUs stop needing ZeRO-3? How does a 32k sequence change Llama 3 70B's best layout on 256

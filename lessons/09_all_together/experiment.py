@@ -350,23 +350,28 @@ def reason_class(why):
     return "shape"
 
 
-def decide(name, gpus, memory_gib=None, seq_len=None, tokens=GLOBAL_TOKENS, gpu="h100-80gb"):
-    """picotron.plan.search for one job: the model, GPUs (8 per node), memory per GPU (default the GPU's), the sequence
-    (default the model's training context) and the global batch in tokens. Returns the plan, the hardware, the job,
-    the rejections counted by step, and the first rejected candidate in the search's order."""
+def decide(name, gpus, memory_gib=None, seq_len=None, tokens=GLOBAL_TOKENS, gpu="h100-80gb", headroom=None):
+    """picotron.plan.search for one job: the model, GPUs (8 per node), memory per GPU (default the GPU's) of which a
+    layout may use all but `headroom` (default plan.HEADROOM, 10%: the CUDA context, NCCL's buffers, the allocator's
+    fragmentation, as `python -m picotron.plan` keeps), the sequence (default the model's training context) and the
+    global batch in tokens. Returns the plan, the card and the hardware as the search saw it (`hw`: its usable
+    memory), the job, the rejections counted by step, and the first rejected candidate in the search's order."""
     from dataclasses import replace
 
     from picotron import plan
 
-    hw = plan.GPUS[gpu] if memory_gib is None else replace(plan.GPUS[gpu], memory=memory_gib * 2**30)
+    card = plan.GPUS[gpu] if memory_gib is None else replace(plan.GPUS[gpu], memory=memory_gib * 2**30)
+    headroom = plan.HEADROOM if headroom is None else headroom
+    hw = plan.usable(card, headroom)
     seq_len = seq_len or JOBS[name]
     mc = model_of(name)
     result = plan.search(mc, gpus, hw, seq_len, tokens // seq_len)
     counts = {}
     for _, why in result.rejected:
         counts[reason_class(why)] = counts.get(reason_class(why), 0) + 1
-    return dict(name=name, mc=mc, gpus=gpus, hw=hw, seq_len=seq_len, global_seqs=tokens // seq_len, plan=result,
-                counts=counts, first_rejected=result.rejected[0] if result.rejected else None)
+    return dict(name=name, mc=mc, gpus=gpus, card=card, headroom=headroom, hw=hw, seq_len=seq_len,
+                global_seqs=tokens // seq_len, plan=result, counts=counts,
+                first_rejected=result.rejected[0] if result.rejected else None)
 
 
 STEP_PARTS = ("compute", "tp", "cp", "ep", "pp", "bubble", "dp")
@@ -648,10 +653,11 @@ def plot_decisions(rows):
         _legend_below(ax, ncol=3, dy=-0.18)
     ax1.set(ylabel="predicted MFU of the best layout (%)", title="step 3: the fastest layout that fits and reaches "
                                                                  "the batch")
-    hw = rows[0]["hw"]
+    hw, card = rows[0]["hw"], rows[0].get("card", rows[0]["hw"])
     ax2.axhline(hw.memory / 2**30, color="k", ls="--", lw=0.8)
-    ax2.set(ylabel="GiB per GPU (busiest stage)", title=f"its memory (dashed: the {hw.memory / 2**30:.1f} GiB of an "
-                                                         f"{hw.name.split()[0]})")
+    ax2.set(ylabel="GiB per GPU (busiest stage)", title=f"its memory (dashed: the {hw.memory / 2**30:.1f} GiB a layout "
+                                                         f"may use of an {card.name.split()[0]}'s "
+                                                         f"{card.memory / 2**30:.1f})")
     for ax in (ax1, ax2):
         ax.title.set_fontsize(9)
     fig.tight_layout()
@@ -692,7 +698,7 @@ def plot_plan(job, top=6):
                          [p for q in ranked[:y] for p in STEP_PARTS if q[2][p] > 0] else None)
                 left += t[part]
         ax2.text(left, y, f" {t['tokens_per_s']:,.0f} tok/s, MFU {100 * t['mfu']:.0f}%", va="center", fontsize=7)
-    ax1.axvline(job["hw"].memory / 2**30, color="k", ls="--", lw=1, label="memory per GPU")
+    ax1.axvline(job["hw"].memory / 2**30, color="k", ls="--", lw=1, label="usable memory per GPU")
     for ax in (ax1, ax2):
         ax.set_yticks(range(len(ranked)), names if ax is ax1 else [""] * len(ranked), fontsize=6.5)
         ax.set_ylim(len(ranked) - 0.5, -0.5)
@@ -701,7 +707,9 @@ def plot_plan(job, top=6):
     ax1.set_xlabel("GiB per GPU (bf16 mixed precision: 2 + 2 + 12 bytes per parameter)", fontsize=FONT)
     ax2.set_xlabel("predicted seconds per step", fontsize=FONT)
     ax2.set_xlim(0, max((t["total"] for _, _, t in ranked), default=1) * 1.45)
-    fig.suptitle(f"{job['name']} on {job['gpus']} x {job['hw'].name} ({job['hw'].memory / 2**30:.0f} GiB), sequences of "
+    card = job.get("card", job["hw"])
+    fig.suptitle(f"{job['name']} on {job['gpus']} x {card.name} ({card.memory / 2**30:.1f} GiB, "
+                 f"{job['hw'].memory / 2**30:.1f} usable), sequences of "
                  f"{job['seq_len']}, {job['global_seqs']} per step: {len(job['plan'].ranked)} layouts fit, "
                  f"{len(job['plan'].rejected)} rejected", fontsize=9)
     fig.tight_layout()
