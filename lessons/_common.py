@@ -12,6 +12,9 @@
     interactive(draw, controls)     a figure drawn once, then redrawn from ipywidgets controls in a live kernel
     parity(got, ref)                the parity standard applied to two loss curves (window, drift beyond it)
     parity_checks(label, got, ref)  the ✓/✗ lines a lesson prints for them
+    check(name, ok, detail, busy)   print one check line: ✓, ✗, or ? (a timing check the machine was too busy to decide)
+    summary() / tally(text)         the lesson's count of ✓, ? and ✗ (printed / read back from its output)
+    LoadWindow, others_share(...)   the share of the machine's cores other programs used while something was timed
 
 Where the lessons run, one setting read here and nowhere else (see "Lessons on a GPU pod" in the README):
     PICOTRON_DEVICE   auto (default) | cpu | cuda. auto: cuda when torch sees a GPU, else cpu. launch() hands the
@@ -28,6 +31,7 @@ import functools
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -331,6 +335,103 @@ def union_length(intervals):
             total += b - max(a, end)
             end = b
     return total
+
+
+# ------------------------------------------------------------------- checks, and a machine too busy to time
+# A check prints one line: "✓ name: detail" when it holds, "✗ name: detail" when it does not. A check of a *time*
+# (a bubble, a balance, an overlap) may instead print "? name: detail — inconclusive: the machine was busy (...),
+# rerun": only when it missed AND a quantity measured during that very measurement (printed in the line) shows that
+# other programs took the cores. Parity, bytes, counts and memory never get the third mark: busy or not, they hold.
+PASS, INCONCLUSIVE, FAIL = "✓", "?", "✗"
+MARKS = (PASS, INCONCLUSIVE, FAIL)
+# other programs' share of the machine's cores (LoadWindow) above which a timing check that missed is inconclusive:
+# a quiet machine measures under 5% (a 2-core laptop with a browser and Jupyter idling: a few percent)
+BUSY_SHARE = 0.10
+_counts = {mark: 0 for mark in MARKS}
+
+
+def check(name, ok, detail, busy=None):
+    """Print one check line and count it. ✓ if `ok`; otherwise ✗, unless `busy` (given only by timing checks) is a
+    short phrase naming the measured disturbance, e.g. busy_reason(share): then "?" and "inconclusive: the machine was
+    busy (<busy>), rerun". Returns the mark."""
+    mark = PASS if ok else INCONCLUSIVE if busy else FAIL
+    _counts[mark] += 1
+    tail = f" — inconclusive: the machine was busy ({busy}), rerun" if mark == INCONCLUSIVE else ""
+    print(f"{mark} {name}: {detail}{tail}")
+    return mark
+
+
+def busy_reason(share, limit=BUSY_SHARE, what="while it was measured"):
+    """The phrase check() prints as `busy` when other programs' measured share of the cores passes `limit`, else
+    None (then a missed timing check is ✗)."""
+    if share is None or share < limit:
+        return None
+    return f"other programs used {share:.0%} of the {os.cpu_count()} cores {what}, above {limit:.0%}"
+
+
+def summary():
+    """Print the lesson's summary line: its checks (those check() printed in this process), counted by mark."""
+    c = _counts
+    print(f"checks: {c[PASS]} {PASS} hold, {c[INCONCLUSIVE]} {INCONCLUSIVE} inconclusive (the machine was busy: rerun "
+          f"them), {c[FAIL]} {FAIL} fail")
+
+
+def tally(text):
+    """{"passed": n, "inconclusive": [lines], "failed": [lines]} of the check lines in a lesson's printed output."""
+    lines = text.splitlines()
+    return dict(passed=sum(line.startswith(PASS + " ") for line in lines),
+                inconclusive=[line for line in lines if line.startswith(INCONCLUSIVE + " ")],
+                failed=[line for line in lines if line.startswith(FAIL + " ")])
+
+
+def machine_busy_seconds():
+    """Core-seconds the machine's cores have been busy since boot, all processes together (Linux: /proc/stat;
+    steal, time a hypervisor gave the core to another guest, counts as busy), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user..steal (guest time is inside user)
+
+
+class LoadWindow:
+    """What a process needs to tell, afterwards, how much of the machine other programs used during a window:
+    `start()`, then `stop()` -> {wall, busy (the machine's busy core-seconds, None if unknown), own (this process's
+    CPU seconds, all its threads), load (1-minute load average, the fallback)}. Gather every process's stop() and
+    hand the list to others_share()."""
+
+    def __init__(self):
+        self.start()
+
+    def start(self):
+        self.t0, self.b0, self.c0 = time.perf_counter(), machine_busy_seconds(), time.process_time()
+        return self
+
+    def stop(self):
+        b1 = machine_busy_seconds()
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        return dict(wall=time.perf_counter() - self.t0, busy=None if b1 is None or self.b0 is None else b1 - self.b0,
+                    own=time.process_time() - self.c0, load=load)
+
+
+def others_share(windows, cores=None):
+    """Other programs' share of the machine's cores over one window measured by every process of ours
+    (LoadWindow.stop() of each): (busy core-seconds - our processes' CPU seconds) / (cores x wall), in [0, 1].
+    Without /proc/stat: the 1-minute load average beyond our processes, per core (coarser)."""
+    cores = cores or os.cpu_count() or 1
+    wall = max(w["wall"] for w in windows)
+    if wall <= 0:
+        return 0.0
+    if all(w["busy"] is not None for w in windows):
+        busy = statistics.median(w["busy"] for w in windows)  # the same machine, read by each process
+        share = (busy - sum(w["own"] for w in windows)) / (cores * wall)
+    elif windows[0]["load"] is not None:
+        share = (windows[0]["load"] - len(windows)) / cores
+    else:
+        return None
+    return min(1.0, max(0.0, share))
 
 
 # ------------------------------------------------------------------------------- the parity standard

@@ -6,8 +6,9 @@ future); the experiment's helpers (the activation formula against the planner's,
 the block counts per layout, a ring step's blocks, the ring by hand, the naive merge, the block costs and the
 per-rank summary of a timeline, the ring comparison the checker makes) by hand.
 
-No timing is asserted here apart from the notebook's own balance checks, which hold on a quiet machine (it prints
-them; the test requires them, so run it on a machine that is not busy with other work).
+No timing is asserted here apart from the notebook's own balance checks, which hold on a quiet machine, and on a
+machine measured busy may say "?" (inconclusive), never ✗ for that reason (tests/test_lesson_load.py runs them
+under load).
 """
 import json
 import sys
@@ -23,6 +24,7 @@ from picotron import planner
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "lessons" / "06_context_parallel"
 sys.path.insert(0, str(ROOT / "lessons"))
+import _common  # noqa: E402  (lessons/_common.py: the check marks and their tally)
 
 run_checker, mutate, fails_with = solution_tools("06_context_parallel")
 
@@ -221,16 +223,12 @@ def test_the_widget_draws_every_layout_and_step(lesson):
 # ------------------------------------------------------------------------------------------ the notebook
 def test_notebook_runs_in_fast_mode(run_notebook):
     text = run_notebook("06_context_parallel", timeout=900)
-    timing = ("balances the ranks", "contiguous does not", "the attention time grows with the rank",
-              "transfers hide under the compute")
-    failed = [line for line in text.splitlines() if "✗" in line]
-    if failed and all(any(t in line for t in timing) for line in failed):
-        # only the measured-balance checks failed: another program took the cores (the line prints the ratio).
-        # Measure again once; correctness checks are never retried.
-        print("retrying after a disturbed timing check:\n" + "\n".join(failed))
-        text = run_notebook("06_context_parallel", timeout=900)
-    assert "✗" not in text, text
-    assert text.count("✓") >= 39, text
+    # a timing check may say "?" (inconclusive) where the machine was measured busy (tests/test_lesson_load.py); any
+    # other check, and a timing check on a quiet machine, is ✓ or ✗
+    marks = _common.tally(text)
+    assert not marks["failed"], text
+    assert marks["passed"] + len(marks["inconclusive"]) >= 39, text
+    assert f"checks: {marks['passed']} ✓ hold, {len(marks['inconclusive'])} ? inconclusive" in text, text
     assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
     assert "not averaged over cp (dp = 1): the parity check catches it" in text
     out = ROOT / "runs" / "lessons" / "06_context_parallel"

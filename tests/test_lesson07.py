@@ -4,8 +4,8 @@ warm-up, a deadlock, a rank that sends its input, a missing requires_grad, a sen
 mean instead of the sum); the experiment's helpers (prediction of peak activations, point-to-point formula, bubble
 from a timeline, the live-activation tracker) by hand.
 
-No timing is asserted here: the notebook's bubble checks hold on a quiet machine (it prints them; the test requires
-them, so run it on a machine that is not busy with other work).
+No timing is asserted here: the notebook's bubble checks hold on a quiet machine, and on a machine measured busy
+they may say "?" (inconclusive), never ✗ for that reason (tests/test_lesson_load.py runs them under load).
 """
 import json
 import re
@@ -20,6 +20,7 @@ from picotron import pipeline_parallel as pp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "lessons"))
+import _common  # noqa: E402  (lessons/_common.py: the check marks and their tally)
 
 run_checker, mutate, fails_with = solution_tools("07_pipeline_parallel")
 
@@ -162,14 +163,12 @@ def test_simulated_schedules_match_the_closed_forms(lesson):
 # ------------------------------------------------------------------------------------------ the notebook
 def test_notebook_runs_in_fast_mode(run_notebook):
     text = run_notebook("07_pipeline_parallel", timeout=900)
-    failed = [line for line in text.splitlines() if "✗" in line]
-    if failed and all("measured bubble" in line for line in failed):
-        # only timing checks failed: another program took the cores (the line prints the disturbance). Measure again
-        # once; correctness checks are never retried.
-        print("retrying after a disturbed timing check:\n" + "\n".join(failed))
-        text = run_notebook("07_pipeline_parallel", timeout=900)
-    assert "✗" not in text, text
-    assert text.count("✓") >= 45, text
+    # a timing check may say "?" (inconclusive) where the machine was measured busy (tests/test_lesson_load.py); any
+    # other check, and a timing check on a quiet machine, is ✓ or ✗
+    marks = _common.tally(text)
+    assert not marks["failed"], text
+    assert marks["passed"] + len(marks["inconclusive"]) >= 45, text
+    assert f"checks: {marks['passed']} ✓ hold, {len(marks['inconclusive'])} ? inconclusive" in text, text
     assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
     assert "tied embeddings: the first stage's and the last stage's copies are still equal after training" in text
     results = json.loads((ROOT / "runs" / "lessons" / "07_pipeline_parallel" / "bubble_pp2.json").read_text())

@@ -10,7 +10,8 @@ Rank 0 writes OUT/<name>_cp<c>.json (c = the world size). memory: the bytes auto
 rank's tokens (metrics.ActivationCounter) for cp = 1, 2, 4 (every divisor of the world size; the others are data
 parallel), ring and all-gather, against `activation_parts`, and the longest sequence under a budget. balance: the
 ring attention core alone, forward and backward, zig-zag and contiguous, each ring step's compute timed on every
-rank (its CPU time too, which oversubscribed ranks do not inflate), the waits, and one block's transfer alone.
+rank (its CPU time too, which oversubscribed ranks do not inflate), the waits, one block's transfer alone, and the
+share of the machine's cores other programs used during each call (_common.LoadWindow).
 train: training steps of the model at cp = world size, ring (zig-zag and contiguous) and all-gather interleaved
 (tokens/s), the bytes every attention core sent against `bytes_per_step_formula`. parity: picotron.train at cp =
 world size (and cp = 2 x dp = 2 on 4 processes) against one process, and the trap: cp = 2, dp = 1 with the
@@ -280,21 +281,26 @@ def exp_balance(mesh, st, out):
             core.reset()  # its bytes: this call's only
             dist.barrier(axis.group)
             core.timeline.events.clear()
+            window = _common.LoadWindow()  # how much of the machine other programs use meanwhile
             t0 = core.timeline.now()
             core(qi, ki, vi, cos, sin).backward(di)
             t1 = core.timeline.now()
+            load = window.stop()
             t0, t1 = (core.timeline.seconds(t) for t in (t0, t1))  # on a GPU: when the GPU got there
             base = core.timeline.t0
             events = [dict(e, start=e["start"] + base, end=e["end"] + base) for e in core.timeline.events]
-            every = gather(dict(events=events, call=(t0 + base, t1 + base)), mesh)
+            every = gather(dict(events=events, call=(t0 + base, t1 + base), load=load), mesh)
             if rep > 0:
                 runs[layout].append(every)
     block = torch.stack([inputs["zigzag"][1], inputs["zigzag"][2]])
     alone = max(gather(exchange_alone(axis, block, 9), mesh))
     reps = {layout: [summarize(every, cp) for every in runs[layout]] for layout in cpm.LAYOUTS}
     t_all, t_causal = block_costs(reps["zigzag"], cp)
+    shares = {layout: [_common.others_share([m["load"] for m in every]) or 0.0 for every in runs[layout]]
+              for layout in cpm.LAYOUTS}
     result = dict(cp=cp, s=s, b=st["b"], block_bytes=block.numel() * block.element_size(), exchange_alone_s=alone,
-                  t_all=t_all, t_causal=t_causal, layouts={})
+                  t_all=t_all, t_causal=t_causal, layouts={},
+                  busy=statistics.median(sum(shares.values(), [])))  # other programs' share of the cores, median call
     for layout in cpm.LAYOUTS:
         rs = reps[layout]
         per_rank = {what: [sum(min(r[what][k][j] for r in rs) for j in range(cp)) for k in range(cp)]
@@ -309,7 +315,8 @@ def exp_balance(mesh, st, out):
                    ratio_bwd=max(per_rank["bwd_cpu"]) / min(per_rank["bwd_cpu"]),
                    predicted=predicted_ratio(cp, layout), predicted_ideal=predicted_ratio(cp, layout, 0.5),
                    predicted_costs=predicted_ratio(cp, layout, t_causal / t_all),
-                   pairs=[pairs(r, cp, layout) for r in range(cp)], bytes=dict(cores[layout].bytes))
+                   pairs=[pairs(r, cp, layout) for r in range(cp)], bytes=dict(cores[layout].bytes),
+                   shares=shares[layout], busy=statistics.median(shares[layout]))
         result["layouts"][layout] = res
         _say(mesh, f"cp={cp} {layout:<10} s={s}: attention per rank, forward + backward (CPU ms, each step's least of "
                    f"{len(rs)}) " + " ".join(f"{1e3 * x:7.1f}" for x in per_rank["cpu"])
@@ -317,7 +324,8 @@ def exp_balance(mesh, st, out):
                      f"costs {res['predicted_costs']:.2f}); forward alone {res['ratio_fwd']:.2f}, backward alone "
                      f"{res['ratio_bwd']:.2f}; the call per rank (ms, median) "
                    + " ".join(f"{1e3 * x:.0f}" for x in per_rank["call"]))
-    _say(mesh, f"block costs (forward + backward, CPU): whole {1e3 * t_all:.1f} ms, causal {1e3 * t_causal:.1f} ms")
+    _say(mesh, f"block costs (forward + backward, CPU): whole {1e3 * t_all:.1f} ms, causal {1e3 * t_causal:.1f} ms; "
+               f"other programs used {result['busy']:.0%} of the cores (median over the calls)")
     _say(mesh, f"one K/V block ({result['block_bytes'] / 1024:.0f} KiB) exchanged alone: {1e3 * alone:.2f} ms")
     return result
 

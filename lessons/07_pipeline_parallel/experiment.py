@@ -2,6 +2,7 @@
 picotron.train runs it), and the notebook's simulator helpers and plots.
 
     torchrun --nproc_per_node 2 lessons/07_pipeline_parallel/experiment.py [--only bubble,memory,parity]
+        [--schedules afab,1f1b,...]   # bubble: only these schedules (default: all)
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_pp<p>.json. bubble: every schedule (AFAB, 1F1B, interleaved v=2, ZB-H1, ZB-V) for several
@@ -45,7 +46,7 @@ def settings(fast, device_type=None):
     its LM head over 256 byte tokens costs 8% of a layer, so the stages cost nearly the same) and batches; on GPUs
     _common.GPU_SETTINGS["07_pipeline_parallel"] on top (device_type: the mesh's, else _common.device())."""
     st = dict(size="small", layers=8, seq_len=128, micro_batch_size=2, ms=(2, 4, 8) if fast else (2, 4, 8, 16),
-              steps=3 if fast else 6, max_steps=10 if fast else 20, quiet=0.12, warmup=1, parity_steps=10 if fast else 20, parity_seq_len=32, parity_layers=4,
+              steps=3 if fast else 6, max_steps=10 if fast else 20, quiet=0.15, warmup=1, parity_steps=10 if fast else 20, parity_seq_len=32, parity_layers=4,
               parity_grad_acc=4)
     return _common.sized("07_pipeline_parallel", st, fast, device_type)
 
@@ -144,18 +145,21 @@ class Stepper:
 
     def step(self, step):
         """One step; returns this rank's events (absolute seconds: comparable across processes on one machine,
-        perf_counter being the system's monotonic clock) and the bytes it sent."""
+        perf_counter being the system's monotonic clock), the bytes it sent and its _common.LoadWindow reading (what
+        tells, with the other ranks', how much of the machine other programs used during the step)."""
         run = self.run
         dist.barrier(self.mesh.pp.group)
         self.tl.events.clear()
         before = self.pipe.p2p_bytes
+        window = _common.LoadWindow()
         loss = self.pipe.run(run.model, self.loader.micro_batches(step), run.loss_fn)
         marks.clip_grad_norm(run.params, self.cfg.grad_clip, self.mesh)
         run.optimizer.step()
         run.model.zero_grad(set_to_none=True)
+        load = window.stop()
         self.losses.append(loss.item())
         events = [dict(e, start=e["start"] + self.tl.t0, end=e["end"] + self.tl.t0) for e in self.tl.events]
-        return events, self.pipe.p2p_bytes - before
+        return events, self.pipe.p2p_bytes - before, load
 
 
 KIND = {"forward": "F", "backward": "B", "weight": "W"}
@@ -199,9 +203,12 @@ def spread(acts):
     return out
 
 
-def quality(acts, p):
-    """How far a step is from a quiet machine's: its disturbance (rank-time without a core) plus its spread."""
-    return disturbance(acts, p) + spread(acts)
+def quality(acts, p, share=0.0):
+    """How far a step is from a quiet machine's: its disturbance (rank-time without a core) plus its spread plus
+    `share`, the share of the machine's cores other programs used during it (_common.others_share): a program that
+    keeps a core busy also delays the messages (gloo moves them with threads that need a core), which the actions'
+    own times do not show."""
+    return disturbance(acts, p) + spread(acts) + share
 
 
 def measured_bubble(acts, p):
@@ -256,27 +263,30 @@ def exp_bubble(mesh, st, out):
     """Every schedule at every m of the settings (ZB-V: the largest m only): measured steps with their timelines."""
     p, rows = mesh.pp.size, []
     b, s, h = st["micro_batch_size"], st["seq_len"], _common.SIZES[st["size"]]["hidden_size"]
-    for name in SCHEDULES:
+    for name in st.get("schedules", SCHEDULES):
         for m in (st["ms"] if name != "zb-v" else st["ms"][-1:]):
             if name == "interleaved" and m % p:
                 continue
-            stepper, steps, p2p = Stepper(cfg_for(st, name, m, p), mesh), [], []
+            stepper, steps, p2p, shares = Stepper(cfg_for(st, name, m, p), mesh), [], [], []
             for k in range(st["warmup"] + st["max_steps"]):
-                events, sent = stepper.step(k + 1)
-                every = sum(gather(events, mesh), [])  # the same list on every rank: they decide alike below
+                events, sent, load = stepper.step(k + 1)
+                every = sum(gather(events, mesh), [])  # the same lists on every rank: they decide alike below
                 total = sum(gather(sent, mesh))
+                share = _common.others_share(gather(load, mesh)) or 0.0
                 if k >= st["warmup"]:
                     steps.append(actions(every))
                     p2p.append(total)
-                if len(steps) >= st["steps"] and min(quality(a, p) for a in steps) <= st["quiet"]:
+                    shares.append(share)
+                if len(steps) >= st["steps"] and min(map(quality, steps, [p] * len(steps), shares)) <= st["quiet"]:
                     break
             sch, v = stepper.pipe.schedule, chunks(name)
             bubbles = [measured_bubble(a, p) for a in steps]
-            quiet = [k for k in range(len(steps)) if quality(steps[k], p) <= st["quiet"]]
+            qualities = [quality(a, p, x) for a, x in zip(steps, shares)]
+            quiet = [k for k in range(len(steps)) if qualities[k] <= st["quiet"]]
             # the shortest quiet step (a message delivered late lengthens a step without showing in its actions), or
             # the least disturbed one
             best = (min(quiet, key=lambda k: bubbles[k][1]) if quiet else
-                    min(range(len(steps)), key=lambda k: quality(steps[k], p)))
+                    min(range(len(steps)), key=lambda k: qualities[k]))
             acts = steps[best]
             costs = mean_costs([acts], p, v)
             lat = latency_of(acts, sch)
@@ -286,7 +296,8 @@ def exp_bubble(mesh, st, out):
                         for k in "FBW" if any(k in costs[r][c] for r in range(p) for c in range(v))}
             row = dict(name=name, m=m, p=p, v=v, bubble=bubbles[best][0], step_s=bubbles[best][1],
                        bubbles=[x[0] for x in bubbles], step_times=[x[1] for x in bubbles], balance=balance(acts),
-                       disturbance=disturbance(acts, p), spread=spread(acts), qualities=[quality(a, p) for a in steps],
+                       disturbance=disturbance(acts, p), spread=spread(acts), qualities=qualities,
+                       busy=shares[best], shares=shares,
                        formula=formula(name, p, m), sim_unit=simulated(name, p, m).bubble,
                        formula_costs=(zb_h1_formula(p, m, per_kind["F"], per_kind["B"], per_kind["W"])
                                       if name == "zb-h1" else formula(name, p, m)),
@@ -300,7 +311,8 @@ def exp_bubble(mesh, st, out):
                        + f" | simulated with measured costs {row['sim_measured']:6.1%} | step {1e3 * row['step_s']:6.0f} ms"
                        f" | t_F {1e3 * per_kind['F']:.1f} t_B {1e3 * per_kind['B']:.1f}"
                        + (f" t_W {1e3 * per_kind['W']:.1f}" if "W" in per_kind else "") + " ms"
-                       f" | p2p {row['p2p'][-1] / MiB:.2f} MiB/step (formula {row['p2p_formula'] / MiB:.2f})")
+                       f" | p2p {row['p2p'][-1] / MiB:.2f} MiB/step (formula {row['p2p_formula'] / MiB:.2f})"
+                       f" | other programs {row['busy']:.0%} of the cores")
             del stepper
     return dict(rows=rows, b=b, s=s, h=h)
 
@@ -663,13 +675,17 @@ def plot_parity(pairs):
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None):
-    args, names, out = _common.cli("07_pipeline_parallel", EXPERIMENTS, __doc__, argv=argv)
+    args, names, out = _common.cli("07_pipeline_parallel", EXPERIMENTS, __doc__, argv=argv, extra=[
+        (("--schedules",), dict(default=",".join(SCHEDULES), help=f"bubble: a comma-separated subset of {SCHEDULES}"))])
+    schedules = tuple(args.schedules.split(","))
+    if any(name not in SCHEDULES for name in schedules):
+        sys.exit(f"--schedules {args.schedules!r}: pick a comma-separated subset of {', '.join(SCHEDULES)}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         sys.exit("run it on 2 or more processes: torchrun --nproc_per_node 2 lessons/07_pipeline_parallel/experiment.py")
     mesh = Mesh.init(pp=world, device=_common.experiment_device("07_pipeline_parallel"))
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
-        st = settings(args.fast, mesh.device.type)
+        st = dict(settings(args.fast, mesh.device.type), schedules=schedules)
         env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, pp=world, torch=torch.__version__,
                    threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
         for name in names:
