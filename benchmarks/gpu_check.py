@@ -29,6 +29,7 @@ import math
 import os
 import re
 import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -122,6 +123,7 @@ def run_row(key, name, kind, argv, out, limit_s, env):
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *argv]
     else:
         run_dir = out / key
+        shutil.rmtree(run_dir, ignore_errors=True)  # this check's scratch run: a run never writes over another
         argv = argv + ["--out", str(run_dir)]
         if kind == "torchrun":
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",

@@ -332,12 +332,13 @@ class Saver:
 
 
 # ------------------------------------------------------------------------------- before any process
-def resume_problem(cfg):
-    """Why `--resume` cannot continue from cfg.out's newest checkpoint (one sentence), or None if it can.
+def resume_problem(cfg, folder=None):
+    """Why `--resume` cannot continue from cfg.out's newest checkpoint (or `--resume-from` from `folder`): one
+    sentence, or None if it can.
 
     Compares the checkpoint's config.json with cfg before any process starts: the resolved model shape must
     be the same (names the first field that differs); the layout may differ (the checkpoint is resharded)."""
-    folder = latest(cfg.out)
+    folder = folder or (latest(cfg.out) if cfg.out else None)
     if folder is None:
         return None  # nothing saved yet: the run starts from step 1 (the trainer says so)
     try:
@@ -353,7 +354,7 @@ def resume_problem(cfg):
                     f"pass a new --out to start another run.")
     step = step_of(folder)
     if step >= cfg.steps:
-        return (f"the checkpoint in {cfg.out} is at step {step} >= --steps {cfg.steps}; nothing to do (raise --steps "
+        return (f"the checkpoint {folder} is at step {step} >= --steps {cfg.steps}; nothing to do (raise --steps "
                 f"to train further).")
     return None
 

@@ -97,9 +97,11 @@ class Config:
     recompute: str = "none"
     seed: int = 0
     # output and checkpoints
-    out: str = "runs/default"
+    out: Optional[str] = None  # None: the main job claims a new runs/main-N (picotron.runs)
     save_every: int = 0
+    save_final: bool = True
     resume: bool = False
+    resume_from: str = ""
     keep_checkpoints: int = 3
     async_save: bool = False
     # faults: what survives them (picotron.faults, picotron.checkpoint)
@@ -235,9 +237,15 @@ HELP = {  # what `--help` says of each setting (allowed values are added from th
                   "steps), none, or a number (a static scale)",
     "recompute": "activation recomputation: none, selective (attention scores) or full (each layer from its input)",
     "seed": "seed of the initial weights and of the batches (the same for every layout)",
-    "out": "folder for metrics.jsonl and checkpoints/",
-    "save_every": "write a checkpoint every K steps to OUT/checkpoints (0 = never; Ctrl-C still saves one)",
-    "resume": "continue from the newest checkpoint in OUT (same model; any layout: the checkpoint is resharded)",
+    "out": "the run's folder (metrics.jsonl, checkpoints/); it must not hold another run, whose results would be "
+           "replaced",
+    "save_every": "write a checkpoint every K steps to OUT/checkpoints (0 = only the last step's, with --save-final; "
+                  "Ctrl-C still saves one)",
+    "save_final": "write a checkpoint of the last step, for --resume and `python -m picotron.export OUT`",
+    "resume": "continue the run in OUT (without --out: the newest runs/main*) from its newest checkpoint (same "
+              "model; any layout: the checkpoint is resharded)",
+    "resume_from": "start a new run from this checkpoint (RUN/checkpoints/step_NNNNNN, or a run folder: its newest); "
+                   "the run it came from is left as it was",
     "keep_checkpoints": "how many of the newest checkpoints to keep (older ones are deleted; 0 = keep all)",
     "async_save": "write checkpoints in a background thread (training pauses only to copy the tensors to host memory)",
     "max_restarts": "restart the job this many times after a rank dies (torchrun --max-restarts); each restart "
@@ -538,7 +546,8 @@ def build_parser():
         kind = typing.get_args(kind)[0] if optional else kind
         flag = "--" + name.replace("_", "-")
         choices = tuple(PRESETS) if name == "preset" else CHOICES.get(name)
-        default = "the preset's" if optional else repr(getattr(defaults, name))
+        default = "a new folder runs/main, runs/main-2, ...; with --resume the newest of them" if name == "out" else \
+            "the preset's" if optional else repr(getattr(defaults, name))
         what = f"model override: {name}" if name in MODEL_FIELDS else HELP[name]
         helptext = what + (f"; one of {', '.join(map(str, choices))}" if choices else "") + f" (default: {default})"
         if kind is bool:

@@ -28,6 +28,7 @@ Every step writes one line to OUT/metrics.jsonl (loss, lr, grad_norm, tokens, to
 category), every `log_every` steps a progress line, every `eval_every` steps the validation loss, and at the
 end a summary line and a short text sample from the trained model.
 """
+import dataclasses
 import math
 import os
 import signal
@@ -38,7 +39,7 @@ from contextlib import contextmanager
 import torch
 
 from picotron import config as config_mod
-from picotron import checkpoint, context_parallel, data, faults, launch, metrics, moe, precision, reshard
+from picotron import checkpoint, context_parallel, data, faults, launch, metrics, moe, precision, reshard, runs
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.model import generate
@@ -82,11 +83,53 @@ def interruptible(announce=True):
         signal.signal(signal.SIGINT, previous)
 
 
-def resume_hint(cfg, folder):
+def command_line(argv, drop=("--faults", "--resume", "--no-resume", "--resume-from", "--out"), add=(), lr=None):
+    """The command that ran (argv: picotron.train's flags), without the flags in `drop` (and their values),
+    with --lr replaced by `lr` if given, plus `add`: a command a message can hand back to the user."""
+    takes_value = {"--faults", "--resume-from", "--out", "--lr"}
+    kept, skip = [], False
+    for a in map(str, argv):
+        if skip:
+            skip = False
+            continue
+        flag = a.split("=", 1)[0]
+        if flag in drop or (lr is not None and flag == "--lr"):
+            skip = flag in takes_value and "=" not in a
+            continue
+        kept.append(a)
+    extra = (["--lr", f"{lr:.2g}"] if lr is not None else []) + list(add)
+    return " ".join(["python -m picotron.train", *kept, *extra])
+
+
+def resume_hint(cfg, folder, argv=None, lr=None):
+    """Where the newest checkpoint is and the exact command that continues from it (without --faults: an
+    injected fault would fire again), or that there is none."""
+    argv = sys.argv[1:] if argv is None else argv
     if folder is None:
-        return "no checkpoint was saved"
-    return (f"newest checkpoint {folder}; continue with the same command plus --resume"
-            + ("" if "--out" in " ".join(sys.argv) else f" --out {cfg.out}"))
+        return ("no checkpoint was saved (--save-every K keeps one every K steps); start again with "
+                f"{command_line(argv, lr=lr, drop=('--faults', '--resume', '--no-resume', '--resume-from'))}")
+    return f"newest checkpoint {folder}; continue with {command_line(argv, lr=lr, add=['--resume', '--out', cfg.out])}"
+
+
+def divergence_message(cfg, step, loss_value, grad_norm, injected, folder, argv=None):
+    """The one sentence after a non-finite step: what happened, and advice that fits the settings in force
+    (never "clip harder" at the clipping already used; an injected NaN is named as such)."""
+    head = (f"picotron: stopped: the run diverged at step {step}: loss {loss_value}, gradient norm {grad_norm}; it "
+            f"stopped before applying that update")
+    if injected:
+        return (f"{head}; that NaN was injected by --faults nan@{step}, as asked (--on-nonfinite skip would drop the "
+                f"step and go on); {resume_hint(cfg, folder, argv)}.")
+    lower = cfg.lr / 3
+    tips = [f"lower --lr (now {cfg.lr:g}; e.g. {lower:.2g})"]
+    if not cfg.grad_clip:
+        tips.append("clip the gradient norm (--grad-clip 1)")
+    elif cfg.grad_clip > 1:
+        tips.append(f"clip harder (--grad-clip 1; now {cfg.grad_clip:g})")
+    if cfg.warmup_steps < 100 and step <= 2 * max(cfg.warmup_steps, 1):
+        tips.append(f"warm up longer (--warmup-steps {max(100, 2 * cfg.warmup_steps)}; now {cfg.warmup_steps})")
+    tips.append("pass --on-nonfinite skip to drop such steps")
+    advice = ", ".join(tips[:-1]) + f", or {tips[-1]}" if len(tips) > 1 else tips[0]
+    return f"{head}; {advice}; {resume_hint(cfg, folder, argv, lr=lower)}."
 
 
 def lr_at(step, cfg):
@@ -118,25 +161,35 @@ def train(cfg, mesh, return_model=False):
     """Run cfg.steps optimizer steps on this rank's part of the mesh; return the summary dict (and, with
     return_model, what `parallelize` built, trained: tests and lessons inspect .model, .raw, .optimizer)."""
     device, is_logger = mesh.device, mesh.rank == 0
+    if cfg.out is None:
+        raise ValueError("cfg.out is None: pass the run's folder (the command line claims a new runs/main-N itself, "
+                         "picotron.runs)")
     torch.manual_seed(cfg.seed)
     tokenizer, loader = load_data(cfg, mesh)
     run = parallelize(cfg, mesh)
     model, optimizer, mc = run.model, run.optimizer, run.raw.config
     tokens_per_step = mesh.dp.size * cfg.grad_acc * cfg.micro_batch_size * cfg.seq_len
     flops_per_step = metrics.flops_per_token(mc, cfg.seq_len) * tokens_per_step
-    peak = metrics.measured_matmul_peak(device, precision.recipe(cfg).compute_dtype)
+    compute_dtype = precision.recipe(cfg).compute_dtype
+    peak = metrics.measured_matmul_peak(device, compute_dtype)
+    peaks = {"start": peak, "now": peak}  # the MFU ceiling; raised if a step shows the start's was too low
     datasheet = metrics.datasheet_peak(device)
     injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size)
     resume = cfg.resume or faults.attempt() > 0  # a restart after a lost rank resumes by itself
     try:  # several nodes: rank 0 picks the checkpoint, every rank must see it; and every rank must see OUT
         start, folder = 1, checkpoint.agreed_latest(cfg.out, mesh) if resume else None
+        if folder is None and cfg.resume_from:  # a new run from another run's checkpoint (a restart: its own)
+            folder = runs.resolve_checkpoint(cfg.resume_from)
+        if folder is None and cfg.resume:  # (on one node the command line refused this before any process)
+            raise Stopped(f"picotron: error: --resume needs a checkpoint, but rank 0 sees none in {cfg.out}/checkpoints; "
+                          f"start a new run without --resume, or pass the --out of a run with one.", 2)
         saver = checkpoint.Saver(cfg.out, cfg, mesh, keep=cfg.keep_checkpoints, asynchronous=cfg.async_save,
                                  on_write=lambda step: injector.maybe_kill("kill-save", step))
     except checkpoint.NotShared as e:
         raise Stopped(f"picotron: error: {e}", 2) from None
     if folder:
         start = reshard.load(folder, run, mesh) + 1
-    if is_logger and resume:
+    if is_logger and (resume or folder):
         why = f"restart {faults.attempt()}: " if faults.attempt() else ""
         print(f"{why}resuming from {folder} at step {start}" if folder else
               f"{why or '--resume: '}no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
@@ -151,9 +204,11 @@ def train(cfg, mesh, return_model=False):
                    if getattr(cfg, k) is not None]
         name = cfg.preset + (f" ({', '.join(changed)})" if changed else "")
         active = f" ({mc.num_params(active=True) / 1e6:.2f} M active per token)" if mc.is_moe else ""
+        threads = torch.get_num_threads()
         print(f"picotron | {mesh} | model {name}: {mc.num_params() / 1e6:.2f} M parameters{active} | {run.description} | "
-              f"{tokens_per_step} tokens/step | {cfg.dtype} | recompute {cfg.recompute} | "
-              f"measured {peak / 1e9:.1f} GFLOP/s matmul peak | writes {cfg.out}", flush=True)
+              f"{tokens_per_step} tokens/step | {cfg.dtype} | recompute {cfg.recompute} | {threads} "
+              f"thread{'s' if threads > 1 else ''}/process | measured {peak / 1e9:.1f} GFLOP/s matmul peak | "
+              f"writes {cfg.out}", flush=True)
         if cfg.warmup_steps > cfg.steps:
             print(f"picotron: note: warmup_steps={cfg.warmup_steps} > steps={cfg.steps}, so the learning rate never "
                   f"reaches lr={cfg.lr:g} (it ends at {lr_at(cfg.steps, cfg):.2g}); pass --warmup-steps "
@@ -175,11 +230,9 @@ def train(cfg, mesh, return_model=False):
         overflow = run.scaler.dynamic and math.isfinite(loss_value) and not finite  # fp16: S too large
         run.scaler.update(overflow)  # an overflow halves S (this step is skipped); clean steps grow it
         if not finite and not overflow and cfg.on_nonfinite == "stop":  # the same on every rank: all stop
-            clip = f"clip harder (--grad-clip {cfg.grad_clip:g})" if cfg.grad_clip else "clip (--grad-clip 1)"
             saver.wait()
-            raise Stopped(f"picotron: stopped: the run diverged at step {step}: loss {loss_value}, gradient norm "
-                          f"{grad_norm}; it stopped before applying that update; lower --lr (now {cfg.lr:g}) or "
-                          f"{clip}, or pass --on-nonfinite skip; {resume_hint(cfg, saver.newest)}.", 1)
+            raise Stopped(divergence_message(cfg, step, loss_value, grad_norm, step in injector.nan_steps,
+                                             saver.newest), 1)
         if finite:
             optimizer.step()
         model.zero_grad(set_to_none=True)
@@ -187,9 +240,16 @@ def train(cfg, mesh, return_model=False):
         dt = time.perf_counter() - t0
         mem.update(optimizer=metrics.optimizer_bytes(optimizer), activations=run.schedule.activation_bytes,
                    device_peak=metrics.device_peak_bytes(device), rss_peak=metrics.process_peak_rss_bytes())
+        achieved = flops_per_step / dt / mesh.world_size  # model FLOP/s per process
+        if achieved > peaks["now"]:  # faster than the peak: it was measured while the machine was busy
+            peaks["now"] = max(metrics.measured_matmul_peak(device, compute_dtype, again=True), achieved)
+            if is_logger:
+                print(f"picotron: note: step {step} ran at {achieved / 1e9:.1f} GFLOP/s, above the matmul peak measured "
+                      f"at start-up ({peaks['start'] / 1e9:.1f} GFLOP/s: the machine was busy then); measured again: "
+                      f"MFU now uses {peaks['now'] / 1e9:.1f} GFLOP/s", flush=True)
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                   "tokens": step * tokens_per_step, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
-                  "mfu": flops_per_step / dt / (peak * mesh.world_size), "mem": mem}
+                  "mfu": achieved / peaks["now"], "mem": mem}
         if not finite:  # --on-nonfinite skip, or fp16's overflow: this step changed nothing
             record["skipped"] = True
         if run.scaler.dynamic:
@@ -234,6 +294,8 @@ def train(cfg, mesh, return_model=False):
                         saver.wait()
                     raise Stopped(f"picotron: stopped: interrupted after step {step}/{cfg.steps}; "
                                   f"{resume_hint(cfg, saver.newest)}.", 130)
+        if cfg.save_final and saver.newest != checkpoint.step_dir(cfg.out, cfg.steps):
+            saver.save(cfg.steps, run)  # the trained model, for --resume, --resume-from and picotron.export
         saver.close()  # the last write in flight ends before the run does
     except Stopped:
         log.close()  # the steps so far stay in metrics.jsonl
@@ -242,8 +304,9 @@ def train(cfg, mesh, return_model=False):
     steady = history[1:] or history  # the first step pays for warm-up (allocations, kernel selection)
     step_time = sum(r["step_time"] for r in steady) / len(steady)
     summary = {"summary": True, "steps": cfg.steps, "final_loss": history[-1]["loss"], "val_loss": val_loss,
-               "tokens_per_s": tokens_per_step / step_time, "mfu": flops_per_step / step_time / (peak * mesh.world_size),
-               "peak_flops_measured": peak, "peak_flops_datasheet": datasheet,
+               "tokens_per_s": tokens_per_step / step_time, "mfu": flops_per_step / step_time / (peaks["now"] * mesh.world_size),
+               "peak_flops_measured": peaks["now"], "peak_flops_measured_at_start": peaks["start"],
+               "peak_flops_datasheet": datasheet,
                "flops_per_token": metrics.flops_per_token(mc, cfg.seq_len), "num_params": mc.num_params(),
                "elapsed_s": time.perf_counter() - t_start, "world_size": mesh.world_size,
                "device": str(device), "mem": history[-1]["mem"]}
@@ -286,16 +349,43 @@ def progress_line(r, steps):
     return line + (f" | val {r['val_loss']:.4f}" if "val_loss" in r else "")
 
 
+CLAIMED = "PICOTRON_RUN_FOLDER"  # set by the process that claimed the folder, for the workers it starts
+
+
+def run_folder(cfg, argv, under_launcher):
+    """(cfg with its folder, argv naming it): the folder this run writes, by picotron.runs' rules, checked before
+    any process group exists (a broken rule: one sentence, status 2). Workers this process starts are handed the
+    folder with --out; a restart after a lost rank continues its own folder."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if under_launcher and (faults.attempt() > 0 or (cfg.out and os.environ.get(CLAIMED) == os.path.abspath(cfg.out))):
+        return cfg, argv  # the launching process checked and claimed it
+    try:
+        if under_launcher and world > 1 and cfg.out is None:
+            raise runs.RunFolderError(f"under torchrun the {world} processes must write one folder; pass --out DIR "
+                                      f"(or start the job with `python -m picotron.train --dp {world} ...` without "
+                                      f"torchrun: it picks a new runs/main-N itself).")
+        out, line = runs.prepare(cfg, argv, claim=not under_launcher or world == 1)
+    except runs.RunFolderError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"picotron: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
+    return dataclasses.replace(cfg, out=out), (argv if cfg.out == out else [*argv, "--out", out])
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     under_launcher = "WORLD_SIZE" in os.environ  # torchrun (or a test harness) started this process
     # Validated before any process group exists; a bad setting exits 2 with one sentence.
     cfg = config_mod.cli(argv, any_world_size=not under_launcher)
+    cfg, argv = run_folder(cfg, argv, under_launcher)  # checked, and claimed, before any process group exists
     if not under_launcher and (cfg.world_size > 1 or cfg.max_restarts or cfg.nnodes > 1):  # start them ourselves
         nodes = dict(nnodes=cfg.nnodes, node_rank=cfg.node_rank, rdzv_endpoint=cfg.rdzv_endpoint, rdzv_id=cfg.rdzv_id)
+        os.environ[CLAIMED] = os.path.abspath(cfg.out)  # the workers' folder, checked here: they need not again
         raise SystemExit(launch.torchrun_main("picotron.train", cfg.world_size // cfg.nnodes, argv,
                                               max_restarts=cfg.max_restarts,
-                                              hint=lambda: resume_hint(cfg, checkpoint.latest(cfg.out)), **nodes))
+                                              hint=lambda: resume_hint(cfg, checkpoint.latest(cfg.out), argv), **nodes))
     if os.environ.get("RANK", "0") == "0":  # tp / cp peers on different nodes: allowed, but say what it costs
         note = config_mod.placement_note(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)))
         if note:
