@@ -317,14 +317,23 @@ def gather(obj, mesh):
 
 def run_interleaved(variants, steps, warmup, group):
     """warmup + steps steps of every variant (objects with .step(step, record)), one step of each in turn, the
-    order rotating every step and a barrier before each: slow drift of a shared machine hits all alike."""
+    order rotating every step and a barrier before each: slow drift of a shared machine hits all alike. Returns the
+    share of the machine's cores other programs used during the recorded steps (others_share; the same on every
+    rank of `group`): what a timing check reads to tell a busy machine."""
     import torch.distributed as dist
 
+    window = None
     for s in range(warmup + steps):
+        if s == warmup:
+            window = LoadWindow()
         k = s % len(variants)
         for v in variants[k:] + variants[:k]:
             dist.barrier(group)
             v.step(s + 1, record=s >= warmup)
+    load = window.stop() if window else LoadWindow().stop()
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, load, group=group)
+    return others_share(every)
 
 
 def union_length(intervals):

@@ -167,10 +167,11 @@ def timed(mesh, st, specs, grad_acc=1, record_comm=True, show=True):
     dist.barrier()
     for v in variants:  # one common origin for every timeline, right after a barrier: ranks are comparable
         v.timeline.t0 = time.perf_counter()
-    run_interleaved(variants, st["steps"], st["warmup"], mesh.dp_cp.group)
+    busy = run_interleaved(variants, st["steps"], st["warmup"], mesh.dp_cp.group)
     rows = summarise(variants, mesh, mesh.dp.size * grad_acc * st["micro_batch_size"] * st["seq_len"])
     for r in rows:
         r["phases"] = phases(r)
+        r["busy"] = busy  # other programs' share of the cores while the variants ran (_common.others_share)
         if rows[0]["impl"] == "none":
             r["exposed"] = quartiles([t - b for t, b in zip(r["step_times"], rows[0]["step_times"])])
     if mesh.rank == 0 and show:

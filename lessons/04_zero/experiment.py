@@ -153,10 +153,10 @@ def timeline_rows(mesh, st, cfg):
     dist.barrier()
     for v in variants:  # one common origin, right after a barrier: the ranks' timelines are comparable
         v.timeline.t0 = time.perf_counter()
-    run_interleaved(variants, st["tl_steps"], st["warmup"], mesh.dp_cp.group)
+    busy = run_interleaved(variants, st["tl_steps"], st["warmup"], mesh.dp_cp.group)
     rows = []
     for v in variants:
-        row = dict(name=v.name, prefetch=v.model.prefetch, events=gather(v.timeline.events, mesh),
+        row = dict(name=v.name, prefetch=v.model.prefetch, events=gather(v.timeline.events, mesh), busy=busy,
                    step_starts=gather(v.step_starts, mesh), n_layers=len(v.model.units) - 1, **v.stats())
         rows.append(dict(row, overlap=overlap_stats(row)))
     return rows
