@@ -439,7 +439,7 @@ def exp_memory(mesh, st, out):
         stepper.pipe.timeline = MemoryTimeline(mesh.device, mesh.rank, tracker, stepper.pipe.store)
         stepper.tl = stepper.pipe.timeline
         with tracking(tracker):
-            events, _ = stepper.step(2)
+            events, _, _ = stepper.step(2)
         sch = stepper.pipe.schedule
         per_chunk, stash = {}, {}
         for e in events:
