@@ -157,5 +157,6 @@ def test_notebook_in_fast_mode_under_load_has_no_fail(lesson, run_notebook):
         text = run_notebook(lesson, timeout=1800)
     marks = assert_no_fail(text, 39 if lesson.startswith("06") else 45)
     summary = [line for line in text.splitlines() if line.startswith("checks: ")]
+    print(f"{lesson}, FAST, under load: {summary}\n" + "\n".join(marks["inconclusive"]))
     assert summary == [f"checks: {marks['passed']} ✓ hold, {len(marks['inconclusive'])} ? inconclusive (the machine "
                        f"was busy: rerun them), 0 ✗ fail"], summary
