@@ -2,8 +2,10 @@
 # picotron's one entry point. Every command sets itself up on first use (and again when requirements change).
 #
 #   ./run.sh [train flags]   train the tiny Llama on the embedded Shakespeare (no network, no GPU needed)
-#   ./run.sh test [pytest flags]   the test suite (multi-rank tests run real gloo processes)
-#   ./run.sh lessons         Jupyter on lessons/
+#   ./run.sh test [pytest flags]   the test suite (multi-rank tests run real gloo processes), ~32 min on 2 cores
+#   ./run.sh test quick      the quick tier (tests/quick.txt), ~5 min;  ./run.sh test all: --heavy --parity-matrix
+#   ./run.sh lessons         Jupyter on your copies of the lesson notebooks, runs/notebooks/ (lessons/ stays as
+#                            committed); --fresh: make every copy again; --prepare-only: the copies, no Jupyter
 #   ./run.sh figures         regenerate figures/ from real runs
 #   ./run.sh gpu-check       the one-GPU check: every recipe and kernel for a few steps, one table (benchmarks/gpu_check.py)
 #   ./run.sh setup           only install what is missing
@@ -56,6 +58,32 @@ setup() {
   echo "== set-up done; later runs skip it"
 }
 
+# ./run.sh test [quick|all] [pytest flags]: quick = the quick tier, all = every heavy case and the whole parity matrix.
+run_tests() {
+  case "${1:-}" in
+    quick) shift; set -- --quick "$@" ;;
+    all)   shift; set -- --heavy --parity-matrix "$@" ;;
+  esac
+  exec "$PY" -m pytest -q "$@"
+}
+
+# ./run.sh lessons [--fresh] [--prepare-only] [NN ...] [Jupyter flags]: Jupyter opens copies of the committed notebooks
+# (lessons/_notebook.py --scratch makes them), so running a lesson never rewrites lessons/ (only ./run.sh figures does).
+lessons() {
+  local dir=${PICOTRON_NOTEBOOKS:-runs/notebooks} prepare_only="" a
+  local mine=() jupyter=()
+  for a in "$@"; do
+    case "$a" in
+      --prepare-only) prepare_only=1 ;;
+      --fresh|[0-9][0-9]|[0-9][0-9]_*) mine+=("$a") ;;
+      *) jupyter+=("$a") ;;
+    esac
+  done
+  "$PY" lessons/_notebook.py --scratch --into "$dir" ${mine[@]+"${mine[@]}"}
+  [ -n "$prepare_only" ] && return 0
+  exec "$PY" -m jupyter notebook --notebook-dir "$dir" ${jupyter[@]+"${jupyter[@]}"}
+}
+
 # A new run never overwrites an old one: runs/main, then runs/main-2, runs/main-3, ... (--out DIR to choose).
 # With --resume, the newest existing runs/main* is continued. Several nodes (--nnodes N > 1) must name their one
 # folder: each node would pick its own free name (status 2).
@@ -93,8 +121,8 @@ cmd=${1:-train}
 choose_python
 case "$cmd" in
   setup)   setup ;;
-  test)    shift; setup; exec "$PY" -m pytest -q "$@" ;;
-  lessons) setup; exec "$PY" -m jupyter notebook --notebook-dir lessons ;;
+  test)    shift; setup; run_tests "$@" ;;
+  lessons) shift; setup; lessons "$@" ;;
   figures) shift; setup; exec "$PY" figures/make.py "$@" ;;
   python)  shift; setup; exec "$PY" "$@" ;;
   gpu-check) shift; setup; exec "$PY" benchmarks/gpu_check.py "$@" ;;

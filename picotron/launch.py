@@ -10,6 +10,7 @@ run_on_ranks(fn, 4, x)   runs fn(x) in 4 fresh processes (ranks 0..3) that alrea
     wait on N pipes + N process handles      result = fn(*args, **kwargs)
       ("ok", value)       -> keep it    <--  sends ("ok", result) or ("error", traceback text)
       ("error", tb)       -> RankError       destroys the process group and exits
+        (KeyboardInterrupt in a rank: Ctrl-C -> KeyboardInterrupt here too, so the caller stops)
       died, no message    -> RankError with its exit code
       deadline passed     -> RankTimeout, with the Python stack where each late rank is stuck
     finally: terminate, then kill, every child still alive, and reap it (no zombies)
@@ -225,6 +226,8 @@ def _collect(procs, conns, timeout_s, tmp):
             sentinels.pop(procs[r].sentinel, None)
         if failures and grace_until is None:
             grace_until = time.monotonic() + 0.3
+    if any(f[2] and f[2].rstrip().splitlines()[-1].startswith("KeyboardInterrupt") for f in failures):
+        raise KeyboardInterrupt  # a rank got Ctrl-C (a terminal's or a kernel's interrupt): stop, not a failure
     if failures:  # report the likely cause first: a hard death, then an error that is not "my peer is gone"
         failures.sort(key=lambda f: 0 if f[2] is None else 2 if any(m in f[2] for m in _PEER_GONE) else 1)
         rank, message, tb, code = failures[0]

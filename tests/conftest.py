@@ -2,9 +2,22 @@
 
 Multi-rank tests use `picotron.launch.run_on_ranks`; the functions they run on each rank must live at
 module level in a test file (children import them by name), and the children inherit this sys.path.
+
+Three tiers (README, "Tests"): `--quick` runs the tests listed in tests/quick.txt (about 5 minutes on 2 cores: one
+fast parity test per strategy, the configuration messages, collectives, one NCCL replay); no flag, the default suite;
+`--heavy --parity-matrix`, everything.
+
+Ctrl-C (SIGINT) stops the run at once with pytest's KeyboardInterrupt summary, and so does SIGTERM (turned into a
+KeyboardInterrupt here): the running test's launches stop their processes (picotron.launch; a notebook's kernel is
+interrupted, lessons/_notebook.run_cells), and whatever this session started that is still alive when the
+interrupted session ends is killed (every process it starts carries PICOTRON_TEST_SESSIONS in its environment).
 """
+import importlib.util
 import os
+import signal
 import sys
+import threading
+import time
 
 import pytest
 
@@ -13,19 +26,28 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+def _notebook_module():
+    """lessons/_notebook.py (the notebook runner that figures/make.py and the CLI use too)."""
+    if "_notebook" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("_notebook", os.path.join(ROOT, "lessons", "_notebook.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["_notebook"] = module
+    return sys.modules["_notebook"]
+
+
 @pytest.fixture
 def run_notebook(monkeypatch):
-    """Execute lessons/<name>/<name>.ipynb top to bottom in FAST mode (in its folder, as Jupyter does); return
-    the text its code cells printed."""
-    import nbclient  # in requirements.txt: a missing package must fail the test, not skip it
+    """Execute lessons/<name>/<name>.ipynb (or the notebook at the path `name`) top to bottom in FAST mode (in its
+    folder, as Jupyter does); return the text its code cells printed. Ctrl-C stops it (lessons/_notebook.run_cells)."""
+    import nbclient  # noqa: F401  in requirements.txt: a missing package must fail the test, not skip it
     import nbformat
 
     def run(name, timeout=300):
         monkeypatch.setenv("PICOTRON_FAST", "1")
-        folder = os.path.join(ROOT, "lessons", name)
-        nb = nbformat.read(os.path.join(folder, f"{name}.ipynb"), as_version=4)
-        nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                resources={"metadata": {"path": folder}}).execute()
+        path = name if name.endswith(".ipynb") else os.path.join(ROOT, "lessons", name, f"{name}.ipynb")
+        nb = nbformat.read(path, as_version=4)
+        _notebook_module().run_cells(nb, os.path.dirname(os.path.abspath(path)), timeout)
         return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
 
     return run
@@ -40,7 +62,25 @@ MATRIX_FLAG = "--parity-matrix"
 HEAVY_FLAG = "--heavy"
 
 
+# The quick tier: the tests listed in tests/quick.txt, about 5 minutes on 2 cores (`./run.sh test quick`).
+QUICK_FLAG = "--quick"
+QUICK_LIST = os.path.join(ROOT, "tests", "quick.txt")
+
+
+def quick_entries(path=None):
+    """tests/quick.txt's entries: a node id (`tests/f.py::test[id]`), a test with all its parameters
+    (`tests/f.py::test`) or a whole file (`tests/f.py`); `#` starts a comment."""
+    with open(path or QUICK_LIST, encoding="utf-8") as f:
+        return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+
+
+def _in_quick(nodeid, entry):
+    return nodeid == entry or nodeid.startswith(entry + "::") or nodeid.split("[")[0] == entry
+
+
 def pytest_addoption(parser):
+    parser.addoption(QUICK_FLAG, action="store_true", default=False,
+                     help="run only the quick tier, the tests listed in tests/quick.txt (about 5 minutes on 2 cores)")
     parser.addoption(HEAVY_FLAG, action="store_true", default=False,
                      help="also run the heavier cases marked `heavy` (8-process collectives, every schedule at pp = 4, "
                           "every ring-attention variant at every cp, three more checkpoint reshard pairs), whose code paths the "
@@ -55,6 +95,8 @@ def pytest_configure(config):
                                        f"{HEAVY_FLAG}")
     config.addinivalue_line("markers", f"parity_matrix: a parity-matrix variant outside the default subset; runs "
                                        f"with {MATRIX_FLAG}")
+    config.addinivalue_line("markers", f"quick: in the quick tier (tests/quick.txt, {QUICK_FLAG}); set by conftest")
+    _own_the_signals()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -66,3 +108,94 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(heavy)
         if item.get_closest_marker("parity_matrix") and not config.getoption(MATRIX_FLAG):
             item.add_marker(matrix)
+    _quick_tier(config, items)
+
+
+def _quick_tier(config, items):
+    """Mark the quick tier's tests `quick` (so `-m quick` works too); with --quick, keep only them."""
+    entries = quick_entries()
+    kept, dropped = [], []
+    for item in items:
+        if any(_in_quick(item.nodeid, e) for e in entries):
+            item.add_marker(pytest.mark.quick)
+            kept.append(item)
+        else:
+            dropped.append(item)
+    if not config.getoption(QUICK_FLAG):
+        return
+    files = {item.nodeid.split("::")[0] for item in items}
+    unmatched = [e for e in entries if not os.path.exists(os.path.join(ROOT, e.split("::")[0]))
+                 or e.split("::")[0] in files and not any(_in_quick(i.nodeid, e) for i in items)]
+    if unmatched:  # a renamed or removed test: the tier must not shrink without anyone noticing
+        raise pytest.UsageError(f"tests/quick.txt names tests that do not exist: {', '.join(unmatched)}")
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+# ------------------------------------------------------------------------------ Ctrl-C and SIGTERM end the run
+SESSIONS_VAR = "PICOTRON_TEST_SESSIONS"  # every process this session starts inherits it: how leftovers are found
+_SESSION = f"{os.getpid()}-{time.time_ns()}"
+
+
+def _sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def _own_the_signals():
+    """SIGTERM becomes a KeyboardInterrupt (by default it would end pytest with no clean-up, leaving its children
+    running); and this session's mark goes into the environment its processes inherit."""
+    os.environ[SESSIONS_VAR] = " ".join(filter(None, (os.environ.get(SESSIONS_VAR), _SESSION)))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm)
+
+
+def pytest_runtest_setup(item):
+    # again before each test: a library may have put its own handler in (nbclient's execute() resets SIGTERM)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is not _sigterm:
+        signal.signal(signal.SIGTERM, _sigterm)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        stopped = stop_leftovers(_SESSION)
+        if stopped:
+            print(f"\nconftest: stopped {len(stopped)} process(es) this interrupted session had started "
+                  f"(pids {', '.join(map(str, stopped))})", file=sys.stderr, flush=True)
+
+
+def session_processes(session):
+    """The pids of the processes (other than this one) whose environment carries `session` in SESSIONS_VAR
+    (Linux /proc; elsewhere none are found)."""
+    found, token = [], f"{SESSIONS_VAR}=".encode()
+    try:
+        pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(token) and session.encode() in v[len(token):].split() for v in env):
+            found.append(pid)
+    return found
+
+
+def stop_leftovers(session, grace_s=3.0):
+    """SIGTERM the processes of `session` still alive, then SIGKILL those left after grace_s; return their pids."""
+    pids = session_processes(session)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and set(session_processes(session)) & set(pids):
+            time.sleep(0.1)
+    return pids

@@ -1,0 +1,169 @@
+"""The suite's tiers and its stop button.
+
+Tiers (tests/conftest.py, README "Tests"): `./run.sh test quick` runs tests/quick.txt's list (about 5 minutes on 2
+cores), `./run.sh test` the default suite, `./run.sh test all` everything (--heavy --parity-matrix). The quick list
+cannot go stale: every entry must name a test that collects.
+
+Ctrl-C (SIGINT, sent to the whole process group as a terminal does) and SIGTERM (to pytest alone, as `kill` or a CI
+timeout does) end the run at once with pytest's KeyboardInterrupt summary, while a test is deep in a launch: processes
+from run_on_ranks, or a notebook whose cell runs torchrun. Nothing it started may be left running.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, quick_entries
+
+PROBE = "PICOTRON_SIGNAL_PROBE"  # set by the tests below for the pytest they start: where the probes say "ready"
+
+
+# ------------------------------------------------------------------------------------------------------- tiers
+def test_every_quick_entry_names_a_test_and_every_strategy_has_one():
+    entries = quick_entries()
+    assert len(entries) == len(set(entries)), "tests/quick.txt lists a test twice"
+    for module in ("collectives", "config", "first_hour", "data_parallel", "zero", "tensor_parallel",
+                   "pipeline_parallel", "context_parallel", "expert_parallel", "nccl_rules", "checkpoint", "train",
+                   "model", "parallelize"):
+        assert any(e.startswith(f"tests/test_{module}.py") for e in entries), f"the quick tier has no test_{module}"
+    assert not any("notebook_runs" in e for e in entries), "a notebook takes a minute: not in the quick tier"
+    # collect the tier for real: a renamed or removed test is a usage error (conftest), not a silently smaller tier
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "--quick"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    collected = [line for line in out.stdout.splitlines() if "::" in line]
+    for entry in entries:
+        assert any(c == entry or c.startswith(entry + "::") or c.split("[")[0] == entry for c in collected), entry
+    assert 60 <= len(collected) <= 400, len(collected)
+
+
+def test_a_stale_quick_entry_stops_the_quick_run(tmp_path, monkeypatch):
+    import conftest
+
+    stale = tmp_path / "quick.txt"
+    stale.write_text("tests/test_suite_tiers.py::test_that_was_renamed\n")
+    monkeypatch.setattr(conftest, "QUICK_LIST", str(stale))
+    config = type("Config", (), {"getoption": lambda self, flag: flag == conftest.QUICK_FLAG})()
+    item = type("Item", (), {"nodeid": "tests/test_suite_tiers.py::test_x", "add_marker": lambda self, m: None})()
+    with pytest.raises(pytest.UsageError, match="test_that_was_renamed"):
+        conftest._quick_tier(config, [item])
+
+
+# ------------------------------------------------------------------------------ probes (run only by the tests below)
+probe = pytest.mark.skipif(PROBE not in os.environ, reason="started by test_a_signal_ends_the_run")
+
+
+def _ready(name):
+    Path(os.environ[PROBE], f"ready-{name}").touch()
+
+
+def _sleep_on_a_rank():
+    _ready(f"rank{os.environ['RANK']}")
+    time.sleep(600)
+
+
+@probe
+def test_probe_ranks():
+    from picotron.launch import run_on_ranks
+
+    run_on_ranks(_sleep_on_a_rank, 2, timeout_s=600)
+
+
+@probe
+def test_probe_notebook(run_notebook):
+    import nbformat
+
+    folder = Path(os.environ[PROBE])
+    script = folder / "sleeper.py"
+    script.write_text("import os, pathlib, time\n"
+                      f"pathlib.Path({str(folder)!r}, 'ready-torchrun' + os.environ['RANK']).touch()\n"
+                      "time.sleep(600)\n")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        f"from picotron.launch import run_torchrun\nrun_torchrun({str(script)!r}, 2, timeout_s=600)")])
+    nbformat.write(nb, folder / "probe.ipynb")
+    run_notebook(str(folder / "probe.ipynb"), timeout=600)
+
+
+# --------------------------------------------------------------------------------------------------- the signals
+def _interrupted_on_rank_1():
+    if os.environ["RANK"] == "1":
+        raise KeyboardInterrupt  # what Ctrl-C raises in a rank
+    time.sleep(30)
+
+
+def test_a_rank_stopped_by_ctrl_c_stops_the_caller():
+    """A rank's KeyboardInterrupt is the user's Ctrl-C, not a failed rank: run_on_ranks raises KeyboardInterrupt
+    (not RankError, which a test would report as failed and the suite go on from), and stops the other rank."""
+    from picotron.launch import run_on_ranks
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_on_ranks(_interrupted_on_rank_1, 2, timeout_s=60)
+    assert time.monotonic() - start < 20
+
+
+def _probe_processes(folder):
+    """pids of the processes whose environment carries PROBE=folder (the pytest started here, and all below it)."""
+    token = f"{PROBE}={folder}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if token in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc") or not hasattr(os, "killpg"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("probe_name,sig", [("ranks", signal.SIGINT), ("notebook", signal.SIGINT),
+                                            ("ranks", signal.SIGTERM), ("notebook", signal.SIGTERM)],
+                         ids=["ranks-SIGINT", "notebook-SIGINT", "ranks-SIGTERM", "notebook-SIGTERM"])
+def test_a_signal_ends_the_run(tmp_path, probe_name, sig):
+    """pytest on a test that waits deep in a launch: the signal ends the run in seconds, as interrupted (exit status
+    2, "KeyboardInterrupt"), not as a failed test the suite goes on from; no process it started is left."""
+    want = 2
+    env = {**os.environ, PROBE: str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             f"tests/test_suite_tiers.py::test_probe_{probe_name}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group, the terminal's foreground one
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(tmp_path.glob("ready-*"))) < want:
+            assert proc.poll() is None, f"the probe ended before it was ready:\n{proc.communicate()[0]}"
+            assert time.monotonic() < deadline, "the probe did not start within 180 s"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        start = time.monotonic()
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # Ctrl-C in a terminal: the whole foreground process group
+        else:
+            proc.send_signal(sig)  # `kill PID`: pytest alone
+        out = proc.communicate(timeout=60)[0]
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
+    assert "KeyboardInterrupt" in out and " failed" not in out and " passed" not in out, out
+    assert took < 30, f"{took:.0f} s from the signal to the end:\n{out}"
+    left = _probe_processes(tmp_path)
+    deadline = time.monotonic() + 10  # the fork server notices its parent is gone and exits by itself
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _probe_processes(tmp_path)
+    names = [open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ")[:150] for p in left if os.path.exists(f"/proc/{p}")]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"left running after the run ended: {names}\n{out}"
