@@ -84,37 +84,12 @@ lessons() {
   exec "$PY" -m jupyter notebook --notebook-dir "$dir" ${jupyter[@]+"${jupyter[@]}"}
 }
 
-# A new run never overwrites an old one: runs/main, then runs/main-2, runs/main-3, ... (--out DIR to choose).
-# With --resume, the newest existing runs/main* is continued. Several nodes (--nnodes N > 1) must name their one
-# folder: each node would pick its own free name (status 2).
-main_out() {
-  local a prev="" resume="" nodes=1
-  for a in "$@"; do
-    case "$a" in --out|--out=*|-h|--help) return 1 ;; --resume) resume=1 ;; --nnodes=*) nodes=${a#--nnodes=} ;; esac
-    [ "$prev" = --nnodes ] && nodes=$a
-    prev=$a
-  done
-  [ "$nodes" = 1 ] || return 2
-  local out=runs/main n=2
-  if [ -n "$resume" ]; then
-    while [ -e "runs/main-$n" ]; do out=runs/main-$n; n=$((n + 1)); done
-  else
-    while [ -e "$out" ]; do out=runs/main-$n; n=$((n + 1)); done
-  fi
-  echo "$out"
-}
-
+# The main job: 600 steps, evaluated and checkpointed every 100. Each run claims a folder of its own (runs/main,
+# runs/main-2, ...; --out DIR to choose; --resume continues the newest): picotron.runs, so that ./run.sh and
+# python -m picotron.train behave the same.
 train() {
-  local out
   setup
-  if out=$(main_out "$@"); then
-    echo "== this run writes $out/ (earlier runs are kept; --out DIR to choose)"
-    set -- --out "$out" "$@"
-  elif [ $? = 2 ]; then
-    echo "run.sh: error: several nodes (--nnodes) must write one folder that every node sees; pass --out DIR, the same shared path on every node." >&2
-    exit 2
-  fi
-  exec "$PY" -m picotron.train --steps 600 --eval-every 100 "$@"
+  exec "$PY" -m picotron.train --steps 600 --eval-every 100 --save-every 100 "$@"
 }
 
 cmd=${1:-train}
