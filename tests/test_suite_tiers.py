@@ -38,7 +38,7 @@ def test_every_quick_entry_names_a_test_and_every_strategy_has_one():
     collected = [line for line in out.stdout.splitlines() if "::" in line]
     for entry in entries:
         assert any(c == entry or c.startswith(entry + "::") or c.split("[")[0] == entry for c in collected), entry
-    assert 60 <= len(collected) <= 400, len(collected)
+    assert len(collected) >= 60, len(collected)
 
 
 def test_a_stale_quick_entry_stops_the_quick_run(tmp_path, monkeypatch):
@@ -130,8 +130,11 @@ def test_a_signal_ends_the_run(tmp_path, probe_name, sig):
     2, "KeyboardInterrupt"), not as a failed test the suite goes on from; no process it started is left."""
     want = 2
     env = {**os.environ, PROBE: str(tmp_path), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             f"tests/test_suite_tiers.py::test_probe_{probe_name}"],
+    # Python's own Ctrl-C handler even where this pytest was started with SIGINT ignored (`cmd &` in a script),
+    # which its children would inherit: a terminal's foreground pytest has it
+    run = ("import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_suite_tiers.py::test_probe_{probe_name}']))")
+    proc = subprocess.Popen([sys.executable, "-c", run],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group, the terminal's foreground one
     try:
