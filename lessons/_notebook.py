@@ -147,8 +147,14 @@ def _interrupt(client, grace_s=5.0):
     from jupyter_core.utils import ensure_event_loop
 
     loop = ensure_event_loop()
-    for task in asyncio.all_tasks(loop):  # the interrupted cell's wait for its reply
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]  # the interrupted cell's wait for its reply
+    for task in pending:
         task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending, timeout=5))
+    for task in pending:
+        if task.done() and not task.cancelled():
+            task.exception()  # taken: nbclient's "kernel died" for the cancelled wait is no news
     pid = getattr(getattr(client.km, "provisioner", None), "pid", None)
     if not pid or not hasattr(os, "killpg"):
         return {}
@@ -312,9 +318,7 @@ def scratch_report(done, into):
     for _, what in done:
         key = what.split(" (")[0]
         counts[key] = counts.get(key, 0) + 1
-    where = os.path.relpath(into)
-    where = where if not where.startswith("..") else str(Path(into).resolve())
-    lines = [f"== Jupyter on {where}/: your copies of the lesson notebooks ("
+    lines = [f"== Jupyter on {_shown(into)}/: your copies of the lesson notebooks ("
              + ", ".join(f"{n} {what}" for what, n in counts.items())
              + "); lessons/ stays as committed. A copy is made again when its lesson's notebook changes, unless you "
                "changed the copy since (--fresh: all again; a copy you changed is kept alongside)"]
@@ -325,6 +329,12 @@ def scratch_report(done, into):
         elif "yours is kept" in what:
             lines.append(f"   {name}: {what}")
     return "\n".join(lines)
+
+
+def _shown(path):
+    """path relative to the working directory when it is below it, else absolute."""
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else str(Path(path).resolve())
 
 
 def main(argv=None):
@@ -356,12 +366,12 @@ def main(argv=None):
             nb = out / nb.name
         build(folder / f"{folder.name}.py", nb)
         if not args.run:
-            print(f"built {os.path.relpath(nb)}")
+            print(f"built {_shown(nb)}")
             continue
         start = time.time()
         failed, passed, errors = execute(nb, args.run == "fast", cwd=folder)
         print(f"{folder.name} ({args.run}): {time.time() - start:.0f} s, {passed} checks hold, {len(failed)} fail, "
-              f"{len(errors)} errors; the executed notebook: {os.path.relpath(nb)}", flush=True)
+              f"{len(errors)} errors; the executed notebook: {_shown(nb)}", flush=True)
         for line in failed + errors:
             print("   ", line)
         status |= bool(failed or errors)
