@@ -3,7 +3,7 @@
 #
 #   ./run.sh [train flags]   train the tiny Llama on the embedded Shakespeare (no network, no GPU needed)
 #   ./run.sh test [pytest flags]   the test suite (multi-rank tests run real gloo processes), ~32 min on 2 cores
-#   ./run.sh test quick      the quick tier (tests/quick.txt), ~5 min;  ./run.sh test all: --heavy --parity-matrix
+#   ./run.sh test quick      the quick tier (tests/quick.txt), ~3.5 min;  ./run.sh test all: --heavy --parity-matrix
 #   ./run.sh lessons         Jupyter on your copies of the lesson notebooks, runs/notebooks/ (lessons/ stays as
 #                            committed); --fresh: make every copy again; --prepare-only: the copies, no Jupyter
 #   ./run.sh figures         regenerate figures/ from real runs

@@ -3,9 +3,9 @@
 Multi-rank tests use `picotron.launch.run_on_ranks`; the functions they run on each rank must live at
 module level in a test file (children import them by name), and the children inherit this sys.path.
 
-Three tiers (README, "Tests"): `--quick` runs the tests listed in tests/quick.txt (about 5 minutes on 2 cores: one
-fast parity test per strategy, the configuration messages, collectives, one NCCL replay); no flag, the default suite;
-`--heavy --parity-matrix`, everything.
+Three tiers (README, "Tests"): `--quick` runs the tests listed in tests/quick.txt (3.5 minutes on an idle 2-core
+machine: each strategy's fastest parity test, the configuration messages, collectives, a few NCCL replays, no
+notebook); no flag, the default suite; `--heavy --parity-matrix`, everything.
 
 Ctrl-C (SIGINT) stops the run at once with pytest's KeyboardInterrupt summary, and so does SIGTERM (turned into a
 KeyboardInterrupt here): the running test's launches stop their processes (picotron.launch; a notebook's kernel is
@@ -62,7 +62,7 @@ MATRIX_FLAG = "--parity-matrix"
 HEAVY_FLAG = "--heavy"
 
 
-# The quick tier: the tests listed in tests/quick.txt, about 5 minutes on 2 cores (`./run.sh test quick`).
+# The quick tier: the tests listed in tests/quick.txt, 3.5 minutes on an idle 2-core machine (`./run.sh test quick`).
 QUICK_FLAG = "--quick"
 QUICK_LIST = os.path.join(ROOT, "tests", "quick.txt")
 
@@ -80,7 +80,7 @@ def _in_quick(nodeid, entry):
 
 def pytest_addoption(parser):
     parser.addoption(QUICK_FLAG, action="store_true", default=False,
-                     help="run only the quick tier, the tests listed in tests/quick.txt (about 5 minutes on 2 cores)")
+                     help="run only the quick tier, the tests listed in tests/quick.txt (3.5 minutes on 2 idle cores)")
     parser.addoption(HEAVY_FLAG, action="store_true", default=False,
                      help="also run the heavier cases marked `heavy` (8-process collectives, every schedule at pp = 4, "
                           "every ring-attention variant at every cp, three more checkpoint reshard pairs), whose code paths the "
@@ -190,7 +190,7 @@ def stop_leftovers(session, grace_s=3.0):
     """SIGTERM the processes of `session` still alive, then SIGKILL those left after grace_s; return their pids."""
     pids = session_processes(session)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
+        for pid in set(session_processes(session)) & set(pids):  # still there (and still ours: not a reused pid)
             try:
                 os.kill(pid, sig)
             except OSError:

@@ -1,6 +1,6 @@
 """The suite's tiers and its stop button.
 
-Tiers (tests/conftest.py, README "Tests"): `./run.sh test quick` runs tests/quick.txt's list (about 5 minutes on 2
+Tiers (tests/conftest.py, README "Tests"): `./run.sh test quick` runs tests/quick.txt's list (3.5 minutes on 2 idle
 cores), `./run.sh test` the default suite, `./run.sh test all` everything (--heavy --parity-matrix). The quick list
 cannot go stale: every entry must name a test that collects.
 
