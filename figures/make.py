@@ -105,10 +105,11 @@ def lesson(folder, fast, run=True):
             if "image/png" in o.get("data", {})]
     for k, png in enumerate(pngs, 1):
         (HERE / f"{number}_{k}.png").write_bytes(base64.b64decode(png))
-    print(f"lesson {folder.name} ({time.perf_counter() - t0:.0f} s): {passed} checks hold, {len(failed)} fail, "
-          f"{len(errors)} errors; "
+    unsure = _notebook.inconclusive(nb)
+    print(f"lesson {folder.name} ({time.perf_counter() - t0:.0f} s): {passed} checks hold, {len(unsure)} inconclusive "
+          f"(the machine was busy: rerun), {len(failed)} fail, {len(errors)} errors; "
           f"wrote figures/{number}_1..{len(pngs)}.png", flush=True)
-    for line in failed + errors:
+    for line in unsure + failed + errors:
         print("   ", line)
     return not (failed or errors)
 

@@ -160,3 +160,17 @@ def test_notebook_in_fast_mode_under_load_has_no_fail(lesson, run_notebook):
     print(f"{lesson}, FAST, under load: {summary}\n" + "\n".join(marks["inconclusive"]))
     assert summary == [f"checks: {marks['passed']} ✓ hold, {len(marks['inconclusive'])} ? inconclusive (the machine "
                        f"was busy: rerun them), 0 ✗ fail"], summary
+
+
+def test_the_notebook_runner_counts_inconclusive_checks_apart():
+    """lessons/_notebook.py and figures/make.py report ✓, ?, ✗ separately: a '?' is neither a pass nor a failure."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("pass")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="✓ a: ok\n? b: late — inconclusive: the "
+                                           "machine was busy (x), rerun\n✗ c: wrong\n✓ d: ok\n")]
+    nb.cells.append(cell)
+    failed, passed, errors = _notebook.results(nb)
+    assert (failed, passed, errors) == (["✗ c: wrong"], 2, [])
+    assert [line[:4] for line in _notebook.inconclusive(nb)] == ["? b:"]
