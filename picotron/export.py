@@ -1,7 +1,7 @@
 """Export a checkpoint, written at any layout, to the Hugging Face layout (`transformers` loads it as is).
 
-    python -m picotron.export runs/default hf_model/            # the run's newest checkpoint
-    python -m picotron.export runs/default/checkpoints/step_000120 hf_model/ --dtype bf16
+    python -m picotron.export runs/main hf_model/            # the run's newest checkpoint
+    python -m picotron.export runs/main/checkpoints/step_000120 hf_model/ --dtype bf16
 
 The checkpoint's slices are assembled into whole tensors (`reshard.consolidate`, one process, no process
 group), put into a one-process Llama, and written as `config.json` + `model.safetensors`
