@@ -379,7 +379,7 @@ def main(argv=None):
         failed, passed, errors = execute(nb, args.run == "fast", cwd=folder)
         import nbformat
 
-        unsure = inconclusive(nbformat.read(nb, as_version=4))
+        unsure = inconclusive(nbformat.read(str(nb), as_version=4)) if Path(nb).is_file() else []
         print(f"{folder.name} ({args.run}): {time.time() - start:.0f} s, {passed} checks hold, {len(unsure)} "
               f"inconclusive (the machine was busy: rerun), {len(failed)} fail, {len(errors)} errors; the executed "
               f"notebook: {_shown(nb)}", flush=True)
