@@ -17,7 +17,6 @@ without one shared `--out`. Under a launcher the processes check without claimin
 before any of them writes: the process group forms only after every rank checked), and a restart after a lost
 rank (torchrun --max-restarts) continues its own folder.
 """
-import dataclasses
 import glob
 import json
 import os
@@ -25,6 +24,8 @@ import re
 import socket
 import sys
 import time
+
+from picotron import checkpoint
 
 BASE = "runs/main"
 CLAIM = "run.json"
@@ -49,16 +50,8 @@ def numbered(base=BASE):
     return [p for _, p in sorted(found)]
 
 
-def newest_checkpoint(folder):
-    from picotron import checkpoint
-
-    return checkpoint.latest(folder)
-
-
 def what_it_holds(folder):
     """A few words on what a run folder holds, for messages."""
-    from picotron import checkpoint
-
     parts = []
     try:
         with open(os.path.join(folder, "metrics.jsonl")) as f:
@@ -77,7 +70,7 @@ def resolve_checkpoint(path):
     """A checkpoint folder (step_NNNNNN) or a run folder (its newest checkpoint) -> the checkpoint folder."""
     if os.path.isfile(os.path.join(path, "config.json")) and os.path.basename(os.path.normpath(path)).startswith("step_"):
         return os.path.normpath(path)
-    newest = newest_checkpoint(path)
+    newest = checkpoint.latest(path)
     if newest is None:
         raise RunFolderError(f"--resume-from {path} is neither a checkpoint folder (RUN/checkpoints/step_NNNNNN) nor a "
                              f"run folder with a checkpoint; pass one of those (e.g. "
@@ -109,8 +102,6 @@ def prepare(cfg, argv, base=BASE, claim=True):
     """The folder this run writes, checked (and claimed if `claim`): returns (out, line to print).
 
     `cfg.out` None: no --out was given. Raises RunFolderError (one sentence) when a rule is broken."""
-    from picotron import checkpoint
-
     if cfg.resume and cfg.resume_from:
         raise RunFolderError(f"--resume continues a run in place and --resume-from {cfg.resume_from} starts a new one "
                              f"from a checkpoint; pass one of them.")
@@ -127,17 +118,18 @@ def prepare(cfg, argv, base=BASE, claim=True):
             out = runs[-1]
         if cfg.nnodes > 1:  # this node may not see the shared folder: the ranks agree on it once they meet
             return out, f"== this run continues {out}/ from its newest checkpoint"
-        if checkpoint.latest(out) is None:
+        newest = checkpoint.latest(out)
+        if newest is None:
             others = [r for r in numbered(base) if r != out and checkpoint.latest(r)]
             where = (f"{out} holds {what_it_holds(out)}" if holds_run(out) else f"{out} holds no run")
             fix = (f"continue another run with --resume --out {others[-1]} (it has {what_it_holds(others[-1])}), or "
                    if others else "")
             raise RunFolderError(f"--resume needs a checkpoint, but {where}; {fix}start a new run without --resume "
                                  f"(runs keep a checkpoint every --save-every steps and at their last step).")
-        problem = checkpoint.resume_problem(dataclasses.replace(cfg, out=out))
+        problem = checkpoint.resume_problem(cfg, newest)
         if problem:
             raise RunFolderError(problem)
-        return out, f"== this run continues {out}/ from its checkpoint at step {checkpoint.step_of(checkpoint.latest(out))}"
+        return out, f"== this run continues {out}/ from its checkpoint at step {checkpoint.step_of(newest)}"
     source = None
     if cfg.resume_from:
         source = resolve_checkpoint(cfg.resume_from)
@@ -158,7 +150,7 @@ def prepare(cfg, argv, base=BASE, claim=True):
         n = 1
         while True:
             out = base if n == 1 else f"{base}-{n}"
-            if not os.path.exists(out) or not holds_run(out):
+            if not holds_run(out):
                 if not claim or _claim(out, record):
                     break
             n += 1

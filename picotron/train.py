@@ -171,8 +171,7 @@ def train(cfg, mesh, return_model=False):
     tokens_per_step = mesh.dp.size * cfg.grad_acc * cfg.micro_batch_size * cfg.seq_len
     flops_per_step = metrics.flops_per_token(mc, cfg.seq_len) * tokens_per_step
     compute_dtype = precision.recipe(cfg).compute_dtype
-    peak = metrics.measured_matmul_peak(device, compute_dtype)
-    peaks = {"start": peak, "now": peak}  # the MFU ceiling; raised if a step shows the start's was too low
+    peak = mfu_peak = metrics.measured_matmul_peak(device, compute_dtype)  # mfu_peak: raised if a step beats it
     datasheet = metrics.datasheet_peak(device)
     injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size)
     resume = cfg.resume or faults.attempt() > 0  # a restart after a lost rank resumes by itself
@@ -191,8 +190,8 @@ def train(cfg, mesh, return_model=False):
         start = reshard.load(folder, run, mesh) + 1
     if is_logger and (resume or folder):
         why = f"restart {faults.attempt()}: " if faults.attempt() else ""
-        print(f"{why}resuming from {folder} at step {start}" if folder else
-              f"{why or '--resume: '}no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
+        print(f"{why}resuming from {folder} at step {start}" if folder else  # (no folder: only a restart gets here)
+              f"{why}no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
         for note in checkpoint.resume_notes(cfg, folder) if folder else []:
             print(f"picotron: note: {note}", flush=True)
     if start > cfg.steps:
@@ -215,6 +214,7 @@ def train(cfg, mesh, return_model=False):
                   f"{max(0, cfg.steps // 10)} for a short run.", flush=True)
 
     def one_step(step):
+        nonlocal mfu_peak
         metrics.reset_device_peak(device)
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
@@ -241,15 +241,15 @@ def train(cfg, mesh, return_model=False):
         mem.update(optimizer=metrics.optimizer_bytes(optimizer), activations=run.schedule.activation_bytes,
                    device_peak=metrics.device_peak_bytes(device), rss_peak=metrics.process_peak_rss_bytes())
         achieved = flops_per_step / dt / mesh.world_size  # model FLOP/s per process
-        if achieved > peaks["now"]:  # faster than the peak: it was measured while the machine was busy
-            peaks["now"] = max(metrics.measured_matmul_peak(device, compute_dtype, again=True), achieved)
+        if achieved > mfu_peak:  # faster than the peak: it was measured while the machine was busy
+            mfu_peak = max(metrics.measured_matmul_peak(device, compute_dtype, again=True), achieved)
             if is_logger:
                 print(f"picotron: note: step {step} ran at {achieved / 1e9:.1f} GFLOP/s, above the matmul peak measured "
-                      f"at start-up ({peaks['start'] / 1e9:.1f} GFLOP/s: the machine was busy then); measured again: "
-                      f"MFU now uses {peaks['now'] / 1e9:.1f} GFLOP/s", flush=True)
+                      f"at start-up ({peak / 1e9:.1f} GFLOP/s: the machine was busy then); measured again: "
+                      f"MFU now uses {mfu_peak / 1e9:.1f} GFLOP/s", flush=True)
         record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                   "tokens": step * tokens_per_step, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
-                  "mfu": achieved / peaks["now"], "mem": mem}
+                  "mfu": achieved / mfu_peak, "mem": mem}
         if not finite:  # --on-nonfinite skip, or fp16's overflow: this step changed nothing
             record["skipped"] = True
         if run.scaler.dynamic:
@@ -304,8 +304,8 @@ def train(cfg, mesh, return_model=False):
     steady = history[1:] or history  # the first step pays for warm-up (allocations, kernel selection)
     step_time = sum(r["step_time"] for r in steady) / len(steady)
     summary = {"summary": True, "steps": cfg.steps, "final_loss": history[-1]["loss"], "val_loss": val_loss,
-               "tokens_per_s": tokens_per_step / step_time, "mfu": flops_per_step / step_time / (peaks["now"] * mesh.world_size),
-               "peak_flops_measured": peaks["now"], "peak_flops_measured_at_start": peaks["start"],
+               "tokens_per_s": tokens_per_step / step_time, "mfu": flops_per_step / step_time / (mfu_peak * mesh.world_size),
+               "peak_flops_measured": mfu_peak, "peak_flops_measured_at_start": peak,
                "peak_flops_datasheet": datasheet,
                "flops_per_token": metrics.flops_per_token(mc, cfg.seq_len), "num_params": mc.num_params(),
                "elapsed_s": time.perf_counter() - t_start, "world_size": mesh.world_size,
