@@ -224,20 +224,25 @@ def _kill(tree):
                 pass
 
 
+def _outputs(nb):
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+
+
+def _printed(nb):
+    return "".join(o.get("text", "") for o in _outputs(nb)).splitlines()
+
+
 def results(nb):
     """(failed ✓/✗ lines, passed count, error outputs) of an executed notebook."""
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-    text = "".join(o.get("text", "") for o in outputs)
-    checks = [line for line in text.splitlines() if line.startswith(("✓", "✗"))]
-    errors = [f"{o.get('ename')}: {o.get('evalue', '')[:300]}" for o in outputs if o.get("output_type") == "error"]
+    checks = [line for line in _printed(nb) if line.startswith(("✓", "✗"))]
+    errors = [f"{o.get('ename')}: {o.get('evalue', '')[:300]}" for o in _outputs(nb) if o.get("output_type") == "error"]
     return [c for c in checks if c.startswith("✗")], sum(c.startswith("✓") for c in checks), errors
 
 
 def inconclusive(nb):
     """The '?' check lines of an executed notebook: timing checks that missed while the machine was measurably busy
     (lessons/_common.check); counted apart from ✓ and ✗."""
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    return [line for line in text.splitlines() if line.startswith("? ")]
+    return [line for line in _printed(nb) if line.startswith("? ")]
 
 
 # ------------------------------------------------------------------- the learners' copies (./run.sh lessons)
