@@ -8,6 +8,7 @@
     SIZES, make_cfg(size, **kw), tokens()   the lessons' models (picotron Configs) and the embedded corpus
     cli(lesson, experiments, ...)           the command line every experiment.py shares (--out, --only, --fast)
     saved(name, file, record, t0, rank)     save one experiment's results and say where they went
+    environment(mesh, **extra), run_experiments(names, run, file_of, env, ...)   the loop every experiment.py ends with
     show_source(obj, start, stop)   print the lines of a function between two markers
     interactive(draw, controls)     a figure drawn once, then redrawn from ipywidgets controls in a live kernel
     parity(got, ref)                the parity standard applied to two loss curves (window, drift beyond it)
@@ -228,6 +229,29 @@ def saved(name, file, record, t0, rank=0):
         save_json(dict(record, seconds=seconds), file)
         path = os.path.relpath(file)  # short (and free of home directories) in notebooks
         print(f"== {name}: {seconds:.1f} s -> {file if path.startswith('..') else path}", flush=True)
+
+
+def environment(mesh, **extra):
+    """What every saved experiment records about where it ran (device, backend, world size, torch, threads, cores),
+    plus the lesson's own `extra` fields (its settings, ...)."""
+    import torch
+
+    return dict(device=str(mesh.device), backend=mesh.backend, world_size=mesh.world_size, torch=torch.__version__,
+                threads=torch.get_num_threads(), cores=os.cpu_count(), **extra)
+
+
+def run_experiments(names, run, file_of, env, rank=0, skip=lambda name: None, after=lambda name: None, say=print):
+    """The loop every experiment.py ends with: for each name, `skip(name)` (a reason to skip it, told with `say`, or
+    None), then `result = run(name)`, saved with `env` to `file_of(name)` on rank 0 (`saved`), then `after(name)`."""
+    for name in names:
+        why = skip(name)
+        if why:
+            say(f"== {name}: {why}; skipped")
+            continue
+        t0 = time.perf_counter()
+        result = run(name)
+        saved(name, file_of(name), dict(env, results=result), t0, rank)
+        after(name)
 
 
 def run_dir(name):

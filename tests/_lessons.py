@@ -8,16 +8,53 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def checker(name, timeout=240):
-    """A function that runs `python lessons/<name>/check.py ARGS...` from the repository root (one thread per
-    process, as the lessons launch it) and returns its exit code and everything it printed."""
-    script = ROOT / "lessons" / name / "check.py"
+    """A function run(*args) -> (exit code, everything printed) for lessons/<name>/check.py ARGS.
 
-    def run(*args, timeout=timeout):
-        proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        return proc.returncode, proc.stdout + proc.stderr
+    run(..., as_learner=True) runs `python lessons/<name>/check.py ARGS` in its own process, from the repository
+    root, exactly as a learner types it (each lesson's full `--solutions` run goes this way). Otherwise the checker
+    runs inside this test process, as the lesson's notebook runs it (`import check; check.main(argv)`): its
+    rank processes are still fresh (forked from the fork server that already imported torch, picotron.launch), but
+    the two interpreter start-ups and torch imports of a separate checker process (~4 s on 2 cores) are saved, for
+    ~120 checker runs in the suite. `check` is imported afresh each time, so no state is carried between runs.
+    The in-process run has no wall-clock timeout of its own: every launch inside a checker has its deadline."""
+    folder = ROOT / "lessons" / name
+    script = folder / "check.py"
+
+    def run(*args, timeout=timeout, as_learner=False):
+        if as_learner:
+            proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                                  timeout=timeout, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            return proc.returncode, proc.stdout + proc.stderr
+        return _in_process(folder, list(args))
 
     return run
+
+
+def _in_process(folder, argv):
+    """`check.main(argv)` of the checker in `folder`, imported afresh as `check` (the name its rank processes
+    import it by: run_on_ranks pickles `check._on_rank` by reference); (exit code, printed text)."""
+    import contextlib
+    import importlib
+    import io
+    import traceback
+
+    saved_path = list(sys.path)
+    sys.path.insert(0, str(folder))
+    sys.modules.pop("check", None)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                code = importlib.import_module("check").main(argv)
+            except SystemExit as e:  # argparse's --help or a usage error
+                code = e.code if isinstance(e.code, int) else 1
+            except Exception:  # noqa: BLE001 - a bug in the checker itself: report it as the process would
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.modules.pop("check", None)
+        sys.path[:] = saved_path
+    return code, out.getvalue()
 
 
 def solution_tools(name, timeout=240):

@@ -37,7 +37,7 @@ def lesson():
 
 # ------------------------------------------------------------------------------------------- the checker
 def test_checker_passes_the_solutions():
-    code, out = run_checker("--solutions")
+    code, out = run_checker("--solutions", as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
     assert out.count("  ok  ") == 5, out  # three in process, exchange_splits on 2 and 4 ranks

@@ -700,11 +700,8 @@ def main(argv=None):
     args, names, out = _common.cli("01_single_device", EXPERIMENTS, __doc__, argv=argv)
     mesh = Mesh.init(device=_common.experiment_device("01_single_device"))
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
-        env = dict(device=str(mesh.device), torch=torch.__version__, threads=torch.get_num_threads(), fast=args.fast)
-        for name in names:
-            t0 = time.perf_counter()
-            result = globals()[f"exp_{name}"](mesh, args.fast, out)
-            _common.saved(name, out / f"{name}.json", dict(env, results=result), t0)
+        _common.run_experiments(names, lambda name: globals()[f"exp_{name}"](mesh, args.fast, out),
+                                lambda name: out / f"{name}.json", _common.environment(mesh, fast=args.fast))
 
 
 if __name__ == "__main__":

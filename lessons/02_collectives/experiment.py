@@ -669,14 +669,11 @@ def main(argv=None):
     if DEVICE.type == "cuda":  # every tensor the experiments make lives where the collectives run (nccl)
         torch.set_default_device(DEVICE)
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
-        env = dict(device=str(mesh.device), backend=mesh.backend, world_size=mesh.world_size, torch=torch.__version__,
-                   fast=args.fast, cpus=os.cpu_count())
-        for name in names:
-            t0 = time.perf_counter()
-            kwargs = dict(timing=not args.no_timing) if name == "ring" else {}
-            result = globals()[f"exp_{name}"](mesh, args.fast, out, **kwargs)
-            _common.saved(name, out / f"{name}.json", dict(env, results=result), t0, mesh.rank)
-            dist.barrier()
+        _common.run_experiments(
+            names, lambda name: globals()[f"exp_{name}"](mesh, args.fast, out, **(
+                dict(timing=not args.no_timing) if name == "ring" else {})),
+            lambda name: out / f"{name}.json", _common.environment(mesh, fast=args.fast, cpus=os.cpu_count()),
+            mesh.rank, after=lambda name: dist.barrier())
 
 
 if __name__ == "__main__":

@@ -579,18 +579,13 @@ def main(argv=None):
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         st = settings(ARGS.fast, mesh)
         mc = make_cfg(st["size"]).model_config()
-        env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, torch=torch.__version__,
-                   threads=torch.get_num_threads(), cores=os.cpu_count(), fast=ARGS.fast, size=st["size"],
-                   num_params=mc.num_params(), grad_bytes=4 * mc.num_params(), grad_tensor_bytes=grad_tensor_bytes(mc),
-                   seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"])
-        for name in names:
-            if world == 1 and name != "scaling":
-                print(f"== {name}: needs at least 2 processes (torchrun --nproc_per_node 2); skipped", flush=True)
-                continue
-            t0 = time.perf_counter()
-            result = globals()[f"exp_{name}"](mesh, ARGS.fast)
-            file = OUT / (f"{name}_dp{world}.json" if name == "scaling" else f"{name}.json")
-            _common.saved(name, file, dict(env, results=result), t0, mesh.rank)
+        env = _common.environment(mesh, fast=ARGS.fast, size=st["size"], num_params=mc.num_params(),
+                                  grad_bytes=4 * mc.num_params(), grad_tensor_bytes=grad_tensor_bytes(mc),
+                                  seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"])
+        _common.run_experiments(
+            names, lambda name: globals()[f"exp_{name}"](mesh, ARGS.fast),
+            lambda name: OUT / (f"{name}_dp{world}.json" if name == "scaling" else f"{name}.json"), env, mesh.rank,
+            skip=lambda name: "needs at least 2 processes (torchrun --nproc_per_node 2)" if world == 1 and name != "scaling" else None)
 
 
 if __name__ == "__main__":

@@ -447,14 +447,12 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     with Mesh.init(dp=world, device=_common.experiment_device("04_zero")) as mesh:
         st = settings(args.fast, mesh)
-        for name in names:
-            if (world == 1) != (name in ONE_PROCESS) and name not in ANY_WORLD:
-                print(f"== {name}: launch it with {'one process' if name in ONE_PROCESS else '2+ processes'}; skipped")
-                continue
-            t0, result = time.perf_counter(), globals()[f"exp_{name}"](mesh, st, out)
-            file = out / (f"{name}_dp{world}.json" if name in PER_DP else f"{name}.json")
-            _common.saved(name, file, dict(settings=st, world_size=world, device=str(mesh.device), results=result), t0,
-                          mesh.rank)
+        _common.run_experiments(
+            names, lambda name: globals()[f"exp_{name}"](mesh, st, out),
+            lambda name: out / (f"{name}_dp{world}.json" if name in PER_DP else f"{name}.json"),
+            _common.environment(mesh, settings=st), mesh.rank,
+            skip=lambda name: f"launch it with {'one process' if name in ONE_PROCESS else '2+ processes'}"
+            if (world == 1) != (name in ONE_PROCESS) and name not in ANY_WORLD else None)
 
 
 if __name__ == "__main__":

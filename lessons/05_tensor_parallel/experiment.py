@@ -805,16 +805,12 @@ def main(argv=None):
     mesh = Mesh.init(dp=args.dp, tp=world // args.dp, device=_common.experiment_device("05_tensor_parallel"))
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         st = settings(args.fast, mesh.device.type)
-        env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, dp=args.dp, tp=mesh.tp.size,
-                   torch=torch.__version__, threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
-        for name in names:
-            if world == 1 and name in NEEDS_TP:
-                _say(mesh, f"== {name}: needs tp >= 2 (torchrun --nproc_per_node 2); skipped")
-                continue
-            t0 = time.perf_counter()
-            result = globals()[f"exp_{name}"](mesh, st, out)
-            file = out / f"{name}{f'_dp{args.dp}' if args.dp > 1 else ''}_tp{mesh.tp.size}.json"
-            _common.saved(name, file, dict(env, results=result), t0, mesh.rank)
+        _common.run_experiments(
+            names, lambda name: globals()[f"exp_{name}"](mesh, st, out),
+            lambda name: out / f"{name}{f'_dp{args.dp}' if args.dp > 1 else ''}_tp{mesh.tp.size}.json",
+            _common.environment(mesh, dp=args.dp, tp=mesh.tp.size, settings=st), mesh.rank,
+            skip=lambda name: "needs tp >= 2 (torchrun --nproc_per_node 2)" if world == 1 and name in NEEDS_TP else None,
+            say=lambda text: _say(mesh, text))
 
 
 if __name__ == "__main__":

@@ -686,12 +686,9 @@ def main(argv=None):
     mesh = Mesh.init(pp=world, device=_common.experiment_device("07_pipeline_parallel"))
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         st = dict(settings(args.fast, mesh.device.type), schedules=schedules)
-        env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, pp=world, torch=torch.__version__,
-                   threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
-        for name in names:
-            t0 = time.perf_counter()
-            result = globals()[f"exp_{name}"](mesh, st, out)
-            _common.saved(name, out / f"{name}_pp{world}.json", dict(env, results=result), t0, mesh.rank)
+        _common.run_experiments(names, lambda name: globals()[f"exp_{name}"](mesh, st, out),
+                                lambda name: out / f"{name}_pp{world}.json", _common.environment(mesh, pp=world, settings=st),
+                                mesh.rank)
 
 
 if __name__ == "__main__":

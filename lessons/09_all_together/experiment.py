@@ -736,12 +736,9 @@ def main(argv=None):
                  f"--nproc_per_node {math.prod(layout.values())} lessons/09_all_together/experiment.py")
     mesh = Mesh.init(**layout, device=_common.experiment_device("09_all_together"))
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
-        env = dict(device=str(mesh.device), backend=mesh.backend, world_size=world, torch=torch.__version__,
-                   threads=torch.get_num_threads(), cores=os.cpu_count(), settings=st)
-        for name in names:
-            t0 = time.perf_counter()
-            result = globals()[f"exp_{name}"](mesh, st, out)
-            _common.saved(name, out / f"{name}_{layout_name(layout)}.json", dict(env, results=result), t0, mesh.rank)
+        _common.run_experiments(names, lambda name: globals()[f"exp_{name}"](mesh, st, out),
+                                lambda name: out / f"{name}_{layout_name(layout)}.json",
+                                _common.environment(mesh, settings=st), mesh.rank)
 
 
 if __name__ == "__main__":

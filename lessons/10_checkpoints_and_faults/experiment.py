@@ -585,12 +585,9 @@ def main(argv=None):
     if world != 2:
         sys.exit("run on 2 processes: torchrun --nproc_per_node 2 lessons/10_checkpoints_and_faults/experiment.py")
     st = _common.sized("10_checkpoints_and_faults", settings(args.fast), args.fast)
-    env = dict(world_size=world, torch=torch.__version__, cores=os.cpu_count(), settings=st)
     with Mesh.init(dp=world, device=_common.experiment_device("10_checkpoints_and_faults")) as mesh:  # the world; each experiment makes its layouts' groups inside it
-        for name in names:
-            t0 = time.perf_counter()
-            result = globals()[f"exp_{name}"](mesh, st, out)
-            _common.saved(name, out / f"{name}.json", dict(env, results=result), t0, mesh.rank)
+        _common.run_experiments(names, lambda name: globals()[f"exp_{name}"](mesh, st, out),
+                                lambda name: out / f"{name}.json", _common.environment(mesh, settings=st), mesh.rank)
 
 
 if __name__ == "__main__":
