@@ -25,6 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# The rank processes of run_on_ranks fork from a server that has imported torch; within one test session the
+# project's code does not change, so the server imports picotron's modules once too (picotron.launch._context).
+os.environ.setdefault("PICOTRON_PRELOAD", "picotron.train,picotron.nccl_rules,picotron.collectives")
+
 
 def _notebook_module():
     """lessons/_notebook.py (the notebook runner that figures/make.py and the CLI use too)."""
