@@ -36,7 +36,7 @@ keeps. At dp = 1 the trainer still wraps the model, in `Local`, which does nothi
 which strategy is on. The collectives go through the dp x cp `Axis` the wrapper receives.
 
 Experts (expert parallelism) are the exception: each rank holds only some experts, and the copies of one expert
-sit on the mesh's `edp` axis. `axis_of(p)` (from the parameter marks, `marks.sync_axis`) says which axis a
+sit on the mesh's `edp` axis. `axis_of(p)` (from the parameter placements, `marks.sync_axis`) says which axis a
 gradient is summed over; buckets never mix axes. Whatever the axis, the sum is divided by the dp x cp size: an
 expert's gradient already holds the tokens of every rank of its ep group (the all-to-all brought them), so
 summed over edp it covers the whole global batch, which dp x cp ranks shared.

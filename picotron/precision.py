@@ -28,7 +28,7 @@ overflow (torch.amp.GradScaler and Megatron-LM do the same). bf16 has fp32's 8 e
 
 The pieces, each small:
     RECIPES[name]            the table above, as data (param_dtype, autocast dtype, master copy, loss scaling)
-    cast_parameters(model)   parameters (not buffers) to the recipe's dtype, keeping every parameter's marks
+    cast_parameters(model)   parameters (not buffers) to the recipe's dtype, keeping every parameter's placement
     MasterWeights            an optimizer over fp32 copies of the model's low-precision parameters
     LossScaler               S, its update rule and the count of skipped steps
     scaled(loss_fn, scaler)  the loss function whose backward multiplies by S
@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from picotron import marks
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def model_state_bytes(num_params, name):
 
 
 def cast_parameters(model, dtype):
-    """Every parameter of `model` to `dtype`, in place: the Parameter objects (and their marks) stay, only their
+    """Every parameter of `model` to `dtype`, in place: the Parameter objects (and their placements) stay, only their
     data changes; buffers (none are floating point in picotron's model) are left alone."""
     if dtype == torch.float32:
         return model
@@ -159,9 +161,6 @@ def scaled(loss_fn, scaler):
 
 
 # -------------------------------------------------------------------------------------- master weights
-_MARKS = ("sharded_over", "part_of", "is_copy")  # what checkpoints and clipping read off a parameter
-
-
 class MasterWeights:
     """An optimizer over fp32 copies of low-precision parameters (torch.optim's interface: param_groups, state,
     step, state_dict, load_state_dict).
@@ -169,7 +168,8 @@ class MasterWeights:
         MasterWeights(groups, make, scaler)   groups: [{"params": [bf16 or fp16 tensors], ...}];
                                               make(groups) -> AdamW; scaler: the LossScaler (fp16) or None
 
-    The wrapped optimizer sees the fp32 masters (each carries its parameter's marks and `master_of`). step():
+    The wrapped optimizer sees the fp32 masters (each carries its parameter's placement, with `master_for`: the
+    parameter; picotron.marks). step():
     for one tensor at a time, master.grad = parameter.grad in fp32 / S; the inner step; the master rounded
     back into the parameter. One tensor at a time (the inner optimizer skips tensors without a gradient), so no
     second, fp32 copy of all the gradients ever exists: the model states stay 2 + 2 + 12 bytes per parameter."""
@@ -179,11 +179,7 @@ class MasterWeights:
         for group in groups:
             masters = []
             for p in group["params"]:
-                m = p.detach().float().clone()
-                for attr in _MARKS:
-                    if hasattr(p, attr):
-                        setattr(m, attr, getattr(p, attr))
-                m.master_of = p
+                m = marks.place(p.detach().float().clone(), marks.placement(p), master_for=p)
                 masters.append(m)
                 self.model_params.append(p)
             master_groups.append({**group, "params": masters})

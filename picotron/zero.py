@@ -41,11 +41,11 @@ Gradient accumulation: stage 1 keeps full local gradients, so under `no_sync()` 
 reduce-scatter follows the last micro-batch. Stages 2 and 3 keep no full gradient: they reduce-scatter after
 every micro-batch and add into the gradient shard (`no_sync` changes nothing there).
 
-The optimizer's pieces are marked as sharded over dp x cp (`picotron.marks`), so the trainer's one global-norm
+The optimizer's pieces are placed as sharded over dp x cp (`picotron.marks`), so the trainer's one global-norm
 clipping counts each gradient element once, whatever else is on.
 
 Experts (expert parallelism) are sharded over ep already and replicated only over the rest of dp x cp, the
-mesh's `edp` axis: their units are cut over that axis instead (`axis_of(p)`, from the marks), while every
+mesh's `edp` axis: their units are cut over that axis instead (`axis_of(p)`, from the placements), while every
 gradient is still divided by the dp x cp size, the number of batch shards it was summed over.
 
 ZeRO-1/2 here: `ZeroDataParallel` syncs the gradients (reduce-scatter into shards) and `ShardedOptimizer` is the
@@ -130,14 +130,14 @@ class ShardedGradSync(GradSync):
 
     def _make_pieces(self):
         """The optimizer's parameters: 1-D views of each unit's shard, their .grad views of the gradient shard.
-        Each piece is marked as sharded over this axis on top of its parameter's own marks, and says which
-        elements of its parameter it holds (`part_of`: the parameter, the first element, the count; checkpoints
-        read it to place the piece in the full tensor)."""
+        Each piece is placed (`picotron.marks`) as sharded over this axis on top of its parameter's own dims, and
+        says which elements of its parameter it holds (`flat`: the parameter, the first element, the count;
+        checkpoints read it to place the piece in the full tensor)."""
         self.pieces = []  # (piece, is a matrix, unit, start, length)
         for unit in self.units:
             for p, start, length, at in unit.pieces():
-                piece = marks.mark(nn.Parameter(unit.shard[start:start + length]), unit.axis.dims + marks.sharded_over(p))
-                piece.part_of = (p, at, length)
+                piece = marks.place(nn.Parameter(unit.shard[start:start + length]),
+                                    dims=unit.axis.dims + marks.placement(p).dims, flat=(p, at, length))
                 self.pieces.append((piece, p.dim() >= 2, unit, start, length))
         self._attach_piece_grads()
 
