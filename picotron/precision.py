@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from picotron import marks
+from picotron.zero import WrappedOptimizer
 
 
 @dataclass(frozen=True)
@@ -161,9 +162,9 @@ def scaled(loss_fn, scaler):
 
 
 # -------------------------------------------------------------------------------------- master weights
-class MasterWeights:
+class MasterWeights(WrappedOptimizer):
     """An optimizer over fp32 copies of low-precision parameters (torch.optim's interface: param_groups, state,
-    step, state_dict, load_state_dict).
+    step, state_dict, load_state_dict; all but step passed through to the wrapped one, zero.WrappedOptimizer).
 
         MasterWeights(groups, make, scaler)   groups: [{"params": [bf16 or fp16 tensors], ...}];
                                               make(groups) -> AdamW; scaler: the LossScaler (fp16) or None
@@ -183,17 +184,9 @@ class MasterWeights:
                 masters.append(m)
                 self.model_params.append(p)
             master_groups.append({**group, "params": masters})
-        self.optimizer = make(master_groups)
+        super().__init__(make(master_groups))
         self.masters = [m for g in self.optimizer.param_groups for m in g["params"]]
         self.scaler = scaler
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     @torch.no_grad()
     def step(self):
@@ -206,12 +199,6 @@ class MasterWeights:
             self.optimizer.step()  # only m has a gradient: only m (and its moments) change
             m.grad = None
             p.copy_(m)
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
 
     @torch.no_grad()
     def after_load(self):

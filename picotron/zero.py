@@ -56,7 +56,6 @@ Caveat (stage 3, zero3.py): every forward all-gathers collectively, so every ran
 and text generation included; a forward on rank 0 alone waits for the others until the timeout ends it.
 """
 import math
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -113,20 +112,10 @@ class ShardedGradSync(GradSync):
         self.stage, self.axis = stage, axis
         self.axis_of = axis_of or (lambda p: axis)  # the axis a parameter's unit is cut over (experts: edp)
         self.n, self.rank = axis.size, axis.rank
-        self.sync = True
         self.units = []
         self.unit_of = {}  # parameter -> its unit
         self.transient = self.transient_peak = 0  # bytes of gathered params + gradient buckets in flight
         self._pending = []  # reduce-scatters in flight: (unit, work, flat gradient buffer)
-
-    @contextmanager
-    def no_sync(self):
-        """Stage 1: accumulate full gradients locally, send nothing. Stages 2-3 always reduce-scatter."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous
 
     def _make_pieces(self):
         """The optimizer's parameters: 1-D views of each unit's shard, their .grad views of the gradient shard.
@@ -285,12 +274,13 @@ class ZeroDataParallel(ShardedGradSync):
             w.wait()
 
 
-class ShardedOptimizer:
-    """ZeRO-1/2's optimizer: `optimizer` (over this rank's pieces) updates this rank's chunk of every bucket,
-    then the chunks are all-gathered, so every rank holds all the updated parameters for the next forward."""
+class WrappedOptimizer:
+    """An optimizer around another, `self.optimizer`: torch.optim's interface (param_groups, state, state_dict,
+    load_state_dict) passed through; a subclass says what its `step` adds (ShardedOptimizer here, and
+    precision.MasterWeights)."""
 
-    def __init__(self, optimizer, zero):
-        self.optimizer, self.zero = optimizer, zero
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
 
     @property
     def param_groups(self):
@@ -300,15 +290,24 @@ class ShardedOptimizer:
     def state(self):
         return self.optimizer.state
 
-    def step(self):
-        self.optimizer.step()
-        self.zero.gather_updated_params()
-
     def state_dict(self):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state)
+
+
+class ShardedOptimizer(WrappedOptimizer):
+    """ZeRO-1/2's optimizer: `optimizer` (over this rank's pieces) updates this rank's chunk of every bucket,
+    then the chunks are all-gathered, so every rank holds all the updated parameters for the next forward."""
+
+    def __init__(self, optimizer, zero):
+        super().__init__(optimizer)
+        self.zero = zero
+
+    def step(self):
+        self.optimizer.step()
+        self.zero.gather_updated_params()
 
     def __getattr__(self, name):  # what a master-copy optimizer adds (model_params, masters, after_load, ...)
         return getattr(self.__dict__["optimizer"], name)
