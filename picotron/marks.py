@@ -60,10 +60,6 @@ class Placement:
     copy_of: str = None       # the name of the parameter this tensor is a copy of
     master_for: torch.Tensor = field(default=None, compare=False)  # the parameter an fp32 master stands for
 
-    @property
-    def is_sharded(self):
-        return bool(self.dims)
-
     def take(self, full, shape):
         """This tensor's slice of `full` (a tensor of the full `self.shape`): the block of `shape` at `offsets`."""
         for d, (at, n) in enumerate(zip(self.offsets or (0,) * full.dim(), shape)):
