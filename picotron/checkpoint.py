@@ -85,19 +85,20 @@ def canonical(name):
 
 def placements(run):
     """[(tensor, Slice)] for every tensor the optimizer updates on this rank (ZeRO: its pieces; under a master copy
-    the fp32 masters, so a resume is exact), in the optimizer's order. Read off the marks: a piece's `part_of`, a tensor-parallel slice's `full_shape` and
-    `shard_offsets`, a pipeline's copy of a tied embedding (`is_copy`, it holds embed_tokens.weight)."""
+    the fp32 masters, so a resume is exact), in the optimizer's order. Read off each tensor's placement
+    (picotron.marks): a master's `master_for`, a piece's `flat`, a slice's `shape` and `offsets`, a pipeline's copy
+    of a tied embedding (`copy_of`: it holds embed_tokens.weight)."""
     names = {p: canonical(n) for n, p in run.raw.named_parameters()}
     out = []
     for q in run.params:
-        base, flat = getattr(q, "master_of", q), None  # an fp32 master copy (bf16-params, fp16) saves for its parameter
-        if hasattr(q, "part_of"):
-            base, at, n = q.part_of
+        where, flat = marks.placement(q), None
+        base = q if where.master_for is None else where.master_for  # an fp32 master saves for its parameter
+        if where.flat is not None:
+            base, at, n = where.flat
             flat = (at, at + n)
-        name = "embed_tokens.weight" if getattr(base, "is_copy", False) else names[base]
-        shape = tuple(getattr(base, "full_shape", base.shape))
-        offsets = tuple(getattr(base, "shard_offsets", (0,) * len(shape)))
-        out.append((q, Slice(name, shape, offsets, tuple(base.shape), flat)))
+        whole = marks.placement(base)
+        name = whole.copy_of or names[base]
+        out.append((q, Slice(name, whole.shape, whole.offsets, tuple(base.shape), flat)))
     return out
 
 

@@ -36,7 +36,7 @@ keeps. At dp = 1 the trainer still wraps the model, in `Local`, which does nothi
 which strategy is on. The collectives go through the dp x cp `Axis` the wrapper receives.
 
 Experts (expert parallelism) are the exception: each rank holds only some experts, and the copies of one expert
-sit on the mesh's `edp` axis. `axis_of(p)` (from the parameter marks, `marks.sync_axis`) says which axis a
+sit on the mesh's `edp` axis. `axis_of(p)` (from the parameter placements, `marks.sync_axis`) says which axis a
 gradient is summed over; buckets never mix axes. Whatever the axis, the sum is divided by the dp x cp size: an
 expert's gradient already holds the tokens of every rank of its ep group (the all-to-all brought them), so
 summed over edp it covers the whole global batch, which dp x cp ranks shared.
@@ -44,7 +44,7 @@ summed over edp it covers the whole global batch, which dp x cp ranks shared.
 Caveat, as in DDP: every parameter must receive a gradient in every backward pass, or its bucket never
 fills and the step waits forever (here: until the process-group timeout ends it with an error).
 """
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -61,17 +61,26 @@ class GradSync(nn.Module):
     zero_grad()         drop (or zero) the gradients for the next step
     memory()            bytes of parameters and gradients this rank keeps: {"params": .., "grads": .., ...}
     optimizer_groups()  (parameters with weight decay, without): what the optimizer updates on this rank
+
+    `self.sync` is False inside no_sync(): a wrapper's gradient hooks read it (ZeRO-2/3 reduce-scatter anyway).
     """
 
     def __init__(self, module):
         super().__init__()
         self.module = module
+        self.sync = True
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @contextmanager
     def no_sync(self):
-        return nullcontext()
+        """Backward passes inside this block accumulate gradients locally and send nothing."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
 
     def finish_sync(self):
         pass
@@ -89,26 +98,16 @@ class Local(GradSync):
 
 
 class _Replicated(GradSync):
-    """What the data-parallel wrappers share: the axis (dp x cp), no_sync, start from rank 0's weights."""
+    """What the data-parallel wrappers share: the axis (dp x cp), start from rank 0's weights."""
 
     def __init__(self, module, axis, axis_of=None):
         super().__init__(module)
         self.axis = axis  # dp x cp: the gradients are divided by its size
         self.axis_of = axis_of or (lambda p: axis)  # where each gradient is summed (experts: edp)
-        self.sync = True
         for p in module.parameters():  # a safety net: our init is identical
             self.axis_of(p).broadcast(p.data)
         for t in module.buffers():
             axis.broadcast(t.data)
-
-    @contextmanager
-    def no_sync(self):
-        """Backward passes inside this block accumulate gradients locally and send nothing."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous
 
 
 def buckets(params, bucket_mb):

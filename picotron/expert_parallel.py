@@ -18,7 +18,7 @@ step, so the token counts per expert go first (an all-to-all of E numbers), then
 
 The ep axis is carved out of dp (picotron.mesh): the ranks of an ep group see different data AND hold
 different experts. So there are two kinds of parameters: the dense ones (attention, norms, embedding, the
-router), replicated over dp x cp as before, and the experts, marked ("ep",) and replicated only over the mesh's
+router), replicated over dp x cp as before, and the experts, placed over ("ep",) and replicated only over the mesh's
 `edp` axis (dp/ep x cp ranks). `marks.sync_axis` tells data parallelism and ZeRO where to sum each gradient;
 both divide by dp x cp, because an expert's gradient already contains the tokens of its whole ep group.
 
@@ -96,7 +96,7 @@ class Exchange:
 
 
 def apply(model, axis):
-    """Keep this rank's experts in every MoE layer of `model` (on the meta device, before init), mark them
+    """Keep this rank's experts in every MoE layer of `model` (on the meta device, before init), place them over
     ("ep",) and give each layer the `Exchange` over `axis` (the mesh's ep axis). ep = 1: nothing changes."""
     if axis.size == 1:
         return model
@@ -112,17 +112,9 @@ def apply(model, axis):
             if e not in mine:
                 del moe.experts[str(e)]
         moe.exchange = Exchange(axis, E)
-    mark_experts(model, axis)
+        for p in moe.experts.parameters():  # marks.materialize keeps the placement through to_empty
+            marks.place(p, dims=("ep",))
     return model
-
-
-def mark_experts(model, axis):
-    """Mark every expert parameter as sharded over ep (after to_empty too: it makes new Parameter objects)."""
-    if axis.size == 1:
-        return
-    for name, p in model.named_parameters():
-        if ".experts." in name:
-            marks.mark(p, ("ep",))
 
 
 def exchanges(model):

@@ -41,8 +41,8 @@ The model knows nothing about parallelism. Things the parallel strategies may re
     parallelism swaps it; `forward(input_ids, position_ids=None)` takes explicit positions ([s] or [b, s])
     for the same reason, and the step engine passes them with every batch;
   * `init_weights(seed)` draws every parameter from a generator seeded by (seed, parameter name) only, so
-    every layout initialises identically. A strategy that shards a parameter may attach `p.full_shape` and
-    `p.take_shard(full) -> shard` to it; `init_weights` then draws the full tensor and keeps its shard.
+    every layout initialises identically. A strategy that shards a parameter places it (`picotron.marks`:
+    the full shape and the slice's offsets in it); `init_weights` then draws the full tensor and keeps the slice.
 
 Each RMSNorm and dense MLP has a `kernel` attribute, "plain" (the PyTorch ops written here) unless
 `use_kernels(model, impl)` routes them through picotron.kernels' fused RMSNorm and SwiGLU.
@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from picotron import kernels
+from picotron import kernels, marks
 from picotron.moe import MoE
 
 
@@ -467,13 +467,12 @@ class Llama(nn.Module):
         """Fill every parameter from `init_tensor(name, shape, seed, std)`: norms 1, the rest normal."""
         self.tie_weights()
         for name, p in self.named_parameters():  # a tied lm_head.weight is skipped: it is embed_tokens
-            shape = tuple(getattr(p, "full_shape", p.shape))
+            where = marks.placement(p)  # a slice (tensor parallelism) draws the full tensor and keeps its part
             if name.endswith("norm.weight"):
-                full = torch.ones(shape)
+                full = torch.ones(where.shape)
             else:
-                full = init_tensor(name, shape, seed, self.init_std(name))
-            take_shard = getattr(p, "take_shard", None)
-            p.copy_(take_shard(full) if take_shard is not None else full)
+                full = init_tensor(name, where.shape, seed, self.init_std(name))
+            p.copy_(where.take(full, p.shape))
         return self
 
     # ---------------------------------------------------------------------------- Hugging Face I/O

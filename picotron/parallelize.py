@@ -19,7 +19,7 @@ builds this rank's part of the model and everything a training step needs:
     6. the optimizer (ZeRO-1/2: a sharded one whose step all-gathers the updated chunks), the step schedule
        (gradient accumulation, or with pp > 1 the pipeline schedule run by `pipeline_parallel.Pipeline`),
        the loss (vocab-parallel under tp) and the model that generates text. (Checkpoints read the
-       optimizer's tensors and their marks: picotron.checkpoint.)
+       optimizer's tensors and their placements: picotron.checkpoint.)
 
 `train.py` uses only what this returns, so adding a strategy means adding it here (and its own module), not
 another `if` in the training loop. Each strategy's rules live in its module's `check(cfg, model_config)`.
@@ -49,12 +49,12 @@ class Parallelized:
 
     @property
     def params(self):
-        """The parameters the optimizer updates on this rank (ZeRO: its pieces), with their marks."""
+        """The parameters the optimizer updates on this rank (ZeRO: its pieces), with their placements."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     @property
     def grad_params(self):
-        """The tensors the backward leaves gradients in, with their marks: `params`, or under a master copy
+        """The tensors the backward leaves gradients in, with their placements: `params`, or under a master copy
         (bf16-params, fp16) the low-precision ones the fp32 masters are copies of."""
         held = getattr(self.optimizer, "model_params", None)  # precision.MasterWeights (ZeRO-1/2 forward it)
         return self.params if held is None else held
@@ -91,8 +91,7 @@ def build_model(cfg, mesh, store=None):
         use_kernels(model, cfg.kernels)
     if precision.recipe(cfg).fp8:  # the decoder layers' linears through FP8 matmuls (picotron.fp8)
         fp8.apply(model)
-    model.to_empty(device=mesh.device)
-    expert_parallel.mark_experts(model, mesh.ep)  # to_empty made new Parameter objects
+    marks.materialize(model, mesh.device)  # to_empty, keeping every parameter's placement
     if plan is not None:
         pipeline_parallel.mark_stage(model, plan, mesh.pp)
     model.init_weights(cfg.seed)  # in fp32, then rounded to the recipe's parameter dtype
@@ -120,8 +119,8 @@ def build_optimizer(groups, cfg, device, scaler=None):
 
 
 def wrap_for_sync(raw, cfg, axis, axis_of=None):
-    """Step 5: the gradient-sync wrapper over `axis` (dp x cp); `axis_of(p)`, from the marks: where each gradient is
-    summed (experts: their replicas, the mesh's edp axis)."""
+    """Step 5: the gradient-sync wrapper over `axis` (dp x cp); `axis_of(p)`, from the placements: where each
+    gradient is summed (experts: their replicas, the mesh's edp axis)."""
     if cfg.zero == 3:
         return zero3.Zero3(raw, axis)
     if cfg.zero:

@@ -478,11 +478,10 @@ class PipelineStage(nn.Module):
         embedding, head = self.tied
         if head is not None:  # the last stage's copy of the tied matrix starts as the embedding
             from picotron.model import init_tensor
-            full = init_tensor("embed_tokens.weight", getattr(head, "full_shape", head.shape), seed,
-                               self.config.initializer_range)
-            take = getattr(head, "take_shard", None)
+            where = marks.placement(head)
+            full = init_tensor("embed_tokens.weight", where.shape, seed, self.config.initializer_range)
             with torch.no_grad():
-                head.copy_(take(full) if take else full)
+                head.copy_(where.take(full, head.shape))
         return self
 
     @property
@@ -513,25 +512,26 @@ def keep_stage(model_factory, schedule, rank, model_config, seq_len):
         if s != last:
             model.norm = model.lm_head = None
         elif model_config.tie_word_embeddings and s != 0:  # its own copy of the matrix, kept equal by sync
-            model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight))
+            old = model.lm_head.weight
+            model.lm_head.weight = marks.place(nn.Parameter(torch.empty_like(old)), marks.placement(old))
         chunks.append(model)
         stages.append(s)
     return PipelineStage(chunks, stages, (None, None))
 
 
 def mark_stage(stage, schedule, pp):
-    """After materialising: mark every parameter as sharded over pp (each stage holds different ones), the
+    """After materialising: place every parameter as sharded over pp (each stage holds different ones), the
     last stage's copy of a tied embedding as a copy (clipping counts it once, on stage 0), and remember the
     tied pair for the gradient sync."""
     embedding = head = None
     for chunk, s in zip(stage.chunks, stage.stage_ids):
         for p in chunk.parameters():
-            marks.mark(p, pp.dims)
+            marks.place(p, dims=pp.dims)
         if s == 0 and chunk.embed_tokens is not None and chunk.lm_head is None:
             embedding = chunk.embed_tokens.weight
         if s == schedule.stages - 1 and chunk.embed_tokens is None and stage.config.tie_word_embeddings:
             head = chunk.lm_head.weight
-            head.is_copy = True
+            marks.place(head, copy_of="embed_tokens.weight")
     if stage.config.tie_word_embeddings and schedule.stages > 1:
         stage.tied = (embedding, head)
     return stage

@@ -28,7 +28,7 @@ overflow (torch.amp.GradScaler and Megatron-LM do the same). bf16 has fp32's 8 e
 
 The pieces, each small:
     RECIPES[name]            the table above, as data (param_dtype, autocast dtype, master copy, loss scaling)
-    cast_parameters(model)   parameters (not buffers) to the recipe's dtype, keeping every parameter's marks
+    cast_parameters(model)   parameters (not buffers) to the recipe's dtype, keeping every parameter's placement
     MasterWeights            an optimizer over fp32 copies of the model's low-precision parameters
     LossScaler               S, its update rule and the count of skipped steps
     scaled(loss_fn, scaler)  the loss function whose backward multiplies by S
@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from picotron import marks
+from picotron.zero import WrappedOptimizer
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ def model_state_bytes(num_params, name):
 
 
 def cast_parameters(model, dtype):
-    """Every parameter of `model` to `dtype`, in place: the Parameter objects (and their marks) stay, only their
+    """Every parameter of `model` to `dtype`, in place: the Parameter objects (and their placements) stay, only their
     data changes; buffers (none are floating point in picotron's model) are left alone."""
     if dtype == torch.float32:
         return model
@@ -159,17 +162,15 @@ def scaled(loss_fn, scaler):
 
 
 # -------------------------------------------------------------------------------------- master weights
-_MARKS = ("sharded_over", "part_of", "is_copy")  # what checkpoints and clipping read off a parameter
-
-
-class MasterWeights:
+class MasterWeights(WrappedOptimizer):
     """An optimizer over fp32 copies of low-precision parameters (torch.optim's interface: param_groups, state,
-    step, state_dict, load_state_dict).
+    step, state_dict, load_state_dict; all but step passed through to the wrapped one, zero.WrappedOptimizer).
 
         MasterWeights(groups, make, scaler)   groups: [{"params": [bf16 or fp16 tensors], ...}];
                                               make(groups) -> AdamW; scaler: the LossScaler (fp16) or None
 
-    The wrapped optimizer sees the fp32 masters (each carries its parameter's marks and `master_of`). step():
+    The wrapped optimizer sees the fp32 masters (each carries its parameter's placement, with `master_for`: the
+    parameter; picotron.marks). step():
     for one tensor at a time, master.grad = parameter.grad in fp32 / S; the inner step; the master rounded
     back into the parameter. One tensor at a time (the inner optimizer skips tensors without a gradient), so no
     second, fp32 copy of all the gradients ever exists: the model states stay 2 + 2 + 12 bytes per parameter."""
@@ -179,25 +180,13 @@ class MasterWeights:
         for group in groups:
             masters = []
             for p in group["params"]:
-                m = p.detach().float().clone()
-                for attr in _MARKS:
-                    if hasattr(p, attr):
-                        setattr(m, attr, getattr(p, attr))
-                m.master_of = p
+                m = marks.place(p.detach().float().clone(), marks.placement(p), master_for=p)
                 masters.append(m)
                 self.model_params.append(p)
             master_groups.append({**group, "params": masters})
-        self.optimizer = make(master_groups)
+        super().__init__(make(master_groups))
         self.masters = [m for g in self.optimizer.param_groups for m in g["params"]]
         self.scaler = scaler
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     @torch.no_grad()
     def step(self):
@@ -210,12 +199,6 @@ class MasterWeights:
             self.optimizer.step()  # only m has a gradient: only m (and its moments) change
             m.grad = None
             p.copy_(m)
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
 
     @torch.no_grad()
     def after_load(self):

@@ -40,12 +40,13 @@ the blocks divided by n. The RMSNorm weights stay replicated but each rank sees 
 gradients are partial: `SequenceParallelRMSNorm` passes its weight through f, whose backward all-reduces
 that gradient over tp (one all-reduce of h numbers per norm per backward).
 
-`apply(model, axis, sp)` swaps the model's modules in place, on the meta device, before `to_empty` and
+`apply(model, axis, sp)` swaps the model's modules in place, on the meta device, before `marks.materialize` and
 `init_weights`; `axis` is the mesh's tp axis (or `Axis.alone("tp", n, r)` to build rank r's shard with no
-processes). Parameter names stay those of the unsharded model, and each sharded weight carries `full_shape`,
-`take_shard` (init_weights draws the full tensor and keeps this rank's slice, so every layout starts from the
-same weights), `tp_dim`, the dimension it is cut along, and the mark ("tp",) (`picotron.marks`): unmarked
-parameters are replicated over tp, and global-norm clipping counts those once. `check(cfg, model_config)`
+processes). Parameter names stay those of the unsharded model, and each sharded weight carries its placement
+(`picotron.marks`): sharded over ("tp",), the full shape and this slice's offsets in it (init_weights draws the
+full tensor and keeps this rank's slice, so every layout starts from the same weights), and `split_dim`, the
+dimension it is cut along. Parameters without one are replicated over tp, and global-norm clipping counts those
+once. `check(cfg, model_config)`
 holds the rules the degrees must follow.
 Heads are never split: tp must divide the query heads and the KV heads (no KV-head replication here).
 """
@@ -151,35 +152,25 @@ def leave_tp(y, axis, sp=False):
 
 # ------------------------------------------------------------------------------------------------- layers
 class _Sharded(nn.Module):
-    """Holds `weight`: this rank's slice, along dimension `dim`, of a matrix of shape `full_shape`. The linear
+    """Holds `weight`: this rank's slice, along dimension `dim`, of a matrix of shape `shape`. The linear
     layers multiply through `matmul` (F.linear; a split pipeline schedule routes it to defer the weight
     gradient)."""
     matmul = staticmethod(F.linear)
 
-    def __init__(self, full_shape, dim, axis, device=None, dtype=None):
+    def __init__(self, shape, dim, axis, device=None, dtype=None):
         super().__init__()
-        self.full_shape, self.dim = tuple(full_shape), dim
+        self.dim = dim
         self.axis, self.rank, self.size = axis, axis.rank, axis.size
-        shape = list(self.full_shape)
-        shape[dim] //= self.size
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        self._mark()
-
-    def take_shard(self, full):
-        return full.chunk(self.size, dim=self.dim)[self.rank]
-
-    def _mark(self):  # what Llama.init_weights, clipping, checkpoints and the tests read off the parameter
-        self.weight.full_shape, self.weight.take_shard, self.weight.tp_dim = self.full_shape, self.take_shard, self.dim
-        self.weight.shard_offsets = tuple(self.rank * n if d == self.dim else 0 for d, n in enumerate(self.weight.shape))
-        marks.mark(self.weight, self.axis.dims)
-
-    def _apply(self, fn, recurse=True):  # to_empty() from the meta device makes new Parameter objects: re-mark
-        super()._apply(fn, recurse)
-        self._mark()
-        return self
+        local = list(shape)
+        local[dim] //= self.size
+        self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
+        # what Llama.init_weights, clipping, checkpoints and the tests read (picotron.marks)
+        marks.place(self.weight, dims=axis.dims, shape=tuple(shape), split_dim=dim,
+                    offsets=tuple(self.rank * n if d == dim else 0 for d, n in enumerate(local)))
 
     def extra_repr(self):
-        return f"full_shape={self.full_shape}, shard={tuple(self.weight.shape)}, split dim {self.dim} over tp={self.size}"
+        whole = marks.placement(self.weight).shape
+        return f"shape={whole}, shard={tuple(self.weight.shape)}, split dim {self.dim} over tp={self.size}"
 
 
 class ColumnParallelLinear(_Sharded):
@@ -358,7 +349,7 @@ def _swap(parent, name, new):
     old = getattr(parent, name)
     if old.weight.device.type != "meta":
         with torch.no_grad():
-            new.weight.copy_(new.take_shard(old.weight) if hasattr(new, "take_shard") else old.weight)
+            new.weight.copy_(marks.placement(new.weight).take(old.weight, new.weight.shape))
     setattr(parent, name, new)
 
 
@@ -424,7 +415,7 @@ def _moe(moe, axis, sp, column, row, kw):
 
 def gather_from_tp(t, dim, axis):
     """The full tensor from its tp slices along `dim` (None: replicated, a copy), e.g. a parameter or its
-    gradient: gather_from_tp(p.grad, p.tp_dim, mesh.tp) with getattr(p, "tp_dim", None)."""
+    gradient: gather_from_tp(p.grad, marks.placement(p).split_dim, mesh.tp)."""
     if dim is None or axis.size == 1:
         return t.detach().clone()
     parts = t.new_empty((axis.size * t.shape[0],) + t.shape[1:])  # the ranks' slices stacked along dim 0

@@ -6,7 +6,7 @@ One optimizer step, in order:
     lr = warm-up then cosine schedule(step)
     loss = schedule.run(model, micro_batches, loss_fn)   # forward + backward of every micro-batch, the
                                                          # gradients synchronised; the global-batch loss
-    clip the global gradient norm to grad_clip           # each gradient element counted once (its marks)
+    clip the global gradient norm to grad_clip           # each gradient element counted once (its placement)
     stop if the loss or the norm is not finite           # before the update: the weights stay sane
     optimizer.step(), zero the gradients                 # (--on-nonfinite skip: drop the update, go on)
                                                          # (fp16: an overflow skips the step, halves the

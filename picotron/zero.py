@@ -41,11 +41,11 @@ Gradient accumulation: stage 1 keeps full local gradients, so under `no_sync()` 
 reduce-scatter follows the last micro-batch. Stages 2 and 3 keep no full gradient: they reduce-scatter after
 every micro-batch and add into the gradient shard (`no_sync` changes nothing there).
 
-The optimizer's pieces are marked as sharded over dp x cp (`picotron.marks`), so the trainer's one global-norm
+The optimizer's pieces are placed as sharded over dp x cp (`picotron.marks`), so the trainer's one global-norm
 clipping counts each gradient element once, whatever else is on.
 
 Experts (expert parallelism) are sharded over ep already and replicated only over the rest of dp x cp, the
-mesh's `edp` axis: their units are cut over that axis instead (`axis_of(p)`, from the marks), while every
+mesh's `edp` axis: their units are cut over that axis instead (`axis_of(p)`, from the placements), while every
 gradient is still divided by the dp x cp size, the number of batch shards it was summed over.
 
 ZeRO-1/2 here: `ZeroDataParallel` syncs the gradients (reduce-scatter into shards) and `ShardedOptimizer` is the
@@ -56,7 +56,6 @@ Caveat (stage 3, zero3.py): every forward all-gathers collectively, so every ran
 and text generation included; a forward on rank 0 alone waits for the others until the timeout ends it.
 """
 import math
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -113,31 +112,21 @@ class ShardedGradSync(GradSync):
         self.stage, self.axis = stage, axis
         self.axis_of = axis_of or (lambda p: axis)  # the axis a parameter's unit is cut over (experts: edp)
         self.n, self.rank = axis.size, axis.rank
-        self.sync = True
         self.units = []
         self.unit_of = {}  # parameter -> its unit
         self.transient = self.transient_peak = 0  # bytes of gathered params + gradient buckets in flight
         self._pending = []  # reduce-scatters in flight: (unit, work, flat gradient buffer)
 
-    @contextmanager
-    def no_sync(self):
-        """Stage 1: accumulate full gradients locally, send nothing. Stages 2-3 always reduce-scatter."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous
-
     def _make_pieces(self):
         """The optimizer's parameters: 1-D views of each unit's shard, their .grad views of the gradient shard.
-        Each piece is marked as sharded over this axis on top of its parameter's own marks, and says which
-        elements of its parameter it holds (`part_of`: the parameter, the first element, the count; checkpoints
-        read it to place the piece in the full tensor)."""
+        Each piece is placed (`picotron.marks`) as sharded over this axis on top of its parameter's own dims, and
+        says which elements of its parameter it holds (`flat`: the parameter, the first element, the count;
+        checkpoints read it to place the piece in the full tensor)."""
         self.pieces = []  # (piece, is a matrix, unit, start, length)
         for unit in self.units:
             for p, start, length, at in unit.pieces():
-                piece = marks.mark(nn.Parameter(unit.shard[start:start + length]), unit.axis.dims + marks.sharded_over(p))
-                piece.part_of = (p, at, length)
+                piece = marks.place(nn.Parameter(unit.shard[start:start + length]),
+                                    dims=unit.axis.dims + marks.placement(p).dims, flat=(p, at, length))
                 self.pieces.append((piece, p.dim() >= 2, unit, start, length))
         self._attach_piece_grads()
 
@@ -285,12 +274,13 @@ class ZeroDataParallel(ShardedGradSync):
             w.wait()
 
 
-class ShardedOptimizer:
-    """ZeRO-1/2's optimizer: `optimizer` (over this rank's pieces) updates this rank's chunk of every bucket,
-    then the chunks are all-gathered, so every rank holds all the updated parameters for the next forward."""
+class WrappedOptimizer:
+    """An optimizer around another, `self.optimizer`: torch.optim's interface (param_groups, state, state_dict,
+    load_state_dict) passed through; a subclass says what its `step` adds (ShardedOptimizer here, and
+    precision.MasterWeights)."""
 
-    def __init__(self, optimizer, zero):
-        self.optimizer, self.zero = optimizer, zero
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
 
     @property
     def param_groups(self):
@@ -300,15 +290,24 @@ class ShardedOptimizer:
     def state(self):
         return self.optimizer.state
 
-    def step(self):
-        self.optimizer.step()
-        self.zero.gather_updated_params()
-
     def state_dict(self):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state):
         self.optimizer.load_state_dict(state)
+
+
+class ShardedOptimizer(WrappedOptimizer):
+    """ZeRO-1/2's optimizer: `optimizer` (over this rank's pieces) updates this rank's chunk of every bucket,
+    then the chunks are all-gathered, so every rank holds all the updated parameters for the next forward."""
+
+    def __init__(self, optimizer, zero):
+        super().__init__(optimizer)
+        self.zero = zero
+
+    def step(self):
+        self.optimizer.step()
+        self.zero.gather_updated_params()
 
     def __getattr__(self, name):  # what a master-copy optimizer adds (model_params, masters, after_load, ...)
         return getattr(self.__dict__["optimizer"], name)

@@ -3,6 +3,7 @@ then the comparison with the single-process run (every gradient, loss and gradie
 import pytest
 import torch
 
+from picotron import marks
 from picotron.tensor_parallel import gather_from_tp
 
 
@@ -18,14 +19,14 @@ def layout_grads(run, mesh, cfg):
             flat = torch.empty(unit.grad_shard.numel() * unit.axis.size)
             unit.axis.all_gather_into(flat, unit.grad_shard.contiguous())
             for p, off in zip(unit.params, unit.offsets):
-                if not getattr(p, "is_copy", False):
+                if marks.placement(p).copy_of is None:
                     grads[names[p]] = gather_from_tp(flat[off:off + p.numel()].view(p.shape),
-                                                     getattr(p, "tp_dim", None), mesh.tp)
+                                                     marks.placement(p).split_dim, mesh.tp)
     else:
         for chunk in getattr(run.raw, "chunks", [run.raw]):
             for name, p in chunk.named_parameters():
-                if not getattr(p, "is_copy", False):
-                    grads[name] = gather_from_tp(p.grad, getattr(p, "tp_dim", None), mesh.tp)
+                if marks.placement(p).copy_of is None:
+                    grads[name] = gather_from_tp(p.grad, marks.placement(p).split_dim, mesh.tp)
     return grads if mesh.edp.rank == 0 and mesh.tp.rank == 0 else {}
 
 

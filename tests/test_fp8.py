@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from picotron import fp8, tensor_parallel
+from picotron import fp8, marks, tensor_parallel
 from picotron.data import get_tokenizer, load_text
 from picotron.fp8 import E4M3, E5M2, dequantize, fp8_linear, quantize
 from picotron.launch import run_on_ranks
@@ -268,7 +268,7 @@ def test_apply_routes_tensor_parallel_layers_through_their_matmul():
         model = Llama(config)
     tensor_parallel.apply(model, Axis.alone("tp", 2, 0))
     names = [n for n, _ in model.named_parameters()]
-    fp8.apply(model.to_empty(device="cpu").init_weights(0))
+    fp8.apply(marks.materialize(model, "cpu").init_weights(0))
     assert [n for n, _ in model.named_parameters()] == names
     sharded = {n: m for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
     assert len(sharded) == 7 * config.num_hidden_layers + 1
@@ -296,7 +296,7 @@ def tp_mlp_child():
             with torch.device("meta"):
                 model = Llama(config)
             tensor_parallel.apply(model, mesh.tp, sp=sp)
-            mlp = fp8.apply(model.to_empty(device="cpu").init_weights(0)).layers[0].mlp
+            mlp = fp8.apply(marks.materialize(model, "cpu").init_weights(0)).layers[0].mlp
             xl = seq(x).clone().requires_grad_()
             out = mlp(xl)
             (out * seq(gy)).sum().backward()

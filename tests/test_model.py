@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 import transformers  # requirements.txt: the reference implementation, so never skipped
 
+from picotron import marks
 from picotron.model import PRESETS, Llama, ModelConfig, generate, init_tensor
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -164,14 +165,14 @@ def test_meta_build_then_init_equals_direct(tied):
 
 
 def test_init_sharded_parameter_gets_its_slice_of_the_full_tensor():
-    """The hook strategies use: a parameter carrying full_shape/take_shard receives its shard."""
+    """The hook strategies use: a parameter placed as a slice (picotron.marks: the full shape, the slice's
+    offsets in it) receives that slice of the full tensor."""
     cfg = small_config()
     full = Llama(cfg).init_weights(seed=3)
     model = Llama(cfg)
     attn = model.layers[0].self_attn
     attn.q_proj.weight = torch.nn.Parameter(torch.empty(32, 64))  # rank 1 of 2, column-parallel
-    attn.q_proj.weight.full_shape = (64, 64)
-    attn.q_proj.weight.take_shard = lambda t: t.chunk(2, dim=0)[1]
+    marks.place(attn.q_proj.weight, dims=("tp",), shape=(64, 64), offsets=(32, 0), split_dim=0)
     model.init_weights(seed=3)
     assert torch.equal(attn.q_proj.weight, full.layers[0].self_attn.q_proj.weight[32:])
 

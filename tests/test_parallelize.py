@@ -81,13 +81,13 @@ def test_every_wrapper_speaks_the_protocol(impl):
 
 # ------------------------------------------------------------------------------------------- marks, clipping
 def _clip_child(tp, dp, stage):
-    """The global gradient norm of one step on this layout (each element counted once, from the marks)."""
+    """The global gradient norm of one step on this layout (each element counted once, from the placements)."""
     cfg = Config(tp=tp, dp=dp, zero=stage, **SMALL)
     with Mesh.init(dp=dp, tp=tp) as mesh:
         run = parallelize(cfg, mesh)
         _, loader = train_mod.load_data(cfg, mesh)
         run.schedule.run(run.model, loader.micro_batches(1), run.loss_fn)
-        marked = {marks.sharded_over(p) for p in run.params}
+        marked = {marks.placement(p).dims for p in run.params}
         return marks.clip_grad_norm(run.params, 0.0, mesh), marked
 
 
@@ -97,7 +97,7 @@ def _clip_child(tp, dp, stage):
     (2, 2, 3, {("dp", "cp"), ("dp", "cp", "tp")}),  # both
 ])
 def test_clip_grad_norm_counts_each_element_once(tp, dp, stage, marked):
-    """One all-reduce gives the single process's norm whatever the layout: the marks say what is a slice."""
+    """One all-reduce gives the single process's norm whatever the layout: the placements say what is a slice."""
     mesh = Mesh.local()
     cfg = Config(grad_acc=dp, **SMALL)
     run = parallelize(cfg, mesh)

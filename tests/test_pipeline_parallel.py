@@ -6,7 +6,7 @@ The schedules themselves are checked by the simulator in test_pipeline_schedules
 import pytest
 import torch
 
-from picotron import nccl_rules
+from picotron import marks, nccl_rules
 from picotron import train as train_mod
 from picotron.config import Config, ConfigError, validate
 from picotron.launch import run_on_ranks
@@ -26,9 +26,9 @@ def _grads(run, mesh):
     chunks = run.raw.chunks if hasattr(run.raw, "chunks") else [run.raw]
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            if getattr(p, "is_copy", False):
+            if marks.placement(p).copy_of is not None:
                 name = "lm_head.weight (tied copy)"
-            out[name] = gather_from_tp(p.grad, getattr(p, "tp_dim", None), mesh.tp)
+            out[name] = gather_from_tp(p.grad, marks.placement(p).split_dim, mesh.tp)
     return out
 
 
@@ -186,7 +186,7 @@ def test_one_stage_pipeline_is_gradient_accumulation():
         plan = pp.build(name, 1, 3)
         with torch.device("meta"):
             stage = pp.keep_stage(lambda: Llama(mc), plan, 0, mc, cfg.seq_len)
-        stage.to_empty(device="cpu")
+        marks.materialize(stage, "cpu")
         pp.mark_stage(stage, plan, mesh.pp)
         stage.init_weights(cfg.seed)
         store = pp.WeightGradStore() if plan.split else None

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from picotron import tensor_parallel
+from picotron import marks, tensor_parallel
 from picotron.config import Config
 from picotron.launch import run_on_ranks
 from picotron.mesh import Axis, Mesh
@@ -23,7 +23,6 @@ from picotron.metrics import read_metrics
 from picotron.model import Llama, ModelConfig
 from picotron.tensor_parallel import (ColumnParallelLinear, FullVocabLogits, RowParallelLinear, VocabParallelEmbedding,
                                       gather_from_tp)
-from picotron.marks import sharded_over
 from picotron.model import loss_fn
 from picotron.parallelize import build_model, parallelize
 from picotron.train import load_data, train
@@ -39,7 +38,12 @@ def sharded_model(config, axis, sp=False):
     with torch.device("meta"):
         model = Llama(config)
     tensor_parallel.apply(model, axis, sp=sp)
-    return model.to_empty(device="cpu").init_weights(0)
+    return marks.materialize(model, "cpu").init_weights(0)
+
+
+def slice_of(layer, full):
+    """This rank's slice of a full weight, where the layer's placement says it sits (picotron.marks)."""
+    return marks.placement(layer.weight).take(full, layer.weight.shape)
 
 
 # ------------------------------------------------------------------------------ sharding, in this process
@@ -60,9 +64,9 @@ def test_every_linear_and_embedding_is_sharded_and_initialised_as_a_slice(tied, 
         assert [n for n, _ in model.named_parameters()] == list(ref)
         assert list(model.state_dict()) == list(full.state_dict())
         for name, p in model.named_parameters():
-            dim = getattr(p, "tp_dim", None)
+            dim = marks.placement(p).split_dim
             assert (dim is None) == (p.dim() == 1), name  # matrices sharded, norm weights replicated
-            assert sharded_over(p) == (() if dim is None else ("tp",)), name  # the mark clipping reads
+            assert marks.placement(p).dims == (() if dim is None else ("tp",)), name  # what clipping reads
             expected = ref[name] if dim is None else ref[name].chunk(2, dim)[rank]
             assert torch.equal(p, expected), name
 
@@ -88,7 +92,7 @@ def layers_child():
 
             # column-parallel: forward exact, backward slice by slice
             col = ColumnParallelLinear(h, o, mesh.tp, sp=sp)
-            col.weight.data.copy_(col.take_shard(w))
+            col.weight.data.copy_(slice_of(col, w))
             xl = seq(x).clone().requires_grad_()
             y = col(xl)
             xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -104,7 +108,7 @@ def layers_child():
 
             # row-parallel: takes this rank's input features; output summed (sp: this rank's tokens of it)
             row = RowParallelLinear(o, h, mesh.tp, sp=sp)
-            row.weight.data.copy_(row.take_shard(w2))
+            row.weight.data.copy_(slice_of(row, w2))
             xl = x2.chunk(n, -1)[r].clone().requires_grad_()
             y = row(xl)
             xf, wf = x2.clone().requires_grad_(), w2.clone().requires_grad_()
@@ -118,7 +122,7 @@ def layers_child():
             # vocab-parallel embedding: exact forward (one nonzero term per sum), weight gradient by rows
             table, ids, ge = torch.randn(v, h), torch.randint(0, v, (b, s)), torch.randn(b, s, h)
             emb = VocabParallelEmbedding(v, h, mesh.tp, sp=sp)
-            emb.weight.data.copy_(emb.take_shard(table))
+            emb.weight.data.copy_(slice_of(emb, table))
             tf = table.clone().requires_grad_()
             y, yf = emb(ids), F.embedding(ids, tf)
             assert torch.equal(y, seq(yf)), f"embedding forward, sp={sp}, rank {r}"
@@ -149,7 +153,7 @@ def layers_child():
             torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"tied model loss, sp={sp}: {m}")
             loss.backward()
             for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-                grad = gather_from_tp(p.grad, getattr(p, "tp_dim", None), mesh.tp)
+                grad = gather_from_tp(p.grad, marks.placement(p).split_dim, mesh.tp)
                 torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}, sp={sp}: {m}")
             with torch.no_grad():
                 for length in (1, 5, 8):  # sp pads to a multiple of tp
@@ -179,7 +183,7 @@ def step_gradients(cfg, mesh):
             flat = torch.cat(chunks)
             for p, off in zip(unit.params, unit.offsets):
                 grads[p] = flat[off:off + p.numel()].view(p.shape)
-    return {n: gather_from_tp(grads[p], getattr(p, "tp_dim", None), mesh.tp) for n, p in raw.named_parameters()}
+    return {n: gather_from_tp(grads[p], marks.placement(p).split_dim, mesh.tp) for n, p in raw.named_parameters()}
 
 
 def run_layout(tp, sp, dp, stage, out, extra):

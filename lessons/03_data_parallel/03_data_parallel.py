@@ -183,7 +183,7 @@ _common.show_source(data_parallel.DataParallel.finish_sync)
 # wrapper here, ZeRO's, and `Local` (one replica, nothing to send) speak that protocol, `GradSync`.
 
 # %%
-_common.show_source(data_parallel._Replicated.no_sync)
+_common.show_source(data_parallel.GradSync.no_sync)
 print("\n    # picotron/schedule.py, the micro-batches of one optimizer step:")
 _common.show_source(schedule.OneStage.run)
 

@@ -91,7 +91,8 @@ def shard_shapes(mc, tp, sp=False):
         out[rank] = []
         for name, p in model.named_parameters():
             kind, dim = _kind(name)
-            dim, full = (getattr(p, "tp_dim", None) if tp > 1 else dim), tuple(getattr(p, "full_shape", p.shape))
+            where = marks.placement(p)  # what tensor_parallel.apply placed on it: the full shape, the cut dimension
+            dim, full = (where.split_dim if tp > 1 else dim), where.shape
             lo, hi = (0, full[0]) if dim is None else (rank * full[dim] // tp, (rank + 1) * full[dim] // tp)
             out[rank].append(dict(name=name, full=full, shard=tuple(p.shape), dim=dim, lo=lo, hi=hi, kind=kind))
         if mc.tie_word_embeddings:

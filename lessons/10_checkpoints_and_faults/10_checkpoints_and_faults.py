@@ -104,9 +104,9 @@ for rank in (0, 1):
     print(f"    ... {len(lines) - 2} entries in all")
 
 # %% [markdown]
-# Here is how `picotron.checkpoint` reads every entry off the parameter marks (lesson 04's pieces carry
-# `part_of`, lesson 05's slices `full_shape` and `shard_offsets`, lesson 07's tied copy `is_copy`) and how a slice
-# is cut out of a full tensor:
+# Here is how `picotron.checkpoint` reads every entry off the tensors' placements (`picotron.marks`: lesson 04's
+# pieces carry `flat`, lesson 05's slices `shape` and `offsets`, lesson 07's tied copy `copy_of`, lesson 11's fp32
+# masters `master_for`) and how a slice is cut out of a full tensor:
 
 # %%
 _common.show_source(checkpoint.placements)

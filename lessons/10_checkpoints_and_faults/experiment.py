@@ -38,7 +38,7 @@ from _common import gather  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import checkpoint, reshard  # noqa: E402
+from picotron import checkpoint, marks, reshard  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.parallelize import parallelize  # noqa: E402
 from picotron.train import load_data  # noqa: E402
@@ -185,7 +185,7 @@ def dcp_state(run, mesh):
     names = {p: n for n, p in run.raw.named_parameters()}
     state = {}
     for p in run.params:
-        key = names[p] + (f"@tp{mesh.tp.rank}" if hasattr(p, "tp_dim") else "")
+        key = names[p] + (f"@tp{mesh.tp.rank}" if marks.placement(p).split_dim is not None else "")
         state[key] = p.data
         for kind, v in run.optimizer.state[p].items():
             if torch.is_tensor(v) and v.dim():
