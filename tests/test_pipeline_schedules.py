@@ -132,6 +132,7 @@ def test_the_schedules_need_no_torch():
     """The schedules, the simulator and the stage split are pure Python: the planner uses them without torch."""
     import subprocess
     import sys
-    code = "import sys, picotron.pipeline_schedules; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    code = ("import sys, picotron.pipeline_schedules\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -6,9 +6,9 @@ picotron.train runs it), and the notebook's simulator helpers and plots.
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_pp<p>.json. bubble: every schedule (AFAB, 1F1B, interleaved v=2, ZB-H1, ZB-V) for several
-micro-batch counts m, each step's actions timed on every rank (a Timeline listening to the executor's phases), the wait for a message
-cut out of the action it happened in; from that the measured bubble, each kind of action's mean time, the
-point-to-point bytes per step and the Gantt chart of the last step. memory: one step per schedule with every tensor
+micro-batch counts m, each step's actions timed on every rank (a Timeline listening to the executor's phases), the
+wait for a message cut out of the action it happened in; from that the measured bubble, each kind of action's mean
+time, the point-to-point bytes per step and the Gantt chart of the last step. memory: one step per schedule with every tensor
 autograd saves tracked while it is alive (saved-tensor hooks whose packed objects say when autograd lets them go),
 the weight-gradient store's stash added: the peak per stage against the schedule's prediction. parity:
 picotron.train at pp = world size for each schedule (and tied embeddings) against one process, trained in rank 0.
