@@ -52,7 +52,7 @@ from _common import SIZES, make_cfg, tokens  # noqa: E402  (the lessons' models 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import compat, data, data_parallel, marks, metrics, pipeline_parallel  # noqa: E402
+from picotron import compat, data, data_parallel, marks, metrics, pipeline_schedules  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import loss_fn  # noqa: E402
 from picotron.parallelize import build_model, build_optimizer, parallelize  # noqa: E402
@@ -96,8 +96,8 @@ class Variant:
 
         # the same chunks our side holds (same layer ranges, stage placement and initial weights), plain layers
         self.model = build_model(cfg, mesh)
-        plan = pipeline_parallel.build(cfg.pp_schedule, mesh.pp.size, cfg.grad_acc,
-                                       pipeline_parallel.chunks_of(cfg.pp_schedule, cfg.pp_chunks))
+        plan = pipeline_schedules.build(cfg.pp_schedule, mesh.pp.size, cfg.grad_acc,
+                                        pipeline_schedules.chunks_of(cfg.pp_schedule, cfg.pp_chunks))
         self.plan = plan
         stages = [pipelining.PipelineStage(chunk, s, plan.stages, mesh.device, group=mesh.pp.group)
                   for chunk, s in zip(self.model.chunks, self.model.stage_ids)]
@@ -186,7 +186,7 @@ def paired(rows):
 
 def p2p_formula(cfg, p):
     """2·(S-1)·m·b·s·h·4 bytes per step, summed over ranks (S = p·v stages)."""
-    v = pipeline_parallel.chunks_of(cfg.pp_schedule, cfg.pp_chunks)
+    v = pipeline_schedules.chunks_of(cfg.pp_schedule, cfg.pp_chunks)
     h = cfg.model_config().hidden_size
     return 2 * (p * v - 1) * cfg.grad_acc * cfg.micro_batch_size * cfg.seq_len * h * 4
 
@@ -220,8 +220,8 @@ def main():
             if mesh.rank == 0:
                 med, q1, q3 = paired(rows)
                 mc = cfg.model_config()
-                v = pipeline_parallel.chunks_of(name, cfg.pp_chunks)
-                cuts = pipeline_parallel.split_layers(mc, pp * v, cfg.seq_len)
+                v = pipeline_schedules.chunks_of(name, cfg.pp_chunks)
+                cuts = pipeline_schedules.split_layers(mc, pp * v, cfg.seq_len)
                 print(f"PP {name} vs torch {PAIRS[name][0]} ({PAIRS[name][2]}), {pp} ranks x {v} chunk"
                       f"{'s' if v > 1 else ''} ({mesh.device.type}/{mesh.backend}, {threads} thread"
                       f"{'s' if threads > 1 else ''} per rank), {args.steps} rounds, model {args.size} "

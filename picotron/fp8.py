@@ -85,7 +85,7 @@ The API:
 `apply` changes no parameter and no name (the state dict and checkpoints are unchanged; it only sets an attribute
 the forward reads: tensor parallelism's `matmul`, nn.Linear's `forward`). Call it after every module swap
 (tensor_parallel.apply, expert parallelism, pipeline stages), on the meta device or later. It takes the same seam
-as the split pipeline schedules' deferred weight gradients (pipeline_parallel.defer_weight_grads), so the two do
+as the split pipeline schedules' deferred weight gradients (zero_bubble.defer_weight_grads), so the two do
 not combine: whichever is applied last wins (FP8 applied after it: weight gradients computed in B, correct but
 not deferred; applied before it: FP8 silently replaced). Autocast is switched off inside fp8_linear (its fp32
 products must not be rounded to bf16), so it runs the same with or without the bf16 autocast of the rest of the

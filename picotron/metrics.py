@@ -17,7 +17,8 @@ every device, the speed of one large matmul measured here (`measured_matmul_peak
 
 Memory. `memory_breakdown` counts bytes of parameters, gradients and optimizer state by walking the tensors;
 `ActivationCounter` counts the bytes autograd saves for the backward pass with saved-tensor hooks (each
-storage once; parameters excluded); the device's own peak (CUDA allocator) is added where there is one,
+storage once; parameters excluded), and `ActivationPeak`, listening to a step engine's phases (picotron.hooks),
+the most of them alive at once in a step; the device's own peak (CUDA allocator) is added where there is one,
 and on the CPU the process's peak resident set size, which includes Python and torch themselves.
 
 Time. On the CPU a time is the host's clock: the work runs while the host waits for it. On a GPU the host only
@@ -40,7 +41,7 @@ import json
 import os
 import resource
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +150,40 @@ class ActivationCounter:
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
         self._seen.clear()  # drop pointers; the storages may be freed and reused after backward
+
+
+class ActivationPeak:
+    """A listener (picotron.hooks) on a step engine's phases: `bytes`, the most activation bytes alive at once in
+    the last step, and `per_chunk`, what one micro-batch's forward saves on each chunk.
+
+    Every micro-batch's forward of a chunk saves the same bytes, and the hooks cost time, so only the step's first
+    "forward" of each chunk is counted (`ActivationCounter`). A micro-batch's bytes are alive from its "forward"
+    until its "weight" phase or, when its "backward" also computes the weight gradients (`weights`, default True),
+    until its "backward". A step begins with the forward of micro-batch 0 on chunk 0.
+
+        pipe.phases.listen(metrics.ActivationPeak(stage))   # then, after a step: .bytes"""
+
+    def __init__(self, model):
+        self.model = model  # its parameters are not activations
+        self.bytes, self.per_chunk, self.alive = 0, {}, {}
+
+    @contextmanager
+    def __call__(self, name, micro=0, chunk=0, weights=True, **info):
+        key = (micro, chunk)
+        if name != "forward":
+            yield
+            if name == "weight" or (name == "backward" and weights):
+                self.alive.pop(key, None)
+            return
+        if key == (0, 0):  # a new step
+            self.bytes, self.per_chunk, self.alive = 0, {}, {}
+        counter = ActivationCounter(self.model) if chunk not in self.per_chunk else None
+        with counter if counter is not None else nullcontext():
+            yield
+        if counter is not None:
+            self.per_chunk[chunk] = counter.bytes
+        self.alive[key] = self.per_chunk[chunk]
+        self.bytes = max(self.bytes, sum(self.alive.values()))
 
 
 def device_peak_bytes(device):

@@ -31,7 +31,7 @@ from functools import partial
 import torch
 
 from picotron import (context_parallel, data_parallel, expert_parallel, fp8, kernels, marks, pipeline_parallel,
-                      precision, schedule, tensor_parallel, zero, zero3)
+                      pipeline_schedules, precision, schedule, tensor_parallel, zero, zero3, zero_bubble)
 from picotron.model import DecoderLayer, Llama, loss_fn, use_kernels
 
 
@@ -65,8 +65,8 @@ def pipeline_schedule(cfg, pp_size=None):
     pp_size = cfg.pp if pp_size is None else pp_size
     if pp_size == 1:
         return None
-    return pipeline_parallel.build(cfg.pp_schedule, pp_size, cfg.grad_acc,
-                                   pipeline_parallel.chunks_of(cfg.pp_schedule, cfg.pp_chunks))
+    return pipeline_schedules.build(cfg.pp_schedule, pp_size, cfg.grad_acc,
+                                    pipeline_schedules.chunks_of(cfg.pp_schedule, cfg.pp_chunks))
 
 
 def build_model(cfg, mesh, store=None):
@@ -97,7 +97,7 @@ def build_model(cfg, mesh, store=None):
     model.init_weights(cfg.seed)  # in fp32, then rounded to the recipe's parameter dtype
     precision.cast_parameters(model, precision.recipe(cfg).param_dtype)
     if store is not None:
-        pipeline_parallel.defer_weight_grads(model, store)
+        zero_bubble.defer_weight_grads(model, store)
     model.recompute = cfg.recompute
     if cfg.compile:  # each decoder layer compiled on its own: the strategies' hooks stay around it, in eager
         for layer in model.modules():
@@ -145,7 +145,7 @@ def parallelize(cfg, mesh, recorder=None):
     if recorder is not None:
         mesh = mesh.recorded(recorder)
     plan = pipeline_schedule(cfg, mesh.pp.size)
-    store = pipeline_parallel.WeightGradStore() if plan is not None and plan.split else None
+    store = zero_bubble.WeightGradStore() if plan is not None and plan.split else None
     raw = build_model(cfg, mesh, store)
     model = wrap_for_sync(raw, cfg, mesh.dp_cp, partial(marks.sync_axis, mesh=mesh) if mesh.ep.size > 1 else None)
     scaler = precision.loss_scaler(cfg)
@@ -183,7 +183,7 @@ def describe(cfg, mesh):
     if mesh.tp.size > 1:
         parts.append(f"tensor parallel tp={mesh.tp.size}" + (" + sequence parallel" if cfg.sp else ""))
     if mesh.pp.size > 1:
-        v = pipeline_parallel.chunks_of(cfg.pp_schedule, cfg.pp_chunks)
+        v = pipeline_schedules.chunks_of(cfg.pp_schedule, cfg.pp_chunks)
         parts.append(f"pipeline pp={mesh.pp.size} ({cfg.pp_schedule}, {cfg.grad_acc} micro-batches"
                      + (f", {v} chunks per rank)" if v > 1 else ")"))
     if mesh.cp.size > 1:

@@ -5,458 +5,32 @@ schedule; zero bubble: Qi et al. 2024, "Zero Bubble Pipeline Parallelism").
 Stage s keeps layers [a_s, b_s); stage 0 also keeps the embedding, the last stage the final norm and the LM
 head. A micro-batch's forward goes stage 0 -> 1 -> ... -> p-1 (each stage sends its output activation to the
 next, [b, s, h]); its backward comes back (each stage sends the gradient of its input to the previous one).
-A stage waiting for its neighbour is idle: the *bubble*. With p stages, m micro-batches and t_F, t_B the
-time of one micro-batch's forward and backward on one stage:
+A stage waiting for its neighbour is idle: the *bubble*.
 
-    AFAB / 1F1B      time = (m + p - 1)(t_F + t_B)        bubble = (p-1)/(m+p-1) of the time
-    interleaved (v)  the bubble shrinks v-fold: (p-1)/(v·m + p-1), for v× the point-to-point messages
-    ZB-H1            B split into B (input gradient) and W (weight gradient); the W's fill the cool-down:
-                     with t_F = t_B = t_W the bubble is (p-1)/(3m + p-1), at 1F1B's memory
-    ZB-V             two chunks per rank in a V (rank r holds stages r and 2p-1-r), W's fill the rest
+The schedules (AFAB, 1F1B, interleaved, ZB-H1, ZB-V) are data, each rank's ordered list of F, B and W actions,
+built, simulated and costed in picotron.pipeline_schedules (pure Python, no torch); the split schedules' B and
+W come from picotron.zero_bubble. This module runs them on real processes:
 
-(The Ultra-Scale Playbook writes the bubble relative to the ideal time, (p-1)/m for 1F1B: the same idle
-time divided by m(t_F + t_B) instead of the total. Both are in the lesson.)
+    keep_stage / mark_stage   this rank's chunks of the model (`PipelineStage`), cut by pipeline_schedules.split_layers
+    Pipeline                  the step engine: walks this rank's actions, sends and receives between stages (one
+                              message = one batched send or receive on the group of its direction, NCCL-safe by
+                              construction), syncs the tied embeddings, hands the loss to every rank; with one
+                              stage it is plain gradient accumulation
+    PipelineSampler           text generation through the stages
 
-A schedule is data. For each rank, the ordered list of its `Action`s: F (forward), B (backward; with a
-split schedule only the input gradient) and W (the weight gradient) of micro-batch `mb` on the rank's chunk
-`chunk`. The sends and receives are implied: F on stage s > 0 receives the activation from stage s-1, F on a
-stage before the last sends its output on; B receives the output gradient from stage s+1 and sends its input
-gradient to stage s-1. The generators below are pure functions of (p, m, v); `simulate` runs any schedule on
-an ideal machine (F, B, W taking given times, messages instant) and refuses a wrong one with the first
-problem: an action missing or twice, a B before its F, a W before its B, or a deadlock (which ranks wait for
-what). `Pipeline`, the executor, runs any schedule on real processes (one message = one batched send or receive on
-the group of its direction, NCCL-safe by construction: see `Pipeline`); with one stage it is
-plain gradient accumulation.
-
-Activations in flight: AFAB keeps all m micro-batches' activations until the backward starts; 1F1B starts
-backward as soon as the first micro-batch has come back, so stage i keeps at most p - i.
+The executor measures nothing: it names each action as a phase (`Pipeline.phases`, picotron.hooks: "forward",
+"backward", "weight", with the micro-batch, chunk and stage), and whoever measures listens (a timeline, the
+activations it saves: metrics.ActivationPeak).
 """
-import math
-from collections import defaultdict, namedtuple
+from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from picotron import marks, metrics, p2p
-
-# ============================================================================================ schedules
-Action = namedtuple("Action", "kind mb chunk")  # kind "F" | "B" | "W"; micro-batch; chunk on this rank
-Action.__repr__ = lambda a: f"{a.kind}{a.mb}" + (f".{a.chunk}" if a.chunk else "")
-
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v")
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run: the message names the first wrong action or the deadlock."""
-
-
-@dataclass
-class Schedule:
-    """Every rank's ordered actions. `v` chunks per rank; `shape` "loop" (chunk c of rank r is stage
-    c·p + r, Megatron's interleaving) or "v" (chunk 0 is stage r, chunk 1 stage 2p-1-r); `split`: the
-    backward is cut into B (input gradient) and W (weight gradient)."""
-    name: str
-    p: int
-    m: int
-    v: int
-    ranks: list
-    split: bool = False
-    shape: str = "loop"
-
-    @property
-    def stages(self):
-        return self.p * self.v
-
-    def stage(self, rank, chunk):
-        if self.shape == "v":
-            return rank if chunk == 0 else 2 * self.p - 1 - rank
-        return chunk * self.p + rank
-
-    def where(self, stage):
-        """(rank, chunk) holding `stage`."""
-        if self.shape == "v":
-            return (stage, 0) if stage < self.p else (2 * self.p - 1 - stage, 1)
-        return stage % self.p, stage // self.p
-
-    def __repr__(self):
-        return f"Schedule({self.name}, p={self.p}, m={self.m}, v={self.v})"
-
-
-def afab(p, m):
-    """All forwards, then all backwards (GPipe)."""
-    return Schedule("afab", p, m, 1, [[Action("F", i, 0) for i in range(m)] + [Action("B", i, 0) for i in range(m)]
-                                      for _ in range(p)])
-
-
-def one_f_one_b(p, m):
-    """1F1B: rank r runs p-r-1 forwards (warm-up), then alternates one forward, one backward, then drains."""
-    ranks = []
-    for r in range(p):
-        warm = min(p - r - 1, m)
-        acts = [Action("F", i, 0) for i in range(warm)]
-        for i in range(m - warm):
-            acts += [Action("F", warm + i, 0), Action("B", i, 0)]
-        acts += [Action("B", i, 0) for i in range(m - warm, m)]
-        ranks.append(acts)
-    return Schedule("1f1b", p, m, 1, ranks)
-
-
-def interleaved(p, m, v):
-    """Megatron's interleaved 1F1B: v chunks per rank (stage c·p + r), micro-batches in groups of p; rank r
-    warms up with 2(p-r-1) + (v-1)·p forwards. Needs m to be a multiple of p (when v > 1)."""
-    if v == 1:
-        return one_f_one_b(p, m)
-    if m % p:
-        raise ScheduleError(f"the interleaved schedule needs the micro-batches m={m} to be a multiple of pp={p} "
-                            f"(they go through the chunks in groups of pp); pick --grad-acc {p * max(1, m // p)} "
-                            f"or {p * (m // p + 1)}.")
-    total = m * v
-
-    def nth(k, backward):  # the k-th forward (or backward) of a rank: (micro-batch, chunk)
-        group, within = divmod(k, p * v)
-        chunk = within // p
-        return Action("B" if backward else "F", group * p + within % p, v - 1 - chunk if backward else chunk)
-
-    ranks = []
-    for r in range(p):
-        warm = min((p - r - 1) * 2 + (v - 1) * p, total)
-        acts = [nth(k, False) for k in range(warm)]
-        for k in range(total - warm):
-            acts += [nth(warm + k, False), nth(k, True)]
-        acts += [nth(k, True) for k in range(total - warm, total)]
-        ranks.append(acts)
-    return Schedule("interleaved", p, m, v, ranks)
-
-
-def zb_h1(p, m):
-    """ZB-H1: 1F1B's order with each backward split into B then W, and rank r holding back up to r of its
-    W's to fill the cool-down, where later stages would otherwise wait; at most p micro-batches in flight."""
-    ranks = []
-    for r, acts in enumerate(one_f_one_b(p, m).ranks):
-        out, pending = [], []
-        for a in acts:
-            out.append(a)
-            if a.kind == "B":
-                pending.append(Action("W", a.mb, 0))
-                if len(pending) > r:
-                    out.append(pending.pop(0))
-        ranks.append(out + pending)
-    return Schedule("zb-h1", p, m, 1, ranks, split=True)
-
-
-def zb_v(p, m):
-    """ZB-V (Qi et al. 2024, section 5): two chunks per rank in a V, rank r holding stages r and 2p-1-r, so the
-    first and the last stage share rank 0 and every rank has work at both ends of the step; the backward split
-    into B and W. Each phase's length follows from when a micro-batch can arrive, with t_F = t_B = t_W:
-      warm-up    2(p-r)-1 forwards of chunk 0 (micro-batch 0 needs that long to come back down the V),
-                 then r times (chunk 1's F, chunk 0's F), then p-r times chunk 1's F, B, W;
-      steady     F, B, W of chunk 0 then of chunk 1, one micro-batch each;
-      cool-down  B of chunk 0 and of chunk 1, the W's held back r rounds to fill the wait for the next B,
-                 the rest of the W's at the end.
-    Every call is guarded (a forward of chunk 1 only after the same micro-batch's chunk 0 on this rank, a B
-    of chunk 0 only after chunk 1's), so any m works. At most 2p chunk-activations (p whole stages, 1F1B's
-    worst stage) are alive."""
-    ranks = []
-    for r in range(p):
-        acts, f, b, w = [], [0, 0], [0, 0], [0, 0]
-
-        def fwd(c):
-            if f[c] < m and (c == 0 or f[1] < f[0]):
-                acts.append(Action("F", f[c], c))
-                f[c] += 1
-
-        def bwd(c):
-            if b[c] < f[c] and (c == 1 or b[0] < b[1]):
-                acts.append(Action("B", b[c], c))
-                b[c] += 1
-
-        def wgt(c):
-            if w[c] < b[c]:
-                acts.append(Action("W", w[c], c))
-                w[c] += 1
-
-        for _ in range(2 * (p - r) - 1):
-            fwd(0)
-        for _ in range(r):
-            fwd(1), fwd(0)
-        for _ in range(p - r):
-            fwd(1), bwd(1), wgt(1)
-        while f[0] < m or f[1] < m:
-            fwd(0), bwd(0), wgt(0), fwd(1), bwd(1), wgt(1)
-        rounds = 0
-        while b[0] < m or b[1] < m:
-            bwd(0), bwd(1)
-            rounds += 1
-            if rounds > r:
-                wgt(0) if w[0] < w[1] else wgt(1)
-        while w[0] < m or w[1] < m:
-            wgt(0) if w[0] < m and (w[0] < w[1] or w[1] >= m) else wgt(1)
-        ranks.append(acts)
-    return Schedule("zb-v", p, m, 2, ranks, split=True, shape="v")
-
-
-def build(name, p, m, v=1):
-    """The schedule `name` (one of SCHEDULES) for p stages (ranks), m micro-batches, v chunks per rank."""
-    if name == "afab":
-        return afab(p, m)
-    if name == "1f1b":
-        return one_f_one_b(p, m)
-    if name == "interleaved":
-        return interleaved(p, m, v)
-    if name == "zb-h1":
-        return zb_h1(p, m)
-    if name == "zb-v":
-        return zb_v(p, m)
-    raise ScheduleError(f"unknown pipeline schedule {name!r}; pick one of {', '.join(SCHEDULES)}.")
-
-
-def chunks_of(name, v):
-    """Chunks per rank a schedule uses: v for interleaved, 2 for the V shape, else 1."""
-    return v if name == "interleaved" else 2 if name == "zb-v" else 1
-
-
-# ============================================================================================ simulator
-@dataclass
-class Simulation:
-    """What `simulate` found: per rank the (action, start, end) it ran, the step's length, busy time, the
-    bubble (idle fraction of the total) and the most chunk-activations alive at once."""
-    timeline: list
-    makespan: float
-    busy: list
-    peak_alive: list
-    bubble: float = field(init=False)
-
-    def __post_init__(self):
-        total = self.makespan * len(self.busy)
-        self.bubble = 1 - sum(self.busy) / total if total else 0.0
-
-
-def default_costs(split):
-    return {"F": 1.0, "B": 1.0, "W": 1.0} if split else {"F": 1.0, "B": 2.0, "W": 0.0}
-
-
-def simulate(schedule, cost=None, latency=0.0):
-    """Run `schedule` on an ideal machine: each rank executes its list in order, an action starting when the
-    rank is free and its inputs have arrived (`latency` after they were produced on another rank). `cost`:
-    {"F": t_F, "B": t_B, "W": t_W} (default F 1, B 2; split: 1, 1, 1), or a function (action, rank) -> time.
-    Raises ScheduleError naming the first problem; returns a Simulation."""
-    sch, p, m = schedule, schedule.p, schedule.m
-    costs = cost if callable(cost) else (lambda a, r, c=cost or default_costs(sch.split): c[a.kind])
-    kinds = ("F", "B", "W") if sch.split else ("F", "B")
-    if len(sch.ranks) != p:
-        raise ScheduleError(f"the schedule has {len(sch.ranks)} action lists for pp={p} ranks.")
-    seen = {}
-    for r, acts in enumerate(sch.ranks):
-        for k, a in enumerate(acts):
-            if a.kind not in kinds:
-                raise ScheduleError(f"rank {r}, action {k} ({a!r}): kind {a.kind!r} is not one of {kinds} for this "
-                                    f"schedule.")
-            if not (0 <= a.mb < m and 0 <= a.chunk < sch.v):
-                raise ScheduleError(f"rank {r}, action {k} ({a!r}): micro-batch {a.mb} or chunk {a.chunk} out of range "
-                                    f"(m={m}, v={sch.v}).")
-            key = (a.kind, a.mb, sch.stage(r, a.chunk))
-            if key in seen:
-                raise ScheduleError(f"rank {r}, action {k} ({a!r}): {a.kind} of micro-batch {a.mb} on stage {key[2]} "
-                                    f"appears twice.")
-            seen[key] = (r, k)
-            before = {"B": "F", "W": "B"}.get(a.kind)
-            if before and (before, a.mb, key[2]) not in seen:
-                raise ScheduleError(f"rank {r}, action {k} ({a!r}): {a.kind} of micro-batch {a.mb} comes before its "
-                                    f"{before} on this rank.")
-    for kind in kinds:
-        for i in range(m):
-            for s in range(sch.stages):
-                if (kind, i, s) not in seen:
-                    r, c = sch.where(s)
-                    raise ScheduleError(f"rank {r} never runs {kind} of micro-batch {i} on its chunk {c} (stage {s}).")
-
-    def needs(a, r):
-        s = sch.stage(r, a.chunk)
-        if a.kind == "F":
-            return [("F", a.mb, s - 1)] if s > 0 else []
-        if a.kind == "B":
-            return [("F", a.mb, s)] + ([("B", a.mb, s + 1)] if s < sch.stages - 1 else [])
-        return [("B", a.mb, s)]
-
-    finish, pos, free = {}, [0] * p, [0.0] * p
-    timeline = [[] for _ in range(p)]
-    alive, peak = [0] * p, [0] * p
-    remaining = sum(len(a) for a in sch.ranks)
-    while remaining:
-        progressed = False
-        for r in range(p):
-            while pos[r] < len(sch.ranks[r]):
-                a = sch.ranks[r][pos[r]]
-                deps = needs(a, r)
-                if any(d not in finish for d in deps):
-                    break
-                arrive = [finish[d] + (latency if sch.where(d[2])[0] != r else 0.0) for d in deps]
-                start = max([free[r]] + arrive)
-                end = start + costs(a, r)
-                finish[(a.kind, a.mb, sch.stage(r, a.chunk))] = end
-                free[r] = end
-                timeline[r].append((a, start, end))
-                alive[r] += 1 if a.kind == "F" else -1 if a.kind == ("W" if sch.split else "B") else 0
-                peak[r] = max(peak[r], alive[r])
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = []
-            for r in range(p):
-                if pos[r] < len(sch.ranks[r]):
-                    a = sch.ranks[r][pos[r]]
-                    missing = [d for d in needs(a, r) if d not in finish][0]
-                    src, c = sch.where(missing[2])
-                    stuck.append(f"rank {r} waits at {a!r} for {missing[0]}{missing[1]} of stage {missing[2]} "
-                                 f"(rank {src}, chunk {c})")
-            raise ScheduleError("deadlock: " + "; ".join(stuck) + ".")
-    makespan = max(free)
-    busy = [sum(e - s for _, s, e in t) for t in timeline]
-    return Simulation(timeline, makespan, busy, peak)
-
-
-def bubble_formula(name, p, m, v=1):
-    """The idle fraction of a step's time when stages are equal, messages instant, and t_B = 2 t_F (split:
-    t_F = t_B = t_W): (p-1)/(m+p-1) for AFAB and 1F1B, (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1
-    (m >= p). ZB-V has no closed form here: its value is the simulator's."""
-    if name in ("afab", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if name == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    if name == "zb-h1":
-        return (p - 1) / (3 * m + p - 1)
-    raise ValueError(f"no closed-form bubble for {name!r}; use simulate(build(...)).bubble.")
-
-
-# ============================================================================ deferred weight gradients
-class WeightGradStore:
-    """Split schedules (ZB-H1, ZB-V): during B, every linear layer computes only the gradient of its input and
-    stashes (input, output gradient); W later turns them into weight gradients, dW = gᵀx, accumulated by
-    autograd (so the gradient-sync hooks fire as for any gradient). Norm and embedding weights, cheap, get
-    theirs in B. The weight enters the B graph detached: autograd must not even visit its accumulator there
-    (its post-accumulate hooks, which data parallelism counts, fire even for a None gradient)."""
-
-    def __init__(self):
-        self.deferring = False
-        self.stash = []  # (weight, x, grad_out) of the current B
-        self.queues = defaultdict(list)  # (mb, chunk) -> stashed items, waiting for their W
-
-    def linear(self, x, weight):
-        return _DeferredLinear.apply(x, weight.detach(), (weight,), self)
-
-    def collect(self, key):
-        self.queues[key], self.stash = self.stash, []
-
-    def flush(self, key):
-        """Compute and accumulate the weight gradients of (mb, chunk)'s B."""
-        _accumulate(self.queues.pop(key, []))
-
-
-def _accumulate(items):
-    """Weight gradients gᵀx of stashed (weight, x, g), accumulated into .grad by autograd (hooks fire)."""
-    if items:
-        with torch.enable_grad():
-            dummies = [_WeightGrad.apply(w, x, g) for w, x, g in items]
-        torch.autograd.backward(dummies, [torch.ones((), device=d.device) for d in dummies])
-
-
-class _DeferredLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, detached, boxed, store):
-        ctx.save_for_backward(x)
-        # the Parameter itself, inside a tuple so that autograd draws no edge to it (a saved copy of it would
-        # also accumulate elsewhere)
-        (ctx.weight,), ctx.store = boxed, store
-        return F.linear(x, detached)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (x,), weight = ctx.saved_tensors, ctx.weight
-        grad_x = grad_out @ weight.to(grad_out.dtype)
-        item = (weight, x.detach(), grad_out.detach())
-        if ctx.store.deferring:
-            ctx.store.stash.append(item)
-        else:  # a backward outside a split schedule: the weight gradient now
-            _accumulate([item])
-        return grad_x, None, None, None
-
-
-def _weight_grad(x, grad_out, weight):
-    g = grad_out.reshape(-1, grad_out.shape[-1])
-    return (g.t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
-
-
-class _WeightGrad(torch.autograd.Function):
-    """A zero-size output whose backward hands `weight` its gradient gᵀx: lets autograd accumulate it."""
-
-    @staticmethod
-    def forward(ctx, weight, x, grad_out):
-        ctx.x, ctx.grad_out, ctx.weight = x, grad_out, weight  # plain references: used once, then dropped
-        return weight.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _):
-        return _weight_grad(ctx.x, ctx.grad_out, ctx.weight), None, None
-
-
-def defer_weight_grads(module, store):
-    """Route every linear layer of `module` through `store` (plain nn.Linear, and tensor parallelism's
-    layers, which call their `matmul`)."""
-    for m in module.modules():
-        if type(m) is nn.Linear:
-            m.forward = partial(lambda mod, x: store.linear(x, mod.weight), m)
-        elif hasattr(m, "matmul"):
-            m.matmul = store.linear
-
-
-# ========================================================================================== stage split
-def layer_costs(model_config, seq_len):
-    """Training FLOPs per token of each part, in layer order: [embedding, layer 0, ..., layer L-1, head].
-    The embedding is a lookup (no FLOPs, counted as 0); the head is its matmul, 6·h·v."""
-    mc, h = model_config, model_config.hidden_size
-    kv = mc.num_key_value_heads * mc.head_dim
-    layer = 6 * (2 * h * h + 2 * h * kv + 3 * h * mc.intermediate_size) + 12 * h * seq_len
-    return [0] + [layer] * mc.num_hidden_layers + [6 * h * mc.vocab_size]
-
-
-def split_layers(model_config, stages, seq_len):
-    """Contiguous layer ranges [(lo, hi), ...], one per stage (each at least one layer), that minimise the
-    most expensive stage, the first counting the embedding and the last the LM head."""
-    costs = layer_costs(model_config, seq_len)
-    L = model_config.num_hidden_layers
-    if stages > L:
-        raise ValueError(f"{stages} stages need at least {stages} layers, the model has {L}.")
-    inner = costs[1:-1]
-    prefix = [0]
-    for c in inner:
-        prefix.append(prefix[-1] + c)
-
-    def cost(s, lo, hi):
-        return prefix[hi] - prefix[lo] + (costs[0] if s == 0 else 0) + (costs[-1] if s == stages - 1 else 0)
-
-    best = {}  # (s, lo) -> (max cost of stages s.., cuts)
-
-    def solve(s, lo):
-        if (s, lo) in best:
-            return best[(s, lo)]
-        if s == stages - 1:
-            out = (cost(s, lo, L), [(lo, L)])
-        else:
-            out = (math.inf, None)
-            for hi in range(lo + 1, L - (stages - s - 1) + 1):
-                rest, cuts = solve(s + 1, hi)
-                worst = max(cost(s, lo, hi), rest)
-                if worst < out[0]:
-                    out = (worst, [(lo, hi)] + cuts)
-        best[(s, lo)] = out
-        return out
-
-    return solve(0, 0)[1]
+from picotron import hooks, marks, p2p
+from picotron.pipeline_schedules import chunks_of, split_layers
 
 
 # ========================================================================================= a rank's stage
@@ -573,13 +147,13 @@ class Pipeline:
     tests/test_nccl_rules.py replays every schedule at pp 2 and 4 under these rules."""
 
     def __init__(self, schedule, mesh, hidden, seq_div=1, ends=None, autocast=nullcontext, store=None,
-                 timeline=None, dtype=torch.float32):
+                 dtype=torch.float32):
         self.schedule, self.mesh, self.pp = schedule, mesh, mesh.pp
         self.dtype = dtype  # of the residual stream that travels: the parameters' (fp32, or bf16/fp16 parameters)
         self.hidden, self.seq_div = hidden, seq_div  # an activation is [b, s / seq_div, hidden] (sp: seq_div = tp)
-        self.ends, self.autocast, self.store, self.timeline = ends, autocast, store, timeline
-        self.activation_bytes = 0
-        self.p2p_bytes = 0
+        self.ends, self.autocast, self.store = ends, autocast, store  # store: a split schedule's WeightGradStore
+        self.phases = hooks.Phases()  # each action, for whoever measures
+        self.p2p_bytes = 0  # sent to other ranks, since the start
         self.rank = mesh.pp.rank
         sch = schedule
         self.last_stage = sch.stages - 1
@@ -631,6 +205,12 @@ class Pipeline:
             return (r, ("B", a.mb, a.chunk)) if r != self.rank else None
         return None
 
+    def _post_for(self, a):
+        """Post the receives up to action `a`'s message, if it has one from another rank."""
+        src = self._source(a)
+        if src is not None:
+            self._post(*src)
+
     def _receive(self, a):
         src = self._source(a)
         if src is None:  # same rank: handed over in memory
@@ -658,78 +238,89 @@ class Pipeline:
         return p2p.exchange([(kind, t, other)], link)
 
     # -------------------------------------------------------------------------------- the step
-    def _phase(self, a):
-        if self.timeline is None:
-            return nullcontext()
-        return self.timeline.record({"F": "forward", "B": "backward", "W": "weight"}[a.kind], micro=a.mb,
-                                    chunk=a.chunk, stage=self.schedule.stage(self.rank, a.chunk))
-
     def run(self, model, micro_batches, loss_fn):
-        sch, stage = self.schedule, model.module
-        m = len(micro_batches)
-        if m != sch.m:
-            raise ValueError(f"the schedule is for {sch.m} micro-batches, the step has {m}.")
-        self.pending, self.posted, self.local, self.sends = {}, defaultdict(int), {}, []
-        b, seq = micro_batches[0][0].shape
-        self.act_shape = (b, seq // self.seq_div, self.hidden)
-        saved, alive = {}, {}  # (mb, chunk) -> (input, output); -> activation bytes saved by its forward
-        per_chunk = {}  # chunk -> activation bytes one micro-batch's forward saves
-        self.peak_activation_bytes = 0
-        total = torch.zeros((), device=self.mesh.device)
+        """One optimizer step: this rank's actions in order, each named as a phase; then the gradients'
+        sync finished, the tied embeddings' gradients summed, and the step's loss on every rank."""
+        sch = self.schedule
+        if len(micro_batches) != sch.m:
+            raise ValueError(f"the schedule is for {sch.m} micro-batches, the step has {len(micro_batches)}.")
+        self._start(micro_batches)
         acts = sch.ranks[self.rank]
         for k, a in enumerate(acts):
             if k + 1 < len(acts):  # post the next action's receive now: it arrives while this one computes
-                nxt = self._source(acts[k + 1])
-                if nxt is not None:
-                    self._post(*nxt)
+                self._post_for(acts[k + 1])
             s = sch.stage(self.rank, a.chunk)
-            chunk = stage.chunks[a.chunk]
-            x_ids, y, positions = self._on_device(micro_batches[a.mb])
-            with self._phase(a):
+            with self._phase(a, s):
                 if a.kind == "F":
-                    x = x_ids if s == 0 else self._receive(a).requires_grad_()
-                    # every micro-batch of a chunk saves the same bytes: count the first one's (hooks cost time)
-                    counter = metrics.ActivationCounter(chunk) if a.chunk not in per_chunk else nullcontext()
-                    with self.autocast(), counter:
-                        out = chunk(x, positions)
-                        if s == self.last_stage:
-                            out = loss_fn(out, y) / m
-                    per_chunk.setdefault(a.chunk, getattr(counter, "bytes", 0))
-                    alive[(a.mb, a.chunk)] = per_chunk[a.chunk]
-                    self.peak_activation_bytes = max(self.peak_activation_bytes, sum(alive.values()))
-                    if s == self.last_stage:
-                        total += out.detach()
-                    else:
-                        self._send(out, "F", a.mb, s + 1)
-                    saved[(a.mb, a.chunk)] = (x if s > 0 else None, out)
-                else:
-                    sync = nullcontext() if k in self.final else model.no_sync()
-                    with sync:
+                    self._forward(a, s, model.module.chunks[a.chunk], micro_batches[a.mb], loss_fn)
+                else:  # the chunk's last B (or W) lets the gradient sync of its parameters start
+                    with nullcontext() if k in self.final else model.no_sync():
                         if a.kind == "B":
-                            x, out = saved.pop((a.mb, a.chunk))
-                            grad = None if s == self.last_stage else self._receive(a)
-                            if self.store is not None:
-                                self.store.deferring = True
-                            torch.autograd.backward(out, grad)
-                            if self.store is not None:
-                                self.store.deferring = False
-                                self.store.collect((a.mb, a.chunk))
-                            if s > 0:
-                                self._send(x.grad, "B", a.mb, s - 1)
-                            del x, out, grad
-                        else:
+                            self._backward(a, s)
+                        else:  # W: the weight gradients this micro-batch's B left in the store
                             self.store.flush((a.mb, a.chunk))
-                    if a.kind == ("W" if sch.split else "B"):
-                        alive.pop((a.mb, a.chunk))
+        self._wait_sends()
+        model.finish_sync()
+        self._sync_tied(model.module)
+        return self._step_loss()
+
+    def _start(self, micro_batches):
+        b, seq = micro_batches[0][0].shape
+        self.act_shape = (b, seq // self.seq_div, self.hidden)  # every message's
+        self.pending, self.posted, self.local, self.sends = {}, defaultdict(int), {}, []
+        self.saved = {}  # (mb, chunk) -> (input, output) of its forward, until its B
+        self.total = torch.zeros((), device=self.mesh.device)  # the loss (on the last stage)
+
+    def _phase(self, a, s):
+        """Action `a` as a phase (picotron.hooks): forward, backward or weight of micro-batch a.mb on chunk a.chunk
+        (stage s); a backward says whether it also computes the weight gradients (not in a split schedule)."""
+        info = dict(micro=a.mb, chunk=a.chunk, stage=s)
+        if a.kind == "B":
+            info["weights"] = not self.schedule.split
+        return self.phases({"F": "forward", "B": "backward", "W": "weight"}[a.kind], **info)
+
+    def _forward(self, a, s, chunk, batch, loss_fn):
+        """F: the tokens (stage 0) or the received activation through the chunk; the output on to the next
+        stage, or on the last into the loss, divided by m (the step's gradient is that of the mean)."""
+        x_ids, y, positions = self._on_device(batch)
+        x = x_ids if s == 0 else self._receive(a).requires_grad_()
+        with self.autocast():
+            out = chunk(x, positions)
+            if s == self.last_stage:
+                out = loss_fn(out, y) / self.schedule.m
+        if s == self.last_stage:
+            self.total += out.detach()
+        else:
+            self._send(out, "F", a.mb, s + 1)
+        self.saved[(a.mb, a.chunk)] = (x if s > 0 else None, out)
+
+    def _backward(self, a, s):
+        """B: the output gradient (the loss's own on the last stage) back through the chunk, the input's gradient
+        to the previous stage. In a split schedule the weight gradients wait in the store for the W."""
+        x, out = self.saved.pop((a.mb, a.chunk))
+        grad = None if s == self.last_stage else self._receive(a)
+        if self.store is not None:
+            self.store.deferring = True
+        torch.autograd.backward(out, grad)
+        if self.store is not None:
+            self.store.deferring = False
+            self.store.collect((a.mb, a.chunk))
+        if s > 0:
+            self._send(x.grad, "B", a.mb, s - 1)
+
+    def _wait_sends(self):
         for w in self.sends:
             w.wait()
         self.sends = []
-        self.activation_bytes = self.peak_activation_bytes  # what the log's "act" shows: the step's peak
-        model.finish_sync()
+
+    def _sync_tied(self, stage):
+        """Tied embeddings: the first stage's embedding and the last stage's head take the summed gradient."""
         if self.ends is not None:
             sync_tied(stage, self.ends)
-        # the loss lives on the last stage: hand it to every stage, then average over the replicas
-        loss = total if self.pp.size == 1 else _from_last(total, self.pp, self.schedule)
+
+    def _step_loss(self):
+        """The loss lives on the last stage: hand it to every stage, then average over the replicas."""
+        loss = self.total if self.pp.size == 1 else _from_last(self.total, self.pp, self.schedule)
         return self.mesh.dp_cp.mean(loss)
 
     def _on_device(self, batch):

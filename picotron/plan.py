@@ -51,6 +51,7 @@ import math
 import sys
 from dataclasses import dataclass, field, replace
 
+from picotron.pipeline_schedules import bubble_formula, build, layer_costs, simulate
 from picotron.planner import RECIPES, Layout, memory_per_gpu, memory_per_stage, stage_layers
 
 GiB = 1024 ** 3
@@ -130,7 +131,6 @@ def _link(hw, span):
 
 
 def _bubble(layout):
-    from picotron.pipeline_parallel import bubble_formula, build, simulate
     p, m, v = layout.pp, layout.grad_acc, layout.pp_chunks
     if p == 1:
         return 0.0
@@ -148,7 +148,6 @@ def busiest_share(mc, layout, seq_len):
     layers are cut as the pipeline cuts them (split_layers: the head's matmul counts, the embedding does not)."""
     if layout.pp == 1:
         return 1.0, mc.num_hidden_layers
-    from picotron.pipeline_parallel import layer_costs
     v = _chunks(layout)
     costs = layer_costs(mc, seq_len)
     cuts = stage_layers(mc, layout.pp * v, seq_len)

@@ -213,6 +213,8 @@ def memory_estimate(model_config, seq_len, micro_batch_size, dtype="fp32", recom
 #   ZeRO over the dp x cp ranks (experts: over dp x cp / ep): 1 the optimizer state, 2 + gradients, 3 + params.
 from dataclasses import dataclass  # noqa: E402
 
+from picotron.pipeline_schedules import SCHEDULES, build, split_layers  # noqa: E402
+
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 # With sp, the copies of a block's all-gathered input [b, s, h] autograd keeps: the all-gather returns a transposed
 # view and each projection reading it (q, k, v; gate, up) keeps its own contiguous copy (lesson 05 measures it).
@@ -245,7 +247,6 @@ class Layout:
         """'tp8,pp16,dp128' in any order (missing degrees = 1), with optional items 'sp', 'zero1', 'mbs2', 'ga8',
         'recompute-full', '1f1b' (or another schedule), 'v2' (interleaved chunks; 'interleaved-v2' says both, as
         str() prints it). Reads back what str() writes. One sentence if it cannot."""
-        from picotron.pipeline_parallel import SCHEDULES
         values = {}
         for item in (t.strip() for t in str(text).replace(" ", ",").split(",")):
             if not item:
@@ -295,7 +296,6 @@ def stage_layers(mc, pp, seq_len):
         return [(0, mc.num_hidden_layers)]
     key = (repr(mc), pp, seq_len)
     if key not in _SPLITS:
-        from picotron.pipeline_parallel import split_layers
         _SPLITS[key] = split_layers(mc, pp, seq_len)
     return _SPLITS[key]
 
@@ -307,10 +307,9 @@ def _replay(schedule, pp, m, v):
     """Per rank, the chunk-activation counts (n_0, ..., n_{v-1}) alive after each of its forwards, keeping only the
     maximal ones (no other moment has at least as many of every chunk). A rank runs its action list in order, so
     this needs no timing: a forward adds its chunk's activations, its backward (W when the backward is split) frees
-    them; the trainer's pipeline counts exactly so (pipeline_parallel.Pipeline.run)."""
+    them; the trainer counts the pipeline's so (metrics.ActivationPeak on pipeline_parallel.Pipeline's phases)."""
     key = (schedule, pp, m, v)
     if key not in _REPLAYS:
-        from picotron.pipeline_parallel import build
         sch = build(schedule, pp, m, v if schedule == "interleaved" else 1)
         free = "W" if sch.split else "B"
         out = []
@@ -332,7 +331,7 @@ _REPLAYS = {}
 
 def alive_at_peak(schedule, pp, m, v):
     """Micro-batch activations (chunks) alive at each rank's peak: AFAB m, 1F1B min(p - i, m), interleaved and
-    zero-bubble their own (the same count as `pipeline_parallel.simulate(...).peak_alive`)."""
+    zero-bubble their own (the same count as `pipeline_schedules.simulate(...).peak_alive`)."""
     return tuple(max(sum(x) for x in rank) for rank in _replay(schedule, pp, m, v))
 
 

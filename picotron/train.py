@@ -39,7 +39,7 @@ from contextlib import contextmanager
 import torch
 
 from picotron import config as config_mod
-from picotron import checkpoint, context_parallel, data, faults, launch, metrics, moe, precision, reshard, runs
+from picotron import checkpoint, context_parallel, data, faults, hooks, launch, metrics, moe, precision, reshard, runs
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.model import generate
@@ -167,6 +167,8 @@ def train(cfg, mesh, return_model=False):
     torch.manual_seed(cfg.seed)
     tokenizer, loader = load_data(cfg, mesh)
     run = parallelize(cfg, mesh)
+    activations = metrics.ActivationPeak(run.raw)  # the pipeline's phases (picotron.hooks) counted: the step's peak
+    phased = hooks.watch(run.schedule, listener=activations)  # (the one-stage engine counts its own)
     model, optimizer, mc = run.model, run.optimizer, run.raw.config
     tokens_per_step = mesh.dp.size * cfg.grad_acc * cfg.micro_batch_size * cfg.seq_len
     flops_per_step = metrics.flops_per_token(mc, cfg.seq_len) * tokens_per_step
@@ -238,7 +240,8 @@ def train(cfg, mesh, return_model=False):
         model.zero_grad(set_to_none=True)
         metrics.sync(device)
         dt = time.perf_counter() - t0
-        mem.update(optimizer=metrics.optimizer_bytes(optimizer), activations=run.schedule.activation_bytes,
+        mem.update(optimizer=metrics.optimizer_bytes(optimizer),
+                   activations=activations.bytes if phased else run.schedule.activation_bytes,
                    device_peak=metrics.device_peak_bytes(device), rss_peak=metrics.process_peak_rss_bytes())
         achieved = flops_per_step / dt / mesh.world_size  # model FLOP/s per process
         if achieved > mfu_peak:  # faster than the peak: it was measured while the machine was busy

@@ -16,7 +16,7 @@ import pytest
 import torch
 from _lessons import solution_tools
 
-from picotron import pipeline_parallel as pp
+from picotron import pipeline_schedules as ps
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "lessons"))
@@ -108,9 +108,9 @@ def test_predicted_peak_by_hand(lesson):
     stash's, W frees them."""
     for p, m in ((2, 8), (4, 8)):
         for i in range(p):
-            assert lesson.predicted_peak(pp.afab(p, m), i, {0: 10}) == 10 * m
-            assert lesson.predicted_peak(pp.one_f_one_b(p, m), i, {0: 10}) == 10 * min(p - i, m)
-    zb = pp.zb_h1(2, 8)  # rank 1: F0 B0 F1 B1 W0 F2 B2 W1 ...: 10 + 4 (mb 1 forward, mb 0 stash) at most 2 stashes + 10?
+            assert lesson.predicted_peak(ps.afab(p, m), i, {0: 10}) == 10 * m
+            assert lesson.predicted_peak(ps.one_f_one_b(p, m), i, {0: 10}) == 10 * min(p - i, m)
+    zb = ps.zb_h1(2, 8)  # rank 1: F0 B0 F1 B1 W0 F2 B2 W1 ...: 10 + 4 (mb 1 forward, mb 0 stash) at most 2 stashes + 10?
     assert lesson.predicted_peak(zb, 1, {0: 10}) == 20
     assert lesson.predicted_peak(zb, 1, {0: 10}, stash={0: 4}) == 14  # F1 after B0: 10 + 4; B1: 4 + 4
     assert lesson.predicted_peak(zb, 0, {0: 10}, stash={0: 4}) == 20  # F0 F1, then each B's stash freed by its W
@@ -121,7 +121,7 @@ def test_p2p_formula_and_the_bubble_of_a_timeline(lesson):
     assert lesson.p2p_formula("interleaved", 2, 8, 2, 64, 256) == 3 * lesson.p2p_formula("1f1b", 2, 8, 2, 64, 256)
     assert lesson.p2p_formula("zb-v", 4, 8, 1, 1, 1) == 2 * 6 * 8 * 4
     # two ranks, 1F1B with m = 2 and t_F = 1, t_B = 2 as a measured timeline would give it (a wait inside an action)
-    sim = pp.simulate(pp.one_f_one_b(2, 2))  # each action's start: where the rank's previous one ended (it waits inside)
+    sim = ps.simulate(ps.one_f_one_b(2, 2))  # each action's start: where the rank's previous one ended (it waits inside)
     acts = [(r, a.kind, a.mb, a.chunk, t[k - 1][2] if k else 0.0, s, e, e - s) for r, t in enumerate(sim.timeline)
             for k, (a, s, e) in enumerate(t)]
     bubble, span = lesson.measured_bubble(acts, 2)

@@ -1,7 +1,8 @@
 """Timing in picotron/metrics.py: the Recorder never waits for a collective (the caller computes while it is in
 flight, on real gloo ranks too); on the CPU a time is the host's clock, as before; on a GPU (exercised here with
 fake CUDA events) every time is an event on a stream, nothing synchronises per event, one synchronisation
-resolves them when the timeline is read, and a collective ends when its stream says so, not at its launch."""
+resolves them when the timeline is read, and a collective ends when its stream says so, not at its launch. And
+ActivationPeak counts a step's activations from the phases a step engine names (picotron.hooks)."""
 import pickle
 import time
 
@@ -257,3 +258,39 @@ def test_cuda_times_count_from_the_t0_they_were_taken_with(gpu):
     tl.add("after", tl.now(), tl.now())
     before, after = tl.events
     assert after["start"] - before["start"] == pytest.approx(10.0)  # as the host clock would have it on the CPU
+
+
+# ------------------------------------------------------------------------------ activations, from phases
+def test_activation_peak_keeps_each_micro_batch_alive_until_its_last_phase():
+    """ActivationPeak on a Phases: the first forward of a chunk is counted, every micro-batch of it holds as much,
+    from its forward until its backward (or its weight phase, when the backward leaves the weights to it); a step
+    starts again at micro-batch 0's forward."""
+    from picotron import hooks
+
+    layer = torch.nn.Linear(8, 8)
+    phases, peak = hooks.Phases(), metrics.ActivationPeak(layer)
+    phases.listen(peak)
+    x = torch.randn(4, 8)
+
+    def forward(mb):
+        with phases("forward", micro=mb, chunk=0):
+            return layer(x).tanh().sum()
+
+    with metrics.ActivationCounter(layer) as one:
+        layer(x).tanh().sum()
+    assert one.bytes > 0
+    outs = [forward(0), forward(1)]  # AFAB, m = 2: both alive
+    for mb, out in enumerate(outs):
+        with phases("backward", micro=mb, chunk=0):
+            out.backward()
+    assert peak.per_chunk == {0: one.bytes} and peak.bytes == 2 * one.bytes and not peak.alive
+    for mb in range(2):  # 1F1B's last stage: one at a time, the count of the new step only
+        out = forward(mb)
+        with phases("backward", micro=mb, chunk=0):
+            out.backward()
+    assert peak.bytes == one.bytes
+    for mb in range(2):  # a split backward: alive until the weight phase
+        out = forward(mb)
+        with phases("backward", micro=mb, chunk=0, weights=False):
+            out.backward()
+    assert peak.bytes == 2 * one.bytes and len(peak.alive) == 2

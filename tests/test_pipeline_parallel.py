@@ -173,7 +173,7 @@ def test_bad_pipeline_settings_get_one_sentence(settings, message):
 def test_one_stage_pipeline_is_gradient_accumulation():
     """The executor with a one-stage schedule (the whole model as one chunk) is today's step engine: the same
     loss and gradients as schedule.OneStage."""
-    from picotron import pipeline_parallel as pp
+    from picotron import pipeline_parallel as pp, pipeline_schedules, zero_bubble
     from picotron.model import Llama
     cfg = Config(grad_acc=3, **SMALL)
     mesh = Mesh.local()
@@ -183,15 +183,15 @@ def test_one_stage_pipeline_is_gradient_accumulation():
     want = run.schedule.run(run.model, batches, run.loss_fn)
     mc = cfg.model_config()
     for name in ("afab", "1f1b", "zb-h1"):
-        plan = pp.build(name, 1, 3)
+        plan = pipeline_schedules.build(name, 1, 3)
         with torch.device("meta"):
             stage = pp.keep_stage(lambda: Llama(mc), plan, 0, mc, cfg.seq_len)
         marks.materialize(stage, "cpu")
         pp.mark_stage(stage, plan, mesh.pp)
         stage.init_weights(cfg.seed)
-        store = pp.WeightGradStore() if plan.split else None
+        store = zero_bubble.WeightGradStore() if plan.split else None
         if store:
-            pp.defer_weight_grads(stage, store)
+            zero_bubble.defer_weight_grads(stage, store)
         from picotron.data_parallel import Local
         got = pp.Pipeline(plan, mesh, mc.hidden_size, store=store).run(Local(stage), batches, run.loss_fn)
         assert got.item() == pytest.approx(want.item(), rel=1e-6), name

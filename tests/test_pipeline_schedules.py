@@ -4,7 +4,7 @@ sends matched by receives, no deadlock; bubbles and activations in flight equal 
 refuses broken schedules with the right sentence; the stage split balances cost."""
 import pytest
 
-from picotron import pipeline_parallel as pp
+from picotron import pipeline_schedules as ps
 from picotron.model import ModelConfig
 
 RANGE = [(p, m) for p in range(1, 9) for m in range(1, 17)]
@@ -13,8 +13,8 @@ RANGE = [(p, m) for p in range(1, 9) for m in range(1, 17)]
 @pytest.mark.parametrize("name", ["afab", "1f1b", "zb-h1", "zb-v"])
 def test_every_schedule_is_valid_for_every_p_and_m(name):
     for p, m in RANGE:
-        sch = pp.build(name, p, m)
-        sim = pp.simulate(sch)  # raises ScheduleError on any missing, repeated, misordered action or deadlock
+        sch = ps.build(name, p, m)
+        sim = ps.simulate(sch)  # raises ScheduleError on any missing, repeated, misordered action or deadlock
         assert sim.makespan > 0
         kinds = "FBW" if sch.split else "FB"
         assert sum(len(a) for a in sch.ranks) == len(kinds) * m * sch.stages, (name, p, m)
@@ -25,11 +25,11 @@ def test_interleaved_is_valid_for_every_p_m_v_and_refuses_m_not_a_multiple_of_p(
     for p, m in RANGE:
         for v in range(1, 5):
             if v > 1 and m % p:
-                with pytest.raises(pp.ScheduleError, match=f"micro-batches m={m} to be a multiple of pp={p}"):
-                    pp.build("interleaved", p, m, v)
+                with pytest.raises(ps.ScheduleError, match=f"micro-batches m={m} to be a multiple of pp={p}"):
+                    ps.build("interleaved", p, m, v)
                 continue
-            sch = pp.build("interleaved", p, m, v)
-            pp.simulate(sch)
+            sch = ps.build("interleaved", p, m, v)
+            ps.simulate(sch)
             assert _messages_match(sch), (p, m, v)
 
 
@@ -54,27 +54,27 @@ def _messages_match(sch):
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 8), (8, 32)])
 def test_bubbles_equal_the_formulas(p, m):
     for name in ("afab", "1f1b"):
-        assert pp.simulate(pp.build(name, p, m)).bubble == pytest.approx(pp.bubble_formula(name, p, m))
+        assert ps.simulate(ps.build(name, p, m)).bubble == pytest.approx(ps.bubble_formula(name, p, m))
     for v in (2, 3, 4):
-        assert pp.simulate(pp.build("interleaved", p, m, v)).bubble == pytest.approx(
-            pp.bubble_formula("interleaved", p, m, v))
-    assert pp.simulate(pp.build("zb-h1", p, m)).bubble == pytest.approx(pp.bubble_formula("zb-h1", p, m))
+        assert ps.simulate(ps.build("interleaved", p, m, v)).bubble == pytest.approx(
+            ps.bubble_formula("interleaved", p, m, v))
+    assert ps.simulate(ps.build("zb-h1", p, m)).bubble == pytest.approx(ps.bubble_formula("zb-h1", p, m))
     # the V shape beats ZB-H1, and both beat 1F1B, at the same memory
-    zbv = pp.simulate(pp.build("zb-v", p, m))
-    assert zbv.bubble < pp.bubble_formula("zb-h1", p, m) < pp.bubble_formula("1f1b", p, m)
+    zbv = ps.simulate(ps.build("zb-v", p, m))
+    assert zbv.bubble < ps.bubble_formula("zb-h1", p, m) < ps.bubble_formula("1f1b", p, m)
     # and it keeps that lead when the input-gradient B costs twice a forward (as on a CPU): the order holds up
     heavy_b = {"F": 1.0, "B": 2.0, "W": 1.0}
-    assert pp.simulate(pp.build("zb-v", p, m), heavy_b).bubble < pp.simulate(pp.build("zb-h1", p, m), heavy_b).bubble
+    assert ps.simulate(ps.build("zb-v", p, m), heavy_b).bubble < ps.simulate(ps.build("zb-h1", p, m), heavy_b).bubble
 
 
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (8, 16)])
 def test_activations_in_flight(p, m):
     """AFAB holds all m micro-batches on every stage, 1F1B p - i on stage i, ZB-H1 at most p, ZB-V at most
     2p half-size chunks (= p whole stages): 1F1B's worst stage."""
-    assert pp.simulate(pp.build("afab", p, m)).peak_alive == [m] * p
-    assert pp.simulate(pp.build("1f1b", p, m)).peak_alive == [p - i for i in range(p)]
-    assert max(pp.simulate(pp.build("zb-h1", p, m)).peak_alive) <= p
-    assert max(pp.simulate(pp.build("zb-v", p, m)).peak_alive) <= 2 * p
+    assert ps.simulate(ps.build("afab", p, m)).peak_alive == [m] * p
+    assert ps.simulate(ps.build("1f1b", p, m)).peak_alive == [p - i for i in range(p)]
+    assert max(ps.simulate(ps.build("zb-h1", p, m)).peak_alive) <= p
+    assert max(ps.simulate(ps.build("zb-v", p, m)).peak_alive) <= 2 * p
 
 
 def test_warmup_counts():
@@ -82,47 +82,57 @@ def test_warmup_counts():
     the first backward; interleaved warms up with 2(p - i - 1) + (v - 1)p."""
     p, m, v = 4, 8, 2
     for name, want in (("1f1b", lambda i: p - i - 1), ("interleaved", lambda i: 2 * (p - i - 1) + (v - 1) * p)):
-        sch = pp.build(name, p, m, v)
+        sch = ps.build(name, p, m, v)
         for i, acts in enumerate(sch.ranks):
             assert [a.kind for a in acts].index("B") == want(i) + 1, (name, i)
 
 
 def test_simulator_names_the_first_problem():
-    A = pp.Action
-    good = pp.one_f_one_b(2, 2)
-    with pytest.raises(pp.ScheduleError, match="rank 1 never runs B of micro-batch 1"):
-        pp.simulate(pp.Schedule("x", 2, 2, 1, [good.ranks[0], good.ranks[1][:-1]]))
-    with pytest.raises(pp.ScheduleError, match=r"rank 0, action 1 \(B0\): B of micro-batch 0 comes before its F"):
-        pp.simulate(pp.Schedule("x", 2, 2, 1, [[A("F", 1, 0), A("B", 0, 0), A("F", 0, 0), A("B", 1, 0)],
+    A = ps.Action
+    good = ps.one_f_one_b(2, 2)
+    with pytest.raises(ps.ScheduleError, match="rank 1 never runs B of micro-batch 1"):
+        ps.simulate(ps.Schedule("x", 2, 2, 1, [good.ranks[0], good.ranks[1][:-1]]))
+    with pytest.raises(ps.ScheduleError, match=r"rank 0, action 1 \(B0\): B of micro-batch 0 comes before its F"):
+        ps.simulate(ps.Schedule("x", 2, 2, 1, [[A("F", 1, 0), A("B", 0, 0), A("F", 0, 0), A("B", 1, 0)],
                                               good.ranks[1]]))
-    with pytest.raises(pp.ScheduleError, match="appears twice"):
-        pp.simulate(pp.Schedule("x", 2, 2, 1, [good.ranks[0] + [A("F", 0, 0)], good.ranks[1]]))
+    with pytest.raises(ps.ScheduleError, match="appears twice"):
+        ps.simulate(ps.Schedule("x", 2, 2, 1, [good.ranks[0] + [A("F", 0, 0)], good.ranks[1]]))
     # rank 1 wants micro-batch 1's forward first, rank 0 wants 0's backward first: a deadlock
-    with pytest.raises(pp.ScheduleError, match=r"deadlock: rank 0 waits at B0 for B0 of stage 1 .*rank 1 waits at F1"):
-        pp.simulate(pp.Schedule("x", 2, 2, 1, [[A("F", 0, 0), A("B", 0, 0), A("F", 1, 0), A("B", 1, 0)],
+    with pytest.raises(ps.ScheduleError, match=r"deadlock: rank 0 waits at B0 for B0 of stage 1 .*rank 1 waits at F1"):
+        ps.simulate(ps.Schedule("x", 2, 2, 1, [[A("F", 0, 0), A("B", 0, 0), A("F", 1, 0), A("B", 1, 0)],
                                               [A("F", 1, 0), A("F", 0, 0), A("B", 0, 0), A("B", 1, 0)]]))
-    with pytest.raises(pp.ScheduleError, match="kind 'W' is not one of"):
-        pp.simulate(pp.Schedule("x", 1, 1, 1, [[A("F", 0, 0), A("B", 0, 0), A("W", 0, 0)]]))
+    with pytest.raises(ps.ScheduleError, match="kind 'W' is not one of"):
+        ps.simulate(ps.Schedule("x", 1, 1, 1, [[A("F", 0, 0), A("B", 0, 0), A("W", 0, 0)]]))
 
 
 def test_one_stage_is_gradient_accumulation():
     """With p = 1 every schedule is m forwards and backwards in a row: nothing idles."""
     for name in ("afab", "1f1b", "zb-h1"):
-        sim = pp.simulate(pp.build(name, 1, 5))
+        sim = ps.simulate(ps.build(name, 1, 5))
         assert sim.bubble == 0
 
 
 def test_stage_split_balances_cost_and_counts_the_head():
     mc = ModelConfig.from_preset("tiny")
-    assert pp.split_layers(mc, 2, 128) == [(0, 2), (2, 4)]
-    assert pp.split_layers(mc, 4, 128) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert ps.split_layers(mc, 2, 128) == [(0, 2), (2, 4)]
+    assert ps.split_layers(mc, 4, 128) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     # a big vocabulary makes the LM head worth layers: the last stage gets fewer of them
     big = ModelConfig.from_preset("tiny", vocab_size=32768, num_hidden_layers=8)
-    cuts = pp.split_layers(big, 2, 128)
+    cuts = ps.split_layers(big, 2, 128)
     assert cuts[0][1] - cuts[0][0] > cuts[1][1] - cuts[1][0]
-    costs = pp.layer_costs(big, 128)
+    costs = ps.layer_costs(big, 128)
     per_stage = [sum(costs[1 + lo:1 + hi]) + (costs[-1] if s == 1 else 0) for s, (lo, hi) in enumerate(cuts)]
     best = min(max(sum(costs[1:1 + k]), sum(costs[1 + k:-1]) + costs[-1]) for k in range(1, 8))
     assert max(per_stage) == best
     with pytest.raises(ValueError, match="need at least 5 layers"):
-        pp.split_layers(mc, 5, 128)
+        ps.split_layers(mc, 5, 128)
+
+
+def test_the_schedules_need_no_torch():
+    """The schedules, the simulator and the stage split are pure Python: the planner uses them without torch."""
+    import subprocess
+    import sys
+    code = ("import sys, picotron.pipeline_schedules\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

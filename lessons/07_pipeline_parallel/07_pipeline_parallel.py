@@ -22,7 +22,7 @@ edit this file, never the notebook.
 # | ZB-H1 (Zero Bubble, Qi et al. 2024) | backward split into $B$ (input gradient) and $W$ (weight gradient); $W$'s fill the idle slots | $\frac{p-1}{3m+p-1}$ when $t_F=t_B=t_W$ | $\le p$ |
 # | ZB-V (Qi et al. 2024) | two chunks per rank in a V, $W$'s fill the rest | no closed form: the simulator's | $\le p$ stages' worth |
 #
-# Here schedules are **data**: one list of actions per rank (`picotron/pipeline_parallel.py`). A simulator runs any
+# Here schedules are **data**: one list of actions per rank (`picotron/pipeline_schedules.py`). A simulator runs any
 # list on an ideal machine and says why a wrong one cannot run; one executor runs any list on real processes. We
 # derive the bubble, draw every schedule simulated **and** measured on real processes, measure the activations each
 # stage keeps and the bytes it sends against the formulas, explain what interleaving and splitting the backward buy,
@@ -34,7 +34,7 @@ import sys
 import matplotlib.pyplot as plt
 sys.path.insert(0, "..")   # lessons/: the helpers every lesson shares
 import _common
-from picotron import pipeline_parallel as pp
+from picotron import pipeline_parallel as pp, pipeline_schedules as ps
 from picotron.model import ModelConfig
 
 FAST, OUT = _common.FAST, _common.run_dir("07_pipeline_parallel")
@@ -99,7 +99,7 @@ for name in ("afab", "1f1b"):
     fig, sim = lesson.plot_widget(name, 4, 8, 1)
     plt.show()
     print(f"{lesson.LABELS[name]}: step {sim.makespan:g} time units, every rank busy {sim.busy[0]:g}; bubble "
-          f"{sim.bubble:.4f} = (p-1)/(m+p-1) = {pp.bubble_formula(name, 4, 8):.4f}; peak micro-batches alive per rank "
+          f"{sim.bubble:.4f} = (p-1)/(m+p-1) = {ps.bubble_formula(name, 4, 8):.4f}; peak micro-batches alive per rank "
           f"{sim.peak_alive}")
 
 # %% [markdown]
@@ -141,35 +141,39 @@ for p in (2, 4):
 # 1F1B and ZB-H1 (1F1B's order with each backward split, rank $r$ holding back up to $r$ of its $W$'s):
 
 # %%
-_common.show_source(pp.one_f_one_b)
-_common.show_source(pp.zb_h1)
-print(pp.build("zb-h1", 3, 4).ranks[2])
+_common.show_source(ps.one_f_one_b)
+_common.show_source(ps.zb_h1)
+print(ps.build("zb-h1", 3, 4).ranks[2])
 
 # %% [markdown]
 # The simulator checks a list before running it and names the first problem — what exercise 1's checker prints.
 # Swap rank 1's first two actions of 1F1B at $p = 2$ and the two ranks wait for each other:
 
 # %%
-bad = pp.one_f_one_b(2, 4)
+bad = ps.one_f_one_b(2, 4)
 bad.ranks[1][:2] = bad.ranks[1][1::-1]
 try:
-    pp.simulate(bad)
-except pp.ScheduleError as e:
+    ps.simulate(bad)
+except ps.ScheduleError as e:
     print("ScheduleError:", e)
 bad.ranks[0] = bad.ranks[0][1:]
 try:
-    pp.simulate(bad)
-except pp.ScheduleError as e:
+    ps.simulate(bad)
+except ps.ScheduleError as e:
     print("ScheduleError:", e)
 
 # %% [markdown]
-# **The executor** (`Pipeline.run`) walks this rank's list. A forward receives its input (or reads the tokens on
-# stage 0), runs the chunk, sends the output on (or, on the last stage, computes the loss divided by $m$); a backward
-# receives the output's gradient, runs autograd from the stashed output, and sends the input's gradient back. The
-# receives are posted in the order the neighbour sends — known from the neighbour's list — one action ahead:
+# **The executor** (`Pipeline.run`, in `picotron/pipeline_parallel.py`) walks this rank's list. A forward receives its
+# input (or reads the tokens on stage 0), runs the chunk, sends the output on (or, on the last stage, computes the
+# loss divided by $m$); a backward receives the output's gradient, runs autograd from the stashed output, and sends
+# the input's gradient back. The receives are posted in the order the neighbour sends — known from the neighbour's
+# list — one action ahead. Each action is a named phase (`self.phases`, `picotron.hooks`): the executor measures
+# nothing itself, the experiments below listen to its phases with a timeline and an activation count:
 
 # %%
-_common.show_source(pp.Pipeline.run, "for k, a in enumerate(acts):", "alive.pop((a.mb, a.chunk))")
+_common.show_source(pp.Pipeline.run, "for k, a in enumerate(acts):")
+_common.show_source(pp.Pipeline._forward)
+_common.show_source(pp.Pipeline._backward)
 
 # %% [markdown]
 # **On a GPU pod: NCCL's rules.** gloo, this laptop's backend, matches each message by sender and tag and buffers
@@ -451,10 +455,10 @@ check("tied embeddings: the first stage's and the last stage's copies are still 
 
 # %%
 def draw(schedule="1f1b", p=4, m=8, v=2):
-    v = pp.chunks_of(schedule, v)
+    v = ps.chunks_of(schedule, v)
     try:
         fig, sim = lesson.plot_widget(schedule, p, m, v)
-    except pp.ScheduleError as e:
+    except ps.ScheduleError as e:
         print(e)
         return
     plt.show()
@@ -463,7 +467,7 @@ def draw(schedule="1f1b", p=4, m=8, v=2):
           f"(idle / ideal time) {sim.bubble / (1 - sim.bubble):.1%}; peak activations per rank (whole-stage micro-"
           f"batches): {[x / v for x in sim.peak_alive]}")
 
-_common.interactive(draw, lambda w: dict(schedule=w.Dropdown(options=list(pp.SCHEDULES), value="1f1b"),
+_common.interactive(draw, lambda w: dict(schedule=w.Dropdown(options=list(ps.SCHEDULES), value="1f1b"),
                                          p=w.IntSlider(value=4, min=1, max=8, description="p (stages)"),
                                          m=w.IntSlider(value=8, min=1, max=32, description="m (micro-batches)"),
                                          v=w.IntSlider(value=2, min=1, max=4, description="v (interleaved)")))

@@ -8,7 +8,7 @@ From the lesson's notebook: `import check as checker; checker.check()` (returns 
 Exit status 0 when every check passes, 1 otherwise.
 
 one_f_one_b_rank (in this process): for several (p, m), each stage's list of yours runs in picotron's simulator
-(`pipeline_parallel.simulate`, t_F = 1, t_B = 2) together with the reference lists of the other stages; the
+(`pipeline_schedules.simulate`, t_F = 1, t_B = 2) together with the reference lists of the other stages; the
 simulator's own sentence names the first problem (a micro-batch missing or twice, a B before its F, a deadlock
 and which rank waits for what). A list that runs must keep 1F1B's memory (at most min(p - i, m) micro-batches
 alive on stage i) and its step time.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import pic
 
 import torch  # noqa: E402
 
-from picotron import pipeline_parallel as pp  # noqa: E402
+from picotron import pipeline_schedules as ps  # noqa: E402
 from picotron.launch import run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
@@ -61,13 +61,13 @@ def _as_actions(got):
             kind, mb, chunk = a
         except (TypeError, ValueError):
             return None, f"item {k} is {a!r:.60}, not an Action(kind, mb, chunk)"
-        out.append(pp.Action(kind, int(mb), int(chunk)))
+        out.append(ps.Action(kind, int(mb), int(chunk)))
     return out, None
 
 
 def _problem_1f1b(fn, p, m):
-    ref = pp.one_f_one_b(p, m)
-    best = pp.simulate(ref)
+    ref = ps.one_f_one_b(p, m)
+    best = ps.simulate(ref)
     for i in range(p):
         got, problem = _as_actions(fn(i, p, m))
         if problem:
@@ -75,8 +75,8 @@ def _problem_1f1b(fn, p, m):
         ranks = [list(r) for r in ref.ranks]
         ranks[i] = got
         try:
-            sim = pp.simulate(pp.Schedule("1f1b", p, m, 1, ranks))
-        except pp.ScheduleError as e:
+            sim = ps.simulate(ps.Schedule("1f1b", p, m, 1, ranks))
+        except ps.ScheduleError as e:
             return (f"stage {i} of p={p}, m={m} (the other stages: the reference lists): {e} Your list: "
                     f"{_show(got)}")
         lead = next((k for k, a in enumerate(got) if a.kind == "B"), len(got))  # forwards before the first B

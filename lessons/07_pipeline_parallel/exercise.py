@@ -6,8 +6,8 @@ the other stages, for several (p, m); the checker names the first action that ca
 waits for whom, a B before its F, a micro-batch missing or twice) and, when it runs, whether it keeps 1F1B's
 memory (at most p - i micro-batches) and its step time. Exercises 2 and 3 run on 2 and 3 real processes (gloo)
 and say which rank holds what wrong tensor, or which rank hangs on which line of this file. The lesson notebook
-(lessons/07_pipeline_parallel/07_pipeline_parallel.ipynb) reads picotron/pipeline_parallel.py, which does all of
-this for the whole model; the solutions are in solution.py (look after trying).
+(lessons/07_pipeline_parallel/07_pipeline_parallel.ipynb) reads picotron/pipeline_schedules.py and pipeline_parallel.py,
+which do all of this for the whole model; the solutions are in solution.py (look after trying).
 
 What you may use:
     Action(kind, mb, chunk)     kind "F" (forward) or "B" (backward); mb the micro-batch 0..m-1; chunk 0 here
@@ -20,7 +20,7 @@ What you may use:
 import torch  # noqa: F401
 import torch.distributed as dist  # noqa: F401
 
-from picotron.pipeline_parallel import Action  # noqa: F401
+from picotron.pipeline_schedules import Action  # noqa: F401
 
 
 def one_f_one_b_rank(i, p, m):

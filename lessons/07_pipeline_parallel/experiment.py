@@ -6,9 +6,9 @@ picotron.train runs it), and the notebook's simulator helpers and plots.
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_pp<p>.json. bubble: every schedule (AFAB, 1F1B, interleaved v=2, ZB-H1, ZB-V) for several
-micro-batch counts m, each step's actions timed on every rank (`Pipeline(timeline=...)`), the wait for a message
-cut out of the action it happened in; from that the measured bubble, each kind of action's mean time, the
-point-to-point bytes per step and the Gantt chart of the last step. memory: one step per schedule with every tensor
+micro-batch counts m, each step's actions timed on every rank (a Timeline listening to the executor's phases), the
+wait for a message cut out of the action it happened in; from that the measured bubble, each kind of action's mean
+time, the point-to-point bytes per step and the Gantt chart of the last step. memory: one step per schedule with every tensor
 autograd saves tracked while it is alive (saved-tensor hooks whose packed objects say when autograd lets them go),
 the weight-gradient store's stash added: the peak per stage against the schedule's prediction. parity:
 picotron.train at pp = world size for each schedule (and tied embeddings) against one process, trained in rank 0.
@@ -28,7 +28,7 @@ from _common import gather, make_cfg  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import marks, metrics, pipeline_parallel as pp  # noqa: E402
+from picotron import marks, metrics, pipeline_schedules as ps  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.parallelize import parallelize  # noqa: E402
 from picotron.train import load_data, train  # noqa: E402
@@ -59,18 +59,18 @@ def cfg_for(st, name, m, p, **kw):
 
 
 def chunks(name):
-    return pp.chunks_of(name, 2)
+    return ps.chunks_of(name, 2)
 
 
 # ------------------------------------------------------------------------------- the schedule's side
 def simulated(name, p, m, v=None, cost=None, latency=0.0):
-    """pipeline_parallel.simulate of schedule `name` (v: chunks per rank, default its own)."""
-    return pp.simulate(pp.build(name, p, m, chunks(name) if v is None else v), cost=cost, latency=latency)
+    """pipeline_schedules.simulate of schedule `name` (v: chunks per rank, default its own)."""
+    return ps.simulate(ps.build(name, p, m, chunks(name) if v is None else v), cost=cost, latency=latency)
 
 
 def formula(name, p, m, v=2):
     """The closed-form bubble (fraction of the step), or None (ZB-V has none)."""
-    return pp.bubble_formula(name, p, m, v) if name in FORMULA else None
+    return ps.bubble_formula(name, p, m, v) if name in FORMULA else None
 
 
 def zb_h1_formula(p, m, t_f, t_b, t_w):
@@ -123,7 +123,7 @@ class CpuTimeline(metrics.Timeline):
 
 class Stepper:
     """One schedule built as picotron.train builds it (`parallelize`), stepped as it steps (schedule.run, clipping,
-    optimizer step, zero_grad), with a Timeline on the executor. The executor records each action as one event;
+    optimizer step, zero_grad), with a Timeline listening to the executor's phases: each action becomes one event;
     a receive waited on inside an action is recorded too (the executor's `_receive`, wrapped on this instance
     only), so that `busy` can leave the wait out."""
 
@@ -131,7 +131,7 @@ class Stepper:
         self.cfg, self.mesh = cfg, mesh
         self.run = parallelize(cfg, mesh)
         self.pipe = self.run.schedule
-        self.tl = self.pipe.timeline = CpuTimeline(mesh.device, mesh.rank)
+        self.listen(CpuTimeline(mesh.device, mesh.rank))
         receive = self.pipe._receive
 
         def timed(a):
@@ -142,6 +142,14 @@ class Stepper:
         self.pipe._receive = timed
         self.loader = load_data(cfg, mesh)[1]
         self.losses = []
+
+    def listen(self, timeline):
+        """The executor's phases recorded on `timeline` (outermost), and counted as picotron.train counts them
+        (`activations`, a metrics.ActivationPeak: the executor's count of its activations)."""
+        self.tl = timeline
+        self.pipe.phases.forget()
+        self.pipe.phases.listen(timeline.record)
+        self.activations = self.pipe.phases.listen(metrics.ActivationPeak(self.run.raw))
 
     def step(self, step):
         """One step; returns this rank's events (absolute seconds: comparable across processes on one machine,
@@ -290,8 +298,8 @@ def exp_bubble(mesh, st, out):
             acts = steps[best]
             costs = mean_costs([acts], p, v)
             lat = latency_of(acts, sch)
-            sim = pp.simulate(sch, cost=lambda a, r: costs[r][a.chunk][a.kind])  # messages instant
-            sim_lat = pp.simulate(sch, cost=lambda a, r: costs[r][a.chunk][a.kind], latency=lat)
+            sim = ps.simulate(sch, cost=lambda a, r: costs[r][a.chunk][a.kind])  # messages instant
+            sim_lat = ps.simulate(sch, cost=lambda a, r: costs[r][a.chunk][a.kind], latency=lat)
             per_kind = {k: statistics.mean(costs[r][c][k] for r in range(p) for c in range(v) if k in costs[r][c])
                         for k in "FBW" if any(k in costs[r][c] for r in range(p) for c in range(v))}
             row = dict(name=name, m=m, p=p, v=v, bubble=bubbles[best][0], step_s=bubbles[best][1],
@@ -367,8 +375,9 @@ class LiveActivations:
 
 @contextmanager
 def tracking(tracker):
-    """While inside: every saved tensor goes through `tracker`, also inside the executor's own ActivationCounter
-    (which counts the first micro-batch of each chunk; hooks nest, the innermost wins), whose count still runs."""
+    """While inside: every saved tensor goes through `tracker`, also inside the ActivationCounter of the executor's
+    count (metrics.ActivationPeak: the first micro-batch of each chunk; hooks nest, the innermost wins), whose count
+    still runs."""
     original = metrics.ActivationCounter
 
     class Both(original):
@@ -429,15 +438,14 @@ class MemoryTimeline(metrics.Timeline):
 def exp_memory(mesh, st, out):
     """One step of each schedule (m = the largest of the settings) with live activations tracked: the peak per stage,
     each chunk's bytes per micro-batch (the growth over its first forward), the schedule's prediction from them and
-    the executor's own count (`Pipeline.peak_activation_bytes`)."""
+    the executor's count (`metrics.ActivationPeak` on its phases, as picotron.train counts)."""
     p, rows = mesh.pp.size, []
     m = st["ms"][-1]
     for name in SCHEDULES:
         stepper = Stepper(cfg_for(st, name, m, p), mesh)
         stepper.step(1)  # warm-up
         tracker = LiveActivations(stepper.run.raw)
-        stepper.pipe.timeline = MemoryTimeline(mesh.device, mesh.rank, tracker, stepper.pipe.store)
-        stepper.tl = stepper.pipe.timeline
+        stepper.listen(MemoryTimeline(mesh.device, mesh.rank, tracker, stepper.pipe.store))
         with tracking(tracker):
             events, _, _ = stepper.step(2)
         sch = stepper.pipe.schedule
@@ -450,7 +458,7 @@ def exp_memory(mesh, st, out):
         me = dict(rank=mesh.rank, peak=max(e["peak"] for e in events if e["name"] in KIND), per_chunk=per_chunk,
                   stash=stash if sch.split else None, predicted=predicted_peak(sch, mesh.pp.rank, per_chunk),
                   predicted_stash=predicted_peak(sch, mesh.pp.rank, per_chunk, stash) if sch.split else None,
-                  executor=stepper.pipe.peak_activation_bytes, left=tracker.bytes + stash_bytes(stepper.pipe.store, tracker),
+                  executor=stepper.activations.bytes, left=tracker.bytes + stash_bytes(stepper.pipe.store, tracker),
                   curve=[(e["name"], e["micro"], e["chunk"], e["after"]) for e in events if e["name"] in KIND],
                   alive_units=simulated(name, p, m).peak_alive[mesh.pp.rank])
         ranks = gather(me, mesh)
@@ -644,8 +652,8 @@ def plot_widget(name, p, m, v):
     """The widget's picture: the simulated Gantt chart (unit costs) and the chunk-activations alive per rank."""
     import matplotlib.pyplot as plt
 
-    sch = pp.build(name, p, m, v)
-    sim = pp.simulate(sch)
+    sch = ps.build(name, p, m, v)
+    sim = ps.simulate(sch)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.5 * p + 1.8), gridspec_kw=dict(width_ratios=[4, 1]))
     handles = draw_gantt(ax1, sim_bars(sim), p, f"{LABELS.get(name, name)}: p={p}, m={m}, v={sch.v}: bubble "
                          f"{sim.bubble:.1%} of the step (t_F = 1, t_B = 2; split: t_F = t_B = t_W = 1)", labels=m <= 16)

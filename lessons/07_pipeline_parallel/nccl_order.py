@@ -9,7 +9,7 @@ both on every rank (picotron.nccl_rules.run_recorded) and replays them as NCCL w
 import torch
 import torch.distributed as dist
 
-from picotron import pipeline_parallel as pp
+from picotron import pipeline_schedules as ps
 
 HIDDEN = 16
 
@@ -19,7 +19,7 @@ def naive_1f1b(m=2):
     rank, p = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     w = torch.randn(HIDDEN, HIDDEN, requires_grad=True)
-    acts = pp.one_f_one_b(p, m).ranks[rank]
+    acts = ps.one_f_one_b(p, m).ranks[rank]
     prev, nxt = rank - 1, rank + 1
     pending, saved, sends, total = {}, {}, [], 0.0
 

@@ -3,7 +3,7 @@ same file with the marked pieces left to write.)"""
 import torch
 import torch.distributed as dist
 
-from picotron.pipeline_parallel import Action
+from picotron.pipeline_schedules import Action
 
 
 def one_f_one_b_rank(i, p, m):

@@ -24,7 +24,7 @@ from _common import gather  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import context_parallel, marks, metrics, parallelize as par  # noqa: E402
+from picotron import context_parallel, hooks, marks, metrics, parallelize as par  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import ORDER, Mesh, grid_coords, grid_rank, group_ranks  # noqa: E402
 from picotron.metrics import read_metrics  # noqa: E402
@@ -128,8 +128,10 @@ class TimedRun:
         self.recorded = mesh.recorded(self.recorder)  # clipping's all-reduce over the world, counted and timed
         self.loader = load_data(cfg, mesh)[1]
         sch = self.run.schedule
-        if hasattr(sch, "timeline"):
+        if hasattr(sch, "timeline"):  # the one-stage engine
             sch.timeline = self.tl
+        hooks.watch(sch, listener=self.tl.record)  # the pipeline's actions (F, B), named as phases
+        hooks.watch(sch, listener=metrics.ActivationPeak(self.run.raw))  # counted as picotron.train counts them
         if hasattr(sch, "_receive"):  # the pipeline's wait for a message from the neighbouring stage
             receive = sch._receive
 
@@ -190,9 +192,9 @@ def exp_run4d(mesh, st, out):
     name = layout_name(layout)
     cfg = make_cfg(st, **layout, out=str(Path(out) / f"run4d_{name}"))
     t0 = time.perf_counter()
-    _, run = train(cfg, mesh, return_model=True)
+    summary, run = train(cfg, mesh, return_model=True)
     mem = dict(run.model.memory(), optimizer=metrics.optimizer_bytes(run.optimizer),
-               activations=run.schedule.activation_bytes)
+               activations=summary["mem"]["activations"])  # the last step's, as the trainer counted them
     params = sum(p.numel() for p in run.raw.parameters())
     tensors = sum(1 for _ in run.raw.parameters())
     train_s = time.perf_counter() - t0
