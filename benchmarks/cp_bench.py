@@ -18,10 +18,13 @@ paired ratios of the same round with its quartiles (ring zig-zag against all-gat
 ring against gathering K/V once; zig-zag against contiguous under the ring: what balancing the causal work buys).
 
 Also per variant:
-  bytes     what one rank's attention cores sent per step (`ContextParallelAttention.bytes`, reset every step,
-            K/V forward and dK/dV backward), next to `context_parallel.bytes_per_step_formula`;
-  balance   each rank's attention compute per step: the cores' "attention" and "attention-backward" events on a
-            metrics.Timeline (the ring's waits are separate "wait" events, reported beside), the median step per
+  bytes     what one rank sent along cp per step (K/V forward and dK/dV backward), counted by a metrics.Recorder
+            on the axes (`parallelize(..., recorder=)`, reset every step): the ring's messages, and (cp-1)/cp of the
+            all-gather's and reduce-scatter's buffers (the rest is the rank's own), next to
+            `context_parallel.bytes_per_step_formula`;
+  balance   each rank's attention compute per step: the cores' "attention" and "attention-backward" phases as
+            events of a metrics.Timeline listening to them (the ring's waits are separate "wait" events, reported
+            beside), the median step per
             rank, and max/min across ranks, next to the ratio predicted by counting the (query chunk, key chunk)
             pairs each rank computes (a diagonal pair costs a full one: the mask does not skip work). The
             all-gather's attention is one SDPA call whose backward autograd runs unseen: forward only.
@@ -41,7 +44,7 @@ from _common import SIZES, make_cfg, run_interleaved  # noqa: E402  (the lessons
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import context_parallel as cpm, marks, metrics  # noqa: E402
+from picotron import context_parallel as cpm, hooks, marks, metrics  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.parallelize import parallelize  # noqa: E402
 from picotron.train import load_data  # noqa: E402
@@ -59,19 +62,17 @@ class Variant:
 
     def __init__(self, name, cfg, mesh):
         self.name, self.cfg, self.mesh = name, cfg, mesh
-        self.run = parallelize(cfg, mesh)
+        self.recorder = metrics.Recorder()
+        self.run = parallelize(cfg, mesh, recorder=self.recorder)
         self.loader = load_data(cfg, mesh)[1]
-        self.cores = cpm.cores(self.run.raw)
         self.timeline = metrics.Timeline(mesh.device, mesh.rank)
-        for c in self.cores:
-            c.timeline = self.timeline
+        hooks.watch(*cpm.cores(self.run.raw), listener=self.timeline.record)
         self.times, self.sent, self.attention, self.wait = [], [], [], []
         self.loss = self.grad_norm = None
 
     def step(self, step, record=True):
         run = self.run
-        for c in self.cores:
-            c.reset()
+        self.recorder.reset()
         self.timeline.events.clear()
         metrics.sync(self.mesh.device)
         t0 = time.perf_counter()
@@ -83,11 +84,18 @@ class Variant:
         metrics.sync(self.mesh.device)
         if record:
             self.times.append(time.perf_counter() - t0)
-            self.sent.append(sum(c.bytes["kv"] + c.bytes["dkv"] for c in self.cores))
+            self.sent.append(sent_along_cp(self.recorder, self.mesh.cp.size))
             ev = self.timeline.events
             self.attention.append(sum(e["end"] - e["start"] for e in ev if e["name"] in ATTENTION))
             self.wait.append(sum(e["end"] - e["start"] for e in ev if e["name"] == "wait"))
         return self.loss
+
+
+def sent_along_cp(recorder, cp):
+    """Bytes this rank sent along the cp axis: the ring's messages, and (cp-1)/cp of the buffer of each all-gather
+    and reduce-scatter (the rest is the rank's own piece)."""
+    return sum(nbytes if kind == "send" else nbytes // cp * (cp - 1) for kind, nbytes, axis in recorder.log
+               if axis == "cp")
 
 
 def check_first_step(variants, mesh, tol=1e-5):

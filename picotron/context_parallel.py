@@ -37,13 +37,13 @@ context ranks see different tokens of the same sequences, so their gradients dif
 also when dp = 1.
 """
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from picotron import p2p
+from picotron import hooks
 from picotron.model import AttentionCore, apply_rope
 
 IMPLS = ("ring", "allgather")
@@ -150,23 +150,23 @@ def block_backward(q, k, v, dout, lse, delta, causal, scale):
 # ================================================================================= the ring
 class _Ring:
     """One exchange per ring step: send a tensor to the next rank, receive the same shape from the previous,
-    posted as one batch (picotron.p2p): on NCCL two single messages could each wait for the other's partner."""
+    posted as one batch (`Axis.exchange`, picotron.p2p): on NCCL two single messages could each wait for the
+    other's partner. `what` ("kv" or "dkv") names the message, for whoever counts the axis's traffic."""
 
-    def __init__(self, axis, core):
-        self.axis, self.core = axis, core
+    def __init__(self, axis, phases):
+        self.axis, self.phases = axis, phases
         n, r = axis.size, axis.rank
         self.next, self.prev = axis.ranks[(r + 1) % n], axis.ranks[(r - 1) % n]
 
     def start(self, t, what):
         buf = torch.empty_like(t)
         t = t.contiguous()
-        works = p2p.exchange([("send", t, self.next), ("recv", buf, self.prev)], self.axis.group)
-        self.core.count(what, t.numel() * t.element_size())
+        works = self.axis.exchange([("send", t, self.next), ("recv", buf, self.prev)], label=what)
         return buf, works, t  # keep t alive until the send completes
 
     def finish(self, pending, step, what):
         buf, works, _ = pending
-        with self.core.phase("wait", step=step, what=what):
+        with self.phases("wait", step=step, what=what):
             for w in works:
                 w.wait()
         return buf
@@ -176,22 +176,22 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence, K/V passed around `axis`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis, layout, core):
+    def forward(ctx, q, k, v, axis, layout, phases):
         with torch.autocast(q.device.type, enabled=False):  # the block math stays in fp32 under bf16 autocast
-            return RingAttention._forward(ctx, q, k, v, axis, layout, core)
+            return RingAttention._forward(ctx, q, k, v, axis, layout, phases)
 
     @staticmethod
-    def _forward(ctx, q, k, v, axis, layout, core):
+    def _forward(ctx, q, k, v, axis, layout, phases):
         n, r = axis.size, axis.rank
         scale = 1.0 / math.sqrt(q.shape[-1])
-        ring, mine = _Ring(axis, core), chunks_of(r, n, layout)
+        ring, mine = _Ring(axis, phases), chunks_of(r, n, layout)
         qs = q.chunk(2, dim=2)
         outs, lses = [None, None], [None, None]
         kv = torch.stack([k, v])  # one message per step: [2, b, kv_heads, s/cp, d]
         for step in range(n):
             pending = ring.start(kv, "kv") if step + 1 < n else None  # the next block travels meanwhile
             theirs = chunks_of((r - step) % n, n, layout)
-            with core.phase("attention", step=step):
+            with phases("attention", step=step):
                 for i in range(2):
                     for j, (kc, vc) in enumerate(zip(kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2))):
                         seen = visibility(mine[i], theirs[j])
@@ -202,7 +202,7 @@ class RingAttention(torch.autograd.Function):
                 kv = ring.finish(pending, step, "kv")
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.axis, ctx.layout, ctx.core, ctx.scale = axis, layout, core, scale
+        ctx.axis, ctx.layout, ctx.phases, ctx.scale = axis, layout, phases, scale
         return out.to(q.dtype)
 
     @staticmethod
@@ -213,9 +213,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        axis, layout, core, scale = ctx.axis, ctx.layout, ctx.core, ctx.scale
+        axis, layout, phases, scale = ctx.axis, ctx.layout, ctx.phases, ctx.scale
         n, r = axis.size, axis.rank
-        ring, mine = _Ring(axis, core), chunks_of(r, n, layout)
+        ring, mine = _Ring(axis, phases), chunks_of(r, n, layout)
         delta = (dout.to(out.dtype) * out).sum(-1)  # rowsum(dO * O) with the final O
         qs, dos = q.chunk(2, dim=2), dout.chunk(2, dim=2)
         lse_i, delta_i = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
@@ -226,7 +226,7 @@ class RingAttention(torch.autograd.Function):
             kv_pending = ring.start(kv, "kv") if step + 1 < n else None
             theirs = chunks_of((r - step) % n, n, layout)
             mine_dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
-            with core.phase("attention-backward", step=step):
+            with phases("attention-backward", step=step):
                 for i in range(2):
                     for j, (kc, vc) in enumerate(zip(kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2))):
                         seen = visibility(mine[i], theirs[j])
@@ -252,33 +252,29 @@ class _GatherSequence(torch.autograd.Function):
     rank's gradient for this rank's piece)."""
 
     @staticmethod
-    def forward(ctx, t, axis, core):
+    def forward(ctx, t, axis):
         t = t.contiguous()
         out = torch.empty((axis.size * t.shape[0],) + t.shape[1:], dtype=t.dtype, device=t.device)
         axis.all_gather_into(out, t)
-        out = out.view((axis.size,) + t.shape)
-        core.count("kv", t.numel() * t.element_size() * (axis.size - 1))
-        ctx.axis, ctx.core = axis, core
-        return out
+        ctx.axis = axis
+        return out.view((axis.size,) + t.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        axis = ctx.axis
         piece = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        axis.reduce_scatter_into(piece, grad.contiguous().view((-1,) + grad.shape[2:]))
-        ctx.core.count("dkv", piece.numel() * piece.element_size() * (axis.size - 1))
-        return piece, None, None
+        ctx.axis.reduce_scatter_into(piece, grad.contiguous().view((-1,) + grad.shape[2:]))
+        return piece, None
 
 
-def allgather_attention(q, k, v, axis, layout, core):
+def allgather_attention(q, k, v, axis, layout, phases):
     """Gather every rank's K/V once, then attend this rank's queries to the whole sequence (masked by position)."""
     n, s = axis.size, q.shape[2] * axis.size
-    kv = _GatherSequence.apply(torch.stack([k, v]), axis, core)  # [n, 2, b, kh, s/n, d], in rank order
+    kv = _GatherSequence.apply(torch.stack([k, v]), axis)  # [n, 2, b, kh, s/n, d], in rank order
     k_all = torch.cat(list(kv[:, 0]), dim=2)
     v_all = torch.cat(list(kv[:, 1]), dim=2)
     k_pos = torch.cat([positions(s, n, r, layout) for r in range(n)]).to(q.device)
     q_pos = positions(s, n, axis.rank, layout).to(q.device)
-    with core.phase("attention"):
+    with phases("attention"):
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=q_pos[:, None] >= k_pos[None, :],
                                               enable_gqa=q.shape[1] != k.shape[1])
 
@@ -288,10 +284,11 @@ class ContextParallelAttention(nn.Module):
     """What replaces `model.AttentionCore` under cp: RoPE at each token's true position (the positions came
     with the batch), then ring or all-gather attention over `axis`.
 
-    `bytes`: what this layer sent since the last `reset()`, by kind ("kv" forward, "dkv" backward);
-    `timeline` (a metrics.Timeline, for lessons): each ring step's compute and its waits become events.
-    `whole = True` (see `whole_sequence`) makes it plain causal attention over a full, unsplit sequence,
-    which every rank then computes alike: what generating text needs."""
+    `phases` (picotron.hooks): each ring step's compute ("attention", "attention-backward") and each wait for a
+    message ("wait"), for whoever listens (a lesson draws them); the bytes it sends are counted where they are
+    sent, on the axis (`Axis.exchange`, the collectives). `whole = True` (see `whole_sequence`) makes it plain
+    causal attention over a full, unsplit sequence, which every rank then computes alike: what generating text
+    needs."""
 
     def __init__(self, axis, impl="ring", layout="zigzag"):
         super().__init__()
@@ -299,27 +296,16 @@ class ContextParallelAttention(nn.Module):
             raise ValueError(f"unknown cp impl {impl!r}; use one of {IMPLS}.")
         chunks_of(0, 1, layout)  # validates the name
         self.axis, self.impl, self.layout = axis, impl, layout
-        self.whole, self.timeline, self.layer = False, None, None
-        self.reset()
-
-    def reset(self):
-        self.bytes = {"kv": 0, "dkv": 0}
-
-    def count(self, what, nbytes):
-        self.bytes[what] += nbytes
-
-    def phase(self, name, **info):
-        if self.timeline is None:
-            return nullcontext()
-        return self.timeline.record(name, layer=self.layer, **info)
+        self.whole = False
+        self.phases = hooks.Phases()
 
     def forward(self, q, k, v, cos, sin):
         q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         if self.whole or self.axis.size == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         if self.impl == "ring":
-            return RingAttention.apply(q, k, v, self.axis, self.layout, self)
-        return allgather_attention(q, k, v, self.axis, self.layout, self)
+            return RingAttention.apply(q, k, v, self.axis, self.layout, self.phases)
+        return allgather_attention(q, k, v, self.axis, self.layout, self.phases)
 
     def extra_repr(self):
         return f"cp={self.axis.size}, {self.impl}, {self.layout}"
@@ -341,7 +327,6 @@ def apply(model, axis, impl="ring", layout="zigzag"):
         if not isinstance(attn.core, AttentionCore):
             raise ValueError(f"layer {i}'s attention core is already {type(attn.core).__name__}.")
         attn.core = ContextParallelAttention(axis, impl, layout)
-        attn.core.layer = i
     return model
 
 

@@ -49,8 +49,6 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from picotron import metrics
-
 
 class GradSync(nn.Module):
     """The protocol every gradient-sync wrapper follows (the step engine uses nothing else).
@@ -86,7 +84,9 @@ class GradSync(nn.Module):
         pass
 
     def memory(self):
-        return metrics.memory_breakdown(self.module)
+        params = list(self.module.parameters())
+        return {"params": sum(p.nbytes for p in params),
+                "grads": sum(p.grad.nbytes for p in params if p.grad is not None), "optimizer": 0}
 
     def optimizer_groups(self):
         params = [p for p in self.module.parameters() if p.requires_grad]

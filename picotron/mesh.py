@@ -42,6 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from picotron import p2p
 from picotron.compat import collective
 
 ORDER = ("dp", "pp", "cp", "tp")  # slowest- to fastest-varying
@@ -177,8 +178,9 @@ class Axis:
 
     Its collectives are the ones every strategy uses. They go through `comm.ops` (torch.distributed, or
     lesson 02's own picotron.collectives with `--collectives ours`) and, when one is attached, a
-    `metrics.Recorder` that counts their bytes and times them. Along an axis of size 1 they are free (no
-    process group is touched), which is how a one-process `Mesh.local()` runs every strategy's code."""
+    `metrics.Recorder` that counts their bytes and times them; its point-to-point messages (`exchange`) are
+    counted there too. Along an axis of size 1 they are free (no process group is touched), which is how a
+    one-process `Mesh.local()` runs every strategy's code."""
 
     def __init__(self, name, ranks, group, rank, dims=None, comm=None):
         self.name, self.ranks, self.group, self.rank = name, list(ranks), group, rank
@@ -249,6 +251,17 @@ class Axis:
         return self._run("all_to_all", t.numel() * t.element_size(),
                          lambda a: self.comm.ops.all_to_all_single(out, t, out_splits, in_splits, group=self.group,
                                                                    async_op=a), async_op, label, info)
+
+    def exchange(self, ops, label="send"):
+        """Point-to-point messages along this axis: `ops` = [("send" | "recv", tensor, global peer rank), ...], posted
+        as one batch (picotron.p2p.exchange); returns the handles to wait on. A recorder counts the bytes of the
+        sends, under `label` (what they carry); it does not time them: a message is over when its receiver has
+        waited for it, which the algorithm shows as a phase of its own (picotron.hooks)."""
+        works = p2p.exchange(ops, self.group)
+        if self.comm.recorder is not None:
+            sent = sum(t.numel() * t.element_size() for kind, t, _ in ops if kind == "send")
+            self.comm.recorder.message(sent, label, axis=self.name)
+        return works
 
     def broadcast(self, t, index=0):
         """In place: every rank's t = the t of the rank at `index` along this axis."""

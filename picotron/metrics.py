@@ -2,6 +2,17 @@
 
 Everything a lesson plots comes from here, so each number says exactly what it counts.
 
+How measurement is installed. The algorithms (picotron's strategies) never count or time anything and never
+import this module: whoever measures installs it from outside, in two places.
+- Communication: every collective and point-to-point message goes through an axis of the mesh (`mesh.Axis`), and
+  an axis given a `Recorder` (`mesh.recorded(recorder)`, `axis.recorded(recorder)`, `parallelize(cfg, mesh,
+  recorder=...)`) reports each one to it: the bytes by kind, and with a timeline when each collective ran.
+- Computation: an algorithm names its phases (`picotron.hooks.Phases`: a ring step's attention, ZeRO-3's forward of
+  a layer, a wait for a message) and a listener turns them into measurements: `hooks.watch(model,
+  listener=timeline.record)` makes each phase an event of a `Timeline`, `recorder.phase` an event on the recorder's
+  timeline beside its collectives.
+The lessons, the benchmarks and the trainer install what they need; nothing is measured where nobody listens.
+
 FLOPs. A matmul of an (m x k) by a (k x n) matrix costs 2·m·k·n FLOPs. Per token, the forward pass through
 the weight matrices costs 2·N and the backward 4·N (gradients for inputs and for weights), so 6·N in all,
 where N counts the parameters that take part in matmuls: every weight except the input embedding (a
@@ -15,7 +26,8 @@ do more work but does not change the model's FLOPs, so it lowers MFU: that is th
 The peak is the datasheet number where we know the device (H100/H200 bf16 dense: 989.5 TFLOP/s) and, on
 every device, the speed of one large matmul measured here (`measured_matmul_peak`): the honest ceiling.
 
-Memory. `memory_breakdown` counts bytes of parameters, gradients and optimizer state by walking the tensors;
+Memory. Each gradient-sync wrapper says what it keeps (`model.memory()`: the bytes of its parameters and gradients,
+or ZeRO's shards), `optimizer_bytes` counts the optimizer's state by walking its tensors;
 `ActivationCounter` counts the bytes autograd saves for the backward pass with saved-tensor hooks (each
 storage once; parameters excluded), and `ActivationPeak`, listening to a step engine's phases (picotron.hooks),
 the most of them alive at once in a step; the device's own peak (CUDA allocator) is added where there is one,
@@ -108,16 +120,6 @@ def optimizer_bytes(optimizer):
     copy of the parameters (precision.MasterWeights)."""
     masters = tensor_bytes(getattr(optimizer, "masters", ()))
     return masters + sum(tensor_bytes(v for v in s.values() if torch.is_tensor(v)) for s in optimizer.state.values())
-
-
-def memory_breakdown(model, optimizer=None):
-    """Bytes of parameters, gradients and optimizer state held by this rank."""
-    params = list(model.parameters())
-    return {
-        "params": tensor_bytes(params),
-        "grads": tensor_bytes(p.grad for p in params),
-        "optimizer": optimizer_bytes(optimizer) if optimizer is not None else 0,
-    }
 
 
 class ActivationCounter:
@@ -330,9 +332,10 @@ class Timeline:
 
 class Recorder:
     """What every lesson measures about communication, in one place: the bytes each kind of collective
-    covered (`bytes["all_gather"]`, ...; the whole buffer, nccl-tests' N) and, with a `timeline`, when each
-    one ran. Attach it to an axis (`mesh.dp_cp.recorded(recorder)`) and hand that axis to a strategy: the
-    algorithms never count or time anything themselves.
+    covered (`bytes["all_gather"]`, ...; the whole buffer, nccl-tests' N), the bytes of point-to-point messages
+    sent (`bytes["send"]`) and, with a `timeline`, when each collective ran. Attach it to an axis
+    (`mesh.dp_cp.recorded(recorder)`) and hand that axis to a strategy: the axis reports every collective and
+    message to it, and the algorithms never count or time anything themselves.
 
     The recorder never waits for a collective: the caller computes while it is in flight, as it would unrecorded.
     A collective runs from `start` (the axis takes `now()` just before launching it) to its completion, which the
@@ -340,7 +343,11 @@ class Recorder:
     but on a stream that waits for the collective, where the end's CUDA event is recorded (module docstring).
     Where the backend gives no future (gloo's reduce-scatter, the send/recv collectives), the end is taken when
     the caller waits for it (on a GPU: on the caller's stream after `wait()`, so also after what that stream
-    computed first), and the event says `end_observed_at_wait`."""
+    computed first), and the event says `end_observed_at_wait`.
+
+    `phase` is a listener for the algorithms' phases (picotron.hooks): installed with `hooks.watch(model,
+    listener=recorder.phase)`, each phase (ZeRO-3's forward of a layer, ...) becomes a compute event on the same
+    timeline as the collectives."""
 
     def __init__(self, timeline=None):
         self.timeline = timeline
@@ -366,10 +373,18 @@ class Recorder:
             return _TimedAtWait(work, lambda: tl.add(label, start, tl.now(), kind="comm", end_observed_at_wait=True,
                                                      **info))
 
-    def span(self, name, start, **info):
-        """A compute event from `start` (timeline.now() earlier) to now, if there is a timeline."""
-        if self.timeline is not None:
-            self.timeline.add(name, start, self.timeline.now(), kind="compute", **info)
+    def message(self, nbytes, label, axis=None):
+        """Count one batch of point-to-point messages (`Axis.exchange`): the `nbytes` its sends carry, as kind
+        "send". `label` says what they carry (a subclass may sort by it); they are not timed (see Axis.exchange)."""
+        self.bytes["send"] = self.bytes.get("send", 0) + nbytes
+        self.calls["send"] = self.calls.get("send", 0) + 1
+        self.log.append(("send", nbytes, axis))
+
+    def phase(self, name, **info):
+        """A listener (picotron.hooks): the phase as a compute event on the timeline, if there is one."""
+        if self.timeline is None:
+            return nullcontext()
+        return self.timeline.record(name, kind="compute", **info)
 
     def now(self):
         return self.timeline.now() if self.timeline is not None else 0.0

@@ -5,6 +5,10 @@ the table of what each stage keeps, are in `picotron.zero`; read that first.
     forward   AG root, AG L0 | L0 fwd, AG L1 | L1 fwd, AG L2 | ...      (free Li after its forward)
     backward  AG L3 | L3 bwd, AG L2 | L2 bwd, AG L1 | ...               (RS the grads of Li, free Li)
 
+Phases (picotron.hooks): each layer's forward and backward ("forward layer 3", "backward layer 3"), from the
+moment the layer is ready to compute to the end of its work, for whoever listens (a lesson draws them); the
+collectives are counted and timed on the axis.
+
 Caveat: every forward all-gathers collectively, so every rank must run the same forwards, evaluation and
 text generation included; a forward on rank 0 alone waits for the others until the timeout ends it.
 """
@@ -13,6 +17,7 @@ from functools import partial
 
 import torch
 
+from picotron import hooks
 from picotron.zero import FlatUnit, ShardedGradSync
 
 
@@ -27,6 +32,7 @@ class Zero3(ShardedGradSync):
     def __init__(self, module, axis, prefetch=True):
         super().__init__(module, axis, 3)
         self.prefetch = prefetch
+        self.phases = hooks.Phases()
         layers = list(module.layers)
         in_layers = {p for layer in layers for p in layer.parameters()}
         root = [p for p in module.parameters() if p not in in_layers]
@@ -34,7 +40,7 @@ class Zero3(ShardedGradSync):
             unit = FlatUnit(name, params, self.axis)
             full = unit.flat([p.detach() for p in params])
             unit.shard = full[unit.lo:unit.hi].clone()  # this rank's fp32 parameters, kept for good
-            unit.grad_shard = unit.grad_flat = None
+            unit.grad_shard = unit.grad_flat = unit.phase = None
             unit.full = full
             unit.use_as_storage(full)
             unit.state = "gathered"
@@ -80,7 +86,21 @@ class Zero3(ShardedGradSync):
         nxt = k - 1 if self.in_backward else k + 1
         if self.prefetch and 1 <= nxt < len(self.units):
             self._gather(self.units[nxt])
-        self.units[k].t_start = self._recorder.now() if self._recorder is not None else 0.0
+        self._open_phase(k)
+
+    def _open_phase(self, k):
+        """Layer k starts computing: open its phase ("forward layer i" or "backward layer i"; a recomputation
+        inside the backward stays in the backward's phase). `_close_phase` ends it."""
+        unit = self.units[k]
+        if k > 0 and unit.phase is None:
+            unit.phase = self.phases(("backward " if self.in_backward else "forward ") + unit.name)
+            unit.phase.__enter__()
+
+    def _close_phase(self, k):
+        unit = self.units[k]
+        if unit.phase is not None:
+            unit.phase, phase = None, unit.phase
+            phase.__exit__(None, None, None)
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _root_pre_forward(self, module, args):
@@ -115,7 +135,7 @@ class Zero3(ShardedGradSync):
     def _post_forward(self, k, module, args, output):
         if self.in_backward:
             return  # a recomputation (activation checkpointing) inside backward: its backward follows now
-        self._event(f"forward {self.units[k].name}", k)
+        self._close_phase(k)
         if torch.is_grad_enabled() and output.requires_grad:
             output.register_hook(partial(self._pre_backward, k))  # fires when the gradient reaches layer k
         self._free(self.units[k])
@@ -130,20 +150,10 @@ class Zero3(ShardedGradSync):
         if unit.ready < len(unit.params):
             return
         unit.ready = 0  # every parameter of the unit has its gradient: its backward is over
-        k = self.units.index(unit)
-        if k > 0:
-            self._event(f"backward {unit.name}", k)
+        self._close_phase(self.units.index(unit))
         self._track(-unit.nbytes())  # _send_gradients counts the buffer again while it is in flight
         self._send_gradients(unit)
         self._free(unit)
-
-    @property
-    def _recorder(self):
-        return self.axis.comm.recorder
-
-    def _event(self, name, k):
-        if self._recorder is not None:  # the compute events of a timeline, when a recorder watches the axis
-            self._recorder.span(name, self.units[k].t_start)
 
     @contextmanager
     def gathered(self):

@@ -1,8 +1,10 @@
 """Timing in picotron/metrics.py: the Recorder never waits for a collective (the caller computes while it is in
 flight, on real gloo ranks too); on the CPU a time is the host's clock, as before; on a GPU (exercised here with
 fake CUDA events) every time is an event on a stream, nothing synchronises per event, one synchronisation
-resolves them when the timeline is read, and a collective ends when its stream says so, not at its launch. And
-ActivationPeak counts a step's activations from the phases a step engine names (picotron.hooks)."""
+resolves them when the timeline is read, and a collective ends when its stream says so, not at its launch.
+Who measures: no strategy counts or times anything; a recorder listens to the algorithms' phases, an axis
+reports its point-to-point messages to its recorder as it does its collectives, and ActivationPeak counts a
+step's activations from the phases a step engine names (picotron.hooks)."""
 import pickle
 import time
 
@@ -89,6 +91,73 @@ def test_caller_computes_while_a_recorded_all_reduce_is_in_flight():
     compute = next(e for e in r0["events"] if e["name"] == "compute")
     assert comm["start"] <= compute["start"] <= compute["end"] <= comm["end"]  # the overlap is on the timeline
     assert comm["end"] - comm["start"] >= delay_s / 2  # it ended when rank 1 joined, not at launch
+
+
+# ------------------------------------------------------------------ measurement is installed from outside
+STRATEGIES = ("context_parallel", "zero3", "zero", "data_parallel", "tensor_parallel", "expert_parallel", "moe")
+
+
+def test_no_strategy_counts_or_times_anything():
+    """The strategies import neither picotron.metrics nor anything that times, and touch no recorder or timeline:
+    they name their phases (picotron.hooks) and communicate through the axes, which report to a recorder."""
+    import ast
+    from pathlib import Path
+
+    for name in STRATEGIES:
+        tree = ast.parse((Path(metrics.__file__).parent / f"{name}.py").read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names} | \
+                   {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not imported & {"metrics", "picotron.metrics", "time"}, (name, imported)
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+               {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        assert not used & {"metrics", "recorder", "timeline", "perf_counter"}, (name, used)
+
+
+def test_a_recorder_listens_to_phases():
+    """Recorder.phase: each phase of an algorithm (picotron.hooks) becomes a compute event on its timeline; without
+    a timeline, or with nobody listening, a phase is a no-op."""
+    from picotron import hooks
+
+    tl = metrics.Timeline("cpu")
+    rec, phases = metrics.Recorder(tl), hooks.Phases()
+    with phases("nobody listens"):
+        pass
+    phases.listen(rec.phase)
+    with phases("forward layer 0", micro=1):
+        pass
+    assert [(e["name"], e["kind"], e["micro"]) for e in tl.events] == [("forward layer 0", "compute", 1)]
+    phases.forget()
+    phases.listen(metrics.Recorder().phase)  # no timeline: nothing to record on
+    with phases("forward layer 1"):
+        pass
+    assert len(tl.events) == 1
+
+
+def _ring_messages():
+    class ByLabel(metrics.Recorder):
+        def message(self, nbytes, label, axis=None):
+            self.labels = getattr(self, "labels", []) + [label]
+            super().message(nbytes, label, axis=axis)
+
+    with Mesh.init(cp=2) as mesh:
+        rec = ByLabel()
+        axis = mesh.cp.recorded(rec)
+        nxt = axis.ranks[(axis.rank + 1) % 2]
+        got = torch.empty(3, 4)
+        for w in axis.exchange([("send", torch.full((3, 4), float(mesh.rank)), nxt), ("recv", got, nxt)], label="kv"):
+            w.wait()
+        for w in mesh.cp.exchange([("send", torch.ones(5), nxt), ("recv", torch.empty(5), nxt)]):  # unrecorded
+            w.wait()
+    return dict(got=got[0, 0].item(), bytes=rec.bytes, calls=rec.calls, log=rec.log, labels=rec.labels)
+
+
+def test_an_axis_counts_its_point_to_point_messages():
+    """Axis.exchange posts a batch of messages and reports the bytes of its sends to the axis's recorder (kind
+    "send", with what they carry as the label); an axis without a recorder just sends."""
+    for rank, r in enumerate(run_on_ranks(_ring_messages, 2, timeout_s=60)):
+        assert r["got"] == 1 - rank
+        assert r["bytes"] == {"send": 48} and r["calls"] == {"send": 1} and r["log"] == [("send", 48, "cp")]
+        assert r["labels"] == ["kv"]
 
 
 # ----------------------------------------------------------------------------------------- the CPU path

@@ -136,13 +136,14 @@ def assert_params_close(p, ref, where):
 def one_step(stage, dp, timeline=False, layers=4):
     """Child: one training step of the tiny model under ZeRO `stage`; what it held and what it sent (counted
     and timed by a metrics.Recorder on the dp axis, as the lessons do)."""
-    from picotron import metrics, planner
+    from picotron import hooks, metrics, planner
     cfg = Config(dp=dp, zero=stage, num_hidden_layers=layers, **SMALL)
     with Mesh.init(dp=dp) as mesh:
         tl = metrics.Timeline(mesh.device, mesh.rank) if timeline else None
         recorder = metrics.Recorder(tl)
         run = parallelize(cfg, mesh, recorder=recorder)
         model, psi = run.model, run.raw.config.num_params()
+        hooks.watch(model, listener=recorder.phase)  # ZeRO-3's layer forwards and backwards on the timeline
         x = torch.randint(0, 256, (2, 33))
         run.schedule.run(model, [data.Batch(x[:, :-1], x[:, 1:], torch.arange(32))], run.loss_fn)
         clip_grad_norm(run.params, 1.0, mesh)

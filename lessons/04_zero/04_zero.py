@@ -187,7 +187,9 @@ for hook in (zero3.Zero3._post_forward, zero3.Zero3._pre_backward, zero3.Zero3._
 # **Who counts the bytes.** None of the code above counts or times anything. Every collective goes through the dp × cp
 # `Axis` the wrapper was given, and the experiments hand it `mesh.dp_cp.recorded(recorder)`: the same axis, with a
 # `metrics.Recorder` that adds up the bytes of every collective by kind (the whole buffer: an all-gather's output, a
-# reduce-scatter's input) and, given a timeline, records when each ran:
+# reduce-scatter's input) and, given a timeline, records when each ran. `_use` and the hooks only name each layer's
+# forward and backward (`self.phases`, picotron.hooks); the timeline shows them where a listener is installed
+# (`hooks.watch(model, listener=recorder.phase)`):
 
 # %%
 _common.show_source(Axis.reduce_scatter_into)
@@ -282,11 +284,11 @@ for n, res in stages.items():
 #
 # ### (c) ZeRO-3's timeline: prefetch on and off
 # Every rank records, for ZeRO-3 with and without prefetch (steps alternating), each layer's forward and backward
-# and each all-gather and reduce-scatter from launch to completion (the Recorder on the axis, sharing the
-# timeline). Without prefetch a layer's all-gather starts only when the layer is needed, and the layer waits for
-# it; with prefetch it was launched while the previous layer computed. Each rank computes more tokens per step than
-# in (a) (the first line printed), so that a layer computes for longer than its parameters take to arrive. First
-# on gloo alone:
+# and each all-gather and reduce-scatter from launch to completion (the Recorder on the axis, listening to ZeRO-3's
+# phases on the same timeline). Without prefetch a layer's all-gather starts only when the layer is needed, and the
+# layer waits for it; with prefetch it was launched while the previous layer computed. Each rank computes more
+# tokens per step than in (a) (the first line printed), so that a layer computes for longer than its parameters take
+# to arrive. First on gloo alone:
 
 # %%
 run("timeline")

@@ -25,7 +25,7 @@ from _common import gather, make_cfg, run_interleaved, tokens, union_length  # n
 
 import torch.distributed as dist  # noqa: E402
 
-from picotron import data, link as link_mod, marks, metrics, planner, zero3  # noqa: E402
+from picotron import data, hooks, link as link_mod, marks, metrics, planner, zero3  # noqa: E402
 from picotron import train as trainer  # noqa: E402
 from picotron.mesh import Axis, Mesh  # noqa: E402
 from picotron.parallelize import build_model, parallelize  # noqa: E402
@@ -50,7 +50,8 @@ def settings(fast, mesh=None):
 
 class Variant:
     """Stage 0 (bucketed DataParallel), 1, 2 or 3 on its own copy of the model, built by `parallelize` with a
-    Recorder on its axes: it counts every collective's bytes and, with `timeline`, times each one."""
+    Recorder on its axes: it counts every collective's bytes and, with `timeline`, times each one and listens to
+    ZeRO-3's phases (each layer's forward and backward)."""
 
     def __init__(self, name, stage, cfg, mesh, prefetch=True, timeline=False):
         self.name, self.stage, self.mesh = name, stage, mesh
@@ -61,6 +62,8 @@ class Variant:
         self.model, self.optimizer, self.schedule, self.loss_fn, self.params = \
             run.model, run.optimizer, run.schedule, run.loss_fn, run.params
         self.model.prefetch = prefetch  # ZeRO-3's option (off: a layer is gathered only when it computes)
+        if timeline:
+            hooks.watch(self.model, listener=self.recorder.phase)
         self.schedule.timeline = self.timeline if timeline else None
         self.psi = run.raw.config.num_params()
         self.recorder.reset()  # DataParallel's start-up broadcast is no step's traffic

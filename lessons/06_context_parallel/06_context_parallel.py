@@ -259,8 +259,8 @@ _common.show_source(cpm.visibility)
 # %% [markdown]
 # One block, by hand (scores in fp32, the query heads grouped over their KV head so K/V are never repeated), and the
 # ring's forward: the next K/V block is started before this step's blocks are computed, and waited for after.
-# `core.phase` records each step's compute ("attention") and each wait on the core's `timeline` when one is set:
-# section 4 draws them.
+# `phases` names each step's compute ("attention") and each wait, and measures nothing itself: section 4 listens
+# to them with a timeline (`core.phases.listen(timeline.record)`) and draws them.
 
 # %%
 _common.show_source(cpm.block_forward, "b, a, cq, d", "return out.reshape")
@@ -269,8 +269,8 @@ _common.show_source(cpm.RingAttention._forward, "ring, mine", "ctx.save_for_back
 # %% [markdown]
 # The exchange itself: a send to the next rank and a receive from the previous one, posted together as one batch
 # (`picotron.p2p.exchange`, a `batch_isend_irecv`) on gloo and NCCL alike — on NCCL two single messages could each
-# wait for the other's partner (lessons 02 and 07 replay that under NCCL's rules); every byte sent is counted on
-# the core (`core.bytes`):
+# wait for the other's partner (lessons 02 and 07 replay that under NCCL's rules). It goes through the cp axis
+# (`Axis.exchange`), which reports every byte sent to a recorder when one is attached, as it does for collectives:
 
 # %%
 _common.show_source(cpm._Ring.start)
@@ -301,10 +301,11 @@ _common.show_source(cpm.bytes_per_step_formula, "block = ")
 #
 # ### (a) Causal balance, measured on 2 and 4 processes
 # The attention core alone (the small model's: 8 query heads over 4 KV heads, $d = 32$), forward and backward, on a
-# sequence of 2048 tokens, each layout in turn, several repeats; each ring step's compute is an event on the core's
-# timeline. This machine has 2 cores: at $c = 2$ each rank has one; at $c = 4$ four processes share two, so a rank
-# spends part of each step waiting for a core. The events therefore also carry the **CPU time** the rank's thread
-# used, which waiting does not inflate, and each rank's time is the least over the repeats (the quietest).
+# sequence of 2048 tokens, each layout in turn, several repeats; each ring step's compute is an event on a timeline
+# listening to the core's phases. This machine has 2 cores: at $c = 2$ each rank has one; at $c = 4$ four processes
+# share two, so a rank spends part of each step waiting for a core. The events therefore also carry the **CPU time**
+# the rank's thread used, which waiting does not inflate, and each rank's time is the least over the repeats (the
+# quietest).
 # Prediction: the block counts of section 2(c) weighted by what a whole and a causal block cost, read off
 # zig-zag's own steps (a step after the first computes two whole blocks; step 0 two causal and one whole).
 
@@ -352,7 +353,7 @@ for c, res in bal.items():
 # instead of ✗. Counts of blocks and bytes are ✓ or ✗, busy or not.
 #
 # ### (b) The timeline: K/V transfers under the compute
-# The quietest repeat at $c = 2$, from the core's own events: each ring step's compute (forward, then backward), the
+# The quietest repeat at $c = 2$, from the core's phases: each ring step's compute (forward, then backward), the
 # waits, and, in grey, each K/V block from the moment the step starts sending it (just before its compute) until the
 # step waits for it (after its compute).
 
@@ -387,7 +388,8 @@ check("cp=2, zig-zag: the K/V transfers hide under the compute", hidden <= 0.25 
 # is still working on.
 #
 # ### (c) Bytes per step: counted against the formula
-# Training steps of the model at $c = 2$ and $c = 4$ (section (d)), every attention core counting what it sent.
+# Training steps of the model at $c = 2$ and $c = 4$ (section (d)), a recorder on the axes counting what the
+# attention cores sent along cp (`lesson.SentBytes`).
 # A block is one rank's K and V: $2\,b\,k\,(s/c)\,d$ numbers of the $k$ KV heads (only those travel: grouped-query
 # attention pays $a/k$ times less than repeated heads). Per layer and step each rank sends, ring: $c-1$ blocks
 # forward, $c-1$ again in backward, and $c$ dK/dV blocks (fp32); all-gather: $c-1$ in the gather, $c-1$ in its

@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import pic
 
 import torch  # noqa: E402
 
-from picotron import context_parallel as cpm  # noqa: E402
+from picotron import context_parallel as cpm, hooks  # noqa: E402
 from picotron.launch import run_on_ranks  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
@@ -174,7 +174,7 @@ def _scenario_ring(mod, rank, n):
         q, k, v = _ring_inputs(n)
         mine = [cpm.split(t, n, rank, "zigzag", dim=2) for t in (q, k, v)]
         with torch.no_grad():
-            out = cpm.RingAttention.apply(*mine, mesh.cp, "zigzag", cpm.ContextParallelAttention(mesh.cp))
+            out = cpm.RingAttention.apply(*mine, mesh.cp, "zigzag", hooks.Phases())
     return out.detach().clone()
 
 

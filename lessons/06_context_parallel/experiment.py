@@ -32,7 +32,7 @@ from _common import gather, make_cfg, run_interleaved  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import context_parallel as cpm, data_parallel, marks, metrics, parallelize as par  # noqa: E402
+from picotron import context_parallel as cpm, data_parallel, hooks, marks, metrics, parallelize as par  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import ModelConfig, rope_cos_sin  # noqa: E402
 from picotron.train import load_data, train  # noqa: E402
@@ -189,6 +189,31 @@ class CpuTimeline(metrics.Timeline):
         event["cpu"] = time.thread_time() - c0
 
 
+class SentBytes(metrics.Recorder):
+    """A metrics.Recorder that also adds up what this rank sent along the cp axis by what it carried: `sent["kv"]`
+    (K/V blocks) and `sent["dkv"]` (their gradients). The ring's messages carry the attention core's label ("kv",
+    "dkv"); of the all-gather of K/V and its backward's reduce-scatter of dK/dV over a buffer of B bytes, (cp-1)/cp·B
+    leave this rank (the rest is its own piece)."""
+
+    def __init__(self, cp, timeline=None):
+        super().__init__(timeline)
+        self.cp, self.sent = cp, {"kv": 0, "dkv": 0}
+
+    def collective(self, kind, nbytes, work, label, start, axis=None, **info):
+        if axis == "cp":
+            self.sent[{"all_gather": "kv", "reduce_scatter": "dkv"}[kind]] += nbytes // self.cp * (self.cp - 1)
+        return super().collective(kind, nbytes, work, label, start, axis=axis, **info)
+
+    def message(self, nbytes, label, axis=None):
+        if axis == "cp":
+            self.sent[label] += nbytes
+        super().message(nbytes, label, axis=axis)
+
+    def reset(self):
+        super().reset()
+        self.sent = {"kv": 0, "dkv": 0}
+
+
 def _say(mesh, text):
     if mesh.rank == 0:
         print(text, flush=True)
@@ -249,8 +274,7 @@ def _qkv(st, s, seed=0):
 def exchange_alone(axis, block, reps):
     """Seconds one ring step's exchange takes with nothing else running: send `block` to the next rank, receive the
     previous rank's (the ring's own `_Ring`), median of `reps`."""
-    core = cpm.ContextParallelAttention(axis)
-    ring, times = cpm._Ring(axis, core), []
+    ring, times = cpm._Ring(axis, hooks.Phases()), []
     for _ in range(reps):
         dist.barrier(axis.group)
         t0 = time.perf_counter()
@@ -265,30 +289,31 @@ def exp_balance(mesh, st, out):
     of the quietest repeat of each layout for the timeline; one block's exchange timed alone."""
     axis, cp, s = mesh.cp, mesh.cp.size, st["balance_seq"]
     q, k, v, dout = _qkv(st, s)
-    cores, inputs = {}, {}
+    cores, timelines, sent, inputs = {}, {}, {}, {}
     for layout in cpm.LAYOUTS:
-        core = cpm.ContextParallelAttention(axis, "ring", layout)
-        core.timeline, core.layer = CpuTimeline(mesh.device, mesh.rank), 0
-        cores[layout] = core
+        sent[layout] = SentBytes(cp)  # on the core's axis: what it sends
+        cores[layout] = cpm.ContextParallelAttention(axis.recorded(sent[layout]), "ring", layout)
+        timelines[layout] = CpuTimeline(mesh.device, mesh.rank)
+        cores[layout].phases.listen(timelines[layout].record)  # each ring step's compute and wait: an event
         cos, sin = rope_cos_sin(cpm.positions(s, cp, axis.rank, layout), q.shape[-1], 10000.0)
         inputs[layout] = [cpm.split(t, cp, axis.rank, layout, dim=2) for t in (q, k, v, dout)] + [cos, sin]
     runs = {layout: [] for layout in cpm.LAYOUTS}
     for rep in range(st["balance_repeats"] + 1):  # the first of each layout warms up
         for layout in (cpm.LAYOUTS if rep % 2 == 0 else cpm.LAYOUTS[::-1]):
-            core = cores[layout]
+            core, tl = cores[layout], timelines[layout]
             qi, ki, vi, di, cos, sin = inputs[layout]
             qi, ki, vi = (t.clone().requires_grad_() for t in (qi, ki, vi))
-            core.reset()  # its bytes: this call's only
+            sent[layout].reset()  # the bytes: this call's only
             dist.barrier(axis.group)
-            core.timeline.events.clear()
+            tl.events.clear()
             window = _common.LoadWindow()  # how much of the machine other programs use meanwhile
-            t0 = core.timeline.now()
+            t0 = tl.now()
             core(qi, ki, vi, cos, sin).backward(di)
-            t1 = core.timeline.now()
+            t1 = tl.now()
             load = window.stop()
-            t0, t1 = (core.timeline.seconds(t) for t in (t0, t1))  # on a GPU: when the GPU got there
-            base = core.timeline.t0
-            events = [dict(e, start=e["start"] + base, end=e["end"] + base) for e in core.timeline.events]
+            t0, t1 = (tl.seconds(t) for t in (t0, t1))  # on a GPU: when the GPU got there
+            base = tl.t0
+            events = [dict(e, start=e["start"] + base, end=e["end"] + base) for e in tl.events]
             every = gather(dict(events=events, call=(t0 + base, t1 + base), load=load), mesh)
             if rep > 0:
                 runs[layout].append(every)
@@ -315,7 +340,7 @@ def exp_balance(mesh, st, out):
                    ratio_bwd=max(per_rank["bwd_cpu"]) / min(per_rank["bwd_cpu"]),
                    predicted=predicted_ratio(cp, layout), predicted_ideal=predicted_ratio(cp, layout, 0.5),
                    predicted_costs=predicted_ratio(cp, layout, t_causal / t_all),
-                   pairs=[pairs(r, cp, layout) for r in range(cp)], bytes=dict(cores[layout].bytes),
+                   pairs=[pairs(r, cp, layout) for r in range(cp)], bytes=dict(sent[layout].sent),
                    shares=shares[layout], busy=statistics.median(shares[layout]))
         result["layouts"][layout] = res
         _say(mesh, f"cp={cp} {layout:<10} s={s}: attention per rank, forward + backward (CPU ms, each step's least of "
@@ -358,20 +383,20 @@ def summarize(every, cp):
 
 
 class Stepper:
-    """One variant (impl, layout) built as picotron.train builds it (`parallelize`), stepped as it steps; each
-    recorded step's time (the slowest rank's) and the bytes its attention cores sent."""
+    """One variant (impl, layout) built as picotron.train builds it (`parallelize`, here with a SentBytes recorder on
+    its axes), stepped as it steps; each recorded step's time (the slowest rank's) and the bytes its attention cores
+    sent along cp."""
 
     def __init__(self, cfg, mesh):
         self.cfg, self.mesh = cfg, mesh
-        self.run = par.parallelize(cfg, mesh)
+        self.recorder = SentBytes(mesh.cp.size)
+        self.run = par.parallelize(cfg, mesh, recorder=self.recorder)
         self.loader = load_data(cfg, mesh)[1]
-        self.cores = cpm.cores(self.run.raw)
         self.times, self.sent, self.losses = [], [], []
 
     def step(self, step, record=True):
         run = self.run
-        for c in self.cores:
-            c.reset()
+        self.recorder.reset()
         t0 = time.perf_counter()
         loss = run.schedule.run(run.model, self.loader.micro_batches(step), run.loss_fn)
         marks.clip_grad_norm(run.params, self.cfg.grad_clip, self.mesh)
@@ -381,7 +406,7 @@ class Stepper:
         self.mesh.cp.all_reduce(dt, op=dist.ReduceOp.MAX)
         if record:
             self.times.append(dt.item())
-            self.sent.append({k: sum(c.bytes[k] for c in self.cores) for k in ("kv", "dkv")})
+            self.sent.append(dict(self.recorder.sent))
             self.losses.append(loss.item())
 
 

@@ -142,15 +142,12 @@ class TimedRun:
                     self.tl.add("pp wait", t0, self.tl.now(), kind="p2p", axis_name="pp", of=a.kind, micro=a.mb)
                 return x
             sch._receive = timed
-        for i, core in enumerate(context_parallel.cores(self.run.raw)):
-            core.timeline, core.layer = self.tl, i
+        hooks.watch(*context_parallel.cores(self.run.raw), listener=self.tl.record)  # ring steps and their waits
 
     def step(self, step):
         """One step; returns this rank's events (absolute seconds: comparable across the processes of one machine),
-        its collectives (kind, bytes, axis) and the ring's and the pipeline's point-to-point bytes."""
+        its collectives and the ring's messages (kind, bytes, axis) and the pipeline's point-to-point bytes."""
         run, tl = self.run, self.tl
-        for core in context_parallel.cores(run.raw):
-            core.reset()
         sch = run.schedule
         p2p0 = getattr(sch, "p2p_bytes", 0)
         self.recorder.reset()
@@ -168,11 +165,9 @@ class TimedRun:
         t1 = tl.now()
         t0, t1 = (tl.seconds(t) for t in (t0, t1))  # on a GPU: when the GPU got there
         base = tl.t0
-        cores = context_parallel.cores(run.raw)
         return dict(rank=self.mesh.rank, coords=self.mesh.coords, loss=float(loss), start=t0 + base, end=t1 + base,
                     events=[dict(e, start=e["start"] + base, end=e["end"] + base) for e in tl.events],
-                    log=list(self.recorder.log), pp_bytes=getattr(sch, "p2p_bytes", 0) - p2p0,
-                    cp_bytes={k: sum(c.bytes[k] for c in cores) for k in ("kv", "dkv")})
+                    log=list(self.recorder.log), pp_bytes=getattr(sch, "p2p_bytes", 0) - p2p0)
 
 
 def _say(mesh, text):
@@ -263,16 +258,14 @@ def bytes_formula(res, coords):
 
 
 def measured_bytes(rank_result):
-    """What one rank sent in the timed step, by axis: the Recorder's collectives, the ring's and the pipeline's
-    point-to-point bytes (the pipeline's 4-byte broadcast of the loss to the first stage left out: it is for the
-    log, like the loss's average over dp_cp, which is kept, being on the same axis as the gradients)."""
+    """What one rank sent in the timed step, by axis: the Recorder's collectives and the ring's messages, and the
+    pipeline's point-to-point bytes (the pipeline's 4-byte broadcast of the loss to the first stage left out: it is
+    for the log, like the loss's average over dp_cp, which is kept, being on the same axis as the gradients)."""
     out = {}
     for kind, nbytes, axis in rank_result["log"]:
         if axis == "pp" and kind == "broadcast":
             continue
         out[axis] = out.get(axis, 0) + nbytes
-    if rank_result["cp_bytes"]["kv"] or rank_result["cp_bytes"]["dkv"]:
-        out["cp"] = out.get("cp", 0) + rank_result["cp_bytes"]["kv"] + rank_result["cp_bytes"]["dkv"]
     if rank_result["pp_bytes"]:
         out["pp"] = out.get("pp", 0) + rank_result["pp_bytes"]
     return out
