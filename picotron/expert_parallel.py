@@ -138,7 +138,8 @@ def bytes_per_step_formula(tokens, k, hidden, ep, layers, elem=4):
 
 
 def check(cfg, model_config):
-    """Expert parallelism's rules: the one-sentence problem with these settings, or None."""
+    """Expert parallelism's own rules: the one-sentence problem with these settings, or None (which strategies
+    combine with it: picotron.parallelize.combination_problem)."""
     ep = cfg.ep
     E = model_config.num_local_experts
     if ep > 1 and not E:
@@ -155,12 +156,4 @@ def check(cfg, model_config):
     if E and model_config.num_experts_per_tok > E:
         return (f"top_k={model_config.num_experts_per_tok} is more than the {E} experts; pick top_k between 1 "
                 f"and {E}.")
-    if E and cfg.cp > 1:
-        return (f"experts with cp={cfg.cp} are not supported (the load-balancing statistics and the capacity are "
-                f"per sequence, and context parallelism splits sequences); drop --cp or the experts.")
-    if E and cfg.zero == 3:
-        return "experts with zero=3 are not supported yet; use --zero 1 or 2."
-    if ep > 1 and cfg.dp_impl == "ddp":
-        return ("ep with dp_impl='ddp' is not supported (torch's DDP averages every gradient over one group, but "
-                "experts are summed over their own replicas); drop --dp-impl ddp.")
     return None

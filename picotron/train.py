@@ -38,12 +38,11 @@ from contextlib import contextmanager
 
 import torch
 
-from picotron import config as config_mod
-from picotron import checkpoint, context_parallel, data, faults, launch, metrics, moe, precision, reshard, runs
+from picotron import checkpoint, config, data, faults, launch, metrics, moe, precision, reshard, runs
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.model import generate
-from picotron.parallelize import autocast_for, parallelize
+from picotron.parallelize import autocast_for, cli, parallelize, token_positions
 
 
 class Stopped(Exception):
@@ -149,11 +148,10 @@ def load_data(cfg, mesh):
         data.check_size(cfg.data, len(tokens), cfg.seq_len)
     except data.DataError as e:
         raise Stopped(f"picotron: error: {e}", 2) from None
-    keep = context_parallel.positions(cfg.seq_len, mesh.cp.size, mesh.cp.rank, cfg.cp_layout) if mesh.cp.size > 1 \
-        else None  # context parallelism: this rank's tokens of every row
     loader = data.DataLoader(data.TokenData(tokens, tokenizer.vocab_size),
                              seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, grad_acc=cfg.grad_acc,
-                             dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed, positions=keep)
+                             dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed,
+                             positions=token_positions(cfg, mesh))  # cp: this rank's tokens of every row
     return tokenizer, loader
 
 
@@ -199,7 +197,7 @@ def train(cfg, mesh, return_model=False):
                       f"nothing to do (raise --steps to train further).", 2)
     log = metrics.MetricsLog(cfg.out, enabled=is_logger, resume_step=start if start > 1 else None)
     if is_logger:
-        changed = [f"{k}={getattr(cfg, k)}" for k in config_mod.MODEL_FIELDS + tuple(config_mod.MOE_FIELDS)
+        changed = [f"{k}={getattr(cfg, k)}" for k in config.MODEL_FIELDS + tuple(config.MOE_FIELDS)
                    if getattr(cfg, k) is not None]
         name = cfg.preset + (f" ({', '.join(changed)})" if changed else "")
         active = f" ({mc.num_params(active=True) / 1e6:.2f} M active per token)" if mc.is_moe else ""
@@ -378,7 +376,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     under_launcher = "WORLD_SIZE" in os.environ  # torchrun (or a test harness) started this process
     # Validated before any process group exists; a bad setting exits 2 with one sentence.
-    cfg = config_mod.cli(argv, any_world_size=not under_launcher)
+    cfg = cli(argv, any_world_size=not under_launcher)
     cfg, argv = run_folder(cfg, argv, under_launcher)  # checked, and claimed, before any process group exists
     if not under_launcher and (cfg.world_size > 1 or cfg.max_restarts or cfg.nnodes > 1):  # start them ourselves
         nodes = dict(nnodes=cfg.nnodes, node_rank=cfg.node_rank, rdzv_endpoint=cfg.rdzv_endpoint, rdzv_id=cfg.rdzv_id)
@@ -387,7 +385,7 @@ def main(argv=None):
                                               max_restarts=cfg.max_restarts,
                                               hint=lambda: resume_hint(cfg, checkpoint.latest(cfg.out), argv), **nodes))
     if os.environ.get("RANK", "0") == "0":  # tp / cp peers on different nodes: allowed, but say what it costs
-        note = config_mod.placement_note(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)))
+        note = config.placement_note(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)))
         if note:
             print(f"picotron: warning: {note}", flush=True)
     try:
