@@ -49,8 +49,9 @@ This is exact for our code on this torch version (tests/test_lesson01.py checks 
 Korthikanti et al. (2022) count 34·sbh + 5·a·s²·b bytes per layer for GPT-3 in pure bf16 with dropout;
 `korthikanti_bytes_per_layer` gives that, and lesson 01 explains each difference.
 """
+from picotron.config import PP_SCHEDULES, RECOMPUTE
+
 BYTES = {"fp32": 4, "bf16": 2}
-RECOMPUTE = ("none", "selective", "full")
 
 
 def _check(dtype, recompute, optimizer="adamw"):
@@ -245,7 +246,6 @@ class Layout:
         """'tp8,pp16,dp128' in any order (missing degrees = 1), with optional items 'sp', 'zero1', 'mbs2', 'ga8',
         'recompute-full', '1f1b' (or another schedule), 'v2' (interleaved chunks; 'interleaved-v2' says both, as
         str() prints it). Reads back what str() writes. One sentence if it cannot."""
-        from picotron.pipeline_parallel import SCHEDULES
         values = {}
         for item in (t.strip() for t in str(text).replace(" ", ",").split(",")):
             if not item:
@@ -261,7 +261,7 @@ class Layout:
                 values[{"mbs": "micro_batch_size", "ga": "grad_acc", "v": "pp_chunks"}.get(key, key)] = number
             elif item == "sp":
                 values["sp"] = True
-            elif item in SCHEDULES:
+            elif item in PP_SCHEDULES:
                 values["pp_schedule"] = item
             elif chunks[0] == "interleaved" and chunks[2].isdigit() and int(chunks[2]) >= 1:
                 values["pp_schedule"], values["pp_chunks"] = "interleaved", int(chunks[2])
@@ -269,7 +269,7 @@ class Layout:
                 values["recompute"] = item[10:]
             else:
                 raise ValueError(f"layout item {item!r} in {text!r} is not one of dp/tp/pp/cp/ep/zero/mbs/ga/v followed by a "
-                                 f"number, 'sp', 'recompute-none|selective|full', a schedule ({', '.join(SCHEDULES)}) "
+                                 f"number, 'sp', 'recompute-none|selective|full', a schedule ({', '.join(PP_SCHEDULES)}) "
                                  f"or 'interleaved-v<chunks>'; e.g. 'tp8,pp16,dp128'.")
         return cls(**{**values, **overrides})
 

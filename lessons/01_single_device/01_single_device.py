@@ -213,7 +213,7 @@ _common.show_source(Llama.forward, "x = self.embed_tokens", "return self.lm_head
 # %%
 _common.show_source(schedule.OneStage.run)
 print("\n    # picotron/train.py, one optimizer step:")
-_common.show_source(trainer.train, "loss = run.schedule.run", "model.zero_grad")
+_common.show_source(trainer.one_step, "loss = run.schedule.run", "model.zero_grad")
 
 # %% [markdown]
 # **Takeaway:** one step is forward and backward of each micro-batch (gradients adding up), then one optimizer step;
