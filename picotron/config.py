@@ -199,7 +199,6 @@ class Config:
     aux_loss_coef: Optional[float] = option(None, "weight of the load-balancing auxiliary loss added to the "
                                                   "loss (0 = none)")
 
-
     @property
     def world_size(self):
         """Processes this layout needs: one per cell of the (dp, pp, cp, tp) grid."""

@@ -26,8 +26,9 @@ Under tensor parallelism each expert is itself cut like a dense MLP (w1, w3 colu
 and the ep all-to-alls run between ranks of the same tp coordinate (each tp column holds the same tokens):
 picotron.tensor_parallel handles the block's entry and exit.
 
-Rules (`check`): ep divides dp and the number of experts; the model has experts; not with cp (the routing
-statistics and the capacity are per sequence, and cp splits sequences), ZeRO-3 or torch's DDP.
+Rules (`check`): ep divides dp and the number of experts; the model has experts; top_k at most the experts.
+Which strategies it does not combine with (cp: the routing statistics and the capacity are per sequence, and cp
+splits sequences; ZeRO-3; torch's DDP) is picotron.parallelize's table, `combination_problem`.
 """
 import torch
 

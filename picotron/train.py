@@ -1,17 +1,21 @@
 """The training loop: `python -m picotron.train --preset tiny --steps 200` (world size 1 needs no torchrun).
 
-`parallelize(cfg, mesh)` builds this rank's model, optimizer, schedule and loss; the loop knows no strategy.
-One optimizer step, in order:
+`parallelize(cfg, mesh)` builds this rank's model, optimizer, schedule and loss (and `token_positions`
+says which tokens of every sequence this rank's loader keeps); the loop imports and knows no strategy.
+`train` is the loop; `one_step`, one optimizer step, in order:
 
     lr = warm-up then cosine schedule(step)
     loss = schedule.run(model, micro_batches, loss_fn)   # forward + backward of every micro-batch, the
                                                          # gradients synchronised; the global-batch loss
     clip the global gradient norm to grad_clip           # each gradient element counted once (its marks)
-    stop if the loss or the norm is not finite           # before the update: the weights stay sane
+    judge: stop if the loss or the norm is not finite    # before the update: the weights stay sane
     optimizer.step(), zero the gradients                 # (--on-nonfinite skip: drop the update, go on)
                                                          # (fp16: an overflow skips the step, halves the
                                                          # loss scale; picotron.precision)
-    every save_every steps a checkpoint                  # picotron.checkpoint: sharded, atomic, maybe async
+
+Around it, per step, the loop: the validation loss every eval_every steps, one line of metrics.jsonl, a checkpoint every
+save_every steps (picotron.checkpoint: sharded, atomic, maybe async), a progress line, and after a Ctrl-C the
+stop, every rank after the same step, with a checkpoint (a second Ctrl-C stops at once: `interruptible`).
 
 Faults. Under torchrun with --max-restarts N, a job whose rank died starts again and resumes by itself from
 the newest complete checkpoint (`faults.attempt()` > 0 acts as --resume); --faults injects deaths to try it.

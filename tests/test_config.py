@@ -169,6 +169,15 @@ def test_every_strategy_alone_is_valid(fields):
     validate(Config(**fields), Config(**fields).world_size)
 
 
+def test_option_tuples_are_the_configs():
+    """The values a setting may take are defined once, in picotron.config; modules that still name their own
+    tuple must hold the same values."""
+    from picotron import context_parallel, kernels, pipeline_parallel, planner
+    assert kernels.IMPLS is config.KERNELS and planner.RECOMPUTE is config.RECOMPUTE
+    assert pipeline_parallel.SCHEDULES == config.PP_SCHEDULES
+    assert (context_parallel.IMPLS, context_parallel.LAYOUTS) == (config.CP_IMPLS, config.CP_LAYOUTS)
+
+
 # ------------------------------------------------------------------------------------- JSON, flags, the CLI
 def test_flags_override_json_which_overrides_defaults(tmp_path):
     path = tmp_path / "run.json"
