@@ -1,17 +1,21 @@
-"""One dataclass holds every setting of a run; bad settings are rejected before any process starts talking.
+"""One dataclass holds every setting of a run, each with its `--help` text; the command line is built from it.
 
 Where a setting comes from, lowest priority first:
 
     Config() defaults  <  --config run.json  <  command-line flags (--tp 2 --steps 50 ...)
 
-`cli(argv)` parses and validates, and on a bad value prints ONE sentence and exits with status 2:
+`parse_args(argv)` reads them; `check(cfg)` applies the rules of the settings themselves (known names, ranges,
+the model's shape, faults, nodes) and raises ConfigError with ONE sentence: the value, the rule and a fix.
+The rules of which strategies combine, and each strategy's own, live with the strategies:
+`picotron.parallelize.validate` runs this module's check, then theirs, then reads the data and the checkpoint
+and looks at the devices, all before `torch.distributed` is initialised; its `cli(argv)` prints the one sentence
+and exits with status 2:
 
     $ python -m picotron.train --tp 3
     picotron: error: tp=3 does not divide num_attention_heads=8; pick tp in {1, 2, 4}.
 
-Every message names the value, the rule it breaks and a fix. Validation needs only the config and the world
-size (the WORLD_SIZE variable torchrun sets, else 1), so it runs before `torch.distributed` is initialised:
-a typo costs a second, not a hung 8-GPU job.
+This module imports nothing of picotron but leaves (picotron.model_config, picotron.faults) and no torch, so
+`--help` is instant and every module may import the option tuples below from here.
 
 The parallel degrees and the process grid
 -----------------------------------------
@@ -23,7 +27,6 @@ The parallel degrees and the process grid
 
 The world size must equal dp*pp*cp*tp; `picotron.mesh` lays the ranks out on that grid with tp varying
 fastest, so tensor-parallel peers (the chattiest) get neighbouring ranks, on one node.
-Strategies arrive lesson by lesson: `IMPLEMENTED` says which ones work today, later lessons flip entries.
 """
 import argparse
 import dataclasses
@@ -32,17 +35,13 @@ import math
 import os
 import sys
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-# Which strategies the code base supports so far. Each lesson that adds one flips its entry to True.
-IMPLEMENTED = {"dp": True, "tp": True, "pp": True, "cp": True, "ep": True, "zero": True, "sp": True}
-ARRIVES_WITH = {  # for the "not implemented yet" message
-    "dp": "data parallelism arrives with lesson 03", "zero": "ZeRO arrives with lesson 04",
-    "tp": "tensor parallelism arrives with lesson 05", "sp": "sequence parallelism arrives with lesson 05",
-    "cp": "context parallelism arrives with lesson 06", "pp": "pipeline parallelism arrives with lesson 07",
-    "ep": "expert parallelism arrives with lesson 08",
-}
+from picotron import faults
+from picotron.model_config import PRESETS, ModelConfig
+
+# The values a setting may take, defined once: the command line, the checks and the strategies read them here.
 DTYPES = ("fp32", "bf16", "bf16-params", "fp16", "fp8")  # picotron.precision: what each keeps in which dtype
 DP_IMPLS = ("naive", "overlap", "bucket", "ddp")
 ATTN_IMPLS = ("sdpa", "eager", "flash")
@@ -54,11 +53,10 @@ CP_LAYOUTS = ("zigzag", "contiguous")
 ZERO_STAGES = (0, 1, 2, 3)
 DEVICES = ("auto", "cpu", "cuda")
 COLLECTIVES = ("torch", "ours")
+ON_NONFINITE = ("stop", "skip")
 MAX_LR = 1.0  # Adam's step is about lr per weight: beyond 1, every weight moves more than its own scale
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings")
-
-
 MOE_FIELDS = {"experts": "num_local_experts", "top_k": "num_experts_per_tok", "capacity_factor": "capacity_factor",
               "aux_loss_coef": "router_aux_loss_coef"}
 
@@ -67,85 +65,139 @@ class ConfigError(ValueError):
     """A setting breaks a rule; the message is one sentence: the value, the rule, a fix."""
 
 
+def option(default, help, choices=None):
+    """A Config field: its default, what `--help` says of it and, if the values are a closed set, which."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class Config:
+    """Every setting of a run; each field's help is what `--help` says of it, its choices the values it may take."""
     # model
-    preset: str = "tiny"
+    preset: str = option("tiny", "model shape: tiny (0.85 M parameters, the lessons' model) or a real model's shape",
+                         PRESETS)
     # parallel layout
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp_impl: str = "bucket"   # naive | overlap | bucket | ddp (torch's DistributedDataParallel, to compare)
-    bucket_mb: float = 25.0
-    zero: int = 0
-    sp: bool = False
-    pp_schedule: str = "1f1b"
-    pp_chunks: int = 1        # model chunks per rank for the interleaved schedule
-    cp_impl: str = "ring"     # ring | allgather
-    cp_layout: str = "zigzag"  # zigzag | contiguous
+    dp: int = option(1, "data-parallel degree: model replicas, each on its own rows of the batch")
+    tp: int = option(1, "tensor-parallel degree: every weight matrix split over tp ranks (heads, MLP columns, "
+                        "vocabulary)")
+    pp: int = option(1, "pipeline-parallel degree: the layers cut into pp stages, micro-batches (--grad-acc) "
+                        "flowing through")
+    cp: int = option(1, "context-parallel degree: every sequence cut over cp ranks, attention passing K/V around a "
+                        "ring")
+    ep: int = option(1, "expert-parallel degree: the experts of every MoE layer spread over ep of the dp ranks (ep "
+                        "divides dp), tokens sent to them and back with all-to-alls")
+    dp_impl: str = option("bucket", "how data parallelism exchanges gradients: one all-reduce per tensor after "
+                                    "backward (naive), per tensor during backward (overlap), in buckets during "
+                                    "backward (bucket), or torch's DDP (ddp)", DP_IMPLS)
+    bucket_mb: float = option(25.0, "gradient bucket size in MiB for --dp-impl bucket and ZeRO-1/2")
+    zero: int = option(0, "ZeRO stage over the dp ranks: 1 shards the optimizer state, 2 also the gradients, 3 also "
+                          "the parameters; 0 = plain data parallelism", ZERO_STAGES)
+    sp: bool = option(False, "sequence parallelism on top of --tp: the norms and the activations between the "
+                             "tensor-parallel blocks are split along the sequence over the tp ranks")
+    pp_schedule: str = option("1f1b", "pipeline schedule with --pp: all forwards then all backwards (afab), one "
+                                      "forward one backward (1f1b), 1f1b over --pp-chunks chunks per rank "
+                                      "(interleaved), zero bubble at 1f1b's memory (zb-h1), zero bubble with two "
+                                      "chunks per rank in a V (zb-v)", PP_SCHEDULES)
+    pp_chunks: int = option(1, "model chunks per rank for --pp-schedule interleaved (v); the bubble shrinks v-fold")
+    cp_impl: str = option("ring", "how attention sees the other cp ranks' keys and values: passed around a ring, "
+                                  "overlapped with compute (ring), or gathered whole once (allgather)", CP_IMPLS)
+    cp_layout: str = option("zigzag", "which tokens each cp rank holds: chunks r and 2cp-1-r of 2cp, balancing the "
+                                      "causal work (zigzag), or one contiguous block (contiguous)", CP_LAYOUTS)
     # batch and schedule
-    steps: int = 200
-    seq_len: int = 128
-    micro_batch_size: int = 16
-    grad_acc: int = 1
-    dtype: str = "fp32"
-    loss_scale: str = "dynamic"  # fp16 only: dynamic | none | a number (a static scale)
-    kernels: str = "plain"  # RMSNorm and SwiGLU: plain | compile | triton | auto (picotron.kernels)
-    compile: bool = False  # torch.compile every decoder layer
-    recompute: str = "none"
-    seed: int = 0
-    # output and checkpoints
-    out: Optional[str] = None  # None: the main job claims a new runs/main-N (picotron.runs)
-    save_every: int = 0
-    save_final: bool = True
-    resume: bool = False
-    resume_from: str = ""
-    keep_checkpoints: int = 3
-    async_save: bool = False
+    steps: int = option(200, "optimizer steps to run")
+    seq_len: int = option(128, "tokens per sequence")
+    micro_batch_size: int = option(16, "sequences per micro-batch on each data-parallel rank")
+    grad_acc: int = option(1, "micro-batches accumulated per optimizer step (global batch = dp x grad_acc x "
+                              "micro_batch_size)")
+    dtype: str = option("fp32", "precision recipe: fp32; bf16 (autocast for the matmuls, parameters and optimizer "
+                                "state stay fp32); bf16-params (bf16 parameters and gradients, fp32 master weights "
+                                "and moments in the optimizer); fp16 (the same in fp16, with loss scaling); fp8 "
+                                "(the decoder's matmuls in FP8 with per-tensor scales, simulated on CPU)", DTYPES)
+    loss_scale: str = option("dynamic", "fp16's loss scaling: dynamic (halve on overflow and skip the step, double "
+                                        "after 2000 clean steps), none, or a number (a static scale)")
+    kernels: str = option("plain", "RMSNorm and SwiGLU: plain (PyTorch ops), compile (torch.compile fuses each), "
+                                   "triton (hand-written Triton kernels: a CUDA GPU, or TRITON_INTERPRET=1 on a "
+                                   "CPU) or auto (triton on a GPU, else compile)", KERNELS)
+    compile: bool = option(False, "torch.compile every decoder layer (the first steps pay for compiling)")
+    recompute: str = option("none", "activation recomputation: none, selective (attention scores) or full (each "
+                                    "layer from its input)", RECOMPUTE)
+    seed: int = option(0, "seed of the initial weights and of the batches (the same for every layout)")
+    # output and checkpoints (out=None: the main job claims a new runs/main-N, picotron.runs)
+    out: Optional[str] = option(None, "the run's folder (metrics.jsonl, checkpoints/); it must not hold another "
+                                      "run, whose results would be replaced")
+    save_every: int = option(0, "write a checkpoint every K steps to OUT/checkpoints (0 = only the last step's, "
+                                "with --save-final; Ctrl-C still saves one)")
+    save_final: bool = option(True, "write a checkpoint of the last step, for --resume and `python -m "
+                                    "picotron.export OUT`")
+    resume: bool = option(False, "continue the run in OUT (without --out: the newest runs/main*) from its newest "
+                                 "checkpoint (same model; any layout: the checkpoint is resharded)")
+    resume_from: str = option("", "start a new run from this checkpoint (RUN/checkpoints/step_NNNNNN, or a run "
+                                  "folder: its newest); the run it came from is left as it was")
+    keep_checkpoints: int = option(3, "how many of the newest checkpoints to keep (older ones are deleted; "
+                                      "0 = keep all)")
+    async_save: bool = option(False, "write checkpoints in a background thread (training pauses only to copy the "
+                                     "tensors to host memory)")
     # faults: what survives them (picotron.faults, picotron.checkpoint)
-    max_restarts: int = 0
-    on_nonfinite: str = "stop"  # stop | skip
-    faults: str = ""
+    max_restarts: int = option(0, "restart the job this many times after a rank dies (torchrun --max-restarts); "
+                                  "each restart resumes from the newest checkpoint")
+    on_nonfinite: str = option("stop", "when the loss or gradient norm is inf/NaN: stop (say which step) or skip "
+                                       "(drop that step's update)", ON_NONFINITE)
+    faults: str = option("", "inject faults to test recovery: kill@STEP[:rN], kill-save@STEP[:rN], nan@STEP, "
+                             "comma-separated")
     # optimizer (AdamW, warm-up then cosine decay to min_lr)
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
+    lr: float = option(3e-3, "peak learning rate of AdamW, reached after the warm-up")
+    min_lr: float = option(3e-4, "learning rate at the last step (cosine decay from lr)")
+    warmup_steps: int = option(20, "steps of linear warm-up from 0 to lr")
+    weight_decay: float = option(0.1, "AdamW weight decay, on matrices only")
+    beta1: float = option(0.9, "AdamW beta1, in [0, 1)")
+    beta2: float = option(0.95, "AdamW beta2, in [0, 1)")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 = no clipping)")
     # logging, evaluation, data, runtime
-    log_every: int = 10
-    eval_every: int = 50
-    eval_batches: int = 8
-    data: str = "shakespeare"
-    tokenizer: str = "byte"
-    device: str = "auto"
-    timeout_s: int = 300
+    log_every: int = option(10, "print a progress line every K steps")
+    eval_every: int = option(50, "validation loss every K steps (0 = never)")
+    eval_batches: int = option(8, "validation batches per evaluation")
+    data: str = option("shakespeare", "training text: shakespeare (embedded), a .txt file, a folder of .txt files, "
+                                      "or hf:DATASET (needs the datasets package and network)")
+    tokenizer: str = option("byte", "byte (UTF-8 bytes, 256 ids, no files) or a Hugging Face tokenizer name or "
+                                    "local folder")
+    device: str = option("auto", "auto picks cuda + nccl when torch sees GPUs (one per process on each node, else "
+                                 "an error that names --device cpu), cpu + gloo when it sees none", DEVICES)
+    timeout_s: int = option(300, "seconds any collective may wait before the job stops with an error (a dead rank "
+                                 "cannot hang it)")
     # several machines (the launcher's: `python -m picotron.train --dp 16 --nnodes 2 ...` on every node)
-    nnodes: int = 1
-    node_rank: Optional[int] = None
-    rdzv_endpoint: str = ""
-    rdzv_id: str = "picotron"
-    collectives: str = "torch"  # torch | ours (lesson 02's, built from send/recv)
-    sample_tokens: int = 200
+    nnodes: int = option(1, "machines the job runs on; each runs the same command (dp*pp*cp*tp / nnodes processes "
+                            "each), torchrun's rendezvous at --rdzv-endpoint joins them")
+    node_rank: Optional[int] = option(None, "this machine's number, 0 to nnodes-1 (0 = the --rdzv-endpoint host): "
+                                            "node R gets ranks R*n to R*n+n-1 (torchrun's static rendezvous); "
+                                            "without it torchrun numbers the nodes itself (c10d)")
+    rdzv_endpoint: str = option("", "HOST:PORT every node can reach, the same on every node (with --node-rank: node "
+                                    "0's address)")
+    rdzv_id: str = option("picotron", "the job's name at the rendezvous, the same on every node")
+    collectives: str = option("torch", "which collectives every strategy runs on: torch.distributed's own (torch) "
+                                       "or lesson 02's, written from send/recv (ours)", COLLECTIVES)
+    sample_tokens: int = option(200, "length of the text sample printed at the end (0 = none)")
     # optional model overrides (None = the preset's value)
-    vocab_size: Optional[int] = None
-    hidden_size: Optional[int] = None
-    intermediate_size: Optional[int] = None
-    num_hidden_layers: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    max_position_embeddings: Optional[int] = None
-    attn_impl: Optional[str] = None
-    tie_word_embeddings: Optional[bool] = None
+    vocab_size: Optional[int] = option(None, "model override: vocab_size")
+    hidden_size: Optional[int] = option(None, "model override: hidden_size")
+    intermediate_size: Optional[int] = option(None, "model override: intermediate_size")
+    num_hidden_layers: Optional[int] = option(None, "model override: num_hidden_layers")
+    num_attention_heads: Optional[int] = option(None, "model override: num_attention_heads")
+    num_key_value_heads: Optional[int] = option(None, "model override: num_key_value_heads")
+    max_position_embeddings: Optional[int] = option(None, "model override: max_position_embeddings")
+    attn_impl: Optional[str] = option(None, "attention kernel: sdpa (torch's fused attention), eager (the "
+                                            "written-out softmax) or flash (picotron.kernels' tiled attention with "
+                                            "an online softmax, in plain PyTorch: a reference, slow)", ATTN_IMPLS)
+    tie_word_embeddings: Optional[bool] = option(None, "the LM head shares the embedding matrix (with --pp: two "
+                                                       "copies on the first and last stage, their gradients summed)")
     # mixture of experts (None = the preset's; --preset tiny-moe has 4 experts, top-2)
-    experts: Optional[int] = None
-    top_k: Optional[int] = None
-    capacity_factor: Optional[float] = None
-    aux_loss_coef: Optional[float] = None
+    experts: Optional[int] = option(None, "experts per MoE layer (0 = the dense MLP); e.g. --preset tiny --experts "
+                                          "4, or --preset tiny-moe")
+    top_k: Optional[int] = option(None, "experts each token is routed to (Mixtral: 2)")
+    capacity_factor: Optional[float] = option(None, "with experts: each expert takes at most ceil(c x seq_len x "
+                                                    "top_k / experts) tokens of a sequence, the rest dropped and "
+                                                    "counted (0 = no limit)")
+    aux_loss_coef: Optional[float] = option(None, "weight of the load-balancing auxiliary loss added to the "
+                                                  "loss (0 = none)")
 
     @property
     def world_size(self):
@@ -163,8 +215,6 @@ class Config:
 
     def model_config(self):
         """The preset's `ModelConfig` with any overrides (hidden_size=..., ...) applied."""
-        from picotron.model import PRESETS, ModelConfig  # lazy: `--help` needs no torch
-
         if self.preset not in PRESETS:
             raise ConfigError(f"preset={self.preset!r} is not a known model; pick one of {', '.join(PRESETS)}.")
         overrides = {k: getattr(self, k) for k in MODEL_FIELDS + ("attn_impl", "tie_word_embeddings")
@@ -197,100 +247,6 @@ class Config:
         return cls.from_dict(values, source=path)
 
 
-HELP = {  # what `--help` says of each setting (allowed values are added from the tuples above)
-    "preset": "model shape: tiny (0.85 M parameters, the lessons' model) or a real model's shape",
-    "dp": "data-parallel degree: model replicas, each on its own rows of the batch",
-    "tp": "tensor-parallel degree: every weight matrix split over tp ranks (heads, MLP columns, vocabulary)",
-    "pp": "pipeline-parallel degree: the layers cut into pp stages, micro-batches (--grad-acc) flowing through",
-    "cp": "context-parallel degree: every sequence cut over cp ranks, attention passing K/V around a ring",
-    "cp_impl": "how attention sees the other cp ranks' keys and values: passed around a ring, overlapped with "
-               "compute (ring), or gathered whole once (allgather)",
-    "cp_layout": "which tokens each cp rank holds: chunks r and 2cp-1-r of 2cp, balancing the causal work "
-                 "(zigzag), or one contiguous block (contiguous)",
-    "ep": "expert-parallel degree: the experts of every MoE layer spread over ep of the dp ranks (ep divides dp), "
-          "tokens sent to them and back with all-to-alls",
-    "experts": "experts per MoE layer (0 = the dense MLP); e.g. --preset tiny --experts 4, or --preset tiny-moe",
-    "top_k": "experts each token is routed to (Mixtral: 2)",
-    "capacity_factor": "with experts: each expert takes at most ceil(c x seq_len x top_k / experts) tokens of a "
-                       "sequence, the rest dropped and counted (0 = no limit)",
-    "aux_loss_coef": "weight of the load-balancing auxiliary loss added to the loss (0 = none)",
-    "dp_impl": "how data parallelism exchanges gradients: one all-reduce per tensor after backward (naive), "
-               "per tensor during backward (overlap), in buckets during backward (bucket), or torch's DDP (ddp)",
-    "bucket_mb": "gradient bucket size in MiB for --dp-impl bucket and ZeRO-1/2",
-    "zero": "ZeRO stage over the dp ranks: 1 shards the optimizer state, 2 also the gradients, "
-            "3 also the parameters; 0 = plain data parallelism",
-    "sp": "sequence parallelism on top of --tp: the norms and the activations between the tensor-parallel "
-          "blocks are split along the sequence over the tp ranks",
-    "pp_schedule": "pipeline schedule with --pp: all forwards then all backwards (afab), one forward one backward "
-                   "(1f1b), 1f1b over --pp-chunks chunks per rank (interleaved), zero bubble at 1f1b's memory "
-                   "(zb-h1), zero bubble with two chunks per rank in a V (zb-v)",
-    "pp_chunks": "model chunks per rank for --pp-schedule interleaved (v); the bubble shrinks v-fold",
-    "steps": "optimizer steps to run",
-    "seq_len": "tokens per sequence",
-    "micro_batch_size": "sequences per micro-batch on each data-parallel rank",
-    "grad_acc": "micro-batches accumulated per optimizer step (global batch = dp x grad_acc x micro_batch_size)",
-    "dtype": "precision recipe: fp32; bf16 (autocast for the matmuls, parameters and optimizer state stay fp32); "
-             "bf16-params (bf16 parameters and gradients, fp32 master weights and moments in the optimizer); fp16 "
-             "(the same in fp16, with loss scaling); fp8 (the decoder's matmuls in FP8 with per-tensor scales, "
-             "simulated on CPU)",
-    "loss_scale": "fp16's loss scaling: dynamic (halve on overflow and skip the step, double after 2000 clean "
-                  "steps), none, or a number (a static scale)",
-    "recompute": "activation recomputation: none, selective (attention scores) or full (each layer from its input)",
-    "seed": "seed of the initial weights and of the batches (the same for every layout)",
-    "out": "the run's folder (metrics.jsonl, checkpoints/); it must not hold another run, whose results would be "
-           "replaced",
-    "save_every": "write a checkpoint every K steps to OUT/checkpoints (0 = only the last step's, with --save-final; "
-                  "Ctrl-C still saves one)",
-    "save_final": "write a checkpoint of the last step, for --resume and `python -m picotron.export OUT`",
-    "resume": "continue the run in OUT (without --out: the newest runs/main*) from its newest checkpoint (same "
-              "model; any layout: the checkpoint is resharded)",
-    "resume_from": "start a new run from this checkpoint (RUN/checkpoints/step_NNNNNN, or a run folder: its newest); "
-                   "the run it came from is left as it was",
-    "keep_checkpoints": "how many of the newest checkpoints to keep (older ones are deleted; 0 = keep all)",
-    "async_save": "write checkpoints in a background thread (training pauses only to copy the tensors to host memory)",
-    "max_restarts": "restart the job this many times after a rank dies (torchrun --max-restarts); each restart "
-                    "resumes from the newest checkpoint",
-    "on_nonfinite": "when the loss or gradient norm is inf/NaN: stop (say which step) or skip (drop that step's update)",
-    "faults": "inject faults to test recovery: kill@STEP[:rN], kill-save@STEP[:rN], nan@STEP, comma-separated",
-    "lr": "peak learning rate of AdamW, reached after the warm-up",
-    "min_lr": "learning rate at the last step (cosine decay from lr)",
-    "warmup_steps": "steps of linear warm-up from 0 to lr",
-    "weight_decay": "AdamW weight decay, on matrices only",
-    "beta1": "AdamW beta1, in [0, 1)",
-    "beta2": "AdamW beta2, in [0, 1)",
-    "grad_clip": "clip the global gradient norm to this value (0 = no clipping)",
-    "log_every": "print a progress line every K steps",
-    "eval_every": "validation loss every K steps (0 = never)",
-    "eval_batches": "validation batches per evaluation",
-    "data": "training text: shakespeare (embedded), a .txt file, a folder of .txt files, or hf:DATASET "
-            "(needs the datasets package and network)",
-    "tokenizer": "byte (UTF-8 bytes, 256 ids, no files) or a Hugging Face tokenizer name or local folder",
-    "device": "auto picks cuda + nccl when torch sees GPUs (one per process on each node, else an error that "
-              "names --device cpu), cpu + gloo when it sees none",
-    "nnodes": "machines the job runs on; each runs the same command (dp*pp*cp*tp / nnodes processes each), "
-              "torchrun's rendezvous at --rdzv-endpoint joins them",
-    "node_rank": "this machine's number, 0 to nnodes-1 (0 = the --rdzv-endpoint host): node R gets ranks R*n to "
-                 "R*n+n-1 (torchrun's static rendezvous); without it torchrun numbers the nodes itself (c10d)",
-    "rdzv_endpoint": "HOST:PORT every node can reach, the same on every node (with --node-rank: node 0's address)",
-    "rdzv_id": "the job's name at the rendezvous, the same on every node",
-    "collectives": "which collectives every strategy runs on: torch.distributed's own (torch) or lesson 02's, "
-                   "written from send/recv (ours)",
-    "timeout_s": "seconds any collective may wait before the job stops with an error (a dead rank cannot hang it)",
-    "sample_tokens": "length of the text sample printed at the end (0 = none)",
-    "attn_impl": "attention kernel: sdpa (torch's fused attention), eager (the written-out softmax) or flash "
-                 "(picotron.kernels' tiled attention with an online softmax, in plain PyTorch: a reference, slow)",
-    "kernels": "RMSNorm and SwiGLU: plain (PyTorch ops), compile (torch.compile fuses each), triton (hand-written "
-               "Triton kernels: a CUDA GPU, or TRITON_INTERPRET=1 on a CPU) or auto (triton on a GPU, else compile)",
-    "compile": "torch.compile every decoder layer (the first steps pay for compiling)",
-    "tie_word_embeddings": "the LM head shares the embedding matrix (with --pp: two copies on the first and last "
-                           "stage, their gradients summed)",
-}
-CHOICES = {"dtype": DTYPES, "recompute": RECOMPUTE, "dp_impl": DP_IMPLS, "zero": ZERO_STAGES,
-           "pp_schedule": PP_SCHEDULES, "cp_impl": CP_IMPLS, "cp_layout": CP_LAYOUTS, "device": DEVICES, "attn_impl": ATTN_IMPLS,
-           "kernels": KERNELS,
-           "collectives": COLLECTIVES, "on_nonfinite": ("stop", "skip")}
-
-
 def _field_types():
     hints = typing.get_type_hints(Config)
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
@@ -319,6 +275,30 @@ def _checked(values, source):
 
 
 # ----------------------------------------------------------------------------------------------- validation
+def check(cfg):
+    """Raise ConfigError for the first broken rule of the settings themselves; return the run's ModelConfig.
+
+    The rules of the strategies (each one's own, and which combine) are `picotron.parallelize.validate`'s."""
+    _check_names(cfg)
+    _check_positive(cfg)
+    mc = cfg.model_config()
+    _check_model(cfg, mc)
+    _check_faults(cfg)
+    _check_nodes(cfg)
+    return mc
+
+
+def _check_names(cfg):
+    for f in dataclasses.fields(cfg):
+        allowed, value = f.metadata["choices"], getattr(cfg, f.name)
+        if allowed is not None and value not in allowed and not (value is None and f.default is None):
+            raise ConfigError(f"{f.name}={value!r} is not one of the known values; pick one of "
+                              f"{', '.join(map(str, allowed))}.")
+    if not (cfg.data == "shakespeare" or cfg.data.startswith("hf:") or os.path.exists(cfg.data)):
+        raise ConfigError(f"data={cfg.data!r} is neither 'shakespeare', 'hf:<dataset>' nor an existing file or "
+                          f"directory; pass --data shakespeare or the path of a .txt file.")
+
+
 def _choices(xs):
     return "{" + ", ".join(str(x) for x in xs) + "}"
 
@@ -326,49 +306,6 @@ def _choices(xs):
 def _fits(n, limit=64):
     """Degrees d <= limit (and <= n) that divide n, the candidates a message proposes."""
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
-
-
-def validate(cfg, world_size=None, any_world_size=False):
-    """Raise ConfigError for the first broken rule; `world_size` defaults to $WORLD_SIZE or 1.
-
-    any_world_size=True: the processes are not started yet, the caller will start cfg.world_size of them."""
-    if world_size is None:
-        world_size = cfg.world_size if any_world_size else int(os.environ.get("WORLD_SIZE", "1"))
-    _check_names(cfg)
-    _check_positive(cfg)
-    mc = cfg.model_config()
-    _check_model(cfg, mc)
-    _check_implemented(cfg)
-    _check_degrees(cfg, mc)
-    _check_inputs(cfg, mc)
-    _check_faults(cfg)
-    _check_nodes(cfg)
-    local = cfg.world_size // cfg.nnodes if any_world_size else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    _check_device(cfg, local)
-    if world_size != cfg.world_size:
-        raise ConfigError(
-            f"world size {world_size} does not equal dp*pp*cp*tp = {cfg.dp}*{cfg.pp}*{cfg.cp}*{cfg.tp} = "
-            f"{cfg.world_size}; launch {cfg.world_size} process{'es' if cfg.world_size > 1 else ''} "
-            f"(torchrun --nproc_per_node {cfg.world_size} -m picotron.train ...) or change the degrees.")
-
-
-def _check_names(cfg):
-    from picotron.model import PRESETS
-
-    for name, value, allowed in [("preset", cfg.preset, tuple(PRESETS)), ("dtype", cfg.dtype, DTYPES),
-                                 ("recompute", cfg.recompute, RECOMPUTE), ("dp_impl", cfg.dp_impl, DP_IMPLS),
-                                 ("pp_schedule", cfg.pp_schedule, PP_SCHEDULES), ("cp_impl", cfg.cp_impl, CP_IMPLS),
-                                 ("cp_layout", cfg.cp_layout, CP_LAYOUTS),
-                                 ("zero", cfg.zero, ZERO_STAGES), ("device", cfg.device, DEVICES),
-                                 ("collectives", cfg.collectives, COLLECTIVES),
-                                 ("attn_impl", cfg.attn_impl, (None,) + ATTN_IMPLS), ("kernels", cfg.kernels, KERNELS),
-                                 ("on_nonfinite", cfg.on_nonfinite, ("stop", "skip"))]:
-        if value not in allowed:
-            shown = ", ".join(str(a) for a in allowed if a is not None)
-            raise ConfigError(f"{name}={value!r} is not one of the known values; pick one of {shown}.")
-    if not (cfg.data == "shakespeare" or cfg.data.startswith("hf:") or os.path.exists(cfg.data)):
-        raise ConfigError(f"data={cfg.data!r} is neither 'shakespeare', 'hf:<dataset>' nor an existing file or "
-                          f"directory; pass --data shakespeare or the path of a .txt file.")
 
 
 def _check_positive(cfg):
@@ -423,43 +360,13 @@ def _check_model(cfg, mc):
                           f"pass --vocab-size 256.")
 
 
-def _check_degrees(cfg, mc):
-    """Each implemented strategy's own rules (its module's `check`), then those of the ones still to come."""
-    from picotron.parallelize import STRATEGIES
-
-    for strategy in STRATEGIES:
-        problem = strategy.check(cfg, mc)
-        if problem:
-            raise ConfigError(problem)
-
-
-def _check_inputs(cfg, mc):
-    """The data, the tokenizer and the checkpoint to resume from: read now, so a wrong one costs a second."""
-    from picotron import checkpoint, data
-
-    try:
-        tokenizer = data.get_tokenizer(cfg.tokenizer)  # byte: nothing to load; else a local folder or the Hub
-        if tokenizer.vocab_size > mc.vocab_size:
-            raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but vocab_size="
-                              f"{mc.vocab_size}; pass --vocab-size {tokenizer.vocab_size} or a smaller tokenizer.")
-        if cfg.data != "shakespeare" and not cfg.data.startswith("hf:"):  # a local file: read it now
-            text = data.load_text(cfg.data)  # (another tokenizer's count waits for the trainer: no tokenizing twice)
-            if isinstance(tokenizer, data.ByteTokenizer):
-                data.check_size(cfg.data, len(text.encode("utf-8")), cfg.seq_len)
-        problem = checkpoint.resume_problem(cfg) if cfg.resume else None
-    except data.DataError as e:
-        raise ConfigError(str(e)) from None
+def _check_faults(cfg):
+    problem = faults.problem(cfg)
     if problem:
         raise ConfigError(problem)
-
-
-def _check_device(cfg, local):
-    """cuda + nccl with one GPU per process of this node, or cpu + gloo; never one for the other in silence."""
-    from picotron.mesh import device_problem
-
-    problem = device_problem(local, cfg.device)
-    if problem:
-        raise ConfigError(problem)
+    if cfg.max_restarts and not cfg.save_every:
+        raise ConfigError(f"max_restarts={cfg.max_restarts} without checkpoints would restart from step 1 each time; "
+                          f"pass --save-every K (e.g. --save-every {max(1, cfg.steps // 10)}).")
 
 
 def _check_nodes(cfg):
@@ -503,27 +410,6 @@ def placement_note(cfg, per_node):
     return None
 
 
-def _check_faults(cfg):
-    from picotron import faults
-
-    problem = faults.problem(cfg)
-    if problem:
-        raise ConfigError(problem)
-    if cfg.max_restarts and not cfg.save_every:
-        raise ConfigError(f"max_restarts={cfg.max_restarts} without checkpoints would restart from step 1 each time; "
-                          f"pass --save-every K (e.g. --save-every {max(1, cfg.steps // 10)}).")
-
-
-def _check_implemented(cfg):
-    used = {"dp": cfg.dp > 1, "tp": cfg.tp > 1, "pp": cfg.pp > 1, "cp": cfg.cp > 1, "ep": cfg.ep > 1,
-            "zero": cfg.zero > 0, "sp": cfg.sp}
-    for name, on in used.items():
-        if on and not IMPLEMENTED[name]:
-            value = f"{name}={getattr(cfg, name)}" if name != "sp" else "--sp"
-            fix = "drop --sp" if name == "sp" else f"use {name}={0 if name == 'zero' else 1}"
-            raise ConfigError(f"{value} is not implemented yet ({ARRIVES_WITH[name]}); {fix}.")
-
-
 # ------------------------------------------------------------------------------------------------------ CLI
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of argparse's full usage block
@@ -533,23 +419,21 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser():
     """Flags mirror the Config fields in kebab case; defaults are suppressed so only given flags override."""
-    from picotron.model import PRESETS
-
     p = _Parser(prog="python -m picotron.train", usage="%(prog)s [--config F.json] [--FLAG VALUE ...]",
                 argument_default=argparse.SUPPRESS,
                 formatter_class=argparse.RawDescriptionHelpFormatter, description=DESCRIPTION)
     p.add_argument("--config", metavar="F.json", help="JSON file of settings; flags given here override it")
     types = _field_types()
     defaults = Config()
-    for name, kind in types.items():
+    for f in dataclasses.fields(Config):
+        name, kind, choices = f.name, types[f.name], f.metadata["choices"]
         optional = typing.get_origin(kind) is typing.Union
         kind = typing.get_args(kind)[0] if optional else kind
         flag = "--" + name.replace("_", "-")
-        choices = tuple(PRESETS) if name == "preset" else CHOICES.get(name)
         default = "a new folder runs/main, runs/main-2, ...; with --resume the newest of them" if name == "out" else \
             "the preset's" if optional else repr(getattr(defaults, name))
-        what = f"model override: {name}" if name in MODEL_FIELDS else HELP[name]
-        helptext = what + (f"; one of {', '.join(map(str, choices))}" if choices else "") + f" (default: {default})"
+        helptext = f.metadata["help"] + (f"; one of {', '.join(map(str, choices))}" if choices else "") + \
+            f" (default: {default})"
         if kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=helptext)
         else:
@@ -574,28 +458,10 @@ Bad settings stop before any process starts, with one sentence: the value, the r
 
 
 def parse_args(argv=None):
-    """Config from defaults < --config file < flags. Not validated: call `validate` (or use `cli`)."""
+    """Config from defaults < --config file < flags. Not validated: call `picotron.parallelize.validate` (or
+    `picotron.parallelize.cli`, both in one)."""
     ns = vars(build_parser().parse_args(argv))
     path = ns.pop("config", None)
     base = Config.load(path).to_dict() if path else {}
     base.update(ns)
     return Config.from_dict(base, source=path or "the command line")
-
-
-def cli(argv=None, world_size=None, any_world_size=False):
-    """parse_args + validate; a bad setting prints 'picotron: error: <one sentence>' and exits with status 2."""
-    try:
-        cfg = parse_args(argv)
-        validate(cfg, world_size, any_world_size)
-        return cfg
-    except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same error: say it once
-            print(f"picotron: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-main_config = cli
-
-
-if __name__ == "__main__":  # python -m picotron.config --tp 2 ...: print the resolved, validated settings
-    print(json.dumps(cli(sys.argv[1:]).to_dict(), indent=2))

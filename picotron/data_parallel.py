@@ -238,12 +238,3 @@ def wrap(model, axis, impl="bucket", bucket_mb=25.0, axis_of=None):
     if impl == "ddp":
         return TorchDDP(model, axis, bucket_mb=bucket_mb)
     raise ValueError(f"dp impl {impl!r}; use 'naive', 'overlap', 'bucket' or 'ddp'.")
-
-
-def check(cfg, model_config):
-    """Data parallelism's rules: the one-sentence problem with these settings, or None. (Any dp fits any model;
-    the degrees multiplying into the world size is config's rule.)"""
-    if cfg.dp_impl == "ddp" and cfg.collectives == "ours" and cfg.dp * cfg.cp > 1:
-        return ("dp_impl='ddp' runs torch's DistributedDataParallel, which always uses torch.distributed's own "
-                "collectives, but collectives='ours' asks for lesson 02's; drop --dp-impl ddp or --collectives ours.")
-    return None

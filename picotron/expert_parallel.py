@@ -26,8 +26,9 @@ Under tensor parallelism each expert is itself cut like a dense MLP (w1, w3 colu
 and the ep all-to-alls run between ranks of the same tp coordinate (each tp column holds the same tokens):
 picotron.tensor_parallel handles the block's entry and exit.
 
-Rules (`check`): ep divides dp and the number of experts; the model has experts; not with cp (the routing
-statistics and the capacity are per sequence, and cp splits sequences), ZeRO-3 or torch's DDP.
+Rules (`check`): ep divides dp and the number of experts; the model has experts; top_k at most the experts.
+Which strategies it does not combine with (cp: the routing statistics and the capacity are per sequence, and cp
+splits sequences; ZeRO-3; torch's DDP) is picotron.parallelize's table, `combination_problem`.
 """
 import torch
 
@@ -130,7 +131,8 @@ def bytes_per_step_formula(tokens, k, hidden, ep, layers, elem=4):
 
 
 def check(cfg, model_config):
-    """Expert parallelism's rules: the one-sentence problem with these settings, or None."""
+    """Expert parallelism's own rules: the one-sentence problem with these settings, or None (which strategies
+    combine with it: picotron.parallelize.combination_problem)."""
     ep = cfg.ep
     E = model_config.num_local_experts
     if ep > 1 and not E:
@@ -147,12 +149,4 @@ def check(cfg, model_config):
     if E and model_config.num_experts_per_tok > E:
         return (f"top_k={model_config.num_experts_per_tok} is more than the {E} experts; pick top_k between 1 "
                 f"and {E}.")
-    if E and cfg.cp > 1:
-        return (f"experts with cp={cfg.cp} are not supported (the load-balancing statistics and the capacity are "
-                f"per sequence, and context parallelism splits sequences); drop --cp or the experts.")
-    if E and cfg.zero == 3:
-        return "experts with zero=3 are not supported yet; use --zero 1 or 2."
-    if ep > 1 and cfg.dp_impl == "ddp":
-        return ("ep with dp_impl='ddp' is not supported (torch's DDP averages every gradient over one group, but "
-                "experts are summed over their own replicas); drop --dp-impl ddp.")
     return None

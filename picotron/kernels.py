@@ -60,13 +60,15 @@ import os
 import torch
 import torch.nn.functional as F
 
+from picotron.config import KERNELS
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no triton: the "compile" and "plain" paths remain
     triton = None
 
-IMPLS = ("auto", "triton", "compile", "plain")
+IMPLS = KERNELS  # plain, compile, triton, auto (the --kernels values)
 # Triton decides at @triton.jit time whether a kernel is compiled or interpreted; we record the same choice.
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 

@@ -21,17 +21,28 @@ builds this rank's part of the model and everything a training step needs:
        the loss (vocab-parallel under tp) and the model that generates text. (Checkpoints read the
        optimizer's tensors and their placements: picotron.checkpoint.)
 
-`train.py` uses only what this returns, so adding a strategy means adding it here (and its own module), not
-another `if` in the training loop. Each strategy's rules live in its module's `check(cfg, model_config)`.
+`train.py` uses only what this returns (and `token_positions`, the tokens its loader keeps), so adding a
+strategy means adding it here (and its own module), not another `if` in the training loop.
+
+The rules, checked by `validate(cfg)` before any process group exists (`cli(argv)`: parse, validate, and on a
+broken rule print one sentence and exit with status 2): picotron.config's rules of the settings themselves,
+then each strategy's own (its module's `check(cfg, model_config)`: its values alone), then which strategies
+combine (`combination_problem`, one table here), then the data, the checkpoint to resume and the devices.
 """
+import json
+import os
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from picotron import (context_parallel, data_parallel, expert_parallel, fp8, kernels, marks, pipeline_parallel,
-                      pipeline_schedules, precision, schedule, tensor_parallel, zero, zero3, zero_bubble)
+from picotron import (checkpoint, config, context_parallel, data, data_parallel, expert_parallel, fp8, kernels, marks,
+                      pipeline_parallel, pipeline_schedules, precision, schedule, tensor_parallel, zero, zero3,
+                      zero_bubble)
+from picotron.config import ConfigError
+from picotron.mesh import device_problem
 from picotron.model import DecoderLayer, Llama, loss_fn, use_kernels
 
 
@@ -197,6 +208,117 @@ def describe(cfg, mesh):
     return " | ".join(parts) or "one process"
 
 
-# each exports check(cfg, model_config); config calls them
-STRATEGIES = (data_parallel, zero, tensor_parallel, context_parallel, pipeline_parallel, expert_parallel, precision,
-              kernels)
+# ------------------------------------------------------------------------------------------------ the rules
+# each checks its own values: check(cfg, model_config) -> one sentence or None
+STRATEGIES = (tensor_parallel, context_parallel, pipeline_parallel, expert_parallel, precision, kernels)
+
+
+def combination_problem(cfg, mc):
+    """Which strategies combine: a table of the pairs that do not (or that need each other), each with the
+    sentence that refuses it. The first row that applies wins; None when none does. The degrees dp, pp, cp, tp,
+    ep with sp and ZeRO-1 otherwise all combine (tests/test_parity_matrix.py trains each pair)."""
+    dp, experts = cfg.dp * cfg.cp, mc.is_moe  # dp: the data-parallel ranks, those ZeRO shards over
+    table = [  # (this, with that, refused when, the one sentence)
+        ("dp_impl=ddp", "collectives=ours", cfg.dp_impl == "ddp" and cfg.collectives == "ours" and dp > 1,
+         "dp_impl='ddp' runs torch's DistributedDataParallel, which always uses torch.distributed's own "
+         "collectives, but collectives='ours' asks for lesson 02's; drop --dp-impl ddp or --collectives ours."),
+        ("zero", "dp_impl", cfg.zero and cfg.dp_impl != "bucket",
+         f"dp_impl={cfg.dp_impl!r} does not apply with zero={cfg.zero} (ZeRO replaces the data-parallel wrapper: it "
+         f"reduce-scatters the gradients itself); drop --dp-impl or use zero=0."),
+        ("zero", "needs dp", cfg.zero and dp == 1,
+         f"zero={cfg.zero} with dp=1 has nothing to shard over (ZeRO splits the model states over the data-parallel "
+         f"ranks); add --dp 2 or more, or drop --zero."),
+        ("sp", "needs tp", cfg.sp and cfg.tp == 1,
+         "--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism leaves replicated over "
+         "the tp ranks); add --tp 2 or more, or drop --sp."),
+        ("zero=2,3", "pp", cfg.pp > 1 and cfg.zero > 1,
+         f"zero={cfg.zero} with pp={cfg.pp} is not supported (ZeRO-2/3 reduce or gather on every micro-batch, which "
+         f"the pipeline interleaves); use --zero 1 with --pp, or --pp 1."),
+        ("zero + tied embeddings", "pp", cfg.pp > 1 and cfg.zero and mc.tie_word_embeddings,
+         f"zero={cfg.zero} with pp={cfg.pp} and tied embeddings is not supported (the tied gradient sync between the "
+         f"first and last stage needs whole gradients); use --zero 0 or an untied model."),
+        ("dp_impl=ddp", "pp", cfg.pp > 1 and cfg.dp_impl == "ddp",
+         f"dp_impl='ddp' with pp={cfg.pp} is not supported (DDP needs each forward followed by its backward, a "
+         f"pipeline interleaves micro-batches); use --dp-impl bucket."),
+        ("experts", "cp", experts and cfg.cp > 1,
+         f"experts with cp={cfg.cp} are not supported (the load-balancing statistics and the capacity are per "
+         f"sequence, and context parallelism splits sequences); drop --cp or the experts."),
+        ("experts", "zero=3", experts and cfg.zero == 3,
+         "experts with zero=3 are not supported yet; use --zero 1 or 2."),
+        ("ep", "dp_impl=ddp", cfg.ep > 1 and cfg.dp_impl == "ddp",
+         "ep with dp_impl='ddp' is not supported (torch's DDP averages every gradient over one group, but experts "
+         "are summed over their own replicas); drop --dp-impl ddp."),
+        ("dtype=fp8", "pp zero-bubble", cfg.dtype == "fp8" and cfg.pp_schedule in ("zb-h1", "zb-v") and cfg.pp > 1,
+         f"dtype='fp8' with pp_schedule={cfg.pp_schedule!r} is not supported (both replace the linears' matmul: the "
+         f"split backward would drop FP8); use --pp-schedule 1f1b or interleaved, or --dtype bf16."),
+        ("dtype=fp16", "experts", cfg.dtype == "fp16" and experts,
+         "dtype='fp16' with experts is not supported (the load-balancing loss reaches the router outside the scaled "
+         "loss, so its gradient would miss the loss scale); use --dtype bf16-params or bf16."),
+    ]
+    return next((sentence for _, _, refused, sentence in table if refused), None)
+
+
+def validate(cfg, world_size=None, any_world_size=False):
+    """Raise ConfigError for the first broken rule, in one sentence, before any process group exists; `world_size`
+    defaults to $WORLD_SIZE or 1. any_world_size=True: the processes are not started yet, the caller will start
+    cfg.world_size of them."""
+    if world_size is None:
+        world_size = cfg.world_size if any_world_size else int(os.environ.get("WORLD_SIZE", "1"))
+    mc = config.check(cfg)  # the settings themselves: names, ranges, the model's shape, faults, nodes
+    for rule in [strategy.check for strategy in STRATEGIES] + [combination_problem]:
+        problem = rule(cfg, mc)
+        if problem:
+            raise ConfigError(problem)
+    _check_inputs(cfg, mc)
+    # cuda + nccl with one GPU per process of this node, or cpu + gloo; never one for the other in silence
+    local = cfg.world_size // cfg.nnodes if any_world_size else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    problem = device_problem(local, cfg.device)
+    if problem:
+        raise ConfigError(problem)
+    if world_size != cfg.world_size:
+        raise ConfigError(
+            f"world size {world_size} does not equal dp*pp*cp*tp = {cfg.dp}*{cfg.pp}*{cfg.cp}*{cfg.tp} = "
+            f"{cfg.world_size}; launch {cfg.world_size} process{'es' if cfg.world_size > 1 else ''} "
+            f"(torchrun --nproc_per_node {cfg.world_size} -m picotron.train ...) or change the degrees.")
+
+
+def _check_inputs(cfg, mc):
+    """The data, the tokenizer and the checkpoint to resume from: read now, so a wrong one costs a second."""
+    try:
+        tokenizer = data.get_tokenizer(cfg.tokenizer)  # byte: nothing to load; else a local folder or the Hub
+        if tokenizer.vocab_size > mc.vocab_size:
+            raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but vocab_size="
+                              f"{mc.vocab_size}; pass --vocab-size {tokenizer.vocab_size} or a smaller tokenizer.")
+        if cfg.data != "shakespeare" and not cfg.data.startswith("hf:"):  # a local file: read it now
+            text = data.load_text(cfg.data)  # (another tokenizer's count waits for the trainer: no tokenizing twice)
+            if isinstance(tokenizer, data.ByteTokenizer):
+                data.check_size(cfg.data, len(text.encode("utf-8")), cfg.seq_len)
+        problem = checkpoint.resume_problem(cfg) if cfg.resume else None
+    except data.DataError as e:
+        raise ConfigError(str(e)) from None
+    if problem:
+        raise ConfigError(problem)
+
+
+def cli(argv=None, world_size=None, any_world_size=False):
+    """config.parse_args + validate; a bad setting prints 'picotron: error: <one sentence>' and exits with status 2."""
+    try:
+        cfg = config.parse_args(argv)
+        validate(cfg, world_size, any_world_size)
+        return cfg
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same error: say it once
+            print(f"picotron: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def token_positions(cfg, mesh):
+    """The positions of every sequence this rank's loader keeps: under context parallelism its share of the
+    tokens, in context_parallel's layout; else None (all of them)."""
+    if mesh.cp.size == 1:
+        return None
+    return context_parallel.positions(cfg.seq_len, mesh.cp.size, mesh.cp.rank, cfg.cp_layout)
+
+
+if __name__ == "__main__":  # python -m picotron.parallelize --tp 2 ...: print the resolved, validated settings
+    print(json.dumps(cli(sys.argv[1:]).to_dict(), indent=2))

@@ -407,7 +407,8 @@ class PipelineSampler(nn.Module):
 
 # ========================================================================================== the rules
 def check(cfg, model_config):
-    """Pipeline parallelism's rules: the one-sentence problem with these settings, or None."""
+    """Pipeline parallelism's own rules: the one-sentence problem with these settings, or None (which strategies
+    combine with it: picotron.parallelize.combination_problem)."""
     if cfg.pp == 1:
         return None
     v = chunks_of(cfg.pp_schedule, cfg.pp_chunks)
@@ -425,13 +426,4 @@ def check(cfg, model_config):
     if cfg.pp_schedule == "interleaved" and cfg.grad_acc % cfg.pp:
         return (f"the interleaved schedule needs grad_acc={cfg.grad_acc} (the micro-batches of a step) to be a "
                 f"multiple of pp={cfg.pp}; pass --grad-acc {cfg.pp * max(1, cfg.grad_acc // cfg.pp)}.")
-    if cfg.zero > 1:
-        return (f"zero={cfg.zero} with pp={cfg.pp} is not supported (ZeRO-2/3 reduce or gather on every micro-batch, "
-                f"which the pipeline interleaves); use --zero 1 with --pp, or --pp 1.")
-    if cfg.zero and model_config.tie_word_embeddings:
-        return (f"zero={cfg.zero} with pp={cfg.pp} and tied embeddings is not supported (the tied gradient sync "
-                f"between the first and last stage needs whole gradients); use --zero 0 or an untied model.")
-    if cfg.dp_impl == "ddp":
-        return (f"dp_impl='ddp' with pp={cfg.pp} is not supported (DDP needs each forward followed by its backward, "
-                f"a pipeline interleaves micro-batches); use --dp-impl bucket.")
     return None

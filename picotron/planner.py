@@ -49,8 +49,9 @@ This is exact for our code on this torch version (tests/test_lesson01.py checks 
 Korthikanti et al. (2022) count 34·sbh + 5·a·s²·b bytes per layer for GPT-3 in pure bf16 with dropout;
 `korthikanti_bytes_per_layer` gives that, and lesson 01 explains each difference.
 """
+from picotron.config import PP_SCHEDULES, RECOMPUTE
+
 BYTES = {"fp32": 4, "bf16": 2}
-RECOMPUTE = ("none", "selective", "full")
 
 
 def _check(dtype, recompute, optimizer="adamw"):
@@ -262,7 +263,7 @@ class Layout:
                 values[{"mbs": "micro_batch_size", "ga": "grad_acc", "v": "pp_chunks"}.get(key, key)] = number
             elif item == "sp":
                 values["sp"] = True
-            elif item in SCHEDULES:
+            elif item in PP_SCHEDULES:
                 values["pp_schedule"] = item
             elif chunks[0] == "interleaved" and chunks[2].isdigit() and int(chunks[2]) >= 1:
                 values["pp_schedule"], values["pp_chunks"] = "interleaved", int(chunks[2])
@@ -270,7 +271,7 @@ class Layout:
                 values["recompute"] = item[10:]
             else:
                 raise ValueError(f"layout item {item!r} in {text!r} is not one of dp/tp/pp/cp/ep/zero/mbs/ga/v followed by a "
-                                 f"number, 'sp', 'recompute-none|selective|full', a schedule ({', '.join(SCHEDULES)}) "
+                                 f"number, 'sp', 'recompute-none|selective|full', a schedule ({', '.join(PP_SCHEDULES)}) "
                                  f"or 'interleaved-v<chunks>'; e.g. 'tp8,pp16,dp128'.")
         return cls(**{**values, **overrides})
 

@@ -208,7 +208,8 @@ class MasterWeights(WrappedOptimizer):
 
 
 def check(cfg, model_config):
-    """The precision rules: the one-sentence problem with these settings, or None."""
+    """The precision recipe's own rules: the one-sentence problem with these settings, or None (which strategies
+    combine with it: picotron.parallelize.combination_problem)."""
     scale = cfg.loss_scale
     if scale not in ("dynamic", "none"):
         try:
@@ -221,10 +222,4 @@ def check(cfg, model_config):
     if scale != "dynamic" and cfg.dtype != "fp16":
         return (f"loss_scale={scale!r} only applies with --dtype fp16 ({cfg.dtype} keeps fp32's exponent range, so "
                 f"nothing underflows); drop --loss-scale or pass --dtype fp16.")
-    if cfg.dtype == "fp8" and cfg.pp_schedule in ("zb-h1", "zb-v") and cfg.pp > 1:
-        return (f"dtype='fp8' with pp_schedule={cfg.pp_schedule!r} is not supported (both replace the linears' "
-                f"matmul: the split backward would drop FP8); use --pp-schedule 1f1b or interleaved, or --dtype bf16.")
-    if cfg.dtype == "fp16" and model_config.is_moe:
-        return ("dtype='fp16' with experts is not supported (the load-balancing loss reaches the router outside the "
-                "scaled loss, so its gradient would miss the loss scale); use --dtype bf16-params or bf16.")
     return None

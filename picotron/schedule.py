@@ -14,30 +14,26 @@ once, during the last backward (`no_sync` around the others). It is the trivial 
 with several stages `pipeline_parallel.Pipeline` runs AFAB, 1F1B, interleaved or zero-bubble schedules under
 the same contract (and, given a one-stage schedule, does exactly what OneStage does).
 
-The engine also measures, because only it sees a micro-batch go through: `activation_bytes`, what autograd
-saved for backward in the step's first micro-batch (`metrics.ActivationCounter`).
+The engine measures nothing itself: it names its phases (`self.phases`, picotron.hooks), "forward" and
+"backward" of each micro-batch and the final "wait" for the gradient sync, and whoever measures listens (the
+trainer counts activations with `metrics.ActivationPeak`, a lesson puts the phases on a timeline).
 """
 from contextlib import nullcontext
 
 import torch
 
-from picotron import metrics
+from picotron import hooks
 
 
 class OneStage:
     """Gradient accumulation over the micro-batches; the loss averaged over `replicas` (the dp x cp axis).
+    `phases`: each micro-batch's "forward" and "backward" and the final "wait" for the gradient sync, for
+    listeners (picotron.hooks)."""
 
-    `timeline` (a metrics.Timeline, for lessons): each micro-batch's "forward" and "backward" and the final
-    "wait" for the gradient sync become events on it (each synchronises the device to time the work)."""
-
-    def __init__(self, replicas, device, autocast=nullcontext, timeline=None, tokens=None):
+    def __init__(self, replicas, device, autocast=nullcontext, tokens=None):
         self.replicas, self.device, self.autocast = replicas, device, autocast
         self.tokens = tokens  # the cp axis: ranks holding different tokens of the same rows (evaluation averages)
-        self.timeline = timeline
-        self.activation_bytes = 0
-
-    def _phase(self, name, **info):
-        return self.timeline.record(name, **info) if self.timeline is not None else nullcontext()
+        self.phases = hooks.Phases()
 
     def _to_device(self, batch):
         """(inputs, targets, positions) on the device; positions None (0..s-1) for an (inputs, targets) pair."""
@@ -48,16 +44,13 @@ class OneStage:
         k, total = len(micro_batches), 0.0
         for i, batch in enumerate(micro_batches):
             x, y, positions = self._to_device(batch)
-            counter = metrics.ActivationCounter(model) if i == 0 else nullcontext()
-            with self.autocast(), counter, (model.no_sync() if i < k - 1 else nullcontext()):
-                with self._phase("forward", micro=i):
+            with self.autocast(), (model.no_sync() if i < k - 1 else nullcontext()):
+                with self.phases("forward", micro=i):
                     loss = loss_fn(model(x, positions), y) / k
-                with self._phase("backward", micro=i):
+                with self.phases("backward", micro=i):
                     loss.backward()
             total += loss.detach()
-            if i == 0:
-                self.activation_bytes = counter.bytes
-        with self._phase("wait"):
+        with self.phases("wait"):
             model.finish_sync()  # the last backward started the sync: wait for it
         return self.replicas.mean(total)  # each replica saw its own rows: the mean over the global batch
 

@@ -306,7 +306,8 @@ def gather_vocab(logits, axis):
 
 # ---------------------------------------------------------------------------------------------- apply
 def check(cfg, model_config):
-    """Tensor (and sequence) parallelism's rules: the one-sentence problem with these settings, or None.
+    """Tensor (and sequence) parallelism's own rules: the one-sentence problem with these settings, or None
+    (which strategies combine with it: picotron.parallelize.combination_problem).
 
     tp splits the query heads, the KV heads, the MLP columns and the vocabulary into tp equal slices, whole
     heads per rank (no KV-head replication here); sp splits each rank's sequence over the tp ranks."""
@@ -314,9 +315,6 @@ def check(cfg, model_config):
     problem = _shape_problem(model_config, tp)
     if problem:
         return problem
-    if cfg.sp and tp == 1:
-        return ("--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism leaves "
-                "replicated over the tp ranks); add --tp 2 or more, or drop --sp.")
     if cfg.sp and (cfg.seq_len // cfg.cp) % tp:
         return (f"sp with tp={tp} needs the local sequence length seq_len/cp={cfg.seq_len // cfg.cp} divisible by "
                 f"tp (the sequence is split over tp ranks); pass a seq_len that is a multiple of {tp * cfg.cp}.")

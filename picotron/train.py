@@ -1,17 +1,21 @@
 """The training loop: `python -m picotron.train --preset tiny --steps 200` (world size 1 needs no torchrun).
 
-`parallelize(cfg, mesh)` builds this rank's model, optimizer, schedule and loss; the loop knows no strategy.
-One optimizer step, in order:
+`parallelize(cfg, mesh)` builds this rank's model, optimizer, schedule and loss (and `token_positions`
+says which tokens of every sequence this rank's loader keeps); the loop imports and knows no strategy.
+`train` is the loop; `one_step`, one optimizer step, in order:
 
     lr = warm-up then cosine schedule(step)
     loss = schedule.run(model, micro_batches, loss_fn)   # forward + backward of every micro-batch, the
                                                          # gradients synchronised; the global-batch loss
     clip the global gradient norm to grad_clip           # each gradient element counted once (its placement)
-    stop if the loss or the norm is not finite           # before the update: the weights stay sane
+    judge: stop if the loss or the norm is not finite    # before the update: the weights stay sane
     optimizer.step(), zero the gradients                 # (--on-nonfinite skip: drop the update, go on)
                                                          # (fp16: an overflow skips the step, halves the
                                                          # loss scale; picotron.precision)
-    every save_every steps a checkpoint                  # picotron.checkpoint: sharded, atomic, maybe async
+
+Around it, per step, the loop: the validation loss every eval_every steps, one line of metrics.jsonl, a checkpoint every
+save_every steps (picotron.checkpoint: sharded, atomic, maybe async), a progress line, and after a Ctrl-C the
+stop, every rank after the same step, with a checkpoint (a second Ctrl-C stops at once: `interruptible`).
 
 Faults. Under torchrun with --max-restarts N, a job whose rank died starts again and resumes by itself from
 the newest complete checkpoint (`faults.attempt()` > 0 acts as --resume); --faults injects deaths to try it.
@@ -38,12 +42,11 @@ from contextlib import contextmanager
 
 import torch
 
-from picotron import config as config_mod
-from picotron import checkpoint, context_parallel, data, faults, hooks, launch, metrics, moe, precision, reshard, runs
+from picotron import checkpoint, config, data, faults, hooks, launch, metrics, moe, precision, reshard, runs
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.model import generate
-from picotron.parallelize import autocast_for, parallelize
+from picotron.parallelize import autocast_for, cli, parallelize, token_positions
 
 
 class Stopped(Exception):
@@ -149,33 +152,150 @@ def load_data(cfg, mesh):
         data.check_size(cfg.data, len(tokens), cfg.seq_len)
     except data.DataError as e:
         raise Stopped(f"picotron: error: {e}", 2) from None
-    keep = context_parallel.positions(cfg.seq_len, mesh.cp.size, mesh.cp.rank, cfg.cp_layout) if mesh.cp.size > 1 \
-        else None  # context parallelism: this rank's tokens of every row
     loader = data.DataLoader(data.TokenData(tokens, tokenizer.vocab_size),
                              seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, grad_acc=cfg.grad_acc,
-                             dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed, positions=keep)
+                             dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed,
+                             positions=token_positions(cfg, mesh))  # cp: this rank's tokens of every row
     return tokenizer, loader
 
 
 def train(cfg, mesh, return_model=False):
     """Run cfg.steps optimizer steps on this rank's part of the mesh; return the summary dict (and, with
     return_model, what `parallelize` built, trained: tests and lessons inspect .model, .raw, .optimizer)."""
-    device, is_logger = mesh.device, mesh.rank == 0
     if cfg.out is None:
         raise ValueError("cfg.out is None: pass the run's folder (the command line claims a new runs/main-N itself, "
                          "picotron.runs)")
+    is_logger = mesh.rank == 0
     torch.manual_seed(cfg.seed)
     tokenizer, loader = load_data(cfg, mesh)
     run = parallelize(cfg, mesh)
-    activations = metrics.ActivationPeak(run.raw)  # the pipeline's phases (picotron.hooks) counted: the step's peak
-    phased = hooks.watch(run.schedule, listener=activations)  # (the one-stage engine counts its own)
-    model, optimizer, mc = run.model, run.optimizer, run.raw.config
-    tokens_per_step = mesh.dp.size * cfg.grad_acc * cfg.micro_batch_size * cfg.seq_len
-    flops_per_step = metrics.flops_per_token(mc, cfg.seq_len) * tokens_per_step
-    compute_dtype = precision.recipe(cfg).compute_dtype
-    peak = mfu_peak = metrics.measured_matmul_peak(device, compute_dtype)  # mfu_peak: raised if a step beats it
-    datasheet = metrics.datasheet_peak(device)
-    injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size)
+    activations = metrics.ActivationPeak(run.model)  # the step engine's phases (picotron.hooks): the step's peak
+    hooks.watch(run.schedule, listener=activations)
+    injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size)  # --faults: deaths and NaNs on purpose
+    speed = Speed(cfg, mesh, run.raw.config)  # tokens and FLOPs per step; the matmul peak that MFU divides by
+    start, saver = start_or_resume(cfg, mesh, run, injector)  # step 1, or the step after a checkpoint's
+    log = metrics.MetricsLog(cfg.out, enabled=is_logger, resume_step=start if start > 1 else None)
+    if is_logger:
+        announce(cfg, mesh, run, speed)
+    history, t_start = [], time.perf_counter()
+    try:
+        with interruptible(announce=is_logger) as stop_asked:  # Ctrl-C: stop after this step, with a checkpoint
+            for step in range(start, cfg.steps + 1):
+                try:
+                    record = one_step(step, cfg, mesh, run, loader, injector, saver, speed, activations)
+                    if cfg.eval_every and (step % cfg.eval_every == 0 or step in (start, cfg.steps)):
+                        record["val_loss"] = run.schedule.evaluate(run.raw, loader.val_batches(cfg.eval_batches),
+                                                                   run.loss_fn)
+                except KeyboardInterrupt:  # a second Ctrl-C: stop at once, without saving a half-done step
+                    raise interrupted(cfg, saver, f"during step {step}/{cfg.steps}") from None
+                log.write(record)
+                history.append(record)
+                if is_logger:
+                    say_if_skipped(record, run.scaler)
+                if cfg.save_every and step % cfg.save_every == 0:
+                    saver.save(step, run)
+                if is_logger and (step % cfg.log_every == 0 or step in (1, cfg.steps) or "val_loss" in record):
+                    print(progress_line(record, cfg.steps), flush=True)
+                if step < cfg.steps and mesh.agree(stop_asked()):  # every rank stops after the same step
+                    raise stop_after(step, cfg, run, saver)
+        if cfg.save_final and saver.newest != checkpoint.step_dir(cfg.out, cfg.steps):
+            saver.save(cfg.steps, run)  # the trained model, for --resume, --resume-from and picotron.export
+        saver.close()  # the last write in flight ends before the run does
+    except Stopped:
+        log.close()  # the steps so far stay in metrics.jsonl
+        raise
+    summary = summarize(history, cfg, mesh, run, speed, elapsed_s=time.perf_counter() - t_start)
+    log.write(summary)
+    log.close()
+    if is_logger:
+        print(done_line(history, summary), flush=True)
+    if cfg.sample_tokens:  # every rank generates (the same text): under ZeRO-3 and tp each forward is collective
+        text = sample_text(run.sampler, tokenizer, cfg, mesh.device)
+        if is_logger:
+            print("---- sample ----\n" + text + "\n----------------", flush=True)
+    return (summary, run) if return_model else summary
+
+
+def one_step(step, cfg, mesh, run, loader, injector, saver, speed, activations):
+    """Optimizer step `step` on this rank: forward and backward of every micro-batch, clip, update; return its
+    line of metrics.jsonl (without the validation loss: the loop adds it)."""
+    model, optimizer, device = run.model, run.optimizer, mesh.device
+    metrics.reset_device_peak(device)
+    t0 = time.perf_counter()
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = run.schedule.run(model, loader.micro_batches(step), injector.loss_fn(step, run.loss_fn))
+    scale = run.scaler.scale  # fp16: the gradients are S times the gradient (S = 1 otherwise)
+    grad_norm = clip_grad_norm(run.grad_params, cfg.grad_clip, mesh, grad_scale=scale)
+    mem = model.memory()  # gradients still alive here
+    loss_value = float(loss)  # .item(): waits for the device
+    injector.maybe_kill("kill", step)  # mid-step: gradients computed, the update not yet applied
+    finite, overflow = judge(step, loss_value, grad_norm, cfg, run.scaler, injector, saver)
+    if finite:
+        optimizer.step()
+    model.zero_grad(set_to_none=True)
+    metrics.sync(device)
+    dt = time.perf_counter() - t0
+    mem.update(optimizer=metrics.optimizer_bytes(optimizer), activations=activations.bytes,
+               device_peak=metrics.device_peak_bytes(device), rss_peak=metrics.process_peak_rss_bytes())
+    record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+              "tokens": step * speed.tokens, "step_time": dt, "tokens_per_s": speed.tokens / dt,
+              "mfu": speed.mfu(step, dt), "mem": mem}
+    if not finite:  # --on-nonfinite skip, or fp16's overflow: this step changed nothing
+        record["skipped"] = True
+    if run.scaler.dynamic:
+        record.update(loss_scale=scale, overflow=overflow, overflows=run.scaler.skipped)
+    if speed.datasheet:
+        record["mfu_datasheet"] = speed.flops / dt / (speed.datasheet * mesh.world_size)
+    experts = moe.step_stats(run.raw, mesh.dp_cp)  # MoE: routing of this step (this pipeline stage's layers)
+    if experts is not None:
+        record["moe"] = experts
+    return record
+
+
+def judge(step, loss_value, grad_norm, cfg, scaler, injector, saver):
+    """(finite, overflow) after a step's backward: whether its update may apply, and whether fp16's dynamic loss
+    scale overflowed (then S halves and the step is skipped; clean steps grow S: picotron.precision). Any other
+    inf/NaN stops the run before the update, with --on-nonfinite stop (the same on every rank: all stop)."""
+    finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+    overflow = scaler.dynamic and math.isfinite(loss_value) and not finite  # fp16: S too large
+    scaler.update(overflow)
+    if not finite and not overflow and cfg.on_nonfinite == "stop":
+        saver.wait()
+        raise Stopped(divergence_message(cfg, step, loss_value, grad_norm, step in injector.nan_steps,
+                                         saver.newest), 1)
+    return finite, overflow
+
+
+class Speed:
+    """Tokens and model FLOPs per step, and the matmul peak MFU divides by: measured at start-up, and measured
+    again (and raised) when a step runs faster than it, which means the machine was busy at start-up."""
+
+    def __init__(self, cfg, mesh, mc):
+        self.tokens = mesh.dp.size * cfg.grad_acc * cfg.micro_batch_size * cfg.seq_len
+        self.flops_per_token = metrics.flops_per_token(mc, cfg.seq_len)
+        self.flops = self.flops_per_token * self.tokens
+        self.device, self.dtype, self.world_size = mesh.device, precision.recipe(cfg).compute_dtype, mesh.world_size
+        self.at_start = self.peak = metrics.measured_matmul_peak(self.device, self.dtype)
+        self.datasheet = metrics.datasheet_peak(self.device)
+        self.loud = mesh.rank == 0
+
+    def mfu(self, step, dt):
+        """Model FLOPs utilisation of a step that took dt seconds."""
+        achieved = self.flops / dt / self.world_size  # model FLOP/s per process
+        if achieved > self.peak:  # faster than the peak: it was measured while the machine was busy
+            self.peak = max(metrics.measured_matmul_peak(self.device, self.dtype, again=True), achieved)
+            if self.loud:
+                print(f"picotron: note: step {step} ran at {achieved / 1e9:.1f} GFLOP/s, above the matmul peak measured "
+                      f"at start-up ({self.at_start / 1e9:.1f} GFLOP/s: the machine was busy then); measured again: "
+                      f"MFU now uses {self.peak / 1e9:.1f} GFLOP/s", flush=True)
+        return achieved / self.peak
+
+
+def start_or_resume(cfg, mesh, run, injector):
+    """(the first step to run, the checkpoint Saver): step 1, or with --resume (or a restart after a lost rank)
+    the step after the newest checkpoint's, loaded into `run` in this layout (--resume-from: another run's)."""
     resume = cfg.resume or faults.attempt() > 0  # a restart after a lost rank resumes by itself
     try:  # several nodes: rank 0 picks the checkpoint, every rank must see it; and every rank must see OUT
         start, folder = 1, checkpoint.agreed_latest(cfg.out, mesh) if resume else None
@@ -190,7 +310,7 @@ def train(cfg, mesh, return_model=False):
         raise Stopped(f"picotron: error: {e}", 2) from None
     if folder:
         start = reshard.load(folder, run, mesh) + 1
-    if is_logger and (resume or folder):
+    if mesh.rank == 0 and (resume or folder):
         why = f"restart {faults.attempt()}: " if faults.attempt() else ""
         print(f"{why}resuming from {folder} at step {start}" if folder else  # (no folder: only a restart gets here)
               f"{why}no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
@@ -199,134 +319,75 @@ def train(cfg, mesh, return_model=False):
     if start > cfg.steps:
         raise Stopped(f"picotron: error: the checkpoint in {cfg.out} is at step {start - 1} >= --steps {cfg.steps}; "
                       f"nothing to do (raise --steps to train further).", 2)
-    log = metrics.MetricsLog(cfg.out, enabled=is_logger, resume_step=start if start > 1 else None)
-    if is_logger:
-        changed = [f"{k}={getattr(cfg, k)}" for k in config_mod.MODEL_FIELDS + tuple(config_mod.MOE_FIELDS)
-                   if getattr(cfg, k) is not None]
-        name = cfg.preset + (f" ({', '.join(changed)})" if changed else "")
-        active = f" ({mc.num_params(active=True) / 1e6:.2f} M active per token)" if mc.is_moe else ""
-        threads = torch.get_num_threads()
-        print(f"picotron | {mesh} | model {name}: {mc.num_params() / 1e6:.2f} M parameters{active} | {run.description} | "
-              f"{tokens_per_step} tokens/step | {cfg.dtype} | recompute {cfg.recompute} | {threads} "
-              f"thread{'s' if threads > 1 else ''}/process | measured {peak / 1e9:.1f} GFLOP/s matmul peak | "
-              f"writes {cfg.out}", flush=True)
-        if cfg.warmup_steps > cfg.steps:
-            print(f"picotron: note: warmup_steps={cfg.warmup_steps} > steps={cfg.steps}, so the learning rate never "
-                  f"reaches lr={cfg.lr:g} (it ends at {lr_at(cfg.steps, cfg):.2g}); pass --warmup-steps "
-                  f"{max(0, cfg.steps // 10)} for a short run.", flush=True)
+    return start, saver
 
-    def one_step(step):
-        nonlocal mfu_peak
-        metrics.reset_device_peak(device)
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss = run.schedule.run(model, loader.micro_batches(step), injector.loss_fn(step, run.loss_fn))
-        scale = run.scaler.scale  # fp16: the gradients are S times the gradient (S = 1 otherwise)
-        grad_norm = clip_grad_norm(run.grad_params, cfg.grad_clip, mesh, grad_scale=scale)
-        mem = model.memory()  # gradients still alive here
-        loss_value = float(loss)  # .item(): waits for the device
-        injector.maybe_kill("kill", step)  # mid-step: gradients computed, the update not yet applied
-        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-        overflow = run.scaler.dynamic and math.isfinite(loss_value) and not finite  # fp16: S too large
-        run.scaler.update(overflow)  # an overflow halves S (this step is skipped); clean steps grow it
-        if not finite and not overflow and cfg.on_nonfinite == "stop":  # the same on every rank: all stop
-            saver.wait()
-            raise Stopped(divergence_message(cfg, step, loss_value, grad_norm, step in injector.nan_steps,
-                                             saver.newest), 1)
-        if finite:
-            optimizer.step()
-        model.zero_grad(set_to_none=True)
-        metrics.sync(device)
-        dt = time.perf_counter() - t0
-        mem.update(optimizer=metrics.optimizer_bytes(optimizer),
-                   activations=activations.bytes if phased else run.schedule.activation_bytes,
-                   device_peak=metrics.device_peak_bytes(device), rss_peak=metrics.process_peak_rss_bytes())
-        achieved = flops_per_step / dt / mesh.world_size  # model FLOP/s per process
-        if achieved > mfu_peak:  # faster than the peak: it was measured while the machine was busy
-            mfu_peak = max(metrics.measured_matmul_peak(device, compute_dtype, again=True), achieved)
-            if is_logger:
-                print(f"picotron: note: step {step} ran at {achieved / 1e9:.1f} GFLOP/s, above the matmul peak measured "
-                      f"at start-up ({peak / 1e9:.1f} GFLOP/s: the machine was busy then); measured again: "
-                      f"MFU now uses {mfu_peak / 1e9:.1f} GFLOP/s", flush=True)
-        record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                  "tokens": step * tokens_per_step, "step_time": dt, "tokens_per_s": tokens_per_step / dt,
-                  "mfu": achieved / mfu_peak, "mem": mem}
-        if not finite:  # --on-nonfinite skip, or fp16's overflow: this step changed nothing
-            record["skipped"] = True
-        if run.scaler.dynamic:
-            record.update(loss_scale=scale, overflow=overflow, overflows=run.scaler.skipped)
-        if datasheet:
-            record["mfu_datasheet"] = flops_per_step / dt / (datasheet * mesh.world_size)
-        experts = moe.step_stats(run.raw, mesh.dp_cp)  # MoE: routing of this step (this pipeline stage's layers)
-        if experts is not None:
-            record["moe"] = experts
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step in (start, cfg.steps)):
-            record["val_loss"] = run.schedule.evaluate(run.raw, loader.val_batches(cfg.eval_batches), run.loss_fn)
-        return record
 
-    history, val_loss, t_start = [], None, time.perf_counter()
-    try:
-        with interruptible(announce=is_logger) as stop_asked:
-            for step in range(start, cfg.steps + 1):
-                try:
-                    record = one_step(step)
-                except KeyboardInterrupt:  # a second Ctrl-C: stop at once, without saving a half-done step
-                    saver.wait()
-                    raise Stopped(f"picotron: stopped: interrupted during step {step}/{cfg.steps}; "
-                                  f"{resume_hint(cfg, saver.newest)}.", 130) from None
-                val_loss = record.get("val_loss", val_loss)
-                log.write(record)
-                history.append(record)
-                if is_logger and record.get("overflow"):
-                    print(f"picotron: step {step} skipped: the fp16 gradients overflowed at loss scale "
-                          f"{record['loss_scale']:g}; the scale is now {run.scaler.scale:g}", flush=True)
-                elif is_logger and record.get("skipped"):
-                    print(f"picotron: step {step} skipped: loss {record['loss']}, gradient norm "
-                          f"{record['grad_norm']} (--on-nonfinite skip); the weights are those of step {step - 1}",
-                          flush=True)
-                if cfg.save_every and step % cfg.save_every == 0:
-                    saver.save(step, run)
-                if is_logger and (step % cfg.log_every == 0 or step in (1, cfg.steps) or "val_loss" in record):
-                    print(progress_line(record, cfg.steps), flush=True)
-                if step < cfg.steps and mesh.agree(stop_asked()):  # every rank stops after the same step
-                    saver.wait()
-                    if saver.newest != checkpoint.step_dir(cfg.out, step):
-                        saver.save(step, run)
-                        saver.wait()
-                    raise Stopped(f"picotron: stopped: interrupted after step {step}/{cfg.steps}; "
-                                  f"{resume_hint(cfg, saver.newest)}.", 130)
-        if cfg.save_final and saver.newest != checkpoint.step_dir(cfg.out, cfg.steps):
-            saver.save(cfg.steps, run)  # the trained model, for --resume, --resume-from and picotron.export
-        saver.close()  # the last write in flight ends before the run does
-    except Stopped:
-        log.close()  # the steps so far stay in metrics.jsonl
-        raise
+def announce(cfg, mesh, run, speed):
+    """The start-up line: the grid, the model, the strategies, the batch, the precision, the matmul peak."""
+    mc = run.raw.config
+    changed = [f"{k}={getattr(cfg, k)}" for k in config.MODEL_FIELDS + tuple(config.MOE_FIELDS)
+               if getattr(cfg, k) is not None]
+    name = cfg.preset + (f" ({', '.join(changed)})" if changed else "")
+    active = f" ({mc.num_params(active=True) / 1e6:.2f} M active per token)" if mc.is_moe else ""
+    threads = torch.get_num_threads()
+    print(f"picotron | {mesh} | model {name}: {mc.num_params() / 1e6:.2f} M parameters{active} | {run.description} | "
+          f"{speed.tokens} tokens/step | {cfg.dtype} | recompute {cfg.recompute} | {threads} "
+          f"thread{'s' if threads > 1 else ''}/process | measured {speed.at_start / 1e9:.1f} GFLOP/s matmul peak | "
+          f"writes {cfg.out}", flush=True)
+    if cfg.warmup_steps > cfg.steps:
+        print(f"picotron: note: warmup_steps={cfg.warmup_steps} > steps={cfg.steps}, so the learning rate never "
+              f"reaches lr={cfg.lr:g} (it ends at {lr_at(cfg.steps, cfg):.2g}); pass --warmup-steps "
+              f"{max(0, cfg.steps // 10)} for a short run.", flush=True)
 
+
+def say_if_skipped(record, scaler):
+    """The line for a step that changed nothing: fp16's overflow, or an inf/NaN under --on-nonfinite skip."""
+    step = record["step"]
+    if record.get("overflow"):
+        print(f"picotron: step {step} skipped: the fp16 gradients overflowed at loss scale "
+              f"{record['loss_scale']:g}; the scale is now {scaler.scale:g}", flush=True)
+    elif record.get("skipped"):
+        print(f"picotron: step {step} skipped: loss {record['loss']}, gradient norm "
+              f"{record['grad_norm']} (--on-nonfinite skip); the weights are those of step {step - 1}", flush=True)
+
+
+def stop_after(step, cfg, run, saver):
+    """Ctrl-C: the Stopped that ends the run after `step`, once that step's checkpoint is written."""
+    saver.wait()
+    if saver.newest != checkpoint.step_dir(cfg.out, step):
+        saver.save(step, run)
+    return interrupted(cfg, saver, f"after step {step}/{cfg.steps}")
+
+
+def interrupted(cfg, saver, when):
+    """The Stopped of a Ctrl-C (status 130), once the checkpoint writes in flight have ended: where to resume."""
+    saver.wait()
+    return Stopped(f"picotron: stopped: interrupted {when}; {resume_hint(cfg, saver.newest)}.", 130)
+
+
+def summarize(history, cfg, mesh, run, speed, elapsed_s):
+    """The run's last line of metrics.jsonl: speed over the steady steps, the final and validation losses."""
     steady = history[1:] or history  # the first step pays for warm-up (allocations, kernel selection)
     step_time = sum(r["step_time"] for r in steady) / len(steady)
+    val_loss = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)
     summary = {"summary": True, "steps": cfg.steps, "final_loss": history[-1]["loss"], "val_loss": val_loss,
-               "tokens_per_s": tokens_per_step / step_time, "mfu": flops_per_step / step_time / (mfu_peak * mesh.world_size),
-               "peak_flops_measured": mfu_peak, "peak_flops_measured_at_start": peak,
-               "peak_flops_datasheet": datasheet,
-               "flops_per_token": metrics.flops_per_token(mc, cfg.seq_len), "num_params": mc.num_params(),
-               "elapsed_s": time.perf_counter() - t_start, "world_size": mesh.world_size,
-               "device": str(device), "mem": history[-1]["mem"]}
+               "tokens_per_s": speed.tokens / step_time,
+               "mfu": speed.flops / step_time / (speed.peak * mesh.world_size),
+               "peak_flops_measured": speed.peak, "peak_flops_measured_at_start": speed.at_start,
+               "peak_flops_datasheet": speed.datasheet,
+               "flops_per_token": speed.flops_per_token, "num_params": run.raw.config.num_params(),
+               "elapsed_s": elapsed_s, "world_size": mesh.world_size,
+               "device": str(mesh.device), "mem": history[-1]["mem"]}
     if run.scaler.dynamic:
         summary.update(loss_scale=run.scaler.scale, overflows=run.scaler.skipped)
-    log.write(summary)
-    log.close()
-    if is_logger:
-        val = f"val {val_loss:.3f}, " if val_loss is not None else ""
-        print(f"done: loss {history[0]['loss']:.3f} -> {summary['final_loss']:.3f}, {val}"
-              f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}% of the measured matmul peak, "
-              f"{summary['elapsed_s']:.0f} s", flush=True)
-    if cfg.sample_tokens:  # every rank generates (the same text): under ZeRO-3 and tp each forward is collective
-        text = sample_text(run.sampler, tokenizer, cfg, device)
-        if is_logger:
-            print("---- sample ----\n" + text + "\n----------------", flush=True)
-    return (summary, run) if return_model else summary
+    return summary
+
+
+def done_line(history, summary):
+    val = f"val {summary['val_loss']:.3f}, " if summary["val_loss"] is not None else ""
+    return (f"done: loss {history[0]['loss']:.3f} -> {summary['final_loss']:.3f}, {val}"
+            f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}% of the measured matmul peak, "
+            f"{summary['elapsed_s']:.0f} s")
 
 
 def sample_text(sampler, tokenizer, cfg, device):
@@ -381,7 +442,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     under_launcher = "WORLD_SIZE" in os.environ  # torchrun (or a test harness) started this process
     # Validated before any process group exists; a bad setting exits 2 with one sentence.
-    cfg = config_mod.cli(argv, any_world_size=not under_launcher)
+    cfg = cli(argv, any_world_size=not under_launcher)
     cfg, argv = run_folder(cfg, argv, under_launcher)  # checked, and claimed, before any process group exists
     if not under_launcher and (cfg.world_size > 1 or cfg.max_restarts or cfg.nnodes > 1):  # start them ourselves
         nodes = dict(nnodes=cfg.nnodes, node_rank=cfg.node_rank, rdzv_endpoint=cfg.rdzv_endpoint, rdzv_id=cfg.rdzv_id)
@@ -390,7 +451,7 @@ def main(argv=None):
                                               max_restarts=cfg.max_restarts,
                                               hint=lambda: resume_hint(cfg, checkpoint.latest(cfg.out), argv), **nodes))
     if os.environ.get("RANK", "0") == "0":  # tp / cp peers on different nodes: allowed, but say what it costs
-        note = config_mod.placement_note(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)))
+        note = config.placement_note(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size)))
         if note:
             print(f"picotron: warning: {note}", flush=True)
     try:

@@ -319,14 +319,3 @@ def wrap(model, axis, stage, bucket_mb=25.0, axis_of=None):
     if stage in (1, 2):
         return ZeroDataParallel(model, axis, stage, bucket_mb=bucket_mb, axis_of=axis_of)
     raise ValueError(f"ZeRO stage {stage!r}: zero.wrap does stages 1 and 2; stage 3 is picotron.zero3.Zero3.")
-
-
-def check(cfg, model_config):
-    """ZeRO's rules: the one-sentence problem with these settings, or None."""
-    if cfg.zero and cfg.dp_impl != "bucket":
-        return (f"dp_impl={cfg.dp_impl!r} does not apply with zero={cfg.zero} (ZeRO replaces the data-parallel "
-                f"wrapper: it reduce-scatters the gradients itself); drop --dp-impl or use zero=0.")
-    if cfg.zero and cfg.dp * cfg.cp == 1:
-        return (f"zero={cfg.zero} with dp=1 has nothing to shard over (ZeRO splits the model states over the "
-                f"data-parallel ranks); add --dp 2 or more, or drop --zero.")
-    return None

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from picotron import checkpoint, reshard
-from picotron.config import Config, validate
+from picotron.config import Config
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
-from picotron.parallelize import parallelize
+from picotron.parallelize import parallelize, validate
 from picotron.train import train
 
 SMALL = dict(seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, eval_every=0, lr=3e-3,

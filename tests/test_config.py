@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from picotron import config
-from picotron.config import Config, ConfigError, cli, parse_args, validate
+from picotron.config import Config, ConfigError, parse_args
+from picotron.parallelize import cli, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,12 +23,6 @@ def error_of(world_size=1, **fields):
     with pytest.raises(ConfigError) as e:
         validate(Config(**fields), world_size)
     return one_sentence(str(e.value))
-
-
-@pytest.fixture
-def implemented(monkeypatch):
-    """Pretend every strategy exists, to reach the rules behind the 'not implemented yet' gate."""
-    monkeypatch.setattr(config, "IMPLEMENTED", {k: True for k in config.IMPLEMENTED})
 
 
 def test_defaults_are_valid_and_derived_sizes():
@@ -46,7 +41,7 @@ def test_model_config_applies_overrides():
 
 
 # ------------------------------------------------------------------------------------------------ the rules
-def test_world_size_must_equal_product_of_degrees(implemented):
+def test_world_size_must_equal_product_of_degrees():
     msg = error_of(world_size=2)
     assert "world size 2" in msg and "dp*pp*cp*tp" in msg and "= 1" in msg and "torchrun" in msg
     msg = error_of(world_size=1, dp=2, tp=2)
@@ -83,14 +78,14 @@ def test_tp_message_matches_spec_example():
     assert error_of(tp=3) == "tp=3 does not divide num_attention_heads=8; pick tp in {1, 2, 4}."
 
 
-def test_pp_needs_a_layer_per_stage(implemented):
+def test_pp_needs_a_layer_per_stage():
     msg = error_of(world_size=5, pp=5)
     assert msg.startswith("pp=5 with 1 chunk per rank needs 5 stages of at least one layer each but the model has "
                           "num_hidden_layers=4; pick pp <= 4")
     validate(Config(pp=3), 3)  # stages may hold different numbers of layers: the split balances their cost
 
 
-def test_cp_needs_seq_len_divisible_by_2cp(implemented):
+def test_cp_needs_seq_len_divisible_by_2cp():
     msg = error_of(cp=3)
     assert "cp=3" in msg and "seq_len=128" in msg and "2*cp=6" in msg and "pick cp in {1, 2, 4" in msg
     error_of(cp=2, seq_len=130)  # 130 % 4 != 0
@@ -106,7 +101,7 @@ def test_sp_needs_local_sequence_divisible_by_tp():
     assert "sp with tp=4" in msg and "seq_len/cp=130" in msg and "multiple of 4" in msg
 
 
-def test_ep_must_divide_dp(implemented):
+def test_ep_must_divide_dp():
     msg = error_of(world_size=2, dp=2, ep=3, preset="tiny-moe")
     assert "ep=3 does not divide dp=2 and the 4 experts" in msg and "pick ep in {1, 2}" in msg
 
@@ -168,23 +163,19 @@ def test_data_source_must_exist(tmp_path):
     validate(Config(data="hf:roneneldan/TinyStories"), 1)  # checked later, by the loader
 
 
-@pytest.mark.parametrize("name", sorted(config.IMPLEMENTED))
-def test_not_implemented_yet(name, monkeypatch):
-    monkeypatch.setitem(config.IMPLEMENTED, name, False)
-    fields = {"sp": {"sp": True, "tp": 2}, "zero": {"zero": 1, "dp": 2}, "ep": {"ep": 2, "dp": 2, "preset": "tiny-moe"}}.get(name, {name: 2})
-    if name in ("sp", "ep", "zero"):  # sp needs tp, ep and zero need dp: make those available
-        monkeypatch.setitem(config.IMPLEMENTED, "tp", True)
-        monkeypatch.setitem(config.IMPLEMENTED, "dp", True)
-    msg = error_of(world_size=Config(**fields).world_size, **fields)
-    shown = "--sp" if name == "sp" else f"{name}={fields[name]}"
-    assert msg.startswith(f"{shown} is not implemented yet (") and "arrives with lesson" in msg
-    monkeypatch.setitem(config.IMPLEMENTED, name, True)
+@pytest.mark.parametrize("fields", [dict(dp=2), dict(tp=2), dict(pp=2), dict(cp=2), dict(sp=True, tp=2),
+                                    dict(zero=1, dp=2), dict(ep=2, dp=2, preset="tiny-moe")], ids=str)
+def test_every_strategy_alone_is_valid(fields):
     validate(Config(**fields), Config(**fields).world_size)
 
 
-def test_dp_message_matches_spec_example(monkeypatch):
-    monkeypatch.setitem(config.IMPLEMENTED, "dp", False)
-    assert error_of(dp=2) == "dp=2 is not implemented yet (data parallelism arrives with lesson 03); use dp=1."
+def test_option_tuples_are_the_configs():
+    """The values a setting may take are defined once, in picotron.config; modules that still name their own
+    tuple must hold the same values."""
+    from picotron import context_parallel, kernels, pipeline_parallel, planner
+    assert kernels.IMPLS is config.KERNELS and planner.RECOMPUTE is config.RECOMPUTE
+    assert pipeline_parallel.SCHEDULES == config.PP_SCHEDULES
+    assert (context_parallel.IMPLS, context_parallel.LAYOUTS) == (config.CP_IMPLS, config.CP_LAYOUTS)
 
 
 # ------------------------------------------------------------------------------------- JSON, flags, the CLI
@@ -242,7 +233,7 @@ def _run(module, *argv):
                           timeout=120)
 
 
-@pytest.mark.parametrize("module", ["picotron.train", "picotron.config"])
+@pytest.mark.parametrize("module", ["picotron.train", "picotron.parallelize"])
 def test_command_line_exits_2_without_traceback(module):
     r = _run(module, "--tp", "3")
     assert r.returncode == 2, r.stderr
@@ -250,8 +241,8 @@ def test_command_line_exits_2_without_traceback(module):
     assert "Traceback" not in r.stdout + r.stderr
 
 
-def test_config_module_prints_resolved_settings():
-    r = _run("picotron.config", "--steps", "5", "--preset", "tiny")
+def test_parallelize_module_prints_resolved_settings():
+    r = _run("picotron.parallelize", "--steps", "5", "--preset", "tiny")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["steps"] == 5
 

@@ -15,12 +15,12 @@ from _parity import assert_matches, layout_grads
 
 from picotron import context_parallel as cpm
 from picotron import train as train_mod
-from picotron.config import Config, ConfigError, validate
+from picotron.config import Config, ConfigError
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
 from picotron.metrics import Recorder, read_metrics
 from picotron.model import apply_rope, rope_cos_sin
-from picotron.parallelize import parallelize
+from picotron.parallelize import parallelize, validate
 from picotron.train import train
 
 

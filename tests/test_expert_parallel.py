@@ -16,12 +16,12 @@ from _parity import assert_matches, layout_grads
 
 from picotron import expert_parallel, moe
 from picotron import train as train_mod
-from picotron.config import Config, ConfigError, validate
+from picotron.config import Config, ConfigError
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh, expert_groups
 from picotron.metrics import read_metrics
 from picotron.model import Llama, ModelConfig
-from picotron.parallelize import parallelize
+from picotron.parallelize import parallelize, validate
 from picotron.train import train
 
 

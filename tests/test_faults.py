@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from picotron import checkpoint, reshard
-from picotron.config import Config, ConfigError, validate
+from picotron.config import Config, ConfigError
 from picotron.metrics import read_metrics
+from picotron.parallelize import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}

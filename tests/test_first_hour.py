@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from picotron import checkpoint, config, data
 from picotron import parallelize as parallelize_mod
 from picotron import train as train_mod
-from picotron.config import Config, ConfigError, validate
+from picotron.config import Config, ConfigError
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
+from picotron.parallelize import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}

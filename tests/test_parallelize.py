@@ -37,16 +37,18 @@ def test_train_py_knows_no_strategy():
 
 
 def test_every_strategy_owns_its_rules():
-    """config.validate asks each strategy module's check(); their sentences come out unchanged."""
+    """validate asks each strategy module's check() for its own values, then parallelize's table for which
+    strategies combine; their sentences come out unchanged."""
     from picotron import config, tensor_parallel
     assert all(callable(s.check) for s in par_mod.STRATEGIES)
     mc = ModelConfig.from_preset("tiny")
     assert tensor_parallel.check(Config(tp=3), mc).startswith("tp=3 does not divide num_attention_heads=8")
-    assert zero.check(Config(zero=1), mc).startswith("zero=1 with dp=1 has nothing to shard over")
+    assert par_mod.combination_problem(Config(zero=1), mc).startswith("zero=1 with dp=1 has nothing to shard over")
+    assert par_mod.combination_problem(Config(dp=2, tp=2, pp=2, cp=2, sp=True, zero=1), mc) is None
     with pytest.raises(config.ConfigError, match="tp=3 does not divide"):
-        config.validate(Config(tp=3), 3)
+        par_mod.validate(Config(tp=3), 3)
     with pytest.raises(config.ConfigError, match="dp_impl='ddp' runs torch's DistributedDataParallel"):
-        config.validate(Config(dp=2, dp_impl="ddp", collectives="ours"), 2)
+        par_mod.validate(Config(dp=2, dp_impl="ddp", collectives="ours"), 2)
 
 
 # ---------------------------------------------------------------------------------- one process, Mesh.local

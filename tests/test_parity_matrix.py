@@ -46,11 +46,11 @@ from _parity import assert_matches, layout_grads
 
 from picotron import nccl_rules
 from picotron import train as train_mod
-from picotron.config import Config, ConfigError, validate
+from picotron.config import Config, ConfigError
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
-from picotron.parallelize import parallelize
+from picotron.parallelize import parallelize, validate
 from picotron.train import train
 
 SMALL = dict(seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, eval_every=3, eval_batches=1,

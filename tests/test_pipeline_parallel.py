@@ -8,11 +8,11 @@ import torch
 
 from picotron import marks, nccl_rules
 from picotron import train as train_mod
-from picotron.config import Config, ConfigError, validate
+from picotron.config import Config, ConfigError
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
 from picotron.metrics import read_metrics
-from picotron.parallelize import parallelize
+from picotron.parallelize import parallelize, validate
 from picotron.tensor_parallel import gather_from_tp
 from picotron.train import train
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from picotron import metrics, precision
-from picotron.config import Config, ConfigError, validate
+from picotron.config import Config, ConfigError
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
 from picotron.metrics import Recorder, read_metrics
-from picotron.parallelize import parallelize
+from picotron.parallelize import parallelize, validate
 from picotron.train import load_data, train
 
 SMALL = dict(preset="tiny", seq_len=64, micro_batch_size=8, sample_tokens=0, log_every=1000, eval_every=0,

@@ -204,16 +204,16 @@ _common.show_source(Llama.forward, "x = self.embed_tokens", "return self.lm_head
 
 # %% [markdown]
 # And one optimizer step. The step engine, `schedule.OneStage.run` (`picotron/schedule.py`), runs $k$ = `grad_acc`
-# micro-batches, each loss divided by $k$ so that the summed gradients are the gradients of the mean loss; the
-# `ActivationCounter` wraps the first micro-batch. Its `_phase` hooks name each micro-batch's forward and backward:
-# section 4 hands them to the profiler. (`no_sync` and `finish_sync` are for lesson 03: on one device the
+# micro-batches, each loss divided by $k$ so that the summed gradients are the gradients of the mean loss. It
+# measures nothing itself: `self.phases` names each micro-batch's forward and backward, and whoever measures listens
+# (`picotron/hooks.py`): the trainer counts the activations autograd saves, section 4 hands the phases to the profiler. (`no_sync` and `finish_sync` are for lesson 03: on one device the
 # model's wrapper, `Local`, has nothing to synchronise.) `picotron/train.py` calls it, clips the gradient norm and
 # steps AdamW:
 
 # %%
 _common.show_source(schedule.OneStage.run)
 print("\n    # picotron/train.py, one optimizer step:")
-_common.show_source(trainer.train, "loss = run.schedule.run", "model.zero_grad")
+_common.show_source(trainer.one_step, "loss = run.schedule.run", "model.zero_grad")
 
 # %% [markdown]
 # **Takeaway:** one step is forward and backward of each micro-batch (gradients adding up), then one optimizer step;

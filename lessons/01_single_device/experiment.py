@@ -192,12 +192,10 @@ def max_abs_diff(tensors, reference):
 PHASES = ("forward", "backward", "optimizer")
 
 
-class ProfilerPhases:
-    """Stands in for the step engine's timeline (`schedule.OneStage.timeline`): each micro-batch's forward and
-    backward become named ranges of the profiler's trace, so memory and time can be cut at them."""
-
-    def record(self, name, **info):
-        return record_function(name)
+def profiler_phase(name, **info):
+    """A listener on the step engine's phases (`schedule.OneStage.phases`, picotron.hooks): each micro-batch's
+    forward and backward become named ranges of the profiler's trace, so memory and time can be cut at them."""
+    return record_function(name)
 
 
 def activities(device):
@@ -223,7 +221,7 @@ def step_memory(cfg, device, steps=2, timeline=False, snapshot=None, timed_steps
     with profile(activities=activities(device), profile_memory=True) as prof:
         with record_function("build"):
             run = parallelize(cfg, Mesh.local(device))
-        run.schedule.timeline = ProfilerPhases()
+        run.schedule.phases.listen(profiler_phase)
         for step in range(1, steps + 1):
             metrics.reset_device_peak(device)
             with record_function(f"step {step}"):
@@ -462,7 +460,7 @@ def exp_trace(mesh, fast, out):
     seq, b = st["trace_seq_len"], st["trace_micro_batch_size"]
     cfg, device = make_cfg("small", seq_len=seq, micro_batch_size=b), mesh.device
     run, micro = parallelize(cfg, Mesh.local(device)), batches(cfg)
-    run.schedule.timeline = ProfilerPhases()
+    run.schedule.phases.listen(profiler_phase)
     train_step(run, micro)  # a first step: AdamW creates its state, kernels are chosen
     with profile(activities=activities(device)) as prof:
         with record_function("step"):

@@ -205,7 +205,7 @@ _common.show_source(schedule.OneStage.run)
 # own pieces, built the way `parallelize` builds them, and a step is the step engine, then AdamW:
 
 # %%
-_common.show_source(lesson.Variant.__init__, "axis = (", "self.schedule =")
+_common.show_source(lesson.Variant.__init__, "axis = (", "self.schedule.phases.listen")
 _common.show_source(lesson.Variant.step, "self.forward_backward", "self.model.zero_grad")
 
 # %%

@@ -88,7 +88,8 @@ class Variant:
         else:
             self.model = data_parallel.wrap(self.raw, axis, impl, bucket_mb)
         self.optimizer = parallelize.build_optimizer(self.model.optimizer_groups(), cfg, mesh.device)
-        self.schedule = schedule.OneStage(replicas, mesh.device, timeline=self.timeline)
+        self.schedule = schedule.OneStage(replicas, mesh.device)
+        self.schedule.phases.listen(self.timeline.record)  # its forward, backward and wait, on this timeline
         self.loader = data.DataLoader(tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
                                       grad_acc=grad_acc, dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed)
         self.times, self.step_starts, self.sent = [], [], []

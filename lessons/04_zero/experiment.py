@@ -64,7 +64,10 @@ class Variant:
         self.model.prefetch = prefetch  # ZeRO-3's option (off: a layer is gathered only when it computes)
         if timeline:
             hooks.watch(self.model, listener=self.recorder.phase)
-        self.schedule.timeline = self.timeline if timeline else None
+        self.activations = metrics.ActivationPeak(self.model)  # what autograd keeps, as the trainer counts it
+        self.schedule.phases.listen(self.activations)
+        if timeline:
+            self.schedule.phases.listen(self.timeline.record)  # each micro-batch's forward and backward, the wait
         self.psi = run.raw.config.num_params()
         self.recorder.reset()  # DataParallel's start-up broadcast is no step's traffic
         self.loader = data.DataLoader(tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
@@ -89,7 +92,7 @@ class Variant:
         if record:
             self.times.append(time.perf_counter() - t0)
         self.mem = dict(mem, optimizer=metrics.optimizer_bytes(self.optimizer),
-                        activations=self.schedule.activation_bytes)
+                        activations=self.activations.bytes)
 
     def stats(self):
         """Step times (each the slowest rank's) with their median and quartiles."""

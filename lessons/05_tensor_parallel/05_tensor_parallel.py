@@ -194,7 +194,7 @@ _common.show_source(tensor_parallel.SequenceParallelRMSNorm.forward)
 # with the schedule's forward and backward:
 
 # %%
-_common.show_source(lesson.Variant.__init__, "self.recorder =", "self.run.schedule.timeline")
+_common.show_source(lesson.Variant.__init__, "self.recorder =", "self.recorder.timeline.record")
 _common.show_source(lesson.Variant.step, "self.recorder.reset()", "elapsed, calls =")
 
 # %%
@@ -245,9 +245,10 @@ lesson.plot_comm(comm); plt.show()
 # parallelism sends *gradients*, once per step, behind backward.
 #
 # ### (b) What each rank keeps
-# One step of every variant: the bytes autograd keeps for backward (the step schedule's count,
-# `schedule.activation_bytes`), credited to the part of the model that saved them by one more forward under
-# `PartCounter` (the two totals must agree), next to `lesson.activation_parts` (exact for our code, term by term):
+# One step of every variant: the bytes autograd keeps for backward (counted as the trainer counts them: a
+# `metrics.ActivationPeak` listening to the step schedule's phases), credited to the part of the model that saved
+# them by one more forward under `PartCounter` (the two totals must agree), next to `lesson.activation_parts` (exact
+# for our code, term by term):
 
 # %%
 for t, res in memory.items():

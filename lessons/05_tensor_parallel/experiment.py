@@ -284,7 +284,9 @@ class Variant:
         self.recorder = metrics.Recorder(metrics.Timeline(mesh.device, mesh.rank))
         self.mesh = mesh.recorded(self.recorder)
         self.run = parallelize(cfg, self.mesh)
-        self.run.schedule.timeline = self.recorder.timeline
+        self.activations = metrics.ActivationPeak(self.run.model)  # what autograd keeps, as the trainer counts it
+        self.run.schedule.phases.listen(self.activations)
+        self.run.schedule.phases.listen(self.recorder.timeline.record)  # the phases, on the collectives' timeline
         self.loader = load_data(cfg, mesh)[1]  # the trainer's loader: every tp rank reads the same rows
         self.calls, self.times, self.comm_times, self.losses = [], [], [], []  # calls: (phase, kind, bytes, s)
         self.activation_bytes = self.parts = self.states = None
@@ -308,7 +310,7 @@ class Variant:
             self.times.append(elapsed)
             self.comm_times.append(sum(c[3] for c in calls))
         self.states = {k: states[k] for k in PARTS[:2]} | {"optimizer": metrics.optimizer_bytes(run.optimizer)}
-        self.activation_bytes = run.schedule.activation_bytes
+        self.activation_bytes = self.activations.bytes
 
     def count_parts(self, step):
         """The bytes autograd keeps, by part (`PartCounter`), over one more forward and loss of step `step`'s first

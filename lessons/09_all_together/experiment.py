@@ -128,10 +128,8 @@ class TimedRun:
         self.recorded = mesh.recorded(self.recorder)  # clipping's all-reduce over the world, counted and timed
         self.loader = load_data(cfg, mesh)[1]
         sch = self.run.schedule
-        if hasattr(sch, "timeline"):  # the one-stage engine
-            sch.timeline = self.tl
-        hooks.watch(sch, listener=self.tl.record)  # the pipeline's actions (F, B), named as phases
-        hooks.watch(sch, listener=metrics.ActivationPeak(self.run.raw))  # counted as picotron.train counts them
+        hooks.watch(sch, listener=self.tl.record)  # the engine's phases (a pipeline's F, B, W), on the timeline
+        hooks.watch(sch, listener=metrics.ActivationPeak(self.run.model))  # counted as picotron.train counts them
         if hasattr(sch, "_receive"):  # the pipeline's wait for a message from the neighbouring stage
             receive = sch._receive
 

@@ -360,7 +360,7 @@ def plot_scale(run, start, growth):
 def recipe_memory(recipes=tuple(precision.RECIPES), seq_len=128, micro_batch_size=8):
     """Per recipe, picotron's tiny preset after one step (forward, backward, optimizer step): the bytes of
     parameters, gradients (run.model.memory()), the optimizer's state split into master copy and moments
-    (metrics.optimizer_bytes), the activations saved for backward (run.schedule.activation_bytes), against
+    (metrics.optimizer_bytes), the activations saved for backward (metrics.ActivationPeak), against
     precision.model_state_bytes."""
     rows = []
     for name in recipes:
@@ -368,6 +368,7 @@ def recipe_memory(recipes=tuple(precision.RECIPES), seq_len=128, micro_batch_siz
                      eval_every=0)
         mesh = Mesh.local()
         run = parallelize(cfg, mesh)
+        activations = run.schedule.phases.listen(metrics.ActivationPeak(run.model))  # as the trainer counts them
         _, loader = load_data(cfg, mesh)
         run.schedule.run(run.model, loader.micro_batches(1), run.loss_fn)
         mem = run.model.memory()
@@ -375,7 +376,7 @@ def recipe_memory(recipes=tuple(precision.RECIPES), seq_len=128, micro_batch_siz
         masters = metrics.tensor_bytes(getattr(run.optimizer, "masters", ()))
         rows.append(dict(recipe=name, params=mem["params"], grads=mem["grads"], masters=masters,
                          moments=metrics.optimizer_bytes(run.optimizer) - masters,
-                         activations=run.schedule.activation_bytes, num_params=run.raw.num_params(),
+                         activations=activations.bytes, num_params=run.raw.num_params(),
                          tensors=len(list(run.raw.parameters())),
                          formula=precision.model_state_bytes(run.raw.num_params(), name),
                          about=precision.RECIPES[name].about))
