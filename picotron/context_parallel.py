@@ -44,10 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron import hooks
+from picotron.config import CP_IMPLS as IMPLS, CP_LAYOUTS as LAYOUTS  # --cp-impl's and --cp-layout's values
 from picotron.model import AttentionCore, apply_rope
-
-IMPLS = ("ring", "allgather")
-LAYOUTS = ("zigzag", "contiguous")
 
 
 # ================================================================================= who holds which tokens

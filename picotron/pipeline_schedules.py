@@ -31,12 +31,11 @@ import math
 from collections import namedtuple
 from dataclasses import dataclass, field
 
+from picotron.config import PP_SCHEDULES as SCHEDULES  # --pp-schedule's values (config: a leaf, no torch)
+
 # ============================================================================================ schedules
 Action = namedtuple("Action", "kind mb chunk")  # kind "F" | "B" | "W"; micro-batch; chunk on this rank
 Action.__repr__ = lambda a: f"{a.kind}{a.mb}" + (f".{a.chunk}" if a.chunk else "")
-
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v")
-
 
 class ScheduleError(ValueError):
     """A schedule that cannot run: the message names the first wrong action or the deadlock."""

@@ -170,12 +170,13 @@ def test_every_strategy_alone_is_valid(fields):
 
 
 def test_option_tuples_are_the_configs():
-    """The values a setting may take are defined once, in picotron.config; modules that still name their own
-    tuple must hold the same values."""
-    from picotron import context_parallel, kernels, pipeline_parallel, planner
+    """The values a setting may take are defined once, in picotron.config; the modules that name them use
+    config's tuples themselves."""
+    from picotron import context_parallel, kernels, pipeline_schedules, planner
     assert kernels.IMPLS is config.KERNELS and planner.RECOMPUTE is config.RECOMPUTE
-    assert pipeline_parallel.SCHEDULES == config.PP_SCHEDULES
+    assert pipeline_schedules.SCHEDULES is config.PP_SCHEDULES
     assert (context_parallel.IMPLS, context_parallel.LAYOUTS) == (config.CP_IMPLS, config.CP_LAYOUTS)
+    assert context_parallel.IMPLS is config.CP_IMPLS and context_parallel.LAYOUTS is config.CP_LAYOUTS
 
 
 # ------------------------------------------------------------------------------------- JSON, flags, the CLI

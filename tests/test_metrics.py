@@ -94,7 +94,9 @@ def test_caller_computes_while_a_recorded_all_reduce_is_in_flight():
 
 
 # ------------------------------------------------------------------ measurement is installed from outside
-STRATEGIES = ("context_parallel", "zero3", "zero", "data_parallel", "tensor_parallel", "expert_parallel", "moe")
+# the strategies and the step engines (pipeline_schedules is left out: its simulator computes timelines, on paper)
+STRATEGIES = ("context_parallel", "zero3", "zero", "data_parallel", "tensor_parallel", "expert_parallel", "moe",
+              "pipeline_parallel", "zero_bubble", "schedule", "fp8", "precision")
 
 
 def test_no_strategy_counts_or_times_anything():
