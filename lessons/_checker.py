@@ -3,9 +3,14 @@ one line, and the ok/FAIL report. Each checkNN.py adds its own cases and the mes
 import importlib.util
 import linecache
 import re
+import sys
 import time
 import traceback
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the repository root, for `import picotron` (as lessons/_common.py does)
+    sys.path.insert(0, str(ROOT))
 
 
 class _Failure(Exception):

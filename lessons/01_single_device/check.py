@@ -19,8 +19,7 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import picotron`
-sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
+sys.path.insert(0, str(HERE.parent))  # lessons/: _checker, which puts the repository root on sys.path too
 sys.path.insert(0, str(HERE))  # this lesson's experiment.py (the allocator measurement, peak_bound)
 
 import torch  # noqa: E402

@@ -150,13 +150,15 @@ def train_step(run, micro, keep_grads=False):
     so), then AdamW, then the gradients are dropped. Returns the loss, the COUNTED bytes (params and grads
     walked before the optimizer step, AdamW's state after it, the saved tensors of the first micro-batch) and,
     with keep_grads, a copy of the gradients."""
+    activations = run.schedule.phases.listen(metrics.ActivationPeak(run.model))  # as the trainer counts them
     loss = float(run.schedule.run(run.model, micro, run.loss_fn))  # float(): waits for the device
+    run.schedule.phases.forget(activations)
     counted = run.model.memory()
     grads = [p.grad.detach().clone() for p in run.raw.parameters()] if keep_grads else None
     with record_function("optimizer"):
         run.optimizer.step()
         run.model.zero_grad(set_to_none=True)
-    counted.update(optimizer=metrics.optimizer_bytes(run.optimizer), activations=run.schedule.activation_bytes)
+    counted.update(optimizer=metrics.optimizer_bytes(run.optimizer), activations=activations.bytes)
     return loss, counted, grads
 
 

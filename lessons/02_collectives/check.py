@@ -26,14 +26,13 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import picotron`
+sys.path.insert(0, str(HERE.parent))  # lessons/: _checker, which puts the repository root on sys.path too
+from _checker import _Failure, entry_points, failure_message, load, where  # noqa: E402
 
 import torch  # noqa: E402
 
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
-sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import _Failure, entry_points, failure_message, load, where  # noqa: E402
 import _common  # noqa: E402
 
 MODEL = _common.load_lesson("02_collectives")  # experiment.py: the alpha-beta model the puzzle is checked against

@@ -33,15 +33,14 @@ from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import picotron`
+sys.path.insert(0, str(HERE.parent))  # lessons/: _checker, which puts the repository root on sys.path too
+from _checker import _Failure, entry_points, load, on_ranks, rendezvous, where  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from picotron.launch import RankError, RankTimeout, run_on_ranks  # noqa: E402
 
-sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import _Failure, entry_points, load, on_ranks, rendezvous, where  # noqa: E402
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"

@@ -19,12 +19,11 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import picotron`
+sys.path.insert(0, str(HERE.parent))  # lessons/: _checker, which puts the repository root on sys.path too
+from _checker import entry_points, in_process  # noqa: E402
 
 from picotron.mesh import ORDER, grid_coords, group_ranks  # noqa: E402
 
-sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import entry_points, in_process  # noqa: E402
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"

@@ -206,10 +206,10 @@ def exp_run4d(mesh, st, out):
         result["run"] = _curve(cfg)
         ref = make_cfg(st, grad_acc=st["grad_acc"] * layout["dp"], out=str(Path(out) / f"run4d_reference_{name}"))
         t0 = time.perf_counter()
-        _, one = train(ref, Mesh.local(mesh.device), return_model=True)
+        summary, one = train(ref, Mesh.local(mesh.device), return_model=True)
         result["reference"] = dict(_curve(ref), mem=dict(one.model.memory(),
                                                           optimizer=metrics.optimizer_bytes(one.optimizer),
-                                                          activations=one.schedule.activation_bytes),
+                                                          activations=summary["mem"]["activations"]),
                                    seconds=time.perf_counter() - t0)
     dist.barrier()
     return result

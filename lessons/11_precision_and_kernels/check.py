@@ -24,14 +24,13 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # the repository root, for `import picotron`
+sys.path.insert(0, str(HERE.parent))  # lessons/: _checker, which puts the repository root on sys.path too
+from _checker import entry_points, in_process  # noqa: E402
 
 import torch  # noqa: E402
 
 from picotron import fp8, precision  # noqa: E402
 
-sys.path.insert(0, str(HERE.parent))  # lessons/: the shared checker pieces
-from _checker import entry_points, in_process  # noqa: E402
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
