@@ -465,3 +465,9 @@ def parse_args(argv=None):
     base = Config.load(path).to_dict() if path else {}
     base.update(ns)
     return Config.from_dict(base, source=path or "the command line")
+
+
+if __name__ == "__main__":  # python -m picotron.config --tp 2 ...: the resolved, validated settings; the rules of
+    import runpy            # which strategies combine live in picotron.parallelize, so it is the one that answers
+
+    runpy.run_module("picotron.parallelize", run_name="__main__", alter_sys=True)

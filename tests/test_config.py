@@ -234,7 +234,7 @@ def _run(module, *argv):
                           timeout=120)
 
 
-@pytest.mark.parametrize("module", ["picotron.train", "picotron.parallelize"])
+@pytest.mark.parametrize("module", ["picotron.train", "picotron.parallelize", "picotron.config"])
 def test_command_line_exits_2_without_traceback(module):
     r = _run(module, "--tp", "3")
     assert r.returncode == 2, r.stderr
@@ -242,8 +242,9 @@ def test_command_line_exits_2_without_traceback(module):
     assert "Traceback" not in r.stdout + r.stderr
 
 
-def test_parallelize_module_prints_resolved_settings():
-    r = _run("picotron.parallelize", "--steps", "5", "--preset", "tiny")
+@pytest.mark.parametrize("module", ["picotron.parallelize", "picotron.config"])
+def test_the_settings_module_prints_resolved_settings(module):
+    r = _run(module, "--steps", "5", "--preset", "tiny")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["steps"] == 5
 
