@@ -32,8 +32,8 @@ losses after the timed steps. Timing: one step of each variant in turn, the orde
 every step; a step's time is the slowest rank's; printed: each side's median step time and the median of the
 paired ratios (torch's step time / ours = our throughput relative to torch's) with its quartiles.
 
-Point-to-point traffic: our executor counts the bytes it sends (`Pipeline.p2p_bytes`, cumulative: the
-difference over one step, summed over ranks), printed next to the formula 2·(S-1)·m·b·s·h·4 bytes (S stages
+Point-to-point traffic: a metrics.Recorder on the mesh counts the bytes our executor sends (its messages go
+through the pipeline links' Axis.exchange; one step, summed over ranks), printed next to the formula 2·(S-1)·m·b·s·h·4 bytes (S stages
 = P·v; activations forward, their gradients backward, fp32). With the V shape one boundary (stage P-1 -> P)
 stays on one rank, handed over in memory: there we send 2·(S-2)·m·b·s·h·4.
 """
@@ -79,7 +79,8 @@ class Variant:
     def __init__(self, name, cfg, mesh):
         self.name, self.cfg, self.mesh = name, cfg, mesh
         if name == "ours":
-            self.run = parallelize(cfg, mesh)
+            self.sent = metrics.Recorder()  # counts the executor's messages (and the few collectives: not read)
+            self.run = parallelize(cfg, mesh, recorder=self.sent)
             self.model, self.optimizer, self.params = self.run.model, self.run.optimizer, self.run.params
             self._step = self._ours
         elif name == "torch":
@@ -111,9 +112,9 @@ class Variant:
 
     def _ours(self, batches):
         """picotron.train's step, up to the optimizer: the schedule (forward, loss, backward), then clipping."""
-        before = self.run.schedule.p2p_bytes
+        self.sent.reset()
         loss = self.run.schedule.run(self.model, batches, self.run.loss_fn)
-        self.p2p.append(self.run.schedule.p2p_bytes - before)
+        self.p2p.append(self.sent.bytes.get("send", 0))
         self.grad_norm = marks.clip_grad_norm(self.params, self.cfg.grad_clip, self.mesh)
         return loss
 

@@ -319,7 +319,8 @@ class Mesh:
     `dp`, `pp`, `cp`, `tp`, `dp_cp` (dp x cp together: gradients of replicated parameters are averaged over
     it), `ep` and `edp` (the experts' axes carved from dp: see the module docstring), `pp_ends` (the first and last pipeline stage, which share tied embeddings) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
     pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage; `pp_links`: {(sender, receiver):
-    group} for this rank's pipeline neighbours, one group per direction (`pipeline_links`).
+    Axis} for this rank's pipeline neighbours, one two-rank axis (a group) per direction (`pipeline_links`), whose
+    messages (`Axis.exchange`) are counted by this mesh's recorder like its collectives.
     """
 
     AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
@@ -338,8 +339,9 @@ class Mesh:
             setattr(self, name, Axis(name, ranks, group, ranks.index(rank), dims, self.comm))
             if created:
                 self._created.append(group)
-        self.pp_links = dict(links or {})  # (sender, receiver) global ranks -> the group of that direction
-        self._created += list(self.pp_links.values())
+        self._links = dict(links or {})  # (sender, receiver) global ranks -> the group of that direction
+        self._created += list(self._links.values())
+        self.pp_links = self._link_axes(self.comm)
         self.is_first_stage = self.pp.rank == 0
         self.is_last_stage = self.pp.rank == self.pp.size - 1
         self.pp_prev_rank = None if self.is_first_stage else self.rank_of(pp=self.pp.rank - 1)
@@ -451,7 +453,13 @@ class Mesh:
         for name in self.AXES:
             a = getattr(self, name)
             setattr(mesh, name, Axis(a.name, a.ranks, a.group, a.rank, a.dims, comm))
+        mesh.pp_links = mesh._link_axes(comm)
         return mesh
+
+    def _link_axes(self, comm):
+        """{(sender, receiver): the "pp" axis of the two ranks, on the group of that direction}."""
+        return {pair: Axis("pp", sorted(pair), group, sorted(pair).index(self.rank), ("pp",), comm)
+                for pair, group in self._links.items()}
 
     def rank_of(self, **coords):
         """Global rank of the cell that matches this rank except for the given coordinates, e.g. rank_of(tp=0)."""

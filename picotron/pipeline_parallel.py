@@ -153,7 +153,6 @@ class Pipeline:
         self.hidden, self.seq_div = hidden, seq_div  # an activation is [b, s / seq_div, hidden] (sp: seq_div = tp)
         self.ends, self.autocast, self.store = ends, autocast, store  # store: a split schedule's WeightGradStore
         self.phases = hooks.Phases()  # each action, for whoever measures
-        self.p2p_bytes = 0  # sent to other ranks, since the start
         self.rank = mesh.pp.rank
         sch = schedule
         self.last_stage = sch.stages - 1
@@ -227,15 +226,15 @@ class Pipeline:
         if r == self.rank:
             self.local[(kind, mb, c)] = t
             return
-        self.sends += self._message("send", t, r)
-        self.p2p_bytes += t.numel() * t.element_size()
+        self.sends += self._message("send", t, r, "activation" if kind == "F" else "gradient")
 
-    def _message(self, kind, t, peer):
-        """Post one message to / from pipeline rank `peer` on the group of its direction (mesh.pp_links: on
-        NCCL each direction is then its own ordered stream, see mesh.pipeline_links); the handles."""
+    def _message(self, kind, t, peer, label="send"):
+        """Post one message to / from pipeline rank `peer` on the axis of its direction (mesh.pp_links: on
+        NCCL each direction is then its own ordered stream, see mesh.pipeline_links); the handles. A recorder
+        on the mesh counts what is sent, under `label` (Axis.exchange)."""
         me, other = self._global(self.rank), self._global(peer)
         link = self.mesh.pp_links[(me, other) if kind == "send" else (other, me)]
-        return p2p.exchange([(kind, t, other)], link)
+        return link.exchange([(kind, t, other)], label)
 
     # -------------------------------------------------------------------------------- the step
     def run(self, model, micro_batches, loss_fn):

@@ -214,7 +214,7 @@ def memory_estimate(model_config, seq_len, micro_batch_size, dtype="fp32", recom
 #   ZeRO over the dp x cp ranks (experts: over dp x cp / ep): 1 the optimizer state, 2 + gradients, 3 + params.
 from dataclasses import dataclass  # noqa: E402
 
-from picotron.pipeline_schedules import SCHEDULES, build, split_layers  # noqa: E402
+from picotron.pipeline_schedules import build, split_layers  # noqa: E402
 
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 # With sp, the copies of a block's all-gathered input [b, s, h] autograd keeps: the all-gather returns a transposed

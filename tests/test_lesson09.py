@@ -158,8 +158,9 @@ def test_bytes_formula_by_hand(lesson):
 
 def test_measured_bytes_and_shares(lesson):
     rank = dict(log=[("all_reduce", 100, "tp"), ("all_reduce", 50, "tp"), ("broadcast", 4, "pp"),
-                     ("all_reduce", 8, "dp_cp"), ("all_reduce", 4, "world"), ("send", 10, "cp"), ("send", 20, "cp")],
-                pp_bytes=30, start=0.0, end=10.0,
+                     ("all_reduce", 8, "dp_cp"), ("all_reduce", 4, "world"), ("send", 10, "cp"), ("send", 20, "cp"),
+                     ("send", 12, "pp"), ("send", 18, "pp")],
+                start=0.0, end=10.0,
                 events=[dict(name="forward", start=0.0, end=4.0), dict(name="all-reduce", axis_name="tp", start=1.0,
                                                                           end=2.0),
                         dict(name="wait", start=1.5, end=3.0), dict(name="backward", start=5.0, end=9.0),

@@ -392,9 +392,11 @@ for row in mem["rows"]:
 
 # %% [markdown]
 # ### (d) Point-to-point bytes per step
-# The executor counts the bytes it sends (`Pipeline.p2p_bytes`). Every stage boundary carries each micro-batch's
-# activation, $b \cdot s \cdot h$ fp32 numbers, forward, and its gradient backward: $2(S-1)\,m\,b\,s\,h \cdot 4$
-# bytes per step over all ranks with $S = p\,v$ stages ($2(S-2)$ for ZB-V, whose turn stays on one rank):
+# A `metrics.Recorder` on the mesh counts the bytes the executor sends: each message goes through its link's
+# `Axis.exchange`, which reports to the recorder as every collective does. Every stage boundary carries each
+# micro-batch's activation, $b \cdot s \cdot h$ fp32 numbers, forward, and its gradient backward:
+# $2(S-1)\,m\,b\,s\,h \cdot 4$ bytes per step over all ranks with $S = p\,v$ stages ($2(S-2)$ for ZB-V, whose turn
+# stays on one rank):
 
 # %%
 act = 4 * bub["b"] * bub["s"] * bub["h"]

@@ -129,7 +129,8 @@ class Stepper:
 
     def __init__(self, cfg, mesh):
         self.cfg, self.mesh = cfg, mesh
-        self.run = parallelize(cfg, mesh)
+        self.sent = metrics.Recorder()  # counts the executor's messages (Axis.exchange on the pipeline links)
+        self.run = parallelize(cfg, mesh, recorder=self.sent)
         self.pipe = self.run.schedule
         self.listen(CpuTimeline(mesh.device, mesh.rank))
         receive = self.pipe._receive
@@ -158,7 +159,7 @@ class Stepper:
         run = self.run
         dist.barrier(self.mesh.pp.group)
         self.tl.events.clear()
-        before = self.pipe.p2p_bytes
+        self.sent.reset()
         window = _common.LoadWindow()
         loss = self.pipe.run(run.model, self.loader.micro_batches(step), run.loss_fn)
         marks.clip_grad_norm(run.params, self.cfg.grad_clip, self.mesh)
@@ -167,7 +168,7 @@ class Stepper:
         load = window.stop()
         self.losses.append(loss.item())
         events = [dict(e, start=e["start"] + self.tl.t0, end=e["end"] + self.tl.t0) for e in self.tl.events]
-        return events, self.pipe.p2p_bytes - before, load
+        return events, self.sent.bytes.get("send", 0), load
 
 
 KIND = {"forward": "F", "backward": "B", "weight": "W"}

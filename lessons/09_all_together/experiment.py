@@ -147,7 +147,6 @@ class TimedRun:
         its collectives and the ring's messages (kind, bytes, axis) and the pipeline's point-to-point bytes."""
         run, tl = self.run, self.tl
         sch = run.schedule
-        p2p0 = getattr(sch, "p2p_bytes", 0)
         self.recorder.reset()
         dist.barrier()
         tl.events.clear()
@@ -165,7 +164,7 @@ class TimedRun:
         base = tl.t0
         return dict(rank=self.mesh.rank, coords=self.mesh.coords, loss=float(loss), start=t0 + base, end=t1 + base,
                     events=[dict(e, start=e["start"] + base, end=e["end"] + base) for e in tl.events],
-                    log=list(self.recorder.log), pp_bytes=getattr(sch, "p2p_bytes", 0) - p2p0)
+                    log=list(self.recorder.log))
 
 
 def _say(mesh, text):
@@ -256,16 +255,14 @@ def bytes_formula(res, coords):
 
 
 def measured_bytes(rank_result):
-    """What one rank sent in the timed step, by axis: the Recorder's collectives and the ring's messages, and the
-    pipeline's point-to-point bytes (the pipeline's 4-byte broadcast of the loss to the first stage left out: it is
-    for the log, like the loss's average over dp_cp, which is kept, being on the same axis as the gradients)."""
+    """What one rank sent in the timed step, by axis: the Recorder's collectives and the ring's and the pipeline's
+    messages (the pipeline's 4-byte broadcast of the loss to the first stage left out: it is for the log, like the
+    loss's average over dp_cp, which is kept, being on the same axis as the gradients)."""
     out = {}
     for kind, nbytes, axis in rank_result["log"]:
         if axis == "pp" and kind == "broadcast":
             continue
         out[axis] = out.get(axis, 0) + nbytes
-    if rank_result["pp_bytes"]:
-        out["pp"] = out.get("pp", 0) + rank_result["pp_bytes"]
     return out
 
 
