@@ -52,6 +52,7 @@ collective queued behind another one on the same communicator counts that wait t
 import json
 import os
 import resource
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -199,8 +200,20 @@ def reset_device_peak(device):
 
 
 def process_peak_rss_bytes():
-    """Peak resident set size of this process (Linux reports KiB): Python + torch + tensors."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process: Python + torch + tensors.
+
+    On Linux, /proc/self/status's VmHWM (the high-water mark of this program's own memory). Not getrusage's
+    ru_maxrss: it survives fork and exec, so a run started by a large process (a notebook's kernel, pytest) would
+    report that parent's size as its own peak. Elsewhere ru_maxrss (bytes on macOS, KiB on other systems)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def malloc_returns_freed_memory(threshold=64 * 1024):
