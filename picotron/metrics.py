@@ -370,9 +370,7 @@ class Recorder:
 
     def collective(self, kind, nbytes, work, label, start, axis=None, **info):
         """Count one collective (started at `start`, self.now()); return its handle, timed if there is a timeline."""
-        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-        self.log.append((kind, nbytes, axis))
+        self._count(kind, nbytes, axis)
         tl = self.timeline
         if tl is None or not tl.enabled:
             return work
@@ -389,9 +387,12 @@ class Recorder:
     def message(self, nbytes, label, axis=None):
         """Count one batch of point-to-point messages (`Axis.exchange`): the `nbytes` its sends carry, as kind
         "send". `label` says what they carry (a subclass may sort by it); they are not timed (see Axis.exchange)."""
-        self.bytes["send"] = self.bytes.get("send", 0) + nbytes
-        self.calls["send"] = self.calls.get("send", 0) + 1
-        self.log.append(("send", nbytes, axis))
+        self._count("send", nbytes, axis)
+
+    def _count(self, kind, nbytes, axis):
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.log.append((kind, nbytes, axis))
 
     def phase(self, name, **info):
         """A listener (picotron.hooks): the phase as a compute event on the timeline, if there is one."""
