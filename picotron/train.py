@@ -42,7 +42,7 @@ from contextlib import contextmanager
 
 import torch
 
-from picotron import checkpoint, config, data, faults, hooks, launch, metrics, moe, precision, reshard, runs
+from picotron import checkpoint, config, data, faults, launch, metrics, moe, precision, reshard, runs
 from picotron.marks import clip_grad_norm
 from picotron.mesh import Mesh
 from picotron.model import generate
@@ -169,8 +169,7 @@ def train(cfg, mesh, return_model=False):
     torch.manual_seed(cfg.seed)
     tokenizer, loader = load_data(cfg, mesh)
     run = parallelize(cfg, mesh)
-    activations = metrics.ActivationPeak(run.model)  # the step engine's phases (picotron.hooks): the step's peak
-    hooks.watch(run.schedule, listener=activations)
+    activations = run.schedule.phases.listen(metrics.ActivationPeak(run.model))  # the step's peak (picotron.hooks)
     injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size)  # --faults: deaths and NaNs on purpose
     speed = Speed(cfg, mesh, run.raw.config)  # tokens and FLOPs per step; the matmul peak that MFU divides by
     start, saver = start_or_resume(cfg, mesh, run, injector)  # step 1, or the step after a checkpoint's
