@@ -46,7 +46,7 @@ DTYPES = ("fp32", "bf16", "bf16-params", "fp16", "fp8")  # picotron.precision: w
 DP_IMPLS = ("naive", "overlap", "bucket", "ddp")
 ATTN_IMPLS = ("sdpa", "eager", "flash")
 KERNELS = ("plain", "compile", "triton", "auto")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "partitioned")
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v")
 CP_IMPLS = ("ring", "allgather")
 CP_LAYOUTS = ("zigzag", "contiguous")
@@ -119,8 +119,9 @@ class Config:
                                    "triton (hand-written Triton kernels: a CUDA GPU, or TRITON_INTERPRET=1 on a "
                                    "CPU) or auto (triton on a GPU, else compile)", KERNELS)
     compile: bool = option(False, "torch.compile every decoder layer (the first steps pay for compiling)")
-    recompute: str = option("none", "activation recomputation: none, selective (attention scores) or full (each "
-                                    "layer from its input)", RECOMPUTE)
+    recompute: str = option("none", "activation recomputation: none, selective (attention scores), full (each "
+                                    "layer from its input) or partitioned (full, each tp rank keeping 1/tp of the "
+                                    "input, all-gathered in backward: ZeRO-R; --tp 2 or more, no --sp)", RECOMPUTE)
     seed: int = option(0, "seed of the initial weights and of the batches (the same for every layout)")
     # output and checkpoints (out=None: the main job claims a new runs/main-N, picotron.runs)
     out: Optional[str] = option(None, "the run's folder (metrics.jsonl, checkpoints/); it must not hold another "

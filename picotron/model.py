@@ -47,6 +47,9 @@ The model knows nothing about parallelism. Things the parallel strategies may re
 The shape (`ModelConfig`, the named `PRESETS`) lives in picotron.model_config, a leaf without torch that
 the command line reads; this module's names for them still work.
 
+  * `partition` (None here) says how recompute="partitioned" cuts a layer's input into this rank's piece and
+    rebuilds it in backward (`keep`, `rebuild`): tensor parallelism sets it (ZeRO-R's partitioned checkpoints).
+
 Each RMSNorm and dense MLP has a `kernel` attribute, "plain" (the PyTorch ops written here) unless
 `use_kernels(model, impl)` routes them through picotron.kernels' fused RMSNorm and SwiGLU.
 """
@@ -190,6 +193,29 @@ class DecoderLayer(nn.Module):
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
+def checkpoint_partitioned(layer, x, cos, sin, partition):
+    """layer(x, cos, sin) with full recomputation that keeps only `partition.keep(x)`, this rank's piece of the
+    input, and rebuilds the input with `partition.rebuild(piece)` (the other ranks' pieces) just before the layer
+    is redone in backward: ZeRO-R's partitioned activation checkpointing (tensor_parallel.HiddenSlices).
+
+    torch's checkpoint saves the tensors it is given, so it is given the piece; the whole input reaches the first
+    forward through `whole` and is dropped there. The forward's autograd graph is the plain one (the checkpoint
+    only swaps the tensors the layer saves for recomputed ones), so the input's gradient is exactly full
+    recomputation's."""
+    if not torch.is_grad_enabled():  # nothing is saved: no piece to keep
+        return layer(x, cos, sin)
+    whole = [x]
+
+    def run(piece, cos, sin):
+        if whole:  # the forward: the input itself
+            return layer(whole.pop(), cos, sin)
+        rebuilt = partition.rebuild(piece).requires_grad_(needs_grad)  # the recomputation, inside backward
+        return layer(rebuilt, cos, sin)
+
+    needs_grad = x.requires_grad  # what the ops saw the first time: they save the same tensors again
+    return checkpoint(run, partition.keep(x), cos, sin, use_reentrant=False)
+
+
 def use_kernels(model, impl: str = "auto"):
     """Send every RMSNorm and dense MLP of `model` through picotron.kernels' fused RMSNorm and SwiGLU (impl
     "auto", "triton" or "compile"), or back through the plain ops ("plain"). The same arithmetic, so the
@@ -226,7 +252,8 @@ class Llama(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.recompute = "none"  # "none" | "selective" | "full"; set by the trainer
+        self.recompute = "none"  # "none" | "selective" | "full" | "partitioned"; set by the trainer
+        self.partition = None  # "partitioned": how a layer's input is cut and rebuilt (tensor_parallel sets it)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = Layers((i, DecoderLayer(config)) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -256,12 +283,17 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         if cos.dim() == 3:  # per-sequence positions [b, s, d]: broadcast over the heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if self.recompute not in ("none", "selective", "full"):
-            raise ValueError(f"recompute={self.recompute!r}; use 'none', 'selective' or 'full'.")
+        if self.recompute not in ("none", "selective", "full", "partitioned"):
+            raise ValueError(f"recompute={self.recompute!r}; use 'none', 'selective', 'full' or 'partitioned'.")
+        if self.recompute == "partitioned" and self.partition is None:
+            raise ValueError("recompute='partitioned' needs a partition of the layer inputs over ranks that hold the "
+                             "same copy (tensor parallelism sets one); use recompute='full'.")
         x = input_ids if self.embed_tokens is None else self.embed_tokens(input_ids)
         for layer in self.layers:
             if self.recompute == "full":  # keep only each layer's input; redo the layer in backward
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            elif self.recompute == "partitioned":  # keep only this rank's piece of it
+                x = checkpoint_partitioned(layer, x, cos, sin, self.partition)
             else:
                 x = layer(x, cos, sin, selective=self.recompute == "selective")
         if self.norm is not None:

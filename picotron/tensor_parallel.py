@@ -40,6 +40,13 @@ the blocks divided by n. The RMSNorm weights stay replicated but each rank sees 
 gradients are partial: `SequenceParallelRMSNorm` passes its weight through f, whose backward all-reduces
 that gradient over tp (one all-reduce of h numbers per norm per backward).
 
+Partitioned checkpoints (--recompute partitioned; Rajbhandari et al. 2020, "ZeRO", section 6.1, Pa). Without sp
+every tp rank holds the same layer input [b, s, h], so full recomputation keeps tp identical copies of each
+checkpoint. `HiddenSlices` keeps rank r's h/n columns of it instead (b·s·h/n numbers: the saved checkpoints per
+rank drop by n) and all-gathers the columns just before the layer is redone in backward: one all-gather of b·s·h
+numbers per layer per micro-batch, in backward only (each rank receives (n-1)/n of it). With sp the inputs
+are split over tp already (each rank's s/n tokens): full recomputation keeps 1/n of them with no extra gather.
+
 `apply(model, axis, sp)` swaps the model's modules in place, on the meta device, before `marks.materialize` and
 `init_weights`; `axis` is the mesh's tp axis (or `Axis.alone("tp", n, r)` to build rank r's shard with no
 processes). Parameter names stay those of the unsharded model, and each sharded weight carries its placement
@@ -148,6 +155,24 @@ def enter_tp(x, axis, sp=False):
 def leave_tp(y, axis, sp=False):
     """Out of it (after a row-parallel layer): g, or with sp the sequence reduce-scatter."""
     return ReduceScatterSequence.apply(y, axis) if sp else ReduceFromTP.apply(y, axis)
+
+
+class HiddenSlices:
+    """How recompute="partitioned" saves a layer input that every tp rank holds whole (model.checkpoint_partitioned):
+    rank r keeps columns [r·h/n, (r+1)·h/n) of each token's hidden vector, h/n always being whole (n divides the
+    heads, so h = heads·head_dim); backward rebuilds [b, s, h] with one all-gather over tp, ranks in order."""
+
+    def __init__(self, axis):
+        self.axis = axis
+
+    def keep(self, x):
+        """[b, s, h] -> this rank's [b, s, h/n], a copy: a view would keep the whole input's storage alive."""
+        piece = x.detach().chunk(self.axis.size, dim=-1)[self.axis.rank]
+        return piece.clone(memory_format=torch.contiguous_format)
+
+    def rebuild(self, piece):
+        """[b, s, h/n] on each rank -> [b, s, h], the ranks' columns side by side."""
+        return gather_from_tp(piece, -1, self.axis)
 
 
 # ------------------------------------------------------------------------------------------------- layers
@@ -310,11 +335,18 @@ def check(cfg, model_config):
     (which strategies combine with it: picotron.parallelize.combination_problem).
 
     tp splits the query heads, the KV heads, the MLP columns and the vocabulary into tp equal slices, whole
-    heads per rank (no KV-head replication here); sp splits each rank's sequence over the tp ranks."""
+    heads per rank (no KV-head replication here); sp splits each rank's sequence over the tp ranks; recompute
+    "partitioned" splits each layer's saved input over the tp ranks, which hold it whole only without sp."""
     tp = cfg.tp
     problem = _shape_problem(model_config, tp)
     if problem:
         return problem
+    if cfg.recompute == "partitioned" and tp == 1:
+        return ("recompute='partitioned' with tp=1 has nothing to partition (it splits each layer's saved input over "
+                "the tp ranks, which hold identical copies); use --recompute full, or add --tp 2 or more.")
+    if cfg.recompute == "partitioned" and cfg.sp:
+        return ("recompute='partitioned' with --sp is already what --recompute full does (sequence parallelism splits "
+                "each layer's input over the tp ranks, so full recomputation keeps 1/tp of it); use --recompute full.")
     if cfg.sp and (cfg.seq_len // cfg.cp) % tp:
         return (f"sp with tp={tp} needs the local sequence length seq_len/cp={cfg.seq_len // cfg.cp} divisible by "
                 f"tp (the sequence is split over tp ranks); pass a seq_len that is a multiple of {tp * cfg.cp}.")
@@ -394,6 +426,8 @@ def apply(model, axis, sp=False):
         _swap(model, "norm", norm(model.norm))
     _swap(model, "lm_head", column(model.lm_head, enter=True))  # logits stay split over the vocabulary
     model.tie_weights()  # tied: the LM head uses the embedding's shard (same rows, same split)
+    if not sp:  # every rank holds the same layer input: recompute="partitioned" keeps 1/n of it
+        model.partition = HiddenSlices(axis)
     return model
 
 

@@ -200,6 +200,55 @@ def test_recompute_modes_give_equal_loss_and_grads(attn_impl):
         model(x)
 
 
+class _TwoRanksInOne:
+    """A partition for recompute="partitioned" in one process: "this rank" keeps the first half of the hidden
+    columns, the second half stands for the other rank's piece (kept aside, as that rank would keep it)."""
+
+    def __init__(self):
+        self.others, self.rebuilt = [], 0
+
+    def keep(self, x):
+        mine, other = x.detach().chunk(2, dim=-1)
+        self.others.append(other.clone())
+        return mine.clone()
+
+    def rebuild(self, piece):  # backward runs the layers last to first
+        self.rebuilt += 1
+        return torch.cat([piece, self.others.pop()], dim=-1)
+
+
+def test_partitioned_recompute_keeps_the_piece_and_gives_full_recomputes_grads():
+    """model.checkpoint_partitioned: the same loss and gradients as full recomputation (exactly: the same ops on the
+    same numbers), each layer's saved input cut to the piece `keep` returns, rebuilt once per layer in backward."""
+    from picotron.metrics import ActivationCounter
+    cfg = small_config()
+    model = random_model(cfg)
+    x, y = tokens(), tokens(seed=1)
+    results = {}
+    for mode in ("full", "partitioned"):
+        model.zero_grad(set_to_none=True)
+        model.recompute, model.partition = mode, _TwoRanksInOne()
+        with ActivationCounter(model) as counter:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        results[mode] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, counter.bytes
+    assert model.partition.rebuilt == cfg.num_hidden_layers and not model.partition.others
+    (ref_loss, ref_grads, full_bytes), (loss, grads, part_bytes) = results["full"], results["partitioned"]
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=0, atol=0, msg=f"partitioned: {n}")
+    b, s = x.shape
+    layer_input = 4 * b * s * cfg.hidden_size  # fp32 [b, s, h]
+    assert full_bytes - part_bytes == cfg.num_hidden_layers * layer_input // 2, (full_bytes, part_bytes)
+    with torch.no_grad():  # no backward, nothing to save: the layers run as they are
+        logits = model(x)
+        model.recompute = "none"
+        assert torch.equal(logits, model(x)) and not model.partition.others
+    model.recompute, model.partition = "partitioned", None
+    with pytest.raises(ValueError, match="recompute='partitioned' needs a partition"):
+        model(x)
+
+
 # ------------------------------------------------------------------------------ presets and counting
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_num_params_matches_module(name):
