@@ -216,6 +216,9 @@ LAYOUTS = [  # tp, sp, dp, zero stage, extra settings
     (2, False, 2, 0, {}),
     (2, True, 2, 1, {}),
     (2, True, 2, 3, {}),
+    (2, False, 1, 0, {"recompute": "partitioned"}),  # ZeRO-R's partitioned checkpoints
+    pytest.param(4, False, 1, 0, {"recompute": "partitioned"}, marks=pytest.mark.heavy),
+    pytest.param(2, False, 2, 0, {"recompute": "partitioned"}, marks=pytest.mark.heavy),
 ]
 
 
@@ -283,3 +286,85 @@ def test_collectives_per_layer_follow_megatrons_pattern():
         volume = {op: sum(k[1] * c / 2 for p in per_layer for k, c in per_layer[p].items() if k[0] == op and k[1] == act)
                   for op in (AR, AG, RS)}
         assert volume == ({AR: 4 * act, AG: 0, RS: 0} if not sp else {AR: 0, AG: 4 * act, RS: 4 * act}), volume
+
+
+# ------------------------------------------------------------------- partitioned checkpoints (ZeRO-R's Pa)
+def partition_child(layers):
+    """One forward and backward with recompute "full" and then "partitioned": the bytes autograd saved (counted as
+    the trainer counts them), every collective, and the gradients gathered whole."""
+    from picotron import metrics
+    n = dist.get_world_size()
+    out = {}
+    with Mesh.init(tp=n) as mesh:
+        x = torch.randint(0, 256, (2, 33))
+        for mode in ("full", "partitioned"):
+            model = build_model(Config(tp=n, recompute=mode, num_hidden_layers=layers, **SMALL), mesh)
+            recorder = mesh.comm.recorder = metrics.Recorder()
+            with metrics.ActivationCounter(model) as counter:
+                loss = tensor_parallel.loss_fn(model(x[:, :-1]), x[:, 1:], mesh.tp)
+            forward = list(recorder.log)
+            loss.backward()
+            mesh.comm.recorder = None
+            out[mode] = dict(saved=counter.bytes, forward=forward, backward=recorder.log[len(forward):], loss=loss.item(),
+                             grads={name: gather_from_tp(p.grad, marks.placement(p).split_dim, mesh.tp)
+                                    for name, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.heavy)])
+def test_partitioned_checkpoints_keep_one_tp_th_and_gather_once_per_layer(tp):
+    """Against full recomputation on the same ranks: each layer's saved input shrinks from b·s·h to b·s·h/tp
+    numbers per rank (the rest of what is saved does not change); the backward adds one all-gather of the b·s·h
+    input per layer, before that layer's recomputed collectives; loss and gradients are bit for bit the same."""
+    b, s, h, layers = 2, 32, 128, 2
+    act = 4 * b * s * h  # one fp32 layer input
+    results = run_on_ranks(partition_child, tp, layers, timeout_s=120)
+    for rank, res in enumerate(results):
+        full, part = res["full"], res["partitioned"]
+        assert full["saved"] - part["saved"] == layers * act * (tp - 1) // tp, (rank, full["saved"], part["saved"])
+        assert part["forward"] == full["forward"]
+        gathers = [i for i, entry in enumerate(part["backward"]) if entry == ("all_gather", act, "tp")]
+        assert len(gathers) == layers, part["backward"]
+        assert [e for i, e in enumerate(part["backward"]) if i not in gathers] == full["backward"]
+        assert gathers[0] == 1, "first the LM head's f, then the last layer's input is gathered, before its recomputation"
+        assert part["loss"] == full["loss"]
+        for name, g in part["grads"].items():
+            assert torch.equal(g, full["grads"][name]), f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("settings,sentence", [
+    (dict(recompute="partitioned"), r"recompute='partitioned' with tp=1 has nothing to partition .* use --recompute full"),
+    (dict(recompute="partitioned", tp=2, sp=True), r"recompute='partitioned' with --sp is already what --recompute full "
+                                                   r"does .*; use --recompute full\."),
+])
+def test_partitioned_needs_tp_without_sp(settings, sentence):
+    from picotron.config import ConfigError
+    from picotron.parallelize import validate
+    with pytest.raises(ConfigError, match=sentence):
+        validate(Config(**settings), any_world_size=True)
+
+
+def pipeline_partition_child(layout, out):
+    """The parity matrix's run (tests/_parity.py): one step's gradients gathered whole, then a short training."""
+    from _parity import layout_grads
+    cfg = Config(out=out, **{**SMALL, "steps": 3, **layout})
+    with Mesh.init(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp) as mesh:
+        _, loader = load_data(cfg, mesh)
+        run = parallelize(cfg, mesh)
+        run.schedule.run(run.model, loader.micro_batches(1), run.loss_fn)
+        grads = layout_grads(run, mesh, cfg)
+        mesh.world.all_reduce(torch.zeros(1))
+    with Mesh.init(dp=cfg.dp, pp=cfg.pp, tp=cfg.tp) as mesh:
+        summary = train(cfg, mesh)
+        records = read_metrics(out)[0] if mesh.rank == 0 else None
+    return grads, records, summary
+
+
+@pytest.mark.heavy
+def test_partitioned_with_pipeline_matches_single_process(tmp_path):
+    """tp 2 x pp 2 (1F1B, 2 micro-batches): every stage's layers keep 1/tp of their inputs; the parity standard."""
+    from _parity import assert_matches
+    layout = dict(tp=2, pp=2, grad_acc=2, recompute="partitioned")
+    reference = run_on_ranks(pipeline_partition_child, 1, dict(grad_acc=2), str(tmp_path / "one"), timeout_s=180)[0]
+    results = run_on_ranks(pipeline_partition_child, 4, layout, str(tmp_path / "tp2pp2"), timeout_s=300)
+    assert_matches(results, reference, "tp2 x pp2, recompute partitioned")
