@@ -25,7 +25,7 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 7, out  # three exercises on 2 and on 4 ranks, and the puzzle
+    assert out.count("  ok  ") == 9, out  # four exercises on 2 and on 4 ranks, and the puzzle
     assert "tp=4 + sp, micro-batch 2 held 22.77 MiB on its fullest rank (<= 23)" in out, out  # its real step
 
 
@@ -35,7 +35,8 @@ def test_checker_fails_the_stubs_naming_not_implemented():
     for what in ("CopyToTP and ReduceFromTP on 2 ranks", "parallel_mlp on 2 ranks", "vocab_parallel_cross_entropy on 2 ranks"):
         assert f"FAIL  {what}: rank " in out, out
     assert "FAIL  plan (the puzzle): NotImplementedError: not written yet" in out, out
-    assert out.count("NotImplementedError: not written yet") == 4, out
+    assert "FAIL  keep_my_piece and rebuild_input on 2 ranks: rank " in out, out
+    assert out.count("NotImplementedError: not written yet") == 5, out
     assert "on 4 ranks" not in out  # it stops at the first world size
 
 
@@ -95,6 +96,24 @@ def test_checker_recognises_each_ranks_own_maximum_and_a_local_sum(tmp_path):
     code, out = run_checker("--module", str(local_sum), "vocab_parallel_cross_entropy")
     assert code == 1, out
     assert "losses wrong — matches log of THIS rank's sum of exponentials" in out, out
+
+
+def test_checker_names_the_partitioned_checkpoints_mistakes(tmp_path):
+    """Exercise 5: a cut of the sequence, another rank's columns, a view of x, pieces stacked along the batch."""
+    keep = "    return x.chunk(n, dim=-1)[r].clone()"
+    cases = [((keep, "    return x.chunk(n, dim=1)[r].clone()"), "keep_my_piece cut dim 1, the sequence: the piece is "
+                                                                   "the hidden columns"),
+             ((keep, "    return x.chunk(n, dim=-1)[n - 1 - r].clone()"), "rank 0: keep_my_piece kept rank 1's columns "
+                                                                          "[4, 8); rank 0 keeps [0, 4)"),
+             ((keep, "    return x.chunk(n, dim=-1)[r]"), "keep_my_piece returned a view of x: it shares x's storage"),
+             (("    return torch.cat(parts, dim=-1)", "    return torch.cat(parts, dim=0)"),
+              "rebuild_input stacked the pieces along dim 0 (the batch), as all_gather_into_tensor does"),
+             (("    return torch.cat(parts, dim=-1)", "    return torch.cat(parts[::-1], dim=-1)"),
+              "rank 0: columns [0, 4) hold rank 1's piece, they belong to rank 0: put the pieces in rank order")]
+    for k, (bug, message) in enumerate(cases):
+        code, out = run_checker("--module", str(mutate(tmp_path, bug, name=f"wrong{k}.py")), "partition")
+        assert code == 1 and f"FAIL  keep_my_piece and rebuild_input on 2 ranks: rank 0: " in out, out
+        assert message in out, out
 
 
 def test_checker_names_a_hang_and_the_waiting_line(tmp_path):

@@ -20,7 +20,9 @@ whose measured bytes per rank must fit the budget. The other exercises, each on 
 (CopyToTP and ReduceFromTP, forward and backward), parallel_mlp (the column-then-row MLP; while it is checked,
 your file's CopyToTP and ReduceFromTP are replaced by the reference ones, so it does not depend on exercise 1),
 vocab_parallel_cross_entropy (the loss from vocabulary-sharded logits; its backward is the checker's own, from
-the softmax columns you return).
+the softmax columns you return), partition (keep_my_piece and rebuild_input, ZeRO-R's partitioned checkpoint: the
+piece's dimension, rank, and that it is a copy; rebuild_input is given the right piece, and its output's layout and
+collectives are checked).
 
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
 at module level). It imports YOUR file by path, builds the full tensors from fixed seeds (so the parent can
@@ -46,14 +48,16 @@ LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 15.0
 EXERCISES = {"f_and_g": "CopyToTP and ReduceFromTP", "parallel_mlp": "parallel_mlp",
-             "vocab_parallel_cross_entropy": "vocab_parallel_cross_entropy", "plan": "plan (the puzzle)"}
-WORLD_SIZES = {"f_and_g": (2, 4), "parallel_mlp": (2, 4), "vocab_parallel_cross_entropy": (2, 4)}
+             "vocab_parallel_cross_entropy": "vocab_parallel_cross_entropy", "plan": "plan (the puzzle)",
+             "partition": "keep_my_piece and rebuild_input"}
+WORLD_SIZES = {"f_and_g": (2, 4), "parallel_mlp": (2, 4), "vocab_parallel_cross_entropy": (2, 4), "partition": (2, 4)}
 # the tensor forms under both names: torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (whichever
 # this torch has are counted; on 2.13 the old name calls the new one, which _Counter counts once, as the outer call)
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
                "reduce_scatter_single", "broadcast", "reduce")
 B, S, H, I = 2, 3, 8, 16  # the MLP: b sequences of s tokens, hidden h, intermediate i (4 divides it)
 N_TOK, VOCAB, BIG_ROW, BIG_COL = 12, 24, 5, 17  # the loss: N tokens, vocabulary v; one logit of 120 (overflow)
+PB, PS, PH = 2, 4, 8  # the partitioned layer input [b, s, h]: 4 divides s too, so a cut of the wrong dim fits
 
 
 # ------------------------------------------------------------------------------- inputs (child and parent)
@@ -84,6 +88,11 @@ def ce_inputs():
     targets = torch.randint(0, VOCAB, (N_TOK,), generator=torch.Generator().manual_seed(501))
     targets[:4] = torch.tensor([0, VOCAB - 1, VOCAB // 2, VOCAB // 4 + 1])
     return logits, targets, randn(502, N_TOK)
+
+
+def partition_input():
+    """A layer's input [b, s, h], the same on every rank."""
+    return randn(600, PB, PS, PH)
 
 
 def mlp(x, gate_w, up_w, down_w):
@@ -239,8 +248,20 @@ def _scenario_vocab_parallel_cross_entropy(mod, rank, n):
     return dict(losses=_plain(losses), softmax=_plain(softmax), grad=_plain(grad), counts=c.counts)
 
 
+def _scenario_partition(mod, rank, n):
+    """keep_my_piece on the input, then rebuild_input from the RIGHT piece (5b does not depend on 5a)."""
+    x = partition_input()
+    with _Counter() as c:  # phase "forward": keeping; "backward": rebuilding
+        piece = mod.keep_my_piece(x, None)
+        shares = torch.is_tensor(piece) and piece.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        out = dict(piece=_plain(piece), shares=shares, x_after=_plain(x))
+        c.phase = "backward"
+        out["rebuilt"] = _plain(mod.rebuild_input(x.chunk(n, -1)[rank].clone(), None))
+    return out | dict(counts=c.counts)
+
+
 SCENARIOS = {"f_and_g": _scenario_f_and_g, "parallel_mlp": _scenario_parallel_mlp,
-             "vocab_parallel_cross_entropy": _scenario_vocab_parallel_cross_entropy}
+             "vocab_parallel_cross_entropy": _scenario_vocab_parallel_cross_entropy, "partition": _scenario_partition}
 
 
 # ------------------------------------------------------------------------------------------ the parent
@@ -551,15 +572,81 @@ def _ce_problem(res, r, n, ref, grad):
     return None
 
 
+def compare_partition(n, results):
+    x = partition_input()
+    for r, res in enumerate(results):
+        problem = _piece_problem(res, r, n, x) or _rebuild_problem(res, r, n, x)
+        if problem:
+            return f"rank {r}: {problem}"
+    return None
+
+
+DIM_NAMES = {0: "dim 0, the batch", 1: "dim 1, the sequence"}
+
+
+def _piece_problem(res, r, n, x):
+    piece, want = res["piece"], x.chunk(n, -1)[r]
+    if not _close(res["x_after"], x):
+        return "keep_my_piece changed x in place: the layer input must stay as it was (the forward still uses it)"
+    for dim, name in DIM_NAMES.items():  # the right size of data, cut along the wrong dimension
+        if x.shape[dim] % n == 0 and _close(piece, x.chunk(n, dim)[r]):
+            return (f"keep_my_piece cut {name}: the piece is the hidden columns, dim -1, [r·h/n, (r+1)·h/n) (tp "
+                    f"divides h always; the sequence need not divide)")
+    if _close(piece, x.reshape(-1).chunk(n)[r]):
+        return ("keep_my_piece kept a flat 1/n of x (what Megatron-LM does); here the piece is the hidden columns "
+                "[b, s, h/n], dim -1")
+    problem = _shape_problem(piece, want, "keep_my_piece's piece")
+    if problem:
+        return problem
+    if not _close(piece, want):
+        other = next((k for k in range(n) if _close(piece, x.chunk(n, -1)[k])), None)
+        if other is not None:
+            return (f"keep_my_piece kept rank {other}'s columns [{other * PH // n}, {(other + 1) * PH // n}); rank {r} "
+                    f"keeps [{r * PH // n}, {(r + 1) * PH // n}): index by dist.get_rank(group)")
+        return f"keep_my_piece's piece is wrong: {_diff(piece, want)}"
+    if res["shares"]:
+        return ("keep_my_piece returned a view of x: it shares x's storage, so keeping it keeps all of x alive and "
+                "saves nothing; return a copy (.clone())")
+    if any(k.startswith("forward") for k in res["counts"]):
+        return (f"keep_my_piece called {_counts_text(res['counts'], 'forward')}: every rank already holds x, keeping "
+                f"a piece needs no communication")
+    return None
+
+
+def _rebuild_problem(res, r, n, x):
+    got, pieces = res["rebuilt"], x.chunk(n, -1)
+    if _close(got, torch.cat(pieces, 0)):
+        return ("rebuild_input stacked the pieces along dim 0 (the batch), as all_gather_into_tensor does: they are "
+                "columns, concatenate them along the last dim (torch.cat(parts, dim=-1))")
+    problem = _shape_problem(got, x, "rebuild_input's output")
+    if problem:
+        return problem
+    if not _close(got, x):
+        blocks = got.chunk(n, -1)
+        holders = [next((k for k in range(n) if _close(b, pieces[k])), None) for b in blocks]
+        wrong = next((j for j, k in enumerate(holders) if k is not None and k != j), None)
+        if wrong is not None:
+            return (f"columns [{wrong * PH // n}, {(wrong + 1) * PH // n}) hold rank {holders[wrong]}'s piece, they "
+                    f"belong to rank {wrong}: put the pieces in rank order (all_gather's list is in rank order)")
+        return f"rebuild_input's output is wrong: {_diff(got, x)}"
+    counts = {k.split()[1]: c for k, c in res["counts"].items() if k.startswith("backward")}
+    if counts not in ({"all_gather": 1}, {"all_gather_into_tensor": 1}):
+        return (f"rebuild_input called {_counts_text(res['counts'], 'backward')}: one all-gather is enough (each rank "
+                f"receives the n-1 pieces it lacks)")
+    return None
+
+
 COMPARE = {"f_and_g": compare_f_and_g, "parallel_mlp": compare_parallel_mlp,
-           "vocab_parallel_cross_entropy": compare_vocab_parallel_cross_entropy}
+           "vocab_parallel_cross_entropy": compare_vocab_parallel_cross_entropy, "partition": compare_partition}
 SUCCESS = {"f_and_g": "outputs and input gradients of f and g equal the unsharded ones on every rank; f: one "
                       "all-reduce backward, g: one forward",
            "parallel_mlp": f"output, x's gradient and every weight slice's gradient equal the unsharded MLP's "
                            f"(b={B}, s={S}, h={H}, i={I}); one all-reduce forward, one backward",
            "vocab_parallel_cross_entropy": f"per-token losses, softmax columns and the logits' gradient equal "
                                            f"F.cross_entropy on the full [{N_TOK}, {VOCAB}] logits (one logit of 120: "
-                                           f"no overflow); three all-reduces of N numbers"}
+                                           f"no overflow); three all-reduces of N numbers",
+           "partition": f"each rank keeps a copy of its hidden columns of the [{PB}, {PS}, {PH}] input (no "
+                        f"communication), and rebuild_input gives every rank the whole input with one all-gather"}
 
 
 # ------------------------------------------------------------------------------------------- the puzzle

@@ -1,6 +1,7 @@
-"""Lesson 05 exercises: Megatron's tensor parallelism by hand, and a puzzle. Write the pieces marked EXERCISE, then
+"""Lesson 05 exercises: Megatron's tensor parallelism by hand, a puzzle, and ZeRO-R's partitioned checkpoint. Write
+the pieces marked EXERCISE, then
     python lessons/05_tensor_parallel/check.py                          # all exercises
-    python lessons/05_tensor_parallel/check.py parallel_mlp             # just one (or f_and_g, vocab_parallel_cross_entropy, plan)
+    python lessons/05_tensor_parallel/check.py parallel_mlp             # just one (or f_and_g, vocab_parallel_cross_entropy, plan, partition)
 The checker runs each exercise on 2 and then 4 real processes (gloo), gives every rank its slice of the same
 full weights or logits, and compares what every rank computes, outputs AND gradients, with the unsharded
 computation done in one process. It says which rank and which tensor is wrong and what that usually means (a
@@ -141,4 +142,24 @@ def plan(budget_mib):
     The checker asks for six budgets, most hiding a trap, and runs the layouts that need tp > 1 for one real
     step on tp processes: their measured bytes per rank must fit."""
     lesson = _common.load_lesson("05_tensor_parallel")  # noqa: F841  (this folder's experiment.py: its formulas)
+    raise NotImplementedError("not written yet")
+
+
+# ------------------------------------------------------------------------ exercise 5: partitioned checkpoints
+def keep_my_piece(x, group=None):
+    """EXERCISE 5a: ZeRO-R's partitioned checkpoint, the forward half (section 9).
+
+    x: [b, s, h], a layer's input, the same on every rank of the tp group. Return this rank's piece: the columns
+    [r·h/n, (r+1)·h/n) of the LAST (hidden) dimension, r = dist.get_rank(group), n = dist.get_world_size(group).
+    The piece must be a tensor of its own: a view of x (a slice, or .chunk) keeps x's whole storage alive, and
+    then nothing is saved. No communication."""
+    raise NotImplementedError("not written yet")
+
+
+def rebuild_input(piece, group=None):
+    """EXERCISE 5b: the backward half: every rank's piece [b, s, h/n] -> the whole [b, s, h], on every rank.
+
+    One all-gather. dist.all_gather(parts, piece, group=group) fills the list `parts` (n tensors shaped like
+    piece, e.g. [torch.empty_like(piece) for _ in range(n)]) with every rank's piece, in rank order; put them back
+    where they came from. (dist.all_gather_into_tensor(out, t, group=group) concatenates along dim 0 instead.)"""
     raise NotImplementedError("not written yet")

@@ -3,13 +3,15 @@ as picotron.train runs it), and the notebook's formulas, puzzle planner and plot
 
     torchrun --nproc_per_node 2 lessons/05_tensor_parallel/experiment.py [--only comm,memory,scaling,dtensor,parity]
     torchrun --nproc_per_node 4 lessons/05_tensor_parallel/experiment.py --only grid --dp 2    # dp=2 x tp=2, ZeRO-1
+    torchrun --nproc_per_node 2 lessons/05_tensor_parallel/experiment.py --only partitioned     # ZeRO-R's Pa
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_tp<t>.json (grid: OUT/grid_dp<d>_tp<t>.json); with one process the references. comm: every
 collective of one step at 2 and at 4 layers (per layer, against `megatron_pattern`); memory: activations by part
 and model states against the formulas; scaling: steps of sp off and on, interleaved; dtensor: ours against torch's
 DTensor (benchmarks/tp_vs_dtensor.py); parity: picotron.train at tp = world size; grid: picotron.train on a
-dp x tp grid with ZeRO-1 (its groups, the rows each rank reads, the losses). Timed variants share one process
+dp x tp grid with ZeRO-1 (its groups, the rows each rank reads, the losses); partitioned: no, full and partitioned
+recomputation (the bytes kept per layer, the all-gathers, the step times). Timed variants share one process
 group, one step of each in turn; a step takes as long as its slowest rank.
 """
 from collections import Counter
@@ -471,7 +473,45 @@ def exp_grid(mesh, st, out, micro_batch_size=2, global_batch=8):
                 tp_alone_states=model_state_bytes(cfg.model_config(), tp))  # tp without ZeRO, for comparison
 
 
-EXPERIMENTS = ("comm", "memory", "scaling", "dtensor", "parity", "grid")
+def exp_partitioned(mesh, st, out, lo=2, hi=4):
+    """No recomputation, full recomputation, and full with each layer's input partitioned over tp (ZeRO-R's Pa), at
+    lo and hi layers: the bytes autograd keeps per rank (the step schedule's count; per layer: the difference over
+    hi - lo layers), every all-gather the recorder counts, and steps of the hi-layer variants interleaved."""
+    t, b, s = mesh.tp.size, st["micro_batch_size"], st["seq_len"]
+    modes = ("none", "full") + (("partitioned",) if t > 1 else ())  # partitioned needs tp >= 2
+
+    def build(mode, layers):
+        return Variant(f"tp={t} {mode}", make_cfg(st["size"], tp=t, recompute=mode, seq_len=s, micro_batch_size=b,
+                                                  num_hidden_layers=layers), mesh)
+
+    shallow, deep = {m: build(m, lo) for m in modes}, {m: build(m, hi) for m in modes}
+    for v in shallow.values():
+        v.step(1, record=False)
+    others = _common.run_interleaved(list(deep.values()), st["steps"], st["warmup"], mesh.tp.group)
+    mc, rows = deep["none"].run.raw.config, []
+    for m in modes:
+        v = deep[m]  # its recorder holds the last step's collectives (Variant.step resets it)
+        times = slowest(v.times, mesh)
+        rows.append(dict(mode=m, saved_by_rank=gather(v.activation_bytes, mesh),
+                         per_layer_by_rank=gather((v.activation_bytes - shallow[m].activation_bytes) / (hi - lo), mesh),
+                         all_gather_bytes=v.recorder.bytes.get("all_gather", 0),
+                         all_gather_calls=v.recorder.calls.get("all_gather", 0),
+                         step_times=times, median=statistics.median(times), losses=v.losses))
+        _say(mesh, f"tp={t} {m:<12} keeps {rows[-1]['per_layer_by_rank'][0] / MiB:6.3f} MiB per layer (rank 0), "
+                   f"{rows[-1]['all_gather_calls']} all-gathers of {rows[-1]['all_gather_bytes'] / MiB:.2f} MiB per step, "
+                   f"{1e3 * rows[-1]['median']:7.1f} ms/step")
+    return dict(t=t, b=b, s=s, h=mc.hidden_size, layers=hi, others_share=others, rows=rows,
+                formula_per_layer=partitioned_formula(mc, s, b, t))
+
+
+def partitioned_formula(mc, seq_len, micro_batch_size, tp):
+    """Bytes a rank keeps per layer, fp32: none = activation_parts' layer; full = its input 4sbh; partitioned = 4sbh/t."""
+    sbh = seq_len * micro_batch_size * mc.hidden_size
+    none = sum(activation_parts(mc, seq_len, micro_batch_size, tp)["per layer"].values())
+    return {"none": none, "full": 4 * sbh} | ({"partitioned": 4 * sbh / tp} if tp > 1 else {})
+
+
+EXPERIMENTS = ("comm", "memory", "scaling", "dtensor", "parity", "grid", "partitioned")
 NEEDS_TP = ("comm", "dtensor")  # meaningless with one process
 
 
@@ -648,6 +688,41 @@ def plot_activations(results, mc, seq_len, micro_batch_size):
     return fig
 
 
+RECOMPUTE_COLORS = {"none": "#c44e52", "full": "#4c72b0", "partitioned": "#55a868"}
+
+
+def plot_partitioned(results):
+    """results: {tp: partitioned result}. Left: the bytes the layers keep per rank (L x the measured per-layer
+    difference, the fullest rank) for no, full and partitioned recomputation against tp, formula outlined, log
+    scale. Right: the step time of each (median, the slowest rank)."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw=dict(width_ratios=[1.4, 1]))
+    ts, width = sorted(results), 0.26
+    for i, t in enumerate(ts):
+        res = results[t]
+        for j, mode in enumerate(RECOMPUTE_COLORS):
+            row = next((r for r in res["rows"] if r["mode"] == mode), None)
+            if row is None:
+                continue
+            x = i + (j - 1) * width
+            kept = res["layers"] * max(row["per_layer_by_rank"]) / MiB
+            ax1.bar(x, kept, width * 0.9, color=RECOMPUTE_COLORS[mode], label=mode)
+            ax1.bar(x, res["layers"] * res["formula_per_layer"][mode] / MiB, width * 0.9, fill=False, edgecolor="k",
+                    lw=1, label="formula")
+            ax1.text(x, kept * 1.08, f"{kept:.2g}", ha="center", va="bottom", fontsize=FONT)
+            ax2.bar(x, 1e3 * row["median"], width * 0.9, color=RECOMPUTE_COLORS[mode])
+    for ax in (ax1, ax2):
+        ax.set_xticks(range(len(ts)), [f"tp={t}" for t in ts], fontsize=FONT)
+    ax1.set_yscale("log")
+    ax1.set(ylabel="MiB per rank (all layers)", title="what the layers keep for backward, per rank")
+    ax2.set(ylabel="ms per step (median)", title="step time (a shared CPU: shown, not judged)")
+    handles = {lab: h for h, lab in zip(*ax1.get_legend_handles_labels())}
+    _legend_below(ax1, ncol=4, dy=-0.16, handles=list(handles.values()), labels=list(handles))
+    fig.tight_layout()
+    return fig
+
+
 def plot_memory(results):
     """results: {tp: memory result}. Rank 0's bytes per variant, stacked params / grads / optimizer / activations:
     measured (solid) beside the formulas (hatched)."""
@@ -800,7 +875,7 @@ def plot_puzzle(mc=None, budgets=PUZZLE["budgets_mib"]):
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None):
-    args, names, out = _common.cli("05_tensor_parallel", EXPERIMENTS, __doc__, EXPERIMENTS[:-1], argv, extra=[
+    args, names, out = _common.cli("05_tensor_parallel", EXPERIMENTS, __doc__, EXPERIMENTS[:5], argv, extra=[
         (["--dp"], dict(type=int, default=1, help="data-parallel degree (grid only); tp = world size / dp"))])
     if args.dp > 1 and names != ["grid"]:
         sys.exit(f"--dp {args.dp} with --only {args.only}: only the grid experiment has a dp axis; run --only grid")
