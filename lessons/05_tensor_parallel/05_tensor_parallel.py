@@ -608,18 +608,114 @@ lesson.plot_puzzle(); plt.show()
 
 # %%
 import check as checker   # this folder's check.py
-all_passed = checker.check()
+all_passed = checker.check(["f_and_g", "parallel_mlp", "vocab_parallel_cross_entropy", "plan"])  # exercise 5: section 9
 
 # %% [markdown]
 # **Takeaway:** memory decides which layouts are possible; throughput decides among them, and the cheapest lever
 # (a smaller micro-batch) comes before the expensive ones (more tp ranks).
 #
-# ## 9. What it costs, when to use it, what comes next
+# ## 9. Partitioned checkpoints: ZeRO-R inside the tp group
+#
+# Full recomputation (lesson 01, section 4c) keeps only each layer's input, $b\cdot s\cdot h$ numbers, and redoes the
+# layer in backward. Under tensor parallelism without sp that input is the same on every rank of the group: $t$
+# identical copies of every checkpoint. **Partitioned activation checkpointing** ($P_a$, one of the ZeRO-R
+# optimizations, Rajbhandari et al. 2020, §6.1) keeps only $\frac1t$ of it per rank and all-gathers the rest just
+# before the layer is recomputed (docs/reference.md, "Activation memory"):
+#
+# $$\text{checkpoints per rank} = \frac{L\,s\,b\,h\,p}{t}\ \text{bytes instead of}\ L\,s\,b\,h\,p,
+# \qquad\text{plus } L \text{ all-gathers of } s\,b\,h\,p \text{ bytes per micro-batch, in backward}$$
+#
+# ($p$ = 4 bytes in fp32; each rank receives $\frac{t-1}{t}$ of each all-gather). The price is small next to what the
+# layer already sends: with full recomputation a Megatron layer makes 6 all-reduces of $sbh$ (forward, recomputed
+# forward, backward), $12\,sbh$ sent per rank; one all-gather of $sbh$ adds under 10% (ZeRO, §8). It sits on the
+# critical path of the backward, though, like every tp collective.
+#
+# **With sequence parallelism it comes for free.** sp keeps the layer inputs cut along the sequence (each rank its
+# $s/t$ tokens), so full recomputation already keeps $\frac1t$ of each checkpoint, and the all-gather that rebuilds the
+# tokens is the one each block makes anyway. Korthikanti et al. 2022, the paper of Megatron's sequence parallelism,
+# discuss the two side by side; Megatron-LM offers $P_a$ as `--distribute-saved-activations` and ignores it when sp is
+# on. Here `--recompute partitioned` refuses `--sp` (use `full`) and tp = 1 (nothing to partition); it combines with
+# dp, ZeRO, cp and pp (every stage's layers partition their own inputs: tests/test_tensor_parallel.py).
+#
+# **The code.** `tensor_parallel.apply` gives the model a `HiddenSlices` over its tp axis: rank $r$ keeps the hidden
+# columns $[rh/t, (r+1)h/t)$ (always whole: $t$ divides the heads, so it divides $h$; Megatron cuts the flattened
+# tensor instead). The model hands torch's checkpoint the *piece*, which is what torch saves, and passes the whole
+# input to the first forward only; the recomputation in backward rebuilds it. The autograd graph is the forward's
+# own, so every gradient is full recomputation's, bit for bit:
+
+# %%
+from picotron import model as llama
+_common.show_source(llama.checkpoint_partitioned, "    if not torch.is_grad_enabled()")
+print()
+_common.show_source(tensor_parallel.HiddenSlices, "    def keep")
+
+# %% [markdown]
+# **Measured.** `experiment.py --only partitioned` builds the lesson's model with no, full and partitioned
+# recomputation, at 2 and at 4 layers, as `picotron.train` builds it; one step of each counts what autograd keeps
+# (the trainer's `ActivationPeak`; per layer: the difference between the two depths, over 2 layers), the recorder
+# counts the all-gathers of the last step, and the 4-layer variants take turns for the step times:
+
+# %%
+TPS = (2, 4) if FAST else (1, 2, 4)  # FAST: the tp runs the checks need
+for t in TPS:
+    run("partitioned", nproc=t)
+part = {t: _common.load_json(OUT / f"partitioned_tp{t}.json")["results"] for t in TPS}
+for t, res in part.items():
+    full_ms = next(r["median"] for r in res["rows"] if r["mode"] == "full")
+    for r in res["rows"]:
+        print(f"tp={t} {r['mode']:<12} a layer keeps {max(r['per_layer_by_rank']) / MiB:6.3f} MiB per rank (formula "
+              f"{res['formula_per_layer'][r['mode']] / MiB:6.3f}); all-gathers per step: {r['all_gather_calls']} of "
+              f"{r['all_gather_bytes'] / MiB:.2f} MiB in all; {1e3 * r['median']:6.1f} ms/step (x{r['median'] / full_ms:.2f} full's)")
+lesson.plot_partitioned(part); plt.show()
+
+# %%
+for t, res in part.items():
+    if t == 1:
+        continue
+    rows, f, L = {r["mode"]: r for r in res["rows"]}, res["formula_per_layer"], res["layers"]
+    act = 4 * res["b"] * res["s"] * res["h"]  # one layer input, fp32
+    for mode, what in (("full", "4sbh"), ("partitioned", "4sbh/t")):
+        worst = max(abs(m / f[mode] - 1) for m in rows[mode]["per_layer_by_rank"])
+        check(f"tp={t}: {mode} recomputation keeps {what} per layer on every rank", worst < 1e-3,
+              f"{f[mode] / MiB:.3f} MiB, worst rank {worst:.2%} off")
+    got = rows["partitioned"]["all_gather_bytes"] - rows["full"]["all_gather_bytes"]
+    check(f"tp={t}: partitioned adds one all-gather of 4sbh per layer per step", got == L * act and
+          rows["partitioned"]["all_gather_calls"] - rows["full"]["all_gather_calls"] == L,
+          f"{rows['partitioned']['all_gather_calls']} all-gathers, {got / MiB:.2f} MiB counted, formula L·4sbh = "
+          f"{L * act / MiB:.2f} MiB (each rank receives {(t - 1) / t:.0%} of it)")
+    check(f"tp={t}: partitioned trains exactly like full recomputation", rows["partitioned"]["losses"] == rows["full"]["losses"],
+          f"{len(rows['full']['losses'])} steps, losses equal bit for bit")
+
+# %% [markdown]
+# Each layer keeps exactly $4sbh/t$ bytes per rank, half of full recomputation's at tp = 2 and a quarter at tp = 4,
+# and each step makes exactly $L$ more all-gathers of a layer input, all in backward. The losses do not move by a bit:
+# the recomputation sees the same numbers, only gathered. Full recomputation is already far below no recomputation
+# (log scale), so on this model $P_a$ saves little in absolute terms: it matters when the checkpoints themselves
+# are what does not fit — long sequences, many layers, few tp ranks without sp. The step times are this shared
+# CPU's, shown and not judged; expect partitioned a little slower than full (one all-gather and one concatenation per
+# layer).
+#
+# **Exercise 5** (`exercise.py`): `keep_my_piece(x, group)`, this rank's copy of its hidden columns, and
+# `rebuild_input(piece, group)`, the whole input back on every rank with one all-gather. The checker runs them on 2
+# and 4 processes and names the mistake: the sequence cut instead of the hidden dimension, another rank's columns, a
+# view where a copy was needed (a view keeps the whole input alive), pieces stacked along the batch as
+# `all_gather_into_tensor` leaves them, or put back in the wrong order.
+
+# %%
+import check as checker   # this folder's check.py
+partition_passed = checker.check(["partition"])
+
+# %% [markdown]
+# **Takeaway:** where tp leaves copies, ZeRO-R removes them for one all-gather each; sequence parallelism removes the
+# same copies with no extra collective, which is why Megatron uses it instead whenever it can.
+#
+# ## 10. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
 # | tensor parallel, degree $t$ | $\frac1t$ of every matrix and of its gradient and optimizer state; activations inside the blocks $/t$ | 4 all-reduces of $b\cdot s\cdot h$ per layer per step, blocking | the model (or one layer's activations) does not fit, **within a node** (NVLink), $t \le 8$ |
 # | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes as all-gathers and reduce-scatters (twice the calls) | with tp, when activations limit the micro-batch or sequence. Megatron's version saves memory at any $t$ for no extra bytes. Ours keeps extra copies of the gathered input: at tp=2 on this CPU it kept *more* memory and ran slower (sections 4b, 4c); at tp=4 it saved a little, enough for the puzzle's 23 MiB budget |
+| + partitioned checkpoints (ZeRO-R $P_a$, full recomputation, no sp) | each layer's checkpointed input $/t$ | + 1 all-gather of $b\cdot s\cdot h$ per layer in backward | with full recomputation when sp is not available; with sp the inputs are split already (section 9) |
 #
 # **Its costs.** The collectives carry activations, so they grow with the tokens per micro-batch, not with the model;
 # they cannot overlap the layer that needs their result; and each rank's matmuls get $t$ times thinner, which makes

@@ -55,7 +55,8 @@ def settings(fast, device_type=None):
     """Model and batch of the experiments (every tp rank sees the whole batch), and the steps per variant; on GPUs
     _common.GPU_SETTINGS["05_tensor_parallel"] on top (device_type: the mesh's, else _common.device())."""
     st = dict(size="small", seq_len=128, micro_batch_size=4, steps=3 if fast else 30, warmup=1 if fast else 3,
-              dtensor_steps=4 if fast else 60, parity_steps=10 if fast else 20, parity_seq_len=64)
+              dtensor_steps=4 if fast else 60, parity_steps=10 if fast else 20, parity_seq_len=64,
+              partitioned_steps=3 if fast else 10)
     return _common.sized("05_tensor_parallel", st, fast, device_type)
 
 
@@ -487,7 +488,7 @@ def exp_partitioned(mesh, st, out, lo=2, hi=4):
     shallow, deep = {m: build(m, lo) for m in modes}, {m: build(m, hi) for m in modes}
     for v in shallow.values():
         v.step(1, record=False)
-    others = _common.run_interleaved(list(deep.values()), st["steps"], st["warmup"], mesh.tp.group)
+    others = _common.run_interleaved(list(deep.values()), st["partitioned_steps"], st["warmup"], mesh.tp.group)
     mc, rows = deep["none"].run.raw.config, []
     for m in modes:
         v = deep[m]  # its recorder holds the last step's collectives (Variant.step resets it)
