@@ -715,7 +715,7 @@ partition_passed = checker.check(["partition"])
 # |---|---|---|---|
 # | tensor parallel, degree $t$ | $\frac1t$ of every matrix and of its gradient and optimizer state; activations inside the blocks $/t$ | 4 all-reduces of $b\cdot s\cdot h$ per layer per step, blocking | the model (or one layer's activations) does not fit, **within a node** (NVLink), $t \le 8$ |
 # | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes as all-gathers and reduce-scatters (twice the calls) | with tp, when activations limit the micro-batch or sequence. Megatron's version saves memory at any $t$ for no extra bytes. Ours keeps extra copies of the gathered input: at tp=2 on this CPU it kept *more* memory and ran slower (sections 4b, 4c); at tp=4 it saved a little, enough for the puzzle's 23 MiB budget |
-| + partitioned checkpoints (ZeRO-R $P_a$, full recomputation, no sp) | each layer's checkpointed input $/t$ | + 1 all-gather of $b\cdot s\cdot h$ per layer in backward | with full recomputation when sp is not available; with sp the inputs are split already (section 9) |
+# | + partitioned checkpoints (ZeRO-R $P_a$, full recomputation, no sp) | each layer's checkpointed input $/t$ | + 1 all-gather of $b\cdot s\cdot h$ per layer in backward | with full recomputation when sp is not available; with sp the inputs are split already (section 9) |
 #
 # **Its costs.** The collectives carry activations, so they grow with the tokens per micro-batch, not with the model;
 # they cannot overlap the layer that needs their result; and each rank's matmuls get $t$ times thinner, which makes
