@@ -219,6 +219,7 @@ LAYOUTS = [  # tp, sp, dp, zero stage, extra settings
     (2, False, 1, 0, {"recompute": "partitioned"}),  # ZeRO-R's partitioned checkpoints
     pytest.param(4, False, 1, 0, {"recompute": "partitioned"}, marks=pytest.mark.heavy),
     pytest.param(2, False, 2, 0, {"recompute": "partitioned"}, marks=pytest.mark.heavy),
+    pytest.param(2, False, 2, 3, {"recompute": "partitioned"}, marks=pytest.mark.heavy),  # ZeRO-3 regathers too
 ]
 
 
