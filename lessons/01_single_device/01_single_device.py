@@ -341,7 +341,9 @@ lesson.plot_recompute(recompute); plt.show()
 # the layer, which grows with $s/h$: at long sequences in a small model the core is most of the layer and selective
 # costs nearly what full does. With flash-style sdpa,
 # selective saves almost nothing: the kernel already recomputes the scores — flash attention *is* selective
-# recomputation. Timings on a shared CPU are noisy; the memory numbers are exact.
+# recomputation. Timings on a shared CPU are noisy; the memory numbers are exact. (`--recompute` has a fourth mode,
+# `partitioned`: full recomputation whose kept layer inputs are split over the tensor-parallel ranks, ZeRO-R's
+# partitioned checkpoints; lesson 05, section 9.)
 #
 # **Takeaway:** recomputation trades memory for FLOPs without changing a single gradient; recompute the part whose
 # memory is largest per FLOP (the $s^2$ scores), or everything when nothing else fits.
