@@ -42,13 +42,12 @@ The model knows nothing about parallelism. Things the parallel strategies may re
     for the same reason, and the step engine passes them with every batch;
   * `init_weights(seed)` draws every parameter from a generator seeded by (seed, parameter name) only, so
     every layout initialises identically. A strategy that shards a parameter places it (`picotron.marks`:
-    the full shape and the slice's offsets in it); `init_weights` then draws the full tensor and keeps the slice.
+    the full shape and the slice's offsets in it); `init_weights` then draws the full tensor and keeps the slice;
+  * `partition` (None here) says how recompute="partitioned" cuts a layer's input into this rank's piece and
+    rebuilds it in backward (`keep`, `rebuild`): tensor parallelism sets it (ZeRO-R's partitioned checkpoints).
 
 The shape (`ModelConfig`, the named `PRESETS`) lives in picotron.model_config, a leaf without torch that
 the command line reads; this module's names for them still work.
-
-  * `partition` (None here) says how recompute="partitioned" cuts a layer's input into this rank's piece and
-    rebuilds it in backward (`keep`, `rebuild`): tensor parallelism sets it (ZeRO-R's partitioned checkpoints).
 
 Each RMSNorm and dense MLP has a `kernel` attribute, "plain" (the PyTorch ops written here) unless
 `use_kernels(model, impl)` routes them through picotron.kernels' fused RMSNorm and SwiGLU.
@@ -204,15 +203,15 @@ def checkpoint_partitioned(layer, x, cos, sin, partition):
     recomputation's."""
     if not torch.is_grad_enabled():  # nothing is saved: no piece to keep
         return layer(x, cos, sin)
-    whole = [x]
+    whole, needs_grad = [x], x.requires_grad
 
     def run(piece, cos, sin):
         if whole:  # the forward: the input itself
             return layer(whole.pop(), cos, sin)
-        rebuilt = partition.rebuild(piece).requires_grad_(needs_grad)  # the recomputation, inside backward
-        return layer(rebuilt, cos, sin)
+        # the recomputation, inside backward: the whole input again, requiring grad as the first time did (so the
+        # ops save the same tensors)
+        return layer(partition.rebuild(piece).requires_grad_(needs_grad), cos, sin)
 
-    needs_grad = x.requires_grad  # what the ops saw the first time: they save the same tensors again
     return checkpoint(run, partition.keep(x), cos, sin, use_reentrant=False)
 
 
