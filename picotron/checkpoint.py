@@ -55,11 +55,12 @@ its newest two level-1 steps. A step that is a multiple of `--save-every` writes
 everything level 1 does): no promotion of level-1 files, whose replicas would be written twice to the shared
 folder and which a lost node no longer has.
 
-Resume from the newest step complete at SOME level (`agreed_start`): every rank reports the level-1 steps it
-holds, its own shard and its peer copy (one all-gather); a step newer than level 2's is taken if every rank's
-shard is in its own node's folder or in its peer's; a rank whose own copy is lost gets it back from the peer (one
-batch of messages), restores its local file and loads it; else level 2 (resharded if the layout changed; level 1
-needs the same layout, the same model and the same run).
+Resume from the newest step complete at SOME level (`agreed_local`, then `load_local`): every rank reports the
+level-1 steps it holds, its own shard and its peer copy (one all-gather); a step newer than level 2's is taken if
+every rank's shard is in its own node's folder or in its peer's; a rank whose own copy is lost gets it back from
+the peer (one batch of messages), writes it again and loads it, and a peer copy that was lost is sent again (so a
+second lost node is survived too); else level 2 (resharded if the layout changed; level 1 needs the same layout,
+the same model and the same run).
 
 Several nodes. Every rank writes its own file into one folder and rank 0 commits it, so every node must see
 the same OUT (a shared filesystem). The Saver checks that once, at start-up (rank 0 writes a probe file, every
@@ -488,8 +489,9 @@ def _transfer(group, send_to=None, parts=(), recv_from=None, count=2):
 
 
 def agreed_local(saver, after):
-    """(step, ranks whose own copy is lost) of the newest level-1 step newer than `after` (level 2's step, or 0)
-    that is complete: every rank's shard in its own node's folder or in its holder's; or None. Every rank
+    """(step, ranks whose own copy is lost, ranks whose peer copy is lost) of the newest level-1 step newer than
+    `after` (level 2's step, or 0) that is complete: every rank's shard in its own node's folder or in its
+    holder's; or None. Every rank
     reports the newest steps it holds of its own and of its source (one all-gather over the writer's group), so
     every rank finds the same answer."""
     loc, mesh = saver.local, saver.mesh
@@ -507,24 +509,33 @@ def agreed_local(saver, after):
     copy = [set(t[1].tolist()) - {-1} for t in every]  # copy[h]: the steps rank h holds of its source's shard
     for step in sorted(set().union(*own), reverse=True):
         if all(step in own[r] or step in copy[loc.holder(r)] for r in range(mesh.world_size)):
-            return step, [r for r in range(mesh.world_size) if step not in own[r]]
+            lost = [r for r in range(mesh.world_size) if step not in own[r]]
+            return step, lost, [r for r in range(mesh.world_size) if loc.nodes > 1 and step not in copy[loc.holder(r)]]
     return None
 
 
-def load_local(saver, step, lost, run):
+def load_local(saver, step, lost, unpaired, run):
     """Load level-1 `step` into `run` (the same layout that wrote it). A rank in `lost` gets its shard back from
-    its holder (one batch of messages), writes it into its node's folder again, and loads it. Returns step."""
+    its holder (one batch of messages) and writes it into its node's folder again; then a rank in `unpaired`
+    (whose holder lost its copy) sends its shard to its holder again, so that every shard of `step` is on two
+    nodes before training goes on (a second lost node is survived too). Returns step."""
     loc, mesh, rank = saver.local, saver.mesh, saver.mesh.rank
     folder = loc.folder(rank, step)
-    if lost:
-        src = loc.source(rank)
-        parts = [open(os.path.join(folder, f"rank_{src:05d}{ext}"), "rb").read() for ext in (".pt", ".json")] \
-            if src in lost else ()
-        got = _transfer(saver.group, send_to=src if src in lost else None, parts=parts,
-                        recv_from=loc.holder(rank) if rank in lost else None)
+    os.makedirs(folder, exist_ok=True)
+
+    def read(of):
+        return [open(os.path.join(folder, f"rank_{of:05d}{ext}"), "rb").read() for ext in (".pt", ".json")]
+    src, holder = loc.source(rank), loc.holder(rank)
+    if lost:  # back to the rank that lost it: from its holder
+        got = _transfer(saver.group, send_to=src if src in lost else None, parts=read(src) if src in lost else (),
+                        recv_from=holder if rank in lost else None)
         if got is not None:
-            os.makedirs(folder, exist_ok=True)
             _write_shard(folder, rank, *got)
+    if unpaired:  # a copy to the holder that lost it (a rank is never in both lists: the step would be incomplete)
+        got = _transfer(saver.group, send_to=holder if rank in unpaired else None,
+                        parts=read(rank) if rank in unpaired else (), recv_from=src if src in unpaired else None)
+        if got is not None:
+            _write_shard(folder, src, *got)
     with open(os.path.join(folder, f"rank_{rank:05d}.json")) as f:
         entries = {e["key"]: e for e in json.load(f)["slices"]}
     data = torch.load(os.path.join(folder, f"rank_{rank:05d}.pt"), map_location="cpu", weights_only=True)

@@ -267,7 +267,7 @@ def test_level_1_resumes_exactly_from_the_peers_copy_else_level_2(tmp_path):
     """dp2 as two nodes, level 1 every step, level 2 every 4: after 6 steps each node holds level-1 steps 3 and 5
     (4 and 6 are level 2's), its rank's shard and the other node's rank's copy. Rewound to step 4's level 2 with
     node 1's folder deleted (a lost node), the run resumes from level 1's step 5 (newer), rank 1's shard sent back
-    from node 0's copy (and written again on node 1); with both folders deleted, from level 2's step 4. Each time the
+    from node 0's copy (and node 1's folder filled again: rank 1's shard, rank 0's copy); with both folders deleted, from level 2's step 4. Each time the
     losses after the resume, and the final checkpoint, are the uninterrupted run's bit for bit, and every rank's
     messages obey NCCL's rules. (A resume from a rank's own copy: tests/test_faults.py, after a real kill.)"""
     out = str(tmp_path / "run")
@@ -293,5 +293,6 @@ def test_level_1_resumes_exactly_from_the_peers_copy_else_level_2(tmp_path):
         assert [r["loss"] for r in records] == [r["loss"] for r in ref], lost
         assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in ref], lost
         assert_same_state(reshard.consolidate(checkpoint.latest(out)), final, f"lost {lost}")
-        if lost == ("node_001",):  # the lost node's shard is back on its disk
-            assert sorted(os.listdir(local / "node_001" / "step_000005")) == ["rank_00001.json", "rank_00001.pt"]
+        if lost == ("node_001",):  # the lost node's shard is back on its disk, and its copy of node 0's rank
+            assert sorted(os.listdir(local / "node_001" / "step_000005")) == [
+                "rank_00000.json", "rank_00000.pt", "rank_00001.json", "rank_00001.pt"]

@@ -83,19 +83,20 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path):
                                                                          "step_000006"]
 
 
-def test_killed_ranks_and_a_lost_node_resume_from_level_1_with_the_uninterrupted_losses(tmp_path):
-    """dp2 as two nodes (--ranks-per-node 1), level 1 every step, level 2 every 4. Rank 0 killed in step 3: the
-    restart resumes from level 1's step 2, its own copy (level 2 has nothing yet); rank 1's node lost in step 7
-    (its level-1 folder deleted, then SIGKILL): the restart resumes from level 1's step 6, rank 1's shard from
-    node 0's copy. Every step's loss equals the run without faults, bit for bit."""
-    common = ["--dp", 2, "--steps", 8, "--save-every", 4, "--local-save-every", 1, "--ranks-per-node", 1]
+def test_lost_nodes_resume_from_level_1_with_the_uninterrupted_losses(tmp_path):
+    """dp2 as two nodes (--ranks-per-node 1), level 1 every 2 steps, level 2 every 4. Node 0 lost in step 7 (its
+    level-1 folder deleted, then SIGKILL): the restart resumes from level 1's step 6, rank 0's shard from node 1's
+    copy, rank 1's from its own. Node 1 lost in step 8, before any new level-1 save: the restart resumes from level
+    1's step 6 again, rank 1's shard from node 0, whose copy the first restart had sent again (without it: level
+    2's step 4). Every step's loss equals the run without faults, bit for bit."""
+    common = ["--dp", 2, "--steps", 8, "--save-every", 4, "--local-save-every", 2, "--ranks-per-node", 1]
     code, _, err, _ = picotron(*common, "--out", tmp_path / "clean")
     assert code == 0, err
-    code, out, err, _ = picotron(*common, "--out", tmp_path / "faulty", "--faults", "kill@3:r0,lose-node@7:r1",
+    code, out, err, _ = picotron(*common, "--out", tmp_path / "faulty", "--faults", "lose-node@7:r0,lose-node@8:r1",
                                  "--max-restarts", 2)
     assert code == 0, f"{out[-3000:]}\n{err[-3000:]}"
-    assert "picotron: fault injected: rank 1 loses its node and kills itself during step 7" in out, out
-    assert "restart 1: resuming from level 1 (node-local) step 2 at step 3" in out, out
+    assert "picotron: fault injected: rank 0 loses its node and kills itself during step 7" in out, out
+    assert "restart 1: resuming from level 1 (node-local) step 6, rank 0 from the next node's copy at step 7" in out
     assert "restart 2: resuming from level 1 (node-local) step 6, rank 1 from the next node's copy at step 7" in out
     assert losses(tmp_path / "faulty") == losses(tmp_path / "clean")
     assert [r["step"] for r in read_metrics(str(tmp_path / "faulty"))[0]] == list(range(1, 9))
