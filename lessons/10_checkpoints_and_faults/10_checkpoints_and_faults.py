@@ -440,10 +440,11 @@ if not FAST:  # larger models: a level-1 save (own folder + the peer's copy) aga
               f"{1e3 * r['level2_s']:.0f} ms ({r['held']['2'] / MiB:.0f} MiB in the shared folder)")
 
 # %% [markdown]
-# On this machine both levels write to the same disk, and level 1 writes more bytes (each rank's whole state, and
-# the peer's copy), so it is no cheaper here. Its point is where it writes on a cluster: each node's own NVMe drive
-# in parallel and one transfer to a neighbour, instead of every rank at once through the shared file system —
-# which is why $C_1 \ll C_2$ in section 6's model, and why level 1 can be written far more often.
+# On this machine level 1 is the *slower* one: both levels write to the same disk, and level 1 writes twice the
+# bytes (each rank's state and the copy it keeps for the other) and sends half of them through gloo's sockets, on
+# the same two cores. Its point is where it writes on a cluster: each node's own NVMe drive, all nodes in
+# parallel, and one transfer to a neighbour over the network, instead of every rank at once through the shared
+# file system — which is why $C_1 \ll C_2$ in section 6's model, and why level 1 can be written far more often.
 #
 # **Takeaway:** a copy on the next node turns a lost node into $(K_1+1)/2$ steps redone instead of $(K_2+1)/2$;
 # the shared folder stays the last resort, for a node lost together with its peer.

@@ -66,7 +66,7 @@ def settings(fast):
                 dcp_sizes=("small",) if fast else ("small", "medium"), dcp_rounds=2 if fast else 4,
                 demo_steps=20 if fast else 30, demo_every=3 if fast else 5,
                 levels_sizes=("small",) if fast else ("small", "medium"), levels_rounds=2 if fast else 4,
-                level1_every=2, level2_every=4 if fast else 6)
+                level1_every=2, level2_every=4)
 
 
 def make_cfg(size, **kw):
@@ -387,7 +387,7 @@ def levels_demo(out, fast):
     # the kills: FAST one (the last step of an interval); full: every step of a level-2 interval (the mean of the
     # steps redone is then the model's)
     kills = [2 * k2] if fast else list(range(k2 + 1, 2 * k2 + 1))
-    steps = 2 * k2 + 1
+    steps = 2 * k2 + k1 + 1  # (the last attempt then writes a level-1 save too: its summary line times both levels)
     common = ["--dp", 2, "--zero", 1, "--steps", steps, "--save-every", k2]
     level1 = ["--local-save-every", k1, "--ranks-per-node", 1]
     runs = {}
