@@ -138,12 +138,21 @@ class Config:
                                       "0 = keep all)")
     async_save: bool = option(False, "write checkpoints in a background thread (training pauses only to copy the "
                                      "tensors to host memory)")
+    local_save_every: int = option(0, "level 1 (multi-level checkpoints): every K steps each rank writes its whole "
+                                      "state to its node's --local-dir and a copy to the next node's; a restart "
+                                      "resumes from the newest step complete at either level (0 = off; K < "
+                                      "--save-every)")
+    local_dir: str = option("", "level 1's node-local folder, one node_N subfolder per node (empty: OUT/local, "
+                                "whose node_N folders stand for each node's local disk on one machine)")
+    ranks_per_node: int = option(0, "level 1's nodes: this many consecutive ranks share one (0: torchrun's processes "
+                                    "per machine; on one machine e.g. 1 acts out one node per rank)")
     # faults: what survives them (picotron.faults, picotron.checkpoint)
     max_restarts: int = option(0, "restart the job this many times after a rank dies (torchrun --max-restarts); "
                                   "each restart resumes from the newest checkpoint")
     on_nonfinite: str = option("stop", "when the loss or gradient norm is inf/NaN: stop (say which step) or skip "
                                        "(drop that step's update)", ON_NONFINITE)
-    faults: str = option("", "inject faults to test recovery: kill@STEP[:rN], kill-save@STEP[:rN], nan@STEP, "
+    faults: str = option("", "inject faults to test recovery: kill@STEP[:rN], kill-save@STEP[:rN], "
+                             "lose-node@STEP[:rN] (its level-1 folder deleted too), nan@STEP, "
                              "comma-separated")
     # optimizer (AdamW, warm-up then cosine decay to min_lr)
     lr: float = option(3e-3, "peak learning rate of AdamW, reached after the warm-up")
@@ -286,6 +295,7 @@ def check(cfg):
     _check_model(cfg, mc)
     _check_faults(cfg)
     _check_nodes(cfg)
+    _check_levels(cfg)
     return mc
 
 
@@ -312,7 +322,7 @@ def _fits(n, limit=64):
 def _check_positive(cfg):
     at_least = {"dp": 1, "tp": 1, "pp": 1, "pp_chunks": 1, "cp": 1, "ep": 1, "steps": 1, "seq_len": 1, "micro_batch_size": 1,
                 "grad_acc": 1, "log_every": 1, "timeout_s": 1, "seed": 0, "save_every": 0, "warmup_steps": 0,
-                "keep_checkpoints": 0, "max_restarts": 0,
+                "keep_checkpoints": 0, "max_restarts": 0, "local_save_every": 0, "ranks_per_node": 0,
                 "eval_every": 0, "eval_batches": 0, "sample_tokens": 0, "experts": 0, "top_k": 1}
     at_least.update({k: 1 for k in MODEL_FIELDS})
     for name, low in at_least.items():
@@ -391,6 +401,28 @@ def _check_nodes(cfg):
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"rdzv_endpoint={cfg.rdzv_endpoint!r} is not HOST:PORT; pass the first node's address "
                               f"and a free port, like --rdzv-endpoint 10.0.0.1:29500.")
+
+
+def _check_levels(cfg):
+    """Level 1 (--local-save-every) in front of level 2 (--save-every): picotron.checkpoint."""
+    if not cfg.local_save_every:
+        if cfg.local_dir or cfg.ranks_per_node:
+            flag = "--local-dir" if cfg.local_dir else "--ranks-per-node"
+            raise ConfigError(f"{flag} configures level-1 checkpoints, which are off (local_save_every=0); pass "
+                              f"--local-save-every K (e.g. {max(1, cfg.save_every // 4)}) or drop {flag}.")
+        return
+    if not cfg.save_every or cfg.local_save_every >= cfg.save_every:
+        raise ConfigError(f"local_save_every={cfg.local_save_every} must be below save_every={cfg.save_every}: level "
+                          f"1 is the frequent level in front of level 2 (the shared folder, the only one that "
+                          f"survives losing a node and its peer); pass e.g. --save-every "
+                          f"{4 * cfg.local_save_every}.")
+    if cfg.ranks_per_node and cfg.world_size % cfg.ranks_per_node:
+        raise ConfigError(f"ranks_per_node={cfg.ranks_per_node} does not divide the {cfg.world_size} ranks into "
+                          f"whole nodes; pick --ranks-per-node in {_choices(_fits(cfg.world_size))}.")
+    if cfg.ranks_per_node and cfg.nnodes > 1 and cfg.ranks_per_node != cfg.world_size // cfg.nnodes:
+        raise ConfigError(f"ranks_per_node={cfg.ranks_per_node} disagrees with the {cfg.world_size // cfg.nnodes} "
+                          f"processes on each of nnodes={cfg.nnodes} machines; leave --ranks-per-node out (the "
+                          f"machines are the nodes).")
 
 
 def placement_note(cfg, per_node):

@@ -4,6 +4,8 @@
     --faults "kill@7:r0,kill@13"  rank 0 dies in step 7; after the restart, the last rank dies in step 13
     --faults "kill-save@10:r1"    rank 1 dies while writing the checkpoint of step 10 (its file half written)
     --faults "nan@4"              the loss of step 4 is NaN on every rank (see --on-nonfinite)
+    --faults "lose-node@9:r1"     rank 1's node is lost in step 9: its level-1 folder (--local-save-every) is
+                                  deleted, then rank 1 dies; the restart finds that node's shards on its peer
 
 A kill is real: the process gets SIGKILL between the backward and the optimizer step, while its peers wait
 in a collective. torchrun sees the death and stops the other workers; with `--max-restarts N` it starts them
@@ -14,9 +16,10 @@ run that never failed (the resume is exact).
 """
 import os
 import re
+import shutil
 import signal
 
-_ITEM = re.compile(r"^(kill|kill-save|nan)@(\d+)(?::r(\d+))?$")
+_ITEM = re.compile(r"^(kill|kill-save|lose-node|nan)@(\d+)(?::r(\d+))?$")
 
 
 def parse(spec):
@@ -25,8 +28,8 @@ def parse(spec):
     for item in filter(None, (s.strip() for s in spec.split(","))):
         m = _ITEM.match(item)
         if not m:
-            raise ValueError(f"faults item {item!r} is not kill@STEP, kill-save@STEP or nan@STEP (a rank as :rN "
-                             f"after a kill, e.g. kill@7:r1); pass e.g. --faults \"kill@7,nan@12\".")
+            raise ValueError(f"faults item {item!r} is not kill@STEP, kill-save@STEP, lose-node@STEP or nan@STEP (a "
+                             f"rank as :rN after a kill, e.g. kill@7:r1); pass e.g. --faults \"kill@7,nan@12\".")
         out.append((m.group(1), int(m.group(2)), None if m.group(3) is None else int(m.group(3))))
     return out
 
@@ -43,9 +46,10 @@ def problem(cfg):
         if rank is not None and rank >= cfg.world_size:
             return (f"faults item {kind}@{step}:r{rank} names rank {rank} but the run has {cfg.world_size} "
                     f"rank{'s' if cfg.world_size > 1 else ''}; pick r0..r{cfg.world_size - 1}.")
-        if kind == "kill-save" and not (cfg.save_every and step % cfg.save_every == 0):
+        saves = [k for k in (cfg.save_every, getattr(cfg, "local_save_every", 0)) if k]
+        if kind == "kill-save" and not any(step % k == 0 for k in saves):
             return (f"faults item kill-save@{step} names a step without a checkpoint (save_every={cfg.save_every}); "
-                    f"pick a multiple of --save-every.")
+                    f"pick a multiple of --save-every (or of --local-save-every).")
     return None  # more kills than --max-restarts is allowed: the job then ends at a kill, which is worth seeing too
 
 
@@ -55,10 +59,11 @@ def attempt():
 
 
 class Injector:
-    """The faults of this run, for one rank: `maybe_kill(where, step)` and `loss_fn(step, loss_fn)`."""
+    """The faults of this run, for one rank: `maybe_kill(where, step)` and `loss_fn(step, loss_fn)`.
+    node_dir: this rank's node's level-1 folder, which lose-node deletes (None: no level 1)."""
 
-    def __init__(self, spec, rank, world_size):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, spec, rank, world_size, node_dir=None):
+        self.rank, self.world_size, self.node_dir = rank, world_size, node_dir
         items = parse(spec or "")
         kills = [(k, s, r) for k, s, r in items if k != "nan"]
         mine = kills[attempt()] if attempt() < len(kills) else None  # this attempt's kill, if any
@@ -71,9 +76,11 @@ class Injector:
             return
         kind, at, rank = self.kill
         rank = self.world_size - 1 if rank is None else rank
-        if kind == where and at == step and rank == self.rank:
-            print(f"picotron: fault injected: rank {self.rank} kills itself during "
-                  f"{'step' if where == 'kill' else 'the checkpoint of step'} {step}", flush=True)
+        if kind.replace("lose-node", "kill") == where and at == step and rank == self.rank:
+            if kind == "lose-node" and self.node_dir:  # the machine and its local disk are gone
+                shutil.rmtree(self.node_dir, ignore_errors=True)
+            print(f"picotron: fault injected: rank {self.rank} {'loses its node and ' * (kind == 'lose-node')}kills "
+                  f"itself during {'step' if where == 'kill' else 'the checkpoint of step'} {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def loss_fn(self, step, loss_fn):

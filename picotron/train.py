@@ -14,11 +14,13 @@ says which tokens of every sequence this rank's loader keeps); the loop imports 
                                                          # loss scale; picotron.precision)
 
 Around it, per step, the loop: the validation loss every eval_every steps, one line of metrics.jsonl, a checkpoint every
-save_every steps (picotron.checkpoint: sharded, atomic, maybe async), a progress line, and after a Ctrl-C the
+save_every steps (picotron.checkpoint: sharded, atomic, maybe async; with --local-save-every, a level-1 one on the
+nodes' local disks in between), a progress line, and after a Ctrl-C the
 stop, every rank after the same step, with a checkpoint (a second Ctrl-C stops at once: `interruptible`).
 
 Faults. Under torchrun with --max-restarts N, a job whose rank died starts again and resumes by itself from
-the newest complete checkpoint (`faults.attempt()` > 0 acts as --resume); --faults injects deaths to try it.
+the newest complete checkpoint, at either level (`faults.attempt()` > 0 acts as --resume); --faults injects
+deaths, and lost nodes, to try it.
 
 With one pipeline stage, `schedule.run` is gradient accumulation: for each of grad_acc micro-batches,
 logits = model(x) (under bf16 autocast if --dtype bf16; parameters stay fp32), loss = cross_entropy / grad_acc,
@@ -170,9 +172,11 @@ def train(cfg, mesh, return_model=False):
     tokenizer, loader = load_data(cfg, mesh)
     run = parallelize(cfg, mesh)
     activations = run.schedule.phases.listen(metrics.ActivationPeak(run.model))  # the step's peak (picotron.hooks)
-    injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size)  # --faults: deaths and NaNs on purpose
+    local = checkpoint.local_of(cfg, mesh)  # level 1's places (--local-save-every), or None
+    injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size,  # --faults: deaths and NaNs on purpose
+                               node_dir=local and local.folder(mesh.rank))
     speed = Speed(cfg, mesh, run.raw.config)  # tokens and FLOPs per step; the matmul peak that MFU divides by
-    start, saver = start_or_resume(cfg, mesh, run, injector)  # step 1, or the step after a checkpoint's
+    start, saver = start_or_resume(cfg, mesh, run, injector, local)  # step 1, or the step after a checkpoint's
     log = metrics.MetricsLog(cfg.out, enabled=is_logger, resume_step=start if start > 1 else None)
     if is_logger:
         announce(cfg, mesh, run, speed)
@@ -193,6 +197,9 @@ def train(cfg, mesh, return_model=False):
                     say_if_skipped(record, run.scaler)
                 if cfg.save_every and step % cfg.save_every == 0:
                     saver.save(step, run)
+                elif cfg.local_save_every and step % cfg.local_save_every == 0 and \
+                        not (cfg.save_final and step == cfg.steps):  # (the last step's is level 2's)
+                    saver.save(step, run, level=1)  # each rank's state on its node's disk and its peer's
                 if is_logger and (step % cfg.log_every == 0 or step in (1, cfg.steps) or "val_loss" in record):
                     print(progress_line(record, cfg.steps), flush=True)
                 if step < cfg.steps and mesh.agree(stop_asked()):  # every rank stops after the same step
@@ -204,6 +211,7 @@ def train(cfg, mesh, return_model=False):
         log.close()  # the steps so far stay in metrics.jsonl
         raise
     summary = summarize(history, cfg, mesh, run, speed, elapsed_s=time.perf_counter() - t_start)
+    summary["saves"] = save_times(saver.times)
     log.write(summary)
     log.close()
     if is_logger:
@@ -292,28 +300,41 @@ class Speed:
         return achieved / self.peak
 
 
-def start_or_resume(cfg, mesh, run, injector):
+def start_or_resume(cfg, mesh, run, injector, local=None):
     """(the first step to run, the checkpoint Saver): step 1, or with --resume (or a restart after a lost rank)
-    the step after the newest checkpoint's, loaded into `run` in this layout (--resume-from: another run's)."""
+    the step after the newest checkpoint's, loaded into `run` in this layout (--resume-from: another run's).
+    With level 1 (`local`), the newest step complete at either level: level 1's if it is newer than level 2's
+    and every rank's shard survives on its node or on its peer (picotron.checkpoint.agreed_local)."""
     resume = cfg.resume or faults.attempt() > 0  # a restart after a lost rank resumes by itself
     try:  # several nodes: rank 0 picks the checkpoint, every rank must see it; and every rank must see OUT
         start, folder = 1, checkpoint.agreed_latest(cfg.out, mesh) if resume else None
-        if folder is None and cfg.resume_from:  # a new run from another run's checkpoint (a restart: its own)
+        saver = checkpoint.Saver(cfg.out, cfg, mesh, keep=cfg.keep_checkpoints, asynchronous=cfg.async_save,
+                                 on_write=lambda step: injector.maybe_kill("kill-save", step), local=local)
+        # level 1 newer than level 2? (every rank asks: an all-gather over the writer's group, the same answer)
+        level1 = checkpoint.agreed_local(saver, checkpoint.step_of(folder) if folder else 0) if resume else None
+        if folder is None and level1 is None and cfg.resume_from:  # a new run from another run's checkpoint
             folder = runs.resolve_checkpoint(cfg.resume_from)
-        if folder is None and cfg.resume:  # (on one node the command line refused this before any process)
+        if folder is None and level1 is None and cfg.resume:  # (on one node the command line refused this before)
             raise Stopped(f"picotron: error: --resume needs a checkpoint, but rank 0 sees none in {cfg.out}/checkpoints; "
                           f"start a new run without --resume, or pass the --out of a run with one.", 2)
-        saver = checkpoint.Saver(cfg.out, cfg, mesh, keep=cfg.keep_checkpoints, asynchronous=cfg.async_save,
-                                 on_write=lambda step: injector.maybe_kill("kill-save", step))
     except checkpoint.NotShared as e:
         raise Stopped(f"picotron: error: {e}", 2) from None
-    if folder:
+    if level1:
+        start = checkpoint.load_local(saver, *level1, run) + 1
+    elif folder:
         start = reshard.load(folder, run, mesh) + 1
+    if resume:
+        saver.forget_local_after(start - 1)  # level-1 steps the failed attempt wrote after it are stale
     if mesh.rank == 0 and (resume or folder):
         why = f"restart {faults.attempt()}: " if faults.attempt() else ""
-        print(f"{why}resuming from {folder} at step {start}" if folder else  # (no folder: only a restart gets here)
-              f"{why}no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
-        for note in checkpoint.resume_notes(cfg, folder) if folder else []:
+        if level1:
+            step, lost, _ = level1
+            peers = f", rank{'s' * (len(lost) > 1)} {', '.join(map(str, lost))} from the next node's copy" if lost else ""
+            print(f"{why}resuming from level 1 (node-local) step {step}{peers} at step {start}", flush=True)
+        else:
+            print(f"{why}resuming from {folder} at step {start}" if folder else  # (no folder: only a restart gets here)
+                  f"{why}no checkpoint in {cfg.out}/checkpoints yet, starting from step 1", flush=True)
+        for note in checkpoint.resume_notes(cfg, folder) if folder and not level1 else []:
             print(f"picotron: note: {note}", flush=True)
     if start > cfg.steps:
         raise Stopped(f"picotron: error: the checkpoint in {cfg.out} is at step {start - 1} >= --steps {cfg.steps}; "
@@ -380,6 +401,18 @@ def summarize(history, cfg, mesh, run, speed, elapsed_s):
     if run.scaler.dynamic:
         summary.update(loss_scale=run.scaler.scale, overflows=run.scaler.skipped)
     return summary
+
+
+def save_times(times):
+    """This rank's checkpoint saves by level: how many, and the mean seconds to copy the state to host memory
+    (snapshot) and to write it (level 1: the node's disk and the peer's copy; level 2: the shared folder)."""
+    out = {}
+    for level in (1, 2):
+        mine = [t for t in times if t["level"] == level and "write_s" in t]
+        if mine:
+            out[f"level_{level}"] = {k: sum(t[k] for t in mine) / len(mine) for k in ("snapshot_s", "write_s", "bytes")}
+            out[f"level_{level}"]["count"] = len(mine)
+    return out
 
 
 def done_line(history, summary):

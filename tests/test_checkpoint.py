@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from picotron import checkpoint, reshard
+from picotron import checkpoint, nccl_rules, reshard
 from picotron.config import Config
 from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh
@@ -233,3 +233,66 @@ def test_every_rank_must_see_the_checkpoint_folder_rank_0_writes(tmp_path):
     assert os.listdir(a / "checkpoints") == []  # the probe is gone
     assert checkpoint._who([4, 5, 6, 7]) == "ranks 4, 5, 6 and 7 do" and checkpoint._who(list(range(9))) == \
         "ranks 0, 1, 2 and 6 more do"
+
+
+# --------------------------------------------------------------- two levels: the nodes' disks, then the shared folder
+LEVELS = dict(dp=2, ranks_per_node=1, local_save_every=1)  # two "nodes" of one rank each; level 2 every 4 steps
+
+
+def _train_levels(out, resume):
+    """Child: 6 steps of dp2 with both levels, every message and collective recorded (picotron.nccl_rules); returns
+    ((rank 0: the metrics records and what the run printed), this rank's trace)."""
+    import contextlib
+    import io
+
+    from picotron import nccl_rules
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), nccl_rules.Recorder() as rec:
+        records = _train(LEVELS, out, 6, 4, resume)
+    return (records, text.getvalue()), rec.trace
+
+
+def _levels_run(out, resume):
+    """Rank 0's (records, printed text), once the run's traces replay under NCCL's rules: the level-1 writes' ring
+    of peer copies, the agreement on the resume step (an all-gather) and the shards sent back to a lost node."""
+    results = run_on_ranks(_train_levels, 2, out, resume, timeout_s=240)
+    verdict = nccl_rules.replay([trace for _, trace in results])
+    assert verdict.ok, verdict
+    mine = {(e["op"], e["where"].split(" ")[-1]) for _, t in results for e in t["events"] if "where" in e}
+    return results[0][0], mine
+
+
+def test_level_1_resumes_exactly_from_the_peers_copy_else_level_2(tmp_path):
+    """dp2 as two nodes, level 1 every step, level 2 every 4: after 6 steps each node holds level-1 steps 3 and 5
+    (4 and 6 are level 2's), its rank's shard and the other node's rank's copy. Rewound to step 4's level 2 with
+    node 1's folder deleted (a lost node), the run resumes from level 1's step 5 (newer), rank 1's shard sent back
+    from node 0's copy (and node 1's folder filled again: rank 1's shard, rank 0's copy); with both folders deleted, from level 2's step 4. Each time the
+    losses after the resume, and the final checkpoint, are the uninterrupted run's bit for bit, and every rank's
+    messages obey NCCL's rules. (A resume from a rank's own copy: tests/test_faults.py, after a real kill.)"""
+    out = str(tmp_path / "run")
+    (ref, _), ops = _levels_run(out, False)
+    assert {("isend", "exchange"), ("irecv", "exchange")} <= ops, ops  # the peer copies (dp2 sends nothing else)
+    final = reshard.consolidate(checkpoint.latest(out))
+    local = tmp_path / "run" / "local"
+    assert sorted(os.listdir(local / "node_000")) == sorted(os.listdir(local / "node_001")) == \
+        ["step_000003", "step_000005"]
+    assert sorted(os.listdir(local / "node_001" / "step_000005")) == [  # its own, and node 0's rank's copy
+        "rank_00000.json", "rank_00000.pt", "rank_00001.json", "rank_00001.pt"]
+    for lost, line in ((("node_001",), "resuming from level 1 (node-local) step 5, rank 1 from the next node's copy "
+                                       "at step 6"),
+                       (("node_000", "node_001"), f"resuming from {checkpoint.step_dir(out, 4)} at step 5")):
+        rewind(out, 4)
+        for node in lost:
+            shutil.rmtree(local / node)
+        (records, printed), ops = _levels_run(out, True)
+        assert ("all_gather", "agreed_local") in ops, ops  # the agreement was replayed
+        if len(lost) == 1:  # the shard sent back to the lost node (step 6 writes level 2 only: no peer copy)
+            assert {("isend", "exchange"), ("irecv", "exchange")} <= ops, ops
+        assert line in printed, printed
+        assert [r["loss"] for r in records] == [r["loss"] for r in ref], lost
+        assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in ref], lost
+        assert_same_state(reshard.consolidate(checkpoint.latest(out)), final, f"lost {lost}")
+        if lost == ("node_001",):  # the lost node's shard is back on its disk, and its copy of node 0's rank
+            assert sorted(os.listdir(local / "node_001" / "step_000005")) == [
+                "rank_00000.json", "rank_00000.pt", "rank_00001.json", "rank_00001.pt"]

@@ -83,6 +83,25 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path):
                                                                          "step_000006"]
 
 
+def test_lost_nodes_resume_from_level_1_with_the_uninterrupted_losses(tmp_path):
+    """dp2 as two nodes (--ranks-per-node 1), level 1 every 2 steps, level 2 every 4. Node 0 lost in step 7 (its
+    level-1 folder deleted, then SIGKILL): the restart resumes from level 1's step 6, rank 0's shard from node 1's
+    copy, rank 1's from its own. Node 1 lost in step 8, before any new level-1 save: the restart resumes from level
+    1's step 6 again, rank 1's shard from node 0, whose copy the first restart had sent again (without it: level
+    2's step 4). Every step's loss equals the run without faults, bit for bit."""
+    common = ["--dp", 2, "--steps", 8, "--save-every", 4, "--local-save-every", 2, "--ranks-per-node", 1]
+    code, _, err, _ = picotron(*common, "--out", tmp_path / "clean")
+    assert code == 0, err
+    code, out, err, _ = picotron(*common, "--out", tmp_path / "faulty", "--faults", "lose-node@7:r0,lose-node@8:r1",
+                                 "--max-restarts", 2)
+    assert code == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    assert "picotron: fault injected: rank 0 loses its node and kills itself during step 7" in out, out
+    assert "restart 1: resuming from level 1 (node-local) step 6, rank 0 from the next node's copy at step 7" in out
+    assert "restart 2: resuming from level 1 (node-local) step 6, rank 1 from the next node's copy at step 7" in out
+    assert losses(tmp_path / "faulty") == losses(tmp_path / "clean")
+    assert [r["step"] for r in read_metrics(str(tmp_path / "faulty"))[0]] == list(range(1, 9))
+
+
 def test_a_non_finite_step_is_skipped_when_asked(tmp_path):
     """--on-nonfinite skip: step 3's loss is NaN on every rank; the step is logged as skipped, its update dropped
     (the parameters and Adam's state after step 3 are those after step 2), and training goes on."""
@@ -112,6 +131,13 @@ def test_a_non_finite_step_stops_by_default(tmp_path):
     (dict(faults="kill-save@3", save_every=2), "names a step without a checkpoint (save_every=2)"),
     (dict(max_restarts=2), "max_restarts=2 without checkpoints would restart from step 1"),
     (dict(on_nonfinite="ignore"), "on_nonfinite='ignore' is not one of the known values"),
+    (dict(faults="lose-node@x"), "faults item 'lose-node@x' is not kill@STEP, kill-save@STEP, lose-node@STEP"),
+    (dict(faults="kill-save@3", save_every=4, local_save_every=2), "names a step without a checkpoint"),
+    (dict(local_save_every=2), "local_save_every=2 must be below save_every=0: level 1 is the frequent level"),
+    (dict(local_save_every=4, save_every=4), "local_save_every=4 must be below save_every=4"),
+    (dict(local_dir="/tmp/x", save_every=4), "--local-dir configures level-1 checkpoints, which are off"),
+    (dict(local_save_every=1, save_every=4, ranks_per_node=3, dp=2),
+     "ranks_per_node=3 does not divide the 2 ranks into whole nodes; pick --ranks-per-node in {1, 2}"),
 ])
 def test_bad_fault_settings_get_one_sentence(settings, message):
     cfg = Config(steps=10, **settings)

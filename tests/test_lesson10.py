@@ -1,7 +1,8 @@
 """Lesson 10: the notebook is its source and runs in FAST mode with every check holding; the exercise checker passes
 the solutions, fails the stubs naming NotImplementedError, and names typical mistakes (a flat range taken from the
 whole tensor, a box written through a strided copy, a missing piece loaded as zeros, Young without its factor 2,
-Daly without its −C); the experiment's formulas by hand (Young, Daly, the waste model, two levels, the failure
+Daly without its −C, a level-1 step taken with a missing shard, a peer copy looked for on the wrong node); the
+experiment's formulas by hand (Young, Daly, the waste model, two levels, the failure
 rate from the Llama 3 run) and its simulation against the model.
 
 No timing is asserted here: the notebook prints its timings but checks none of them.
@@ -30,13 +31,13 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 3, out
+    assert out.count("  ok  ") == 4, out
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
     code, out = run_checker()
     assert code == 1, out
-    for name in ("cut", "assemble", "interval"):
+    for name in ("cut", "assemble", "interval", "resume_point"):
         assert f"FAIL  {name}: NotImplementedError: not written yet" in out, out
 
 
@@ -78,6 +79,20 @@ def test_checker_names_interval_mistakes(tmp_path):
     assert "daly = " in out and "Daly subtracts the save's cost C" in out, out
 
 
+def test_checker_names_resume_point_mistakes(tmp_path):
+    out = fails_with(tmp_path, "resume_point", ("if all(", "if any("))  # one surviving shard taken for the step
+    assert "FAIL  resume_point: 3 nodes of 2 ranks, nodes 1 and 2 lost (a rank and its peer copy both gone) (level 2 at " \
+           "step 6): returned (1, 8), expected (2, 6): took a level-1 step with a missing shard: rank 2's shard of step " \
+           "8 is neither on node 1 (its own) nor on node 2 (the next node: its peer copy)" in out, out
+    out = fails_with(tmp_path, "resume_point", ("(r // per_node + 1) % nodes, step)", "(r // per_node - 1) % nodes, step)"))
+    assert "3 nodes of 2 ranks, node 1 lost (level 2 at step 6): returned (2, 6), expected (1, 8): passed over level-1 " \
+           "step 8, complete on the nodes' disks; rank 2's shard survives only as its peer copy on node 2, the next " \
+           "node (not node 0, the previous one)" in out, out
+    out = fails_with(tmp_path, "resume_point", ("        if step <= level2_step:\n            break", "        if False:\n            break"))
+    assert "level 2 newer than every level-1 step (level 2 at step 12): returned (1, 11), expected (2, 12): level-1 " \
+           "step 11 is not newer than level 2's step 12" in out, out
+
+
 def test_young_daly_and_the_waste_model(lesson):
     C, M = 60.0, 3 * 3600.0
     assert lesson.young(C, M) == pytest.approx(math.sqrt(2 * 60 * 10800))
@@ -110,6 +125,17 @@ def test_the_simulation_agrees_with_the_model(lesson):
     assert sim == pytest.approx(lesson.waste_model(t, C, M, R), rel=0.15)
     no_failures = lesson.simulate_waste(1000.0, 10.0, 1e15, R, 100_000.0)
     assert no_failures == pytest.approx(10.0 / 1010.0, rel=1e-6)
+
+
+def test_restarts_are_parsed_from_the_output(lesson):
+    lines = [(1.0, "step     7/9 | loss 4.5000 | lr"), (1.5, "picotron: fault injected: rank 1 loses its node and kills "
+                                                          "itself during step 8"),
+             (9.0, "restart 1: resuming from level 1 (node-local) step 6, rank 1 from the next node's copy at step 7"),
+             (9.5, "step     7/9 | loss 4.5000 | lr"), (10.0, "step     8/9 | loss 4.2500 | lr"),
+             (11.0, "picotron: fault injected: rank 0 kills itself during step 9"),
+             (18.0, "restart 2: resuming from OUT/checkpoints/step_000008 at step 9"), (19.5, "step     9/9 | loss 4 | lr")]
+    assert lesson.restarts(lines) == [dict(killed=8, resumed=6, level=1, redone=2, seconds=8.5),
+                                      dict(killed=9, resumed=8, level=2, redone=1, seconds=8.5)]
 
 
 def test_attempts_are_parsed_from_the_output(lesson):

@@ -326,7 +326,8 @@ check("measured cost -> interval", 0 < lesson.daly(4e9 / bandwidth, M) < lesson.
 # copy, each level gets its own Young interval for the failures it serves: $T_1 = \sqrt{2C_1M/p}$,
 # $T_2 = \sqrt{2C_2M/(1-p)}$ (the idea of multi-level checkpointing, Moody et al. 2010, "SCR"; Gemini, Wang et al.
 # 2023, keeps checkpoints in CPU memory of other machines for LLM training). Move the sliders: the number of GPUs,
-# the two costs, the share $p$.
+# the two costs, the share $p$. (picotron's trainer has the two levels, with the peer's copy on the next node's local
+# disk: section 7 loses nodes for real.)
 
 # %%
 def draw(gpus=16384, c_disk=60.0, c_memory=2.0, restart=300.0, p=0.9):
@@ -355,7 +356,100 @@ _common.interactive(draw, lambda w: dict(
 # **Takeaway:** checkpoint every $\sqrt{2CM}$; $M$ shrinks as $1/N$, so a bigger cluster must save more often or
 # more cheaply — asynchronous writes shrink $C$ to the copy, and a peer's memory shrinks it further for most failures.
 #
-# ## 7. Exercises
+# ## 7. Two levels, built: a lost node, and what it costs
+#
+# picotron's trainer has the two levels (`--local-save-every K1` in front of `--save-every K2`,
+# `picotron/checkpoint.py`). **Level 1**, every $K_1$ steps: each rank writes its *whole* state (replicas
+# included, so that it can restore itself alone) to its node's local folder, and sends the same bytes to the rank
+# in its place on the next node, which writes them to *its* local folder — a ring of nodes, one batch of messages
+# each way. **Level 2**, every $K_2$ steps: the shared folder of sections 2–5 (a step that is a multiple of $K_2$
+# writes level 2 only: it survives everything level 1 does). Here a "node" is one process (`--ranks-per-node 1`)
+# and its local disk a folder `OUT/local/node_N`; `--faults lose-node@STEP:rN` deletes that folder and then kills
+# the rank — a machine lost with its disk.
+#
+# On the restart every rank reports the level-1 steps it holds, its own shard and the copy it keeps for the
+# previous node (one all-gather, the same answer everywhere); the newest step newer than level 2's at which every
+# rank's shard survives, on its own node or the next, wins; a rank whose shard was lost gets it back from the next
+# node, and a copy that was lost is sent again. Else level 2.
+#
+# **The model.** A failure during step $k$ redoes the steps since the newest surviving checkpoint $s$: $k - s$
+# of them, the killed one included. Spread evenly over an interval of $K$ steps that is $(K+1)/2$ on average —
+# section 6's $T/2$ plus the killed step — with $K = K_1$ when the lost node's peer survives and $K = K_2$ when
+# only level 2 does; in seconds, that many steps plus the restart $R$ (Moody et al. 2010 model each level this
+# way). The experiment: dp2 + ZeRO-1 as two nodes, level 2 every $K_2$ steps, a node lost at every step of one
+# level-2 interval (FAST: at its last step), with level 1 every $K_1$ steps and without; each restart is timed
+# from the kill to the killed step done again.
+
+# %%
+lv = lesson.levels_demo(OUT / "levels", FAST)
+k1, k2 = lv["k1"], lv["k2"]
+for label, r in lv["runs"].items():
+    for x in r["restarts"]:
+        print(f"  {label:<12} node lost in step {x['killed']:>2}: resumed from level {x['level']}'s step {x['resumed']}, "
+              f"{x['redone']} step(s) redone, {x['seconds']:5.1f} s from the kill to step {x['killed']} done again")
+    print(f"  {label:<12} exit {r['code']}, median step {1e3 * (r['step_s'] or 0):.0f} ms" + "".join(r["tail"]))
+lesson.plot_levels(lv); plt.show()
+
+# %%
+def newest_before(k, every):
+    return every * ((k - 1) // every)
+
+for label, every in (("level 1", k1), ("level 2 only", k2)):
+    r = lv["runs"][label]
+    got, want = [x["resumed"] for x in r["restarts"]], [newest_before(k, every) for k in r["kills"]]
+    check(f"{label}: each restart resumed from the newest checkpoint that survived", r["code"] == 0 and got == want,
+          f"resumed from steps {got}; the newest multiples of {every} before the killed steps {r['kills']}: {want}")
+    redone = [x["redone"] for x in r["restarts"]]
+    if len(redone) == every:  # kills at every step of an interval (full mode): the model's mean
+        check(f"{label}: steps redone per lost node", sum(redone) / len(redone) == (every + 1) / 2,
+              f"mean {sum(redone) / len(redone):.2f} over kills at each step of an interval; model (K+1)/2 = "
+              f"{(every + 1) / 2:.2f}")
+    else:
+        print(f"  {label}: {redone} step(s) redone at the end of an interval (K = {every}); the model's mean over an "
+              f"interval (K+1)/2 = {(every + 1) / 2:.1f} (the full run kills at each step)")
+peer = [x for x in lv["runs"]["level 1"]["restarts"] if x["resumed"] % k2]
+check("a lost node's state came back from its peer", bool(peer) and all(x["level"] == 1 for x in peer),
+      f"{len(peer)} restart(s) from level 1 with the killed node's folder deleted")
+ref = lv["runs"]["clean"]["losses"] if "clean" in lv["runs"] else lv["runs"]["level 2 only"]["losses"]
+check("both faulty runs end on the same losses, bit for bit", lv["runs"]["level 1"]["losses"] == ref and len(ref) == lv["steps"],
+      f"every step's loss equal to the {'run without faults' if 'clean' in lv['runs'] else 'run without level 1'} "
+      f"({len(ref)} steps)")
+
+# %% [markdown]
+# The steps redone follow the level that survived: with the peer's copy, never more than $K_1$; without it, up to
+# $K_2$. The seconds do not follow them here: a step of this model takes a few hundredths of a second and a
+# restart (starting the processes, building the model, measuring the matmul peak) several seconds, so $R$
+# dominates — the hatched share is the work redone. On a cluster a step takes seconds and an interval minutes,
+# the other way round, and level 1 turns $(K_2+1)/2$ steps of work lost per lost node into $(K_1+1)/2$.
+#
+# And what each level costs to write (the trainer's `summary` line in `metrics.jsonl` keeps, per level, the mean
+# seconds to copy the state to host memory and to write it):
+
+# %%
+saves = lv["runs"]["level 1"]["saves"] or {}
+for level in ("level_1", "level_2"):
+    if level in saves:
+        x = saves[level]
+        print(f"  {level.replace('_', ' ')}: {x['count']} save(s) by rank 0, {x['bytes'] / MiB:.1f} MiB of its state each, "
+              f"copy {1e3 * x['snapshot_s']:.0f} ms, write {1e3 * x['write_s']:.0f} ms")
+if not FAST:  # larger models: a level-1 save (own folder + the peer's copy) against a level-2 save, in turn
+    _common.launch("10_checkpoints_and_faults/experiment.py", ["--out", OUT, "--only", "levels"], nproc=2, quiet=True)
+    for r in _common.load_json(OUT / "levels.json")["results"]:
+        print(f"  {r['size']:<6} ({r['params'] / 1e6:.1f} M parameters): level 1 {1e3 * r['level1_s']:.0f} ms (each node "
+              f"then holds {r['held']['1'][0] / MiB:.0f} MiB: its rank's state and the other's copy), level 2 "
+              f"{1e3 * r['level2_s']:.0f} ms ({r['held']['2'] / MiB:.0f} MiB in the shared folder)")
+
+# %% [markdown]
+# On this machine level 1 is the *slower* one: both levels write to the same disk, and level 1 writes twice the
+# bytes (each rank's state and the copy it keeps for the other) and sends half of them through gloo's sockets, on
+# the same two cores. Its point is where it writes on a cluster: each node's own NVMe drive, all nodes in
+# parallel, and one transfer to a neighbour over the network, instead of every rank at once through the shared
+# file system — which is why $C_1 \ll C_2$ in section 6's model, and why level 1 can be written far more often.
+#
+# **Takeaway:** a copy on the next node turns a lost node into $(K_1+1)/2$ steps redone instead of $(K_2+1)/2$;
+# the shared folder stays the last resort, for a node lost together with its peer.
+#
+# ## 8. Exercises
 # Open `lessons/10_checkpoints_and_faults/exercise.py`:
 #
 # 1. `cut(full, offsets, box, flat)` — a rank's values from a full tensor and its index entry. The checker uses
@@ -366,6 +460,10 @@ _common.interactive(draw, lambda w: dict(
 #    that never reached the tensor.
 # 3. `interval(cost, mtbf)` — Young's and Daly's intervals; the checker recognises $\sqrt{CM}$ (no factor 2) and
 #    Daly without its $-C$.
+# 4. `resume_point(held, world_size, per_node, level2_step)` — given which level-1 shards survive on which node,
+#    the level and step a restart resumes from (section 7's rule). The checker recognises a level-1 step taken with
+#    a missing shard, a complete one passed over because a shard survives only on the next node, and a level-1
+#    step taken that is not newer than level 2's.
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:
 
@@ -374,19 +472,19 @@ import check as checker   # this folder's check.py
 all_passed = checker.check()
 
 # %% [markdown]
-# ## 8. What it costs, when to use it, what comes next
+# ## 9. What it costs, when to use it, what comes next
 #
 # | | bytes written | pause per save | survives |
 # |---|---|---|---|
 # | synchronous, sharded (ours) | 12 per parameter (fp32 weights or master weights, two moments), split over the distinct holders | the whole write | everything but the storage |
 # | asynchronous | the same | the copy to host memory | the same, one interval later |
-# | a peer's memory (two levels) | the same, over the network | a transfer | single-node failures |
+# | level 1: the node's disk and a peer's (`--local-save-every`) | each rank's whole state, twice (its node, the next) | the whole write (or the copy, `--async-save`) | a lost node whose neighbour lives |
 # | consolidated (one file, e.g. for export) | the same, through one rank | gather + write | — a format for others, not for resuming |
 #
 # **What ours lacks** (what torch.distributed.checkpoint, Megatron's distributed checkpointing, and the large
 # labs' systems add): writing through several threads and files per rank, storage backends (S3, GCS), DTensor
 # placements instead of our index (the same idea), deduplication across replicas chosen by bandwidth, checkpoints
-# in peers' memory (we model it; we do not build it), detecting hangs and slow ranks (NCCL's flight recorder,
+# in peers' *memory* (ours go to the peers' local disks), detecting hangs and slow ranks (NCCL's flight recorder,
 # heartbeats) and swapping out bad nodes before a restart, and elastic restarts at a different world size (our
 # checkpoints reshard, but torchrun restarts the same layout).
 #

@@ -15,6 +15,11 @@ recognises a box written through a strided view that never reached the tensor; a
 ValueError naming an uncovered element, not load as zeros.
 interval: Young's and Daly's intervals for save costs from a second to an hour and failure rates from minutes
 to months (and C >= 2M); recognises Young without its factor 2, and Daly without its − C.
+resume_point: which step, at which level, a restart resumes from, given which level-1 shards survive on which
+node: a lost node whose shards live on the next node, a lost pair, a half-written newest step, level 2 newer than
+level 1, one node without peers; names a level-1 step taken with a missing shard (which rank, which nodes), a
+complete level-1 step passed over (whose shard only the peer holds: the peer is the NEXT node), and a level-1 step
+taken that is not newer than level 2's.
 """
 import math
 import sys
@@ -32,7 +37,7 @@ from picotron.checkpoint import Slice  # noqa: E402
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 30.0
-EXERCISES = {"cut": "cut", "assemble": "assemble", "interval": "interval"}
+EXERCISES = {"cut": "cut", "assemble": "assemble", "interval": "interval", "resume_point": "resume_point"}
 
 
 def _entries():
@@ -154,6 +159,82 @@ def _interval_problem(fn, path):
     return None
 
 
+# ------------------------------------------------------------------------------------------ exercise 4
+def _node_of_step(world_size, per_node, ranks):
+    """One node's folder after a level-1 save: its own ranks' shards and the previous node's (their peer copies)."""
+    nodes = world_size // per_node
+    return lambda node: {r for r in ranks if r // per_node == node or (r // per_node + 1) % nodes == node}
+
+
+def _scenarios():
+    """(label, held, world_size, per_node, level2_step): what survives on each node after a failure."""
+    def run(world_size, per_node, steps, lost=(), partial=None):
+        nodes = world_size // per_node
+        folder = _node_of_step(world_size, per_node, range(world_size))
+        held = {n: {s: folder(n) for s in steps} for n in range(nodes) if n not in lost}
+        if partial:  # (step, ranks written): a save cut short by the crash
+            step, ranks = partial
+            for n in held:
+                held[n][step] = _node_of_step(world_size, per_node, ranks)(n)
+        return held
+
+    return [
+        ("2 nodes of 2 ranks, node 1 lost", run(4, 2, (5, 6), lost=(1,)), 4, 2, 4),
+        ("3 nodes of 2 ranks, node 1 lost", run(6, 2, (7, 8), lost=(1,)), 6, 2, 6),
+        ("3 nodes of 2 ranks, nodes 1 and 2 lost (a rank and its peer copy both gone)", run(6, 2, (7, 8), lost=(1, 2)),
+         6, 2, 6),
+        ("4 nodes of 1 rank, step 10 half written when node 3 was lost", run(4, 1, (8, 9), lost=(3,),
+                                                                             partial=(10, (0, 1))), 4, 1, 6),
+        ("2 nodes of 2 ranks, level 2 newer than every level-1 step", run(4, 2, (9, 11)), 4, 2, 12),
+        ("one node of 2 ranks (no peer), nothing lost", run(2, 2, (3, 5)), 2, 2, 4),
+        ("one node of 2 ranks (no peer), the node lost", run(2, 2, (3, 5), lost=(0,)), 2, 2, 4),
+    ]
+
+
+def _missing(held, world_size, per_node, step):
+    """The first rank whose shard of `step` is on neither its own node nor the next one, or None."""
+    nodes = world_size // per_node
+    for r in range(world_size):
+        own, peer = r // per_node, (r // per_node + 1) % nodes
+        if not any(r in held.get(n, {}).get(step, ()) for n in (own, peer)):
+            return r, own, peer
+    return None
+
+
+def _resume_point_problem(fn, path):
+    sol = _solution()
+    for label, held, world, per_node, level2 in _scenarios():
+        want = sol.resume_point(held, world, per_node, level2)
+        got = fn({n: {s: set(r) for s, r in steps.items()} for n, steps in held.items()}, world, per_node, level2)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            return f"{label}: returned {got!r}; return (level, step)"
+        got = (int(got[0]), int(got[1]))
+        if got == want:
+            continue
+        head = f"{label} (level 2 at step {level2}): returned {got}, expected {want}"
+        level, step = got
+        if level == 1 and step <= level2:
+            return f"{head}: level-1 step {step} is not newer than level 2's step {level2}, which survives anything"
+        if level == 1:
+            gap = _missing(held, world, per_node, step)
+            if gap:
+                r, own, peer = gap
+                where = (f"neither on node {own} (its own) nor on node {peer} (the next node: its peer copy)"
+                         if own != peer else f"not on node {own} (its only node: no peer)")
+                return f"{head}: took a level-1 step with a missing shard: rank {r}'s shard of step {step} is {where}"
+        if want[0] == 1 and (level == 2 or step < want[1]):
+            nodes = world // per_node
+            only_peer = [r for r in range(world) if r not in held.get(r // per_node, {}).get(want[1], ())]
+            hint = ""
+            if only_peer:
+                r = only_peer[0]
+                hint = (f"; rank {r}'s shard survives only as its peer copy on node {(r // per_node + 1) % nodes}, the "
+                        f"next node" + (f" (not node {(r // per_node - 1) % nodes}, the previous one)" if nodes > 2 else ""))
+            return f"{head}: passed over level-1 step {want[1]}, complete on the nodes' disks{hint}"
+        return head
+    return None
+
+
 def _solution():
     from _checker import load
 
@@ -164,8 +245,10 @@ SUCCESS = {
     "cut": f": every entry of {len(_entries())} indexes (tp boxes along dims 0, 1; ZeRO ranges inside them; 1-D, 2-D, 3-D)",
     "assemble": f": {len(_entries())} tensors from their pieces in two orders, and a missing piece refused",
     "interval": f": Young and Daly for {len(INTERVALS)} save costs and failure rates",
+    "resume_point": f": {len(_scenarios())} failures (lost nodes, a lost pair, a half-written step, one node)",
 }
-PROBLEMS = {"cut": _cut_problem, "assemble": _assemble_problem, "interval": _interval_problem}
+PROBLEMS = {"cut": _cut_problem, "assemble": _assemble_problem, "interval": _interval_problem,
+            "resume_point": _resume_point_problem}
 
 
 def check_one(name, path, report, timeout_s):

@@ -1,6 +1,6 @@
 """Lesson 10 exercises: the checkpoint's index, and how often to write one. Write the pieces marked EXERCISE, then
     python lessons/10_checkpoints_and_faults/check.py              # all exercises
-    python lessons/10_checkpoints_and_faults/check.py cut          # just one (or assemble, interval)
+    python lessons/10_checkpoints_and_faults/check.py cut          # just one (or assemble, interval, resume_point)
 Everything is checked in this process against picotron.checkpoint and the lesson's formulas: the checker names
 the slice, the element or the number that is wrong, and recognises the usual mistakes (the flat range taken from
 the whole tensor instead of the rank's box, an element nobody wrote left as zero, Young's formula without its
@@ -32,4 +32,14 @@ def interval(cost_s, mtbf_s):
     and failures every `mtbf_s` seconds on average. Return (young, daly): Young's first-order interval
     sqrt(2 C M), and Daly's higher-order one sqrt(2CM)·[1 + (1/3)·sqrt(C/(2M)) + (1/9)·(C/(2M))] − C, which is M
     when C >= 2M."""
+    raise NotImplementedError("not written yet")
+
+
+def resume_point(held, world_size, per_node, level2_step):
+    """EXERCISE 4: where a restart resumes with two levels of checkpoints. `held` says what survives on each node's
+    local disk: {node: {step: set of ranks whose level-1 shard of that step the node's folder holds}} (a node
+    lost with its disk is absent or empty). Rank r lives on node r // per_node, and its peer copy on the NEXT node,
+    (r // per_node + 1) % nodes. `level2_step`: the newest level-2 checkpoint's step in the shared folder (0: none).
+    Return (1, step) for the newest level-1 step NEWER than level2_step at which every rank's shard is on its own
+    node or on the next one; else (2, level2_step)."""
     raise NotImplementedError("not written yet")

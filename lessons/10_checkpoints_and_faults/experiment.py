@@ -1,7 +1,7 @@
 """Lesson 10's experiments: checkpoints and faults measured through picotron's own seams (`picotron.checkpoint`'s
 Saver, load and consolidate, `picotron.train` with --faults and --max-restarts), and the lesson's formulas.
 
-    torchrun --nproc_per_node 2 lessons/10_checkpoints_and_faults/experiment.py [--only cost,async,dcp]
+    torchrun --nproc_per_node 2 lessons/10_checkpoints_and_faults/experiment.py [--only cost,async,dcp,levels]
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>.json. cost: for each model size and layout on 2 ranks, one training step, then a
@@ -10,17 +10,21 @@ rounds. async: the same training steps with no checkpoint, a synchronous one and
 steps, each step's time and each save's snapshot and write intervals (a timeline); in full mode two rounds in
 opposite orders, each mode keeping its quicker one. dcp: our save and load against
 `torch.distributed.checkpoint` saving and loading the same tensors, in turn, in one run (replicated over dp 2, and
-split over tp 2, where DCP gets one key per rank for the split tensors).
+split over tp 2, where DCP gets one key per rank for the split tensors). levels (only when named): a level-1 save
+(each rank's whole state on its "node's" folder and a copy on the other's: two nodes of one rank) against a
+level-2 save (the shared folder), in turn, dp2 + ZeRO-1.
 
 From one process (the notebook calls these directly; they start their own processes): `fault_demo` runs
 picotron.train without faults and with ranks killed at chosen steps (torchrun restarts it, it resumes);
 `resume_demo` resumes one run from its middle checkpoint in four ways (same layout, another layout, another
 data seed, the optimizer state dropped); `round_trips` reshards checkpoints between layouts and compares them
-element by element. The Young/Daly interval, a simulation of the time lost to failures, and two-level
+element by element; `levels_demo` loses nodes (SIGKILL + their level-1 folder deleted) with and without level 1
+and times each restart from the kill to the killed step done again. The Young/Daly interval, a simulation of the time lost to failures, and two-level
 checkpointing are plain functions below.
 """
 import contextlib
 import io
+import json
 import math
 import os
 import re
@@ -43,7 +47,8 @@ from picotron.mesh import Mesh  # noqa: E402
 from picotron.parallelize import parallelize  # noqa: E402
 from picotron.train import load_data  # noqa: E402
 
-EXPERIMENTS = ("cost", "async", "dcp")
+EXPERIMENTS = ("cost", "async", "dcp", "levels")
+DEFAULT = ("cost", "async", "dcp")  # levels: only when named (--only levels)
 MiB = 2**20
 FONT = 8
 LAYOUTS = {"dp2": dict(dp=2), "dp2+zero1": dict(dp=2, zero=1), "dp2+zero3": dict(dp=2, zero=3), "tp2": dict(tp=2),
@@ -59,7 +64,9 @@ def settings(fast):
                 async_size="small" if fast else "medium", async_steps=8 if fast else 16, async_every=2 if fast else 4,
                 async_rounds=1 if fast else 2,
                 dcp_sizes=("small",) if fast else ("small", "medium"), dcp_rounds=2 if fast else 4,
-                demo_steps=20 if fast else 30, demo_every=3 if fast else 5)
+                demo_steps=20 if fast else 30, demo_every=3 if fast else 5,
+                levels_sizes=("small",) if fast else ("small", "medium"), levels_rounds=2 if fast else 4,
+                level1_every=2, level2_every=4)
 
 
 def make_cfg(size, **kw):
@@ -240,6 +247,46 @@ def exp_dcp(mesh, st, out):
     return rows
 
 
+# ----------------------------------------------------------------------------------------------- levels
+def exp_levels(mesh, st, out):
+    """Per size: a level-1 save (two nodes of one rank: each rank's whole state into its node's folder, the same
+    bytes sent to the other rank, which writes them into its own) against a level-2 save (each rank's distinct
+    values into the shared folder, committed by rank 0), in turn; seconds of the slowest rank (median of rounds),
+    and the bytes each rank's node holds afterwards."""
+    rows = []
+    for size in st["levels_sizes"]:
+        cfg = make_cfg(size, seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=2, zero=1)
+        with Mesh.init(dp=2) as sub:
+            trainer = Trainer(cfg, sub)
+            trainer.step(1)
+            times, held = {1: [], 2: []}, {}
+            for r in range(st["levels_rounds"]):
+                folder = out / "levels" / f"{size}_{r}"
+                local = checkpoint.Local(str(folder / "local"), 1, 2, "lesson 10")  # two nodes of one rank each
+                saver = checkpoint.Saver(str(folder), cfg, sub, keep=1, local=local)
+                for level in ((1, 2) if r % 2 == 0 else (2, 1)):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    saver.save(1, trainer.run, level=level)
+                    saver.wait()
+                    t = torch.tensor([time.perf_counter() - t0])
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                    times[level].append(t.item())
+                saver.close()
+                dist.barrier()
+                if sub.rank == 0:
+                    held = {1: [dir_bytes(local.folder(n)) for n in (0, 1)],
+                            2: dir_bytes(checkpoint.latest(str(folder)))}
+                    shutil.rmtree(folder, ignore_errors=True)
+            row = dict(size=size, params=cfg.model_config().num_params(), level1_s=statistics.median(times[1]),
+                       level2_s=statistics.median(times[2]), held=held)
+            rows.append(row)
+            if sub.rank == 0:
+                print(f"  {size:<6} level 1 {1e3 * row['level1_s']:.0f} ms, level 2 {1e3 * row['level2_s']:.0f} ms",
+                      flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------- runs of picotron.train
 QUICK = ["--seq-len", "32", "--micro-batch-size", "4", "--sample-tokens", "0", "--eval-every", "0", "--log-every", "1",
          "--warmup-steps", "2"]
@@ -293,6 +340,72 @@ def fault_demo(out, fast):
                         [r["loss"] for r in read_metrics(str(faulty))[0]] if code == 0 else []),
                 lines=[line for line in (stdout + stderr).splitlines() if line.startswith(("picotron: ", "restart"))],
                 error=None if code == 0 and code_clean == 0 else (err_clean + stderr)[-2000:])
+
+
+def timed_picotron(*args, timeout=900):
+    """picotron(*args), each line of its output stamped with the seconds since the start: (code, [(t, line)])."""
+    env = {**os.environ, "PYTHONPATH": str(_common.ROOT), "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "picotron.train", *map(str, args), *QUICK], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=_common.ROOT, env=env)
+    lines = [(time.perf_counter() - t0, line.rstrip("\n")) for line in proc.stdout]
+    return proc.wait(timeout=timeout), lines
+
+
+_RESUMED = re.compile(r"^restart \d+: (?:resuming from (level 1)?.* at step (\d+)|no checkpoint .* from step (\d+))")
+
+
+def restarts(lines):
+    """For each kill of a faulty run: the step killed, the checkpoint step it resumed from and its level (1 or 2;
+    0: none, step 1), the steps redone (the killed one included), and the seconds from the kill to that step done
+    again (the restart, then the steps redone)."""
+    out, pending = [], None
+    for t, line in lines:
+        if line.startswith("picotron: fault injected"):
+            pending = dict(killed=int(line.rsplit(" ", 1)[1]), t_kill=t)
+        m = _RESUMED.match(line)
+        if m and pending:
+            start = int(m.group(2) or m.group(3))
+            level = 1 if m.group(1) else 2 if m.group(2) else 0
+            pending.update(resumed=start - 1, level=level, redone=pending["killed"] - (start - 1))
+        m = _STEP.match(line)
+        if m and pending and "resumed" in pending and int(m.group(1)) == pending["killed"]:
+            pending["seconds"] = t - pending.pop("t_kill")
+            out.append(pending)
+            pending = None
+    return out
+
+
+def levels_demo(out, fast):
+    """dp2 as two nodes of one rank (--ranks-per-node 1), level 2 every K2 steps; a node lost (lose-node: its
+    level-1 folder deleted, then SIGKILL) at steps spread over one interval, with level 1 every K1 steps (its
+    peer's copy survives) and without (only level 2 survives); and the clean run with level 1. One kill per
+    attempt, torchrun restarting each time. The checkpoint a kill resumes from: the newest multiple of K1 (with
+    level 1) or of K2 (without) before the killed step."""
+    st = settings(fast)
+    k1, k2 = st["level1_every"], st["level2_every"]
+    # the kills: FAST one (the last step of an interval); full: every step of a level-2 interval (the mean of the
+    # steps redone is then the model's)
+    kills = [2 * k2] if fast else list(range(k2 + 1, 2 * k2 + 1))
+    steps = 2 * k2 + k1 + 1  # (the last attempt then writes a level-1 save too: its summary line times both levels)
+    common = ["--dp", 2, "--zero", 1, "--steps", steps, "--save-every", k2]
+    level1 = ["--local-save-every", k1, "--ranks-per-node", 1]
+    runs = {}
+    for label, options, kills in [("clean", level1, [])] * (not fast) + [("level 1", level1, kills),
+                                                                         ("level 2 only", [], kills)]:
+        d = Path(out) / label.replace(" ", "_")
+        shutil.rmtree(d, ignore_errors=True)
+        faults = ",".join(f"lose-node@{k}:r{i % 2}" for i, k in enumerate(kills))
+        extra = ["--faults", faults, "--max-restarts", len(kills)] if kills else []
+        code, lines = timed_picotron(*common, *options, *extra, "--out", d)
+        from picotron.metrics import read_metrics
+        records = read_metrics(str(d))[0] if code == 0 else []
+        runs[label] = dict(code=code, kills=kills, restarts=restarts(lines), losses=[r["loss"] for r in records],
+                           step_s=statistics.median(r["step_time"] for r in records) if records else None,
+                           saves=next((json.loads(l)["saves"] for l in open(d / "metrics.jsonl") if '"summary"' in l),
+                                      None) if code == 0 else None,
+                           tail=[l for _, l in lines[-8:]] if code else [])
+    return dict(k1=k1, k2=k2, steps=steps, runs=runs)
 
 
 def strip_moments(folder):
@@ -554,6 +667,40 @@ def plot_faults(demo):
     return fig
 
 
+def plot_levels(lv):
+    """Per lost node, with level 1 (the peer's copy survives) and without (only level 2): the steps redone against
+    the model (K+1)/2, and the seconds from the kill to the killed step done again (the redone steps' share
+    hatched: their count times the median step time)."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    labels = [("level 1", lv["k1"], "#4c72b0"), ("level 2 only", lv["k2"], "#dd8452")]
+    for i, (label, every, color) in enumerate(labels):
+        r = lv["runs"][label]
+        redone = [x["redone"] for x in r["restarts"]]
+        seconds = [x["seconds"] for x in r["restarts"]]
+        if not redone:
+            continue
+        ax1.bar(i, sum(redone) / len(redone), 0.6, color=color)
+        ax1.plot(range(i, i + 1), [(every + 1) / 2], "k_", ms=40, mew=2)
+        ax1.text(i, sum(redone) / len(redone), f" {sum(redone) / len(redone):.1f}", ha="center", va="bottom", fontsize=7)
+        mean_s = sum(seconds) / len(seconds)
+        work = sum(redone) / len(redone) * (r["step_s"] or 0)
+        ax2.bar(i, mean_s, 0.6, color=color, alpha=0.5)
+        ax2.bar(i, work, 0.6, color=color, hatch="//", edgecolor="k")
+        ax2.text(i, mean_s, f" {mean_s:.1f} s", ha="center", va="bottom", fontsize=7)
+    names = [f"level 1 every {lv['k1']}\n(the peer's copy survives)", f"level 2 only, every {lv['k2']}"]
+    for ax in (ax1, ax2):
+        ax.set_xticks([0, 1], names, fontsize=FONT)
+        ax.tick_params(labelsize=FONT)
+    ax1.set_ylabel("steps redone per lost node (bars)\nmodel (K+1)/2 (black)", fontsize=FONT)
+    ax2.set_ylabel("seconds from the kill to the killed step\ndone again (hatched: the steps redone)", fontsize=FONT)
+    ax1.set_title("work redone, by the level that survived", fontsize=9)
+    ax2.set_title("time lost: the restart, then the steps redone", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def plot_resume(demo):
     import matplotlib.pyplot as plt
 
@@ -580,7 +727,7 @@ def plot_resume(demo):
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None):
-    args, names, out = _common.cli("10_checkpoints_and_faults", EXPERIMENTS, __doc__, argv=argv)
+    args, names, out = _common.cli("10_checkpoints_and_faults", EXPERIMENTS, __doc__, default=DEFAULT, argv=argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != 2:
         sys.exit("run on 2 processes: torchrun --nproc_per_node 2 lessons/10_checkpoints_and_faults/experiment.py")

@@ -31,3 +31,17 @@ def interval(cost_s, mtbf_s):
         return young, mtbf_s
     x = cost_s / (2 * mtbf_s)
     return young, young * (1 + math.sqrt(x) / 3 + x / 9) - cost_s
+
+
+def resume_point(held, world_size, per_node, level2_step):
+    nodes = world_size // per_node
+
+    def there(rank, node, step):
+        return rank in held.get(node, {}).get(step, ())
+
+    for step in sorted({s for steps in held.values() for s in steps}, reverse=True):
+        if step <= level2_step:
+            break  # level 2 is as new: it survives anything
+        if all(there(r, r // per_node, step) or there(r, (r // per_node + 1) % nodes, step) for r in range(world_size)):
+            return 1, step
+    return 2, level2_step
