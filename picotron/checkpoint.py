@@ -196,7 +196,8 @@ def snapshot(run, mesh, step):
                 scalars[kind] = float(v)
         index.append({"key": key, **asdict(s), "scalars": scalars})
     meta = {"rank": mesh.rank, "world_size": mesh.world_size, "step": step, "layout": dict(mesh.sizes, ep=mesh.ep.size),
-            "rng": torch.get_rng_state()}
+            "rng": torch.get_rng_state(),  # and buffers (MoE's routing bias: the same on every replica)
+            "buffers": {canonical(n): b.detach().to("cpu", copy=True) for n, b in run.raw.named_buffers()}}
     if mesh.device.type == "cuda":
         meta["cuda_rng"] = torch.cuda.get_rng_state(mesh.device)
     if run.scaler is not None and run.scaler.dynamic:  # fp16: the loss scale and its clock
@@ -309,7 +310,7 @@ class Saver:
                 f.flush()
                 self.on_write(step)  # a fault injected here dies with the file half written
         _write_atomic(base + ".pt", write_tensors)
-        info = {k: v for k, v in meta.items() if "rng" not in k}
+        info = {k: v for k, v in meta.items() if "rng" not in k and k != "buffers"}
         text = json.dumps(info)[:-1] + ', "slices": [\n' + ",\n".join(json.dumps(e) for e in index) + "\n]}\n"
         _write_atomic(base + ".json", lambda f: f.write(text.encode()))  # one slice per line
         self._barrier()  # every rank's files are complete
