@@ -9,6 +9,11 @@ ep = 2 and 4 equals all experts on one process, forward and backward; the whole 
 seed, same global batch, fp32; per-step loss and gradient norm within 1e-5 relative; every gradient, experts gathered
 from the ranks that hold them) at ep = 2 and 4, ep2 x tp2 (+ sp), ep2 with ZeRO-1, ep2 x pp2; a negative test
 (expert gradients divided by their own group's size instead of dp) that the parity check catches.
+
+DeepSeek-V3's router (sigmoid scores, a routing bias for the choice only, shared and fine-grained experts): the router
+and the bias update by hand; the parity standard at ep 2 (ep 4, ep2 x tp2, ep2 x pp2: heavy) with the routing biases
+after 3 steps equal to the one process's, bit for bit, on every rank; experts with cp (softmax router with the aux
+loss at cp 2; DeepSeek's at dp2 x cp2 x ep2); a resume whose routing biases come back from the checkpoint.
 """
 import pytest
 import torch
@@ -292,14 +297,15 @@ def test_deepseek_routing_and_experts_with_cp_match_one_process(tmp_path, layout
 
 
 def _resume_child(out, steps, resume):
-    cfg = Config(out=out, dp=2, ep=2, save_every=2, resume=resume, **{**SMALL, "steps": steps, "eval_every": 0})
+    cfg = Config(out=out, dp=2, ep=2, save_every=2, resume=resume, **{**SMALL, **DS, "steps": steps, "eval_every": 0})
     with Mesh.init(dp=2, ep=2) as mesh:
         train(cfg, mesh)
         return [r["loss"] for r in read_metrics(out)[0]] if mesh.rank == 0 else None
 
 
 def test_checkpoint_resumes_exactly(tmp_path):
-    """Each rank saves its own experts; a resumed run continues with the uninterrupted run's losses, bit for bit."""
+    """Each rank saves its own experts (and the routing biases: DeepSeek's router, whose choices depend on them); a
+    resumed run continues with the uninterrupted run's losses, bit for bit."""
     whole = run_on_ranks(_resume_child, 2, str(tmp_path / "a"), 4, False, timeout_s=180)[0]
     run_on_ranks(_resume_child, 2, str(tmp_path / "b"), 2, False, timeout_s=180)
     resumed = run_on_ranks(_resume_child, 2, str(tmp_path / "b"), 4, True, timeout_s=180)[0]

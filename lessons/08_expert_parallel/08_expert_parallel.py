@@ -498,8 +498,8 @@ check("the widget's numbers: Mixtral-8x7B's states, ep = 1 against ep = 8",
 # We train `tiny-deepseek-moe` at dp = ep = 2 three times on the same batches: without balancing, with the
 # auxiliary loss ($\alpha = 0.01$, as in section 3) and with the bias update. The report's $\gamma = 0.001$ is for a
 # run of hundreds of thousands of steps; over our 200 we take $\gamma = 0.01$. What we expect: the bias run's
-# busiest expert, over the last 10 steps, well below the unbalanced run's, at no cost in loss; and the bias after
-# the run exactly the sum of $\pm\gamma$ steps that the recorded loads prescribe.
+# busiest expert, over the last 10 steps, below the unbalanced run's; and the bias after the run exactly the sum
+# of the $\pm\gamma$ steps that the recorded loads prescribe.
 
 # %%
 run("router")
@@ -523,9 +523,13 @@ check("each bias moved by ±γ by the sign of its load error, every step", torch
       f"{final.min():+.2f} to {final.max():+.2f}")
 
 # %% [markdown]
-# The bias balances about as well as the auxiliary loss, without a term in the loss: the gates — and so the
-# gradients — are those of an unbalanced router; only the choice moves. The update is the sign of the error, not
-# its size, so each bias walks by $\pm\gamma$ and settles where its expert's load crosses the mean.
+# Without balancing, the busiest expert settles at about 2.2 times the mean load; the auxiliary loss brings it to
+# 1.13, the bias update to 1.09 — as well, without a term in the loss: the gates, and so the gradients, are those of
+# an unbalanced router; only the choice moves. The update is the sign of the error, not its size, so each bias
+# walks by $\pm\gamma$ and hovers where its expert's load crosses the mean (here within $\pm 0.34$ after 200 steps).
+# The three losses stay within about 1% of each other (2.21, 2.20, 2.23 over the last 10 steps): at this size and
+# length balance neither helps nor costs much; the report's case for the bias is quality at scale, where the aux
+# loss's gradient has to be strong enough to balance thousands of GPUs' worth of experts.
 #
 # **Exercise 5.** `deepseek_router_step(logits, k, bias, gamma)` in `exercise.py`: the router's choice with the
 # bias, the gates without it, then the bias update from the batch's loads. The checker says when the bias leaked
