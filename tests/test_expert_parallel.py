@@ -312,6 +312,17 @@ def test_checkpoint_resumes_exactly(tmp_path):
     assert resumed == whole
 
 
+def test_export_refuses_deepseek_routing(tmp_path, monkeypatch):
+    """transformers' Mixtral would load the files and route by softmax without the shared experts: one sentence
+    (before any tensor is read: the checkpoint's config is enough)."""
+    from picotron import export
+
+    monkeypatch.setattr(export, "folder_of", lambda path: path)
+    monkeypatch.setattr(export.reshard, "consolidate", lambda folder: {"config": Config(**DS).to_dict()})
+    with pytest.raises(ValueError, match=r"DeepSeek-V3's routing fields \(scoring_func='sigmoid', n_shared_experts=1"):
+        export.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+
+
 def test_the_parity_check_catches_expert_gradients_divided_by_their_own_group():
     grads = run_on_ranks(_model_child, 2, dict(dp=2, ep=2), str(tmp_dir := __import__("tempfile").mkdtemp()), True,
                          timeout_s=120)
