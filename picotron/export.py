@@ -5,7 +5,8 @@
 
 The checkpoint's slices are assembled into whole tensors (`reshard.consolidate`, one process, no process
 group), put into a one-process Llama, and written as `config.json` + `model.safetensors`
-(`LlamaForCausalLM`, or `MixtralForCausalLM` for a mixture-of-experts model). Adam's state is not exported.
+(`LlamaForCausalLM`, or `MixtralForCausalLM` for a mixture-of-experts model). Adam's state is not exported. A
+model with DeepSeek-V3's routing (picotron.moe) is refused: transformers' Mixtral would load it and route otherwise.
 """
 import argparse
 import os
