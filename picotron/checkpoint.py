@@ -201,8 +201,8 @@ def _write_atomic(path, write):
 
 
 def _index_text(meta, index):
-    """A rank's .json: its meta (without the RNG states), then one slice per line."""
-    info = {k: v for k, v in meta.items() if "rng" not in k}
+    """A rank's .json: its meta (without the RNG states and buffers), then one slice per line."""
+    info = {k: v for k, v in meta.items() if "rng" not in k and k != "buffers"}
     return json.dumps(info)[:-1] + ', "slices": [\n' + ",\n".join(json.dumps(e) for e in index) + "\n]}\n"
 
 
@@ -225,7 +225,8 @@ def snapshot(run, mesh, step, everything=False):
                 scalars[kind] = float(v)
         index.append({"key": key, **asdict(s), "scalars": scalars})
     meta = {"rank": mesh.rank, "world_size": mesh.world_size, "step": step, "layout": dict(mesh.sizes, ep=mesh.ep.size),
-            "rng": torch.get_rng_state()}
+            "rng": torch.get_rng_state(),  # and buffers (MoE's routing bias: the same on every replica)
+            "buffers": {canonical(n): b.detach().to("cpu", copy=True) for n, b in run.raw.named_buffers()}}
     if mesh.device.type == "cuda":
         meta["cuda_rng"] = torch.cuda.get_rng_state(mesh.device)
     if run.scaler is not None and run.scaler.dynamic:  # fp16: the loss scale and its clock

@@ -58,7 +58,10 @@ MAX_LR = 1.0  # Adam's step is about lr per weight: beyond 1, every weight moves
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings")
 MOE_FIELDS = {"experts": "num_local_experts", "top_k": "num_experts_per_tok", "capacity_factor": "capacity_factor",
-              "aux_loss_coef": "router_aux_loss_coef"}
+              "aux_loss_coef": "router_aux_loss_coef", "router": "scoring_func", "shared_experts": "n_shared_experts",
+              "expert_size": "moe_intermediate_size", "routed_scaling": "routed_scaling_factor",
+              "bias_update_speed": "bias_update_speed"}
+ROUTERS = ("softmax", "sigmoid")
 
 
 class ConfigError(ValueError):
@@ -208,6 +211,19 @@ class Config:
                                                     "counted (0 = no limit)")
     aux_loss_coef: Optional[float] = option(None, "weight of the load-balancing auxiliary loss added to the "
                                                   "loss (0 = none)")
+    # DeepSeek-V3's routing (--preset tiny-deepseek-moe): sigmoid affinities, shared and fine-grained experts,
+    # auxiliary-loss-free balancing by a per-expert bias
+    router: Optional[str] = option(None, "with experts: softmax (Mixtral: top-k of the softmax) or sigmoid (DeepSeek-V3: "
+                                         "top-k of sigmoid + bias, the gates the chosen sigmoids normalised)", ROUTERS)
+    shared_experts: Optional[int] = option(None, "with experts: experts every token passes through besides its top_k "
+                                                 "(DeepSeekMoE; 0 = none)")
+    expert_size: Optional[int] = option(None, "with experts: each expert's hidden size (fine-grained experts: smaller "
+                                              "than the MLP's; 0 = intermediate_size)")
+    routed_scaling: Optional[float] = option(None, "with experts: the routed experts' gates multiplied by this "
+                                                   "(DeepSeek-V3: 2.5; default 1)")
+    bias_update_speed: Optional[float] = option(None, "with experts: γ of auxiliary-loss-free balancing, each "
+                                                      "expert's routing bias moved by ±γ after each step by its load "
+                                                      "(DeepSeek-V3: 0.001; 0 = off)")
 
     @property
     def world_size(self):
@@ -323,7 +339,8 @@ def _check_positive(cfg):
     at_least = {"dp": 1, "tp": 1, "pp": 1, "pp_chunks": 1, "cp": 1, "ep": 1, "steps": 1, "seq_len": 1, "micro_batch_size": 1,
                 "grad_acc": 1, "log_every": 1, "timeout_s": 1, "seed": 0, "save_every": 0, "warmup_steps": 0,
                 "keep_checkpoints": 0, "max_restarts": 0, "local_save_every": 0, "ranks_per_node": 0,
-                "eval_every": 0, "eval_batches": 0, "sample_tokens": 0, "experts": 0, "top_k": 1}
+                "eval_every": 0, "eval_batches": 0, "sample_tokens": 0, "experts": 0, "top_k": 1, "shared_experts": 0,
+                "expert_size": 0}
     at_least.update({k: 1 for k in MODEL_FIELDS})
     for name, low in at_least.items():
         value = getattr(cfg, name)
@@ -346,7 +363,7 @@ def _check_positive(cfg):
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must lie in [0, 1); pass --{name} 0.9 or 0.95.")
-    for name in ("weight_decay", "grad_clip", "bucket_mb", "capacity_factor", "aux_loss_coef"):
+    for name in ("weight_decay", "grad_clip", "bucket_mb", "capacity_factor", "aux_loss_coef", "bias_update_speed"):
         if (getattr(cfg, name) or 0) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must not be negative; pass --{name.replace('_', '-')} 0 "
                               f"to switch it off.")

@@ -26,9 +26,16 @@ Under tensor parallelism each expert is itself cut like a dense MLP (w1, w3 colu
 and the ep all-to-alls run between ranks of the same tp coordinate (each tp column holds the same tokens):
 picotron.tensor_parallel handles the block's entry and exit.
 
-Rules (`check`): ep divides dp and the number of experts; the model has experts; top_k at most the experts.
-Which strategies it does not combine with (cp: the routing statistics and the capacity are per sequence, and cp
-splits sequences; ZeRO-3; torch's DDP) is picotron.parallelize's table, `combination_problem`.
+Experts with context parallelism: cp splits every sequence over the cp ranks, but the load-balancing loss's
+statistics (f_i, P_i) belong to the whole micro-batch: `SequenceSum` adds the cp ranks' partial sums (one all-reduce
+of 2E numbers per MoE layer and micro-batch; its backward is the identity, so each rank's router gradient holds only
+its own tokens' part and the aux weight is multiplied by cp, like the LM loss's mean over cp). The routing bias's
+loads are summed over dp x cp by `moe.step_stats`. A finite capacity is refused with cp (`check`): its first-come
+order runs along the whole sequence, which no cp rank sees.
+
+Rules (`check`): ep divides dp and the number of experts; the model has experts; top_k at most the experts; no
+finite capacity with cp. Which strategies it does not combine with (ZeRO-3; torch's DDP) is picotron.parallelize's
+table, `combination_problem`.
 """
 import torch
 
@@ -49,6 +56,30 @@ class AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         return ctx.exchange.send(grad.contiguous(), in_splits, out_splits, ctx.name + "-backward"), \
             None, None, None, None, None
+
+
+class SequenceSum(torch.autograd.Function):
+    """Forward: the sum over the cp ranks (all-reduce); backward: the identity (each rank keeps its own part)."""
+
+    @staticmethod
+    def forward(ctx, t, axis):
+        t = t.clone()
+        axis.all_reduce(t, label="all-reduce routing statistics")
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Sequence:
+    """moe.MoE's `sequence` seam under context parallelism: the ranks holding parts of the same sequences."""
+
+    def __init__(self, axis):
+        self.axis, self.size = axis, axis.size
+
+    def sum(self, t):
+        return SequenceSum.apply(t, self.axis)
 
 
 class Exchange:
@@ -96,14 +127,17 @@ class Exchange:
         return AllToAll.apply(source_major, send, recv, self.axis, self, "combine")
 
 
-def apply(model, axis):
+def apply(model, axis, cp=None):
     """Keep this rank's experts in every MoE layer of `model` (on the meta device, before init), place them over
-    ("ep",) and give each layer the `Exchange` over `axis` (the mesh's ep axis). ep = 1: nothing changes."""
-    if axis.size == 1:
-        return model
+    ("ep",) and give each layer the `Exchange` over `axis` (the mesh's ep axis); with `cp` (the mesh's cp axis,
+    size > 1) each layer's routing statistics are summed over it. ep = cp = 1: nothing changes."""
     for layer in model.layers:
         moe = getattr(layer, "block_sparse_moe", None)
         if moe is None:
+            continue
+        if cp is not None and cp.size > 1:
+            moe.sequence = Sequence(cp)
+        if axis.size == 1:
             continue
         E, n = moe.num_experts, axis.size
         if E % n:
@@ -146,6 +180,16 @@ def check(cfg, model_config):
         return (f"ep={ep} does not divide {broken} (expert-parallel ranks are carved out of the dp={cfg.dp} "
                 f"data-parallel ranks and each holds an equal share of the {E} experts, so ep must divide both); "
                 f"pick ep in {{{', '.join(map(str, good))}}}{only}.")
+    if E and cfg.cp > 1 and model_config.capacity_factor:
+        return (f"capacity_factor={model_config.capacity_factor} with cp={cfg.cp} is not supported (an expert's "
+                f"capacity fills in token order along the whole sequence, and cp splits sequences); pass "
+                f"--capacity-factor 0 (no-drop routing) or --cp 1.")
+    if E and not model_config.routed_scaling_factor > 0:
+        return (f"routed_scaling_factor={model_config.routed_scaling_factor} must be positive (it multiplies the "
+                f"routed experts' gates); pass --routed-scaling 1 (or DeepSeek-V3's 2.5).")
+    if E and model_config.scoring_func not in ("softmax", "sigmoid"):
+        return (f"scoring_func={model_config.scoring_func!r} is not a router picotron has; pick softmax (Mixtral) or "
+                f"sigmoid (DeepSeek-V3).")
     if E and model_config.num_experts_per_tok > E:
         return (f"top_k={model_config.num_experts_per_tok} is more than the {E} experts; pick top_k between 1 "
                 f"and {E}.")

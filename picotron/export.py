@@ -5,7 +5,8 @@
 
 The checkpoint's slices are assembled into whole tensors (`reshard.consolidate`, one process, no process
 group), put into a one-process Llama, and written as `config.json` + `model.safetensors`
-(`LlamaForCausalLM`, or `MixtralForCausalLM` for a mixture-of-experts model). Adam's state is not exported.
+(`LlamaForCausalLM`, or `MixtralForCausalLM` for a mixture-of-experts model). Adam's state is not exported. A
+model with DeepSeek-V3's routing (picotron.moe) is refused: transformers' Mixtral would load it and route otherwise.
 """
 import argparse
 import os
@@ -16,6 +17,7 @@ import torch
 from picotron import checkpoint, reshard
 from picotron.config import Config
 from picotron.model import Llama
+from picotron.model_config import DEEPSEEK, ModelConfig
 
 
 def folder_of(path):
@@ -33,6 +35,13 @@ def export(path, directory, dtype=None):
     """Write the checkpoint at `path` to `directory` in the Hugging Face layout; return the model (CPU)."""
     whole = reshard.consolidate(folder_of(path))
     cfg = Config.from_dict(whole["config"], source=path)
+    mc = cfg.model_config()
+    deepseek = {k: getattr(mc, k) for k in DEEPSEEK if getattr(mc, k) != getattr(ModelConfig, k)}
+    if mc.is_moe and deepseek:  # transformers' Mixtral would load it and route otherwise, silently
+        fields = ", ".join(f"{k}={v!r}" for k, v in deepseek.items())
+        raise ValueError(f"{path} holds a model with DeepSeek-V3's routing fields ({fields}), which transformers' "
+                         f"Mixtral, the layout picotron.export writes, does not have (softmax routing, no shared "
+                         f"experts, no routing bias); load the checkpoint with picotron (--resume-from) instead.")
     with torch.device("meta"):
         model = Llama(cfg.model_config())
     model.to_empty(device="cpu")

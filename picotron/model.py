@@ -25,7 +25,7 @@ QK^T and (softmax)V, 2·2·s·h per token per layer forward, hence 12·L·h·s p
 Positions enter only through RoPE, applied to q and k in the Hugging Face "rotate_half" layout (HF's
 checkpoint converter permutes q/k weights for it), so HF weights load as-is. cos/sin are recomputed in every
 forward from the positions (cheap: s·d/2 values) - no buffers, so a model built on the meta device and
-materialised with `to_empty` needs nothing special.
+materialised with `to_empty` needs nothing special (the one buffer, DeepSeek routing's bias, is zeroed by init).
 
 The model knows nothing about parallelism. Things the parallel strategies may rely on (its seams):
   * sub-module names equal HF's (minus the "model." prefix), so the state dict maps 1:1 to a checkpoint;
@@ -312,7 +312,7 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0):
-        """Fill every parameter from `init_tensor(name, shape, seed, std)`: norms 1, the rest normal."""
+        """Fill every parameter from `init_tensor(name, shape, seed, std)`: norms 1, the rest normal; buffers 0."""
         self.tie_weights()
         for name, p in self.named_parameters():  # a tied lm_head.weight is skipped: it is embed_tokens
             where = marks.placement(p)  # a slice (tensor parallelism) draws the full tensor and keeps its part
@@ -321,6 +321,8 @@ class Llama(nn.Module):
             else:
                 full = init_tensor(name, where.shape, seed, self.init_std(name))
             p.copy_(where.take(full, p.shape))
+        for b in self.buffers():  # the MoE routing bias (DeepSeek-V3) starts at zero
+            b.zero_()
         return self
 
     # ---------------------------------------------------------------------------- Hugging Face I/O

@@ -26,6 +26,18 @@ class ModelConfig:
     num_experts_per_tok: int = 2
     router_aux_loss_coef: float = 0.01
     capacity_factor: float = 0.0  # 0: no limit (not a Mixtral field: a training option, GShard/Switch)
+    # DeepSeek-V3's router and experts (arXiv:2412.19437 §2.1), in its Hugging Face names (DeepseekV3Config)
+    scoring_func: str = "softmax"  # "sigmoid": affinities s_i = sigmoid(u·e_i), gates = the chosen s_i / their sum
+    n_shared_experts: int = 0  # experts every token passes through (DeepSeekMoE), besides its k routed ones
+    moe_intermediate_size: int = 0  # each expert's hidden size (fine-grained: smaller); 0 = intermediate_size
+    routed_scaling_factor: float = 1.0  # the routed experts' gates multiplied by it (DeepSeek-V3: 2.5)
+    bias_update_speed: float = 0.0  # γ > 0: aux-loss-free balancing (topk_method "noaux_tc"), a per-expert bias
+    # added to the scores for the choice only, moved by ±γ after each step (the report: 0.001); not an HF field
+
+    @property
+    def expert_size(self) -> int:
+        """The hidden size of one expert (routed or shared)."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def is_moe(self) -> bool:
@@ -42,12 +54,13 @@ class ModelConfig:
         return cls(**{**PRESETS[name], **overrides})
 
     def ffn_params(self, active=False) -> int:
-        """Parameters of one layer's feed-forward: 3·h·i dense; E·3·h·i + E·h (router) with experts, or with
-        active=True only the k experts a token passes through (and the router)."""
-        mlp = 3 * self.hidden_size * self.intermediate_size
+        """Parameters of one layer's feed-forward: 3·h·i dense; (E + N_s)·3·h·i + E·h (router) with E routed and
+        N_s shared experts of hidden size i, or with active=True only the k routed experts a token passes
+        through (and the shared ones, and the router)."""
         if not self.is_moe:
-            return mlp
-        return (self.num_experts_per_tok if active else self.num_local_experts) * mlp \
+            return 3 * self.hidden_size * self.intermediate_size
+        expert = 3 * self.hidden_size * self.expert_size
+        return ((self.num_experts_per_tok if active else self.num_local_experts) + self.n_shared_experts) * expert \
             + self.num_local_experts * self.hidden_size
 
     def num_params(self, active=False) -> int:
@@ -72,8 +85,12 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         """The Hugging Face `config.json` of this model (LlamaForCausalLM, or MixtralForCausalLM with experts)."""
-        moe = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "capacity_factor")
+        moe = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "capacity_factor") + DEEPSEEK
         d = {k: v for k, v in asdict(self).items() if k != "attn_impl" and (self.is_moe or k not in moe)}
+        if self.is_moe:  # DeepSeek's fields only where they differ from Mixtral's routing (picotron's own keys there)
+            d = {k: v for k, v in d.items() if k not in DEEPSEEK or v != getattr(ModelConfig, k)}
+            if self.bias_update_speed:
+                d["topk_method"] = "noaux_tc"
         d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                  head_dim=self.head_dim, attention_bias=False, mlp_bias=False,
                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})  # transformers >= 5
@@ -133,10 +150,14 @@ class ModelConfig:
         c["rope_theta"] = float(theta)
         c["rms_norm_eps"], c["initializer_range"] = float(c["rms_norm_eps"]), float(c["initializer_range"])
         c["tie_word_embeddings"] = bool(c["tie_word_embeddings"])
-        if model_type == "mixtral" and d.get("capacity_factor") is not None:  # picotron's own key (save_hf writes it)
-            c["capacity_factor"] = float(d["capacity_factor"])
+        if model_type == "mixtral":  # picotron's own keys (save_hf writes them): capacity, DeepSeek-V3's routing
+            c.update({k: type(getattr(cls, k))(d[k]) for k in ("capacity_factor",) + DEEPSEEK if d.get(k) is not None})
         return cls(**c)
 
+
+# DeepSeek-V3's routing fields: written into a Mixtral config.json only when set (transformers' Mixtral ignores them,
+# so such a model's logits are picotron's alone: Mixtral routes by softmax, without shared experts)
+DEEPSEEK = ("scoring_func", "n_shared_experts", "moe_intermediate_size", "routed_scaling_factor", "bias_update_speed")
 
 # What a key that config.json leaves out means: the defaults of transformers' LlamaConfig and MixtralConfig, the
 # same in transformers 4 and 5 (tests/test_hf_files.py checks them against the installed version).
@@ -172,6 +193,14 @@ PRESETS = {
     "tiny-moe": dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                      num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01),
+    # DeepSeek-V3's MoE at the tiny size (its report §2.1.2; DeepSeekMoE for the shared and fine-grained experts):
+    # 8 routed experts of a quarter of the MLP width, 3 per token, plus 1 shared: 4 x 96 = 384 active, like tiny-moe's
+    # 2 x 192; sigmoid affinities, balanced by the bias update (γ = 0.001), no auxiliary loss.
+    "tiny-deepseek-moe": dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                              num_local_experts=8, num_experts_per_tok=3, router_aux_loss_coef=0.0,
+                              scoring_func="sigmoid", n_shared_experts=1, moe_intermediate_size=96,
+                              bias_update_speed=0.001),
     "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
                          rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.02),

@@ -35,6 +35,25 @@ Capacity (`capacity_factor` c > 0, GShard/Switch): expert i takes at most ceil(c
 sequence of s tokens, first come first served in token order; the choices beyond are dropped (their weight
 is lost, the residual carries the token), and counted. Per sequence, so the decision does not depend on how the
 batch is split over ranks. c = 0: no limit, nothing dropped (Mixtral's inference).
+
+DeepSeek-V3's router (`scoring_func="sigmoid"`; DeepSeek-V3 technical report, arXiv:2412.19437, §2.1.2, eq. 12-16):
+
+    s = sigmoid(n)                            [tokens, E]   each expert's affinity, on its own (no softmax)
+    e = top-k(s + b)                          [tokens, k]   b: a per-expert bias, used ONLY for the choice
+    w = s[e] / Σ s[e] · routed_scaling_factor               the gates: the chosen affinities, without b
+    y_t = Σ_j w_tj · Expert_{e_tj}(x_t) + Σ_shared Shared(x_t)
+
+with DeepSeekMoE's shared experts (arXiv:2401.06066, §3.2: `n_shared_experts` N_s experts every token passes
+through, one SwiGLU of N_s times the expert width, as in HF's DeepseekV3MoE) and fine-grained experts (more,
+smaller ones: `moe_intermediate_size`). Auxiliary-loss-free balancing (`bias_update_speed` γ > 0): after each
+optimizer step b_i += γ·sign(mean load − load_i), load_i = the tokens that chose expert i in the whole step (every
+data-parallel rank's: `step_stats` sums them first), so an overloaded expert is chosen less next step and an idle
+one more, while the gates, hence the LM loss's gradient, never see b. b is a buffer (no gradient, no optimizer
+state), zero at init, the same on every replica, saved in checkpoints (picotron.checkpoint). With sigmoid scores
+the aux loss (if its weight is not 0) takes P_i from the normalised affinities s / Σs (the report's eq. 17-20).
+
+Context parallelism splits each sequence over the cp ranks: the aux loss's f_i and P_i are then sums over them
+(`sequence`, a seam like `exchange`: picotron.expert_parallel.SequenceSum), and finite capacity is refused there.
 """
 import math
 
@@ -83,18 +102,33 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full_like(aux, ctx.weight), None
 
 
-def route(logits, k):
-    """(weights [n, k] in fp32, experts [n, k], probs [n, E] fp32): softmax, top-k, renormalise (Mixtral)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, experts = probs.topk(k, dim=-1)
-    return weights / weights.sum(-1, keepdim=True), experts, probs
+def route(logits, k, scoring="softmax", bias=None, scale=1.0):
+    """(weights [n, k] in fp32, experts [n, k], probs [n, E] fp32). softmax: softmax, top-k, renormalise (Mixtral);
+    sigmoid: the same on sigmoids (DeepSeek-V3), probs = the sigmoids / their sum (what the aux loss averages).
+    A bias [E] (aux-loss-free balancing) shifts the choice only; the weights are then multiplied by `scale`."""
+    scores = torch.softmax(logits.float(), dim=-1) if scoring == "softmax" else torch.sigmoid(logits.float())
+    experts = (scores if bias is None else scores + bias).topk(k, dim=-1).indices  # the bias picks...
+    weights = scores.gather(-1, experts)  # ...but the gates are the scores alone
+    probs = scores if scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
+    return weights / weights.sum(-1, keepdim=True) * scale, experts, probs
 
 
-def aux_loss(probs, experts, num_experts):
+def aux_loss(probs, experts, num_experts, sequence=None):
     """E · Σ_i f_i · P_i (HF Mixtral's load_balancing_loss_func for one layer): f_i = choices of expert i per
-    token (Σf = k), P_i = mean probability of expert i. Differentiable through P only."""
-    counts = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype)
-    return num_experts * (counts / probs.shape[0] * probs.mean(0)).sum()
+    token (Σf = k), P_i = mean probability of expert i. Differentiable through P only. `sequence`: the ranks the
+    sequences are split over (context parallelism): both sums taken over all of their tokens."""
+    stats = torch.cat([torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype), probs.sum(0)])
+    n = probs.shape[0]
+    if sequence is not None:
+        stats, n = sequence.sum(stats), n * sequence.size
+    counts, total = stats.split(num_experts)
+    return num_experts * (counts / n * total / n).sum()
+
+
+def update_bias(block, load):
+    """Aux-loss-free balancing (DeepSeek-V3 §2.1.2): b_i += γ · sign(mean load − load_i), load over the step."""
+    load = load.to(block.e_score_correction_bias.dtype)
+    block.e_score_correction_bias += block.bias_update_speed * torch.sign(load.mean() - load)
 
 
 def capacity_keep(experts, seq_len, num_experts, capacity_factor):
@@ -112,7 +146,8 @@ def capacity_keep(experts, seq_len, num_experts, capacity_factor):
 
 
 class MoE(nn.Module):
-    """The sparse MoE block: router `gate` (E x h, no bias) and `experts` (Experts). Replaces the MLP.
+    """The sparse MoE block: router `gate` (E x h, no bias), `experts` (Experts) and, with N_s > 0 shared experts,
+    `shared_experts` (one Expert N_s times as wide). Replaces the MLP.
 
     After each training forward: `last_aux` (this layer's aux, detached), `counts` (tokens routed per expert, before
     capacity; summed over forwards until someone resets it to None) and `dropped` (pairs
@@ -124,17 +159,25 @@ class MoE(nn.Module):
         self.num_experts, self.k = E, config.num_experts_per_tok
         self.capacity_factor = config.capacity_factor
         self.aux_weight = config.router_aux_loss_coef  # the step engine divides it by the micro-batches
+        self.scoring, self.scale = config.scoring_func, config.routed_scaling_factor
+        self.bias_update_speed = config.bias_update_speed
         self.gate = nn.Linear(h, E, bias=False)
-        self.experts = Experts((i, Expert(h, config.intermediate_size)) for i in range(E))
+        self.experts = Experts((i, Expert(h, config.expert_size)) for i in range(E))
+        if config.n_shared_experts:
+            self.shared_experts = Expert(h, config.expert_size * config.n_shared_experts)
+        if self.bias_update_speed:  # not in state_dict (not a weight of HF's files); checkpoints save it themselves
+            self.register_buffer("e_score_correction_bias", torch.zeros(E), persistent=False)
         self.exchange = None  # expert parallelism: .dispatch(rows, counts) -> (rows, counts, ctx); .combine(rows, ctx)
+        self.sequence = None  # context parallelism: .sum(t) over the ranks that hold one sequence, and .size
         self.counts, self.dropped = None, 0  # made on the first forward (the model may be built on meta)
         self.last_aux = None
 
     def forward(self, x):
         b, s, h = x.shape
         flat = x.reshape(-1, h)
-        weights, experts, probs = route(self.gate(flat), self.k)
-        aux = aux_loss(probs, experts, self.num_experts)
+        bias = getattr(self, "e_score_correction_bias", None)
+        weights, experts, probs = route(self.gate(flat), self.k, self.scoring, bias, self.scale)
+        aux = aux_loss(probs, experts, self.num_experts, self.sequence)
         keep = capacity_keep(experts, s, self.num_experts, self.capacity_factor)
         chosen = experts.flatten()
         sort_by = chosen.masked_fill(~keep, self.num_experts)  # a dropped choice sorts last, as "expert E"
@@ -150,6 +193,8 @@ class MoE(nn.Module):
         order = order[:out.shape[0]]  # the kept choices (a shape: known on the host, no sync)
         out = (out * weights.flatten()[order, None].to(out.dtype)).to(flat.dtype)
         y = torch.zeros_like(flat).index_add(0, order // self.k, out)  # the combine: back to token order
+        if hasattr(self, "shared_experts"):  # every token, unweighted
+            y = y + self.shared_experts(flat)
         if self.training:  # the statistics of training steps only (not of evaluation or text sampling)
             routed = torch.bincount(chosen, minlength=self.num_experts)
             self.counts = routed if self.counts is None else self.counts + routed
@@ -165,14 +210,16 @@ class MoE(nn.Module):
         return torch.cat(outs) if outs else rows
 
     def extra_repr(self):
-        return f"experts={self.num_experts}, top_k={self.k}, capacity_factor={self.capacity_factor}"
+        return (f"experts={self.num_experts}, top_k={self.k}, capacity_factor={self.capacity_factor}, "
+                f"scoring={self.scoring}, bias_update_speed={self.bias_update_speed}")
 
 
-def step_stats(model, axis=None):
+def step_stats(model, axis=None, balance=True):
     """What the MoE layers of `model` (this rank's) saw since the last call, then reset: {"aux": the mean of the
     layers' last aux loss, "tokens_per_expert": [per layer: tokens routed to each expert], "dropped": choices
     dropped by capacity}, counts summed over `axis` (the dp x cp ranks: the whole step's tokens; a collective,
-    so every rank of the axis calls it). None for a dense model."""
+    so every rank of the axis calls it). None for a dense model. balance: then each layer's routing bias (if it
+    has one) moves by these loads (`update_bias`): the same loads on every replica, the same bias."""
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
     if not blocks or any(b.counts is None for b in blocks):
         return None
@@ -182,6 +229,9 @@ def step_stats(model, axis=None):
         axis.all_reduce(counts)
         axis.all_reduce(dropped)
     aux = float(sum(b.last_aux for b in blocks) / len(blocks))
+    for b, load in zip(blocks, counts):
+        if balance and b.bias_update_speed:
+            update_bias(b, load)
     for b in blocks:
         b.counts, b.dropped = None, 0
     return {"aux": aux, "tokens_per_expert": counts.tolist(), "dropped": int(dropped.item())}

@@ -90,7 +90,7 @@ def build_model(cfg, mesh, store=None):
             model = Llama(mc)
         tensor_parallel.apply(model, mesh.tp, sp=cfg.sp)  # a no-op when tp = 1
         context_parallel.apply(model, mesh.cp, impl=cfg.cp_impl, layout=cfg.cp_layout)  # a no-op when cp = 1
-        expert_parallel.apply(model, mesh.ep)  # a no-op when ep = 1
+        expert_parallel.apply(model, mesh.ep, mesh.cp)  # a no-op when ep = cp = 1
         return model
 
     plan = pipeline_schedule(cfg, mesh.pp.size)
@@ -114,9 +114,9 @@ def build_model(cfg, mesh, store=None):
         for layer in model.modules():
             if isinstance(layer, DecoderLayer):
                 layer.compile()
-    for module in model.modules():  # MoE: the aux loss's weight per micro-batch (and per tp rank: see tensor_parallel)
-        if hasattr(module, "aux_weight"):
-            module.aux_weight = mc.router_aux_loss_coef / cfg.grad_acc / mesh.tp.size
+    for module in model.modules():  # MoE: the aux loss's weight per micro-batch, per tp rank (see tensor_parallel),
+        if hasattr(module, "aux_weight"):  # and times cp (each cp rank's share of it: see expert_parallel)
+            module.aux_weight = mc.router_aux_loss_coef / cfg.grad_acc / mesh.tp.size * mesh.cp.size
     return model
 
 
@@ -240,9 +240,6 @@ def combination_problem(cfg, mc):
         ("dp_impl=ddp", "pp", cfg.pp > 1 and cfg.dp_impl == "ddp",
          f"dp_impl='ddp' with pp={cfg.pp} is not supported (DDP needs each forward followed by its backward, a "
          f"pipeline interleaves micro-batches); use --dp-impl bucket."),
-        ("experts", "cp", experts and cfg.cp > 1,
-         f"experts with cp={cfg.cp} are not supported (the load-balancing statistics and the capacity are per "
-         f"sequence, and context parallelism splits sequences); drop --cp or the experts."),
         ("experts", "zero=3", experts and cfg.zero == 3,
          "experts with zero=3 are not supported yet; use --zero 1 or 2."),
         ("ep", "dp_impl=ddp", cfg.ep > 1 and cfg.dp_impl == "ddp",

@@ -86,7 +86,7 @@ def model_state_bytes(num_params, name):
 
 def cast_parameters(model, dtype):
     """Every parameter of `model` to `dtype`, in place: the Parameter objects (and their placements) stay, only their
-    data changes; buffers (none are floating point in picotron's model) are left alone."""
+    data changes; buffers (the MoE routing bias, fp32) are left alone."""
     if dtype == torch.float32:
         return model
     with torch.no_grad():

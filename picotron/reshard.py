@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from picotron.checkpoint import placements
+from picotron.checkpoint import canonical, placements
 
 
 class Reader:
@@ -119,6 +119,12 @@ def load(folder, run, mesh):
     for after in (getattr(run.optimizer, "after_load", None), getattr(run.model, "after_load", None)):
         if after is not None:
             after()  # masters rounded into the parameters (bf16-params, fp16), then ZeRO-1/2's full parameters
+    buffers = {n: b for r in range(reader.world_size) for n, b in reader.file(r)["meta"].get("buffers", {}).items()}
+    with torch.no_grad():  # MoE's routing bias: each rank's own layers' (every replica wrote the same)
+        for n, b in run.raw.named_buffers():
+            if canonical(n) not in buffers:
+                raise KeyError(f"checkpoint {folder} holds no {canonical(n)} (written for another model?)")
+            b.copy_(buffers[canonical(n)])
     scale = reader.file(0)["meta"].get("loss_scale")
     if scale is not None and run.scaler is not None and run.scaler.dynamic:
         run.scaler.load_state_dict(scale)

@@ -435,8 +435,8 @@ def _moe(moe, axis, sp, column, row, kw):
     """A mixture-of-experts block under tp: each expert's w1/w3 column-parallel, w2 row-parallel WITHOUT the
     all-reduce; the block's output (the weighted sum of partial expert outputs) leaves the tp region once, so
     the router's gradient is partial too (`PartialGradLinear`), and so is the auxiliary loss's: the step
-    engine's `aux_weight` is divided by tp (every tp rank adds the same aux)."""
-    for expert in moe.experts.values():
+    engine's `aux_weight` is divided by tp (every tp rank adds the same aux). Shared experts (DeepSeek) alike."""
+    for expert in [*moe.experts.values(), *([moe.shared_experts] if hasattr(moe, "shared_experts") else [])]:
         _swap(expert, "w1", column(expert.w1, enter=False))
         _swap(expert, "w3", column(expert.w3, enter=False))
         _swap(expert, "w2", row(expert.w2, leave=False))

@@ -255,7 +255,8 @@ def one_step(step, cfg, mesh, run, loader, injector, saver, speed, activations):
         record.update(loss_scale=scale, overflow=overflow, overflows=run.scaler.skipped)
     if speed.datasheet:
         record["mfu_datasheet"] = speed.flops / dt / (speed.datasheet * mesh.world_size)
-    experts = moe.step_stats(run.raw, mesh.dp_cp)  # MoE: routing of this step (this pipeline stage's layers)
+    experts = moe.step_stats(run.raw, mesh.dp_cp, balance=finite)  # MoE: routing of this step (this pipeline
+    # stage's layers), and the routing bias's update (DeepSeek-V3) by its loads when the step was applied
     if experts is not None:
         record["moe"] = experts
     return record

@@ -9,12 +9,18 @@ ep = 2 and 4 equals all experts on one process, forward and backward; the whole 
 seed, same global batch, fp32; per-step loss and gradient norm within 1e-5 relative; every gradient, experts gathered
 from the ranks that hold them) at ep = 2 and 4, ep2 x tp2 (+ sp), ep2 with ZeRO-1, ep2 x pp2; a negative test
 (expert gradients divided by their own group's size instead of dp) that the parity check catches.
+
+DeepSeek-V3's router (sigmoid scores, a routing bias for the choice only, shared and fine-grained experts): the router
+and the bias update by hand; the parity standard at ep 2 (ep 4, ep2 x tp2, ep2 x pp2: heavy) with the routing biases
+after 3 steps equal to the one process's, bit for bit, on every rank; experts with cp (softmax router with the aux
+loss at cp 2; DeepSeek's at dp2 x cp2 x ep2); a resume whose routing biases come back from the checkpoint.
 """
 import pytest
 import torch
 from _parity import assert_matches, layout_grads
 
 from picotron import expert_parallel, moe
+from picotron.checkpoint import canonical
 from picotron import train as train_mod
 from picotron.config import Config, ConfigError
 from picotron.launch import run_on_ranks
@@ -23,6 +29,10 @@ from picotron.metrics import read_metrics
 from picotron.model import Llama, ModelConfig
 from picotron.parallelize import parallelize, validate
 from picotron.train import train
+
+
+DEEPSEEK = dict(num_local_experts=8, num_experts_per_tok=3, router_aux_loss_coef=0.0, scoring_func="sigmoid",
+                n_shared_experts=1, moe_intermediate_size=96, bias_update_speed=0.05)
 
 
 def _model(layers=2, **kw):
@@ -93,6 +103,41 @@ def test_aux_loss_reaches_the_router_as_if_added_to_the_loss():
     block(x).sum().backward()
     torch.testing.assert_close(block.gate.weight.grad, want, rtol=1e-6, atol=1e-7)
     assert block.last_aux.item() == pytest.approx(moe.aux_loss(probs, experts, 4).item())
+
+
+def test_deepseek_router_chooses_by_score_plus_bias_and_gates_without_it():
+    """DeepSeek-V3 eq. 13-16: the bias moves the choice only; gates = the chosen sigmoids normalised, times the scale."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.9])  # sigmoid: .88 .73 .50 .27; +bias: expert 3 (1.17) beats expert 0
+    w, e, probs = moe.route(logits, 2, "sigmoid", bias, scale=2.5)
+    s = torch.sigmoid(logits)[0]
+    assert sorted(e[0].tolist()) == [0, 3]
+    want = {i: (s[i] / (s[0] + s[3]) * 2.5).item() for i in (0, 3)}
+    assert {int(i): v for i, v in zip(e[0], w[0].tolist())} == pytest.approx(want, rel=1e-6)
+    torch.testing.assert_close(probs[0], s / s.sum())
+    w0, e0, _ = moe.route(logits, 2, "sigmoid")  # without the bias: the two largest sigmoids
+    assert sorted(e0[0].tolist()) == [0, 1] and w0.sum().item() == pytest.approx(1.0)
+
+
+def test_bias_update_moves_each_expert_by_gamma_against_its_load():
+    block = _model(layers=1, **DEEPSEEK).layers[0].block_sparse_moe
+    assert "e_score_correction_bias" not in block.state_dict()  # a buffer, not a weight: no gradient, no optimizer
+    assert not any("bias" in n for n, _ in block.named_parameters())
+    moe.update_bias(block, torch.tensor([10, 4, 6, 6, 2, 12, 0, 8]))  # mean 6
+    assert block.e_score_correction_bias.tolist() == pytest.approx([-0.05, 0.05, 0, 0, 0.05, -0.05, 0.05, -0.05])
+
+
+def test_deepseek_shapes_and_config_round_trip():
+    mc = ModelConfig.from_preset("tiny-deepseek-moe")
+    with torch.device("meta"):
+        model = Llama(mc)
+    assert model.num_params() == mc.num_params()  # shared + fine-grained experts counted
+    block = model.layers[0].block_sparse_moe
+    assert block.experts["0"].w1.out_features == 96 and block.shared_experts.w1.out_features == 96
+    d = mc.to_dict()
+    assert d["scoring_func"] == "sigmoid" and d["topk_method"] == "noaux_tc" and d["n_shared_experts"] == 1
+    assert ModelConfig.from_hf_dict(d) == mc
+    assert "scoring_func" not in ModelConfig.from_preset("tiny-moe").to_dict()  # Mixtral's config.json unchanged
 
 
 # --------------------------------------------------------------------------------------- on real processes
@@ -189,22 +234,25 @@ def _model_child(layout, out, wrong_divisor=False):
     if wrong_divisor:
         return grads, None, None
     with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep) as mesh:
-        summary = train(cfg, mesh)
+        summary, run = train(cfg, mesh, return_model=True)
         records = read_metrics(out)[0] if mesh.rank == 0 else None
-    return grads, records, summary
+    bias = {canonical(n): b.tolist() for n, b in run.raw.named_buffers()}  # DeepSeek's routing bias after training
+    return grads, records, dict(summary, bias=bias)
 
 
 def _reference(tmp_path, layout):
-    parallel = ("dp", "ep", "tp", "sp", "pp", "pp_schedule", "pp_chunks", "zero", "grad_acc")
+    parallel = ("dp", "ep", "tp", "sp", "pp", "pp_schedule", "pp_chunks", "zero", "grad_acc", "cp")
     ref = {"grad_acc": layout.get("grad_acc", 1) * layout.get("dp", 1),
            **{k: v for k, v in layout.items() if k not in parallel}}  # the model's own settings (capacity, ...)
     return run_on_ranks(_model_child, 1, ref, str(tmp_path / "ref"), timeout_s=120)[0]
 
 
 def _check(tmp_path, layout):
-    world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
+    world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1) * layout.get("cp", 1)
     results = run_on_ranks(_model_child, world, layout, str(tmp_path / "ep"), timeout_s=300)
-    assert_matches(results, _reference(tmp_path, layout), layout)
+    reference = _reference(tmp_path, layout)
+    assert_matches(results, reference, layout)
+    return results, reference
 
 
 @pytest.mark.parametrize("layout", [
@@ -223,19 +271,56 @@ def test_whole_model_matches_one_process(tmp_path, layout):
     _check(tmp_path, layout)
 
 
+# DeepSeek-V3 routing: sigmoid scores, 1 shared + 8 fine-grained experts, top-3; γ = 0.05 (not 0.001) so that the
+# bias changes choices within the 3 steps; and the aux loss on too (DeepSeek-V3's complementary one, weight 0.01)
+DS = dict(preset="tiny-deepseek-moe", bias_update_speed=0.05, aux_loss_coef=0.01)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(dp=2, ep=2, **DS),
+    pytest.param(dict(dp=4, ep=4, **DS), marks=pytest.mark.heavy),
+    pytest.param(dict(dp=2, ep=2, tp=2, **DS), marks=pytest.mark.heavy),  # shared expert cut like the others
+    pytest.param(dict(dp=2, ep=2, pp=2, grad_acc=2, **DS), marks=pytest.mark.heavy),  # each stage its own layers' bias
+    dict(cp=2),  # experts with cp: softmax router, the aux loss's statistics summed over the sequence's ranks
+    pytest.param(dict(cp=2, **DS), marks=pytest.mark.heavy),
+    dict(dp=2, cp=2, ep=2, **DS),  # cp with ep and DeepSeek's router: the bias's loads over dp x cp
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items() if k not in ("preset", "aux_loss_coef")))
+def test_deepseek_routing_and_experts_with_cp_match_one_process(tmp_path, layout):
+    """The parity standard, and the routing biases after 3 steps equal the one process's on every rank (their
+    loads are counted over the whole step's tokens: every replica moves them alike), and moved."""
+    results, (_, _, ref) = _check(tmp_path, layout)
+    for rank, (*_, summary) in enumerate(results):
+        assert summary["bias"] == {n: ref["bias"][n] for n in summary["bias"]}, f"rank {rank}: routing bias differs"
+    assert set().union(*(r[2]["bias"] for r in results)) == set(ref["bias"])
+    if "bias_update_speed" in layout:
+        assert ref["bias"] and all(any(v != 0 for v in b) for b in ref["bias"].values())
+
+
 def _resume_child(out, steps, resume):
-    cfg = Config(out=out, dp=2, ep=2, save_every=2, resume=resume, **{**SMALL, "steps": steps, "eval_every": 0})
+    cfg = Config(out=out, dp=2, ep=2, save_every=2, resume=resume, **{**SMALL, **DS, "steps": steps, "eval_every": 0})
     with Mesh.init(dp=2, ep=2) as mesh:
         train(cfg, mesh)
         return [r["loss"] for r in read_metrics(out)[0]] if mesh.rank == 0 else None
 
 
 def test_checkpoint_resumes_exactly(tmp_path):
-    """Each rank saves its own experts; a resumed run continues with the uninterrupted run's losses, bit for bit."""
+    """Each rank saves its own experts (and the routing biases: DeepSeek's router, whose choices depend on them); a
+    resumed run continues with the uninterrupted run's losses, bit for bit."""
     whole = run_on_ranks(_resume_child, 2, str(tmp_path / "a"), 4, False, timeout_s=180)[0]
     run_on_ranks(_resume_child, 2, str(tmp_path / "b"), 2, False, timeout_s=180)
     resumed = run_on_ranks(_resume_child, 2, str(tmp_path / "b"), 4, True, timeout_s=180)[0]
     assert resumed == whole
+
+
+def test_export_refuses_deepseek_routing(tmp_path, monkeypatch):
+    """transformers' Mixtral would load the files and route by softmax without the shared experts: one sentence
+    (before any tensor is read: the checkpoint's config is enough)."""
+    from picotron import export
+
+    monkeypatch.setattr(export, "folder_of", lambda path: path)
+    monkeypatch.setattr(export.reshard, "consolidate", lambda folder: {"config": Config(**DS).to_dict()})
+    with pytest.raises(ValueError, match=r"DeepSeek-V3's routing fields \(scoring_func='sigmoid', n_shared_experts=1"):
+        export.export(str(tmp_path / "run"), str(tmp_path / "hf"))
 
 
 def test_the_parity_check_catches_expert_gradients_divided_by_their_own_group():
@@ -261,7 +346,11 @@ def test_bad_settings_get_one_sentence():
         "dp=3 data-parallel ranks and each holds an equal share of the 4 experts, so ep must divide both); pick ep in "
         "{1} (with dp=3 only ep=1 fits; e.g. --dp 4 --ep 4 puts the experts on 4 ranks).")
     assert error(preset="tiny-moe", top_k=5).startswith("top_k=5 is more than the 4 experts")
-    assert "not supported" in error(preset="tiny-moe", cp=2)
+    assert error(preset="tiny-moe", cp=2, capacity_factor=1.0).startswith(
+        "capacity_factor=1.0 with cp=2 is not supported (an expert's capacity fills in token order")
+    assert error(preset="tiny-deepseek-moe", routed_scaling=0.0).startswith("routed_scaling_factor=0.0 must be positive")
+    assert error(preset="tiny-moe", router="cosine").startswith("router='cosine' is not one of the known values")
+    validate(Config(preset="tiny-deepseek-moe", cp=2, dp=2, ep=2), any_world_size=True)
     assert "zero=3" in error(preset="tiny-moe", dp=2, zero=3)
     assert error(preset="tiny-moe", capacity_factor=-1.0).startswith("capacity_factor=-1.0 must not be negative")
     validate(Config(preset="tiny", experts=4, dp=4, ep=4, tp=2), any_world_size=True)

@@ -40,13 +40,13 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 5, out  # three in process, exchange_splits on 2 and 4 ranks
+    assert out.count("  ok  ") == 6, out  # four in process, exchange_splits on 2 and 4 ranks
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
     code, out = run_checker()
     assert code == 1, out
-    for name in ("top_k_route", "dispatch_permutation", "aux_loss"):
+    for name in ("top_k_route", "dispatch_permutation", "aux_loss", "deepseek_router_step"):
         assert f"FAIL  {name}: NotImplementedError: not written yet" in out, out
     assert re.search(r"FAIL  exchange_splits on 2 ranks: rank \d: NotImplementedError: not written yet", out), out
     assert "exchange_splits on 4 ranks" not in out  # stops after the first world size
@@ -101,6 +101,25 @@ def test_checker_names_exchange_mistakes(tmp_path):
     out = fails_with(tmp_path, "exchange_splits", ("send = counts.view(ep, -1).sum(1)",
                                                    "send = counts.view(-1, ep).sum(0)"))
     assert "FAIL  exchange_splits on 2 ranks: rank 0: send[0] =" in out and "experts 0..3" in out, out
+
+
+def test_checker_names_deepseek_router_mistakes(tmp_path):
+    out = fails_with(tmp_path, "deepseek_router_step", ("weights = scores.gather(-1, experts)",
+                                                        "weights = (scores + bias).gather(-1, experts)"))
+    assert "FAIL  deepseek_router_step: 6 tokens, E=4, k=2: the bias leaked into the gates" in out, out
+    out = fails_with(tmp_path, "deepseek_router_step", ("torch.sign(load.mean() - load)", "torch.sign(load - load.mean())"))
+    assert "sign of the update reversed" in out and "an overloaded expert's bias must go DOWN" in out, out
+    out = fails_with(tmp_path, "deepseek_router_step", ("(scores + bias).topk(k, dim=-1)", "scores.topk(k, dim=-1)"))
+    assert "the bias was ignored in the choice" in out, out
+    out = fails_with(tmp_path, "deepseek_router_step", ("gamma * torch.sign(load.mean() - load)",
+                                                        "gamma * (load.mean() - load)"))
+    assert "the rule moves each bias by exactly ±γ" in out, out
+
+
+def test_bias_replay_is_the_update_rule(lesson):
+    """The notebook checks the bias run's final biases against this replay of b += γ·sign(mean − load)."""
+    loads = [[[6, 2, 4, 4]], [[1, 3, 5, 7]], [[4, 4, 4, 4]]]  # 3 steps, 1 layer, 4 experts (means 4, 4, 4)
+    assert lesson.bias_replay(loads, 0.5).tolist() == [[0.0, 1.0, -0.5, -0.5]]  # -+00, ++--, 0000 (x 0.5)
 
 
 def test_the_split_comparison_names_the_rank(lesson):

@@ -5,9 +5,9 @@ The variants (`variants()`, data, not hand-written cases): every layout (dp, pp,
 there are dp x cp ranks to shard over (dp·cp > 1): 42 variants; plus ep = 2 on the tiny-moe preset for the layouts
 with dp = 2 (expert-parallel ranks are carved out of the data-parallel ones), with the same sp and ZeRO-1 choices:
 12 more. pp = 2 runs grad_acc = 2 micro-batches per step (1F1B), so the pipeline has micro-batches to overlap.
-Refused by the configuration (listed in `REFUSED` with validate's sentence and checked below, not silently dropped):
-ep = 2 with cp = 2, 12 variants (4 layouts x their sp/ZeRO-1 choices) ("experts with cp=2 are not supported (the load-balancing
-statistics and the capacity are per sequence, and context parallelism splits sequences)").
+A variant the configuration refused would be listed in `REFUSED` with validate's sentence (checked below, not
+silently dropped); none is refused now (ep = 2 with cp = 2, 12 variants, runs since the routing statistics are summed
+over the cp ranks).
 
 Each variant's communication is also recorded and replayed under NCCL's rules (picotron.nccl_rules: no rank's
 operation may wait forever or meet a mismatched partner), and each is held to the parity standard (`tests/_parity.py`): the same seed, the same global batch (the
@@ -23,8 +23,9 @@ ep·sp, ep·zero1, ep·pp (test_expert_parallel) — every feasible pair, each i
 four-dimensional dp2·pp2·cp2·tp2 with sp and ZeRO-1 (16 processes: all 15 pairs of dp, pp, cp, tp, sp, zero1 in
 one run), the same without sp and ZeRO-1 (16 processes: the gradients synced by the data-parallel wrapper instead
 of reduce-scattered by ZeRO, tp's activations whole instead of sequence-split) and dp2·pp2·tp2 + ep2 + sp + ZeRO-1
-on the MoE model (8 processes: ep with each of dp, pp, tp, sp, zero1; cp·ep is refused), so every pair of the
-seven dimensions is also covered in this file, at the highest dimension.
+on the MoE model (8 processes: ep with each of dp, pp, tp, sp, zero1), so every pair of the seven dimensions but
+cp·ep is also covered in this file, at the highest dimension; cp·ep is in test_expert_parallel's default
+(dp2·cp2·ep2, with DeepSeek's router).
 `test_default_subset_covers_every_pair` checks that.
 
 The whole matrix: `python -m pytest tests/test_parity_matrix.py --parity-matrix` (the option is in
@@ -212,20 +213,15 @@ def test_layout_matches_one_process(reference, tmp_path, layout):
         write_table()
 
 
-def test_refused_layouts_say_why():
-    """The matrix's refused variants are refused for the one known reason (experts with cp), in one sentence."""
-    for name, layout in VARIANTS:
-        if name in REFUSED:
-            assert layout["ep"] > 1 and layout["cp"] > 1, (name, REFUSED[name])
-            assert REFUSED[name].startswith("experts with cp=2 are not supported"), REFUSED[name]
-            ROWS[name] = row_of(name, layout, passed=None, refused=REFUSED[name], wall_s=None)
-    write_table()
+def test_no_layout_is_refused():
+    """Every variant of the matrix runs (experts with cp included); a refusal would be a regression."""
+    assert not REFUSED, REFUSED
 
 
 def test_the_matrix_is_complete():
     dense = [l for _, l in VARIANTS if l["preset"] == "tiny"]
     assert {(l["dp"], l["pp"], l["cp"], l["tp"]) for l in dense} == set(itertools.product((1, 2), repeat=4))
-    assert len(dense) == 42 and len(VARIANTS) == 66 and len(REFUSED) == 12 and len(RUNNABLE) == 54
+    assert len(dense) == 42 and len(VARIANTS) == 66 and len(RUNNABLE) == 66
     assert max(world_of(l) for _, l in RUNNABLE) == 16
     for _, layout in VARIANTS:  # every sp and ZeRO-1 choice of each layout that allows it
         assert not layout["sp"] or layout["tp"] == 2
@@ -233,7 +229,8 @@ def test_the_matrix_is_complete():
 
 
 def test_default_subset_covers_every_pair():
-    """Every pair of the seven dimensions is active together in some default variant, except cp with ep (refused)."""
+    """Every pair of the seven dimensions is active together in some default variant, except cp with ep (in
+    test_expert_parallel's default: dp2·cp2·ep2)."""
     assert DEFAULT <= {n for n, _ in RUNNABLE}
     together = set()
     for name, layout in RUNNABLE:

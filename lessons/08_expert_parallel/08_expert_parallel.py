@@ -17,7 +17,7 @@ edit this file, never the notebook.
 #
 # | piece | what it does | where |
 # |---|---|---|
-# | router | softmax over $E$ logits, top-$k$, renormalise (Mixtral) | `moe.route` |
+# | router | softmax over $E$ logits, top-$k$, renormalise (Mixtral); or DeepSeek-V3's sigmoid + bias (section 9) | `moe.route` |
 # | dispatch permutation | one stable sort of the (token, choice) pairs by expert: each expert's rows contiguous | `MoE.forward` |
 # | load-balancing loss | $E \sum_i f_i P_i$: $k$ when balanced, larger when a few experts take the tokens | `moe.aux_loss`, `AuxLoss` |
 # | capacity | at most $\lceil c\,s\,k/E \rceil$ tokens per expert and sequence; the rest dropped | `moe.capacity_keep` |
@@ -467,7 +467,83 @@ check("the widget's numbers: Mixtral-8x7B's states, ep = 1 against ep = 8",
 # **Takeaway:** ep divides the experts' share of memory; the all-to-all's bytes grow with $k$ and $h$, barely
 # with ep; capacity drops fall fast once $c$ exceeds 1 — for a balanced router.
 #
-# ## 9. Exercises
+# ## 9. DeepSeek-V3's router: balance without an auxiliary loss
+#
+# The auxiliary loss balances the experts by adding a term to the loss, so its gradient reaches the router and
+# pulls its weights away from what the language-model loss wants: a large $\alpha$ balances well and costs
+# quality, a small one balances poorly (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
+# Mixture-of-Experts", arXiv:2408.15664). DeepSeek-V3 (technical report, arXiv:2412.19437, §2.1.2) routes
+# differently:
+#
+# * **sigmoid affinities**: $s_{i} = \sigma(u_t \cdot e_i)$, each expert scored on its own (no softmax over the
+#   experts); the gates are the chosen affinities normalised, $g_i = s_i / \sum_{j \in \text{top-}k} s_j$ (times
+#   `routed_scaling_factor`, 2.5 in the released config; 1 here);
+# * **a bias for the choice only**: the top-$k$ is taken over $s_i + b_i$, but $b_i$ never enters the gates, so the
+#   loss, and hence every gradient, never sees it;
+# * **the bias update** after each optimizer step: $b_i \mathrel{+}= \gamma \cdot \mathrm{sign}(\bar{c} - c_i)$, $c_i$
+#   the tokens that chose expert $i$ in the step, $\bar c$ their mean: an overloaded expert becomes a little less
+#   attractive, an idle one a little more. The loads are counted over the **global** batch (summed over every
+#   data-parallel, cp and ep rank by `moe.step_stats`), so every replica's bias stays the same;
+# * **shared and fine-grained experts** (DeepSeekMoE, arXiv:2401.06066): $N_s$ experts every token passes through,
+#   and more, smaller routed experts. `tiny-deepseek-moe` has 8 routed experts of $i = 96$, top-3, and 1 shared:
+#   the same active width ($4 \times 96$) as `tiny-moe`'s $2 \times 192$.
+#
+# | piece | where |
+# |---|---|
+# | sigmoid scores, top-$k$ of $s + b$, gates without $b$ | `moe.route(logits, k, "sigmoid", bias)` |
+# | the bias: a buffer (no gradient, no optimizer state), saved in checkpoints | `MoE.e_score_correction_bias` |
+# | $b \mathrel{+}= \gamma\,\mathrm{sign}(\bar c - c)$ on the step's global loads | `moe.update_bias`, called by `moe.step_stats` |
+# | options | `--router sigmoid --shared-experts 1 --expert-size 96 --bias-update-speed 0.001`, or `--preset tiny-deepseek-moe` |
+#
+# We train `tiny-deepseek-moe` at dp = ep = 2 three times on the same batches: without balancing, with the
+# auxiliary loss ($\alpha = 0.01$, as in section 3) and with the bias update. The report's $\gamma = 0.001$ is for a
+# run of hundreds of thousands of steps; over our 200 we take $\gamma = 0.01$. What we expect: the bias run's
+# busiest expert, over the last 10 steps, below the unbalanced run's; and the bias after the run exactly the sum
+# of the $\pm\gamma$ steps that the recorded loads prescribe.
+
+# %%
+run("router")
+rt = _common.load_json(OUT / "router_ep2.json")["results"]
+imbalance = {name: [statistics.mean(lesson.load_ratio(x)) for x in r["tokens_per_expert"]] for name, r in rt["runs"].items()}
+last = {name: statistics.mean(v[-10:]) for name, v in imbalance.items()}
+for name, r in rt["runs"].items():
+    print(f"{name:>5}: busiest/mean expert load {imbalance[name][0]:.2f} at step 1 -> {last[name]:.2f} over the last 10 "
+          f"steps; loss {r['loss'][0]:.3f} -> {statistics.mean(r['loss'][-10:]):.3f} (last 10 steps' mean)")
+lesson.plot_router(rt); plt.show()
+
+# %%
+check("the bias update balances the experts", last["bias"] < last["none"],
+      f"busiest/mean over the last 10 steps {last['bias']:.2f} with the bias update, {last['none']:.2f} without "
+      f"balancing ({last['aux']:.2f} with the aux loss)")
+replay = lesson.bias_replay(rt["runs"]["bias"]["tokens_per_expert"], rt["gamma"])
+final = torch.tensor(rt["runs"]["bias"]["bias"])
+check("each bias moved by ±γ by the sign of its load error, every step", torch.equal(final, replay),
+      f"{final.shape[0]} layers x {final.shape[1]} experts equal to γ·Σ sign(mean − load) over "
+      f"{len(rt['runs']['bias']['loss'])} steps, max |difference| {(final - replay).abs().max():.1e}; biases from "
+      f"{final.min():+.2f} to {final.max():+.2f}")
+
+# %% [markdown]
+# Without balancing, the busiest expert settles at about 2.2 times the mean load; the auxiliary loss brings it to
+# 1.13, the bias update to 1.09 — as well, without a term in the loss: the gates, and so the gradients, are those of
+# an unbalanced router; only the choice moves. The update is the sign of the error, not its size, so each bias
+# walks by $\pm\gamma$ and hovers where its expert's load crosses the mean (here within $\pm 0.34$ after 200 steps).
+# The three losses stay within about 1% of each other (2.21, 2.20, 2.23 over the last 10 steps): at this size and
+# length balance neither helps nor costs much; the report's case for the bias is quality at scale, where the aux
+# loss's gradient has to be strong enough to balance thousands of GPUs' worth of experts.
+#
+# **Exercise 5.** `deepseek_router_step(logits, k, bias, gamma)` in `exercise.py`: the router's choice with the
+# bias, the gates without it, then the bias update from the batch's loads. The checker says when the bias leaked
+# into the gates, when the choice ignored it, when the update's sign is reversed or its step is not $\pm\gamma$:
+
+# %%
+import check as checker   # this folder's check.py
+checker.check(["deepseek_router_step"])
+
+# %% [markdown]
+# **Takeaway:** DeepSeek-V3 balances its experts with a per-expert bias that only chooses, moved by $\pm\gamma$
+# against the global load each step; the loss keeps only the language-model term.
+#
+# ## 10. Exercises
 # Open `lessons/08_expert_parallel/exercise.py`:
 #
 # 1. `top_k_route(logits, k)` — Mixtral's router: softmax in fp32, top-$k$, renormalise. The checker compares with
@@ -481,6 +557,7 @@ check("the widget's numbers: Mixtral-8x7B's states, ep = 1 against ep = 8",
 #    only, and a loss no gradient crosses.
 # 4. `exchange_splits(counts, group)` — on every ep rank: the rows it sends to each rank and receives from each,
 #    after exchanging the counts (one collective). Run on 2 and 4 processes; the checker names the rank and peer.
+# 5. `deepseek_router_step(logits, k, bias, gamma)` — DeepSeek-V3's router and bias update (section 9).
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:
 
@@ -492,7 +569,7 @@ all_passed = checker.check()
 # **Takeaway:** the router is three lines; the dispatch is a stable sort; the balance loss is a dot product of a
 # count and a mean; the exchange needs the counts before the rows.
 #
-# ## 10. What it costs, when to use it, what comes next
+# ## 11. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
@@ -502,20 +579,25 @@ all_passed = checker.check()
 #
 # **Its costs.** The all-to-alls are on the critical path and their sizes change every step (the counts travel
 # first); unbalanced routing makes the busiest rank everyone's pace, so the balance loss (or DeepSeek-V3's
-# bias-based, loss-free balancing) is not optional. Expert gradients follow their own group (edp) and their own
+# bias update, section 9) is not optional. Expert gradients follow their own group (edp) and their own
 # divisor; ZeRO shards them over edp. Small experts give small matmuls: finer experts (DeepSeekMoE) need grouped
 # GEMM kernels.
 #
 # **What ours lacks** (what Megatron-LM, DeepSpeed-MoE, torchtitan and DeepEP add): grouped GEMM over the local
 # experts, the all-to-all overlapped with compute (DualPipe, chunked dispatch), fp8 dispatch, token dropping
-# with padding to static shapes, shared experts (DeepSeekMoE), expert-choice routing (Zhou et al. 2022, each
-# expert picks its tokens), and hierarchical (node-aware) all-to-alls. With context parallelism, routing
-# statistics and capacity become per chunk: picotron refuses that combination.
+# with padding to static shapes, DeepSeek-V3's group-limited routing (each token's experts on at most a few nodes)
+# and its multi-token prediction, expert-choice routing (Zhou et al. 2022, each expert picks its tokens), and
+# hierarchical (node-aware) all-to-alls. With context parallelism the aux loss's statistics are summed over the cp
+# ranks (one all-reduce of $2E$ numbers per layer); a finite capacity is refused there (its first-come order runs
+# along the whole sequence).
 #
 # **Sources.** Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts
 # Layer" (noisy top-$k$ gating, a balancing loss); Lepikhin et al. 2020, "GShard" (top-2, expert capacity, experts
 # sharded across devices with all-to-all); Fedus et al. 2022, "Switch Transformers" (top-1, the $E\sum f_i P_i$
 # loss, capacity factors); Jiang et al. 2024, "Mixtral of Experts" (softmax then top-2, renormalised; 46.7 B / 12.9 B).
+# Dai et al. 2024, "DeepSeekMoE" (arXiv:2401.06066: fine-grained and shared experts); Wang et al. 2024,
+# "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts" (arXiv:2408.15664); DeepSeek-AI 2024,
+# "DeepSeek-V3 Technical Report" (arXiv:2412.19437, §2.1.2: sigmoid affinities, the bias update, γ = 0.001).
 #
 # **Next:** lesson 09 puts the strategies together — a 4-D (and with ep, 5-D) layout planned for a real cluster.
 #

@@ -14,6 +14,11 @@ logits as weights, the k least probable experts, the softmax over the tokens; an
 token indices instead of pair indices, experts in descending order, an unstable sort; Switch's fraction
 normalised by k, the factor E missing, P averaged over the chosen experts only, a loss that no gradient crosses.
 
+deepseek_router_step (in this process): random logits and a bias large enough to change choices, for the same
+(tokens, E, k), against picotron.moe.route (sigmoid, with the bias) and the update b + γ·sign(mean load − load);
+it names the bias leaking into the gates, a choice that ignores the bias, a softmax for the sigmoid, gates not
+normalised, the update's sign reversed, an update proportional to the load error, the step returned without b.
+
 exchange_splits (on 2 and 4 processes): every rank's counts are random; its (send, recv) must be the reference's;
 the checker names the rank and the peer whose split is wrong, or the ranks stuck in a collective.
 
@@ -38,7 +43,7 @@ LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 30.0
 EXERCISES = {"top_k_route": "top_k_route", "dispatch_permutation": "dispatch_permutation", "aux_loss": "aux_loss",
-             "exchange_splits": "exchange_splits"}
+             "exchange_splits": "exchange_splits", "deepseek_router_step": "deepseek_router_step"}
 ROUTERS = ((6, 4, 2), (10, 8, 2), (7, 8, 1), (9, 8, 3), (12, 16, 4))  # (tokens, E, k)
 WORLD_SIZES = (2, 4)
 SPLIT_EXPERTS = 8
@@ -191,6 +196,69 @@ def _aux_problem(fn, path):
     return None
 
 
+# ------------------------------------------------------------------------------------------ exercise 5
+def _deepseek_problem(fn, path):
+    gamma = 0.01
+    for n, E, k in ROUTERS:
+        logits = _logits(n, E, 11 * n + E)
+        bias = torch.randn(E, generator=torch.Generator().manual_seed(5 * E + k)) * 0.5
+        head = f"{n} tokens, E={E}, k={k}"
+        got = fn(logits.clone(), k, bias.clone(), gamma)
+        if not (isinstance(got, (tuple, list)) and len(got) == 3 and all(torch.is_tensor(t) for t in got)):
+            return f"{head}: returned {type(got).__name__} {str(got)[:60]!r}; return (weights, experts, new_bias)"
+        w, e, b = got
+        if tuple(w.shape) != (n, k) or tuple(e.shape) != (n, k) or tuple(b.shape) != (E,):
+            return (f"{head}: weights {list(w.shape)}, experts {list(e.shape)}, new_bias {list(b.shape)}; expected "
+                    f"[{n}, {k}], [{n}, {k}], [{E}]")
+        want_w, want_e, _ = moe.route(logits, k, "sigmoid", bias)
+        s = torch.sigmoid(logits)
+        for t in range(n):
+            mine, theirs = set(e[t].tolist()), set(want_e[t].tolist())
+            if mine == theirs:
+                continue
+            if mine == set(s[t].topk(k).indices.tolist()):
+                return (f"{head}, token {t}: experts {sorted(mine)} are the top-k of the sigmoids alone: the bias was "
+                        f"ignored in the choice (choose by sigmoid + bias): expected {sorted(theirs)}")
+            if mine == set((torch.softmax(logits[t], -1) + bias).topk(k).indices.tolist()) or \
+                    mine == set(torch.softmax(logits[t], -1).topk(k).indices.tolist()):
+                return (f"{head}, token {t}: experts {sorted(mine)} come from a softmax; DeepSeek-V3 scores each expert "
+                        f"on its own with a sigmoid: expected {sorted(theirs)}")
+            return (f"{head}, token {t}: experts {sorted(mine)} chosen; the {k} largest sigmoid + bias are "
+                    f"{sorted(theirs)}")
+        mine, theirs = _by_expert(w, e), _by_expert(want_w, want_e)
+        leaked = (s + bias).gather(1, e)
+        wrong = [(t, x) for t in range(n) for x, wx in theirs[t].items() if abs(mine[t][x] - wx) > 1e-5]
+        if wrong and (torch.allclose(w, leaked / leaked.sum(-1, keepdim=True), atol=1e-6)
+                      or torch.allclose(w, leaked, atol=1e-6)):
+            return (f"{head}: the bias leaked into the gates: the weights are made of sigmoid + bias; the bias only "
+                    f"chooses the experts, the gates are the chosen sigmoids alone (normalised), so the loss never "
+                    f"sees it")
+        if wrong and torch.allclose(w, s.gather(1, e), atol=1e-6):
+            return (f"{head}: token 0's weights sum to {float(w[0].sum()):.4f}, not 1: these are the chosen sigmoids; "
+                    f"normalise them over the k chosen (divide by their sum)")
+        if wrong:
+            t, x = wrong[0]
+            return (f"{head}, token {t}, expert {x}: weight {mine[t][x]:.5f}, expected {theirs[t][x]:.5f} (the chosen "
+                    f"sigmoids normalised to sum to 1)")
+        load = torch.bincount(want_e.flatten(), minlength=E).float()
+        step = gamma * torch.sign(load.mean() - load)
+        if torch.allclose(b, bias - step, atol=1e-7) and step.abs().sum() > 0:
+            x = int(step.abs().argmax())
+            return (f"{head}: sign of the update reversed: expert {x} took {int(load[x])} choices (mean "
+                    f"{float(load.mean()):.2f}) and its bias went {'up' if b[x] > bias[x] else 'down'}; an "
+                    f"overloaded expert's bias must go DOWN: b + γ·sign(mean load − load)")
+        if torch.allclose(b, bias + gamma * (load.mean() - load), atol=1e-6):
+            return (f"{head}: the bias moved by γ times the load error; the rule moves each bias by exactly ±γ "
+                    f"(the sign of the error), whatever its size")
+        if torch.allclose(b, step, atol=1e-7):
+            return f"{head}: new_bias is the step alone; return the old bias plus the step"
+        if not torch.allclose(b, bias + step, atol=1e-7):
+            x = int((b - bias - step).abs().argmax())
+            return (f"{head}: new_bias[{x}] = {float(b[x]):.4f}, expected {float(bias[x] + step[x]):.4f} (expert {x}: "
+                    f"load {int(load[x])}, mean {float(load.mean()):.2f}, γ = {gamma})")
+    return None
+
+
 # ------------------------------------------------------------------------------------------ exercise 4
 def _counts(rank, n):
     g = torch.Generator().manual_seed(40 + 10 * n + rank)
@@ -252,8 +320,10 @@ SUCCESS = {
     "top_k_route": f": Mixtral's weights and experts for (tokens, E, k) in {CASES}, and fp32 from bf16 logits",
     "dispatch_permutation": f": order and counts for {CASES} and E=6 with two experts unchosen",
     "aux_loss": f": value and gradient for {CASES}; k at perfect balance",
+    "deepseek_router_step": f": DeepSeek-V3's experts, gates and bias update for {CASES}, a bias that changes choices",
 }
-PROBLEMS = {"top_k_route": _route_problem, "dispatch_permutation": _dispatch_problem, "aux_loss": _aux_problem}
+PROBLEMS = {"top_k_route": _route_problem, "dispatch_permutation": _dispatch_problem, "aux_loss": _aux_problem,
+            "deepseek_router_step": _deepseek_problem}
 
 
 def check_one(name, path, report, timeout_s):

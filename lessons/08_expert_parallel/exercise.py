@@ -1,16 +1,17 @@
 """Lesson 08 exercises: a mixture-of-experts layer's bookkeeping by hand. Write the pieces marked EXERCISE, then
     python lessons/08_expert_parallel/check.py                  # all exercises
     python lessons/08_expert_parallel/check.py top_k_route      # just one (or dispatch_permutation, aux_loss,
-                                                                #   exchange_splits)
+                                                                #   exchange_splits, deepseek_router_step)
 Exercises 1-3 are checked in this process against picotron.moe on random routers (several token counts, E and k);
 the checker names the token, expert or value that is wrong and recognises the usual mistakes (weights not
 renormalised, an unstable sort, Switch's fraction normalised by k...). Exercise 4 runs on 2 and 4 real processes
-(gloo): the checker names the rank whose splits are wrong. The lesson notebook
+(gloo): the checker names the rank whose splits are wrong. Exercise 5 (DeepSeek-V3's router) runs in this process. The lesson notebook
 (lessons/08_expert_parallel/08_expert_parallel.ipynb) reads picotron/moe.py and picotron/expert_parallel.py,
 which do all of this for the whole model; the solutions are in solution.py (look after trying).
 
 What you may use:
     torch.softmax(x, dim=-1), t.topk(k, dim=-1) -> (values, indices), t.sum(-1, keepdim=True)
+    torch.sigmoid(x), t.gather(-1, index), torch.sign(t)
     torch.argsort(t, stable=True), torch.bincount(t, minlength=E), t.flatten()
     torch.distributed.all_to_all_single(out, t, group=group)   (each rank's t cut in equal blocks, one per rank)
     torch.distributed.all_gather(list_of_tensors, t, group=group)
@@ -48,4 +49,13 @@ def exchange_splits(counts, group=None):
     (send, recv), two lists of ep ints: send[j] = rows this rank sends to rank j, recv[j] = rows it receives from
     rank j (what rank j's send[this rank] is). The all-to-all of the rows needs both as its splits; the ranks
     only know their own counts, so they must exchange them first (one collective)."""
+    raise NotImplementedError("not written yet")
+
+
+def deepseek_router_step(logits, k, bias, gamma):
+    """EXERCISE 5: DeepSeek-V3's router on one batch, then its bias update. logits [n, E], bias [E] (fp32), gamma
+    a float. Return (weights, experts, new_bias): experts [n, k] = the k largest sigmoid(logits) + bias per token
+    (the bias only CHOOSES); weights [n, k] = the chosen sigmoid(logits), without the bias, normalised to sum to 1
+    per token; new_bias = bias + gamma · sign(mean load − load_i), load_i = how many of the n tokens chose expert
+    i in this batch (an overloaded expert's bias goes down). Any order of the k choices within a token."""
     raise NotImplementedError("not written yet")

@@ -2,7 +2,7 @@
 (`picotron.train`, `parallelize` with a `metrics.Recorder`, the MoE layers' counts and each layer's `Exchange`),
 and the notebook's formulas and plots.
 
-    torchrun --nproc_per_node 2 lessons/08_expert_parallel/experiment.py [--only balance,bytes,scaling,parity]
+    torchrun --nproc_per_node 2 lessons/08_expert_parallel/experiment.py [--only balance,bytes,scaling,parity,router]
     torchrun --nproc_per_node 4 lessons/08_expert_parallel/experiment.py --only bytes,scaling,parity
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
@@ -14,6 +14,8 @@ against the rows the measured routing predicts, and against the balanced formula
 replicated), 2 (and 4) at the same global batch, one step of each in turn: model-state bytes per rank against
 the formula and tokens/s. parity: picotron.train at ep = W (and dp4 x ep2, ep2 x tp2 on 4 processes) against one
 process with the same global batch, and the trap: expert gradients divided by their own group (edp), not dp x cp.
+router: DeepSeek-V3's router (tiny-deepseek-moe) at dp = ep = W without balancing, with the aux loss and with the
+bias update, every step's loads and loss, and the bias run's final routing biases.
 """
 import math
 import os
@@ -51,7 +53,8 @@ def settings(fast, device_type=None):
               balance_steps=60 if fast else 200, aux_coefs=(0.0, 0.01), capacities=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
               bytes_steps=2 if fast else 4,
               scale_steps=2 if fast else 6, scale_warmup=1,
-              parity_steps=10, parity_seq_len=32, parity_mbs=2, parity_grad_acc=2)
+              parity_steps=10, parity_seq_len=32, parity_mbs=2, parity_grad_acc=2,
+              router_preset="tiny-deepseek-moe", router_steps=60 if fast else 200, router_aux=0.01, router_gamma=0.01)
     return _common.sized("08_expert_parallel", st, fast, device_type)
 
 
@@ -425,10 +428,45 @@ def exp_parity(mesh, st, out):
     return result
 
 
-EXPERIMENTS = ("balance", "bytes", "scaling", "parity")
+EXPERIMENTS = ("balance", "bytes", "scaling", "parity", "router")
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
+def bias_replay(tokens_per_expert, gamma):
+    """DeepSeek-V3's bias update replayed from the recorded loads ([steps][layers][E], each step's whole batch), in
+    fp32 as the model does it: b += γ·sign(mean − load) after every step. [layers][E], the bias after the last."""
+    bias = torch.zeros(torch.tensor(tokens_per_expert[0]).shape)
+    for loads in tokens_per_expert:
+        load = torch.tensor(loads, dtype=torch.float32)
+        bias += gamma * torch.sign(load.mean(-1, keepdim=True) - load)
+    return bias
+
+
+def exp_router(mesh, st, out):
+    """DeepSeek-V3's router (tiny-deepseek-moe: sigmoid scores, 8 fine-grained experts, top-3, 1 shared) at dp = ep =
+    W, three ways over the same steps and batches: no balancing, the auxiliary loss (α), the bias update (γ); every
+    step's loads and loss, and the bias run's final biases (every layer; rank 0's, the same on every rank)."""
+    W, result = mesh.world_size, dict(runs={}, gamma=st["router_gamma"], alpha=st["router_aux"])
+    ways = {"none": dict(aux_loss_coef=0.0, bias_update_speed=0.0),
+            "aux": dict(aux_loss_coef=st["router_aux"], bias_update_speed=0.0),
+            "bias": dict(aux_loss_coef=0.0, bias_update_speed=st["router_gamma"])}
+    for name, kw in ways.items():
+        cfg = make_cfg(st, preset=st["router_preset"], dp=W, ep=W, steps=st["router_steps"], warmup_steps=10,
+                       out=str(Path(out) / f"router_{name}"), **kw)
+        with Mesh.init(dp=W, ep=W) as sub:
+            _, run = train(cfg, sub, return_model=True)
+            recs = _records(cfg, sub)
+            bias = [b.e_score_correction_bias.tolist() for b in run.raw.modules()
+                    if isinstance(b, moe.MoE) and b.bias_update_speed]
+        if mesh.rank == 0:
+            result["runs"][name] = dict(loss=[r["loss"] for r in recs],
+                                        tokens_per_expert=[r["moe"]["tokens_per_expert"] for r in recs], bias=bias)
+            ratio = [statistics.mean(load_ratio(r["moe"]["tokens_per_expert"])) for r in recs]
+            _say(mesh, f"{name}: loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}; busiest/mean expert load "
+                       f"(mean of layers) {ratio[0]:.2f} -> {statistics.mean(ratio[-10:]):.2f} (last 10 steps)")
+    return result
+
+
 def _legend_below(ax, ncol=3, dy=-0.2, **kw):
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, dy), ncol=ncol, fontsize=FONT, frameon=False, **kw)
 
@@ -690,6 +728,30 @@ def plot_widget(preset="mixtral-8x7b", E=8, k=2, ep=8, c=1.25, tokens=4096):
             title=f"dropped if routing were uniformly random, s={tokens}")
     for ax in (ax1, ax2, ax3):
         ax.title.set_fontsize(8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_router(res, window=10):
+    """Busiest/mean expert load per step (mean over layers) and the loss, for the three ways of balancing."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.2))
+    labels = {"none": "no balancing", "aux": f"aux loss (α = {res['alpha']:g})",
+              "bias": f"bias update (γ = {res['gamma']:g})"}
+    for name, r in res["runs"].items():
+        steps = range(1, len(r["loss"]) + 1)
+        ratio = [statistics.mean(load_ratio(x)) for x in r["tokens_per_expert"]]
+        smooth = [statistics.mean(ratio[max(0, i - window + 1):i + 1]) for i in range(len(ratio))]
+        line, = ax1.plot(steps, ratio, lw=0.6, alpha=0.35)
+        ax1.plot(steps, smooth, lw=1.8, color=line.get_color(), label=f"{labels[name]} ({window}-step mean)")
+        ax2.plot(steps, r["loss"], lw=1, color=line.get_color(), label=labels[name])
+    ax1.axhline(1, color="k", ls=":", lw=1)
+    ax1.set(xlabel="step", ylabel="busiest expert / mean (mean of layers)", title="load imbalance per step")
+    ax2.set(xlabel="step", ylabel="training loss", title="the language-model loss")
+    for ax in (ax1, ax2):
+        ax.title.set_fontsize(9)
+        _legend_below(ax, ncol=1, dy=-0.2)
     fig.tight_layout()
     return fig
 

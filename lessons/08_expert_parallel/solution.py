@@ -32,3 +32,12 @@ def exchange_splits(counts, group=None):
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # recv[j] = rank j's send[me]
     return send.tolist(), recv.tolist()
+
+
+def deepseek_router_step(logits, k, bias, gamma):
+    """EXERCISE 5: top-k of sigmoid + bias; gates = the chosen sigmoids renormalised; bias moved by ±γ against load."""
+    scores = torch.sigmoid(logits.float())
+    experts = (scores + bias).topk(k, dim=-1).indices
+    weights = scores.gather(-1, experts)
+    load = torch.bincount(experts.flatten(), minlength=scores.shape[-1]).float()
+    return weights / weights.sum(-1, keepdim=True), experts, bias + gamma * torch.sign(load.mean() - load)
