@@ -1,7 +1,7 @@
 """Pipeline parallelism: the layers cut into stages, one per rank, micro-batches flowing through them
 (GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2019 "PipeDream", Megatron-LM 2021 for the interleaved
 schedule; zero bubble: Qi et al. 2024, "Zero Bubble Pipeline Parallelism"; DualPipe: DeepSeek-V3 technical
-report, 2024, section 3.2.2).
+report, 2024, section 3.2.1).
 
 Stage s keeps layers [a_s, b_s); stage 0 also keeps the embedding, the last stage the final norm and the LM
 head. A micro-batch's forward goes stage 0 -> 1 -> ... -> p-1 (each stage sends its output activation to the

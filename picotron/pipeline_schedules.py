@@ -202,7 +202,7 @@ def zb_v(p, m):
 
 
 def dualpipe(p, m):
-    """DualPipe (DeepSeek-V3 technical report, section 3.2.2, Figure 5): p stages, rank r holding stage r
+    """DualPipe (DeepSeek-V3 technical report, section 3.2.1, Figure 5): p stages, rank r holding stage r
     (chunk 0) and a copy of stage p-1-r (chunk 1). Micro-batches 0..m/2-1 enter at rank 0 and travel on the
     chunks 0; m/2..m-1 enter at rank p-1 and travel back on the chunks 1 (`Schedule.direction`). Both ends of
     the pipeline start at once, and a forward of one direction is paired with a backward of the other (F&B:
