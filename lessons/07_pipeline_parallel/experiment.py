@@ -685,7 +685,7 @@ def plot_widget(name, p, m, v):
     handles = draw_gantt(ax1, sim_bars(sim), p, f"{LABELS.get(name, name)}: p={p}, m={m}, v={sch.v}: bubble "
                          f"{sim.bubble:.1%} of the step (t_F = 1, t_B = 2; split: t_F = t_B = t_W = 1)", labels=m <= 16)
     ax1.set_xlabel("time", fontsize=FONT)
-    units = [x / sch.v for x in sim.peak_alive]
+    units = [x * p / sch.stages for x in sim.peak_alive]  # a chunk is 1/v of a stage (DualPipe's: a whole one)
     ax2.barh(range(p), units, color="#c44e52")
     for r, u in enumerate(units):
         ax2.text(u, r, f" {u:g}", va="center", fontsize=FONT)
