@@ -253,8 +253,8 @@ def test_dualpipe_checkpoint_keeps_one_copy_and_resumes(tmp_path):
     dual = dict(pp=2, pp_schedule="dualpipe")
     whole = run_on_ranks(_dualpipe_resume_child, 2, str(tmp_path / "a"), 4, False, dual, timeout_s=180)[0]
     run_on_ranks(_dualpipe_resume_child, 2, str(tmp_path / "b"), 2, False, dual, timeout_s=180)
-    names = [s["name"] for r in range(2) for s in json.load(open(tmp_path / f"b/checkpoints/step_000002/rank_{r:05d}.json"))
-             ["slices"]]
+    folder = tmp_path / "b/checkpoints/step_000002"
+    names = [s["name"] for r in range(2) for s in json.loads((folder / f"rank_{r:05d}.json").read_text())["slices"]]
     assert len(names) == len(set(names)) and "embed_tokens.weight" in names, names  # every parameter once
     resumed = run_on_ranks(_dualpipe_resume_child, 2, str(tmp_path / "b"), 4, True, dual, timeout_s=180)[0]
     assert resumed == whole

@@ -143,7 +143,8 @@ def test_simulator_names_the_first_problem():
     dual = ps.dualpipe(2, 4)
     wrong = ps.Schedule("x", 2, 4, 2, [[A(a.kind, a.mb, 0 if a.mb == 3 and r == 0 else a.chunk) for a in acts]
                                        for r, acts in enumerate(dual.ranks)], split=True, shape="dual")
-    with pytest.raises(ps.ScheduleError, match=r"rank 0, action 5 \(F3\): micro-batch 3 goes through stage 0 on rank 1, chunk 1"):
+    with pytest.raises(ps.ScheduleError,
+                       match=r"rank 0, action 5 \(F3\): micro-batch 3 goes through stage 0 on rank 1, chunk 1"):
         ps.simulate(wrong)
 
 

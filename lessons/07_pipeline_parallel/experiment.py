@@ -6,7 +6,8 @@ picotron.train runs it), and the notebook's simulator helpers and plots.
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_pp<p>.json. dualpipe: ZB-V and DualPipe timed as in bubble at one m, and the parameter
-bytes each rank holds under DualPipe against 1F1B's. bubble: every schedule (AFAB, 1F1B, interleaved v=2, ZB-H1, ZB-V) for several
+bytes each rank holds under DualPipe against 1F1B's.
+bubble: every schedule (AFAB, 1F1B, interleaved v=2, ZB-H1, ZB-V) for several
 micro-batch counts m, each step's actions timed on every rank (a Timeline listening to the executor's phases), the
 wait for a message cut out of the action it happened in; from that the measured bubble, each kind of action's mean
 time, the point-to-point bytes per step and the Gantt chart of the last step. memory: one step per schedule with every tensor
@@ -708,8 +709,8 @@ def plot_dualpipe(rows, p=4, m=8):
     fig, axes = plt.subplots(3, 1, figsize=(12, 6.6), gridspec_kw=dict(height_ratios=[2, 2, p]))
     for ax, name in zip(axes, ("zb-v", "dualpipe")):
         r = by[name]
-        handles = draw_gantt(ax, measured_bars(r["gantt"]), r["p"], f"{LABELS[name]}, p={r['p']}, m={r['m']}, measured: "
-                             f"bubble {r['bubble']:.1%}", labels=True)
+        title = f"{LABELS[name]}, p={r['p']}, m={r['m']}, measured: bubble {r['bubble']:.1%}"
+        handles = draw_gantt(ax, measured_bars(r["gantt"]), r["p"], title, labels=True)
         ax.set_xlabel("ms", fontsize=FONT)
     draw_gantt(axes[2], sim_bars(sim), p, f"DualPipe, p={p}, m={m}, simulated (t_F = t_B = t_W = 1, F&B pairs as one "
                f"unit): idle {ps.dualpipe_idle(p):g} per rank = (p/2 - 1)(F&B + B - 3W), bubble {sim.bubble:.1%}")
