@@ -8,15 +8,9 @@ head. A micro-batch's forward goes stage 0 -> 1 -> ... -> p-1 (each stage sends 
 next, [b, s, h]); its backward comes back (each stage sends the gradient of its input to the previous one).
 A stage waiting for its neighbour is idle: the *bubble*.
 
-The schedules (AFAB, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe) are data, each rank's ordered list of F, B and W actions,
-built, simulated and costed in picotron.pipeline_schedules (pure Python, no torch); the split schedules' B and
-W come from picotron.zero_bubble. This module runs them on real processes:
-
-DualPipe holds every stage twice: rank r's chunk 0 is stage r, its chunk 1 a copy of stage p-1-r for the
-micro-batches that enter at the last rank. The copies start equal (the init is by parameter name), their
-gradients are summed after the step's backward (`sum_copies`: one exchange between ranks r and p-1-r), so they
-take the same step. Chunk 1's parameters are placed as copies (`copy_of`): clipping counts them once, a
-checkpoint saves chunk 0's and loads both.
+The schedules (AFAB, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe) are data, each rank's ordered list of F, B and
+W actions, built, simulated and costed in picotron.pipeline_schedules (pure Python, no torch); the split
+schedules' B and W come from picotron.zero_bubble. This module runs them on real processes:
 
     keep_stage / mark_stage   this rank's chunks of the model (`PipelineStage`), cut by pipeline_schedules.split_layers
     Pipeline                  the step engine: walks this rank's actions, sends and receives between stages (one
@@ -24,6 +18,12 @@ checkpoint saves chunk 0's and loads both.
                               construction), syncs the tied embeddings, hands the loss to every rank; with one
                               stage it is plain gradient accumulation
     PipelineSampler           text generation through the stages
+
+DualPipe holds every stage twice: rank r's chunk 0 is stage r, its chunk 1 a copy of stage p-1-r for the
+micro-batches that enter at the last rank. The copies start equal (the init is by parameter name), their
+gradients are summed after the step's backward (`sum_copies`: one exchange between ranks r and p-1-r), so they
+take the same step; the loss is summed over the two last stages (ranks p-1 and 0). Chunk 1's parameters are
+placed as copies (`copy_of`): clipping counts them once, a checkpoint saves chunk 0's and loads both.
 
 The executor measures nothing: it names each action as a phase (`Pipeline.phases`, picotron.hooks: "forward",
 "backward", "weight", with the micro-batch, chunk and stage), and whoever measures listens (a timeline, the
