@@ -146,7 +146,8 @@ def _eval_sample_child(layout):
 
 
 @pytest.mark.parametrize("layout", [dict(pp=2, pp_schedule="zb-v"), dict(pp=2, tp=2, sp=True),
-                                    dict(pp=4, pp_schedule="interleaved", pp_chunks=2, grad_acc=4, **L8)])
+                                    dict(pp=4, pp_schedule="interleaved", pp_chunks=2, grad_acc=4, **L8),
+                                    pytest.param(dict(pp=4, pp_schedule="dualpipe", grad_acc=8), marks=pytest.mark.heavy)])
 def test_evaluation_and_text_go_through_the_pipeline(layout):
     """The validation loss and the full-vocabulary logits of the sampler, on every rank, equal one process's."""
     world = layout.get("pp", 1) * layout.get("tp", 1)

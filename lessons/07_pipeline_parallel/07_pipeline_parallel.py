@@ -556,9 +556,13 @@ for p_ in (4, 8):  # deeper pipelines, from the simulator with this machine's co
 lesson.plot_dualpipe(dual["rows"], p=4, m=8); plt.show()
 
 # %% [markdown]
-# At $p = 2$ DualPipe's measured bubble is a point or so, what the messages' delivery costs on a busy CPU: its
-# stages are twice ZB-V's chunks (one stage per direction per rank instead of two half-stages), so its actions are
-# longer and fewer. What it pays is in the other two checks: twice the parameter bytes, and every step the copies'
+# At $p = 2$ Table 2 says 0, and so does the simulator with any equal costs: each rank holds the whole model and
+# the two directions fill each other's gaps. What the measurement adds is this machine: the messages' delivery, and
+# ranks slowed unequally by other programs (then the simulator with the *measured* costs is no longer 0 either: the
+# kept step's costs differ between the two ranks). On a quiet step we measured about 1%; a step taken while other
+# programs held most of the cores measures far more, and the check prints ? rather than ✗. DualPipe's stages are
+# twice ZB-V's chunks (one stage per direction per rank instead of two half-stages), so its actions are longer and
+# fewer. What it pays is in the other two checks: twice the parameter bytes, and every step the copies'
 # gradients cross between mirror ranks — here many times the activations' traffic, since our micro-batches are
 # small; DeepSeek-V3 spreads it over its expert parallelism, whose 2x parameters are a small share of each rank. The
 # deeper pipelines (printed, simulated with this machine's costs) show the formula is not the whole story when
