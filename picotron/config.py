@@ -47,7 +47,7 @@ DP_IMPLS = ("naive", "overlap", "bucket", "ddp")
 ATTN_IMPLS = ("sdpa", "eager", "flash")
 KERNELS = ("plain", "compile", "triton", "auto")
 RECOMPUTE = ("none", "selective", "full", "partitioned")
-PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v")
+PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe")
 CP_IMPLS = ("ring", "allgather")
 CP_LAYOUTS = ("zigzag", "contiguous")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -100,7 +100,8 @@ class Config:
     pp_schedule: str = option("1f1b", "pipeline schedule with --pp: all forwards then all backwards (afab), one "
                                       "forward one backward (1f1b), 1f1b over --pp-chunks chunks per rank "
                                       "(interleaved), zero bubble at 1f1b's memory (zb-h1), zero bubble with two "
-                                      "chunks per rank in a V (zb-v)", PP_SCHEDULES)
+                                      "chunks per rank in a V (zb-v), micro-batches fed from both ends with every stage "
+                                      "on two ranks (dualpipe: even --pp, even --grad-acc >= 2*pp)", PP_SCHEDULES)
     pp_chunks: int = option(1, "model chunks per rank for --pp-schedule interleaved (v); the bubble shrinks v-fold")
     cp_impl: str = option("ring", "how attention sees the other cp ranks' keys and values: passed around a ring, "
                                   "overlapped with compute (ring), or gathered whole once (allgather)", CP_IMPLS)

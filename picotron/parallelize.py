@@ -245,7 +245,8 @@ def combination_problem(cfg, mc):
         ("ep", "dp_impl=ddp", cfg.ep > 1 and cfg.dp_impl == "ddp",
          "ep with dp_impl='ddp' is not supported (torch's DDP averages every gradient over one group, but experts "
          "are summed over their own replicas); drop --dp-impl ddp."),
-        ("dtype=fp8", "pp zero-bubble", cfg.dtype == "fp8" and cfg.pp_schedule in ("zb-h1", "zb-v") and cfg.pp > 1,
+        ("dtype=fp8", "pp zero-bubble",
+         cfg.dtype == "fp8" and cfg.pp_schedule in ("zb-h1", "zb-v", "dualpipe") and cfg.pp > 1,
          f"dtype='fp8' with pp_schedule={cfg.pp_schedule!r} is not supported (both replace the linears' matmul: the "
          f"split backward would drop FP8); use --pp-schedule 1f1b or interleaved, or --dtype bf16."),
         ("dtype=fp16", "experts", cfg.dtype == "fp16" and experts,

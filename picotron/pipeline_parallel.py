@@ -1,15 +1,16 @@
 """Pipeline parallelism: the layers cut into stages, one per rank, micro-batches flowing through them
 (GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2019 "PipeDream", Megatron-LM 2021 for the interleaved
-schedule; zero bubble: Qi et al. 2024, "Zero Bubble Pipeline Parallelism").
+schedule; zero bubble: Qi et al. 2024, "Zero Bubble Pipeline Parallelism"; DualPipe: DeepSeek-V3 technical
+report, 2024, section 3.2.1).
 
 Stage s keeps layers [a_s, b_s); stage 0 also keeps the embedding, the last stage the final norm and the LM
 head. A micro-batch's forward goes stage 0 -> 1 -> ... -> p-1 (each stage sends its output activation to the
 next, [b, s, h]); its backward comes back (each stage sends the gradient of its input to the previous one).
 A stage waiting for its neighbour is idle: the *bubble*.
 
-The schedules (AFAB, 1F1B, interleaved, ZB-H1, ZB-V) are data, each rank's ordered list of F, B and W actions,
-built, simulated and costed in picotron.pipeline_schedules (pure Python, no torch); the split schedules' B and
-W come from picotron.zero_bubble. This module runs them on real processes:
+The schedules (AFAB, 1F1B, interleaved, ZB-H1, ZB-V, DualPipe) are data, each rank's ordered list of F, B and
+W actions, built, simulated and costed in picotron.pipeline_schedules (pure Python, no torch); the split
+schedules' B and W come from picotron.zero_bubble. This module runs them on real processes:
 
     keep_stage / mark_stage   this rank's chunks of the model (`PipelineStage`), cut by pipeline_schedules.split_layers
     Pipeline                  the step engine: walks this rank's actions, sends and receives between stages (one
@@ -17,6 +18,12 @@ W come from picotron.zero_bubble. This module runs them on real processes:
                               construction), syncs the tied embeddings, hands the loss to every rank; with one
                               stage it is plain gradient accumulation
     PipelineSampler           text generation through the stages
+
+DualPipe holds every stage twice: rank r's chunk 0 is stage r, its chunk 1 a copy of stage p-1-r for the
+micro-batches that enter at the last rank. The copies start equal (the init is by parameter name), their
+gradients are summed after the step's backward (`sum_copies`: one exchange between ranks r and p-1-r), so they
+take the same step; the loss is summed over the two last stages (ranks p-1 and 0). Chunk 1's parameters are
+placed as copies (`copy_of`): clipping counts them once, a checkpoint saves chunk 0's and loads both.
 
 The executor measures nothing: it names each action as a phase (`Pipeline.phases`, picotron.hooks: "forward",
 "backward", "weight", with the micro-batch, chunk and stage), and whoever measures listens (a timeline, the
@@ -96,16 +103,19 @@ def keep_stage(model_factory, schedule, rank, model_config, seq_len):
 def mark_stage(stage, schedule, pp):
     """After materialising: place every parameter as sharded over pp (each stage holds different ones), the
     last stage's copy of a tied embedding as a copy (clipping counts it once, on stage 0), and remember the
-    tied pair for the gradient sync."""
+    tied pair for the gradient sync. DualPipe: chunk 1 is a copy of another rank's chunk 0, each of its
+    parameters placed as a copy of itself (of the embedding for a tied head, as on the last stage)."""
     embedding = head = None
-    for chunk, s in zip(stage.chunks, stage.stage_ids):
-        for p in chunk.parameters():
+    for c, (chunk, s) in enumerate(zip(stage.chunks, stage.stage_ids)):
+        for name, p in chunk.named_parameters():
             marks.place(p, dims=pp.dims)
+            if schedule.shape == "dual" and c == 1:
+                marks.place(p, copy_of=name)
         if s == 0 and chunk.embed_tokens is not None and chunk.lm_head is None:
             embedding = chunk.embed_tokens.weight
         if s == schedule.stages - 1 and chunk.embed_tokens is None and stage.config.tie_word_embeddings:
             head = chunk.lm_head.weight
-            marks.place(head, copy_of="embed_tokens.weight")
+            marks.place(head, copy_of="embed_tokens.weight")  # (a DualPipe copy of it too)
     if stage.config.tie_word_embeddings and schedule.stages > 1:
         stage.tied = (embedding, head)
     return stage
@@ -123,6 +133,24 @@ def sync_tied(stage, ends):
     for w in (embedding, head):
         if w is not None:
             ends.all_reduce(w.grad, label="tied embedding")
+
+
+def sum_copies(stage, pp):
+    """DualPipe: rank r's chunk 0 (stage r) is a copy of its mirror's (rank p-1-r) chunk 1, and its chunk 1 of the
+    mirror's chunk 0. Each sends the other its gradients, chunk 0's then chunk 1's, as one flat message
+    (one batch of a send and a receive on the pp group, posted at the same point of the step by every rank:
+    NCCL-safe), and adds the mirror's copy of each stage to its own: both hold the same sum, bit for bit
+    (a + b = b + a in floating point), so the copies take the same step."""
+    mine = [[p.grad for p in chunk.parameters()] for chunk in stage.chunks]
+    flat = [torch.cat([g.reshape(-1) for g in grads]) for grads in mine]
+    out = torch.cat(flat)
+    theirs = torch.empty_like(out)
+    peer = pp.ranks[pp.size - 1 - pp.rank]
+    p2p.wait_all(pp.exchange([("send", out, peer), ("recv", theirs, peer)], label="DualPipe copies"))
+    theirs = theirs.split([flat[1].numel(), flat[0].numel()])  # the mirror's chunk 0 is my chunk 1's stage
+    for grads, add in zip(mine, reversed(theirs)):
+        for g, piece in zip(grads, add.split([g.numel() for g in grads])):
+            g.add_(piece.view_as(g))
 
 
 # ============================================================================================= executor
@@ -162,11 +190,11 @@ class Pipeline:
             for a in acts:
                 s = sch.stage(r, a.chunk)
                 if a.kind == "F" and s < self.last_stage:
-                    dst, c = sch.where(s + 1)
+                    dst, c = sch.where(s + 1, a.mb)
                     if dst == self.rank and r != self.rank:
                         self.incoming[r].append(("F", a.mb, c))
                 if a.kind == "B" and s > 0:
-                    dst, c = sch.where(s - 1)
+                    dst, c = sch.where(s - 1, a.mb)
                     if dst == self.rank and r != self.rank:
                         self.incoming[r].append(("B", a.mb, c))
         mine = sch.ranks[self.rank]
@@ -197,10 +225,10 @@ class Pipeline:
         sch = self.schedule
         s = sch.stage(self.rank, a.chunk)
         if a.kind == "F" and s > 0:
-            r, _ = sch.where(s - 1)
+            r, _ = sch.where(s - 1, a.mb)
             return (r, ("F", a.mb, a.chunk)) if r != self.rank else None
         if a.kind == "B" and s < self.last_stage:
-            r, _ = sch.where(s + 1)
+            r, _ = sch.where(s + 1, a.mb)
             return (r, ("B", a.mb, a.chunk)) if r != self.rank else None
         return None
 
@@ -221,7 +249,7 @@ class Pipeline:
         return buf
 
     def _send(self, t, kind, mb, to_stage):
-        r, c = self.schedule.where(to_stage)
+        r, c = self.schedule.where(to_stage, mb)
         t = t.detach().to(self.dtype).contiguous()
         if r == self.rank:
             self.local[(kind, mb, c)] = t
@@ -239,7 +267,8 @@ class Pipeline:
     # -------------------------------------------------------------------------------- the step
     def run(self, model, micro_batches, loss_fn):
         """One optimizer step: this rank's actions in order, each named as a phase; then the gradients'
-        sync finished, the tied embeddings' gradients summed, and the step's loss on every rank."""
+        sync finished, DualPipe's copies' gradients summed, the tied embeddings' gradients summed, and the
+        step's loss on every rank."""
         sch = self.schedule
         if len(micro_batches) != sch.m:
             raise ValueError(f"the schedule is for {sch.m} micro-batches, the step has {len(micro_batches)}.")
@@ -260,6 +289,7 @@ class Pipeline:
                             self.store.flush((a.mb, a.chunk))
         self._wait_sends()
         model.finish_sync()
+        self._sum_copies(model.module)
         self._sync_tied(model.module)
         return self._step_loss()
 
@@ -312,6 +342,11 @@ class Pipeline:
             w.wait()
         self.sends = []
 
+    def _sum_copies(self, stage):
+        """DualPipe: this rank's two chunks and its mirror rank's are the same two stages; add their gradients."""
+        if self.schedule.shape == "dual":
+            sum_copies(stage, self.pp)
+
     def _sync_tied(self, stage):
         """Tied embeddings: the first stage's embedding and the last stage's head take the summed gradient."""
         if self.ends is not None:
@@ -319,7 +354,11 @@ class Pipeline:
 
     def _step_loss(self):
         """The loss lives on the last stage: hand it to every stage, then average over the replicas."""
-        loss = self.total if self.pp.size == 1 else _from_last(self.total, self.pp, self.schedule)
+        if self.schedule.shape == "dual":  # two last stages (ranks p-1 and 0), each with its direction's losses
+            loss = self.total.detach().clone()
+            self.pp.all_reduce(loss, label="loss")
+        else:
+            loss = self.total if self.pp.size == 1 else _from_last(self.total, self.pp, self.schedule)
         return self.mesh.dp_cp.mean(loss)
 
     def _on_device(self, batch):
@@ -412,8 +451,17 @@ def check(cfg, model_config):
         return None
     v = chunks_of(cfg.pp_schedule, cfg.pp_chunks)
     if cfg.pp_chunks > 1 and cfg.pp_schedule != "interleaved":
-        return (f"pp_chunks={cfg.pp_chunks} applies to the interleaved schedule only (zb-v always uses 2, the others 1); "
-                f"pass --pp-schedule interleaved or drop --pp-chunks.")
+        return (f"pp_chunks={cfg.pp_chunks} applies to the interleaved schedule only (zb-v and dualpipe always use 2, "
+                f"the others 1); pass --pp-schedule interleaved or drop --pp-chunks.")
+    if cfg.pp_schedule == "dualpipe":  # p stages, each on two ranks: micro-batches enter at both ends
+        if cfg.pp % 2 or cfg.grad_acc % 2 or cfg.grad_acc < 2 * cfg.pp:
+            return (f"pp_schedule='dualpipe' needs an even pp and an even grad_acc >= 2*pp (half the micro-batches "
+                    f"enter at each end), got pp={cfg.pp}, grad_acc={cfg.grad_acc}; pass an even --pp and --grad-acc "
+                    f"{max(2 * cfg.pp, cfg.grad_acc + cfg.grad_acc % 2)}.")
+        if cfg.zero:
+            return (f"zero={cfg.zero} with pp_schedule='dualpipe' is not supported (the two copies of a stage would "
+                    f"sum gradient shards cut at different places); drop --zero or pick another --pp-schedule.")
+        v = 1  # as many stages as ranks
     if cfg.pp_schedule == "interleaved" and cfg.pp_chunks == 1:
         return ("pp_schedule='interleaved' with pp_chunks=1 is plain 1F1B; pass --pp-chunks 2 (or more) for "
                 "interleaving, or --pp-schedule 1f1b.")

@@ -9,6 +9,8 @@ With p stages, m micro-batches and t_F, t_B the time of one micro-batch's forwar
     ZB-H1            B split into B (input gradient) and W (weight gradient); the W's fill the cool-down:
                      with t_F = t_B = t_W the bubble is (p-1)/(3m + p-1), at 1F1B's memory
     ZB-V             two chunks per rank in a V (rank r holds stages r and 2p-1-r), W's fill the rest
+    DualPipe         p stages, each on two ranks: half the micro-batches enter at rank 0, half at rank p-1;
+                     idle (p/2 - 1)(F&B + B - 3W) per rank (DeepSeek-V3 report, Table 2), 2x the parameters
 
 (The Ultra-Scale Playbook writes the bubble relative to the ideal time, (p-1)/m for 1F1B: the same idle
 time divided by m(t_F + t_B) instead of the total. Both are in the lesson.)
@@ -44,8 +46,13 @@ class ScheduleError(ValueError):
 @dataclass
 class Schedule:
     """Every rank's ordered actions. `v` chunks per rank; `shape` "loop" (chunk c of rank r is stage
-    c·p + r, Megatron's interleaving) or "v" (chunk 0 is stage r, chunk 1 stage 2p-1-r); `split`: the
-    backward is cut into B (input gradient) and W (weight gradient)."""
+    c·p + r, Megatron's interleaving), "v" (chunk 0 is stage r, chunk 1 stage 2p-1-r) or "dual" (DualPipe:
+    p stages, chunk 0 is stage r, chunk 1 stage p-1-r, a copy of rank p-1-r's chunk 0); `split`: the
+    backward is cut into B (input gradient) and W (weight gradient).
+
+    Where a stage lives can depend on the micro-batch: in "dual" micro-batches 0..m/2-1 travel from rank 0
+    to rank p-1 on the chunks 0 (direction 0), the others from rank p-1 to rank 0 on the chunks 1
+    (`direction(mb)`). Every other shape has one direction and one place per stage."""
     name: str
     p: int
     m: int
@@ -56,17 +63,25 @@ class Schedule:
 
     @property
     def stages(self):
-        return self.p * self.v
+        return self.p if self.shape == "dual" else self.p * self.v
 
     def stage(self, rank, chunk):
         if self.shape == "v":
             return rank if chunk == 0 else 2 * self.p - 1 - rank
+        if self.shape == "dual":
+            return rank if chunk == 0 else self.p - 1 - rank
         return chunk * self.p + rank
 
-    def where(self, stage):
-        """(rank, chunk) holding `stage`."""
+    def direction(self, mb):
+        """0, or 1 for a DualPipe micro-batch that enters at the last rank."""
+        return int(self.shape == "dual" and mb >= self.m // 2)
+
+    def where(self, stage, mb=0):
+        """(rank, chunk) holding `stage` for micro-batch `mb` (the canonical place, direction 0, by default)."""
         if self.shape == "v":
             return (stage, 0) if stage < self.p else (2 * self.p - 1 - stage, 1)
+        if self.shape == "dual":
+            return (stage, 0) if self.direction(mb) == 0 else (self.p - 1 - stage, 1)
         return stage % self.p, stage // self.p
 
     def __repr__(self):
@@ -186,6 +201,69 @@ def zb_v(p, m):
     return Schedule("zb-v", p, m, 2, ranks, split=True, shape="v")
 
 
+def dualpipe(p, m):
+    """DualPipe (DeepSeek-V3 technical report, section 3.2.1, Figure 5): p stages, rank r holding stage r
+    (chunk 0) and a copy of stage p-1-r (chunk 1). Micro-batches 0..m/2-1 enter at rank 0 and travel on the
+    chunks 0; m/2..m-1 enter at rank p-1 and travel back on the chunks 1 (`Schedule.direction`). Both ends of
+    the pipeline start at once, and a forward of one direction is paired with a backward of the other (F&B:
+    overlapped on a GPU, back to back here). Needs p even and m even with m >= 2p.
+
+    Rank r's phases, h = min(r, p-1-r) its distance from the nearer end, "near" the direction that enters at
+    that end (chunk 0 on the first half of the ranks, chunk 1 on the second), "far" the other, n = m/2:
+      1  2(p/2-h-1) forwards of near                     (its micro-batches are the first to arrive)
+      2  h+1 times F near, F far
+      3  p/2-h-1 times B, W, F of far                    (W at once: nothing else to do yet)
+      4  n-p+h+1 times F near, B far (+W), F far, B near (+W)   (the steady state: two F&B pairs)
+      5  p/2-h-1 times B far (+W), F far, B near (+W)
+      6  h+1 times B far, B near; from half-way on their W's wait for the next phases
+      7  p/2-h-1 times a held W, B near (W held)
+      8  the held W's
+    Each B is B then W at once, except where held: the W's then fill the drain, as in zero bubble."""
+    if p % 2 or m % 2 or m < 2 * p:
+        raise ScheduleError(f"DualPipe needs an even pp and an even number of micro-batches m >= 2·pp (half enter at "
+                            f"each end), got pp={p}, m={m}; pick an even pp and --grad-acc {max(2 * p, m + m % 2)}.")
+    half, n = p // 2, m // 2
+    ranks = []
+    for r in range(p):
+        h = min(r, p - 1 - r)
+        flip = int(r >= half)  # phase 0 (near) is chunk 0 on the first half of the ranks, chunk 1 on the second
+        acts, f, b, held = [], [0, 0], [0, 0], []
+
+        def fwd(ph):
+            c = ph ^ flip
+            acts.append(Action("F", c * n + f[ph], c))
+            f[ph] += 1
+
+        def bwd(ph, hold=False):  # B, and its W now or later
+            c = ph ^ flip
+            acts.append(Action("B", c * n + b[ph], c))
+            (held if hold else acts).append(Action("W", c * n + b[ph], c))
+            b[ph] += 1
+
+        for _ in range(2 * (half - h - 1)):
+            fwd(0)
+        for _ in range(h + 1):
+            fwd(0), fwd(1)
+        for _ in range(half - h - 1):
+            bwd(1), fwd(1)
+        for _ in range(n - p + h + 1):
+            fwd(0), bwd(1), fwd(1), bwd(0)
+        for _ in range(half - h - 1):
+            bwd(1), fwd(1), bwd(0)
+        hold = False
+        for i in range(h + 1):
+            hold = hold or (i == (h + 1) // 2 and h % 2 == 1)
+            bwd(1, hold)
+            hold = hold or (i == (h + 1) // 2 and h % 2 == 0)
+            bwd(0, hold)
+        for _ in range(half - h - 1):
+            acts.append(held.pop(0))
+            bwd(0, True)
+        acts += held
+        ranks.append(acts)
+    return Schedule("dualpipe", p, m, 2, ranks, split=True, shape="dual")
+
+
 def build(name, p, m, v=1):
     """The schedule `name` (one of SCHEDULES) for p stages (ranks), m micro-batches, v chunks per rank."""
     if name == "afab":
@@ -198,12 +276,14 @@ def build(name, p, m, v=1):
         return zb_h1(p, m)
     if name == "zb-v":
         return zb_v(p, m)
+    if name == "dualpipe":
+        return dualpipe(p, m)
     raise ScheduleError(f"unknown pipeline schedule {name!r}; pick one of {', '.join(SCHEDULES)}.")
 
 
 def chunks_of(name, v):
-    """Chunks per rank a schedule uses: v for interleaved, 2 for the V shape, else 1."""
-    return v if name == "interleaved" else 2 if name == "zb-v" else 1
+    """Chunks per rank a schedule uses: v for interleaved, 2 for the V shape and DualPipe, else 1."""
+    return v if name == "interleaved" else 2 if name in ("zb-v", "dualpipe") else 1
 
 
 # ============================================================================================ simulator
@@ -226,10 +306,13 @@ def default_costs(split):
     return {"F": 1.0, "B": 1.0, "W": 1.0} if split else {"F": 1.0, "B": 2.0, "W": 0.0}
 
 
-def simulate(schedule, cost=None, latency=0.0):
+def simulate(schedule, cost=None, latency=0.0, pairs=False):
     """Run `schedule` on an ideal machine: each rank executes its list in order, an action starting when the
     rank is free and its inputs have arrived (`latency` after they were produced on another rank). `cost`:
     {"F": t_F, "B": t_B, "W": t_W} (default F 1, B 2; split: 1, 1, 1), or a function (action, rank) -> time.
+    `pairs`: DualPipe's F&B, a forward followed by the other chunk's B (and its W), runs as one unit, as when
+    the two overlap on a GPU: it starts when both inputs are there and both outputs leave at its end (its
+    length here is still the sum: nothing overlaps). Without it each action's output leaves at its own end.
     Raises ScheduleError naming the first problem; returns a Simulation."""
     sch, p, m = schedule, schedule.p, schedule.m
     costs = cost if callable(cost) else (lambda a, r, c=cost or default_costs(sch.split): c[a.kind])
@@ -246,6 +329,9 @@ def simulate(schedule, cost=None, latency=0.0):
                 raise ScheduleError(f"rank {r}, action {k} ({a!r}): micro-batch {a.mb} or chunk {a.chunk} out of range "
                                     f"(m={m}, v={sch.v}).")
             key = (a.kind, a.mb, sch.stage(r, a.chunk))
+            if sch.where(key[2], a.mb) != (r, a.chunk):  # DualPipe: each direction on its own chunks
+                raise ScheduleError(f"rank {r}, action {k} ({a!r}): micro-batch {a.mb} goes through stage {key[2]} on "
+                                    f"rank {sch.where(key[2], a.mb)[0]}, chunk {sch.where(key[2], a.mb)[1]}.")
             if key in seen:
                 raise ScheduleError(f"rank {r}, action {k} ({a!r}): {a.kind} of micro-batch {a.mb} on stage {key[2]} "
                                     f"appears twice.")
@@ -258,7 +344,7 @@ def simulate(schedule, cost=None, latency=0.0):
         for i in range(m):
             for s in range(sch.stages):
                 if (kind, i, s) not in seen:
-                    r, c = sch.where(s)
+                    r, c = sch.where(s, i)
                     raise ScheduleError(f"rank {r} never runs {kind} of micro-batch {i} on its chunk {c} (stage {s}).")
 
     def needs(a, r):
@@ -269,6 +355,15 @@ def simulate(schedule, cost=None, latency=0.0):
             return [("F", a.mb, s)] + ([("B", a.mb, s + 1)] if s < sch.stages - 1 else [])
         return [("B", a.mb, s)]
 
+    def unit(r, k):
+        """How many actions from rank r's k-th run as one: 1, or with `pairs` an F, the other chunk's B and its W."""
+        acts = sch.ranks[r]
+        if not pairs or acts[k].kind != "F" or k + 1 == len(acts) or acts[k + 1].kind != "B" \
+                or acts[k + 1].chunk == acts[k].chunk:
+            return 1
+        b = acts[k + 1]
+        return 3 if k + 2 < len(acts) and acts[k + 2] == Action("W", b.mb, b.chunk) else 2
+
     finish, pos, free = {}, [0] * p, [0.0] * p
     timeline = [[] for _ in range(p)]
     alive, peak = [0] * p, [0] * p
@@ -277,20 +372,23 @@ def simulate(schedule, cost=None, latency=0.0):
         progressed = False
         for r in range(p):
             while pos[r] < len(sch.ranks[r]):
-                a = sch.ranks[r][pos[r]]
-                deps = needs(a, r)
+                group = sch.ranks[r][pos[r]:pos[r] + unit(r, pos[r])]
+                keys = [(a.kind, a.mb, sch.stage(r, a.chunk)) for a in group]
+                deps = [d for a in group for d in needs(a, r) if d not in keys]
                 if any(d not in finish for d in deps):
                     break
-                arrive = [finish[d] + (latency if sch.where(d[2])[0] != r else 0.0) for d in deps]
-                start = max([free[r]] + arrive)
-                end = start + costs(a, r)
-                finish[(a.kind, a.mb, sch.stage(r, a.chunk))] = end
+                arrive = [finish[d] + (latency if sch.where(d[2], d[1])[0] != r else 0.0) for d in deps]
+                start = end = max([free[r]] + arrive)
+                for a in group:  # one after the other; a pair's outputs all leave at its end
+                    timeline[r].append((a, end, end + costs(a, r)))
+                    end += costs(a, r)
+                    alive[r] += 1 if a.kind == "F" else -1 if a.kind == ("W" if sch.split else "B") else 0
+                    peak[r] = max(peak[r], alive[r])
+                for key in keys:
+                    finish[key] = end
                 free[r] = end
-                timeline[r].append((a, start, end))
-                alive[r] += 1 if a.kind == "F" else -1 if a.kind == ("W" if sch.split else "B") else 0
-                peak[r] = max(peak[r], alive[r])
-                pos[r] += 1
-                remaining -= 1
+                pos[r] += len(group)
+                remaining -= len(group)
                 progressed = True
         if not progressed:
             stuck = []
@@ -298,7 +396,7 @@ def simulate(schedule, cost=None, latency=0.0):
                 if pos[r] < len(sch.ranks[r]):
                     a = sch.ranks[r][pos[r]]
                     missing = [d for d in needs(a, r) if d not in finish][0]
-                    src, c = sch.where(missing[2])
+                    src, c = sch.where(missing[2], missing[1])
                     stuck.append(f"rank {r} waits at {a!r} for {missing[0]}{missing[1]} of stage {missing[2]} "
                                  f"(rank {src}, chunk {c})")
             raise ScheduleError("deadlock: " + "; ".join(stuck) + ".")
@@ -310,7 +408,10 @@ def simulate(schedule, cost=None, latency=0.0):
 def bubble_formula(name, p, m, v=1):
     """The idle fraction of a step's time when stages are equal, messages instant, and t_B = 2 t_F (split:
     t_F = t_B = t_W): (p-1)/(m+p-1) for AFAB and 1F1B, (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1
-    (m >= p). ZB-V has no closed form here: its value is the simulator's."""
+    (m >= p), (p-2)/(3m+p-2) DualPipe (m >= 2p: `dualpipe_idle` with t = 1 over the step's 3m + idle; as the
+    simulator finds it with `pairs`). ZB-V has no closed form here: its value is the simulator's."""
+    if name == "dualpipe":
+        return dualpipe_idle(p) / (3 * m + dualpipe_idle(p))
     if name in ("afab", "1f1b"):
         return (p - 1) / (m + p - 1)
     if name == "interleaved":
@@ -318,6 +419,14 @@ def bubble_formula(name, p, m, v=1):
     if name == "zb-h1":
         return (p - 1) / (3 * m + p - 1)
     raise ValueError(f"no closed-form bubble for {name!r}; use simulate(build(...)).bubble.")
+
+
+def dualpipe_idle(p, t_f=1.0, t_b=1.0, t_w=1.0, t_fb=None):
+    """DualPipe's idle time per rank in a step, (p/2 - 1)(F&B + B - 3W) (DeepSeek-V3 report, Table 2), where B
+    there is the whole backward (t_b + t_w: input and weight gradients) and F&B a forward and a backward
+    overlapped; `t_fb` None: nothing overlaps, F&B = t_f + t_b + t_w (the pair back to back)."""
+    t_fb = t_f + t_b + t_w if t_fb is None else t_fb
+    return (p / 2 - 1) * (t_fb + (t_b + t_w) - 3 * t_w)
 
 
 # ========================================================================================== stage split

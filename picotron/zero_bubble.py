@@ -2,8 +2,8 @@
 
 A linear layer's backward computes two things: the gradient of its input, gW (which the previous pipeline
 stage waits for), and the gradient of its weight, gᵀx (which nobody waits for). The split schedules (ZB-H1,
-ZB-V in picotron.pipeline_schedules) run B, the input gradients only, as soon as they can, and W, the weight
-gradients, later, where a stage would otherwise sit idle. `defer_weight_grads` routes every linear layer of a
+ZB-V, DualPipe in picotron.pipeline_schedules) run B, the input gradients only, as soon as they can, and W, the
+weight gradients, later, where a stage would otherwise sit idle. `defer_weight_grads` routes every linear layer of a
 module through a `WeightGradStore`; the executor (picotron.pipeline_parallel.Pipeline) sets `store.deferring`
 around a B, `collect`s what it stashed under the micro-batch's key, and `flush`es that key at its W. Outside
 a B (any other backward) a weight gradient is computed at once, as usual.
@@ -17,8 +17,8 @@ from torch import nn
 
 
 class WeightGradStore:
-    """Split schedules (ZB-H1, ZB-V): during B, every linear layer computes only the gradient of its input and
-    stashes (input, output gradient); W later turns them into weight gradients, dW = gᵀx, accumulated by
+    """Split schedules (ZB-H1, ZB-V, DualPipe): during B, every linear layer computes only the gradient of its input
+    and stashes (input, output gradient); W later turns them into weight gradients, dW = gᵀx, accumulated by
     autograd (so the gradient-sync hooks fire as for any gradient). Norm and embedding weights, cheap, get
     theirs in B. The weight enters the B graph detached: autograd must not even visit its accumulator there
     (its post-accumulate hooks, which data parallelism counts, fire even for a None gradient)."""

@@ -37,7 +37,7 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 6, out  # 1F1B, forward_step on 2 and 3 ranks, the tied sync on 1, 2 and 3
+    assert out.count("  ok  ") == 7, out  # 1F1B, forward_step on 2 and 3 ranks, the tied sync on 1, 2 and 3, DualPipe
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
@@ -46,6 +46,7 @@ def test_checker_fails_the_stubs_naming_not_implemented():
     assert "FAIL  one_f_one_b_rank: NotImplementedError: not written yet" in out, out
     assert re.search(r"FAIL  forward_step on 2 ranks: rank \d: NotImplementedError: not written yet", out), out
     assert "FAIL  sync_tied_grads on 1 rank: rank 0: NotImplementedError: not written yet" in out, out
+    assert "FAIL  dualpipe_place: NotImplementedError: not written yet" in out, out
     assert "on 3 ranks" not in out  # it stops at the first world size
 
 
@@ -100,6 +101,35 @@ def test_checker_names_the_mean_and_a_missing_in_memory_sum(tmp_path):
     assert code == 1, out
     assert ("FAIL  sync_tied_grads on 1 rank: rank 0: the first stage's embedding's gradient is still only its own "
             "stage's part: one rank holds both copies here: add them in memory") in out, out
+
+
+def test_checker_names_dualpipes_typical_mistakes(tmp_path):
+    one_way = mutate(tmp_path, ("    if mb < m // 2:  #", "    if True:  #"))
+    code, out = run_checker("--module", str(one_way), "dualpipe_place")
+    assert code == 1, out
+    assert ("FAIL  dualpipe_place: stage 0 of micro-batch 2 (p=2, m=4) is on rank 1, chunk 1; yours says (0, 0) — "
+            "micro-batch 2 >= m/2 = 2 is fed in at rank p-1 and travels back up on the chunks 1: the direction is "
+            "missing") in out, out
+    import importlib.util  # the other mistakes in this process: the checker's function with wrong placements
+    spec = importlib.util.spec_from_file_location("check07", ROOT / "lessons/07_pipeline_parallel/check.py")
+    check07 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check07)
+    problem = check07._problem_dualpipe
+    assert problem(lambda s, mb, p, m: (s, 0) if mb < m // 2 else (p - 1 - s, 1), 4, 8) is None
+    assert "(halves, not even and odd)" in problem(lambda s, mb, p, m: (s, 0) if mb % 2 == 0 else (p - 1 - s, 1), 4, 8)
+    assert "the mirror of rank s is p-1-s (ranks count from 0): off by one" in problem(
+        lambda s, mb, p, m: (s, 0) if mb < m // 2 else (p - s, 1), 4, 8)
+    assert "the right rank, the other chunk: rank 3's chunk 0 is stage 3, its chunk 1 stage 0" in problem(
+        lambda s, mb, p, m: (s, 0) if mb < m // 2 else (p - 1 - s, 0), 4, 8)
+
+
+def test_dualpipe_helpers_by_hand(lesson):
+    """DualPipe's bytes per step: p - 1 boundaries (each micro-batch crosses each once, whichever way it goes); its
+    Table-2 bubble with the measured costs is 0 at p = 2 whatever they are, (p/2 - 1)(t_F + 2t_B - t_W) idle above."""
+    assert lesson.p2p_formula("dualpipe", 4, 8, 1, 1, 1) == lesson.p2p_formula("1f1b", 4, 8, 1, 1, 1) == 2 * 3 * 8 * 4
+    assert lesson.dualpipe_formula(2, 8, 1.0, 2.0, 0.5) == 0
+    idle = 1 * (1.0 + 2 * 2.0 - 0.5)
+    assert lesson.dualpipe_formula(4, 8, 1.0, 2.0, 0.5) == pytest.approx(idle / (8 * 3.5 + idle))
 
 
 # ------------------------------------------------------------------------------------- the experiment's helpers

@@ -136,7 +136,8 @@ PIPELINES = [dict(pp=2, pp_schedule="afab", grad_acc=2), dict(pp=2, pp_schedule=
              dict(pp=2, pp_schedule="zb-v", grad_acc=4), dict(pp=4, pp_schedule="1f1b", grad_acc=8),
              dict(pp=4, pp_schedule="afab", grad_acc=4), dict(pp=4, pp_schedule="zb-h1", grad_acc=8),
              dict(pp=4, pp_schedule="interleaved", pp_chunks=2, grad_acc=8, num_hidden_layers=8),
-             dict(pp=4, pp_schedule="zb-v", grad_acc=8, num_hidden_layers=8)]
+             dict(pp=4, pp_schedule="zb-v", grad_acc=8, num_hidden_layers=8),
+             dict(pp=2, pp_schedule="dualpipe", grad_acc=4), dict(pp=4, pp_schedule="dualpipe", grad_acc=8)]
 
 
 @pytest.mark.parametrize("layout", PIPELINES, ids=lambda l: f"pp{l['pp']}-{l['pp_schedule']}")

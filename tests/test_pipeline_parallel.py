@@ -3,6 +3,9 @@ same seed, same global batch, fp32; per-step loss within 1e-5 relative; every gr
 
 The schedules themselves are checked by the simulator in test_pipeline_schedules.py.
 """
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -26,8 +29,9 @@ def _grads(run, mesh):
     chunks = run.raw.chunks if hasattr(run.raw, "chunks") else [run.raw]
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            if marks.placement(p).copy_of is not None:
-                name = "lm_head.weight (tied copy)"
+            copy_of = marks.placement(p).copy_of
+            if copy_of is not None:  # a tied head (its gradient is the embedding's), or a DualPipe copy
+                name = f"{copy_of} (copy on pp rank {mesh.pp.rank})"
             out[name] = gather_from_tp(p.grad, marks.placement(p).split_dim, mesh.tp)
     return out
 
@@ -68,7 +72,7 @@ def _check(tmp_path, layout, ref_layout=None):
     seen = set()
     for grads, _, _ in results:
         for name, g in grads.items():
-            want = ref_grads["embed_tokens.weight" if name.startswith("lm_head.weight (tied") else name]
+            want = ref_grads[name.split(" (copy")[0]]
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{layout}: {name}: {m}")
             seen.add(name)
     assert seen >= set(ref_grads), f"parameters no stage holds: {sorted(set(ref_grads) - seen)}"
@@ -142,7 +146,8 @@ def _eval_sample_child(layout):
 
 
 @pytest.mark.parametrize("layout", [dict(pp=2, pp_schedule="zb-v"), dict(pp=2, tp=2, sp=True),
-                                    dict(pp=4, pp_schedule="interleaved", pp_chunks=2, grad_acc=4, **L8)])
+                                    dict(pp=4, pp_schedule="interleaved", pp_chunks=2, grad_acc=4, **L8),
+                                    pytest.param(dict(pp=4, pp_schedule="dualpipe", grad_acc=8), marks=pytest.mark.heavy)])
 def test_evaluation_and_text_go_through_the_pipeline(layout):
     """The validation loss and the full-vocabulary logits of the sampler, on every rank, equal one process's."""
     world = layout.get("pp", 1) * layout.get("tp", 1)
@@ -162,6 +167,12 @@ def test_evaluation_and_text_go_through_the_pipeline(layout):
     (dict(pp=2, pp_schedule="1f1b", pp_chunks=2), "pp_chunks=2 applies to the interleaved schedule only"),
     (dict(pp=2, pp_schedule="interleaved"), "pp_chunks=1 is plain 1F1B"),
     (dict(pp=2, pp_schedule="zb-v", num_hidden_layers=3), "needs 4 stages"),
+    (dict(pp=3, pp_schedule="dualpipe", grad_acc=6), "needs an even pp and an even grad_acc >= 2[*]pp"),
+    (dict(pp=2, pp_schedule="dualpipe", grad_acc=3), "got pp=2, grad_acc=3; pass an even --pp and --grad-acc 4"),
+    (dict(pp=4, pp_schedule="dualpipe", grad_acc=6), "got pp=4, grad_acc=6; pass an even --pp and --grad-acc 8"),
+    (dict(pp=2, pp_schedule="dualpipe", pp_chunks=2, grad_acc=4), "zb-v and dualpipe always use 2"),
+    (dict(pp=2, dp=2, zero=1, pp_schedule="dualpipe", grad_acc=4), "zero=1 with pp_schedule='dualpipe' is not"),
+    (dict(pp=2, pp_schedule="dualpipe", grad_acc=4, dtype="fp8"), "dtype='fp8' with pp_schedule='dualpipe'"),
 ])
 def test_bad_pipeline_settings_get_one_sentence(settings, message):
     cfg = Config(**settings)
@@ -213,3 +224,42 @@ def test_pipeline_checkpoint_resumes_exactly(tmp_path):
     run_on_ranks(_resume_child, 2, str(tmp_path / "b"), 2, False, timeout_s=180)
     resumed = run_on_ranks(_resume_child, 2, str(tmp_path / "b"), 4, True, timeout_s=180)[0]
     assert resumed == whole
+
+
+@pytest.mark.parametrize("layout", [
+    dict(pp=2, grad_acc=4, tie_word_embeddings=True),
+    pytest.param(dict(pp=4, grad_acc=8), marks=pytest.mark.heavy),
+    pytest.param(dict(pp=4, grad_acc=10, tie_word_embeddings=True), marks=pytest.mark.heavy),
+    pytest.param(dict(pp=2, dp=2, grad_acc=4), marks=pytest.mark.heavy),
+], ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
+def test_dualpipe_matches_one_process(tmp_path, layout):
+    """DualPipe: every stage on two ranks (rank r's chunk 1 is rank p-1-r's chunk 0), half the micro-batches
+    entering at each end. Both copies of every parameter end the step with the single process's gradient
+    (the two directions' parts summed between mirror ranks), the loss is the sum of the two last stages', and
+    clipping counts each copy once (the grad norms match)."""
+    _check(tmp_path, dict(pp_schedule="dualpipe", **layout))
+
+
+def _dualpipe_resume_child(out, steps, resume, layout):
+    cfg = Config(out=out, save_every=2, resume=resume, **{**SMALL, "steps": steps, "grad_acc": 4, **layout})
+    with Mesh.init(pp=cfg.pp) as mesh:
+        train(cfg, mesh)
+        return [r["loss"] for r in read_metrics(out)[0]] if mesh.rank == 0 else None
+
+
+@pytest.mark.heavy
+def test_dualpipe_checkpoint_keeps_one_copy_and_resumes(tmp_path):
+    """A DualPipe checkpoint holds each stage once (chunk 0's, the canonical place; the copies are `copy_of`):
+    resumed as DualPipe it continues bit for bit, resumed as one process (resharded) to the parity tolerance."""
+    dual = dict(pp=2, pp_schedule="dualpipe")
+    whole = run_on_ranks(_dualpipe_resume_child, 2, str(tmp_path / "a"), 4, False, dual, timeout_s=180)[0]
+    run_on_ranks(_dualpipe_resume_child, 2, str(tmp_path / "b"), 2, False, dual, timeout_s=180)
+    folder = tmp_path / "b/checkpoints/step_000002"
+    names = [s["name"] for r in range(2) for s in json.loads((folder / f"rank_{r:05d}.json").read_text())["slices"]]
+    assert len(names) == len(set(names)) and "embed_tokens.weight" in names, names  # every parameter once
+    resumed = run_on_ranks(_dualpipe_resume_child, 2, str(tmp_path / "b"), 4, True, dual, timeout_s=180)[0]
+    assert resumed == whole
+    shutil.copytree(tmp_path / "b/checkpoints/step_000002", tmp_path / "c/checkpoints/step_000002")
+    (tmp_path / "c/checkpoints/latest").write_text("step_000002")
+    one = run_on_ranks(_dualpipe_resume_child, 1, str(tmp_path / "c"), 4, True, dict(pp=1), timeout_s=180)[0]
+    assert one[-2:] == pytest.approx(whole[-2:], rel=1e-5)

@@ -41,13 +41,13 @@ def _messages_match(sch):
         for a in acts:
             s = sch.stage(r, a.chunk)
             if a.kind == "F" and s < sch.stages - 1:
-                sent.append(("act", a.mb, r, sch.where(s + 1)[0]))
+                sent.append(("act", a.mb, r, sch.where(s + 1, a.mb)[0]))
             if a.kind == "F" and s > 0:
-                received.append(("act", a.mb, sch.where(s - 1)[0], r))
+                received.append(("act", a.mb, sch.where(s - 1, a.mb)[0], r))
             if a.kind == "B" and s > 0:
-                sent.append(("grad", a.mb, r, sch.where(s - 1)[0]))
+                sent.append(("grad", a.mb, r, sch.where(s - 1, a.mb)[0]))
             if a.kind == "B" and s < sch.stages - 1:
-                received.append(("grad", a.mb, sch.where(s + 1)[0], r))
+                received.append(("grad", a.mb, sch.where(s + 1, a.mb)[0], r))
     return sorted(sent) == sorted(received)
 
 
@@ -65,6 +65,42 @@ def test_bubbles_equal_the_formulas(p, m):
     # and it keeps that lead when the input-gradient B costs twice a forward (as on a CPU): the order holds up
     heavy_b = {"F": 1.0, "B": 2.0, "W": 1.0}
     assert ps.simulate(ps.build("zb-v", p, m), heavy_b).bubble < ps.simulate(ps.build("zb-h1", p, m), heavy_b).bubble
+
+
+def test_dualpipe_is_valid_and_refuses_odd_or_too_few():
+    """Every even p to 8 and even m >= 2p to 24: each micro-batch through every stage once, on the chunks of its
+    direction (0..m/2-1 from rank 0, the rest from rank p-1), messages matched, no deadlock; p odd, m odd or
+    m < 2p refused in one sentence."""
+    for p in (2, 4, 6, 8):
+        for m in range(2 * p, 25, 2):
+            sch = ps.build("dualpipe", p, m)
+            ps.simulate(sch)
+            ps.simulate(sch, pairs=True)
+            assert sum(len(a) for a in sch.ranks) == 3 * m * p and _messages_match(sch), (p, m)
+            for r, acts in enumerate(sch.ranks):  # two stages per rank, each micro-batch on its direction's chunk
+                assert {sch.stage(r, a.chunk) for a in acts} == {r, p - 1 - r}
+                assert all(a.chunk == sch.direction(a.mb) for a in acts)
+    for p, m in [(3, 6), (4, 7), (4, 6)]:
+        with pytest.raises(ps.ScheduleError, match=f"needs an even pp and an even number of micro-batches m >= 2"):
+            ps.build("dualpipe", p, m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12), (6, 12), (8, 16), (8, 40)])
+def test_dualpipe_bubble_is_table_2s(p, m):
+    """DeepSeek-V3's Table 2: idle (p/2 - 1)(F&B + B - 3W) per rank, B the whole backward. With t_F = t_B = t_W = 1
+    and F&B = F + B + W = 3 (a forward and the other direction's B and W back to back, nothing overlapped, but
+    run as one unit: `pairs`, both outputs leave at its end) the simulated step is 3m + (p - 2): the formula's
+    p - 2. Run action by action (a CPU: each output leaves at its own end) it idles less, half of that. Its
+    activations: p + 1 micro-batches' worth on every rank (Table 2), at twice the parameters."""
+    sch = ps.build("dualpipe", p, m)
+    paired = ps.simulate(sch, pairs=True)
+    assert paired.makespan - 3 * m == pytest.approx(ps.dualpipe_idle(p)) == pytest.approx(p - 2)
+    assert paired.bubble == pytest.approx(ps.bubble_formula("dualpipe", p, m))
+    alone = ps.simulate(sch)
+    assert alone.makespan - 3 * m == pytest.approx((p / 2 - 1) * 1)
+    assert alone.peak_alive == paired.peak_alive == [p + 1] * p
+    # DualPipe's idle does not grow with m and is below ZB-H1's p - 1 (at the same unit costs)
+    assert ps.dualpipe_idle(p) < p - 1 and ps.bubble_formula("dualpipe", p, m) < ps.bubble_formula("zb-h1", p, m)
 
 
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (8, 16)])
@@ -103,6 +139,13 @@ def test_simulator_names_the_first_problem():
                                               [A("F", 1, 0), A("F", 0, 0), A("B", 0, 0), A("B", 1, 0)]]))
     with pytest.raises(ps.ScheduleError, match="kind 'W' is not one of"):
         ps.simulate(ps.Schedule("x", 1, 1, 1, [[A("F", 0, 0), A("B", 0, 0), A("W", 0, 0)]]))
+    # DualPipe: micro-batch 3 enters at rank 1 (its stage 0 is rank 1's chunk 1), not on rank 0's chunk 0
+    dual = ps.dualpipe(2, 4)
+    wrong = ps.Schedule("x", 2, 4, 2, [[A(a.kind, a.mb, 0 if a.mb == 3 and r == 0 else a.chunk) for a in acts]
+                                       for r, acts in enumerate(dual.ranks)], split=True, shape="dual")
+    with pytest.raises(ps.ScheduleError,
+                       match=r"rank 0, action 5 \(F3\): micro-batch 3 goes through stage 0 on rank 1, chunk 1"):
+        ps.simulate(wrong)
 
 
 def test_one_stage_is_gradient_accumulation():

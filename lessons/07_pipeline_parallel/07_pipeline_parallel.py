@@ -21,6 +21,7 @@ edit this file, never the notebook.
 # | interleaved 1F1B (Megatron-LM, Narayanan et al. 2021) | $v$ smaller chunks per rank | $\frac{p-1}{v\,m+p-1}$ | about $p$, more on the first ranks |
 # | ZB-H1 (Zero Bubble, Qi et al. 2024) | backward split into $B$ (input gradient) and $W$ (weight gradient); $W$'s fill the idle slots | $\frac{p-1}{3m+p-1}$ when $t_F=t_B=t_W$ | $\le p$ |
 # | ZB-V (Qi et al. 2024) | two chunks per rank in a V, $W$'s fill the rest | no closed form: the simulator's | $\le p$ stages' worth |
+# | DualPipe (DeepSeek-V3, 2024) | every stage on two ranks, micro-batches fed in at both ends, F&B pairs | idle $(\frac p2-1)(F\&B+B-3W)$ per rank; $\frac{p-2}{3m+p-2}$ with unit costs | $p+1$, at $2\times$ the parameters |
 #
 # Here schedules are **data**: one list of actions per rank (`picotron/pipeline_schedules.py`). A simulator runs any
 # list on an ideal machine and says why a wrong one cannot run; one executor runs any list on real processes. We
@@ -477,8 +478,100 @@ _common.interactive(draw, lambda w: dict(schedule=w.Dropdown(options=list(ps.SCH
 # %% [markdown]
 # **Takeaway:** the bubble is a property of the list; the simulator answers "how many micro-batches?" before any
 # GPU is rented.
+
+# %% [markdown]
+# ## 7. DualPipe: feed the pipeline from both ends
 #
-# ## 7. Exercises
+# DeepSeek-V3 trains with **DualPipe** (DeepSeek-V3 technical report, §3.2.1, Figure 5 and Table 2; the Ultra-Scale
+# Playbook, "Zero Bubble and DualPipe"). The model is cut into $p$ stages as usual, but every rank holds **two**:
+# rank $r$ runs stage $r$ (chunk 0) and a copy of stage $p-1-r$ (chunk 1). Half the micro-batches enter at rank 0
+# and go down through the chunks 0; the other half enter at rank $p-1$ and go back up through the copies. Both ends
+# of the pipeline start working at once, so the warm-up of one direction is the other's cool-down. The backward is
+# split into $B$ and $W$ as in zero bubble, and a forward of one direction is paired with a backward of the other
+# — **F&B** — which on a GPU run overlapped (one's all-to-all hides behind the other's compute); here they run back
+# to back. Table 2 of the report gives, per rank:
+#
+# $$\text{idle} = \left(\tfrac{p}{2}-1\right)\left(F\&B + B - 3W\right),\qquad \text{parameters } 2\times,\qquad
+# \text{activations of } p+1 \text{ micro-batches,}$$
+#
+# with $B$ the whole backward ($t_B + t_W$ here) and $F\&B$ the pair's time. The price is the copies: twice the
+# parameters, gradients and optimizer state, and after the backward each rank adds its mirror's gradients (rank $r$
+# and rank $p-1-r$ hold the same two stages: one exchange of both stages' gradients) so both copies take the same
+# step. `ps.dualpipe(p, m)` builds the lists (it needs $p$ even and $m$ even, $m \ge 2p$); `Schedule.where(stage,
+# mb)` now depends on the micro-batch's direction. The simulator reproduces Table 2 when each F&B pair runs as one
+# unit whose outputs leave at its end, as overlapped pairs do (`pairs=True`), with $t_F = t_B = t_W = 1$ and
+# $F\&B = 3$:
+
+# %%
+for p_ in (4, 8):
+    sch = ps.build("dualpipe", p_, 2 * p_)
+    paired, alone = ps.simulate(sch, pairs=True), ps.simulate(sch)
+    print(f"p={p_}, m={2 * p_}: rank 0 runs {' '.join(map(repr, sch.ranks[0][:12]))} ... (.1: the copy, fed from rank "
+          f"{p_ - 1}); idle per rank: pairs {paired.makespan - 6 * p_:g}, action by action {alone.makespan - 6 * p_:g}, "
+          f"Table 2 {ps.dualpipe_idle(p_):g}; activations alive {max(paired.peak_alive)} micro-batches")
+    check(f"DualPipe, p={p_}: the simulated idle with F&B pairs = (p/2 - 1)(F&B + B - 3W), and p + 1 activations",
+          paired.makespan - 6 * p_ == ps.dualpipe_idle(p_) and max(paired.peak_alive) == p_ + 1,
+          f"{paired.makespan - 6 * p_:g} = {ps.dualpipe_idle(p_):g} time units, {max(paired.peak_alive)} micro-batches")
+
+# %% [markdown]
+# Run action by action, as on a CPU where nothing overlaps, each output leaves as soon as its own action ends, and the
+# idle time is half the formula's. At $p = 2$ the formula is 0 whatever the costs: each rank holds the whole model,
+# and the two directions fill each other's gaps exactly.
+#
+# The experiment times ZB-V and DualPipe on our two processes at $m = 8$ (FAST) or 16, as section 4 timed the other
+# schedules, and counts the parameter bytes each rank holds under DualPipe and under 1F1B (built as
+# `picotron.train` builds them):
+
+# %%
+run("dualpipe")
+dual = _common.load_json(OUT / "dualpipe_pp2.json")["results"]
+zbv, dp = (next(r for r in dual["rows"] if r["name"] == n) for n in ("zb-v", "dualpipe"))
+for r in (zbv, dp):
+    k = r["per_kind"]
+    print(f"{lesson.LABELS[r['name']]:<9} p={r['p']} m={r['m']}: bubble measured {r['bubble']:.1%}, simulated with "
+          f"the measured costs {r['sim_measured']:.1%}; t_F / t_B / t_W {1e3 * k['F']:.1f} / {1e3 * k['B']:.1f} / "
+          f"{1e3 * k['W']:.1f} ms; sent {r['p2p'][-1] / MiB:.2f} MiB per step; other programs {r['busy']:.0%} of the cores")
+k, m_ = dp["per_kind"], dp["m"]
+check(f"DualPipe, p={dp['p']}, m={m_}: measured bubble within 5 points of Table 2's (p/2 - 1)(F&B + B - 3W) with the "
+      f"measured t_F, t_B, t_W", abs(dp["bubble"] - dp["formula_costs"]) <= 0.05,
+      f"measured {dp['bubble']:.1%}, formula {dp['formula_costs']:.1%}, simulated with the measured costs "
+      f"{dp['sim_measured']:.1%} (disturbance {dp['disturbance']:.1%}, spread {dp['spread']:.1%})",
+      busy=_common.busy_reason(dp["busy"], what="during the kept step"))
+one, two = dual["param_bytes"]["1f1b"], dual["param_bytes"]["dualpipe"]
+print(f"parameter bytes per rank: 1F1B {[f'{x / MiB:.2f} MiB' for x in one]}, DualPipe {[f'{x / MiB:.2f} MiB' for x in two]}")
+check("DualPipe: each rank holds its stage and its mirror's: bytes = 1F1B's rank r + rank p-1-r, 2x in all",
+      all(two[r] == one[r] + one[len(one) - 1 - r] for r in range(len(one))) and sum(two) == 2 * sum(one),
+      f"{sum(two) / MiB:.2f} MiB vs 1F1B's {sum(one) / MiB:.2f} MiB over the ranks")
+check("DualPipe: bytes sent per step = the activations' formula + each rank's gradients once to its mirror",
+      all(x == dp["p2p_formula"] + sum(two) for x in dp["p2p"]),
+      f"{dp['p2p'][-1] / MiB:.2f} MiB = {dp['p2p_formula'] / MiB:.2f} + {sum(two) / MiB:.2f}")
+for p_ in (4, 8):  # deeper pipelines, from the simulator with this machine's costs
+    m4 = 2 * p_
+    sim4 = [ps.simulate(ps.build("dualpipe", p_, m4), cost=k, pairs=pr).bubble for pr in (True, False)]
+    print(f"p={p_}, m={m4}, with these t_F, t_B, t_W: Table 2 {lesson.dualpipe_formula(p_, m4, k['F'], k['B'], k['W']):.1%}, "
+          f"simulated with F&B pairs {sim4[0]:.1%}, action by action {sim4[1]:.1%}; ZB-V simulated "
+          f"{ps.simulate(ps.build('zb-v', p_, m4), cost=k).bubble:.1%}")
+
+# %%
+lesson.plot_dualpipe(dual["rows"], p=4, m=8); plt.show()
+
+# %% [markdown]
+# At $p = 2$ Table 2 says 0, and so does the simulator with any equal costs: each rank holds the whole model and
+# the two directions fill each other's gaps. What the measurement adds is this machine: the messages' delivery, and
+# ranks slowed unequally by other programs (then the simulator with the *measured* costs is no longer 0 either: the
+# kept step's costs differ between the two ranks). On a quiet step we measured about 1%; a step taken while other
+# programs held most of the cores measures far more, and the check prints ? rather than ✗. DualPipe's stages are
+# twice ZB-V's chunks (one stage per direction per rank instead of two half-stages), so its actions are longer and
+# fewer. What it pays is in the other two checks: twice the parameter bytes, and every step the copies'
+# gradients cross between mirror ranks — here many times the activations' traffic, since our micro-batches are
+# small; DeepSeek-V3 spreads it over its expert parallelism, whose 2x parameters are a small share of each rank. The
+# deeper pipelines (printed, simulated with this machine's costs) show the formula is not the whole story when
+# $t_F$, $t_B$ and $t_W$ differ: Table 2 is derived for pairs, and its value moves with how F&B overlaps.
+#
+# **Takeaway:** DualPipe halves the warm-up by feeding the pipeline from both ends, and pays with a second copy of
+# every stage and its gradient exchange.
+#
+# ## 8. Exercises
 # Open `lessons/07_pipeline_parallel/exercise.py`:
 #
 # 1. `one_f_one_b_rank(i, p, m)` — stage $i$'s 1F1B action list. The checker runs your list with the reference lists
@@ -490,6 +583,8 @@ _common.interactive(draw, lambda w: dict(schedule=w.Dropdown(options=list(ps.SCH
 #    rank that received the wrong tensor (or nothing) and the rank that hangs, with its line.
 # 3. `sync_tied_grads(embedding, head, group)` — make the gradients of the first and last stage's copies of a tied
 #    matrix equal to their sum. Checked on 1, 2 and 3 processes.
+# 4. `dualpipe_place(stage, mb, p, m)` — DualPipe's (rank, chunk) for a stage of a micro-batch. Checked against the
+#    schedule for several $(p, m)$; the checker says what a wrong place mixes up (the direction, the halves, the mirror).
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:
 
@@ -502,13 +597,14 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 # **Takeaway:** a schedule is right when its lists can run together; a stage is its receive, its compute and its
 # send; tied weights are one sum.
 #
-# ## 8. What it costs, when to use it, what comes next
+# ## 9. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
 # | pipeline parallel, $p$ stages | $\frac1p$ of the layers and their model states; activations of up to $p$ micro-batches (1F1B) on the first stage | one activation per micro-batch and stage boundary each way, point to point, overlappable | the model does not fit a node: pipelines go **across nodes** (tensor parallelism inside), with $m \gg p$ micro-batches per step |
 # | + interleaving ($v$ chunks) | the same layers, in $v$ pieces; more activations on the first ranks | $v\times$ the messages | the bubble matters and the link is fast; $m$ a multiple of $p$ |
 # | + split backward (ZB-H1, ZB-V) | also each layer's input and output gradient from $B$ to $W$ | the same | the bubble matters and memory allows |
+# | DualPipe | $2\times$ the parameters (a copy of the mirror rank's stage), activations of $p+1$ micro-batches | the same activations, plus each stage's gradients between mirror ranks every step | $p$ even, $m \ge 2p$, and the F&B pairs can overlap communication (DeepSeek-V3's expert all-to-all) |
 #
 # **Its costs.** The bubble, $\frac{p-1}{m+p-1}$ of the time, unless $m$ is several times $p$ — and a larger $m$
 # means a larger global batch (or smaller micro-batches, which use a GPU less well). The stages must cost the same
@@ -518,7 +614,7 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 #
 # **What ours lacks** (what Megatron-LM, torchtitan and DeepSeek's DualPipe add): overlapping the messages with
 # compute on GPUs (CUDA streams), ZB-H2 and automatic zero-bubble schedules (which trade memory for an empty bubble),
-# DualPipe's two directions at once, recomputing activations only on the first stages, and unequal stages planned
+# DualPipe's F&B pairs really overlapped (ours run back to back), recomputing activations only on the first stages, and unequal stages planned
 # from measured costs rather than FLOPs.
 #
 # **Next — lesson 08, expert parallelism:** the mixture-of-experts layer, whose experts live on different ranks and

@@ -21,6 +21,10 @@ input that does not require a gradient, or the ranks that hang and the line of y
 sync_tied_grads: the first and last rank hold copies of one matrix with different gradients; both must end with
 the sum, a middle rank with nothing touched.
 
+dualpipe_place (in this process): for several (p, m), every (stage, micro-batch) against picotron's DualPipe
+schedule (`Schedule.where(stage, mb)`); a wrong place is named with what it mixes up (the direction ignored, the
+halves taken as even and odd micro-batches, the mirror rank off by one, the right rank with the other chunk).
+
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below, at
 module level); it imports YOUR file by path and meets the other ranks at a store-based rendezvous before
 returning, so a rank stuck in a receive shows up as a hang rather than as a peer that left.
@@ -42,7 +46,7 @@ LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 15.0
 EXERCISES = {"one_f_one_b_rank": "one_f_one_b_rank", "forward_step": "forward_step",
-             "sync_tied_grads": "sync_tied_grads"}
+             "sync_tied_grads": "sync_tied_grads", "dualpipe_place": "dualpipe_place"}
 WORLD_SIZES = {"forward_step": (2, 3), "sync_tied_grads": (1, 2, 3)}
 CASES = ((2, 4), (4, 8), (4, 2), (3, 5), (1, 3))  # (p, m) for exercise 1
 B, S, H = 2, 3, 4  # forward_step's activation [b, s, h]
@@ -112,6 +116,54 @@ def check_1f1b(path, report):
         return report.fail(what, f"{type(e).__name__}: {e}{where(e, path)}")
     report.ok(what, ": every stage's list runs with the others' for (p, m) in " + ", ".join(
         f"({p}, {m})" for p, m in CASES) + "; 1F1B's step time, at most p - i micro-batches alive on stage i")
+
+
+# ------------------------------------------------------------------------------------------ exercise 4
+DUAL_CASES = ((2, 4), (4, 8), (4, 12), (6, 12))  # (p, m)
+
+
+def _problem_dualpipe(fn, p, m):
+    """The first (stage, mb) whose place is wrong, said with what it mixes up; or None."""
+    sch = ps.build("dualpipe", p, m)
+    for mb in range(m):
+        for s in range(p):
+            want, got = sch.where(s, mb), fn(s, mb, p, m)
+            try:
+                got = (int(got[0]), int(got[1]))
+            except (TypeError, ValueError, IndexError):
+                return f"dualpipe_place({s}, {mb}, p={p}, m={m}) returned {got!r:.60}; return the pair (rank, chunk)"
+            if got == want:
+                continue
+            at = f"stage {s} of micro-batch {mb} (p={p}, m={m}) is on rank {want[0]}, chunk {want[1]}; yours says {got}"
+            back = mb >= m // 2
+            if back and got == (s, 0):
+                why = (f"micro-batch {mb} >= m/2 = {m // 2} is fed in at rank p-1 and travels back up on the chunks 1: "
+                       f"the direction is missing")
+            elif got == ((s, 0) if mb % 2 == 0 else (p - 1 - s, 1)):
+                why = f"the first m/2 = {m // 2} micro-batches go down, the others up (halves, not even and odd)"
+            elif back and got[1] == 1 and got[0] == p - s:
+                why = "the mirror of rank s is p-1-s (ranks count from 0): off by one"
+            elif got[0] == want[0]:
+                why = (f"the right rank, the other chunk: rank {want[0]}'s chunk 0 is stage {want[0]}, its chunk 1 "
+                       f"stage {p - 1 - want[0]}")
+            else:
+                why = "stage s runs on rank s going down, on rank p-1-s going up"
+            return f"{at} — {why}"
+    return None
+
+
+def check_dualpipe(path, report):
+    what = EXERCISES["dualpipe_place"]
+    try:
+        fn = load(path, "ex07").dualpipe_place
+        for p, m in DUAL_CASES:
+            problem = _problem_dualpipe(fn, p, m)
+            if problem:
+                return report.fail(what, problem)
+    except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
+        return report.fail(what, f"{type(e).__name__}: {e}{where(e, path)}")
+    report.ok(what, ": every stage of every micro-batch on DualPipe's rank and chunk for (p, m) in " + ", ".join(
+        f"({p}, {m})" for p, m in DUAL_CASES))
 
 
 # ---------------------------------------------------------------------------------- exercises 2 and 3
@@ -264,12 +316,15 @@ SUCCESS = {"forward_step": f"every rank received its predecessor's output [{B}, 
 def check_one(name, path, report, timeout_s):
     if name == "one_f_one_b_rank":
         return check_1f1b(path, report)
+    if name == "dualpipe_place":
+        return check_dualpipe(path, report)
     on_ranks(lambda n: f"{EXERCISES[name]} on {n} rank{'s' if n > 1 else ''}", WORLD_SIZES[name],
              lambda n: run_on_ranks(_on_rank, n, str(path), name, timeout_s=timeout_s),
              lambda n, results: (COMPARE[name](n, results), f": {SUCCESS[name]}"), report, path, timeout_s)
 
 
-check, main = entry_points("Check lesson 07's exercises (1F1B by the simulator; the others on 1-3 processes).",
+check, main = entry_points("Check lesson 07's exercises (1F1B by the simulator, DualPipe's placement against its "
+                           "schedule; the others on 1-3 processes).",
                            EXERCISES, check_one, LEARNER, SOLUTIONS, TIMEOUT_S, "ex07")
 
 

@@ -1,11 +1,13 @@
 """Lesson 07 exercises: pipeline parallelism by hand. Write the pieces marked EXERCISE, then
     python lessons/07_pipeline_parallel/check.py                      # all exercises
-    python lessons/07_pipeline_parallel/check.py one_f_one_b_rank     # just one (or forward_step, sync_tied_grads)
+    python lessons/07_pipeline_parallel/check.py one_f_one_b_rank     # just one (or forward_step, sync_tied_grads,
+                                                                      # dualpipe_place)
 Exercise 1 is checked by picotron's simulator: your list for stage i runs together with the reference lists of
 the other stages, for several (p, m); the checker names the first action that cannot run (a deadlock and who
 waits for whom, a B before its F, a micro-batch missing or twice) and, when it runs, whether it keeps 1F1B's
 memory (at most p - i micro-batches) and its step time. Exercises 2 and 3 run on 2 and 3 real processes (gloo)
-and say which rank holds what wrong tensor, or which rank hangs on which line of this file. The lesson notebook
+and say which rank holds what wrong tensor, or which rank hangs on which line of this file. Exercise 4 is checked
+against picotron's DualPipe schedule for several (p, m), and the checker says what your placement mixes up. The lesson notebook
 (lessons/07_pipeline_parallel/07_pipeline_parallel.ipynb) reads picotron/pipeline_schedules.py and pipeline_parallel.py,
 which do all of this for the whole model; the solutions are in solution.py (look after trying).
 
@@ -65,4 +67,14 @@ def sync_tied_grads(embedding, head, group=None):
     group       a process group of exactly the first and the last stage's ranks (None when one rank holds both)
     Every rank calls this; a middle stage gets (None, None) and must do nothing. When one rank holds both copies
     (one stage, or the V shape), add them in memory: no message."""
+    raise NotImplementedError("not written yet")
+
+
+def dualpipe_place(stage, mb, p, m):
+    """EXERCISE 4: where DualPipe runs stage `stage` (0 <= stage < p) of micro-batch `mb` (0 <= mb < m): the pair
+    (rank, chunk).
+
+    Rank r holds two chunks: chunk 0 is stage r, chunk 1 a copy of stage p-1-r. Micro-batches 0..m/2-1 enter at
+    rank 0 and travel down on the chunks 0 (stage s on rank s); micro-batches m/2..m-1 enter at rank p-1 and travel
+    up on the chunks 1: their stage 0 runs on rank p-1, their last stage on rank 0. (p and m are even, m >= 2p.)"""
     raise NotImplementedError("not written yet")

@@ -1,11 +1,13 @@
 """Lesson 07's experiments: pipeline parallelism measured through picotron's own seam (`parallelize`, as
 picotron.train runs it), and the notebook's simulator helpers and plots.
 
-    torchrun --nproc_per_node 2 lessons/07_pipeline_parallel/experiment.py [--only bubble,memory,parity]
+    torchrun --nproc_per_node 2 lessons/07_pipeline_parallel/experiment.py [--only bubble,memory,parity,dualpipe]
         [--schedules afab,1f1b,...]   # bubble: only these schedules (default: all)
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
-Rank 0 writes OUT/<name>_pp<p>.json. bubble: every schedule (AFAB, 1F1B, interleaved v=2, ZB-H1, ZB-V) for several
+Rank 0 writes OUT/<name>_pp<p>.json. dualpipe: ZB-V and DualPipe timed as in bubble at one m, and the parameter
+bytes each rank holds under DualPipe against 1F1B's.
+bubble: every schedule (AFAB, 1F1B, interleaved v=2, ZB-H1, ZB-V) for several
 micro-batch counts m, each step's actions timed on every rank (a Timeline listening to the executor's phases), the
 wait for a message cut out of the action it happened in; from that the measured bubble, each kind of action's mean
 time, the point-to-point bytes per step and the Gantt chart of the last step. memory: one step per schedule with every tensor
@@ -36,7 +38,8 @@ from picotron.train import load_data, train  # noqa: E402
 MiB = 2**20
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v")
 FORMULA = ("afab", "1f1b", "interleaved", "zb-h1")  # the ones with a closed-form bubble
-LABELS = {"afab": "AFAB (GPipe)", "1f1b": "1F1B", "interleaved": "interleaved, v=2", "zb-h1": "ZB-H1", "zb-v": "ZB-V"}
+LABELS = {"afab": "AFAB (GPipe)", "1f1b": "1F1B", "interleaved": "interleaved, v=2", "zb-h1": "ZB-H1", "zb-v": "ZB-V",
+          "dualpipe": "DualPipe"}
 KIND_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 FONT = 8
 
@@ -47,7 +50,7 @@ def settings(fast, device_type=None):
     _common.GPU_SETTINGS["07_pipeline_parallel"] on top (device_type: the mesh's, else _common.device())."""
     st = dict(size="small", layers=8, seq_len=128, micro_batch_size=2, ms=(2, 4, 8) if fast else (2, 4, 8, 16),
               steps=3 if fast else 6, max_steps=10 if fast else 20, quiet=0.15, warmup=1, parity_steps=10 if fast else 20, parity_seq_len=32, parity_layers=4,
-              parity_grad_acc=4)
+              parity_grad_acc=4, dual_m=8 if fast else 16)
     return _common.sized("07_pipeline_parallel", st, fast, device_type)
 
 
@@ -80,6 +83,13 @@ def zb_h1_formula(p, m, t_f, t_b, t_w):
     return idle / (m * (t_f + t_b + t_w) + idle)
 
 
+def dualpipe_formula(p, m, t_f, t_b, t_w):
+    """DualPipe's Table-2 idle (p/2 - 1)(F&B + B - 3W), B the whole backward t_B + t_W, F&B = t_F + t_B + t_W (nothing
+    overlaps here), as a fraction of the step m(t_F + t_B + t_W) + idle (pipeline_schedules.dualpipe_idle)."""
+    idle = ps.dualpipe_idle(p, t_f, t_b, t_w)
+    return idle / (m * (t_f + t_b + t_w) + idle)
+
+
 def predicted_peak(schedule, rank, per_chunk, stash=None):
     """The most activation bytes `rank` holds at once if it keeps each chunk's `per_chunk[c]` bytes from a
     micro-batch's F until its B (split schedules: until its W): the schedule's own prediction. With `stash`
@@ -104,7 +114,7 @@ def p2p_formula(name, p, m, b, s, h, elem=4):
     and its gradient back, b·s·h numbers each, fp32: 2(S-1)·m·b·s·h·4 for S = p·v stages; with the V shape the
     boundary in the V's turn (stage p-1 -> p) stays on one rank: 2(S-2)·m·b·s·h·4."""
     v = chunks(name)
-    boundaries = p * v - 1 - (1 if name == "zb-v" else 0)
+    boundaries = p * v - 1 - (1 if name == "zb-v" else 0) if name != "dualpipe" else p - 1  # DualPipe: p stages
     return 2 * boundaries * m * b * s * h * elem
 
 
@@ -257,7 +267,7 @@ def latency_of(acts, schedule):
             continue
         stage = schedule.stage(r, c)
         src = stage - 1 if k == "F" else stage + 1
-        sr, sc = schedule.where(src)
+        sr, sc = schedule.where(src, mb)
         if sr != r and (sr, k, mb, sc) in ends:
             delays.append(c0 - ends[(sr, k, mb, sc)])
     return statistics.median(delays) if delays else 0.0
@@ -309,8 +319,12 @@ def exp_bubble(mesh, st, out):
                        busy=shares[best], shares=shares,
                        formula=formula(name, p, m), sim_unit=simulated(name, p, m).bubble,
                        formula_costs=(zb_h1_formula(p, m, per_kind["F"], per_kind["B"], per_kind["W"])
-                                      if name == "zb-h1" else formula(name, p, m)),
+                                      if name == "zb-h1" else
+                                      dualpipe_formula(p, m, per_kind["F"], per_kind["B"], per_kind["W"])
+                                      if name == "dualpipe" else formula(name, p, m)),
                        sim_measured=sim.bubble, sim_measured_latency=sim_lat.bubble, sim_makespan=sim.makespan,
+                       sim_pairs=(ps.simulate(sch, cost=lambda a, r: costs[r][a.chunk][a.kind], pairs=True).bubble
+                                  if sch.shape == "dual" else None),
                        latency=lat, costs={str(r): {str(c): x for c, x in cs.items()} for r, cs in costs.items()},
                        per_kind=per_kind, p2p=p2p, p2p_formula=p2p_formula(name, p, m, b, s, h),
                        gantt=acts, losses=stepper.losses)
@@ -514,7 +528,20 @@ def exp_parity(mesh, st, out):
     return result
 
 
-EXPERIMENTS = ("bubble", "memory", "parity")
+def exp_dualpipe(mesh, st, out):
+    """ZB-V and DualPipe at m = dual_m, timed as exp_bubble times them; and the parameter bytes on each rank under
+    DualPipe (its stage and a copy of its mirror's) and under 1F1B (its stage), built as picotron.train builds them."""
+    p, m = mesh.pp.size, st["dual_m"]
+    rows = exp_bubble(mesh, dict(st, schedules=("zb-v", "dualpipe"), ms=(m,)), out)["rows"]
+    held = {}
+    for name in ("1f1b", "dualpipe"):
+        run = parallelize(cfg_for(st, name, m, p), mesh)
+        held[name] = gather(sum(q.numel() * q.element_size() for q in run.raw.parameters()), mesh)
+        del run
+    return dict(rows=rows, param_bytes=held)
+
+
+EXPERIMENTS = ("bubble", "memory", "parity", "dualpipe")
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
@@ -659,7 +686,7 @@ def plot_widget(name, p, m, v):
     handles = draw_gantt(ax1, sim_bars(sim), p, f"{LABELS.get(name, name)}: p={p}, m={m}, v={sch.v}: bubble "
                          f"{sim.bubble:.1%} of the step (t_F = 1, t_B = 2; split: t_F = t_B = t_W = 1)", labels=m <= 16)
     ax1.set_xlabel("time", fontsize=FONT)
-    units = [x / sch.v for x in sim.peak_alive]
+    units = [x * p / sch.stages for x in sim.peak_alive]  # a chunk is 1/v of a stage (DualPipe's: a whole one)
     ax2.barh(range(p), units, color="#c44e52")
     for r, u in enumerate(units):
         ax2.text(u, r, f" {u:g}", va="center", fontsize=FONT)
@@ -670,6 +697,29 @@ def plot_widget(name, p, m, v):
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=FONT, frameon=False)
     fig.tight_layout(rect=(0, 0.1 if p < 4 else 0.06, 1, 1))
     return fig, sim
+
+
+def plot_dualpipe(rows, p=4, m=8):
+    """DualPipe beside ZB-V: the measured steps (ms, compute only; hatched: the second chunk, for DualPipe the
+    micro-batches fed in at the last rank), then DualPipe at p ranks simulated with unit costs and its F&B pairs."""
+    import matplotlib.pyplot as plt
+
+    by = {r["name"]: r for r in rows}
+    sim = ps.simulate(ps.build("dualpipe", p, m), pairs=True)
+    fig, axes = plt.subplots(3, 1, figsize=(12, 6.6), gridspec_kw=dict(height_ratios=[2, 2, p]))
+    for ax, name in zip(axes, ("zb-v", "dualpipe")):
+        r = by[name]
+        title = f"{LABELS[name]}, p={r['p']}, m={r['m']}, measured: bubble {r['bubble']:.1%}"
+        handles = draw_gantt(ax, measured_bars(r["gantt"]), r["p"], title, labels=True)
+        ax.set_xlabel("ms", fontsize=FONT)
+    draw_gantt(axes[2], sim_bars(sim), p, f"DualPipe, p={p}, m={m}, simulated (t_F = t_B = t_W = 1, F&B pairs as one "
+               f"unit): idle {ps.dualpipe_idle(p):g} per rank = (p/2 - 1)(F&B + B - 3W), bubble {sim.bubble:.1%}")
+    axes[2].set_xlabel("time", fontsize=FONT)
+    fig.legend(handles=handles[:3] + [handles[3].__class__(facecolor="white", edgecolor="k", hatch="///",
+                                                             label="second chunk (DualPipe: fed in at the last rank)")],
+               loc="lower center", ncol=4, fontsize=FONT, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
 
 
 def plot_parity(pairs):

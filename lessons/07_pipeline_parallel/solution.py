@@ -37,3 +37,10 @@ def sync_tied_grads(embedding, head, group=None):
     for w in (embedding, head):
         if w is not None:  # only the first and the last stage call it: the group holds those two ranks
             dist.all_reduce(w.grad, group=group)
+
+
+def dualpipe_place(stage, mb, p, m):
+    """EXERCISE 4: DualPipe's (rank, chunk) for a stage of a micro-batch."""
+    if mb < m // 2:  # fed in at rank 0: the chunks 0, stage s on rank s
+        return stage, 0
+    return p - 1 - stage, 1  # fed in at rank p-1: the copies, stage s on rank p-1-s
