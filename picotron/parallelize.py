@@ -131,11 +131,14 @@ def build_optimizer(groups, cfg, device, scaler=None):
 
 def wrap_for_sync(raw, cfg, axis, axis_of=None):
     """Step 5: the gradient-sync wrapper over `axis` (dp x cp); `axis_of(p)`, from the placements: where each
-    gradient is summed (experts: their replicas, the mesh's edp axis)."""
+    gradient is summed (experts: their replicas, the mesh's edp axis). With pp > 1, ZeRO-2/3 follow the pipeline's
+    no_sync: each chunk's gradients are reduce-scattered once, at its last backward (ZeRO-3 keeps a chunk's
+    layers gathered over the step: picotron.zero3)."""
+    piped = cfg.pp > 1
     if cfg.zero == 3:
-        return zero3.Zero3(raw, axis)
+        return zero3.Zero3(raw, axis, accumulate=piped, reshard_after_forward=not piped)
     if cfg.zero:
-        return zero.wrap(raw, axis, cfg.zero, bucket_mb=cfg.bucket_mb, axis_of=axis_of)
+        return zero.wrap(raw, axis, cfg.zero, bucket_mb=cfg.bucket_mb, axis_of=axis_of, accumulate=piped)
     return data_parallel.wrap(raw, axis, impl=cfg.dp_impl, bucket_mb=cfg.bucket_mb, axis_of=axis_of)
 
 
@@ -231,9 +234,6 @@ def combination_problem(cfg, mc):
         ("sp", "needs tp", cfg.sp and cfg.tp == 1,
          "--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism leaves replicated over "
          "the tp ranks); add --tp 2 or more, or drop --sp."),
-        ("zero=2,3", "pp", cfg.pp > 1 and cfg.zero > 1,
-         f"zero={cfg.zero} with pp={cfg.pp} is not supported (ZeRO-2/3 reduce or gather on every micro-batch, which "
-         f"the pipeline interleaves); use --zero 1 with --pp, or --pp 1."),
         ("zero + tied embeddings", "pp", cfg.pp > 1 and cfg.zero and mc.tie_word_embeddings,
          f"zero={cfg.zero} with pp={cfg.pp} and tied embeddings is not supported (the tied gradient sync between the "
          f"first and last stage needs whole gradients); use --zero 0 or an untied model."),
