@@ -234,9 +234,6 @@ def combination_problem(cfg, mc):
         ("sp", "needs tp", cfg.sp and cfg.tp == 1,
          "--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism leaves replicated over "
          "the tp ranks); add --tp 2 or more, or drop --sp."),
-        ("zero + tied embeddings", "pp", cfg.pp > 1 and cfg.zero and mc.tie_word_embeddings,
-         f"zero={cfg.zero} with pp={cfg.pp} and tied embeddings is not supported (the tied gradient sync between the "
-         f"first and last stage needs whole gradients); use --zero 0 or an untied model."),
         ("dp_impl=ddp", "pp", cfg.pp > 1 and cfg.dp_impl == "ddp",
          f"dp_impl='ddp' with pp={cfg.pp} is not supported (DDP needs each forward followed by its backward, a "
          f"pipeline interleaves micro-batches); use --dp-impl bucket."),

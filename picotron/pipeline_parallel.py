@@ -260,7 +260,7 @@ class Pipeline:
                             self.store.flush((a.mb, a.chunk))
         self._wait_sends()
         model.finish_sync()
-        self._sync_tied(model.module)
+        self._sync_tied(model)
         return self._step_loss()
 
     def _start(self, micro_batches):
@@ -312,10 +312,11 @@ class Pipeline:
             w.wait()
         self.sends = []
 
-    def _sync_tied(self, stage):
-        """Tied embeddings: the first stage's embedding and the last stage's head take the summed gradient."""
+    def _sync_tied(self, model):
+        """Tied embeddings: the first stage's embedding and the last stage's head take the summed gradient (ZeRO's
+        gradients are shards by then: its wrapper sums its shards of the two, picotron.zero)."""
         if self.ends is not None:
-            sync_tied(stage, self.ends)
+            model.sync_tied(self.ends) if hasattr(model, "sync_tied") else sync_tied(model.module, self.ends)
 
     def _step_loss(self):
         """The loss lives on the last stage: hand it to every stage, then average over the replicas."""

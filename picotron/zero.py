@@ -127,6 +127,8 @@ class ShardedGradSync(GradSync):
         self.unit_of = {}  # parameter -> its unit
         self.transient = self.transient_peak = 0  # bytes of gathered params + gradient buckets in flight
         self._pending = []  # reduce-scatters in flight: (unit, work, flat gradient buffer)
+        # a pipeline's tied embedding: the first stage's matrix and the last stage's copy, each a unit of its own
+        self.tied = [p for p in getattr(module, "tied", ()) if p is not None]
 
     def _make_pieces(self):
         """The optimizer's parameters: 1-D views of each unit's shard, their .grad views of the gradient shard.
@@ -136,8 +138,8 @@ class ShardedGradSync(GradSync):
         self.pieces = []  # (piece, is a matrix, unit, start, length)
         for unit in self.units:
             for p, start, length, at in unit.pieces():
-                piece = marks.place(nn.Parameter(unit.shard[start:start + length]),
-                                    dims=unit.axis.dims + marks.placement(p).dims, flat=(p, at, length))
+                piece = marks.place(nn.Parameter(unit.shard[start:start + length]), dims=unit.axis.dims
+                                    + marks.placement(p).dims, flat=(p, at, length), copy_of=marks.placement(p).copy_of)
                 self.pieces.append((piece, p.dim() >= 2, unit, start, length))
         self._attach_piece_grads()
 
@@ -190,6 +192,17 @@ class ShardedGradSync(GradSync):
         self._drain(keep=0)
         self._attach_piece_grads()
 
+    def sync_tied(self, ends):
+        """A pipeline's tied embedding (the step engine calls this after finish_sync): the first stage's matrix and
+        the last stage's copy are units of one shape, cut alike, so this rank's shards of the two hold the same
+        elements; both take their sum (in memory where one rank holds both, zb-v's rank 0; else over `ends`)."""
+        units = [self.unit_of[p] for p in self.tied]
+        if len(units) == 2:
+            units[0].grad_shard.add_(units[1].grad_shard)
+            units[1].grad_shard.copy_(units[0].grad_shard)
+        elif units:
+            ends.all_reduce(units[0].grad_shard, label="tied embedding")
+
     def zero_grad(self, set_to_none=True):
         """Zero the gradient shards in place (the optimizer's pieces keep views of them)."""
         for unit in self.units:
@@ -236,10 +249,13 @@ class ZeroDataParallel(ShardedGradSync):
         params = [p for p in module.parameters() if p.requires_grad]
         by_axis = {}  # one set of buckets per axis (experts: edp; the rest: dp x cp)
         for p in params:
-            by_axis.setdefault(self.axis_of(p), []).append(p)
+            if p not in set(self.tied):  # (a set: `in` a list would compare tensors by value)
+                by_axis.setdefault(self.axis_of(p), []).append(p)
         for group in by_axis.values():
             for bucket in buckets(group, bucket_mb):
                 self._add_unit(bucket)
+        for p in self.tied:  # alone in its unit: its shards line up with the other end's (sync_tied)
+            self._add_unit([p])
         self._make_pieces()
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)

@@ -46,17 +46,20 @@ class Zero3(ShardedGradSync):
             layers = list(chunk.layers)
             in_layers = {p for layer in layers for p in layer.parameters()}
             root = [p for p in chunk.parameters() if p not in in_layers]
-            named = [("root" if len(chunks) == 1 else f"root of stage {stage}", root)] if root else []
-            named += [(f"layer {i}", list(l.parameters())) for i, l in zip(chunk.layers.indices(), layers)]
-            ks = [self._add_unit(name, params, layer=name.startswith("layer")) for name, params in named]
-            root_k = ks.pop(0) if root else None
+            tied = [p for p in root if p in set(self.tied)]  # a tied embedding's copy: a unit of its own (sync_tied)
+            name = "root" if len(chunks) == 1 else f"root of stage {stage}"
+            roots = [self._add_unit(f"{name} (tied)", [p], layer=False) for p in tied]
+            rest = [p for p in root if p not in set(tied)]
+            roots += [self._add_unit(name, rest, layer=False)] if rest else []
+            ks = [self._add_unit(f"layer {i}", list(l.parameters()), layer=True)
+                  for i, l in zip(chunk.layers.indices(), layers)]
             for i, k in enumerate(ks):
                 self.next_of[(k, False)] = ks[i + 1] if i + 1 < len(ks) else None
                 self.next_of[(k, True)] = ks[i - 1] if i > 0 else None
-            if root_k is not None:
-                self.next_of[(root_k, False)] = ks[0] if ks else None
-            chunk.register_forward_pre_hook(partial(self._root_pre_forward, root_k, ks))
-            chunk.register_forward_hook(partial(self._root_post_forward, root_k, ks))
+            for k in roots:
+                self.next_of[(k, False)] = ks[0] if ks else None
+            chunk.register_forward_pre_hook(partial(self._root_pre_forward, roots, ks))
+            chunk.register_forward_hook(partial(self._root_post_forward, roots, ks))
             for k, layer in zip(ks, layers):
                 layer.register_forward_pre_hook(partial(self._pre_forward, k))
                 layer.register_forward_hook(partial(self._post_forward, k))
@@ -123,24 +126,25 @@ class Zero3(ShardedGradSync):
             unit.phase, phase = None, unit.phase
             phase.__exit__(None, None, None)
 
-    # -- hooks (`root`: the chunk's root unit or None, `ks`: its layers' units) --------------------------------
-    def _root_pre_forward(self, root, ks, module, args):
+    # -- hooks (`roots`: the chunk's root units, none to two; `ks`: its layers' units) -----------------------
+    def _root_pre_forward(self, roots, ks, module, args):
         self.in_backward = False
-        if root is not None:
-            self._use(root)
-        elif self.prefetch and ks:
+        for k in roots:
+            self._use(k)
+        if not roots and self.prefetch and ks:
             self._gather(self.units[ks[0]])
 
-    def _root_post_forward(self, root, ks, module, args, output):
+    def _root_post_forward(self, roots, ks, module, args, output):
         if torch.is_grad_enabled() and output.requires_grad:
-            output.register_hook(partial(self._root_pre_backward, root, ks))
-        elif root is not None:
-            self._free(self.units[root])  # no backward follows (evaluation, generation)
+            output.register_hook(partial(self._root_pre_backward, roots, ks))
+        else:
+            for k in roots:
+                self._free(self.units[k])  # no backward follows (evaluation, generation)
 
-    def _root_pre_backward(self, root, ks, grad):
+    def _root_pre_backward(self, roots, ks, grad):
         self.in_backward = True
-        if root is not None:
-            self._grad_buffer(self.units[root])
+        for k in roots:
+            self._grad_buffer(self.units[k])
         if self.prefetch and ks:
             self._gather(self.units[ks[-1]])
 

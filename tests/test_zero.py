@@ -272,3 +272,19 @@ def test_zero_with_pp2_dp2_matches_single_process(tmp_path, stage, schedule):
     assert verdict.ok, f"{layout}: {verdict}"
     reference = run_on_ranks(pp_child, 1, dict(grad_acc=8), str(tmp_path / "ref"), timeout_s=120)[0]
     assert_matches([r for r, _ in recorded], reference, f"ZeRO-{stage} {schedule}")
+
+
+@pytest.mark.parametrize("stage,schedule", [(3, "1f1b"), pytest.param(1, "afab", marks=pytest.mark.heavy),
+                                            pytest.param(2, "zb-v", marks=pytest.mark.heavy),
+                                            pytest.param(3, "zb-v", marks=pytest.mark.heavy)])
+def test_zero_with_pp_and_tied_embeddings(tmp_path, stage, schedule):
+    """The first stage's embedding and the last stage's copy of it are units of their own, cut alike: each
+    rank's two shards hold the same elements and are summed after the reduce-scatters (over the two end ranks;
+    zb-v's rank 0 holds both ends and adds them in memory)."""
+    layout = dict(dp=2, pp=2, zero=stage, pp_schedule=schedule, grad_acc=4, tie_word_embeddings=True)
+    recorded = run_on_ranks(nccl_rules.run_recorded, 4, pp_child, layout, str(tmp_path / "zero"), timeout_s=300)
+    verdict = nccl_rules.replay([trace for _, trace in recorded])
+    assert verdict.ok, f"{layout}: {verdict}"
+    reference = run_on_ranks(pp_child, 1, dict(grad_acc=8, tie_word_embeddings=True), str(tmp_path / "ref"),
+                             timeout_s=120)[0]
+    assert_matches([r for r, _ in recorded], reference, f"ZeRO-{stage} {schedule}, tied")
