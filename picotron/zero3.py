@@ -175,6 +175,9 @@ class Zero3(ShardedGradSync):
             self._free(self.units[k])
 
     def _pre_backward(self, k, grad):
+        done = self.next_of[(k, False)]  # the layer after k: the gradient reaching k's output ends its backward
+        if self.accumulate and done is not None:
+            self._post_backward(done, grad)  # now, before k - 1 is prefetched (its own hook comes after this one)
         self._use(k)
         self._grad_buffer(self.units[k])
 
@@ -183,7 +186,7 @@ class Zero3(ShardedGradSync):
         schedule's W needs only the stashed inputs and output gradients), so they may go."""
         self._close_phase(k)
         if self.reshard_after_forward:
-            self._free(self.units[k])
+            self._free(self.units[k])  # (a no-op the second time)
 
     def _grad_ready(self, p):
         if self.accumulate and not self.sync:

@@ -288,3 +288,51 @@ def test_zero_with_pp_and_tied_embeddings(tmp_path, stage, schedule):
     reference = run_on_ranks(pp_child, 1, dict(grad_acc=8, tie_word_embeddings=True), str(tmp_path / "ref"),
                              timeout_s=120)[0]
     assert_matches([r for r, _ in recorded], reference, f"ZeRO-{stage} {schedule}, tied")
+
+
+def pp_traffic_child(m):
+    """Child (dp 2 x pp 2, 1F1B, m micro-batches, 8 layers): per variant, the ZeRO collectives' elements in the second
+    step (a metrics.Recorder on the axes), the rank's units, and the peak of the full buffers ZeRO held."""
+    from picotron import metrics
+    cfg = Config(dp=2, pp=2, grad_acc=m, pp_schedule="1f1b", num_hidden_layers=8, **SMALL)
+    out = {}
+    with Mesh.init(dp=2, pp=2) as mesh:
+        _, loader = load_data(cfg, mesh)
+        for stage, reshard in ((1, False), (2, False), (3, False), (3, True)):
+            recorder = metrics.Recorder()
+            run = parallelize(Config(**{**cfg.to_dict(), "zero": stage}), mesh, recorder=recorder)
+            if stage == 3:
+                run.model.reshard_after_forward = reshard
+            for step in range(2):
+                recorder.reset()
+                run.model.memory()
+                run.schedule.run(run.model, loader.micro_batches(step), run.loss_fn)
+                peak = run.model.memory()["zero_transient_peak"]
+                shards = [u.grad_shard.clone() for u in run.model.units]
+                run.optimizer.step()
+                run.model.zero_grad()
+            out[stage, reshard] = dict(units=[(u.padded, getattr(u, "layer", False)) for u in run.model.units],
+                                       sent={k: recorder.bytes.get(k, 0) // 4 for k in ("all_gather", "reduce_scatter")},
+                                       peak=peak, shards=shards)
+    return out
+
+
+def test_zero_with_pp_sends_what_the_formula_says():
+    """Per step, on every rank: each gradient reduce-scattered once (not once per micro-batch); the parameters
+    all-gathered once (ZeRO-1/2 after the optimizer step; ZeRO-3 kept at their first use) or, ZeRO-3 resharded,
+    each layer for every F and every B: 2m times. What that buys: the kept ZeRO-3 holds the stage's whole
+    parameters and gradients at its peak; resharded, the whole gradients and a few layers."""
+    m = 4
+    for r in run_on_ranks(pp_traffic_child, 4, m, timeout_s=240):
+        for (stage, reshard), got in r.items():
+            total = sum(n for n, _ in got["units"])
+            layers = sum(n for n, layer in got["units"] if layer)
+            gathered = total - layers + 2 * m * layers if reshard else total
+            assert got["sent"] == {"all_gather": gathered, "reduce_scatter": total}, (stage, reshard, got["sent"])
+            if stage == 2:  # the whole gradients, held from the first backward to the reduce-scatter
+                assert 4 * total <= got["peak"] <= 4 * total + 4 * 2 * max(n for n, _ in got["units"]), got["peak"]
+        kept, resharded = r[3, False]["peak"], r[3, True]["peak"]
+        total = sum(n for n, _ in r[3, False]["units"])
+        assert kept >= 2 * 4 * total and resharded <= 0.8 * kept, (kept, resharded, 4 * total)
+        for a, b in zip(r[3, False]["shards"], r[3, True]["shards"]):  # (kept: the parity tests above)
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg="ZeRO-3 resharded: other gradients than kept")
