@@ -219,7 +219,8 @@ STRATEGIES = (tensor_parallel, context_parallel, pipeline_parallel, expert_paral
 def combination_problem(cfg, mc):
     """Which strategies combine: a table of the pairs that do not (or that need each other), each with the
     sentence that refuses it. The first row that applies wins; None when none does. The degrees dp, pp, cp, tp,
-    ep with sp and ZeRO-1 otherwise all combine (tests/test_parity_matrix.py trains each pair)."""
+    ep with sp and ZeRO-1 otherwise all combine (tests/test_parity_matrix.py trains each pair); ZeRO-2/3 with pp,
+    tied embeddings included: tests/test_zero.py."""
     dp, experts = cfg.dp * cfg.cp, mc.is_moe  # dp: the data-parallel ranks, those ZeRO shards over
     table = [  # (this, with that, refused when, the one sentence)
         ("dp_impl=ddp", "collectives=ours", cfg.dp_impl == "ddp" and cfg.collectives == "ours" and dp > 1,
