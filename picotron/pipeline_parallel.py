@@ -315,8 +315,12 @@ class Pipeline:
     def _sync_tied(self, model):
         """Tied embeddings: the first stage's embedding and the last stage's head take the summed gradient (ZeRO's
         gradients are shards by then: its wrapper sums its shards of the two, picotron.zero)."""
-        if self.ends is not None:
-            model.sync_tied(self.ends) if hasattr(model, "sync_tied") else sync_tied(model.module, self.ends)
+        if self.ends is None:
+            return
+        if hasattr(model, "sync_tied"):
+            model.sync_tied(self.ends)
+        else:
+            sync_tied(model.module, self.ends)
 
     def _step_loss(self):
         """The loss lives on the last stage: hand it to every stage, then average over the replicas."""

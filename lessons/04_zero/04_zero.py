@@ -524,7 +524,8 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
 run("pipeline", nproc=4)
 pipe = _common.load_json(OUT / "pipeline.json")["results"]
 print(f"dp={pipe['dp']} x pp={pipe['pp']}, 1F1B, m={pipe['m']} micro-batches per step; per step, per rank "
-      f"(elements / Ψ_stage), and the full buffers ZeRO held at the peak of the step (/ 4Ψ_stage bytes)")
+      f"(elements / Ψ_stage), and the whole buffers ZeRO held at the peak of the step on top of what it keeps "
+      f"between steps (/ 4Ψ_stage bytes; ZeRO-1 keeps its whole gradients all the time)")
 for row in pipe["rows"]:
     for i in range(pipe["pp"]):
         r = next(x for x in row["by_rank"] if x["pp_rank"] == i)

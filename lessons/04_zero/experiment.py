@@ -295,12 +295,13 @@ def plot_pipeline(res):
                      label="formula" if j == 0 and i == 0 else None)
             ax2.bar(x, r["mem"]["zero_transient_peak"] / norm, 0.34, color=["#4c72b0", "#55a868"][i],
                     label=f"pipeline rank {i}" if j == 0 else None)
-    for ax, ylabel in ((ax1, "bytes per step / 4Ψ_stage"), (ax2, "full buffers at the peak / 4Ψ_stage")):
+    for ax, ylabel in ((ax1, "bytes per step / 4Ψ_stage"), (ax2, "whole buffers at the peak / 4Ψ_stage")):
         ax.set_xticks(range(len(res["rows"])), [row["name"] for row in res["rows"]], fontsize=8)
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8, frameon=False)
     ax1.set_title(f"ZeRO traffic, pp=2 x dp={res['dp']}, m={res['m']} micro-batches")
-    ax2.set_title("what ZeRO holds whole during the step")
+    ax2.set_title("held whole during the step, beyond the states kept\n(ZeRO-1 keeps whole gradients always)",
+                  fontsize=9)
     fig.tight_layout()
     return fig
 
