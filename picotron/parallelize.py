@@ -131,11 +131,14 @@ def build_optimizer(groups, cfg, device, scaler=None):
 
 def wrap_for_sync(raw, cfg, axis, axis_of=None):
     """Step 5: the gradient-sync wrapper over `axis` (dp x cp); `axis_of(p)`, from the placements: where each
-    gradient is summed (experts: their replicas, the mesh's edp axis)."""
+    gradient is summed (experts: their replicas, the mesh's edp axis). With pp > 1, ZeRO-2/3 follow the pipeline's
+    no_sync: each chunk's gradients are reduce-scattered once, at its last backward (ZeRO-3 keeps a chunk's
+    layers gathered over the step: picotron.zero3)."""
+    piped = cfg.pp > 1
     if cfg.zero == 3:
-        return zero3.Zero3(raw, axis)
+        return zero3.Zero3(raw, axis, accumulate=piped, reshard_after_forward=not piped)
     if cfg.zero:
-        return zero.wrap(raw, axis, cfg.zero, bucket_mb=cfg.bucket_mb, axis_of=axis_of)
+        return zero.wrap(raw, axis, cfg.zero, bucket_mb=cfg.bucket_mb, axis_of=axis_of, accumulate=piped)
     return data_parallel.wrap(raw, axis, impl=cfg.dp_impl, bucket_mb=cfg.bucket_mb, axis_of=axis_of)
 
 
@@ -216,7 +219,8 @@ STRATEGIES = (tensor_parallel, context_parallel, pipeline_parallel, expert_paral
 def combination_problem(cfg, mc):
     """Which strategies combine: a table of the pairs that do not (or that need each other), each with the
     sentence that refuses it. The first row that applies wins; None when none does. The degrees dp, pp, cp, tp,
-    ep with sp and ZeRO-1 otherwise all combine (tests/test_parity_matrix.py trains each pair)."""
+    ep with sp and ZeRO-1 otherwise all combine (tests/test_parity_matrix.py trains each pair); ZeRO-2/3 with pp,
+    tied embeddings included: tests/test_zero.py."""
     dp, experts = cfg.dp * cfg.cp, mc.is_moe  # dp: the data-parallel ranks, those ZeRO shards over
     table = [  # (this, with that, refused when, the one sentence)
         ("dp_impl=ddp", "collectives=ours", cfg.dp_impl == "ddp" and cfg.collectives == "ours" and dp > 1,
@@ -231,12 +235,6 @@ def combination_problem(cfg, mc):
         ("sp", "needs tp", cfg.sp and cfg.tp == 1,
          "--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism leaves replicated over "
          "the tp ranks); add --tp 2 or more, or drop --sp."),
-        ("zero=2,3", "pp", cfg.pp > 1 and cfg.zero > 1,
-         f"zero={cfg.zero} with pp={cfg.pp} is not supported (ZeRO-2/3 reduce or gather on every micro-batch, which "
-         f"the pipeline interleaves); use --zero 1 with --pp, or --pp 1."),
-        ("zero + tied embeddings", "pp", cfg.pp > 1 and cfg.zero and mc.tie_word_embeddings,
-         f"zero={cfg.zero} with pp={cfg.pp} and tied embeddings is not supported (the tied gradient sync between the "
-         f"first and last stage needs whole gradients); use --zero 0 or an untied model."),
         ("dp_impl=ddp", "pp", cfg.pp > 1 and cfg.dp_impl == "ddp",
          f"dp_impl='ddp' with pp={cfg.pp} is not supported (DDP needs each forward followed by its backward, a "
          f"pipeline interleaves micro-batches); use --dp-impl bucket."),

@@ -290,7 +290,7 @@ class Pipeline:
         self._wait_sends()
         model.finish_sync()
         self._sum_copies(model.module)
-        self._sync_tied(model.module)
+        self._sync_tied(model)
         return self._step_loss()
 
     def _start(self, micro_batches):
@@ -347,10 +347,15 @@ class Pipeline:
         if self.schedule.shape == "dual":
             sum_copies(stage, self.pp)
 
-    def _sync_tied(self, stage):
-        """Tied embeddings: the first stage's embedding and the last stage's head take the summed gradient."""
-        if self.ends is not None:
-            sync_tied(stage, self.ends)
+    def _sync_tied(self, model):
+        """Tied embeddings: the first stage's embedding and the last stage's head take the summed gradient (ZeRO's
+        gradients are shards by then: its wrapper sums its shards of the two, picotron.zero)."""
+        if self.ends is None:
+            return
+        if hasattr(model, "sync_tied"):
+            model.sync_tied(self.ends)
+        else:
+            sync_tied(model.module, self.ends)
 
     def _step_loss(self):
         """The loss lives on the last stage: hand it to every stage, then average over the replicas."""

@@ -38,8 +38,17 @@ the backward, as FSDP2 does for its root: the LM head is the last thing the forw
 backward does. So stage 3 all-gathers 2Ψ minus the root once, and reduce-scatters Ψ.
 
 Gradient accumulation: stage 1 keeps full local gradients, so under `no_sync()` they add up locally and one
-reduce-scatter follows the last micro-batch. Stages 2 and 3 keep no full gradient: they reduce-scatter after
-every micro-batch and add into the gradient shard (`no_sync` changes nothing there).
+reduce-scatter follows the last micro-batch. Stages 2 and 3 keep no full gradient: by default they reduce-scatter
+after every micro-batch and add into the gradient shard (`no_sync` changes nothing there).
+
+With a pipeline (`accumulate=True`, what parallelize passes when pp > 1) stages 2 and 3 follow `no_sync()` as
+stage 1 does: the executor (picotron.pipeline_parallel.Pipeline) runs every backward of a chunk but its last under
+`no_sync()`, so a chunk's full gradients add up locally over its m micro-batches and are reduce-scattered once, at
+the chunk's last backward (torch.distributed.pipelining does the same with FSDP: `set_requires_gradient_sync(False)`
+on all but the last backward). The price is memory during the step: the stage's full gradients, 4Ψ_stage bytes,
+from its first backward to its last (between steps, only the shards). The alternative, a reduce-scatter after
+every micro-batch, keeps no full gradient but sends m times as much: a pipeline runs m >= pp micro-batches per
+step, often 4-8 pp, so that is the bigger cost. (Stage 3 with a pipeline: picotron.zero3.)
 
 The optimizer's pieces are placed as sharded over dp x cp (`picotron.marks`), so the trainer's one global-norm
 clipping counts each gradient element once, whatever else is on.
@@ -77,6 +86,7 @@ class FlatUnit:
         self.padded = self.chunk * n
         self.lo, self.hi = rank * self.chunk, (rank + 1) * self.chunk
         self.ready = 0  # gradients accumulated so far in this backward
+        self.holding = False  # (accumulate) full gradients kept over the micro-batches, not yet reduce-scattered
         self.work = None  # the collective in flight on this unit, if any
 
     def flat(self, tensors):
@@ -107,15 +117,18 @@ class FlatUnit:
 class ShardedGradSync(GradSync):
     """What the stages share: the axis, the optimizer's pieces, the reduce-scatter pipeline, checkpoints."""
 
-    def __init__(self, module, axis, stage, axis_of=None):
+    def __init__(self, module, axis, stage, axis_of=None, accumulate=False):
         super().__init__(module)
         self.stage, self.axis = stage, axis
+        self.accumulate = accumulate  # stages 2-3: under no_sync keep the full gradients, reduce-scatter the sum once
         self.axis_of = axis_of or (lambda p: axis)  # the axis a parameter's unit is cut over (experts: edp)
         self.n, self.rank = axis.size, axis.rank
         self.units = []
         self.unit_of = {}  # parameter -> its unit
         self.transient = self.transient_peak = 0  # bytes of gathered params + gradient buckets in flight
         self._pending = []  # reduce-scatters in flight: (unit, work, flat gradient buffer)
+        # a pipeline's tied embedding: the first stage's matrix and the last stage's copy, each a unit of its own
+        self.tied = [p for p in getattr(module, "tied", ()) if p is not None]
 
     def _make_pieces(self):
         """The optimizer's parameters: 1-D views of each unit's shard, their .grad views of the gradient shard.
@@ -125,8 +138,8 @@ class ShardedGradSync(GradSync):
         self.pieces = []  # (piece, is a matrix, unit, start, length)
         for unit in self.units:
             for p, start, length, at in unit.pieces():
-                piece = marks.place(nn.Parameter(unit.shard[start:start + length]),
-                                    dims=unit.axis.dims + marks.placement(p).dims, flat=(p, at, length))
+                piece = marks.place(nn.Parameter(unit.shard[start:start + length]), dims=unit.axis.dims
+                                    + marks.placement(p).dims, flat=(p, at, length), copy_of=marks.placement(p).copy_of)
                 self.pieces.append((piece, p.dim() >= 2, unit, start, length))
         self._attach_piece_grads()
 
@@ -147,6 +160,9 @@ class ShardedGradSync(GradSync):
         copied), the per-parameter gradients dropped, then an asynchronous reduce-scatter of the buffer."""
         flat = unit.grad_flat if getattr(unit, "grad_flat", None) is not None else unit.flat([p.grad for p in unit.params])
         unit.grad_flat = None
+        if unit.holding:  # (accumulate) the gradients held over the micro-batches are this flat buffer now
+            unit.holding = False
+            self._track(-unit.nbytes())
         for p in unit.params:
             p.grad = None
         flat.div_(self.n)  # the sum over ranks becomes the mean
@@ -175,6 +191,17 @@ class ShardedGradSync(GradSync):
                 unit.work = None
         self._drain(keep=0)
         self._attach_piece_grads()
+
+    def sync_tied(self, ends):
+        """A pipeline's tied embedding (the step engine calls this after finish_sync): the first stage's matrix and
+        the last stage's copy are units of one shape, cut alike, so this rank's shards of the two hold the same
+        elements; both take their sum (in memory where one rank holds both, zb-v's rank 0; else over `ends`)."""
+        units = [self.unit_of[p] for p in self.tied]
+        if len(units) == 2:
+            units[0].grad_shard.add_(units[1].grad_shard)
+            units[1].grad_shard.copy_(units[0].grad_shard)
+        elif units:
+            ends.all_reduce(units[0].grad_shard, label="tied embedding")
 
     def zero_grad(self, set_to_none=True):
         """Zero the gradient shards in place (the optimizer's pieces keep views of them)."""
@@ -215,17 +242,20 @@ class ZeroDataParallel(ShardedGradSync):
     optimizer updates. `ShardedOptimizer.step` then all-gathers every chunk (`gather_updated_params`).
     """
 
-    def __init__(self, module, axis, stage, bucket_mb=25.0, axis_of=None):
+    def __init__(self, module, axis, stage, bucket_mb=25.0, axis_of=None, accumulate=False):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel does stages 1 and 2, not {stage}; stage 3 is zero3.Zero3.")
-        super().__init__(module, axis, stage, axis_of)
+        super().__init__(module, axis, stage, axis_of, accumulate)
         params = [p for p in module.parameters() if p.requires_grad]
         by_axis = {}  # one set of buckets per axis (experts: edp; the rest: dp x cp)
         for p in params:
-            by_axis.setdefault(self.axis_of(p), []).append(p)
+            if p not in set(self.tied):  # (a set: `in` a list would compare tensors by value)
+                by_axis.setdefault(self.axis_of(p), []).append(p)
         for group in by_axis.values():
             for bucket in buckets(group, bucket_mb):
                 self._add_unit(bucket)
+        for p in self.tied:  # alone in its unit: its shards line up with the other end's (sync_tied)
+            self._add_unit([p])
         self._make_pieces()
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -247,9 +277,12 @@ class ZeroDataParallel(ShardedGradSync):
             self.unit_of[p] = unit
 
     def _grad_ready(self, p):
-        if self.stage == 1 and not self.sync:  # stage 1 under no_sync: gradients add up, nothing counted
-            return
         unit = self.unit_of[p]
+        if not self.sync and (self.stage == 1 or self.accumulate):  # under no_sync: gradients add up, nothing counted
+            if self.stage == 2 and not unit.holding:  # the unit's full gradients, held until its synced backward
+                unit.holding = True
+                self._track(unit.nbytes())
+            return
         unit.ready += 1
         if unit.ready < len(unit.params):
             return
@@ -313,9 +346,9 @@ class ShardedOptimizer(WrappedOptimizer):
         return getattr(self.__dict__["optimizer"], name)
 
 
-def wrap(model, axis, stage, bucket_mb=25.0, axis_of=None):
+def wrap(model, axis, stage, bucket_mb=25.0, axis_of=None, accumulate=False):
     """ZeRO stage 1 or 2 over `axis` (the mesh's dp_cp axis; `axis_of(p)`: another axis for some parameters,
-    the experts' edp); stage 3 is picotron.zero3.Zero3."""
+    the experts' edp; `accumulate`: stage 2 follows no_sync, as under a pipeline); stage 3 is picotron.zero3.Zero3."""
     if stage in (1, 2):
-        return ZeroDataParallel(model, axis, stage, bucket_mb=bucket_mb, axis_of=axis_of)
+        return ZeroDataParallel(model, axis, stage, bucket_mb=bucket_mb, axis_of=axis_of, accumulate=accumulate)
     raise ValueError(f"ZeRO stage {stage!r}: zero.wrap does stages 1 and 2; stage 3 is picotron.zero3.Zero3.")

@@ -26,7 +26,7 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", timeout=900, as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 10, out  # shard_range and the puzzle once, the others on 2 and 3 ranks
+    assert out.count("  ok  ") == 11, out  # shard_range, the puzzle and pp_traffic once, the others on 2 and 3 ranks
     assert "12.52 -> 11.01 MiB all-gathered per step" in out, out  # the last layer: one gather less per micro-batch
     assert "12.52 -> 6.26 MiB all-gathered per step" in out, out  # bf16: half
     assert "64 MiB: ZeRO-1 micro-batch 2, 59.6 MiB measured" in out, out  # the ranks measured what the formulas say
@@ -39,7 +39,8 @@ def test_checker_fails_the_stubs_naming_not_implemented():
                  "KeepLastLayer._post_forward on 2 ranks", "Bf16Gather._gather/_wait on 2 ranks"):
         assert f"FAIL  {what}: rank " in out, out
     assert "FAIL  plan (the puzzle): NotImplementedError: not written yet" in out, out
-    assert out.count("NotImplementedError: not written yet") == 6, out
+    assert "FAIL  pp_zero_traffic: NotImplementedError: not written yet" in out, out
+    assert out.count("NotImplementedError: not written yet") == 7, out
     assert "on 3 ranks" not in out  # it stops at the first world size
 
 
@@ -203,3 +204,18 @@ def test_notebook_runs_in_fast_mode(run_notebook):
     assert "✗" not in text, text
     assert text.count("✓") >= 20, text
     assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
+
+
+def test_checker_explains_zero_with_a_pipeline(tmp_path):
+    """Exercise 7: a reduce-scatter per micro-batch (ZeRO-2's habit without a pipeline) and the roots resharded
+    like the layers are each named."""
+    per_micro_batch = mutate(tmp_path, ('return {"all_gather": gathered, "reduce_scatter": total}',
+                                        'return {"all_gather": gathered, "reduce_scatter": m * total}'))
+    code, out = run_checker("--module", str(per_micro_batch), "pp_traffic")
+    assert code == 1, out
+    assert "FAIL  pp_zero_traffic: pp_zero_traffic(1, root=1000, layers=6000, m=4, reshard=False) returned" in out, out
+    assert "a reduce-scatter per micro-batch; under the pipeline's no_sync" in out, out
+    roots_too = mutate(tmp_path, ("gathered = root + 2 * m * layers if", "gathered = 2 * m * total if"))
+    code, out = run_checker("--module", str(roots_too), "pp_traffic")
+    assert code == 1, out
+    assert "the roots are gathered once per step" in out, out

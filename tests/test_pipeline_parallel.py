@@ -159,8 +159,6 @@ def test_evaluation_and_text_go_through_the_pipeline(layout):
 
 
 @pytest.mark.parametrize("settings,message", [
-    (dict(pp=2, zero=2, dp=2), "zero=2 with pp=2 is not supported"),
-    (dict(pp=2, zero=1, dp=2, tie_word_embeddings=True), "tied embeddings is not supported"),
     (dict(pp=2, dp=2, dp_impl="ddp"), "dp_impl='ddp' with pp=2 is not supported"),
     (dict(pp=8), "needs 8 stages of at least one layer each but the model has num_hidden_layers=4"),
     (dict(pp=2, pp_schedule="interleaved", pp_chunks=2, grad_acc=3), "needs grad_acc=3"),

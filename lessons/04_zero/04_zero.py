@@ -488,7 +488,82 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
 # **Takeaway:** only ZeRO-3 keeps falling with $n$; stages 1 and 2 level off at the parameters (and gradients)
 # every rank still keeps whole.
 #
-# ## 7. Exercises
+# ## 7. ZeRO with a pipeline
+#
+# Pipeline parallelism (lesson 07) cuts the model by depth, data parallelism copies each stage, and ZeRO shards the
+# copies of each stage. That is how Llama 3 405B was trained: FSDP, i.e. ZeRO-3, as the data-parallel dimension of a
+# tp · cp · pp · dp layout, keeping the weights gathered after the forward so the backward needs no second
+# all-gather (Dubey et al. 2024, *The Llama 3 Herd of Models*, arXiv:2407.21783, §3.3.2). What the pipeline changes is
+# *when* things happen: a step runs $m \ge p$ micro-batches through each chunk, interleaved with other chunks'.
+#
+# The contract is the one data parallelism already has: the executor (`Pipeline.run`) knows, for each chunk, the
+# action after which its parameters have their whole gradient (`Pipeline.final`: its last $B$, or $W$ in a split
+# schedule) and runs every other backward under `no_sync()`. ZeRO follows it ($\Psi_s$: one pipeline rank's
+# parameters):
+#
+# * **ZeRO-1** as before: whole gradients add up; one reduce-scatter at the chunk's last backward, one all-gather
+#   after the optimizer step. $\Psi_s + \Psi_s$ per step.
+# * **ZeRO-2** holds the chunk's whole gradients during the step (from its first backward to its last, $4\Psi_s$
+#   bytes here) and reduce-scatters them once: $\Psi_s + \Psi_s$. Without a pipeline it reduce-scatters after every
+#   micro-batch and keeps no whole gradient; with one, that would send $m\Psi_s$, and $m$ is 4–8 $p$ in practice.
+#   torch's own pipeline stages do the same with FSDP (`torch.distributed.pipelining`, `set_requires_gradient_sync(False)`
+#   on all but the last backward).
+# * **ZeRO-3** gathers a unit for each $F$ and $B$ that uses it (the $W$ of a split schedule reads no weight: $g^T x$).
+#   Either it **keeps** each unit gathered from its first use in the step to the chunk's last backward — all-gather
+#   $\Psi_s$ per step, but the stage's whole parameters *and* gradients held during the step — or it **reshards**:
+#   each layer freed after every use and gathered again, all-gather $\Psi_{root} + 2m\Psi_{layers}$ per step, to
+#   hold only a few layers' parameters beside the whole gradients. picotron keeps them, as torchtitan does by default
+#   with pp (`reshard_after_forward=False`, "to avoid per-microbatch all-gathers"): $2m$ times the traffic to save at
+#   most half of the step's peak is a bad trade, and between steps both hold only shards.
+#
+# The experiment trains the small model with 8 layers on 2 × 2 ranks (dp 2, pp 2, 1F1B) under each variant (ZeRO-3
+# resharded by switching the wrapper's `reshard_after_forward` on) and counts every collective with a Recorder; the
+# formula comes from each rank's units (their padded sizes), `lesson.pp_zero_elements`.
+
+# %%
+run("pipeline", nproc=4)
+pipe = _common.load_json(OUT / "pipeline.json")["results"]
+print(f"dp={pipe['dp']} x pp={pipe['pp']}, 1F1B, m={pipe['m']} micro-batches per step; per step, per rank "
+      f"(elements / Ψ_stage), and the whole buffers ZeRO held at the peak of the step on top of what it keeps "
+      f"between steps (/ 4Ψ_stage bytes; ZeRO-1 keeps its whole gradients all the time)")
+for row in pipe["rows"]:
+    for i in range(pipe["pp"]):
+        r = next(x for x in row["by_rank"] if x["pp_rank"] == i)
+        sent = {k: b / 4 / r["psi"] for k, b in r["bytes"].items()}
+        print(f"{row['name']:<17} stage {i}: all-gather {sent['all_gather']:5.2f}, reduce-scatter "
+              f"{sent['reduce_scatter']:4.2f} (formula {r['predicted']['all_gather'] / r['psi']:5.2f}, "
+              f"{r['predicted']['reduce_scatter'] / r['psi']:4.2f}); held whole at the peak "
+              f"{r['mem']['zero_transient_peak'] / (4 * r['psi']):.2f}")
+lesson.plot_pipeline(pipe); plt.show()
+for row in pipe["rows"]:
+    exact = all(x["bytes"][k] == 4 * x["predicted"][k] for x in row["by_rank"] for k in x["predicted"])
+    _common.check(f"pp=2: {row['name']} sends what the formula says, every rank", exact,
+                  "; ".join(f"rank {j}: {x['bytes']['all_gather'] // 4} + {x['bytes']['reduce_scatter'] // 4} elements"
+                            f" (formula {x['predicted']['all_gather']} + {x['predicted']['reduce_scatter']})"
+                            for j, x in enumerate(row["by_rank"])))
+kept, resharded = ({x["pp_rank"]: x for x in row["by_rank"]} for row in pipe["rows"][2:4])
+_common.check("ZeRO-3 kept holds the stage's whole parameters and gradients at its peak; resharded, much less",
+              all(kept[i]["mem"]["zero_transient_peak"] >= 8 * kept[i]["psi"] > resharded[i]["mem"]["zero_transient_peak"]
+                  for i in kept),
+              ", ".join(f"stage {i}: {kept[i]['mem']['zero_transient_peak'] / MiB:.1f} vs "
+                        f"{resharded[i]['mem']['zero_transient_peak'] / MiB:.1f} MiB" for i in kept))
+
+# %% [markdown]
+# The reduce-scatters are exactly $\Psi_s$ for every variant: once per chunk per step, whatever $m$. ZeRO-3 kept moves
+# what ZeRO-1/2 move; resharded, its all-gathers grow with $m$ while the memory it saves stops at the parameters
+# (the gradients stay whole until the last backward in every variant but ZeRO-1's, which keeps them whole always).
+# Exercise 7 asks for these formulas; its checker:
+
+# %%
+import check as checker   # this folder's check.py
+checker.check(["pp_traffic"])
+
+# %% [markdown]
+# **Takeaway:** with a pipeline the sharded stages follow the schedule's last backward: one reduce-scatter per
+# chunk per step, and ZeRO-3 keeps a chunk's layers gathered through the step — the memory a pipeline stage holds
+# is already $1/p$ of the model, the traffic of resharding would be $2m$ times.
+#
+# ## 8. Exercises
 # Open `lessons/04_zero/exercise.py`. First ZeRO's three moves by hand:
 #
 # 1. `shard_range(numel, n, rank)` — the chunk rank `rank` owns in a unit padded to a multiple of $n$;
@@ -509,6 +584,8 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
 # 6. `plan(budget_mib)` — the small model on 2 ranks, 16 sequences of 128 tokens per step: choose the ZeRO stage and
 #    the micro-batch that fit the budget per rank and move the fewest bytes. The formulas of sections 1 and 4 (and
 #    the buffers in flight printed in 4a) are all you need; try 64 MiB by hand first.
+# 7. `pp_zero_traffic(stage, root, layers, m, reshard)` — section 7's formulas: what one pipeline rank's ZeRO
+#    collectives cover per step.
 #
 # The checker runs exercise 1 on many sizes, 2 to 5 on 2 and then 3 real processes (at 3, padding comes into
 # play), and compares every rank with the answer computed another way: in one process
@@ -527,12 +604,12 @@ import check as checker   # this folder's check.py
 all_passed = checker.check()
 
 # %% [markdown]
-# ## 8. What it costs, when to use it, what comes next
+# ## 9. What it costs, when to use it, what comes next
 #
 # | | per rank | cost |
 # |---|---|---|
 # | ZeRO-1 | optimizer state $/n$ | nothing: the same $2\Psi$ as DP, the optimizer's work $/n$ |
-# | ZeRO-2 | + gradients $/n$ (plus two buckets in flight) | nothing more in bytes; with gradient accumulation a reduce-scatter per micro-batch (DP and ZeRO-1 send once per step) |
+# | ZeRO-2 | + gradients $/n$ (plus two buckets in flight) | nothing more in bytes; with gradient accumulation a reduce-scatter per micro-batch (DP and ZeRO-1 send once per step; under a pipeline ZeRO-2 too, section 7) |
 # | ZeRO-3 | + parameters $/n$ (plus a few whole units in flight) | $\approx 3\Psi$ per micro-batch: 1.5× DP's traffic, in latency-bound per-layer collectives that must be prefetched to hide |
 #
 # **Use it** whenever data parallelism runs out of memory for model states: ZeRO-1 is free and almost always on;

@@ -20,7 +20,9 @@ model on 2 and 3 ranks next to the plain Zero3, with a metrics.Recorder that kee
 bytes: the first must all-gather the last layer once per micro-batch and give exactly the plain losses and
 parameters; the second must move half the bytes, gather exactly bf16(the fp32 weights), keep an fp32 master
 and stay within BF16_LOSS_TOL of the fp32 losses. plan (the puzzle) is checked against the lesson's formulas
-(`plan_problem`), then each chosen plan trains one step on 2 ranks, whose measured memory must fit.
+(`plan_problem`), then each chosen plan trains one step on 2 ranks, whose measured memory must fit. pp_traffic
+(ZeRO with a pipeline: the elements each collective covers per step) is arithmetic, checked in one process
+(`pp_traffic_problem`) against what tests/test_zero.py and the lesson measure.
 
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
 at module level). It imports YOUR file by path, builds every rank's inputs deterministically (so each child
@@ -34,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # lessons/: _checker, which puts the repository root on sys.path too
-from _checker import _Failure, attempt, entry_points, load, on_ranks, rendezvous, where  # noqa: E402
+from _checker import _Failure, attempt, entry_points, in_process, load, on_ranks, rendezvous, where  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -47,7 +49,8 @@ SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 10.0
 EXERCISES = {"shard_range": "shard_range", "reduce_scatter_gradients": "reduce_scatter_gradients",
              "sharded_adamw": "ShardedAdamW.step", "keep_last_layer": "KeepLastLayer._post_forward",
-             "bf16_gather": "Bf16Gather._gather/_wait", "plan": "plan (the puzzle)"}
+             "bf16_gather": "Bf16Gather._gather/_wait", "plan": "plan (the puzzle)",
+             "pp_traffic": "pp_zero_traffic"}
 WORLD_SIZES = {"shard_range": (1,), "reduce_scatter_gradients": (2, 3), "sharded_adamw": (2, 3),
                "keep_last_layer": (2, 3), "bf16_gather": (2, 3), "plan": (2,)}
 MIN_TIMEOUT_S = {"keep_last_layer": 120, "bf16_gather": 120, "plan": 300}  # they build and train models
@@ -721,10 +724,55 @@ SUCCESS = {"shard_range": f"{sum(k for _, k in SHARD_CASES)} (numel, n, rank) ca
            "keep_last_layer": keep_last_success, "bf16_gather": bf16_success}
 
 
+# ------------------------------------------------------------------------- exercise 7: ZeRO with a pipeline
+PP_CASES = [(stage, root, layers, m, reshard) for stage in (1, 2, 3) for root, layers in ((1000, 6000), (0, 4096))
+            for m in (1, 4, 8) for reshard in ((False, True) if stage == 3 else (False,))]
+
+
+def pp_traffic_problem(fn, path):
+    """The first case where the learner's pp_zero_traffic differs from the answer, with what that usually means."""
+    for stage, root, layers, m, reshard in PP_CASES:
+        total = root + layers
+        want = {"all_gather": root + 2 * m * layers if reshard else total, "reduce_scatter": total}
+        got = fn(stage, root, layers, m, reshard)
+        got = {k: got.get(k) for k in want} if isinstance(got, dict) else got
+        if got == want:
+            continue
+        call = f"pp_zero_traffic({stage}, root={root}, layers={layers}, m={m}, reshard={reshard})"
+        head = f"{call} returned {got}, expected {want}"
+        if not isinstance(got, dict):
+            return f"{head}: return a dict with the keys all_gather and reduce_scatter"
+        rs, ag = got["reduce_scatter"], got["all_gather"]
+        if m > 1 and rs == m * total:
+            return (f"{head}: a reduce-scatter per micro-batch; under the pipeline's no_sync a chunk's gradients add "
+                    f"up locally and are reduce-scattered ONCE, at its last backward")
+        if rs != total:
+            return f"{head}: every gradient element is reduce-scattered once per step: root + layers = {total}"
+        if stage < 3 and ag == 0:
+            return (f"{head}: ZeRO-{stage} all-gathers the updated parameters after the optimizer step (every rank "
+                    f"updated only its chunk)")
+        if reshard and ag == 2 * m * total:
+            return (f"{head}: the roots are gathered once per step (kept from the first forward to the last "
+                    f"backward); only the layers are freed and gathered again")
+        if reshard and ag in (root + m * layers, m * total):
+            return f"{head}: a resharded layer is gathered for its F and again for its B: 2m times per step"
+        if reshard and ag == root + 3 * m * layers:
+            return f"{head}: the W of a split schedule needs no gather (gᵀx reads no weights), and 1F1B has no W"
+        if not reshard and stage == 3 and ag != total:
+            return (f"{head}: kept, ZeRO-3 gathers each unit once, at its first use in the step, and keeps it to the "
+                    f"chunk's last backward: root + layers = {total}")
+        return head
+    return None
+
+
 def check_one(name, path, report, timeout_s):
     timeout_s = max(timeout_s, MIN_TIMEOUT_S.get(name, 0))
     if name == "plan":
         return check_plan(path, report, timeout_s)
+    if name == "pp_traffic":
+        return in_process("pp_zero_traffic", path, report, pp_traffic_problem,
+                          f": {len(PP_CASES)} cases (ZeRO-1/2/3, kept and resharded, m = 1, 4, 8)", "ex04pp",
+                          EXERCISES[name])
     success = SUCCESS[name]
     on_ranks(lambda n: EXERCISES[name] + (" on many sizes" if n == 1 else f" on {n} ranks"), WORLD_SIZES[name],
              lambda n: run_on_ranks(_on_rank, n, str(path), name, str(SOLUTIONS), timeout_s=timeout_s),

@@ -2,7 +2,8 @@
 marked EXERCISE, then run
     python lessons/04_zero/check.py                      # all exercises
     python lessons/04_zero/check.py keep_last_layer      # just one: shard_range, reduce_scatter_gradients,
-                                                         # sharded_adamw, keep_last_layer, bf16_gather, plan
+                                                         # sharded_adamw, keep_last_layer, bf16_gather, plan,
+                                                         # pp_traffic
 The checker runs shard_range on many sizes, and exercises 2 to 5 on 2 and then 3 real processes (gloo), with
 sizes that n does not divide (so padding matters). It compares what each rank returns or holds with the answer
 computed another way — in one process (the mean gradient; torch.optim.AdamW on the whole vector), or with the
@@ -10,7 +11,7 @@ plain picotron.zero3.Zero3 beside yours, every all-gather counted by a metrics.R
 chunk, element or unit is wrong and what that usually means (forgot to divide by n, wrong chunk offset, chunks
 never all-gathered, the last layer still gathered twice, an fp32 all-gather, ...), and which ranks hang on which
 line of this file. Exercise 6 is checked against the lesson's formulas and by one training step of your plan on 2
-ranks. The notebook (lessons/04_zero/04_zero.ipynb) reads picotron/zero.py and zero3.py, which do the same at
+ranks; exercise 7 (ZeRO with a pipeline) on many sizes in one process. The notebook (lessons/04_zero/04_zero.ipynb) reads picotron/zero.py and zero3.py, which do the same at
 scale; the solutions are in solution.py (look after trying).
 
 The flat view (picotron/zero.py's FlatUnit): a unit's tensors, concatenated in order into one vector, padded
@@ -155,4 +156,20 @@ def plan(budget_mib):
     Try 64 MiB by hand first. The checker asks for 100, 64 and 47 MiB, checks each plan with these formulas
     (does it fit? does a plan that fits move fewer bytes?), and trains each plan for one step on 2 real ranks:
     the memory the ranks measure (the wrappers' accounting, activations counted by autograd hooks) must fit."""
+    raise NotImplementedError("not written yet")
+
+
+
+# ----------------------------------------------------------------------------- exercise 7: ZeRO with a pipeline
+def pp_zero_traffic(stage, root, layers, m, reshard=False):
+    """EXERCISE 7 (section 7). One pipeline rank under ZeRO `stage` (1, 2 or 3) with m micro-batches per step: return
+    {"all_gather": elements, "reduce_scatter": elements} its ZeRO collectives cover per step (whole buffers, as
+    the Recorder counts them). `root`: the elements of its root units (embedding, final norm, head: whichever this
+    stage holds), `layers`: those of its decoder layers, both already padded.
+
+    What the pipeline does: every backward of a chunk but its last runs under no_sync, so the gradients add up
+    locally and are reduce-scattered once, at the chunk's last backward. ZeRO-1/2 all-gather the updated
+    parameters after the optimizer step. ZeRO-3 kept (reshard=False): each unit is gathered at its first use in the
+    step and kept to its last backward. ZeRO-3 resharded: the roots as kept; each layer is freed after every use,
+    so it is gathered again for each F and each B (a split schedule's W reads no weights: gᵀx)."""
     raise NotImplementedError("not written yet")

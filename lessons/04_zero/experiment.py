@@ -6,6 +6,8 @@ OUT/<name>.json (`stages` and `parity`: OUT/<name>_dp<N>.json) from rank 0:
     timeline     ZeRO-3 with and without prefetch, every rank's events: on gloo, then over an emulated link
     fsdp         our ZeRO-3 against torch's FSDP2, steps alternating; fsdp_memory (one process): each alone
     parity       picotron.train --zero 0..3 at dp = world size; with one process, the one-process references
+    pipeline     ZeRO-1/2/3 on a pp = 2 pipeline (dp = world size / 2, 1F1B): the bytes of each collective per step
+                 on every rank, with ZeRO-3's layers kept gathered over the step or freed after every use
 
     PICOTRON_FAST=1 torchrun --nproc_per_node 2 lessons/04_zero/experiment.py --only stages,timeline
 
@@ -44,7 +46,8 @@ def settings(fast, mesh=None):
     GPUs _common.GPU_SETTINGS["04_zero"] on top (the mesh's device decides, else _common.device())."""
     st = dict(size="small", seq_len=64, micro_batch_size=2,
               tl_seq_len=128, tl_micro_batch_size=8, steps=3 if fast else 20, tl_steps=5 if fast else 12,
-              warmup=1 if fast else 2, fsdp_steps=8 if fast else 60, parity_steps=10 if fast else 20)
+              warmup=1 if fast else 2, fsdp_steps=8 if fast else 60, parity_steps=10 if fast else 20,
+              pp_micro_batches=4 if fast else 8)
     return _common.sized("04_zero", st, fast, mesh.device.type if mesh else None)
 
 
@@ -229,8 +232,83 @@ def exp_parity(mesh, st, out):
     return dict(dp=n, losses=losses)
 
 
-EXPERIMENTS = ("stages", "timeline", "fsdp", "fsdp_memory", "parity")
+# ---------------------------------------------------------------------------------------- ZeRO with a pipeline
+PP_LAYERS = 8  # 4 per stage: enough for ZeRO-3's freed layers to make a difference next to the 2 in flight
+PP_VARIANTS = (("ZeRO-1", 1, False), ("ZeRO-2", 2, False), ("ZeRO-3 kept", 3, False), ("ZeRO-3 resharded", 3, True))
+
+
+def pp_zero_elements(stage, units, m, reshard=False):
+    """What one pipeline rank's ZeRO collectives cover per step, in elements (whole buffers, as the Recorder counts),
+    from its units [(padded elements, is a layer)] and the m micro-batches: every gradient reduce-scattered once,
+    at its chunk's last backward; the parameters all-gathered once per step (ZeRO-1/2 after the optimizer step,
+    ZeRO-3 kept at their first use), or, ZeRO-3 resharded, each layer before each F and each B (the roots once)."""
+    total = sum(n for n, _ in units)
+    layers = sum(n for n, layer in units if layer)
+    gathered = total - layers + 2 * m * layers if stage == 3 and reshard else total
+    return {"all_gather": gathered, "reduce_scatter": total}
+
+
+def exp_pipeline(mesh, st, out):
+    """ZeRO-1/2/3 on a pp = 2 pipeline (1F1B, m micro-batches, dp = world / 2), each variant built by `parallelize`
+    with a Recorder on the axes: per rank, the bytes per step of the second step (the first one's are the same) and
+    the peak of the full buffers ZeRO held during it (`zero_transient_peak`: gathered parameters, whole gradients)."""
+    m = st["pp_micro_batches"]
+    cfg = make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=mesh.dp.size, pp=2,
+                   grad_acc=m, pp_schedule="1f1b", bucket_mb=BUCKET_MB, num_hidden_layers=PP_LAYERS)
+    loader = data.DataLoader(tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, grad_acc=m,
+                             dp_size=mesh.dp.size, dp_rank=mesh.dp.rank, seed=cfg.seed)
+    rows = []
+    for name, stage, reshard in PP_VARIANTS:
+        recorder = metrics.Recorder()
+        run = parallelize(dataclasses.replace(cfg, zero=stage), mesh, recorder=recorder)
+        if stage == 3:
+            run.model.reshard_after_forward = reshard  # parallelize keeps them (False) under a pipeline
+        for step in range(2):
+            recorder.reset()  # what the second step sent
+            run.model.memory()  # (resets the transient peak)
+            run.schedule.run(run.model, loader.micro_batches(step), run.loss_fn)
+            marks.clip_grad_norm(run.params, cfg.grad_clip, mesh)
+            mem = run.model.memory()
+            run.optimizer.step()
+            run.model.zero_grad(set_to_none=True)
+        units = [(u.padded, bool(getattr(u, "layer", False))) for u in run.model.units]
+        mine = dict(pp_rank=mesh.pp.rank, units=units, psi=sum(u.numel for u in run.model.units),
+                    bytes={k: recorder.bytes.get(k, 0) for k in ("all_gather", "reduce_scatter")},
+                    calls={k: recorder.calls.get(k, 0) for k in ("all_gather", "reduce_scatter")},
+                    predicted=pp_zero_elements(stage, units, m, reshard), mem=mem)
+        rows.append(dict(name=name, stage=stage, reshard=reshard, by_rank=gather(mine, mesh)))
+    return dict(m=m, dp=mesh.dp.size, pp=2, rows=rows)
+
+
+def plot_pipeline(res):
+    """Per variant, pipeline rank 0 and 1 side by side: the bytes per step of each collective (left) and the full
+    buffers ZeRO held at the peak of the step (right), both over 4Ψ_stage; the formula as black lines."""
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for j, row in enumerate(res["rows"]):
+        for i in range(res["pp"]):  # the first dp rank of each stage (the others hold as much)
+            r = next(x for x in row["by_rank"] if x["pp_rank"] == i)
+            x, norm = j + (i - 0.5) * 0.38, 4 * r["psi"]
+            parts = {k.replace("_", "-"): b / norm for k, b in r["bytes"].items()}
+            _stacked(ax1, x, parts, 0.34, COMM_COLORS, label=j == 0 and i == 0)
+            ax1.plot([x - 0.17, x + 0.17], [sum(r["predicted"].values()) / r["psi"]] * 2, "k-", lw=2,
+                     label="formula" if j == 0 and i == 0 else None)
+            ax2.bar(x, r["mem"]["zero_transient_peak"] / norm, 0.34, color=["#4c72b0", "#55a868"][i],
+                    label=f"pipeline rank {i}" if j == 0 else None)
+    for ax, ylabel in ((ax1, "bytes per step / 4Ψ_stage"), (ax2, "whole buffers at the peak / 4Ψ_stage")):
+        ax.set_xticks(range(len(res["rows"])), [row["name"] for row in res["rows"]], fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8, frameon=False)
+    ax1.set_title(f"ZeRO traffic, pp=2 x dp={res['dp']}, m={res['m']} micro-batches")
+    ax2.set_title("held whole during the step, beyond the states kept\n(ZeRO-1 keeps whole gradients always)",
+                  fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+EXPERIMENTS = ("stages", "timeline", "fsdp", "fsdp_memory", "parity", "pipeline")
 ONE_PROCESS, ANY_WORLD, PER_DP = ("fsdp_memory",), ("parity",), ("stages", "parity")
+PIPELINE = ("pipeline",)  # on a (world / 2) x 2 mesh of dp x pp
 
 
 # ------------------------------------------------------------------------------------ the widget's model
@@ -451,14 +529,19 @@ def plot_memory_model(n_params, n, stage, recipe="ours", capacity_gb=80.0, title
 def main(argv=None):
     args, names, out = _common.cli("04_zero", EXPERIMENTS, __doc__, argv=argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    with Mesh.init(dp=world, device=_common.experiment_device("04_zero")) as mesh:
-        st = settings(args.fast, mesh)
-        _common.run_experiments(
-            names, lambda name: globals()[f"exp_{name}"](mesh, st, out),
-            lambda name: out / (f"{name}_dp{world}.json" if name in PER_DP else f"{name}.json"),
-            _common.environment(mesh, settings=st), mesh.rank,
-            skip=lambda name: f"launch it with {'one process' if name in ONE_PROCESS else '2+ processes'}"
-            if (world == 1) != (name in ONE_PROCESS) and name not in ANY_WORLD else None)
+    for pp, group in ((1, [n for n in names if n not in PIPELINE]), (2, [n for n in names if n in PIPELINE])):
+        if not group or (pp == 2 and world % 4):
+            if group:
+                print(f"== {group[0]}: launch it with 4 processes (or a multiple of 4); skipped")
+            continue
+        with Mesh.init(dp=world // pp, pp=pp, device=_common.experiment_device("04_zero")) as mesh:
+            st = settings(args.fast, mesh)
+            _common.run_experiments(
+                group, lambda name: globals()[f"exp_{name}"](mesh, st, out),
+                lambda name: out / (f"{name}_dp{world}.json" if name in PER_DP else f"{name}.json"),
+                _common.environment(mesh, settings=st), mesh.rank,
+                skip=lambda name: f"launch it with {'one process' if name in ONE_PROCESS else '2+ processes'}"
+                if (world == 1) != (name in ONE_PROCESS) and name not in ANY_WORLD else None)
 
 
 if __name__ == "__main__":

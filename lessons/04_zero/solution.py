@@ -119,3 +119,13 @@ def plan(budget_mib):
             if best is None or (wire, g) <= best[0]:  # a tie: the higher stage (less optimizer work)
                 best = (wire, g), dict(zero=zero, micro_batch_size=mbs)
     return best[1]
+
+
+
+# ----------------------------------------------------------------------------- exercise 7: ZeRO with a pipeline
+def pp_zero_traffic(stage, root, layers, m, reshard=False):
+    """EXERCISE 7: one reduce-scatter of everything per step; the all-gathers once per step, or resharded 2m times
+    per layer (F and B of each micro-batch) and once for the roots."""
+    total = root + layers
+    gathered = root + 2 * m * layers if stage == 3 and reshard else total
+    return {"all_gather": gathered, "reduce_scatter": total}
