@@ -52,7 +52,8 @@ def settings(fast, device_type=None):
               mem_seqs=(128, 256, 512) if fast else (256, 512, 1024, 2048), budget_mib=16 if fast else 64,
               balance_seq=2048, balance_repeats=9 if fast else 11,
               train_seq=256 if fast else 1024, train_b=2, train_steps=2 if fast else 6, train_warmup=1,
-              parity_steps=10 if fast else 20, parity_seq_len=64, parity_layers=4, parity_grad_acc=2)
+              parity_steps=10 if fast else 20, parity_seq_len=64, parity_layers=4, parity_grad_acc=2,
+              ulysses_tokens=128 if fast else 512)
     return _common.sized("06_context_parallel", st, fast, device_type)
 
 
@@ -193,14 +194,19 @@ class SentBytes(metrics.Recorder):
     """A metrics.Recorder that also adds up what this rank sent along the cp axis by what it carried: `sent["kv"]`
     (K/V blocks) and `sent["dkv"]` (their gradients). The ring's messages carry the attention core's label ("kv",
     "dkv"); of the all-gather of K/V and its backward's reduce-scatter of dK/dV over a buffer of B bytes, (cp-1)/cp·B
-    leave this rank (the rest is its own piece)."""
+    leave this rank (the rest is its own piece). Ulysses' all-to-alls: `buffers["a2a forward"]` (the whole buffers
+    of the forward's, nccl-tests' N) and `sent["a2a forward"]`, `sent["a2a backward"]` ((cp-1)/cp of them)."""
 
     def __init__(self, cp, timeline=None):
         super().__init__(timeline)
-        self.cp, self.sent = cp, {"kv": 0, "dkv": 0}
+        self.cp, self.sent, self.buffers = cp, {"kv": 0, "dkv": 0}, {}
 
     def collective(self, kind, nbytes, work, label, start, axis=None, **info):
-        if axis == "cp":
+        if axis == "cp" and kind == "all_to_all":  # Ulysses: q, k, v, out forward; their gradients backward
+            key = "a2a backward" if label.endswith("-backward") else "a2a forward"
+            self.buffers[key] = self.buffers.get(key, 0) + nbytes
+            self.sent[key] = self.sent.get(key, 0) + nbytes // self.cp * (self.cp - 1)
+        elif axis == "cp":
             self.sent[{"all_gather": "kv", "reduce_scatter": "dkv"}[kind]] += nbytes // self.cp * (self.cp - 1)
         return super().collective(kind, nbytes, work, label, start, axis=axis, **info)
 
@@ -211,7 +217,7 @@ class SentBytes(metrics.Recorder):
 
     def reset(self):
         super().reset()
-        self.sent = {"kv": 0, "dkv": 0}
+        self.sent, self.buffers = {"kv": 0, "dkv": 0}, {}
 
 
 def _say(mesh, text):
@@ -392,7 +398,7 @@ class Stepper:
         self.recorder = SentBytes(mesh.cp.size)
         self.run = par.parallelize(cfg, mesh, recorder=self.recorder)
         self.loader = load_data(cfg, mesh)[1]
-        self.times, self.sent, self.losses = [], [], []
+        self.times, self.sent, self.buffers, self.losses = [], [], [], []
 
     def step(self, step, record=True):
         run = self.run
@@ -407,6 +413,7 @@ class Stepper:
         if record:
             self.times.append(dt.item())
             self.sent.append(dict(self.recorder.sent))
+            self.buffers.append(dict(self.recorder.buffers))
             self.losses.append(loss.item())
 
 
@@ -434,6 +441,40 @@ def exp_train(mesh, st, out):
                    f"(formula {formula / MiB:.3f})")
     return dict(cp=cp, s=s, b=b, layers=mc.num_hidden_layers, kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
                 rows=rows)
+
+
+# -------------------------------------------------------------------------------------------- ulysses
+def ulysses_forward_bytes(mc, b, s, cp, elem=4):
+    """The buffers of one layer's four forward all-to-alls on one rank (q, k, v, out: this rank's s/cp tokens of
+    every head, a query heads and kh' = ulysses_kv_heads KV heads): (2a + 2kh')·b·(s/cp)·d·elem; (cp-1)/cp of it
+    leaves the rank, and the backward sends as much again."""
+    kv = cpm.ulysses_kv_heads(mc.num_attention_heads, mc.num_key_value_heads, cp)
+    return (2 * mc.num_attention_heads + 2 * kv) * b * (s // cp) * mc.head_dim * elem
+
+
+def exp_ulysses(mesh, st, out):
+    """Ulysses against the ring (both zig-zag) at cp = world size, s = cp x the tokens per rank of the settings (the
+    same s/cp for every cp): training steps one of each in turn (the median step), the bytes of every all-to-all
+    and ring message against the formulas, and the activation bytes one forward keeps (metrics.ActivationCounter)."""
+    cp, b = mesh.cp.size, st["train_b"]
+    s = st["ulysses_tokens"] * cp
+    variants = {impl: Stepper(make_cfg(st["size"], seq_len=s, micro_batch_size=b, cp=cp, cp_impl=impl,
+                                       max_position_embeddings=max(1024, s)), mesh) for impl in ("ring", "ulysses")}
+    busy = run_interleaved(list(variants.values()), st["train_steps"], st["train_warmup"], mesh.cp.group)
+    mc = variants["ring"].run.raw.config
+    L = mc.num_hidden_layers
+    rows = {}
+    for impl, v in variants.items():
+        med = statistics.median(v.times)
+        rows[impl] = dict(times=v.times, step_s=med, sent=gather(v.sent, mesh), buffers=gather(v.buffers, mesh),
+                          formula=cpm.bytes_per_step_formula(cp, b, s, mc.num_key_value_heads, mc.head_dim, L,
+                                                             impl=impl, heads=mc.num_attention_heads),
+                          activations=_saved_bytes(v.run, v.cfg, mesh, s, mesh), losses=v.losses)
+        _say(mesh, f"cp={cp} {impl:<8} s={s}: step {1e3 * med:6.0f} ms (median of {len(v.times)}); sent per step "
+                   f"{sum(rows[impl]['sent'][0][-1].values()) / MiB:.3f} MiB (formula {rows[impl]['formula'] / MiB:.3f}); "
+                   f"activations {rows[impl]['activations'][0] / MiB:.2f} MiB")
+    return dict(cp=cp, s=s, b=b, layers=L, heads=mc.num_attention_heads, kv_heads=mc.num_key_value_heads,
+                head_dim=mc.head_dim, forward_formula=ulysses_forward_bytes(mc, b, s, cp), busy=busy, rows=rows)
 
 
 # --------------------------------------------------------------------------------------------- parity
@@ -499,7 +540,7 @@ def exp_parity(mesh, st, out):
     return result
 
 
-EXPERIMENTS = ("memory", "balance", "train", "parity")
+EXPERIMENTS = ("memory", "balance", "train", "parity", "ulysses")
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
