@@ -4,6 +4,7 @@ formulas and plots.
 
     torchrun --nproc_per_node 2 lessons/06_context_parallel/experiment.py [--only balance,train,parity]
     torchrun --nproc_per_node 4 lessons/06_context_parallel/experiment.py --only memory,balance,train,parity
+    torchrun --nproc_per_node 2 lessons/06_context_parallel/experiment.py --only ulysses    # (also on 4)
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_cp<c>.json (c = the world size). memory: the bytes autograd keeps in one forward of one
@@ -15,7 +16,9 @@ share of the machine's cores other programs used during each call (_common.LoadW
 train: training steps of the model at cp = world size, ring (zig-zag and contiguous) and all-gather interleaved
 (tokens/s), the bytes every attention core sent against `bytes_per_step_formula`. parity: picotron.train at cp =
 world size (and cp = 2 x dp = 2 on 4 processes) against one process, and the trap: cp = 2, dp = 1 with the
-gradients NOT averaged over cp.
+gradients NOT averaged over cp. ulysses: training steps at cp = world size and s = cp x a fixed number of tokens per
+rank, the ring and Ulysses (both zig-zag) in turn: step times, the bytes of every all-to-all and ring message against
+the formulas, the activation bytes one forward keeps.
 """
 import os
 import statistics
@@ -684,6 +687,47 @@ def plot_throughput(results):
     ax.set(ylabel="tokens / s (median step)", title="training throughput: ring against all-gather")
     ax.title.set_fontsize(9)
     _legend_below(ax, ncol=3, dy=-0.14)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ulysses(results):
+    """Ulysses against the ring at the same tokens per rank: the bytes a rank sends per step against cp (the
+    formulas as lines, the measurements as points), the activation bytes one forward keeps, the median step time."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.3), gridspec_kw=dict(width_ratios=[1.4, 1, 1]))
+    r0 = results[0]
+    t = r0["s"] // r0["cp"]
+    colors = {"ring": LAYOUT_COLORS["zigzag"], "ulysses": "#55a868"}
+    ax = axes[0]
+    for impl, color in colors.items():
+        cps = [c for c in range(2, 9) if impl == "ring" or r0["heads"] % c == 0]  # Ulysses: c divides the heads
+        line = [cpm.bytes_per_step_formula(c, r0["b"], t * c, r0["kv_heads"], r0["head_dim"], r0["layers"], impl=impl,
+                                           heads=r0["heads"]) / MiB for c in cps]
+        ax.plot(cps, line, ".-", color=color, lw=1.2, ms=4, label=f"{impl}: formula")
+        ax.plot([r["cp"] for r in results], [sum(r["rows"][impl]["sent"][0][-1].values()) / MiB for r in results],
+                "o", color=color, label=f"{impl}: measured (rank 0)")
+    ax.set(xlabel=f"cp (s = cp x {t} tokens; Ulysses: the c dividing a = {r0['heads']})",
+           ylabel="MiB sent per rank per step", ylim=(0, None))
+    ax.set_title("bytes per rank at the same tokens per rank: the ring's grow with cp", fontsize=9)
+    ax.legend(fontsize=FONT, frameon=False)
+    w = 0.38
+    for ax, what, unit, scale in ((axes[1], "activations", "MiB kept by one forward (rank 0)", MiB),
+                                  (axes[2], "step_s", "median step (ms)", 1e-3)):
+        for j, (impl, color) in enumerate(colors.items()):
+            xs = [g + (j - 0.5) * w for g in range(len(results))]
+            ys = [(r["rows"][impl][what][0] if what == "activations" else r["rows"][impl][what]) / scale
+                  for r in results]
+            ax.bar(xs, ys, w, color=color, label=impl)
+            for x, y in zip(xs, ys):
+                ax.text(x, y, f"{y:.1f}" if what == "activations" else f"{y:.0f}", ha="center", va="bottom",
+                        fontsize=FONT)
+        ax.set_xticks(range(len(results)), [f"cp = {r['cp']}, s = {r['s']}" for r in results], fontsize=FONT)
+        ax.set_ylabel(unit, fontsize=FONT)
+        ax.set_title("activation memory" if what == "activations" else "time per step (CPU, shared)", fontsize=9)
+        ax.set_ylim(0, 1.25 * ax.get_ylim()[1])
+        ax.legend(fontsize=FONT, frameon=False, loc="upper left", ncol=2)
     fig.tight_layout()
     return fig
 
