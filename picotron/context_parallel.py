@@ -1,7 +1,7 @@
-"""Context parallelism: every sequence cut over the cp ranks; attention passes K/V around a ring.
+"""Context parallelism: every sequence cut over the cp ranks; attention passes K/V around a ring (or all-to-alls).
 
 Everything in a transformer layer but attention works token by token, so a rank holding only some of a
-sequence's tokens can run it alone. Attention needs every earlier token's key and value. Two ways to give
+sequence's tokens can run it alone. Attention needs every earlier token's key and value. Three ways to give
 them to it:
 
     ring        each rank keeps its queries; the K/V blocks travel the ring of cp ranks (rank r sends to
@@ -343,16 +343,14 @@ def ulysses_attention(q, k, v, axis, layout, phases):
     if copies > 1:  # GQA with fewer KV heads than cp divides: head i's copies serve its query heads
         k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
     q, k, v = (seq_to_heads(t, axis, f"all-to-all {what}") for t, what in ((q, "q"), (k, "k"), (v, "v")))
-    s = q.shape[2]
-    order = torch.cat([positions(s, n, r, layout) for r in range(n)]).to(q.device)  # what each slot holds
-    back = None if layout == "contiguous" else order  # contiguous: rank order already is position order
-    if back is not None:
-        by_position = torch.argsort(order)
-        q, k, v = (t.index_select(2, by_position) for t in (q, k, v))
+    reorder = layout != "contiguous"  # contiguous: rank order already is position order
+    if reorder:  # slot i of the gathered sequence holds position order[i] (rank 0's chunks, then rank 1's, ...)
+        order = torch.cat([positions(q.shape[2], n, r, layout) for r in range(n)]).to(q.device)
+        q, k, v = (t.index_select(2, torch.argsort(order)) for t in (q, k, v))  # in position order
     with phases("attention"):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    if back is not None:
-        out = out.index_select(2, back)  # slot i <- position order[i]: layout order again
+    if reorder:
+        out = out.index_select(2, order)  # back in layout order
     return heads_to_seq(out, axis, "all-to-all out")
 
 
