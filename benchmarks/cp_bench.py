@@ -1,7 +1,9 @@
-"""Context parallelism: ring attention (zig-zag and contiguous layouts) against the all-gather baseline, in one run.
+"""Context parallelism: ring attention (zig-zag and contiguous layouts) against the all-gather baseline and Ulysses'
+all-to-alls, in one run.
 
     torchrun --nproc_per_node C benchmarks/cp_bench.py [--steps 10] [--warmup 2] [--size small] [--seq-len 1024]
-             [--micro-batch-size 2] [--grad-acc 1] [--variants ring/zigzag,ring/contiguous,allgather/zigzag]
+             [--micro-batch-size 2] [--grad-acc 1]
+             [--variants ring/zigzag,ring/contiguous,allgather/zigzag,ulysses/zigzag]
     python benchmarks/repeat.py --runs 5 --nproc C cp_bench.py [flags]     # the median over fresh runs
 
 C = the number of context-parallel ranks (cp = C, dp = 1: every rank holds 2 of the 2·C chunks of every sequence).
@@ -11,23 +13,25 @@ per step `schedule.run`, `marks.clip_grad_norm`, `optimizer.step()`, `zero_grad(
 same weights (the initialisation depends on the seed and the names only).
 
 Before timing, one step of each from the same weights: the global-batch losses and gradient norms must agree to
-1e-5 relative (fp32; the ring merges blocks by log-sum-exp, the all-gather calls SDPA once), or the script stops.
+1e-5 relative (fp32; the ring merges blocks by log-sum-exp, the all-gather and Ulysses call SDPA once), or the
+script stops.
 Timing: one step of each variant in turn, the order rotating, a barrier before every step; a step's time is the
 slowest rank's. Printed per variant: the median step time and tokens/s; per pair of variants, the median of the
 paired ratios of the same round with its quartiles (ring zig-zag against all-gather zig-zag: the cost of the
-ring against gathering K/V once; zig-zag against contiguous under the ring: what balancing the causal work buys).
+ring against gathering K/V once; zig-zag against contiguous under the ring: what balancing the causal work buys;
+Ulysses zig-zag against ring zig-zag: all-to-alls over heads against the ring).
 
 Also per variant:
   bytes     what one rank sent along cp per step (K/V forward and dK/dV backward), counted by a metrics.Recorder
             on the axes (`parallelize(..., recorder=)`, reset every step): the ring's messages, and (cp-1)/cp of the
-            all-gather's and reduce-scatter's buffers (the rest is the rank's own), next to
+            all-gather's, reduce-scatter's and all-to-alls' buffers (the rest is the rank's own), next to
             `context_parallel.bytes_per_step_formula`;
   balance   each rank's attention compute per step: the cores' "attention" and "attention-backward" phases as
             events of a metrics.Timeline listening to them (the ring's waits are separate "wait" events, reported
             beside), the median step per
             rank, and max/min across ranks, next to the ratio predicted by counting the (query chunk, key chunk)
             pairs each rank computes (a diagonal pair costs a full one: the mask does not skip work). The
-            all-gather's attention is one SDPA call whose backward autograd runs unseen: forward only.
+            all-gather's and Ulysses' attention is one SDPA call whose backward autograd runs unseen: forward only.
 """
 import argparse
 import dataclasses
@@ -49,10 +53,12 @@ from picotron.mesh import Mesh  # noqa: E402
 from picotron.parallelize import parallelize  # noqa: E402
 from picotron.train import load_data  # noqa: E402
 
-VARIANTS = ("ring/zigzag", "ring/contiguous", "allgather/zigzag", "allgather/contiguous")
+VARIANTS = ("ring/zigzag", "ring/contiguous", "allgather/zigzag", "ulysses/zigzag", "allgather/contiguous",
+            "ulysses/contiguous")
 # (variant, baseline, what the ratio says): baseline's step time / variant's = variant's throughput relative to it
 PAIRS = (("ring/zigzag", "allgather/zigzag", "ring zigzag throughput / all-gather zigzag's"),
-         ("ring/zigzag", "ring/contiguous", "ring zigzag throughput / ring contiguous's"))
+         ("ring/zigzag", "ring/contiguous", "ring zigzag throughput / ring contiguous's"),
+         ("ulysses/zigzag", "ring/zigzag", "ulysses zigzag throughput / ring zigzag's"))
 ATTENTION = ("attention", "attention-backward")
 
 
@@ -92,8 +98,8 @@ class Variant:
 
 
 def sent_along_cp(recorder, cp):
-    """Bytes this rank sent along the cp axis: the ring's messages, and (cp-1)/cp of the buffer of each all-gather
-    and reduce-scatter (the rest is the rank's own piece)."""
+    """Bytes this rank sent along the cp axis: the ring's messages, and (cp-1)/cp of the buffer of each all-gather,
+    reduce-scatter and all-to-all (the rest is the rank's own piece)."""
     return sum(nbytes if kind == "send" else nbytes // cp * (cp - 1) for kind, nbytes, axis in recorder.log
                if axis == "cp")
 
@@ -146,7 +152,7 @@ def main():
     p.add_argument("--seq-len", type=int, default=1024, help="long enough that attention is most of a step")
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--grad-acc", type=int, default=1)
-    p.add_argument("--variants", default=",".join(VARIANTS[:3]), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS[:4]), help=f"comma-separated subset of {','.join(VARIANTS)}")
     args = p.parse_args()
     names = args.variants.split(",")
     if any(n not in VARIANTS for n in names) or len(set(names)) != len(names):
@@ -154,12 +160,16 @@ def main():
     cp = int(os.environ.get("WORLD_SIZE", "1"))
     if cp < 2:
         p.error("run it with torchrun --nproc_per_node C, C >= 2 (the cp ranks)")
-    mesh = Mesh.init(cp=cp)
     kw = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_acc=args.grad_acc, cp=cp,
               max_position_embeddings=max(1024, args.seq_len))
     if args.num_hidden_layers:
         kw["num_hidden_layers"] = args.num_hidden_layers
     base = make_cfg(args.size, **kw)
+    for n in names:  # Ulysses needs cp to divide the heads: its one sentence before any process group
+        problem = cpm.check(dataclasses.replace(base, cp_impl=n.split("/")[0]), base.model_config())
+        if problem:
+            p.error(f"--variants {n}: {problem}")
+    mesh = Mesh.init(cp=cp)
     threads = torch.get_num_threads()
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         t0 = time.perf_counter()
@@ -170,7 +180,7 @@ def main():
         rows = {v.name: collect(v, mesh) for v in variants}
         if mesh.rank == 0:
             mc, b, s, m = base.model_config(), args.micro_batch_size, args.seq_len, args.grad_acc
-            print(f"CP ring vs all-gather, cp={cp} ({mesh.device.type}/{mesh.backend}, {threads} thread"
+            print(f"CP ring vs all-gather vs Ulysses, cp={cp} ({mesh.device.type}/{mesh.backend}, {threads} thread"
                   f"{'s' if threads > 1 else ''} per rank), {args.steps} rounds, model {args.size} "
                   f"{mc.num_hidden_layers} layers ({mc.num_params() / 1e6:.1f} M, {mc.num_attention_heads} heads "
                   f"over {mc.num_key_value_heads} KV heads of {mc.head_dim}), {m} x {b}x{s} tokens per step "
@@ -180,20 +190,23 @@ def main():
             for n, r in rows.items():
                 med = statistics.median(r["times"])
                 print(f"  {n:<20} {1e3 * med:8.1f} ms/step  {m * b * s / med:8.0f} tokens/s")
-            print("  bytes sent per step per rank (attention K/V + dK/dV), counted vs bytes_per_step_formula:")
+            print("  bytes sent per step per rank (attention K/V + dK/dV; Ulysses: q, k, v, out and their gradients), "
+                  "counted vs bytes_per_step_formula:")
             for n, r in rows.items():
                 form = cpm.bytes_per_step_formula(cp, b, s, mc.num_key_value_heads, mc.head_dim, mc.num_hidden_layers,
-                                                  elem=4, impl=n.split("/")[0], micro_batches=m)
+                                                  elem=4, impl=n.split("/")[0], micro_batches=m,
+                                                  heads=mc.num_attention_heads)
                 ok = all(x == form for x in r["sent"]) and not r["sent_varies"]
                 print(f"    {n:<20} {' '.join(f'{x / 2**20:.3f}' for x in r['sent'])} MiB (ranks 0..{cp - 1}), "
                       f"formula {form / 2**20:.3f} MiB: {'equal' if ok else 'DIFFERENT'}")
-            print("  attention compute per rank (median step; ring: forward + backward, all-gather: forward only), "
+            print("  attention compute per rank (median step; ring: forward + backward, all-gather and Ulysses: "
+                  "forward only), "
                   "max/min across ranks vs predicted by chunk pairs; ring waits beside:")
             for n, r in rows.items():
                 att, impl, layout = r["attention"], *n.split("/")
                 pred, work = predicted_balance(cp, layout)
                 pred_txt = f"predicted {pred:.2f} ({'/'.join(map(str, work))} pairs)" if impl == "ring" else \
-                    "predicted 1.00 (SDPA over the whole masked sequence)"
+                    "predicted 1.00 (SDPA over the whole sequence, masked)"
                 wait = f"; waits {' '.join(f'{1e3 * w:.1f}' for w in r['wait'])} ms" if impl == "ring" else ""
                 print(f"    {n:<20} {' '.join(f'{1e3 * a:.1f}' for a in att)} ms, max/min {max(att) / min(att):.2f}, "
                       f"{pred_txt}{wait}")

@@ -48,7 +48,7 @@ ATTN_IMPLS = ("sdpa", "eager", "flash")
 KERNELS = ("plain", "compile", "triton", "auto")
 RECOMPUTE = ("none", "selective", "full", "partitioned")
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe")
-CP_IMPLS = ("ring", "allgather")
+CP_IMPLS = ("ring", "allgather", "ulysses")
 CP_LAYOUTS = ("zigzag", "contiguous")
 ZERO_STAGES = (0, 1, 2, 3)
 DEVICES = ("auto", "cpu", "cuda")
@@ -104,7 +104,8 @@ class Config:
                                       "on two ranks (dualpipe: even --pp, even --grad-acc >= 2*pp)", PP_SCHEDULES)
     pp_chunks: int = option(1, "model chunks per rank for --pp-schedule interleaved (v); the bubble shrinks v-fold")
     cp_impl: str = option("ring", "how attention sees the other cp ranks' keys and values: passed around a ring, "
-                                  "overlapped with compute (ring), or gathered whole once (allgather)", CP_IMPLS)
+                                  "overlapped with compute (ring), gathered whole once (allgather), or all-to-all "
+                                  "from a share of the tokens to a share of the heads (ulysses)", CP_IMPLS)
     cp_layout: str = option("zigzag", "which tokens each cp rank holds: chunks r and 2cp-1-r of 2cp, balancing the "
                                       "causal work (zigzag), or one contiguous block (contiguous)", CP_LAYOUTS)
     # batch and schedule

@@ -1,7 +1,7 @@
-"""Context parallelism: every sequence cut over the cp ranks; attention passes K/V around a ring.
+"""Context parallelism: every sequence cut over the cp ranks; attention passes K/V around a ring (or all-to-alls).
 
 Everything in a transformer layer but attention works token by token, so a rank holding only some of a
-sequence's tokens can run it alone. Attention needs every earlier token's key and value. Two ways to give
+sequence's tokens can run it alone. Attention needs every earlier token's key and value. Three ways to give
 them to it:
 
     ring        each rank keeps its queries; the K/V blocks travel the ring of cp ranks (rank r sends to
@@ -11,6 +11,14 @@ them to it:
                 Backward walks the ring again: dQ stays, dK/dV travel with their block and arrive home last.
     allgather   gather all of K/V once (an all-gather; its backward is a reduce-scatter), attend locally:
                 simple, but every rank holds the whole K/V for a moment (the baseline).
+    ulysses     swap what is split (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509): an all-to-all
+                turns each rank's s/cp tokens of every head into the whole sequence of h/cp heads, for q, k
+                and v; attention runs locally over the whole sequence; a fourth all-to-all turns the output
+                back into s/cp tokens of every head. Four all-to-alls per layer forward, four in backward
+                (an all-to-all's gradient is the inverse all-to-all). Needs the query heads (per tp rank)
+                divisible by cp; KV heads fewer than that (GQA) are replicated until they divide (see
+                `ulysses_kv_heads`). A rank sends (cp-1)/cp of its q, k, v and output: bytes per rank that
+                shrink as 1/cp, where the ring's stay those of the whole K/V.
 
 Layouts: the sequence is cut into 2·cp chunks of c = s/(2·cp) tokens, and each rank holds two of them.
 
@@ -29,6 +37,9 @@ loader hands out with the tokens and RoPE uses; nothing else in the model needs 
 
 GQA: only the KV heads travel (a/k times fewer bytes than the repeated heads); a block is computed with the
 query heads grouped over their KV head, never repeating K/V.
+
+Ulysses keeps the layouts: the gathered sequence arrives in layout order (rank 0's tokens, then rank 1's...)
+and is put back in position order before the causal attention, and back in layout order after it.
 
     context_parallel.apply(model, mesh.cp, impl="ring", layout="zigzag")   # swaps every Attention.core
 
@@ -277,10 +288,76 @@ def allgather_attention(q, k, v, axis, layout, phases):
                                               enable_gqa=q.shape[1] != k.shape[1])
 
 
+# ================================================================================= Ulysses: all-to-all
+class _AllToAll(torch.autograd.Function):
+    """t [cp, ...]: block j goes to rank j; the result's block i came from rank i (`Axis.all_to_all_into`).
+    Its gradient is the same exchange again: what rank i sent me as block i, I send back to it as block i."""
+
+    @staticmethod
+    def forward(ctx, t, axis, label):
+        t = t.contiguous()
+        out = torch.empty_like(t)  # (contiguous too: empty_like keeps a strided t's strides)
+        axis.all_to_all_into(out, t, label=label)
+        ctx.axis, ctx.label = axis, label
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        ctx.axis.all_to_all_into(out, grad, label=ctx.label + "-backward")
+        return out, None, None
+
+
+def seq_to_heads(x, axis, label="all-to-all"):
+    """[b, H, s/cp, d] (this rank's tokens, every head) -> [b, H/cp, s, d] (every rank's tokens in rank order,
+    this rank's H/cp heads): head group j is sent to rank j, rank i's tokens arrive as block i."""
+    n = axis.size
+    b, h, c, d = x.shape
+    send = x.reshape(b, n, h // n, c, d).transpose(0, 1)  # [cp, b, H/cp, s/cp, d]: block j = head group j
+    got = _AllToAll.apply(send, axis, label)  # block i = rank i's tokens of my heads
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * c, d)
+
+
+def heads_to_seq(y, axis, label="all-to-all out"):
+    """The inverse of seq_to_heads: [b, H/cp, s, d] -> [b, H, s/cp, d]."""
+    n = axis.size
+    b, g, s, d = y.shape
+    send = y.reshape(b, g, n, s // n, d).permute(2, 0, 1, 3, 4)  # block j = rank j's tokens
+    got = _AllToAll.apply(send, axis, label)  # block i = head group i of my tokens
+    return got.transpose(0, 1).reshape(b, n * g, s // n, d)
+
+
+def ulysses_kv_heads(heads, kv_heads, cp):
+    """How many KV heads Ulysses sends: kv_heads when cp divides them, else the fewest copies (each KV head
+    repeated next to itself) that cp divides and that still group the query heads evenly: lcm(kv_heads, cp)."""
+    return kv_heads * cp // math.gcd(kv_heads, cp)
+
+
+def ulysses_attention(q, k, v, axis, layout, phases):
+    """All-to-all q, k, v to the whole sequence of H/cp heads, causal attention, all-to-all back."""
+    n, a, kh = axis.size, q.shape[1], k.shape[1]
+    if a % n:
+        raise ValueError(f"ulysses: {a} query heads on this rank do not split over cp={n}.")
+    copies = ulysses_kv_heads(a, kh, n) // kh
+    if copies > 1:  # GQA with fewer KV heads than cp divides: head i's copies serve its query heads
+        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
+    q, k, v = (seq_to_heads(t, axis, f"all-to-all {what}") for t, what in ((q, "q"), (k, "k"), (v, "v")))
+    reorder = layout != "contiguous"  # contiguous: rank order already is position order
+    if reorder:  # slot i of the gathered sequence holds position order[i] (rank 0's chunks, then rank 1's, ...)
+        order = torch.cat([positions(q.shape[2], n, r, layout) for r in range(n)]).to(q.device)
+        q, k, v = (t.index_select(2, torch.argsort(order)) for t in (q, k, v))  # in position order
+    with phases("attention"):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    if reorder:
+        out = out.index_select(2, order)  # back in layout order
+    return heads_to_seq(out, axis, "all-to-all out")
+
+
 # ================================================================================= the model's seam
 class ContextParallelAttention(nn.Module):
     """What replaces `model.AttentionCore` under cp: RoPE at each token's true position (the positions came
-    with the batch), then ring or all-gather attention over `axis`.
+    with the batch), then ring, all-gather or Ulysses attention over `axis`.
 
     `phases` (picotron.hooks): each ring step's compute ("attention", "attention-backward") and each wait for a
     message ("wait"), for whoever listens (a lesson draws them); the bytes it sends are counted where they are
@@ -303,6 +380,8 @@ class ContextParallelAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         if self.impl == "ring":
             return RingAttention.apply(q, k, v, self.axis, self.layout, self.phases)
+        if self.impl == "ulysses":
+            return ulysses_attention(q, k, v, self.axis, self.layout, self.phases)
         return allgather_attention(q, k, v, self.axis, self.layout, self.phases)
 
     def extra_repr(self):
@@ -354,12 +433,20 @@ class WholeSequence(nn.Module):
             return self.inner(ids)
 
 
-def bytes_per_step_formula(cp, b, seq_len, kv_heads, head_dim, layers, elem=4, impl="ring", micro_batches=1):
-    """Bytes one rank sends per optimizer step for attention's K/V under cp (recomputation adds its forwards).
+def bytes_per_step_formula(cp, b, seq_len, kv_heads, head_dim, layers, elem=4, impl="ring", micro_batches=1,
+                           heads=None):
+    """Bytes one rank sends per optimizer step for attention under cp (recomputation adds its forwards); the
+    head counts are this rank's (per tp rank).
 
     A block is one rank's K and V: 2·b·kh·(s/cp)·d elements. ring: cp-1 blocks forward, cp-1 again in backward
     (the ring is walked again rather than keeping every block), and cp dK/dV blocks, accumulated in fp32 (the
-    last one goes home); allgather: cp-1 blocks out in the gather and cp-1 gradient blocks in the reduce-scatter."""
+    last one goes home); allgather: cp-1 blocks out in the gather and cp-1 gradient blocks in the reduce-scatter.
+    ulysses (needs `heads`, the query heads): four all-to-alls forward, of q, k, v and the output, each rank's
+    b·(s/cp)·d per head, of which (cp-1)/cp leave the rank: (2·a + 2·kh')·b·(s/cp)·d·(cp-1)/cp elements, kh' =
+    ulysses_kv_heads (the KV heads after replication); backward sends as much again."""
+    if impl == "ulysses":
+        kv = ulysses_kv_heads(heads, kv_heads, cp)
+        return layers * micro_batches * 2 * (2 * heads + 2 * kv) * b * (seq_len // cp) * head_dim * elem * (cp - 1) // cp
     block = 2 * b * kv_heads * (seq_len // cp) * head_dim
     if impl == "ring":
         per_layer = block * (2 * (cp - 1) * elem + cp * max(elem, 4))
@@ -378,6 +465,12 @@ def check(cfg, model_config):
         fix = f"pick cp in {{{', '.join(map(str, good))}}} or " if good else ""
         return (f"cp={cfg.cp} needs seq_len={cfg.seq_len} divisible by 2*cp={2 * cfg.cp} (each rank holds two of "
                 f"2*cp equal chunks of every sequence); {fix}a seq_len that is a multiple of {2 * cfg.cp}.")
+    heads, tp = model_config.num_attention_heads, cfg.tp
+    if cfg.cp_impl == "ulysses" and heads % tp == 0 and (heads // tp) % cfg.cp:  # (tp's own rule: tp divides heads)
+        good = [c for c in range(1, heads // tp + 1) if (heads // tp) % c == 0]
+        return (f"cp_impl='ulysses' with cp={cfg.cp} needs the query heads per tp rank (num_attention_heads={heads} / "
+                f"tp={tp} = {heads // tp}) divisible by cp (each cp rank attends with its share of the heads); pick cp "
+                f"in {{{', '.join(map(str, good))}}} or --cp-impl ring.")
     if model_config.attn_impl == "eager":
         return (f"attn_impl='eager' with cp={cfg.cp}: context parallelism computes attention block by block itself "
                 f"(the s x s score matrix is never formed whole), so the eager path would never run; drop "

@@ -2,11 +2,13 @@
 
 Attention alone: every rank's piece of ring (and all-gather) attention, forward and backward, equals its piece
 of full causal attention over the whole sequence: float64 to 1e-10, fp32 to 1e-5, for cp = 2, 3, 4, both
-layouts, with GQA and with RoPE at each token's true position.
+layouts, with GQA and with RoPE at each token's true position (Ulysses at cp = 2 and 4: it needs the 4 query
+heads divisible by cp); the bytes each sends against bytes_per_step_formula.
 
 The whole model, per the parity standard (same seed, same global batch, fp32; per-step loss and gradient
 norm within 1e-5 relative; every gradient): cp = 2 and 4 (including dp = 1, where the gradients must still be
-averaged over the cp ranks), cp2 x dp2, cp2 x tp2 (+ sp), cp2 x pp2, cp2 with ZeRO-1 and ZeRO-3.
+averaged over the cp ranks), cp2 x dp2, cp2 x tp2 (+ sp), cp2 x pp2, cp2 with ZeRO-1 and ZeRO-3; Ulysses at
+cp = 2 and 4, both layouts, and cp2 x tp2.
 """
 import pytest
 import torch
@@ -57,17 +59,23 @@ def _attention_child(dtype, impl, layout, kv_heads):
         out.backward(cpm.split(dout, n, r, layout, dim=2))
         got = [out.detach()] + [t.grad for t in mine]
         # sent: the ring's messages; of the all-gather's and reduce-scatter's buffers, the (n-1)/n that leave the rank
-        collectives = rec.bytes.get("all_gather", 0) + rec.bytes.get("reduce_scatter", 0)
+        collectives = sum(rec.bytes.get(kind, 0) for kind in ("all_gather", "reduce_scatter", "all_to_all"))
         return [(g.double(), w) for g, w in zip(got, want)], rec.bytes.get("send", 0) + collectives // n * (n - 1)
 
 
-VARIANTS = [("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"), ("allgather", "contiguous")]
+VARIANTS = [("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"), ("allgather", "contiguous"),
+            ("ulysses", "zigzag"), ("ulysses", "contiguous")]
 
 
-# by default every variant at cp = 3 (odd: no power-of-two luck) and the ring at 2 and 4; the rest with --heavy
-@pytest.mark.parametrize("cp,impl,layout", [
-    pytest.param(cp, impl, layout, marks=pytest.mark.heavy) if cp != 3 and impl == "allgather" else (cp, impl, layout)
-    for cp in (2, 3, 4) for impl, layout in VARIANTS])
+def _attention_case(cp, impl, layout):
+    """By default every variant at cp = 3 (odd: no power-of-two luck) and the ring at 2 and 4; Ulysses (4 query
+    heads: cp = 3 does not divide them) at 2, KV heads replicated when kv_heads = 1; the rest with --heavy."""
+    default = cp == 3 if impl == "allgather" else cp == 2 if impl == "ulysses" else True
+    return (cp, impl, layout) if default else pytest.param(cp, impl, layout, marks=pytest.mark.heavy)
+
+
+@pytest.mark.parametrize("cp,impl,layout", [_attention_case(cp, impl, layout) for cp in (2, 3, 4)
+                                            for impl, layout in VARIANTS if not (impl == "ulysses" and cp == 3)])
 def test_attention_equals_full_causal_attention(cp, impl, layout):
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         for kv_heads in (1, 2, 4):  # GQA (4 query heads over 1 or 2 KV heads) and plain multi-head
@@ -83,7 +91,7 @@ def test_only_the_kv_heads_travel_and_bytes_match_the_formula():
         for kv_heads in (1, 2):
             results = run_on_ranks(_attention_child, 4, torch.float32, impl, "zigzag", kv_heads, timeout_s=60)
             b, s, d = 2, 32, 8
-            want = cpm.bytes_per_step_formula(4, b, s, kv_heads, d, layers=1, elem=4, impl=impl)
+            want = cpm.bytes_per_step_formula(4, b, s, kv_heads, d, layers=1, elem=4, impl=impl, heads=4)
             for _, sent in results:
                 assert sent == want, (impl, kv_heads, sent, want)
 
@@ -160,6 +168,12 @@ def _check(tmp_path, layout):
     dict(cp=2, pp=2, grad_acc=2),
     dict(cp=2, zero=1),
     dict(cp=2, zero=3),
+    dict(cp=2, cp_impl="ulysses"),
+    dict(cp=2, tp=2, cp_impl="ulysses"),  # 4 query heads, 2 KV heads per tp rank, split again over cp
+    pytest.param(dict(cp=2, cp_impl="ulysses", cp_layout="contiguous"), marks=pytest.mark.heavy),
+    pytest.param(dict(cp=4, cp_impl="ulysses"), marks=pytest.mark.heavy),
+    pytest.param(dict(cp=4, cp_impl="ulysses", cp_layout="contiguous"), marks=pytest.mark.heavy),
+    pytest.param(dict(cp=2, tp=2, cp_impl="ulysses", cp_layout="contiguous"), marks=pytest.mark.heavy),
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_whole_model_matches_one_process(tmp_path, layout):
     _check(tmp_path, layout)
@@ -212,3 +226,6 @@ def test_bad_settings_get_one_sentence():
     assert error(cp_layout="zig").startswith("cp_layout='zig' is not one of the known values")
     assert "multiple of 8" in error(cp=2, tp=4, sp=True, seq_len=36, num_attention_heads=4, num_key_value_heads=4)
     validate(Config(cp=4, dp=2, tp=2, sp=True, seq_len=64), any_world_size=True)
+    assert error(cp=4, tp=4, cp_impl="ulysses").startswith(  # tiny: 8 query heads, 2 per tp rank
+        "cp_impl='ulysses' with cp=4 needs the query heads per tp rank (num_attention_heads=8 / tp=4 = 2) divisible")
+    validate(Config(cp=4, tp=2, cp_impl="ulysses"), any_world_size=True)

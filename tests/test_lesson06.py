@@ -2,9 +2,10 @@
 the solutions, fails the stubs naming NotImplementedError, and names typical mistakes (a merge that overflows, the
 max of the lse's, the plain sum, swapped weights, a first block not handled; the contiguous layout, chunks in the
 wrong order, chunks of the wrong size; the ring turning the wrong way, a causal block called whole, a block from the
-future); the experiment's helpers (the activation formula against the planner's, the longest sequence in a budget,
-the block counts per layout, a ring step's blocks, the ring by hand, the naive merge, the block costs and the
-per-rank summary of a timeline, the ring comparison the checker makes) by hand.
+future; Ulysses' send buffer with a strided head group, or reshaped without its transpose); the experiment's
+helpers (the activation formula against the planner's, the longest sequence in a budget, the block counts per
+layout, a ring step's blocks, the ring by hand, the naive merge, the block costs and the per-rank summary of a
+timeline, the ring comparison the checker makes) by hand.
 
 No timing is asserted here apart from the notebook's own balance checks, which hold on a quiet machine, and on a
 machine measured busy may say "?" (inconclusive), never ✗ for that reason (tests/test_lesson_load.py runs them
@@ -41,13 +42,13 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 5, out  # merge, merge in the ring on 2 and 3 ranks, positions, ring steps
+    assert out.count("  ok  ") == 6, out  # merge, merge in the ring on 2 and 3 ranks, positions, ring steps, a2a
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
     code, out = run_checker()
     assert code == 1, out
-    for name in ("merge", "zigzag_positions", "step_blocks"):
+    for name in ("merge", "zigzag_positions", "step_blocks", "heads_send_buffer"):
         assert f"FAIL  {name}: NotImplementedError: not written yet" in out, out
     assert "inside picotron's ring" not in out  # the ring runs only for a merge that passed in this process
 
@@ -107,6 +108,18 @@ def test_checker_names_the_ring_direction_the_diagonal_and_the_future(tmp_path):
     out = fails_with(tmp_path, "step_blocks", ('                out.append((q, k, "causal"))',
                                                '                pass'))
     assert "cp=1, rank 0, ring step 0: block (0, 0, 'causal') is missing" in out, out
+
+
+def test_checker_names_a_strided_head_group_and_a_reshape_without_transpose(tmp_path):
+    group = "    blocks = x.reshape(b, cp, h // cp, t, d)"
+    out = fails_with(tmp_path, "heads_send_buffer", (group, "    blocks = x.reshape(b, h // cp, cp, t, d)"),
+                     ("return blocks.transpose(0, 1)", "return blocks.permute(2, 0, 1, 3, 4)"))
+    assert "after the all-to-all rank 0 holds heads [0, 4] (every cp-th" in out, out
+    out = fails_with(tmp_path, "heads_send_buffer", ("return blocks.transpose(0, 1)",
+                                                     "return x.reshape(cp, b, h // cp, t, d)"))
+    assert "you reshaped [b, H, t, d] straight to [cp, b, H/cp, t, d]" in out and "cuts through the BATCH" in out, out
+    out = fails_with(tmp_path, "heads_send_buffer", ("return blocks.transpose(0, 1)", "return blocks"))
+    assert "the rank axis must come first: transpose(0, 1)" in out, out
 
 
 def test_the_ring_comparison_names_the_rank():

@@ -6,7 +6,7 @@ every member, the pair communicator made at first contact (the host waits for th
 First the replay itself on hand-written traces (each rule, and the two hangs a pod met: the pipeline's
 "receive before send" and the ring whose ranks all first receive from their left), then real runs: every
 pipeline schedule at pp 2 and 4, lesson 02's collectives at 2, 3 and 4 ranks with chunks cut into several
-pieces, context parallelism (ring and all-gather), experts' all-to-alls, data parallelism and ZeRO, tensor +
+pieces, context parallelism (ring, all-gather and Ulysses), experts' all-to-alls, data parallelism and ZeRO, tensor +
 sequence parallelism, evaluation and the text sample through the pipeline. The parity matrix
 (tests/test_parity_matrix.py) replays each of its layouts the same way, and one run here is repeated under
 torch's own cross-rank consistency check (TORCH_DISTRIBUTED_DEBUG=DETAIL).
@@ -146,6 +146,7 @@ def test_every_pipeline_schedule_obeys_nccl_rules(tmp_path, layout):
 
 
 LAYOUTS = [dict(cp=2, cp_impl="ring"), dict(cp=2, cp_impl="allgather"), dict(cp=2, tp=2, sp=True),
+           dict(cp=2, cp_impl="ulysses", collectives="ours"), dict(cp=2, tp=2, cp_impl="ulysses"),
            dict(preset="tiny-moe", dp=2, ep=2), dict(preset="tiny-moe", dp=4, ep=2, zero=1),
            dict(preset="tiny-moe", cp=2), dict(preset="tiny-deepseek-moe", dp=2, cp=2, ep=2),  # routing stats over cp
            dict(dp=2, dp_impl="overlap"), dict(dp=2, zero=2), dict(dp=2, zero=3), dict(dp=2, tp=2, sp=True, zero=1),

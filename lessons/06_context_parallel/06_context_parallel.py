@@ -20,11 +20,13 @@ edit this file, never the notebook.
 # | ring attention | K/V blocks travel rank → rank + 1, one per step, the next one in flight while the current is computed; backward walks the ring again, dK/dV travelling home | `RingAttention` |
 # | zig-zag layout | $2c$ chunks, rank $r$ holds chunks $r$ and $2c-1-r$: under the causal mask every rank does the same work | `chunks_of`, `positions` |
 # | all-gather (the baseline, Llama 3's choice) | gather the whole K/V once, attend locally | `allgather_attention` |
+# | Ulysses (DeepSpeed's) | all-to-all: $s/c$ tokens of every head → every token of $a/c$ heads; attend locally; back | `ulysses_attention` |
 #
 # We measure why long sequences run out of memory and how cp divides it; derive the merge and watch the naive one
 # overflow; run the ring step by step; measure the causal imbalance of the plain layout and how zig-zag removes it;
 # read the code; time the ring with its transfers under the compute; count the bytes against the formula; compare
-# with the all-gather; and check that cp trains exactly like one process — including the trap of cp without dp.
+# with the all-gather; check that cp trains exactly like one process — including the trap of cp without dp; and
+# measure Ulysses, which trades the ring for all-to-alls over heads.
 # The experiments are `experiment.py` in this folder, launched with `torchrun`; `PICOTRON_FAST=1` gives a short run.
 
 # %%
@@ -529,7 +531,94 @@ _common.interactive(draw, lambda w: dict(cp=w.IntSlider(value=4, min=1, max=8, d
 # %% [markdown]
 # **Takeaway:** the ring visits every block of the causal triangle exactly once; zig-zag spreads them evenly.
 #
-# ## 7. Exercises
+# ## 7. Another way: Ulysses, an all-to-all from tokens to heads
+#
+# The ring keeps every rank's queries where they are and moves K/V. **Ulysses** (DeepSpeed-Ulysses, Jacobs et al.
+# 2023, [arXiv:2309.14509](https://arxiv.org/abs/2309.14509) §3) changes *what is split* for the length of the
+# attention: heads are as independent of each other as tokens are in the MLP. Each rank computes q, k, v for its
+# $s/c$ tokens and all heads; an **all-to-all** sends head group $j$ to rank $j$, so that every rank then holds the
+# *whole sequence* of $a/c$ heads; it runs ordinary causal attention over them (any kernel: flash attention as it
+# comes); a fourth all-to-all turns the output back into $s/c$ tokens of all heads for o_proj. Four all-to-alls per
+# layer forward (q, k, v, out), and four in backward: an all-to-all's gradient is the inverse all-to-all, which is
+# an all-to-all again. `picotron --cp-impl ulysses`, `ulysses_attention` in `picotron/context_parallel.py`.
+#
+# In an all-to-all a rank keeps $1/c$ of its buffer and sends the rest. Per layer and step each rank sends
+#
+# $$B_{\text{Ulysses}} = 2 \cdot (2a + 2k')\, b\, \tfrac{s}{c}\, d \cdot \tfrac{c-1}{c} \cdot 4 \text{ bytes}
+# \qquad\text{against}\qquad B_{\text{ring}} = (3c - 2) \cdot 2\, b\, k\, \tfrac{s}{c}\, d \cdot 4,$$
+#
+# ($k'$: the KV heads sent, see below). At a fixed number of tokens per rank — the way context parallelism is
+# used: twice the sequence, twice the ranks — Ulysses' bytes per rank approach a constant, $2(2a + 2k') b (s/c) d$,
+# while the ring's grow with $c$: each rank sees every other rank's K/V. (The paper counts the same: a message of
+# $M$ over $c$ ranks costs each link $M/c$.) Ulysses sends q and the output too, so with few KV heads and small $c$
+# the ring can still send less; and it cannot hide its traffic under the compute, as the ring does (section 4(b)):
+# the attention waits for the all-to-all.
+#
+# **The limit.** Each rank attends with $a/c$ whole heads, so $c$ must divide the query heads (per tensor-parallel
+# rank, with tp: the heads tp gave a rank are split again over cp). `picotron` refuses any other $c$ in one
+# sentence. Grouped-query attention with fewer KV heads than that: picotron *replicates* each KV head, to
+# $k' = \mathrm{lcm}(k, c)$ heads, so that every rank receives the KV heads its query heads read (DeepSpeed's
+# uneven-head variant is another answer). Ulysses cannot use more ranks than there are heads; the ring has no such
+# limit. With zig-zag the gathered sequence arrives in layout order (rank 0's two chunks, then rank 1's, ...):
+# picotron puts it in position order for the causal attention and back afterwards.
+#
+# The measurement: training steps of the model at $c = 2$ and $c = 4$, the same $s/c$ tokens per rank, the ring and
+# Ulysses (zig-zag) one step of each in turn; the recorder counts every all-to-all's buffer on the cp axis
+# (`lesson.SentBytes`), and `metrics.ActivationCounter` the bytes one forward keeps.
+
+# %%
+run("ulysses", nproc=2)
+run("ulysses", nproc=4)
+uly = [_common.load_json(OUT / f"ulysses_cp{c}.json")["results"] for c in (2, 4)]
+for res in uly:
+    print(f"cp={res['cp']}, s={res['s']} ({res['s'] // res['cp']} tokens per rank), b={res['b']}, a={res['heads']}, "
+          f"k={res['kv_heads']}, d={res['head_dim']}, {res['layers']} layers; other programs used {res['busy']:.0%} "
+          f"of the cores")
+    for impl, r in res["rows"].items():
+        sent = r["sent"][0][-1]
+        print(f"  {impl:<8} rank 0 sent {sum(sent.values()) / MiB:.3f} MiB per step (formula {r['formula'] / MiB:.3f});"
+              f" one forward keeps {r['activations'][0] / MiB:.2f} MiB; median step {1e3 * r['step_s']:.0f} ms "
+              f"(steps {1e3 * min(r['times']):.0f}-{1e3 * max(r['times']):.0f} ms)")
+    fwd = res["rows"]["ulysses"]["buffers"][0][-1]["a2a forward"] // res["layers"]
+    print(f"  ulysses: the four forward all-to-alls of a layer carry {fwd / 1024:.0f} KiB of buffers (formula "
+          f"(2a + 2k')·b·(s/c)·d·4 = {res['forward_formula'] / 1024:.0f} KiB), of which (c-1)/c leave the rank")
+lesson.plot_ulysses(uly); plt.show()
+
+# %%
+for res in uly:
+    c, L, u, r = res["cp"], res["layers"], res["rows"]["ulysses"], res["rows"]["ring"]
+    check(f"cp={c}: Ulysses' forward all-to-alls per layer = (2a + 2k')·b·(s/c)·d·4 bytes, every rank and step",
+          all(step["a2a forward"] == L * res["forward_formula"] for rank in u["buffers"] for step in rank),
+          f"{u['buffers'][0][-1]['a2a forward'] // L} bytes per layer, formula {res['forward_formula']}")
+    check(f"cp={c}: bytes sent per step = bytes_per_step_formula, Ulysses and the ring, every rank and step",
+          all(sum(step.values()) == x["formula"] for x in (u, r) for rank in x["sent"] for step in rank),
+          f"Ulysses {u['formula'] / MiB:.3f} MiB, ring {r['formula'] / MiB:.3f} MiB")
+    mem = u["activations"][0] / r["activations"][0]
+    check(f"cp={c}: Ulysses keeps the ring's activation memory (within 2%)", abs(mem - 1) <= 0.02,
+          f"{u['activations'][0] / MiB:.2f} MiB against {r['activations'][0] / MiB:.2f} MiB ({mem - 1:+.2%})")
+grow = [sum(res["rows"][i]["sent"][0][-1].values()) for res in uly for i in ("ring", "ulysses")]  # measured, rank 0
+check("same tokens per rank, cp 2 -> 4: the ring's bytes per rank grow by (3·4-2)/(3·2-2) = 2.5x, Ulysses' by "
+      "(3/4)/(1/2) = 1.5x", grow[2] / grow[0] == 2.5 and grow[3] / grow[1] == 1.5,
+      f"measured: ring {grow[2] / grow[0]:.2f}x, Ulysses {grow[3] / grow[1]:.2f}x")
+
+# %% [markdown]
+# The all-to-alls carry exactly the formula's bytes, and with the same tokens per rank the ring's traffic per rank
+# grows with $c$ while Ulysses' levels off at $(2a + 2k') b (s/c) d$ per direction: at $c = 4$ ours already sends
+# less than half the ring's, and the gap widens with every doubling. Activation memory is the same: both keep q, k,
+# v and the output of attention, and the ring's $s/c$ tokens of $a$ heads are as many numbers as Ulysses' $s$ tokens
+# of $a/c$ heads (Ulysses also holds the whole sequence of its heads' K/V for the attention, the ring two blocks at a
+# time — a transient, not kept for backward). Step times on this shared 2-core machine (the load is printed; at
+# $c = 4$ four processes share two cores) say little: Ulysses calls PyTorch's fused attention once where our ring
+# computes block by block in Python, so it tends to win here for that reason, not for its bytes. On GPUs the choice
+# is the bandwidth and the heads: Ulysses when the all-to-all runs over a fast, fully connected link (NVLink inside
+# a node) and $c \le$ the heads; the ring across nodes, for more ranks than heads, and where its transfers hide
+# under long blocks. The two compose (USP, Fang & Zhao 2024, [arXiv:2405.07719](https://arxiv.org/abs/2405.07719)):
+# Ulysses inside the node, the ring across.
+#
+# **Takeaway:** Ulysses swaps "every head, some tokens" for "some heads, every token" with an all-to-all; its bytes
+# per rank stay flat as $c$ grows with the sequence, and $c$ can be no larger than the heads.
+#
+# ## 8. Exercises
 # Open `lessons/06_context_parallel/exercise.py`:
 #
 # 1. `merge(out, lse, out_b, lse_b)` — the log-sum-exp merge. The checker compares it with softmax attention over
@@ -543,6 +632,10 @@ _common.interactive(draw, lambda w: dict(cp=w.IntSlider(value=4, min=1, max=8, d
 # 3. `step_blocks(rank, step, cp)` — which (query chunk, key chunk) blocks a rank computes at a ring step, and
 #    how (whole or causal). The checker names the rank, step and block, the ring turning the wrong way, a
 #    diagonal block computed whole, a block from the future.
+# 4. `heads_send_buffer(x, cp)` — Ulysses' all-to-all, the send side (section 7): this rank's tokens of all heads
+#    cut into one head group per destination rank. The checker plays the all-to-all between simulated ranks and
+#    names the usual mistakes: the rank axis not first, a reshape straight to the buffer's shape (no transpose: it
+#    cuts the batch), heads taken every $c$-th.
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:
 
@@ -555,13 +648,14 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 # **Takeaway:** the merge is two weights that sum to 1; the layout is an index map; a ring step is "whose K/V do I
 # hold, and which of its chunks can my queries see".
 #
-# ## 8. What it costs, when to use it, what comes next
+# ## 9. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
 # | context parallel, ring, $c$ ranks | $1/c$ of every sequence's activations (plus a block in flight); the whole model | per layer $3c - 2$ K/V blocks of $2bk(s/c)d$, point to point, overlapped with attention | sequences too long for one GPU's activations even with recomputation; transfers hide when $s/c$ is a few thousand tokens |
 # | context parallel, all-gather | $1/c$, but the whole K/V (and a mask) for a moment | $2(c-1)$ blocks in collectives, not overlapped | K/V are small (grouped-query attention, few KV heads) and the link is fast |
 # | + zig-zag | the same | the same | always with causal attention: it costs nothing |
+# | context parallel, Ulysses | $1/c$; the whole sequence of $a/c$ heads inside attention | per layer 8 all-to-alls, $2(2a + 2k')b(s/c)d \cdot \frac{c-1}{c}$ numbers sent, not overlapped | a fast all-to-all (inside a node), $c \le$ the (per-tp-rank) query heads |
 #
 # **Its costs.** Gradients are averaged over dp × cp (the cp ranks are replicas for the weights). The ring's
 # transfers hide only while a block's attention takes longer than its transfer, so $s/c$ must stay large: cp
@@ -572,8 +666,8 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 # **What ours lacks** (what Megatron-LM, torchtitan, ring-flash-attention and Llama 3's training add): a fused
 # flash-attention kernel per block (ours forms each block's scores), CUDA streams so the exchange really runs beside
 # the compute on a GPU, causal blocks that skip their masked half, hierarchical rings (inside then across nodes),
-# striped and document-aware layouts, and Ulysses-style all-to-all over heads (DeepSpeed), which trades the ring for
-# two all-to-alls and a limit of $c \le$ the number of KV heads.
+# striped and document-aware layouts, Ulysses with uneven heads (a $c$ that does not divide the heads) and with its
+# all-to-alls overlapped with the projections, and the two combined (Ulysses inside a node, the ring across).
 #
 # **Next — lesson 08, expert parallelism:** the mixture-of-experts layer, whose experts live on different ranks and
 # whose tokens travel to them with an all-to-all.

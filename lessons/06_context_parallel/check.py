@@ -16,6 +16,11 @@ finite and right to 1e-4. Then picotron's own ring attention (`RingAttention`, z
 processes with your merge in place of the library's: each rank's output must be its piece of full causal
 attention; the checker names the rank that differs.
 
+heads_send_buffer (in this process): each simulated rank's buffer goes through an all-to-all played by hand (rank
+r receives block r of every buffer), lined up along the sequence as picotron's seq_to_heads does; every rank must
+then hold its contiguous group of heads over the whole sequence. Named: the rank axis not first, a reshape
+straight to [cp, b, H/cp, t, d] (no transpose: it cuts the batch), heads taken every cp-th (a strided group).
+
 zigzag_positions and step_blocks (in this process): every rank of several (seq_len, cp), against the reference
 layout and ring; the checker names the rank (and step) and the first wrong position or block, and says what your
 answer matches instead when it is a known mistake (the contiguous layout, the chunks in the wrong order, the ring
@@ -41,10 +46,12 @@ from picotron.launch import run_on_ranks  # noqa: E402
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 30.0
-EXERCISES = {"merge": "merge", "zigzag_positions": "zigzag_positions", "step_blocks": "step_blocks"}
+EXERCISES = {"merge": "merge", "zigzag_positions": "zigzag_positions", "step_blocks": "step_blocks",
+             "heads_send_buffer": "heads_send_buffer"}
 WORLD_SIZES = (2, 3)  # merge inside the real ring
 LAYOUTS = ((8, 1), (8, 2), (16, 2), (24, 3), (32, 4), (48, 4))  # (seq_len, cp) for exercise 2
 CPS = (1, 2, 3, 4, 5)  # for exercise 3
+A2A_CASES = ((2, 8, 2, 4, 4), (2, 4, 3, 5, 2), (3, 6, 4, 3, 3), (1, 4, 2, 2, 1))  # (b, H, t, d, cp), exercise 4
 
 
 def randn(seed, *shape, dtype=torch.float64):
@@ -303,6 +310,48 @@ def _reference_blocks(rank, step, cp, src=None):
             if cpm.visibility(q, k) != "none"]
 
 
+# ---------------------------------------------------------------------------------------------- exercise 4
+def _a2a_problem(fn, path):
+    """Every simulated rank's buffer through an all-to-all (rank r receives block r of every rank's buffer, in rank
+    order), lined up along the sequence as picotron's seq_to_heads does: rank r must hold head group r, all tokens."""
+    for b, h, t, d, cp in A2A_CASES:
+        g = h // cp
+        full = randn(20, b, h, cp * t, d)  # the whole sequence; rank r holds tokens r·t .. (r+1)·t - 1
+        pieces = [full[:, :, r * t:(r + 1) * t].clone() for r in range(cp)]
+        head = f"b={b}, H={h} heads, t={t} tokens per rank, d={d}, cp={cp}"
+        bufs = []
+        for r, x in enumerate(pieces):
+            got = fn(x.clone(), cp)
+            if not torch.is_tensor(got):
+                return f"{head}: rank {r}'s buffer is {type(got).__name__}, expected a tensor [cp, b, H/cp, t, d]"
+            if list(got.shape) == [b, cp, g, t, d] and cp != b:
+                return (f"{head}: your buffer has shape [b, cp, H/cp, t, d]; the all-to-all cuts dim 0 into one block "
+                        f"per rank, so the rank axis must come first: transpose(0, 1) -> [cp, b, H/cp, t, d]")
+            if list(got.shape) != [cp, b, g, t, d]:
+                return f"{head}: your buffer has shape {list(got.shape)}, expected [cp, b, H/cp, t, d] = {[cp, b, g, t, d]}"
+            if b > 1 and cp > 1 and torch.equal(got, x.reshape(cp, b, g, t, d)):
+                return (f"{head}: you reshaped [b, H, t, d] straight to [cp, b, H/cp, t, d]; a reshape keeps memory "
+                        f"order, so dim 0 then cuts through the BATCH (block 0 = batch row 0's first heads...), not the "
+                        f"heads: reshape to [b, cp, H/cp, t, d], then transpose(0, 1)")
+            bufs.append(got)
+        for r in range(cp):
+            received = torch.stack([bufs[i][r] for i in range(cp)])  # block i came from rank i
+            mine = received.permute(1, 2, 0, 3, 4).reshape(b, g, cp * t, d)
+            want = full[:, r * g:(r + 1) * g]
+            if torch.equal(mine, want):
+                continue
+            if cp > 1 and g > 1 and torch.equal(mine, full[:, r::cp]):
+                return (f"{head}: after the all-to-all rank {r} holds heads {list(range(r, h, cp))} (every cp-th: you "
+                        f"cut the heads as [b, H/cp, cp, ...]); it must hold the contiguous group "
+                        f"{list(range(r * g, (r + 1) * g))}, so that a group of query heads stays with its KV head: "
+                        f"reshape as [b, cp, H/cp, t, d]")
+            bad = (mine != want).nonzero()[0].tolist()
+            return (f"{head}: after the all-to-all rank {r} holds a wrong value at (batch {bad[0]}, its head {bad[1]} = "
+                    f"head {r * g + bad[1]}, position {bad[2]}): block j of your buffer must be heads j·H/cp .. "
+                    f"(j+1)·H/cp - 1 of this rank's tokens, unchanged")
+    return None
+
+
 def _in_process(name, path, report, problem_of, success):
     return in_process(name, path, report, problem_of, success, "ex06", label=EXERCISES[name])
 
@@ -329,6 +378,8 @@ SUCCESS = {
              "right with scores near 1000 in fp32",
     "zigzag_positions": ": every rank's positions for (seq_len, cp) in " + ", ".join(f"({s}, {c})" for s, c in LAYOUTS),
     "step_blocks": ": every rank and ring step for cp = " + ", ".join(map(str, CPS)),
+    "heads_send_buffer": ": through a simulated all-to-all every rank holds its head group over the whole sequence, "
+                         "for (b, H, t, d, cp) in " + ", ".join(map(str, A2A_CASES)),
 }
 
 
@@ -337,6 +388,8 @@ def check_one(name, path, report, timeout_s):
         return _in_process(name, path, report, _positions_problem, SUCCESS[name])
     if name == "step_blocks":
         return _in_process(name, path, report, _blocks_problem, SUCCESS[name])
+    if name == "heads_send_buffer":
+        return _in_process(name, path, report, _a2a_problem, SUCCESS[name])
     if not _in_process(name, path, report, _problem_merge, SUCCESS[name]):
         return None  # the real ring would only repeat it
     on_ranks(lambda n: f"merge inside picotron's ring on {n} ranks", WORLD_SIZES,

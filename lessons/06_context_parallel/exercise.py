@@ -1,19 +1,23 @@
 """Lesson 06 exercises: context parallelism by hand. Write the pieces marked EXERCISE, then
     python lessons/06_context_parallel/check.py                 # all exercises
-    python lessons/06_context_parallel/check.py merge           # just one (or zigzag_positions, step_blocks)
+    python lessons/06_context_parallel/check.py merge           # just one (or zigzag_positions, step_blocks,
+                                                                #   heads_send_buffer)
 Exercise 1 is checked in this process against softmax attention computed whole (including scores of 1000, where
 a merge that forms e^lse overflows), then inside picotron's real ring attention on 2 and 3 processes (gloo): the
 checker swaps the library's merge for yours and names the rank whose output differs from full causal attention.
 Exercises 2 and 3 are checked for several (seq_len, cp): the checker names the rank, the position or the block
 that is wrong, and what your answer looks like instead (the contiguous layout, the ring turning the wrong way, a
-causal block called whole...). The lesson notebook (lessons/06_context_parallel/06_context_parallel.ipynb) reads
-picotron/context_parallel.py, which does all of this for the whole model; the solutions are in solution.py (look
-after trying).
+causal block called whole...). Exercise 4 is checked by playing Ulysses' all-to-all between simulated ranks:
+after it each rank must hold its group of heads over the whole sequence; the checker names a strided head group
+and a reshape without the transpose. The lesson notebook (lessons/06_context_parallel/06_context_parallel.ipynb)
+reads picotron/context_parallel.py, which does all of this for the whole model; the solutions are in solution.py
+(look after trying).
 
 What you may use:
     torch.logaddexp(a, b)     log(e^a + e^b), elementwise, computed without forming e^a or e^b
     torch.exp, torch.arange(lo, hi), torch.cat([t1, t2])
     t.unsqueeze(-1)           [..., q] -> [..., q, 1]: to weigh each query's row of an [..., q, d] output
+    t.reshape(shape), t.transpose(i, j)   (a reshape keeps the elements' memory order; a transpose swaps two dims)
 """
 import torch  # noqa: F401
 
@@ -48,4 +52,14 @@ def step_blocks(rank, step, cp):
     rank it came from. Return the list of (query chunk, key chunk, visibility) blocks it computes, visibility "all"
     (an earlier key chunk: seen whole) or "causal" (its own chunk: the causal mask inside it); a later key chunk is
     in the future of every query of the query chunk: skipped, not listed. Any order."""
+    raise NotImplementedError("not written yet")
+
+
+def heads_send_buffer(x, cp):
+    """EXERCISE 4: Ulysses' all-to-all, the send side. x [b, H, t, d] is this rank's t = s/cp tokens of all H heads.
+    The all-to-all (torch.distributed.all_to_all_single) cuts its input along dim 0 into cp blocks and sends block j
+    to rank j; rank j must receive ITS group of heads, heads j·H/cp .. (j+1)·H/cp - 1 (contiguous: with GQA a group
+    of query heads sits over its KV head). Return the buffer [cp, b, H/cp, t, d] whose block j (dim 0) is head group
+    j. (After the exchange rank j holds every rank's tokens of its heads and lines them up along the sequence: that
+    side, and the attention, are done for you: picotron/context_parallel.py, `seq_to_heads`.)"""
     raise NotImplementedError("not written yet")

@@ -4,6 +4,7 @@ formulas and plots.
 
     torchrun --nproc_per_node 2 lessons/06_context_parallel/experiment.py [--only balance,train,parity]
     torchrun --nproc_per_node 4 lessons/06_context_parallel/experiment.py --only memory,balance,train,parity
+    torchrun --nproc_per_node 2 lessons/06_context_parallel/experiment.py --only ulysses    # (also on 4)
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_cp<c>.json (c = the world size). memory: the bytes autograd keeps in one forward of one
@@ -15,7 +16,9 @@ share of the machine's cores other programs used during each call (_common.LoadW
 train: training steps of the model at cp = world size, ring (zig-zag and contiguous) and all-gather interleaved
 (tokens/s), the bytes every attention core sent against `bytes_per_step_formula`. parity: picotron.train at cp =
 world size (and cp = 2 x dp = 2 on 4 processes) against one process, and the trap: cp = 2, dp = 1 with the
-gradients NOT averaged over cp.
+gradients NOT averaged over cp. ulysses: training steps at cp = world size and s = cp x a fixed number of tokens per
+rank, the ring and Ulysses (both zig-zag) in turn: step times, the bytes of every all-to-all and ring message against
+the formulas, the activation bytes one forward keeps.
 """
 import os
 import statistics
@@ -52,7 +55,8 @@ def settings(fast, device_type=None):
               mem_seqs=(128, 256, 512) if fast else (256, 512, 1024, 2048), budget_mib=16 if fast else 64,
               balance_seq=2048, balance_repeats=9 if fast else 11,
               train_seq=256 if fast else 1024, train_b=2, train_steps=2 if fast else 6, train_warmup=1,
-              parity_steps=10 if fast else 20, parity_seq_len=64, parity_layers=4, parity_grad_acc=2)
+              parity_steps=10 if fast else 20, parity_seq_len=64, parity_layers=4, parity_grad_acc=2,
+              ulysses_tokens=128 if fast else 512)
     return _common.sized("06_context_parallel", st, fast, device_type)
 
 
@@ -193,14 +197,19 @@ class SentBytes(metrics.Recorder):
     """A metrics.Recorder that also adds up what this rank sent along the cp axis by what it carried: `sent["kv"]`
     (K/V blocks) and `sent["dkv"]` (their gradients). The ring's messages carry the attention core's label ("kv",
     "dkv"); of the all-gather of K/V and its backward's reduce-scatter of dK/dV over a buffer of B bytes, (cp-1)/cp·B
-    leave this rank (the rest is its own piece)."""
+    leave this rank (the rest is its own piece). Ulysses' all-to-alls: `buffers["a2a forward"]` (the whole buffers
+    of the forward's, nccl-tests' N) and `sent["a2a forward"]`, `sent["a2a backward"]` ((cp-1)/cp of them)."""
 
     def __init__(self, cp, timeline=None):
         super().__init__(timeline)
-        self.cp, self.sent = cp, {"kv": 0, "dkv": 0}
+        self.cp, self.sent, self.buffers = cp, {"kv": 0, "dkv": 0}, {}
 
     def collective(self, kind, nbytes, work, label, start, axis=None, **info):
-        if axis == "cp":
+        if axis == "cp" and kind == "all_to_all":  # Ulysses: q, k, v, out forward; their gradients backward
+            key = "a2a backward" if label.endswith("-backward") else "a2a forward"
+            self.buffers[key] = self.buffers.get(key, 0) + nbytes
+            self.sent[key] = self.sent.get(key, 0) + nbytes // self.cp * (self.cp - 1)
+        elif axis == "cp":
             self.sent[{"all_gather": "kv", "reduce_scatter": "dkv"}[kind]] += nbytes // self.cp * (self.cp - 1)
         return super().collective(kind, nbytes, work, label, start, axis=axis, **info)
 
@@ -211,7 +220,7 @@ class SentBytes(metrics.Recorder):
 
     def reset(self):
         super().reset()
-        self.sent = {"kv": 0, "dkv": 0}
+        self.sent, self.buffers = {"kv": 0, "dkv": 0}, {}
 
 
 def _say(mesh, text):
@@ -392,7 +401,7 @@ class Stepper:
         self.recorder = SentBytes(mesh.cp.size)
         self.run = par.parallelize(cfg, mesh, recorder=self.recorder)
         self.loader = load_data(cfg, mesh)[1]
-        self.times, self.sent, self.losses = [], [], []
+        self.times, self.sent, self.buffers, self.losses = [], [], [], []
 
     def step(self, step, record=True):
         run = self.run
@@ -407,6 +416,7 @@ class Stepper:
         if record:
             self.times.append(dt.item())
             self.sent.append(dict(self.recorder.sent))
+            self.buffers.append(dict(self.recorder.buffers))
             self.losses.append(loss.item())
 
 
@@ -434,6 +444,40 @@ def exp_train(mesh, st, out):
                    f"(formula {formula / MiB:.3f})")
     return dict(cp=cp, s=s, b=b, layers=mc.num_hidden_layers, kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
                 rows=rows)
+
+
+# -------------------------------------------------------------------------------------------- ulysses
+def ulysses_forward_bytes(mc, b, s, cp, elem=4):
+    """The buffers of one layer's four forward all-to-alls on one rank (q, k, v, out: this rank's s/cp tokens of
+    every head, a query heads and kh' = ulysses_kv_heads KV heads): (2a + 2kh')·b·(s/cp)·d·elem; (cp-1)/cp of it
+    leaves the rank, and the backward sends as much again."""
+    kv = cpm.ulysses_kv_heads(mc.num_attention_heads, mc.num_key_value_heads, cp)
+    return (2 * mc.num_attention_heads + 2 * kv) * b * (s // cp) * mc.head_dim * elem
+
+
+def exp_ulysses(mesh, st, out):
+    """Ulysses against the ring (both zig-zag) at cp = world size, s = cp x the tokens per rank of the settings (the
+    same s/cp for every cp): training steps one of each in turn (the median step), the bytes of every all-to-all
+    and ring message against the formulas, and the activation bytes one forward keeps (metrics.ActivationCounter)."""
+    cp, b = mesh.cp.size, st["train_b"]
+    s = st["ulysses_tokens"] * cp
+    variants = {impl: Stepper(make_cfg(st["size"], seq_len=s, micro_batch_size=b, cp=cp, cp_impl=impl,
+                                       max_position_embeddings=max(1024, s)), mesh) for impl in ("ring", "ulysses")}
+    busy = run_interleaved(list(variants.values()), st["train_steps"], st["train_warmup"], mesh.cp.group)
+    mc = variants["ring"].run.raw.config
+    L = mc.num_hidden_layers
+    rows = {}
+    for impl, v in variants.items():
+        med = statistics.median(v.times)
+        rows[impl] = dict(times=v.times, step_s=med, sent=gather(v.sent, mesh), buffers=gather(v.buffers, mesh),
+                          formula=cpm.bytes_per_step_formula(cp, b, s, mc.num_key_value_heads, mc.head_dim, L,
+                                                             impl=impl, heads=mc.num_attention_heads),
+                          activations=_saved_bytes(v.run, v.cfg, mesh, s, mesh), losses=v.losses)
+        _say(mesh, f"cp={cp} {impl:<8} s={s}: step {1e3 * med:6.0f} ms (median of {len(v.times)}); sent per step "
+                   f"{sum(rows[impl]['sent'][0][-1].values()) / MiB:.3f} MiB (formula {rows[impl]['formula'] / MiB:.3f}); "
+                   f"activations {rows[impl]['activations'][0] / MiB:.2f} MiB")
+    return dict(cp=cp, s=s, b=b, layers=L, heads=mc.num_attention_heads, kv_heads=mc.num_key_value_heads,
+                head_dim=mc.head_dim, forward_formula=ulysses_forward_bytes(mc, b, s, cp), busy=busy, rows=rows)
 
 
 # --------------------------------------------------------------------------------------------- parity
@@ -499,7 +543,7 @@ def exp_parity(mesh, st, out):
     return result
 
 
-EXPERIMENTS = ("memory", "balance", "train", "parity")
+EXPERIMENTS = ("memory", "balance", "train", "parity", "ulysses")
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
@@ -643,6 +687,47 @@ def plot_throughput(results):
     ax.set(ylabel="tokens / s (median step)", title="training throughput: ring against all-gather")
     ax.title.set_fontsize(9)
     _legend_below(ax, ncol=3, dy=-0.14)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ulysses(results):
+    """Ulysses against the ring at the same tokens per rank: the bytes a rank sends per step against cp (the
+    formulas as lines, the measurements as points), the activation bytes one forward keeps, the median step time."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.3), gridspec_kw=dict(width_ratios=[1.4, 1, 1]))
+    r0 = results[0]
+    t = r0["s"] // r0["cp"]
+    colors = {"ring": LAYOUT_COLORS["zigzag"], "ulysses": "#55a868"}
+    ax = axes[0]
+    for impl, color in colors.items():
+        cps = [c for c in range(2, 9) if impl == "ring" or r0["heads"] % c == 0]  # Ulysses: c divides the heads
+        line = [cpm.bytes_per_step_formula(c, r0["b"], t * c, r0["kv_heads"], r0["head_dim"], r0["layers"], impl=impl,
+                                           heads=r0["heads"]) / MiB for c in cps]
+        ax.plot(cps, line, ".-", color=color, lw=1.2, ms=4, label=f"{impl}: formula")
+        ax.plot([r["cp"] for r in results], [sum(r["rows"][impl]["sent"][0][-1].values()) / MiB for r in results],
+                "o", color=color, label=f"{impl}: measured (rank 0)")
+    ax.set(xlabel=f"cp (s = cp x {t} tokens; Ulysses: the c dividing a = {r0['heads']})",
+           ylabel="MiB sent per rank per step", ylim=(0, None))
+    ax.set_title("bytes per rank at the same tokens per rank: the ring's grow with cp", fontsize=9)
+    ax.legend(fontsize=FONT, frameon=False)
+    w = 0.38
+    for ax, what, unit, scale in ((axes[1], "activations", "MiB kept by one forward (rank 0)", MiB),
+                                  (axes[2], "step_s", "median step (ms)", 1e-3)):
+        for j, (impl, color) in enumerate(colors.items()):
+            xs = [g + (j - 0.5) * w for g in range(len(results))]
+            ys = [(r["rows"][impl][what][0] if what == "activations" else r["rows"][impl][what]) / scale
+                  for r in results]
+            ax.bar(xs, ys, w, color=color, label=impl)
+            for x, y in zip(xs, ys):
+                ax.text(x, y, f"{y:.1f}" if what == "activations" else f"{y:.0f}", ha="center", va="bottom",
+                        fontsize=FONT)
+        ax.set_xticks(range(len(results)), [f"cp = {r['cp']}, s = {r['s']}" for r in results], fontsize=FONT)
+        ax.set_ylabel(unit, fontsize=FONT)
+        ax.set_title("activation memory" if what == "activations" else "time per step (CPU, shared)", fontsize=9)
+        ax.set_ylim(0, 1.25 * ax.get_ylim()[1])
+        ax.legend(fontsize=FONT, frameon=False, loc="upper left", ncol=2)
     fig.tight_layout()
     return fig
 

@@ -31,3 +31,10 @@ def step_blocks(rank, step, cp):
             elif k == q:
                 out.append((q, k, "causal"))  # its own chunk: the causal mask inside it
     return out  # k > q: a later chunk, skipped
+
+
+def heads_send_buffer(x, cp):
+    """EXERCISE 4: Ulysses' send buffer: this rank's tokens of every head, cut into one head group per rank."""
+    b, h, t, d = x.shape
+    blocks = x.reshape(b, cp, h // cp, t, d)  # head h = group j·(h/cp) + i: contiguous groups
+    return blocks.transpose(0, 1)  # [cp, b, h/cp, t, d]: block j (dim 0) = head group j, for rank j
