@@ -8,7 +8,13 @@ remains, take the fastest. `planner.memory_per_stage` gives the bytes of a layou
   * `search`: every layout of a job, ranked by predicted tokens/s, and the rejected ones with their reason;
   * `PUBLISHED`: large runs whose layout and throughput were published, evaluated and ranked by the same model;
   * the command line (`--layout tp8,pp16,dp128` evaluates one layout instead of searching; every layout a table row
-    prints, e.g. `dp2,tp4,pp2,cp4,sp,zero1,interleaved-v2,mbs2,ga32`, is accepted verbatim and evaluates the same).
+    or --published prints, e.g. `dp2,tp4,pp2,cp4,ulysses,sp,zero1,interleaved-v2,mbs2,ga32`, is accepted verbatim and
+    evaluates the same).
+
+Runs or not: a layout picotron's trainer refuses is refused with the trainer's sentence (`trainer_problem`: the rules
+`parallelize.validate` applies, each strategy's check and `combination_problem`; no copy here). DualPipe and Ulysses
+are modelled by name whether or not this trainer has them yet (picotron.config's PP_SCHEDULES, CP_IMPLS); the search
+offers them once it does. The published runs ran on other software: only the model's shapes and memory judge them.
 
 Headroom: a layout may fill only 1 − HEADROOM (0.9) of each GPU's memory by default (`usable`; `--headroom 0.2`
 keeps 20% free, `--headroom 0` none): the model below counts the parameters, gradients, optimizer state and what
@@ -24,17 +30,23 @@ The time model (every term in one function, `step_time`), for one rank of the bu
   tp        per layer and micro-batch 4 all-reduces of b·(s/cp)·h elements (2 forward, 2 backward; with sp the same
             bytes as all-gathers + reduce-scatters; full recomputation repeats the 2 forward ones); not overlapped.
   cp        ring attention: per layer and micro-batch (cp−1) K/V blocks forward, (cp−1) K/V + (cp−1) dK/dV backward,
-            overlapped with that layer's attention compute: only the excess counts.
+            overlapped with that layer's attention compute: only the excess counts. Ulysses (Jacobs et al. 2023,
+            arXiv:2309.14509): per layer and micro-batch 4 all-to-alls forward (q, k, v, the output) and 4 backward,
+            each of a rank's b·(s/cp)·heads·d elements (k, v: its KV heads, repeated until cp divides them), (cp−1)/cp
+            of them leaving; not overlapped; full recomputation repeats the forward's 4.
   ep        per MoE layer and micro-batch 4 all-to-alls (dispatch and combine, forward and backward) of the k copies
             of each token; not overlapped.
   pp        point-to-point: per micro-batch and chunk one activation forward and one gradient backward; the bubble:
             the schedule's idle fraction B (1F1B/AFAB (p−1)/(m+p−1), interleaved (p−1)/(vm+p−1), ZB-H1
-            (p−1)/(3m+p−1), ZB-V from the simulator) stretches the busy time by 1/(1−B).
+            (p−1)/(3m+p−1), ZB-V from the simulator, DualPipe DeepSeek-V3's Table 2: idle (p/2−1)(F&B + B − 3W) =
+            2(p/2−1) with F = W = 1, B = 2, F&B = F + B, against 3m busy) stretches the busy time by 1/(1−B).
   dp        over dp×cp, gradients in the recipe's precision: ZeRO-0/1 one all-reduce (reduce-scatter + all-gather)
             hidden behind the last micro-batch's backward (2/3 of its compute); ZeRO-2/3 keep only a shard of the
             gradients, so they reduce-scatter every micro-batch's, hidden behind every backward, then all-gather the
-            parameters (ZeRO-3: for every micro-batch's forward and backward, hidden behind all the compute). Only
-            the excess counts.
+            parameters (ZeRO-3: for every micro-batch's forward and backward, hidden behind all the compute; with
+            pp > 1 once per step, the stage keeping them gathered for all its micro-batches, as torchtitan's
+            reshard_after_forward=False under a pipeline). DualPipe's two copies of each stage also all-reduce their
+            gradients (2 ranks, once per step). Only the excess counts.
 Collectives are rings: all-reduce 2(n−1)·α + 2(n−1)/n·bytes/bw; all-gather, reduce-scatter, all-to-all
 (n−1)·α + (n−1)/n·bytes/bw; a send α + bytes/bw. A group is on NVLink when each of its copies lies in one node
 (grid order dp, pp, cp, tp with tp fastest: tp spans tp ranks, cp tp·cp, pp tp·cp·pp, ep tp·cp·pp·ep, dp all;
@@ -586,7 +598,8 @@ def build_parser():
                    help="bytes per parameter and activations: bf16 mixed precision 2+2+12 (default), with fp32 gradient "
                         "accumulation 2+4+12, or picotron's fp32 trainer 4+4+8"),
     p.add_argument("--layout", default=None, help="evaluate this layout, e.g. tp8,pp16,dp128 (+ zero1, sp, mbs2, ga8, "
-                                                  "interleaved-v2, recompute-full): any layout a table row shows")
+                                                  "interleaved-v2, dualpipe, ulysses, recompute-full): any layout a "
+                                                  "table row or --published shows")
     p.add_argument("--max-tp", type=int, default=None, help="search tp up to this (beyond a node: flagged)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--published", action="store_true", help="evaluate and rank the published runs instead")
