@@ -717,11 +717,18 @@ def main(argv=None):
                 per = layout.dp * layout.micro_batch_size
                 layout = replace(layout, grad_acc=seqs // per if seqs % per == 0 else 0)
             mem, why = check_layout(mc, layout, ns.seq_len, hw, seqs, ns.dtype, ns.recipe, cross_node_tp=True)
+            model_why = None
+            if mem is None and why:  # refused by picotron's trainer: the model's figures all the same, if it has them
+                mem, model_why = check_layout(mc, layout, ns.seq_len, hw, seqs, ns.dtype, ns.recipe, cross_node_tp=True,
+                                              rules=False)
             t = step_time(mc, layout, ns.seq_len, hw, ns.dtype, ns.recipe) if mem else None  # none if refused early
             print(_describe(job, ns.seq_len, ns.headroom))
             if _link(hw, layout.tp)[1] != hw.intra_bw:
                 print(f"note: tp={layout.tp} crosses nodes of {hw.gpus_per_node}: its all-reduces run on the network")
             print(f"{layout}: " + ("fits" if why is None else "does not run: " + why))
+            if mem and why and not why.startswith("does not fit"):
+                print("the model's figures for it all the same (as another trainer would run it): "
+                      + ("fits" if model_why is None else model_why))
             if mem:
                 stages = [r["total"] / GiB for r in memory_per_stage(mc, layout, ns.seq_len, ns.dtype, ns.recipe)]
                 print("memory per GPU (GiB), busiest stage: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in mem.items())

@@ -171,8 +171,8 @@ PUBLISHED_ARGV = {
 def test_every_published_layout_reads_back_and_evaluates_as_printed(capsys):
     """The layouts --published prints (its lines, as `print_published` writes them) parse back to the runs' layouts;
     given to --layout with the run's job, one evaluates to the printed memory (and, for a run counted without
-    recomputation, the printed TFLOP/s), or is refused with the sentence of picotron's trainer (parallelize's rules:
-    e.g. ZeRO-2 with a pipeline until the trainer runs it)."""
+    recomputation, the printed TFLOP/s); if picotron's trainer refuses it, with the trainer's sentence (parallelize's rules:
+    e.g. ZeRO-2 with a pipeline until the trainer runs it) and still shows the model's figures."""
     lines = []
     plan.print_published(rank=False, out=lines.append)
     printed = dict(re.findall(r"^(.+?): [\d,]+ x .+?, (\S+): ", "\n".join(lines), re.M))
@@ -184,10 +184,11 @@ def test_every_published_layout_reads_back_and_evaluates_as_printed(capsys):
         line = next(x for x in lines if x.startswith(name + ":"))
         code, out, err = _run(capsys, argv + ["--layout", printed[name]])
         refused = plan.trainer_problem(ModelConfig(**run.model), run.layout, run.seq_len)
-        if refused:
+        if refused:  # the trainer's sentence, then the model's figures all the same
             assert code == 1 and f"{printed[name]}: does not run: {refused}" in out, out + err
-            continue
-        assert code == 0, out + err
+            assert "the model's figures for it all the same (as another trainer would run it): fits" in out, out
+        else:
+            assert code == 0 and f"{printed[name]}: fits" in out, out + err
         (text, rest), = _table(out)
         assert text == printed[name] and f"fits, {rest.split()[0]} GiB per GPU" in line, (out, line)
         if not run.counts_recompute:
@@ -195,10 +196,19 @@ def test_every_published_layout_reads_back_and_evaluates_as_printed(capsys):
             assert f", {tflops} TFLOP/s per GPU of model FLOPs" in out, (out, line)
 
 
-def test_dualpipe_and_ulysses_layouts_read_back_and_evaluate():
-    """The new names print and parse like the others; a search that offers them (as it does once the trainer has them,
-    picotron.config) ranks layouts with them, and each reads back as itself."""
+def test_dualpipe_and_ulysses_layouts_read_back_and_evaluate(capsys):
+    """The new names print and parse like the others; --layout evaluates them (refused by picotron's trainer until it
+    has them, with its sentence, and the model's figures all the same); a search that offers them (as it does once the
+    trainer has them, picotron.config) ranks layouts with them, and each reads back as itself."""
     mc = ModelConfig.from_preset("llama3-8b")
+    job = ["--preset", "llama3-8b", "--gpus", "64", "--seq-len", "8192", "--global-batch-tokens", "4M"]
+    for text in ("dp4,tp4,pp4,dualpipe,mbs1,ga128", "dp4,tp4,cp4,ulysses,mbs1,ga128"):
+        code, out, err = _run(capsys, job + ["--layout", text])
+        refused = plan.trainer_problem(mc, Layout.parse(text), 8192)
+        assert code == (1 if refused else 0) and (refused or "fits") in out, out + err
+        (shown, rest), = _table(out)
+        want = planner.memory_per_gpu(mc, Layout.parse(text), 8192, "bf16", "mixed")["total"] / 2**30
+        assert shown == text and rest.split()[0] == f"{want:.1f}", out
     for text in ("dp4,pp4,dualpipe,mbs1,ga16", "dp2,cp4,ulysses,sp,tp2,mbs1,ga8", "dp8,pp2,zero3,1f1b,mbs1,ga8"):
         lay = Layout.parse(text)
         assert Layout.parse(str(lay)) == lay
