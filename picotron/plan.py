@@ -45,8 +45,8 @@ The time model (every term in one function, `step_time`), for one rank of the bu
             gradients, so they reduce-scatter every micro-batch's, hidden behind every backward, then all-gather the
             parameters (ZeRO-3: for every micro-batch's forward and backward, hidden behind all the compute; with
             pp > 1 once per step, the stage keeping them gathered for all its micro-batches, as torchtitan's
-            reshard_after_forward=False under a pipeline). DualPipe's two copies of each stage also all-reduce their
-            gradients (2 ranks, once per step). Only the excess counts.
+            reshard_after_forward=False under a pipeline: ZeRO-2's traffic, hidden as ZeRO-2's). DualPipe's two
+            copies of each stage also all-reduce their gradients (2 ranks, once per step). Only the excess counts.
 Collectives are rings: all-reduce 2(n−1)·α + 2(n−1)/n·bytes/bw; all-gather, reduce-scatter, all-to-all
 (n−1)·α + (n−1)/n·bytes/bw; a send α + bytes/bw. A group is on NVLink when each of its copies lies in one node
 (grid order dp, pp, cp, tp with tp fastest: tp spans tp ranks, cp tp·cp, pp tp·cp·pp, ep tp·cp·pp·ep, dp all;
@@ -247,7 +247,9 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
         gathers = (1 if p > 1 else 2 * m) if layout.zero == 3 else 1
         dp_total = m * _ring("reduce_scatter", n, grad_bytes, *dp_link) + gathers * _ring("all_gather", n, params * el,
                                                                                           *dp_link)
-        overlap = compute if layout.zero == 3 else (2 / 3) * compute
+        # ZeRO-3 without pp gathers before every forward and backward: all the compute hides it; with pp its one
+        # gather per step is ZeRO-2's all-gather moved to the step's start: hidden like ZeRO-2's, behind the backwards
+        overlap = compute if layout.zero == 3 and p == 1 else (2 / 3) * compute
     else:
         dp_total = _ring("all_reduce", n, grad_bytes, *dp_link)
         overlap = (2 / 3) * compute / m

@@ -260,7 +260,7 @@ def test_zero_with_a_pipeline_shards_a_stage_and_zero3_gathers_it_once_per_step(
     params = mc.num_params() / p
     one = lambda nbytes, k=n: (k - 1) * hw.inter_alpha + (k - 1) / k * nbytes / hw.inter_bw  # noqa: E731
     assert t2["dp"] == pytest.approx(max(0, m * one(2 * params) + one(2 * params) - 2 / 3 * t2["compute"]))
-    assert t3["dp"] == pytest.approx(max(0, m * one(2 * params) + one(2 * params) - t3["compute"]))
+    assert t3["dp"] == pytest.approx(t2["dp"]) and t2["dp"] > 0  # ZeRO-2's traffic, hidden as ZeRO-2's
     flat = plan.step_time(mc, Layout(dp=n * p, grad_acc=m, zero=3), s, hw)  # no pipeline: 2m gathers
     k = n * p
     assert flat["dp"] == pytest.approx(max(0, m * one(4 * params, k) + 2 * m * one(4 * params, k) - flat["compute"]))
