@@ -35,6 +35,21 @@ LAYOUTS = [
 ]
 
 
+def _runs(layout):
+    """Whether picotron's trainer takes this layout (parallelize's rules; the names it knows: picotron.config)."""
+    from picotron import config, parallelize
+    cfg = Config(**{**SETTINGS, **layout})
+    known = cfg.pp_schedule in config.PP_SCHEDULES and cfg.cp_impl in config.CP_IMPLS
+    return known and parallelize.combination_problem(cfg, cfg.model_config()) is None
+
+
+# Measured once the trainer has them: Ulysses (the planner: + o_proj's input and repeated KV heads), DualPipe (two
+# stages per rank, p + 1 stage activations), ZeRO-2/3 with a pipeline (ZeRO-3: the stage kept gathered over the step).
+LAYOUTS += [lay for lay in ({"cp": 2, "cp_impl": "ulysses"}, {"pp": 4, "grad_acc": 8, "pp_schedule": "dualpipe"},
+                            {"dp": 2, "pp": 2, "zero": 2, "grad_acc": 4}, {"dp": 2, "pp": 2, "zero": 3, "grad_acc": 4})
+            if _runs(lay)]
+
+
 def _child(layout, out):
     from picotron import metrics
     from picotron.mesh import Mesh

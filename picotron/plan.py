@@ -8,7 +8,13 @@ remains, take the fastest. `planner.memory_per_stage` gives the bytes of a layou
   * `search`: every layout of a job, ranked by predicted tokens/s, and the rejected ones with their reason;
   * `PUBLISHED`: large runs whose layout and throughput were published, evaluated and ranked by the same model;
   * the command line (`--layout tp8,pp16,dp128` evaluates one layout instead of searching; every layout a table row
-    prints, e.g. `dp2,tp4,pp2,cp4,sp,zero1,interleaved-v2,mbs2,ga32`, is accepted verbatim and evaluates the same).
+    or --published prints, e.g. `dp2,tp4,pp2,cp4,ulysses,sp,zero1,interleaved-v2,mbs2,ga32`, is accepted verbatim and
+    evaluates the same).
+
+Runs or not: a layout picotron's trainer refuses is refused with the trainer's sentence (`trainer_problem`: the rules
+`parallelize.validate` applies, each strategy's check and `combination_problem`; no copy here). DualPipe and Ulysses
+are modelled by name whether or not this trainer has them yet (picotron.config's PP_SCHEDULES, CP_IMPLS); the search
+offers them once it does. The published runs ran on other software: only the model's shapes and memory judge them.
 
 Headroom: a layout may fill only 1 − HEADROOM (0.9) of each GPU's memory by default (`usable`; `--headroom 0.2`
 keeps 20% free, `--headroom 0` none): the model below counts the parameters, gradients, optimizer state and what
@@ -24,17 +30,23 @@ The time model (every term in one function, `step_time`), for one rank of the bu
   tp        per layer and micro-batch 4 all-reduces of b·(s/cp)·h elements (2 forward, 2 backward; with sp the same
             bytes as all-gathers + reduce-scatters; full recomputation repeats the 2 forward ones); not overlapped.
   cp        ring attention: per layer and micro-batch (cp−1) K/V blocks forward, (cp−1) K/V + (cp−1) dK/dV backward,
-            overlapped with that layer's attention compute: only the excess counts.
+            overlapped with that layer's attention compute: only the excess counts. Ulysses (Jacobs et al. 2023,
+            arXiv:2309.14509): per layer and micro-batch 4 all-to-alls forward (q, k, v, the output) and 4 backward,
+            each of a rank's b·(s/cp)·heads·d elements (k, v: its KV heads, repeated until cp divides them), (cp−1)/cp
+            of them leaving; not overlapped; full recomputation repeats the forward's 4.
   ep        per MoE layer and micro-batch 4 all-to-alls (dispatch and combine, forward and backward) of the k copies
             of each token; not overlapped.
   pp        point-to-point: per micro-batch and chunk one activation forward and one gradient backward; the bubble:
             the schedule's idle fraction B (1F1B/AFAB (p−1)/(m+p−1), interleaved (p−1)/(vm+p−1), ZB-H1
-            (p−1)/(3m+p−1), ZB-V from the simulator) stretches the busy time by 1/(1−B).
+            (p−1)/(3m+p−1), ZB-V from the simulator, DualPipe DeepSeek-V3's Table 2: idle (p/2−1)(F&B + B − 3W) =
+            2(p/2−1) with F = W = 1, B = 2, F&B = F + B, against 3m busy) stretches the busy time by 1/(1−B).
   dp        over dp×cp, gradients in the recipe's precision: ZeRO-0/1 one all-reduce (reduce-scatter + all-gather)
             hidden behind the last micro-batch's backward (2/3 of its compute); ZeRO-2/3 keep only a shard of the
             gradients, so they reduce-scatter every micro-batch's, hidden behind every backward, then all-gather the
-            parameters (ZeRO-3: for every micro-batch's forward and backward, hidden behind all the compute). Only
-            the excess counts.
+            parameters (ZeRO-3: for every micro-batch's forward and backward, hidden behind all the compute; with
+            pp > 1 once per step, the stage keeping them gathered for all its micro-batches, as torchtitan's
+            reshard_after_forward=False under a pipeline: ZeRO-2's traffic, hidden as ZeRO-2's). DualPipe's two
+            copies of each stage also all-reduce their gradients (2 ranks, once per step). Only the excess counts.
 Collectives are rings: all-reduce 2(n−1)·α + 2(n−1)/n·bytes/bw; all-gather, reduce-scatter, all-to-all
 (n−1)·α + (n−1)/n·bytes/bw; a send α + bytes/bw. A group is on NVLink when each of its copies lies in one node
 (grid order dp, pp, cp, tp with tp fastest: tp spans tp ranks, cp tp·cp, pp tp·cp·pp, ep tp·cp·pp·ep, dp all;
@@ -51,8 +63,10 @@ import math
 import sys
 from dataclasses import dataclass, field, replace
 
+from picotron.config import CP_IMPLS as TRAINER_CP_IMPLS, PP_SCHEDULES as TRAINER_PP_SCHEDULES
 from picotron.pipeline_schedules import bubble_formula, build, layer_costs, simulate
-from picotron.planner import RECIPES, Layout, memory_per_gpu, memory_per_stage, stage_layers
+from picotron.planner import (RECIPES, Layout, chunks_held, memory_per_gpu, memory_per_stage, stage_layers,
+                              ulysses_kv_heads)
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -130,17 +144,29 @@ def _link(hw, span):
     return (hw.intra_alpha, hw.intra_bw) if inside else (hw.inter_alpha, hw.inter_bw)
 
 
+def dualpipe_bubble(p, m, F=1.0, B=2.0, W=1.0):
+    """DualPipe's idle fraction of the step: DeepSeek-V3's Table 2 gives the idle time (p/2 − 1)(F&B + B − 3W), F, B, W
+    a stage's forward, whole backward and weight-gradient part for one micro-batch, F&B an overlapped forward and
+    backward pair, here F + B (no overlap of computation with communication modelled). A rank computes m micro-batches
+    on a stage's share of the layers (m/2 from each end, each through its two stages): m(F + B) busy."""
+    idle = (p / 2 - 1) * ((F + B) + B - 3 * W)
+    return idle / (idle + m * (F + B))
+
+
 def _bubble(layout):
     p, m, v = layout.pp, layout.grad_acc, layout.pp_chunks
     if p == 1:
         return 0.0
     if layout.pp_schedule == "zb-v":
         return simulate(build("zb-v", p, m)).bubble
+    if layout.pp_schedule == "dualpipe":
+        return dualpipe_bubble(p, m)
     return bubble_formula(layout.pp_schedule, p, m, v)
 
 
 def _chunks(layout):
-    return layout.pp_chunks if layout.pp_schedule == "interleaved" else 2 if layout.pp_schedule == "zb-v" else 1
+    """Chunks (stages) a pipeline rank holds: interleaved v, zb-v and DualPipe 2, else 1."""
+    return len(chunks_held(layout, 0)[1])
 
 
 def busiest_share(mc, layout, seq_len):
@@ -148,15 +174,16 @@ def busiest_share(mc, layout, seq_len):
     layers are cut as the pipeline cuts them (split_layers: the head's matmul counts, the embedding does not)."""
     if layout.pp == 1:
         return 1.0, mc.num_hidden_layers
-    v = _chunks(layout)
     costs = layer_costs(mc, seq_len)
-    cuts = stage_layers(mc, layout.pp * v, seq_len)
+    cuts = stage_layers(mc, chunks_held(layout, 0)[0], seq_len)
+    # DualPipe: each micro-batch passes one of a rank's two stages (half from each end): the mean of the two
+    runs = 2 if layout.pp_schedule == "dualpipe" else 1
     best = (0.0, 0)
     for rank in range(layout.pp):
-        held = [rank + layout.pp * k for k in range(v)] if layout.pp_schedule != "zb-v" else [rank, 2 * layout.pp - 1 - rank]
+        held = chunks_held(layout, rank)[1]
         flops = sum(sum(costs[1 + lo:1 + hi]) + (costs[-1] if st == len(cuts) - 1 else 0)
                     for st in held for lo, hi in [cuts[st]])
-        best = max(best, (flops, sum(cuts[st][1] - cuts[st][0] for st in held)))
+        best = max(best, (flops / runs, sum(cuts[st][1] - cuts[st][0] for st in held) / runs))
     return best[0] / sum(costs), best[1]
 
 
@@ -178,19 +205,27 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     # tensor parallelism: 4 all-reduces of the activation per layer and micro-batch (+2 with full recompute)
     calls = 4 + (2 if layout.recompute == "full" else 0)
     tp = m * layers * calls * _ring("all_reduce", t, local * h * el, *_link(hw, t))
-    # context parallelism: the ring's K/V blocks, hidden under the attention core's compute where it is longer
+    # context parallelism: the ring's K/V blocks, hidden under the attention core's compute where it is longer;
+    # Ulysses' 4 all-to-alls forward (q, k, v, out) and 4 backward, each rank's b·(s/cp) tokens of a tp rank's heads
+    # (KV heads repeated until cp divides them), (cp−1)/cp of it leaving, not overlapped (+4 with full recompute)
     kv = mc.num_key_value_heads * mc.head_dim
     block = 2 * local * kv * el / t
     a_link = _link(hw, t * c)
-    ring = 4 * (c - 1) * (a_link[0] + block / a_link[1]) if c > 1 else 0.0
-    attn_compute = 12 * h * s * local / t / rate  # forward + backward, this rank's heads
-    cp = m * layers * max(0.0, ring - attn_compute)
+    if c > 1 and layout.cp_impl == "ulysses":
+        kv_heads = ulysses_kv_heads(mc.num_key_value_heads // t, c)
+        q_bytes, kv_bytes = local * h / t * el, local * kv_heads * mc.head_dim * el
+        one = 2 * _ring("all_to_all", c, q_bytes, *a_link) + 2 * _ring("all_to_all", c, kv_bytes, *a_link)  # q,out; k,v
+        cp = m * layers * one * (3 if layout.recompute == "full" else 2)
+    else:
+        ring = 4 * (c - 1) * (a_link[0] + block / a_link[1]) if c > 1 else 0.0
+        attn_compute = 12 * h * s * local / t / rate  # forward + backward, this rank's heads
+        cp = m * layers * max(0.0, ring - attn_compute)
     # expert parallelism: 4 all-to-alls of the k copies of each token per MoE layer and micro-batch
     ep = 0.0
     if mc.is_moe and e > 1:
         ep = m * layers * 4 * _ring("all_to_all", e, local * mc.num_experts_per_tok * h * el, *_link(hw, t * c * p * e))
     # pipeline: one activation and one gradient per micro-batch and chunk, then the bubble
-    v = _chunks(layout)
+    v = 1 if layout.pp_schedule == "dualpipe" else _chunks(layout)  # DualPipe: a micro-batch crosses a rank once
     p_link = _link(hw, t * c * p)
     pp_p2p = 2 * m * v * (p_link[0] + local * h * el / (t if layout.sp else 1) / p_link[1]) if p > 1 else 0.0
     busy = compute + tp + cp + ep + pp_p2p
@@ -199,20 +234,26 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     # data parallelism over dp x cp, in the recipe's gradient precision: ZeRO-0/1 all-reduce (reduce-scatter +
     # all-gather) once, overlapped with the last micro-batch's backward; ZeRO-2/3 hold only their shard of the
     # gradients, so they reduce-scatter every micro-batch's (overlapped with every backward) and all-gather the updated
-    # parameters (ZeRO-3: for every micro-batch's forward and backward instead, overlapped with all the compute)
-    params = mc.num_params() / (t * p)
+    # parameters (ZeRO-3: for every micro-batch's forward and backward instead, overlapped with all the compute; with
+    # pp once per step, the stage keeping them gathered for all its micro-batches: torchtitan's
+    # reshard_after_forward=False under a pipeline). DualPipe holds two stages (2x the parameters) and sums each stage's
+    # gradients between its two ranks too: an all-reduce over 2 on the pp link, hidden like dp's.
+    params = mc.num_params() / (t * p) * (2 if layout.pp_schedule == "dualpipe" and p > 1 else 1)
     grad_bytes = params * (4 if dtype == "fp32" else RECIPES[recipe][1])
     dp_link = _link(hw, gpus)
     n = d * c
+    twins = _ring("all_reduce", 2, grad_bytes, *p_link) if layout.pp_schedule == "dualpipe" and p > 1 else 0.0
     if layout.zero >= 2:
-        gathers = 2 * m if layout.zero == 3 else 1
+        gathers = (1 if p > 1 else 2 * m) if layout.zero == 3 else 1
         dp_total = m * _ring("reduce_scatter", n, grad_bytes, *dp_link) + gathers * _ring("all_gather", n, params * el,
                                                                                           *dp_link)
-        overlap = compute if layout.zero == 3 else (2 / 3) * compute
+        # ZeRO-3 without pp gathers before every forward and backward: all the compute hides it; with pp its one
+        # gather per step is ZeRO-2's all-gather moved to the step's start: hidden like ZeRO-2's, behind the backwards
+        overlap = compute if layout.zero == 3 and p == 1 else (2 / 3) * compute
     else:
         dp_total = _ring("all_reduce", n, grad_bytes, *dp_link)
         overlap = (2 / 3) * compute / m
-    dp = max(0.0, dp_total - overlap)
+    dp = max(0.0, dp_total + twins - overlap)
     total = busy + bubble + dp
     out = {"compute": compute, "tp": tp, "cp": cp, "ep": ep, "pp": pp_p2p, "bubble": bubble, "dp": dp, "total": total}
     out["tokens_per_s"] = tokens / total
@@ -227,12 +268,32 @@ def _divisors(n, limit=None):
     return [k for k in range(1, n + 1) if n % k == 0 and (limit is None or k <= limit)]
 
 
+def trainer_problem(mc, layout, seq_len, dtype="bf16"):
+    """The sentence with which picotron's trainer refuses this layout, or None: the same rules `parallelize.validate`
+    applies before any process group exists (each strategy's `check`, then `combination_problem`), so the planner
+    keeps no copy of them."""
+    from picotron import parallelize
+    from picotron.config import CP_IMPLS, PP_SCHEDULES, Config
+    for name, value, known in (("pp_schedule", layout.pp_schedule, PP_SCHEDULES), ("cp_impl", layout.cp_impl, CP_IMPLS)):
+        if value not in known:
+            return f"{name}={value!r} is not in this picotron's trainer (it has {', '.join(known)})"
+    cfg = Config(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, sp=layout.sp, zero=layout.zero,
+                 pp_schedule=layout.pp_schedule, pp_chunks=layout.pp_chunks, cp_impl=layout.cp_impl,
+                 micro_batch_size=layout.micro_batch_size, grad_acc=max(1, layout.grad_acc),
+                 recompute=layout.recompute, seq_len=seq_len, dtype="fp32" if dtype == "fp32" else "bf16-params")
+    for rule in [strategy.check for strategy in parallelize.STRATEGIES] + [parallelize.combination_problem]:
+        problem = rule(cfg, mc)
+        if problem:
+            return problem
+    return None
+
+
 def check_layout(mc, layout, seq_len, hw, global_seqs, dtype="bf16", recipe="mixed", cross_node_tp=False,
-                 zero_with_pp=False):
+                 rules=True):
     """(memory row, None) if the layout can run this job, else (memory row or None, one sentence why not). A tp group
-    wider than a node is refused unless `cross_node_tp` (then it runs, its all-reduces on the network); ZeRO-2/3 with
-    a pipeline unless `zero_with_pp` (FSDP with pipelining, as Llama 3 ran: gradients reduce-scattered every
-    micro-batch)."""
+    wider than a node is refused unless `cross_node_tp` (then it runs, its all-reduces on the network). `rules`: also
+    refuse what picotron's trainer refuses (`trainer_problem`); off for runs of other software (PUBLISHED), judged only
+    by the shapes the model needs and their memory."""
     heads, kv = mc.num_attention_heads, mc.num_key_value_heads
     if global_seqs % (layout.dp * layout.micro_batch_size):
         return None, _indivisible(global_seqs, layout)
@@ -247,13 +308,19 @@ def check_layout(mc, layout, seq_len, hw, global_seqs, dtype="bf16", recipe="mix
         return None, f"pp={layout.pp} (x{_chunks(layout)} chunks) has more stages than the {mc.num_hidden_layers} layers"
     if layout.pp_schedule == "interleaved" and layout.pp_chunks > 1 and layout.grad_acc % layout.pp:
         return None, f"interleaved needs the micro-batches ({layout.grad_acc}) to be a multiple of pp={layout.pp}"
-    if layout.zero >= 2 and layout.pp > 1 and not zero_with_pp:
-        return None, (f"ZeRO-{layout.zero} with pp={layout.pp}: gradients would be cut every micro-batch (picotron and "
-                      f"DeepSpeed's pipeline refuse it)")
     if mc.is_moe and (mc.num_local_experts % layout.ep or layout.dp % layout.ep):
         return None, f"ep={layout.ep} must divide the {mc.num_local_experts} experts and dp={layout.dp}"
     if not mc.is_moe and layout.ep > 1:
         return None, f"ep={layout.ep} needs a model with experts"
+    problem = trainer_problem(mc, layout, seq_len, dtype) if rules else None
+    if problem:
+        return None, problem
+    # what the model's formulas assume (the trainer's own checks say it too, in their words)
+    if layout.pp > 1 and layout.pp_schedule == "dualpipe" and (layout.pp % 2 or layout.grad_acc < 2 * layout.pp):
+        return None, (f"dualpipe needs an even pp ({layout.pp}) and at least 2·pp = {2 * layout.pp} micro-batches "
+                      f"({layout.grad_acc}): half enter from each end")
+    if layout.cp > 1 and layout.cp_impl == "ulysses" and (heads // layout.tp) % layout.cp:
+        return None, f"ulysses with cp={layout.cp} needs the {heads // layout.tp} heads per tp rank divisible by cp"
     if layout.dp * layout.micro_batch_size * layout.grad_acc != global_seqs:
         return None, (f"the global batch of {global_seqs} sequences is not dp·mbs·grad_acc = {layout.dp}·"
                       f"{layout.micro_batch_size}·{layout.grad_acc}")
@@ -277,8 +344,11 @@ SPACE = dict(  # what `candidates` enumerates; a run's `available` narrows it
     recompute=("none", "selective", "full"),
     schedules=(("1f1b", 1), ("interleaved", 2)),
     micro_batches=(1, 2, 4, 8),
-    zero_with_pp=False,  # ZeRO-2/3 together with pp > 1 (picotron, DeepSpeed and Megatron refuse it; FSDP + PP allows)
+    cp_impls=("ring", "ulysses"),  # with cp > 1
 )
+# DualPipe and Ulysses are searched once picotron's trainer has them (picotron.config's PP_SCHEDULES and CP_IMPLS)
+SPACE["schedules"] += (("dualpipe", 1),) * ("dualpipe" in TRAINER_PP_SCHEDULES)
+SPACE["cp_impls"] = tuple(c for c in SPACE["cp_impls"] if c in TRAINER_CP_IMPLS)
 
 
 def candidates(mc, gpus, hw, seq_len, global_seqs, space=None):
@@ -302,8 +372,10 @@ def candidates(mc, gpus, hw, seq_len, global_seqs, space=None):
                             for sp in (sp_["sp"] if tp > 1 else (False,)):
                                 for recompute in sp_["recompute"]:
                                     for sched, v in (sp_["schedules"] if pp > 1 else (("1f1b", 1),)):
-                                        yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero, pp_schedule=sched,
-                                                     pp_chunks=v, micro_batch_size=mbs, grad_acc=ga, recompute=recompute)
+                                        for impl in (sp_["cp_impls"] if cp > 1 else ("ring",)):
+                                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero,
+                                                         pp_schedule=sched, pp_chunks=v, cp_impl=impl,
+                                                         micro_batch_size=mbs, grad_acc=ga, recompute=recompute)
 
 
 @dataclass
@@ -312,18 +384,17 @@ class Plan:
     rejected: list  # [(layout, reason)]
 
 
-def search(mc, gpus, hw, seq_len, global_seqs, dtype="bf16", recipe="mixed", space=None):
+def search(mc, gpus, hw, seq_len, global_seqs, dtype="bf16", recipe="mixed", space=None, rules=True):
     """Rank every feasible layout by predicted tokens/s (ties: less memory, then fewer strategies); keep each rejected
-    one's reason. tp wider than a node is searched only when space["max_tp"] asks for it (then it runs, flagged)."""
+    one's reason. tp wider than a node is searched only when space["max_tp"] asks for it (then it runs, flagged).
+    `rules`: refuse what picotron's trainer refuses (check_layout)."""
     ranked, rejected = [], []
     cross = bool(space and (space.get("max_tp") or 0) > hw.gpus_per_node)
-    zpp = bool(space and space.get("zero_with_pp"))
     for layout in candidates(mc, gpus, hw, seq_len, global_seqs, space):
         if layout.grad_acc == 0:
             rejected.append((layout, _indivisible(global_seqs, layout)))
             continue
-        mem, why = check_layout(mc, layout, seq_len, hw, global_seqs, dtype, recipe, cross_node_tp=cross,
-                                zero_with_pp=zpp)
+        mem, why = check_layout(mc, layout, seq_len, hw, global_seqs, dtype, recipe, cross_node_tp=cross, rules=rules)
         if why:
             rejected.append((layout, why))
         else:
@@ -417,7 +488,7 @@ PUBLISHED = [
               "seq 8192, 16M tokens per batch, 400 TFLOP/s per GPU, 41% BF16 MFU; §3.3.2: an interleaved schedule, "
               "FSDP sharding optimizer states and gradients (weights kept after the forward), 'pre-train Llama 3 on "
               "sequences of 8K tokens without activation checkpointing'",
-              counts_recompute=False, recipe="mixed-fp32-grads", available={"zero_with_pp": True},
+              counts_recompute=False, recipe="mixed-fp32-grads",
               notes="chunks per rank not published: 126 layers = 16 x 8 - 2 suggests 8 with the first and last chunks "
                     "holding only the embedding and the head (as the paper describes); our pipeline needs a layer in "
                     "every chunk, so v = 7; sp assumed; its FSDP as ZeRO-2 with fp32 gradients (weights whole during the "
@@ -432,18 +503,16 @@ def evaluate_published(run, rank=True):
     why_available), plus above / above_less_recompute / above_fewer_stages (the layouts ranked above it)."""
     from picotron.model import ModelConfig
     mc = ModelConfig(**run.model)
-    space = {**SPACE, **run.available}
-    mem, why = check_layout(mc, run.layout, run.seq_len, run.hardware, run.global_seqs, recipe=run.recipe,
-                            zero_with_pp=space["zero_with_pp"])
+    mem, why = check_layout(mc, run.layout, run.seq_len, run.hardware, run.global_seqs, recipe=run.recipe, rules=False)
     time = step_time(mc, run.layout, run.seq_len, run.hardware, recipe=run.recipe)
     predicted = time["hardware_tflops" if run.counts_recompute else "tflops"]
     out = dict(fits=why is None, why=why, memory=mem, time=time, predicted_tflops=predicted, ratio=predicted / run.tflops)
     if rank:
         # the full space plus the run's own schedule (so that its layout is a candidate)
         own = {"schedules": tuple(dict.fromkeys(SPACE["schedules"] + ((run.layout.pp_schedule, run.layout.pp_chunks),))),
-               "micro_batches": tuple(sorted(set(SPACE["micro_batches"]) | {run.layout.micro_batch_size})),
-               "zero_with_pp": space["zero_with_pp"]}
-        plan = search(mc, run.gpus, run.hardware, run.seq_len, run.global_seqs, recipe=run.recipe, space=own)
+               "micro_batches": tuple(sorted(set(SPACE["micro_batches"]) | {run.layout.micro_batch_size}))}
+        plan = search(mc, run.gpus, run.hardware, run.seq_len, run.global_seqs, recipe=run.recipe, space=own,
+                      rules=False)  # its own software ran it, not picotron: only the model's shapes and memory
         k = rank_of(plan, run.layout)
         above = [lay for lay, _, _ in plan.ranked[:(k or 1) - 1]]
         out.update(rank=k, of=len(plan.ranked), best=plan.ranked[0] if plan.ranked else None,
@@ -468,6 +537,7 @@ def _within(layout, space):
     sp_ = {**SPACE, **space}
     return (layout.zero in sp_["zero"] and layout.sp in sp_["sp"] + ((False,) if layout.tp == 1 else ())
             and layout.cp in sp_["cp"] and layout.recompute in sp_["recompute"]
+            and (layout.cp == 1 or layout.cp_impl in sp_["cp_impls"])
             and (layout.pp == 1 or (layout.pp_schedule, layout.pp_chunks) in sp_["schedules"])
             and layout.micro_batch_size in sp_["micro_batches"])
 
@@ -530,7 +600,8 @@ def build_parser():
                    help="bytes per parameter and activations: bf16 mixed precision 2+2+12 (default), with fp32 gradient "
                         "accumulation 2+4+12, or picotron's fp32 trainer 4+4+8"),
     p.add_argument("--layout", default=None, help="evaluate this layout, e.g. tp8,pp16,dp128 (+ zero1, sp, mbs2, ga8, "
-                                                  "interleaved-v2, recompute-full): any layout a table row shows")
+                                                  "interleaved-v2, dualpipe, ulysses, recompute-full): any layout a "
+                                                  "table row or --published shows")
     p.add_argument("--max-tp", type=int, default=None, help="search tp up to this (beyond a node: flagged)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--published", action="store_true", help="evaluate and rank the published runs instead")
@@ -648,11 +719,18 @@ def main(argv=None):
                 per = layout.dp * layout.micro_batch_size
                 layout = replace(layout, grad_acc=seqs // per if seqs % per == 0 else 0)
             mem, why = check_layout(mc, layout, ns.seq_len, hw, seqs, ns.dtype, ns.recipe, cross_node_tp=True)
+            model_why = None
+            if mem is None and why:  # refused by picotron's trainer: the model's figures all the same, if it has them
+                mem, model_why = check_layout(mc, layout, ns.seq_len, hw, seqs, ns.dtype, ns.recipe, cross_node_tp=True,
+                                              rules=False)
             t = step_time(mc, layout, ns.seq_len, hw, ns.dtype, ns.recipe) if mem else None  # none if refused early
             print(_describe(job, ns.seq_len, ns.headroom))
             if _link(hw, layout.tp)[1] != hw.intra_bw:
                 print(f"note: tp={layout.tp} crosses nodes of {hw.gpus_per_node}: its all-reduces run on the network")
             print(f"{layout}: " + ("fits" if why is None else "does not run: " + why))
+            if mem and why and not why.startswith("does not fit"):
+                print("the model's figures for it all the same (as another trainer would run it): "
+                      + ("fits" if model_why is None else model_why))
             if mem:
                 stages = [r["total"] / GiB for r in memory_per_stage(mc, layout, ns.seq_len, ns.dtype, ns.recipe)]
                 print("memory per GPU (GiB), busiest stage: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in mem.items())

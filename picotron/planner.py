@@ -49,7 +49,14 @@ This is exact for our code on this torch version (tests/test_lesson01.py checks 
 Korthikanti et al. (2022) count 34·sbh + 5·a·s²·b bytes per layer for GPT-3 in pure bf16 with dropout;
 `korthikanti_bytes_per_layer` gives that, and lesson 01 explains each difference.
 """
-from picotron.config import PP_SCHEDULES, RECOMPUTE
+import math
+
+from picotron.config import CP_IMPLS as TRAINER_CP_IMPLS, PP_SCHEDULES as TRAINER_PP_SCHEDULES, RECOMPUTE
+
+# What the planner models: the trainer's schedules and cp implementations (picotron.config), and DualPipe and Ulysses
+# by name whether or not this trainer has them yet (the layout check says when it does not: plan.trainer_problem).
+PP_SCHEDULES = tuple(dict.fromkeys(TRAINER_PP_SCHEDULES + ("dualpipe",)))
+CP_IMPLS = tuple(dict.fromkeys(TRAINER_CP_IMPLS + ("ulysses",)))
 
 BYTES = {"fp32": 4, "bf16": 2}
 
@@ -206,12 +213,20 @@ def memory_estimate(model_config, seq_len, micro_batch_size, dtype="fp32", recom
 #        output and logsumexp, the MLP's inner tensors, the logits) is split; the hidden-size tensors around
 #        them (norm inputs and outputs, the inputs of q/k/v and gate/up) stay whole, unless sp splits them.
 #   sp   splits the hidden-size tensors of the norms and the residual stream over tp (sequence positions).
-#   cp   every token-wise activation is s/cp tokens long; nothing of the model states is split.
+#   cp   every token-wise activation is s/cp tokens long; nothing of the model states is split. Ulysses (all-to-all
+#        from s/cp tokens of every head to all s tokens of heads/cp) keeps as many elements in its attention kernel,
+#        plus o_proj's input, now a tensor of its own (the all-to-all back), and K/V heads repeated until cp divides
+#        them; the ring's K/V blocks in flight are temporaries (not counted), Ulysses has none.
 #   pp   a stage holds its layers (split_layers: balanced by FLOPs, the embedding on the first stage, the final
 #        norm and head on the last); its activations are one micro-batch's times the micro-batches alive at the
-#        schedule's peak on that stage (the simulator's count: AFAB m, 1F1B p - i, ...).
+#        schedule's peak on that stage (the simulator's count: AFAB m, 1F1B p - i, ...). DualPipe (DeepSeek-V3,
+#        arXiv:2412.19437, Table 2): rank r holds stages r and p-1-r of ONE cut into p stages (every stage twice in
+#        the pipeline: 2x parameters, gradients and optimizer state per rank) and keeps p + 1 micro-batches' stage
+#        activations at its peak, counted as (p + 1)/2 on each of its two stages (the closed form, no simulator).
 #   ep   a rank holds E/ep experts of every MoE layer (each cut by tp like an MLP).
 #   ZeRO over the dp x cp ranks (experts: over dp x cp / ep): 1 the optimizer state, 2 + gradients, 3 + params.
+#        ZeRO-3 with pp keeps a stage's gathered parameters from its first micro-batch's forward to the step's end
+#        (torchtitan's reshard_after_forward=False under a pipeline): whole parameters + this rank's shard.
 from dataclasses import dataclass  # noqa: E402
 
 from picotron.pipeline_schedules import build, split_layers  # noqa: E402
@@ -234,6 +249,7 @@ class Layout:
     zero: int = 0
     pp_schedule: str = "1f1b"
     pp_chunks: int = 1
+    cp_impl: str = "ring"
     micro_batch_size: int = 1
     grad_acc: int = 1
     recompute: str = "none"
@@ -247,7 +263,7 @@ class Layout:
     def parse(cls, text, **overrides):
         """'tp8,pp16,dp128' in any order (missing degrees = 1), with optional items 'sp', 'zero1', 'mbs2', 'ga8',
         'recompute-full', '1f1b' (or another schedule), 'v2' (interleaved chunks; 'interleaved-v2' says both, as
-        str() prints it). Reads back what str() writes. One sentence if it cannot."""
+        str() prints it), 'ulysses' (or another --cp-impl). Reads back what str() writes. One sentence if it cannot."""
         values = {}
         for item in (t.strip() for t in str(text).replace(" ", ",").split(",")):
             if not item:
@@ -265,25 +281,28 @@ class Layout:
                 values["sp"] = True
             elif item in PP_SCHEDULES:
                 values["pp_schedule"] = item
+            elif item in CP_IMPLS:
+                values["cp_impl"] = item
             elif chunks[0] == "interleaved" and chunks[2].isdigit() and int(chunks[2]) >= 1:
                 values["pp_schedule"], values["pp_chunks"] = "interleaved", int(chunks[2])
             elif item.startswith("recompute-") and item[10:] in RECOMPUTE:
                 values["recompute"] = item[10:]
             else:
                 raise ValueError(f"layout item {item!r} in {text!r} is not one of dp/tp/pp/cp/ep/zero/mbs/ga/v followed by a "
-                                 f"number, 'sp', 'recompute-none|selective|full', a schedule ({', '.join(PP_SCHEDULES)}) "
-                                 f"or 'interleaved-v<chunks>'; e.g. 'tp8,pp16,dp128'.")
+                                 f"number, 'sp', 'recompute-none|selective|full', a schedule ({', '.join(PP_SCHEDULES)}), "
+                                 f"'interleaved-v<chunks>' or a cp_impl ({', '.join(CP_IMPLS)}); e.g. 'tp8,pp16,dp128'.")
         return cls(**{**values, **overrides})
 
     @classmethod
     def from_config(cls, cfg):
         return cls(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sp, zero=cfg.zero,
-                   pp_schedule=cfg.pp_schedule, pp_chunks=cfg.pp_chunks, micro_batch_size=cfg.micro_batch_size,
+                   pp_schedule=cfg.pp_schedule, pp_chunks=cfg.pp_chunks, cp_impl=cfg.cp_impl, micro_batch_size=cfg.micro_batch_size,
                    grad_acc=cfg.grad_acc, recompute=cfg.recompute)
 
     def __str__(self):
-        """'dp2,tp4,pp2,sp,zero1,interleaved-v2,mbs2,ga32': what `parse` reads back as this layout."""
+        """'dp2,tp4,pp2,cp2,ulysses,sp,zero1,interleaved-v2,mbs2,ga32': what `parse` reads back as this layout."""
         parts = [f"{k}{getattr(self, k)}" for k in DEGREES if getattr(self, k) > 1] or ["dp1"]
+        parts += [self.cp_impl] * (self.cp_impl != "ring")
         parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
         if self.pp > 1:
             parts.append(self.pp_schedule + (f"-v{self.pp_chunks}" if self.pp_schedule == "interleaved" else ""))
@@ -302,6 +321,21 @@ def stage_layers(mc, pp, seq_len):
 
 
 _SPLITS = {}
+
+
+def chunks_held(layout, rank):
+    """(stages in the cut, the stages pipeline rank `rank` holds in chunk order): interleaved r, r + p, ...; the V of
+    zb-v r and 2p-1-r; DualPipe's r and p-1-r of p stages (each stage on two ranks); otherwise stage r."""
+    p, s = layout.pp, layout.pp_schedule
+    if p == 1:
+        return 1, [0]
+    if s == "interleaved":
+        return p * layout.pp_chunks, [rank + p * k for k in range(layout.pp_chunks)]
+    if s == "zb-v":
+        return 2 * p, [rank, 2 * p - 1 - rank]
+    if s == "dualpipe":
+        return p, [rank, p - 1 - rank]
+    return p, [rank]
 
 
 def _replay(schedule, pp, m, v):
@@ -375,7 +409,24 @@ def _layer_activations(mc, layout, seq_len, dtype):
     if layout.sp and t > 1:  # our all-gather hands each projection its own contiguous copy of the gathered input
         qkv_in, mlp_in = SP_INPUT_COPIES["attention"] * qkv_in, SP_INPUT_COPIES["mlp"] * mlp_in
     out = 2 * norm / (t if layout.sp else 1) + qkv_in + core / t + mlp_in + mlp_inner / t + moe_rows
-    return out + terms.get("bf16 weight copies", 0) / t
+    return out + terms.get("bf16 weight copies", 0) / t + ulysses_extra_bytes(mc, layout, seq_len, BYTES[dtype])
+
+
+def ulysses_kv_heads(kv_heads, cp):
+    """KV heads per rank-group that Ulysses sends: cp must divide them, so fewer are repeated until it does (GQA):
+    lcm(kv_heads, cp) of this tp rank's KV heads."""
+    return math.lcm(kv_heads, cp)
+
+
+def ulysses_extra_bytes(mc, layout, seq_len, elem):
+    """Bytes one layer keeps under Ulysses beyond the ring's: o_proj's input (the all-to-all back from the kernel's
+    output, b·(s/cp)·h/t elements) and the repeated K/V heads (lcm(k/t, cp) - k/t heads of s/cp tokens, K and V).
+    0 for the ring and all-gather, with cp = 1, and under recomputation (the checkpoint keeps only its inputs)."""
+    if layout.cp_impl != "ulysses" or layout.cp == 1 or layout.recompute != "none":
+        return 0
+    c, t, b = layout.cp, layout.tp, layout.micro_batch_size
+    kv = mc.num_key_value_heads // t
+    return elem * b * (seq_len // c) * (mc.hidden_size / t + 2 * mc.head_dim * (ulysses_kv_heads(kv, c) - kv))
 
 
 def _edge_activations(mc, layout, seq_len, dtype, first, last):
@@ -412,22 +463,26 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     _check(dtype, layout.recompute)
     shard = layout.dp * layout.cp  # the ranks ZeRO shards over
     eshard = max(1, shard // layout.ep)
-    v = layout.pp_chunks if layout.pp_schedule == "interleaved" else 2 if layout.pp_schedule == "zb-v" else 1
-    stages = layout.pp * v
+    stages, held0 = chunks_held(layout, 0)
+    v = len(held0)
     cuts = stage_layers(mc, stages, seq_len)
-    vectors = _replay(layout.pp_schedule, layout.pp, layout.grad_acc, v) if layout.pp > 1 else [((1,),)]
+    if layout.pp == 1:
+        vectors = [((1,),)]
+    elif layout.pp_schedule == "dualpipe":  # Table 2's p + 1 stage activations, half on each of the rank's stages
+        vectors = [(((layout.pp + 1) / 2,) * 2,)] * layout.pp
+    else:
+        vectors = _replay(layout.pp_schedule, layout.pp, layout.grad_acc, v)
     if recipe == "ours":
         layer = _layer_activations(mc, layout, seq_len, dtype)
         edge = lambda first, last: _edge_activations(mc, layout, seq_len, dtype, first, last)  # noqa: E731
     else:
         layer = mixed_activation_bytes_per_layer(mc, seq_len // layout.cp, layout.micro_batch_size, layout.tp,
-                                                 layout.sp, layout.recompute)
+                                                 layout.sp, layout.recompute) + ulysses_extra_bytes(mc, layout, seq_len, 2)
         edge = lambda first, last: _mixed_edge(mc, layout, seq_len, first, last)  # noqa: E731
     P, G, K = RECIPES[recipe]
     out = []
     for rank in range(layout.pp):
-        held = [rank] if v == 1 else ([rank + layout.pp * k for k in range(v)] if layout.pp_schedule == "interleaved"
-                                      else [rank, 2 * layout.pp - 1 - rank])  # chunk c of this rank is stage held[c]
+        held = chunks_held(layout, rank)[1]  # chunk c of this rank is stage held[c]
         dense = expert = 0
         chunk_bytes = []
         for st in held:
@@ -440,7 +495,8 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
         z = layout.zero
         units = dense / (shard if z >= 1 else 1) + expert / (eshard if z >= 1 else 1)
         whole = dense + expert
-        row = {"params": P * (units if z >= 3 else whole),
+        # ZeRO-3 with pp: the stage's gathered parameters stay for all its micro-batches, beside this rank's shard
+        row = {"params": P * (units + (whole if layout.pp > 1 else 0) if z >= 3 else whole),
                "grads": G * (units if z >= 2 else whole),
                "optimizer": K * units,
                "activations": acts}

@@ -153,3 +153,69 @@ def test_the_default_headroom_keeps_ten_percent_free_and_says_so(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--headroom" in help_text and "default 0.1" in help_text and "--headroom 0" in help_text
     assert "headroom" in plan.__doc__ and "HEADROOM" in plan.__doc__
+
+
+# The command-line flags of the published runs whose hardware is in plan.GPUS (BLOOM's Jean Zay network is not), judged
+# against the whole card as --published judges them.
+PUBLISHED_ARGV = {
+    "Llama 3 405B": ["--preset", "llama3-405b", "--gpus", "16384", "--seq-len", "8192", "--global-batch-tokens", "16M",
+                     "--recipe", "mixed-fp32-grads", "--headroom", "0"],
+    "Megatron GPT 145.6B": ["--vocab-size", "51200", "--hidden-size", "12288", "--intermediate-size", "32768",
+                            "--num-hidden-layers", "80", "--num-attention-heads", "96", "--num-key-value-heads", "96",
+                            "--max-position-embeddings", "2048", "--tie-word-embeddings", "--gpu", "a100-80gb",
+                            "--gpus", "1536", "--seq-len", "2048", "--global-batch-tokens", str(2304 * 2048),
+                            "--headroom", "0"],
+}
+
+
+def test_every_published_layout_reads_back_and_evaluates_as_printed(capsys):
+    """The layouts --published prints (its lines, as `print_published` writes them) parse back to the runs' layouts;
+    given to --layout with the run's job, one evaluates to the printed memory (and, for a run counted without
+    recomputation, the printed TFLOP/s); if picotron's trainer refuses it, with the trainer's sentence (parallelize's rules:
+    e.g. ZeRO-2 with a pipeline until the trainer runs it) and still shows the model's figures."""
+    lines = []
+    plan.print_published(rank=False, out=lines.append)
+    printed = dict(re.findall(r"^(.+?): [\d,]+ x .+?, (\S+): ", "\n".join(lines), re.M))
+    assert set(printed) == {run.name for run in plan.PUBLISHED}
+    for run in plan.PUBLISHED:
+        assert Layout.parse(printed[run.name]) == run.layout, run.name
+    for name, argv in PUBLISHED_ARGV.items():
+        run = next(r for r in plan.PUBLISHED if r.name == name)
+        line = next(x for x in lines if x.startswith(name + ":"))
+        code, out, err = _run(capsys, argv + ["--layout", printed[name]])
+        refused = plan.trainer_problem(ModelConfig(**run.model), run.layout, run.seq_len)
+        if refused:  # the trainer's sentence, then the model's figures all the same
+            assert code == 1 and f"{printed[name]}: does not run: {refused}" in out, out + err
+            assert "the model's figures for it all the same (as another trainer would run it): fits" in out, out
+        else:
+            assert code == 0 and f"{printed[name]}: fits" in out, out + err
+        (text, rest), = _table(out)
+        assert text == printed[name] and f"fits, {rest.split()[0]} GiB per GPU" in line, (out, line)
+        if not run.counts_recompute:
+            tflops = re.search(r"predicted (\d+) TFLOP/s per GPU vs", line).group(1)
+            assert f", {tflops} TFLOP/s per GPU of model FLOPs" in out, (out, line)
+
+
+def test_dualpipe_and_ulysses_layouts_read_back_and_evaluate(capsys):
+    """The new names print and parse like the others; --layout evaluates them (refused by picotron's trainer until it
+    has them, with its sentence, and the model's figures all the same); a search that offers them (as it does once the
+    trainer has them, picotron.config) ranks layouts with them, and each reads back as itself."""
+    mc = ModelConfig.from_preset("llama3-8b")
+    job = ["--preset", "llama3-8b", "--gpus", "64", "--seq-len", "8192", "--global-batch-tokens", "4M"]
+    for text in ("dp4,tp4,pp4,dualpipe,mbs1,ga128", "dp4,tp4,cp4,ulysses,mbs1,ga128"):
+        code, out, err = _run(capsys, job + ["--layout", text])
+        refused = plan.trainer_problem(mc, Layout.parse(text), 8192)
+        assert code == (1 if refused else 0) and (refused or "fits") in out, out + err
+        (shown, rest), = _table(out)
+        want = planner.memory_per_gpu(mc, Layout.parse(text), 8192, "bf16", "mixed")["total"] / 2**30
+        assert shown == text and rest.split()[0] == f"{want:.1f}", out
+    for text in ("dp4,pp4,dualpipe,mbs1,ga16", "dp2,cp4,ulysses,sp,tp2,mbs1,ga8", "dp8,pp2,zero3,1f1b,mbs1,ga8"):
+        lay = Layout.parse(text)
+        assert Layout.parse(str(lay)) == lay
+    space = {"schedules": (("1f1b", 1), ("dualpipe", 1)), "cp_impls": ("ring", "ulysses"), "recompute": ("none",),
+             "micro_batches": (1,), "zero": (0, 1)}
+    found = plan.search(mc, 64, plan.usable(plan.GPUS["h100-80gb"]), 8192, 128, space=space, rules=False)
+    assert any(lay.pp_schedule == "dualpipe" and lay.pp > 1 for lay, _, _ in found.ranked)
+    assert any(lay.cp_impl == "ulysses" and lay.cp > 1 for lay, _, _ in found.ranked)
+    for lay, _, _ in found.ranked:
+        assert Layout.parse(str(lay)) == lay, str(lay)

@@ -188,6 +188,84 @@ def test_zero2_reduce_scatters_every_micro_batch():
     assert t2["dp"] == pytest.approx(max(0, m * one + one - 2 / 3 * t2["compute"]))  # behind every backward
 
 
+def test_dualpipe_bubble_is_table_2s_and_each_rank_holds_two_stages():
+    """DeepSeek-V3 Table 2: idle (p/2 - 1)(F&B + B - 3W); with F = 1, B = 2 (input + weight gradients), W = 1 and F&B =
+    F + B (nothing overlapped): (p/2 - 1)·2 against the m(F + B) = 3m a rank computes. Rank r holds stages r and p-1-r
+    of a cut into p (every stage twice: 2x the model states in all) and keeps p + 1 stage activations."""
+    for p, m in ((4, 8), (8, 16), (8, 64)):
+        idle = (p / 2 - 1) * 2
+        assert plan.dualpipe_bubble(p, m) == pytest.approx(idle / (idle + 3 * m))
+        assert plan.dualpipe_bubble(p, m) < planner_bubble_1f1b(p, m)
+    hw = plan.GPUS["h100-80gb"]
+    mc = ModelConfig.from_preset("smollm-360m")
+    t = plan.step_time(mc, Layout(pp=4, grad_acc=8, pp_schedule="dualpipe"), 2048, hw)
+    busy = t["compute"] + t["tp"] + t["cp"] + t["ep"] + t["pp"]
+    assert t["bubble"] == pytest.approx(busy * 2 / (2 + 24) / (24 / (2 + 24)))
+    p, n = 4, TINY.num_params()
+    dual = planner.memory_per_stage(TINY, Layout(pp=p, grad_acc=8, pp_schedule="dualpipe"), S)
+    one = planner.memory_per_stage(TINY, Layout(pp=p, grad_acc=1), S)  # the same cut, one micro-batch per stage
+    assert sum(r["params"] for r in dual) == 2 * 4 * n  # untied TINY: each parameter on two ranks
+    for r in range(p):
+        pair = (r, p - 1 - r)
+        assert dual[r]["params"] == sum(one[i]["params"] for i in pair)
+        assert dual[r]["optimizer"] == sum(one[i]["optimizer"] for i in pair)
+        assert dual[r]["activations"] == pytest.approx((p + 1) / 2 * sum(one[i]["activations"] for i in pair), abs=1)
+
+
+def planner_bubble_1f1b(p, m):
+    return (p - 1) / (m + p - 1)
+
+
+def test_ulysses_sends_four_all_to_alls_each_way_and_keeps_o_projs_input():
+    """Jacobs et al. 2023 (arXiv:2309.14509): q, k, v and the output, each rank's b·(s/cp) tokens of its heads, (cp-1)/cp
+    of them leaving, forward and again backward. TINY has 8 heads and 4 KV heads: at cp = 8 each KV head is sent
+    twice (lcm(4, 8) = 8 heads)."""
+    hw = dataclasses.replace(plan.GPUS["h100-80gb"], gpus_per_node=2, inter_bw=1e9)  # cp spans nodes: slow
+    s, b, m, c = 1024, 2, 4, 8
+    h, d, L, el = TINY.hidden_size, TINY.head_dim, TINY.num_hidden_layers, 2
+    a2a = lambda nbytes: (c - 1) * hw.inter_alpha + (c - 1) / c * nbytes / hw.inter_bw  # noqa: E731
+    tokens = b * s // c
+    q, kv = tokens * h * el, tokens * 8 * d * el  # 8 KV heads after the repeat
+    t = plan.step_time(TINY, Layout(cp=c, cp_impl="ulysses", micro_batch_size=b, grad_acc=m), s, hw)
+    assert t["cp"] == pytest.approx(m * L * 2 * (2 * a2a(q) + 2 * a2a(kv)))
+    full = plan.step_time(TINY, Layout(cp=c, cp_impl="ulysses", micro_batch_size=b, grad_acc=m, recompute="full"), s, hw)
+    assert full["cp"] == pytest.approx(1.5 * t["cp"])  # the recomputed forward's four again
+    ring = plan.step_time(TINY, Layout(cp=c, micro_batch_size=b, grad_acc=m), s, hw)
+    assert ring["cp"] > 0 and ring["cp"] != t["cp"]  # the ring: K/V blocks, overlapped with attention
+    # memory: the ring's count plus o_proj's input (b·(s/cp)·h) and the repeated K/V (4 more heads, K and V)
+    for recipe, p in (("ours", 4), ("mixed", 2)):
+        uly = planner.memory_per_gpu(TINY, Layout(cp=c, cp_impl="ulysses", micro_batch_size=b), s, recipe=recipe)
+        rng = planner.memory_per_gpu(TINY, Layout(cp=c, micro_batch_size=b), s, recipe=recipe)
+        extra = L * p * tokens * (h + 2 * 4 * d)
+        assert uly["activations"] - rng["activations"] == pytest.approx(extra, abs=L)
+    cp2 = planner.memory_per_gpu(TINY, Layout(cp=2, cp_impl="ulysses", micro_batch_size=b), s)
+    assert cp2["activations"] - planner.memory_per_gpu(TINY, Layout(cp=2, micro_batch_size=b), s)["activations"] == \
+        pytest.approx(L * 4 * (b * s // 2) * h, abs=L)  # cp = 2 divides the 4 KV heads: no repeat
+
+
+def test_zero_with_a_pipeline_shards_a_stage_and_zero3_gathers_it_once_per_step():
+    """ZeRO over dp of a stage's parameters; ZeRO-3 with pp keeps the gathered stage for all its micro-batches
+    (torchtitan's reshard_after_forward=False under a pipeline): one all-gather per step instead of 2m, and the
+    whole stage beside the shard at the peak."""
+    hw = dataclasses.replace(plan.GPUS["h100-80gb"], gpus_per_node=2, inter_bw=1e9)
+    mc = ModelConfig.from_preset("smollm-135m")
+    n, m, s, p = 8, 4, 2048, 2
+    rows = {z: planner.memory_per_stage(TINY, Layout(dp=n, pp=p, grad_acc=m, zero=z), S) for z in (0, 2, 3)}
+    for st in range(p):
+        whole = rows[0][st]["params"]
+        assert rows[2][st]["grads"] == pytest.approx(whole / n, abs=2) and rows[2][st]["params"] == whole
+        assert rows[3][st]["params"] == pytest.approx(whole + whole / n, abs=2)
+    t2 = plan.step_time(mc, Layout(dp=n, pp=p, grad_acc=m, zero=2), s, hw)
+    t3 = plan.step_time(mc, Layout(dp=n, pp=p, grad_acc=m, zero=3), s, hw)
+    params = mc.num_params() / p
+    one = lambda nbytes, k=n: (k - 1) * hw.inter_alpha + (k - 1) / k * nbytes / hw.inter_bw  # noqa: E731
+    assert t2["dp"] == pytest.approx(max(0, m * one(2 * params) + one(2 * params) - 2 / 3 * t2["compute"]))
+    assert t3["dp"] == pytest.approx(t2["dp"]) and t2["dp"] > 0  # ZeRO-2's traffic, hidden as ZeRO-2's
+    flat = plan.step_time(mc, Layout(dp=n * p, grad_acc=m, zero=3), s, hw)  # no pipeline: 2m gathers
+    k = n * p
+    assert flat["dp"] == pytest.approx(max(0, m * one(4 * params, k) + 2 * m * one(4 * params, k) - flat["compute"]))
+
+
 # ------------------------------------------------------------------------------------------------ the search
 def test_search_ranks_by_throughput_and_says_why_each_rejected_layout_fails():
     hw = dataclasses.replace(plan.GPUS["h100-80gb"], memory=2 * plan.GiB)
@@ -201,7 +279,10 @@ def test_search_ranks_by_throughput_and_says_why_each_rejected_layout_fails():
     assert any(why.startswith("does not fit:") and "> 2.0 GiB" in why for why in reasons)
     assert any("is not divisible by dp·mbs" in why for why in reasons)  # 48 sequences, dp 8 x mbs 8
     assert any(why.startswith("tp=8 does not divide the 15 attention heads") for why in reasons)
-    assert any(why.startswith("ZeRO-2 with pp=2") for why in reasons)
+    # what picotron's trainer refuses (its own sentence: parallelize's rules, not a copy), and nothing ranked that it does
+    refused = [(lay, why) for lay, why in result.rejected if why == plan.trainer_problem(mc, lay, 2048)]
+    assert any(lay.zero and lay.dp * lay.cp == 1 for lay, _ in refused)  # ZeRO over one rank: nothing to shard
+    assert all(plan.trainer_problem(mc, lay, 2048) is None for lay, _, _ in result.ranked)
     assert any("has more stages than the 32 layers" in why for why in reasons) is False  # pp <= 8 here
     assert len(result.ranked) + len(result.rejected) == sum(1 for _ in plan.candidates(mc, 8, hw, 2048, 48))
 
@@ -215,8 +296,14 @@ def test_the_other_rejection_reasons():
     assert why("dp16,ga3") .startswith("the global batch of 64 sequences is not dp·mbs·grad_acc = 16·1·3")
     assert why("tp16,ga64").startswith("tp=16 crosses nodes of 8 GPUs")
     assert why("tp16,ga64", cross_node_tp=True) is None
-    assert why("dp4,pp2,zero2,ga16").startswith("ZeRO-2 with pp=2")
-    assert why("dp4,pp2,zero2,ga16", zero_with_pp=True) is None
+    # ZeRO-2 with a pipeline: what the trainer says (runs once parallelize.combination_problem allows it)
+    assert why("dp4,pp2,zero2,ga16") == plan.trainer_problem(mc, Layout.parse("dp4,pp2,zero2,ga16"), 2048)
+    assert why("dp4,pp2,zero2,ga16", rules=False) is None  # another trainer's run: only the shapes and memory
+    assert why("dp4,pp3,dualpipe,ga24", rules=False).startswith("dualpipe needs an even pp (3)")
+    assert why("dp4,pp4,dualpipe,ga16", rules=False) is None and why("dp8,pp4,dualpipe,ga8", rules=False) is None
+    assert why("dp16,pp4,dualpipe,ga4", rules=False).startswith("dualpipe needs an even pp (4) and at least 2·pp = 8")
+    assert why("tp8,cp8,ulysses,ga64", rules=False) == "ulysses with cp=8 needs the 4 heads per tp rank divisible by cp"
+    assert why("tp8,cp4,ulysses,ga64", rules=False) is None
     assert why("dp4,pp4,interleaved,v2,ga6", seqs=24).startswith("interleaved needs the micro-batches (6)")
     assert why("dp2,ep2,ga32") == "ep=2 needs a model with experts"
 

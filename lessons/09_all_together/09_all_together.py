@@ -382,7 +382,8 @@ check("the predicted throughput is within 25% of each published one", all(0.75 <
 # ## 5. The decision procedure: SmolLM-1.7B, Llama 3 8B and 70B on 8 to 1,024 GPUs
 #
 # The Ultra-Scale Playbook's three steps, as a search (`plan.search`): every (dp, tp, pp, cp, ZeRO, sp,
-# micro-batch, recomputation, schedule) of the job, tp at most a node; **(1)** reject what does not fit the GPU's
+# micro-batch, recomputation, schedule) of the job that picotron's trainer runs (what it refuses, the search refuses
+# with the trainer's own sentence), tp at most a node; **(1)** reject what does not fit the GPU's
 # memory (bf16 mixed precision) less a headroom: the model counts the model states and the activations, not the CUDA
 # context, NCCL's buffers or the allocator's fragmentation, which take several GiB of a real card, so the plan keeps
 # `plan.HEADROOM` = 10% of it free (71.7 of an H100's 79.6 GiB; `python -m picotron.plan` does the same, `--headroom
@@ -538,8 +539,8 @@ all_passed = checker.check()
 # | axis | divides | costs | keep it |
 # |---|---|---|---|
 # | tp | weights, and (with sp) activations, by $tp$ | 4 blocking collectives of $b\,s\,h$ per layer | inside a node ($tp \le 8$) |
-# | cp | activations by $cp$ | K/V around a ring, hidden under attention when $s$ is long | inside a node, or across for very long $s$ |
-# | pp | weights and activations by stage | the bubble $\frac{pp-1}{m+pp-1}$ (needs $m \gg pp$), stage balance | across nodes |
+# | cp | activations by $cp$ | K/V around a ring, hidden under attention when $s$ is long; or Ulysses' 4 all-to-alls each way, exposed, their bytes falling as $1/cp$ (heads per tp rank divisible by $cp$) | inside a node, or across for very long $s$ |
+# | pp | weights and activations by stage | the bubble $\frac{pp-1}{m+pp-1}$ (needs $m \gg pp$), stage balance; DualPipe: idle $(\frac{pp}{2}-1)(F\&B+B-3W)$ for $2\times$ the parameters per rank | across nodes |
 # | dp / ZeRO | the batch; ZeRO: optimizer state, gradients, parameters by $dp$ | gradients once per step (ZeRO-3: + parameters) | across nodes, as wide as the global batch allows |
 # | ep | experts by $ep$ | two all-to-alls per MoE layer | inside a node, or routing limited to few nodes |
 #
