@@ -18,7 +18,7 @@ the validation loss too. One reference run per distinct reference (preset, grad_
 
 Default run: a covering subset (`DEFAULT`). The pairs of dimensions already active together elsewhere:
 dp·tp, dp·sp, tp·sp, tp·zero1, sp·zero1 (test_tensor_parallel); dp·zero1 (test_zero); pp·dp, pp·tp, pp·sp,
-pp·zero1 (test_pipeline_parallel); cp·dp, cp·tp, cp·sp, cp·pp, cp·zero1 (test_context_parallel); ep·dp, ep·tp,
+pp·zero1 (test_pipeline_parallel); pp·zero2, pp·zero3 (test_zero); cp·dp, cp·tp, cp·sp, cp·pp, cp·zero1 (test_context_parallel); ep·dp, ep·tp,
 ep·sp, ep·zero1, ep·pp (test_expert_parallel) — every feasible pair, each in two or three dimensions. Here: the
 four-dimensional dp2·pp2·cp2·tp2 with sp and ZeRO-1 (16 processes: all 15 pairs of dp, pp, cp, tp, sp, zero1 in
 one run), the same without sp and ZeRO-1 (16 processes: the gradients synced by the data-parallel wrapper instead
