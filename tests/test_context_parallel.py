@@ -69,8 +69,9 @@ VARIANTS = [("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"),
 
 def _attention_case(cp, impl, layout):
     """By default every variant at cp = 3 (odd: no power-of-two luck) and the ring at 2 and 4; Ulysses (4 query
-    heads: cp = 3 does not divide them) at 2, KV heads replicated when kv_heads = 1; the rest with --heavy."""
-    default = cp == 3 if impl == "allgather" else cp == 2 if impl == "ulysses" else True
+    heads: cp = 3 does not divide them) at 2 with zig-zag, KV heads replicated when kv_heads = 1; the rest with
+    --heavy."""
+    default = cp == 3 if impl == "allgather" else (cp, layout) == (2, "zigzag") if impl == "ulysses" else True
     return (cp, impl, layout) if default else pytest.param(cp, impl, layout, marks=pytest.mark.heavy)
 
 

@@ -240,7 +240,7 @@ def test_notebook_runs_in_fast_mode(run_notebook):
     # other check, and a timing check on a quiet machine, is ✓ or ✗
     marks = _common.tally(text)
     assert not marks["failed"], text
-    assert marks["passed"] + len(marks["inconclusive"]) >= 39, text
+    assert marks["passed"] + len(marks["inconclusive"]) >= 46, text  # 39, and section 7's 7 (Ulysses)
     assert f"checks: {marks['passed']} ✓ hold, {len(marks['inconclusive'])} ? inconclusive" in text, text
     assert "NotImplementedError: not written yet" in text  # the exercise cell ran the checker on the stubs
     assert "not averaged over cp (dp = 1): the parity check catches it" in text

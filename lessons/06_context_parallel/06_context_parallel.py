@@ -562,16 +562,16 @@ _common.interactive(draw, lambda w: dict(cp=w.IntSlider(value=4, min=1, max=8, d
 # limit. With zig-zag the gathered sequence arrives in layout order (rank 0's two chunks, then rank 1's, ...):
 # picotron puts it in position order for the causal attention and back afterwards.
 #
-# The measurement: training steps of the model at $c = 2$ and $c = 4$, the same $s/c$ tokens per rank, the ring and
-# Ulysses (zig-zag) one step of each in turn; the recorder counts every all-to-all's buffer on the cp axis
-# (`lesson.SentBytes`), and `metrics.ActivationCounter` the bytes one forward keeps.
+# The measurement: training steps of the model on 4 processes, at $c = 2$ (× dp 2) and $c = 4$, the same $s/c$
+# tokens per rank, the ring and Ulysses (zig-zag) one step of each in turn; the recorder counts every all-to-all's
+# buffer on the cp axis (`lesson.SentBytes`), and `metrics.ActivationCounter` the bytes one forward keeps.
 
 # %%
-run("ulysses", nproc=2)
-run("ulysses", nproc=4)
-uly = [_common.load_json(OUT / f"ulysses_cp{c}.json")["results"] for c in (2, 4)]
+run("ulysses", nproc=4)   # cp = 2 (x dp = 2) and cp = 4, on the same 4 processes
+uly = _common.load_json(OUT / "ulysses_cp4.json")["results"]["runs"]
 for res in uly:
-    print(f"cp={res['cp']}, s={res['s']} ({res['s'] // res['cp']} tokens per rank), b={res['b']}, a={res['heads']}, "
+    print(f"cp={res['cp']} x dp={res['dp']}, s={res['s']} ({res['s'] // res['cp']} tokens per rank), b={res['b']}, "
+          f"a={res['heads']}, "
           f"k={res['kv_heads']}, d={res['head_dim']}, {res['layers']} layers; other programs used {res['busy']:.0%} "
           f"of the cores")
     for impl, r in res["rows"].items():
@@ -607,8 +607,8 @@ check("same tokens per rank, cp 2 -> 4: the ring's bytes per rank grow by (3·4-
 # less than half the ring's, and the gap widens with every doubling. Activation memory is the same: both keep q, k,
 # v and the output of attention, and the ring's $s/c$ tokens of $a$ heads are as many numbers as Ulysses' $s$ tokens
 # of $a/c$ heads (Ulysses also holds the whole sequence of its heads' K/V for the attention, the ring two blocks at a
-# time — a transient, not kept for backward). Step times on this shared 2-core machine (the load is printed; at
-# $c = 4$ four processes share two cores) say little: Ulysses calls PyTorch's fused attention once where our ring
+# time — a transient, not kept for backward). Step times on this shared 2-core machine (the load is printed; four
+# processes share two cores) say little: Ulysses calls PyTorch's fused attention once where our ring
 # computes block by block in Python, so it tends to win here for that reason, not for its bytes. On GPUs the choice
 # is the bandwidth and the heads: Ulysses when the all-to-all runs over a fast, fully connected link (NVLink inside
 # a node) and $c \le$ the heads; the ring across nodes, for more ranks than heads, and where its transfers hide

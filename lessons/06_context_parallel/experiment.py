@@ -4,7 +4,7 @@ formulas and plots.
 
     torchrun --nproc_per_node 2 lessons/06_context_parallel/experiment.py [--only balance,train,parity]
     torchrun --nproc_per_node 4 lessons/06_context_parallel/experiment.py --only memory,balance,train,parity
-    torchrun --nproc_per_node 2 lessons/06_context_parallel/experiment.py --only ulysses    # (also on 4)
+    torchrun --nproc_per_node 4 lessons/06_context_parallel/experiment.py --only ulysses    # cp = 2 (x dp 2) and 4
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_cp<c>.json (c = the world size). memory: the bytes autograd keeps in one forward of one
@@ -16,9 +16,9 @@ share of the machine's cores other programs used during each call (_common.LoadW
 train: training steps of the model at cp = world size, ring (zig-zag and contiguous) and all-gather interleaved
 (tokens/s), the bytes every attention core sent against `bytes_per_step_formula`. parity: picotron.train at cp =
 world size (and cp = 2 x dp = 2 on 4 processes) against one process, and the trap: cp = 2, dp = 1 with the
-gradients NOT averaged over cp. ulysses: training steps at cp = world size and s = cp x a fixed number of tokens per
-rank, the ring and Ulysses (both zig-zag) in turn: step times, the bytes of every all-to-all and ring message against
-the formulas, the activation bytes one forward keeps.
+gradients NOT averaged over cp. ulysses: training steps at every cp in (2, 4, 8) dividing the world size (the rest
+data parallel) and s = cp x a fixed number of tokens per rank, the ring and Ulysses (both zig-zag) in turn: step
+times, the bytes of every all-to-all and ring message against the formulas, the activation bytes one forward keeps.
 """
 import os
 import statistics
@@ -56,7 +56,7 @@ def settings(fast, device_type=None):
               balance_seq=2048, balance_repeats=9 if fast else 11,
               train_seq=256 if fast else 1024, train_b=2, train_steps=2 if fast else 6, train_warmup=1,
               parity_steps=10 if fast else 20, parity_seq_len=64, parity_layers=4, parity_grad_acc=2,
-              ulysses_tokens=128 if fast else 512)
+              ulysses_tokens=64 if fast else 512, ulysses_steps=2 if fast else 6)
     return _common.sized("06_context_parallel", st, fast, device_type)
 
 
@@ -456,14 +456,26 @@ def ulysses_forward_bytes(mc, b, s, cp, elem=4):
 
 
 def exp_ulysses(mesh, st, out):
-    """Ulysses against the ring (both zig-zag) at cp = world size, s = cp x the tokens per rank of the settings (the
-    same s/cp for every cp): training steps one of each in turn (the median step), the bytes of every all-to-all
-    and ring message against the formulas, and the activation bytes one forward keeps (metrics.ActivationCounter)."""
-    cp, b = mesh.cp.size, st["train_b"]
-    s = st["ulysses_tokens"] * cp
-    variants = {impl: Stepper(make_cfg(st["size"], seq_len=s, micro_batch_size=b, cp=cp, cp_impl=impl,
-                                       max_position_embeddings=max(1024, s)), mesh) for impl in ("ring", "ulysses")}
-    busy = run_interleaved(list(variants.values()), st["train_steps"], st["train_warmup"], mesh.cp.group)
+    """Ulysses against the ring (both zig-zag) at every cp of (2, 4, 8) dividing the world size (the other ranks:
+    data parallel, so every cp runs on the same processes), s = cp x the tokens per rank of the settings (the same
+    s/cp for every cp): training steps one of each in turn (the median step), the bytes of every all-to-all and
+    ring message against the formulas, and the activation bytes one forward keeps (metrics.ActivationCounter)."""
+    world, b, runs = mesh.world_size, st["train_b"], []
+    for cp in [c for c in (2, 4, 8) if world % c == 0]:
+        sub = Mesh.init(dp=world // cp, cp=cp)
+        try:
+            runs.append(_ulysses_at(sub, st, b, st["ulysses_tokens"] * cp, mesh))
+        finally:
+            sub.destroy()
+    return dict(runs=runs)
+
+
+def _ulysses_at(sub, st, b, s, mesh):
+    cp = sub.cp.size
+    variants = {impl: Stepper(make_cfg(st["size"], seq_len=s, micro_batch_size=b, dp=sub.dp.size, cp=cp,
+                                       cp_impl=impl, max_position_embeddings=max(1024, s)), sub)
+                for impl in ("ring", "ulysses")}
+    busy = run_interleaved(list(variants.values()), st["ulysses_steps"], st["train_warmup"], mesh.world.group)
     mc = variants["ring"].run.raw.config
     L = mc.num_hidden_layers
     rows = {}
@@ -472,12 +484,13 @@ def exp_ulysses(mesh, st, out):
         rows[impl] = dict(times=v.times, step_s=med, sent=gather(v.sent, mesh), buffers=gather(v.buffers, mesh),
                           formula=cpm.bytes_per_step_formula(cp, b, s, mc.num_key_value_heads, mc.head_dim, L,
                                                              impl=impl, heads=mc.num_attention_heads),
-                          activations=_saved_bytes(v.run, v.cfg, mesh, s, mesh), losses=v.losses)
-        _say(mesh, f"cp={cp} {impl:<8} s={s}: step {1e3 * med:6.0f} ms (median of {len(v.times)}); sent per step "
-                   f"{sum(rows[impl]['sent'][0][-1].values()) / MiB:.3f} MiB (formula {rows[impl]['formula'] / MiB:.3f}); "
-                   f"activations {rows[impl]['activations'][0] / MiB:.2f} MiB")
-    return dict(cp=cp, s=s, b=b, layers=L, heads=mc.num_attention_heads, kv_heads=mc.num_key_value_heads,
-                head_dim=mc.head_dim, forward_formula=ulysses_forward_bytes(mc, b, s, cp), busy=busy, rows=rows)
+                          activations=_saved_bytes(v.run, v.cfg, sub, s, mesh), losses=v.losses)
+        _say(mesh, f"cp={cp} x dp={sub.dp.size} {impl:<8} s={s}: step {1e3 * med:6.0f} ms (median of {len(v.times)}); "
+                   f"sent per step {sum(rows[impl]['sent'][0][-1].values()) / MiB:.3f} MiB (formula "
+                   f"{rows[impl]['formula'] / MiB:.3f}); activations {rows[impl]['activations'][0] / MiB:.2f} MiB")
+    return dict(cp=cp, dp=sub.dp.size, s=s, b=b, layers=L, heads=mc.num_attention_heads,
+                kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+                forward_formula=ulysses_forward_bytes(mc, b, s, cp), busy=busy, rows=rows)
 
 
 # --------------------------------------------------------------------------------------------- parity
@@ -723,7 +736,8 @@ def plot_ulysses(results):
             for x, y in zip(xs, ys):
                 ax.text(x, y, f"{y:.1f}" if what == "activations" else f"{y:.0f}", ha="center", va="bottom",
                         fontsize=FONT)
-        ax.set_xticks(range(len(results)), [f"cp = {r['cp']}, s = {r['s']}" for r in results], fontsize=FONT)
+        ax.set_xticks(range(len(results)), [f"cp = {r['cp']} x dp = {r['dp']}\ns = {r['s']}" for r in results],
+                      fontsize=FONT)
         ax.set_ylabel(unit, fontsize=FONT)
         ax.set_title("activation memory" if what == "activations" else "time per step (CPU, shared)", fontsize=9)
         ax.set_ylim(0, 1.25 * ax.get_ylim()[1])
