@@ -428,7 +428,7 @@ def _check_levels(cfg):
         if cfg.local_dir or cfg.ranks_per_node:
             flag = "--local-dir" if cfg.local_dir else "--ranks-per-node"
             raise ConfigError(f"{flag} configures level-1 checkpoints, which are off (local_save_every=0); pass "
-                              f"--local-save-every K (e.g. {max(1, cfg.save_every // 4)}) or drop {flag}.")
+                              f"--local-save-every K (below --save-every) or drop {flag}.")
         return
     if not cfg.save_every or cfg.local_save_every >= cfg.save_every:
         raise ConfigError(f"local_save_every={cfg.local_save_every} must be below save_every={cfg.save_every}: level "
