@@ -197,14 +197,16 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     gpus = layout.gpus
     tokens = d * m * b * s
     per_token = mc.flops_per_token(s)
-    extra = {"full": per_token / 3, "selective": 4 * L * h * s, "none": 0}[layout.recompute]
+    extra = {"full": per_token / 3, "partitioned": per_token / 3, "selective": 4 * L * h * s, "none": 0}[layout.recompute]
     share, layers = busiest_share(mc, layout, s)
     rate = hw.peak * hw.efficiency
     compute = (per_token + extra) * tokens / gpus * (share * p) / rate  # the busiest rank's FLOPs
     local = b * (s // c)  # tokens of one micro-batch on one rank
     # tensor parallelism: 4 all-reduces of the activation per layer and micro-batch (+2 with full recompute)
-    calls = 4 + (2 if layout.recompute == "full" else 0)
+    calls = 4 + (2 if layout.recompute in ("full", "partitioned") else 0)
     tp = m * layers * calls * _ring("all_reduce", t, local * h * el, *_link(hw, t))
+    if layout.recompute == "partitioned":  # + the all-gather of each layer's checkpoint before its recompute
+        tp += m * layers * _ring("all_gather", t, local * h * 4, *_link(hw, t))
     # context parallelism: the ring's K/V blocks, hidden under the attention core's compute where it is longer;
     # Ulysses' 4 all-to-alls forward (q, k, v, out) and 4 backward, each rank's b·(s/cp) tokens of a tp rank's heads
     # (KV heads repeated until cp divides them), (cp−1)/cp of it leaving, not overlapped (+4 with full recompute)
@@ -215,7 +217,7 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
         kv_heads = ulysses_kv_heads(mc.num_key_value_heads // t, c)
         q_bytes, kv_bytes = local * h / t * el, local * kv_heads * mc.head_dim * el
         one = 2 * _ring("all_to_all", c, q_bytes, *a_link) + 2 * _ring("all_to_all", c, kv_bytes, *a_link)  # q,out; k,v
-        cp = m * layers * one * (3 if layout.recompute == "full" else 2)
+        cp = m * layers * one * (3 if layout.recompute in ("full", "partitioned") else 2)
     else:
         ring = 4 * (c - 1) * (a_link[0] + block / a_link[1]) if c > 1 else 0.0
         attn_compute = 12 * h * s * local / t / rate  # forward + backward, this rank's heads
@@ -542,7 +544,7 @@ def _within(layout, space):
             and layout.micro_batch_size in sp_["micro_batches"])
 
 
-RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2, "partitioned": 3}
 
 
 # ----------------------------------------------------------------------------------------------- command line

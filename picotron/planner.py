@@ -39,7 +39,9 @@ With attn_impl="eager" the attention core instead saves q (p·sbh), k and v repe
 
 Recomputation: "selective" checkpoints the attention core, so it keeps only its inputs (q, k, v before
 RoPE: p·sbh(1 + 2k/a)) and o_proj keeps the core's output (p·sbh); "full" checkpoints whole layers and
-keeps only each layer's input (4sbh, fp32 residual).
+keeps only each layer's input (4sbh, fp32 residual); "partitioned" (ZeRO-R's partitioned activation
+checkpointing, Rajbhandari et al. 2020 §6.1) keeps 1/t of that input on each tp rank and all-gathers it before the
+layer's recompute (plan.step_time adds the all-gather).
 
 Outside the layers: the token ids (8b(s+1): they are a view of the loader's (s+1)-token windows, so whole
 rows stay alive), the final norm (8sbh + 4sb), the lm_head input (p·sbh; bf16 also its weight copy 2vh),
@@ -128,7 +130,7 @@ def activation_terms_per_layer(mc, seq_len, micro_batch_size, dtype="fp32", reco
     kvd = mc.num_key_value_heads * mc.head_dim  # K and V have k·d = h·k/a features (GQA: fewer than Q)
     p, bf16 = BYTES[dtype], dtype == "bf16"
     sbh, sb = s * b * h, s * b
-    if recompute == "full":
+    if recompute in ("full", "partitioned"):  # partitioned: the same checkpoint, cut over tp (_layer_activations)
         return {"layer input (checkpoint)": 4 * sbh}
     norm = 8 * sbh + 4 * sb
     qkv_in = 3 * 2 * sbh if bf16 else 4 * sbh
@@ -177,7 +179,7 @@ def korthikanti_bytes_per_layer(seq_len, micro_batch_size, hidden_size, num_head
     """Korthikanti et al. 2022 (GPT, pure bf16, dropout, 4h MLP): sbh(34 + 5as/h); selective drops the s²
     term; full keeps 2sbh (the layer input)."""
     s, b, h, a = seq_len, micro_batch_size, hidden_size, num_heads
-    if recompute == "full":
+    if recompute in ("full", "partitioned"):
         return 2 * s * b * h
     return 34 * s * b * h + (0 if recompute == "selective" else 5 * a * s * s * b)
 
@@ -393,8 +395,8 @@ def _layer_activations(mc, layout, seq_len, dtype):
     t, c, b = layout.tp, layout.cp, layout.micro_batch_size
     s = seq_len // c
     terms = activation_terms_per_layer(mc, s, b, dtype, layout.recompute)
-    if layout.recompute == "full":
-        return terms["layer input (checkpoint)"] / (t if layout.sp else 1)
+    if layout.recompute in ("full", "partitioned"):  # partitioned (ZeRO-R's Pa): each tp rank keeps 1/t of it
+        return terms["layer input (checkpoint)"] / (t if layout.sp or layout.recompute == "partitioned" else 1)
     h, sb = mc.hidden_size, s * b
     norm = terms["input_layernorm"]
     qkv_in = 3 * 2 * sb * h if dtype == "bf16" else 4 * sb * h
@@ -522,8 +524,8 @@ def mixed_activation_bytes_per_layer(mc, seq_len, micro_batch_size, tp=1, sp=Fal
     Experts: the MLP's split part k times, plus the k routed copies of each row in and out (4k·sbh)."""
     s, b, h, a, t = seq_len, micro_batch_size, mc.hidden_size, mc.num_attention_heads, tp
     sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh / (t if sp else 1)
+    if recompute in ("full", "partitioned"):
+        return 2 * sbh / (t if sp or recompute == "partitioned" else 1)
     k = mc.num_experts_per_tok if mc.is_moe else 1
     ffn = 6 * mc.intermediate_size / h * k + (4 * k if mc.is_moe else 0)
     split = 4 + 4 * mc.num_key_value_heads / a + ffn

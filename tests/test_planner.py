@@ -468,3 +468,17 @@ def test_the_committed_time_table_is_todays_model():
     assert table["rows"][0]["ratio"] == pytest.approx(1.0)  # the efficiency was fitted on the one-process run
     assert pt.spearman([r["predicted"] for r in table["rows"]], [r["measured"] for r in table["rows"]]) == \
         pytest.approx(table["spearman"])
+
+
+def test_partitioned_checkpoints_are_a_tp_share_of_full_and_cost_an_all_gather():
+    """--recompute partitioned (ZeRO-R's Pa): each tp rank keeps 1/t of the layer inputs that full keeps on every tp
+    rank; sp already splits them, so there the two agree. The time model adds one all-gather per layer."""
+    mc = ModelConfig.from_preset("smollm-360m")
+    for tp, sp in ((2, False), (4, False), (4, True)):
+        full = planner._layer_activations(mc, Layout(tp=tp, sp=sp, recompute="full"), 1024, "fp32")
+        part = planner._layer_activations(mc, Layout(tp=tp, sp=sp, recompute="partitioned"), 1024, "fp32")
+        assert part == (full if sp else full / tp), (tp, sp, part, full)
+    hw = plan.GPUS["h100-80gb"]
+    slow = plan.step_time(mc, Layout(tp=4, grad_acc=4, recompute="partitioned"), 1024, hw)
+    fast = plan.step_time(mc, Layout(tp=4, grad_acc=4, recompute="full"), 1024, hw)
+    assert slow["tp"] > fast["tp"] and slow["compute"] == fast["compute"]
