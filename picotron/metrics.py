@@ -162,13 +162,14 @@ class ActivationPeak:
     Every micro-batch's forward of a chunk saves the same bytes, and the hooks cost time, so only the step's first
     "forward" of each chunk is counted (`ActivationCounter`). A micro-batch's bytes are alive from its "forward"
     until its "weight" phase or, when its "backward" also computes the weight gradients (`weights`, default True),
-    until its "backward". A step begins with the forward of micro-batch 0 on chunk 0.
+    until its "backward". Each (micro-batch, chunk) has one forward a step, so a forward seen before begins a new
+    step (DualPipe's second rank starts with the other direction's micro-batch, not micro-batch 0 on chunk 0).
 
         pipe.phases.listen(metrics.ActivationPeak(stage))   # then, after a step: .bytes"""
 
     def __init__(self, model):
         self.model = model  # its parameters are not activations
-        self.bytes, self.per_chunk, self.alive = 0, {}, {}
+        self.bytes, self.per_chunk, self.alive, self.seen = 0, {}, {}, set()
 
     @contextmanager
     def __call__(self, name, micro=0, chunk=0, weights=True, **info):
@@ -178,8 +179,9 @@ class ActivationPeak:
             if name == "weight" or (name == "backward" and weights):
                 self.alive.pop(key, None)
             return
-        if key == (0, 0):  # a new step
-            self.bytes, self.per_chunk, self.alive = 0, {}, {}
+        if key in self.seen:  # a new step
+            self.bytes, self.per_chunk, self.alive, self.seen = 0, {}, {}, set()
+        self.seen.add(key)
         counter = ActivationCounter(self.model) if chunk not in self.per_chunk else None
         with counter if counter is not None else nullcontext():
             yield

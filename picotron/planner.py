@@ -223,8 +223,8 @@ def memory_estimate(model_config, seq_len, micro_batch_size, dtype="fp32", recom
 #        norm and head on the last); its activations are one micro-batch's times the micro-batches alive at the
 #        schedule's peak on that stage (the simulator's count: AFAB m, 1F1B p - i, ...). DualPipe (DeepSeek-V3,
 #        arXiv:2412.19437, Table 2): rank r holds stages r and p-1-r of ONE cut into p stages (every stage twice in
-#        the pipeline: 2x parameters, gradients and optimizer state per rank) and keeps p + 1 micro-batches' stage
-#        activations at its peak, counted as (p + 1)/2 on each of its two stages (the closed form, no simulator).
+#        the pipeline: 2x parameters, gradients and optimizer state per rank); its activations are counted from
+#        our schedule's action lists like the others' (Table 2 says p + 1 stage micro-batches for DeepSeek's own).
 #   ep   a rank holds E/ep experts of every MoE layer (each cut by tp like an MLP).
 #   ZeRO over the dp x cp ranks (experts: over dp x cp / ep): 1 the optimizer state, 2 + gradients, 3 + params.
 #        ZeRO-3 with pp keeps a stage's gathered parameters from its first micro-batch's forward to the step's end
@@ -470,9 +470,7 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     cuts = stage_layers(mc, stages, seq_len)
     if layout.pp == 1:
         vectors = [((1,),)]
-    elif layout.pp_schedule == "dualpipe":  # Table 2's p + 1 stage activations, half on each of the rank's stages
-        vectors = [(((layout.pp + 1) / 2,) * 2,)] * layout.pp
-    else:
+    else:  # DualPipe too: our schedule's own counts (pipeline_schedules.dualpipe), not Table 2's p + 1
         vectors = _replay(layout.pp_schedule, layout.pp, layout.grad_acc, v)
     if recipe == "ours":
         layer = _layer_activations(mc, layout, seq_len, dtype)
