@@ -215,8 +215,9 @@ class Config:
                                                   "loss (0 = none)")
     # DeepSeek-V3's routing (--preset tiny-deepseek-moe): sigmoid affinities, shared and fine-grained experts,
     # auxiliary-loss-free balancing by a per-expert bias
-    router: Optional[str] = option(None, "with experts: softmax (Mixtral: top-k of the softmax) or sigmoid (DeepSeek-V3: "
-                                         "top-k of sigmoid + bias, the gates the chosen sigmoids normalised)", ROUTERS)
+    router: Optional[str] = option(None, "with experts: softmax (Mixtral: top-k of the softmax) or sigmoid "
+                                         "(DeepSeek-V3: top-k of sigmoid + bias, the gates the chosen sigmoids "
+                                         "normalised)", ROUTERS)
     shared_experts: Optional[int] = option(None, "with experts: experts every token passes through besides its top_k "
                                                  "(DeepSeekMoE; 0 = none)")
     expert_size: Optional[int] = option(None, "with experts: each expert's hidden size (fine-grained experts: smaller "

@@ -86,7 +86,7 @@ class Reader:
 
 
 def load(folder, run, mesh):
-    """Fill this rank's parameters and optimizer state from `folder`, written at any layout; return its step.
+    """Fill this rank's parameters, optimizer state and buffers from `folder`, written at any layout; return its step.
 
     Each rank assembles, one parameter at a time, the full tensors of the names it holds and cuts its slices
     out (peak extra memory: one full parameter and its moments). Same layout: each rank's RNG state too."""
@@ -119,12 +119,14 @@ def load(folder, run, mesh):
     for after in (getattr(run.optimizer, "after_load", None), getattr(run.model, "after_load", None)):
         if after is not None:
             after()  # masters rounded into the parameters (bf16-params, fp16), then ZeRO-1/2's full parameters
-    buffers = {n: b for r in range(reader.world_size) for n, b in reader.file(r)["meta"].get("buffers", {}).items()}
-    with torch.no_grad():  # MoE's routing bias: each rank's own layers' (every replica wrote the same)
-        for n, b in run.raw.named_buffers():
-            if canonical(n) not in buffers:
+    mine = dict(run.raw.named_buffers())  # MoE's routing bias (every replica wrote the same; a stage its layers')
+    saved = {n: b for r in range(reader.world_size) if mine
+             for n, b in reader.file(r)["meta"].get("buffers", {}).items()}
+    with torch.no_grad():
+        for n, b in mine.items():
+            if canonical(n) not in saved:
                 raise KeyError(f"checkpoint {folder} holds no {canonical(n)} (written for another model?)")
-            b.copy_(buffers[canonical(n)])
+            b.copy_(saved[canonical(n)])
     scale = reader.file(0)["meta"].get("loss_scale")
     if scale is not None and run.scaler is not None and run.scaler.dynamic:
         run.scaler.load_state_dict(scale)

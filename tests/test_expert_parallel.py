@@ -19,7 +19,7 @@ import pytest
 import torch
 from _parity import assert_matches, layout_grads
 
-from picotron import expert_parallel, moe
+from picotron import expert_parallel, moe, nccl_rules
 from picotron.checkpoint import canonical
 from picotron import train as train_mod
 from picotron.config import Config, ConfigError
@@ -247,9 +247,18 @@ def _reference(tmp_path, layout):
     return run_on_ranks(_model_child, 1, ref, str(tmp_path / "ref"), timeout_s=120)[0]
 
 
-def _check(tmp_path, layout):
+def _check(tmp_path, layout, replay=False):
+    """The parity standard for `layout`; replay=True: each rank's communication is also recorded and replayed under
+    NCCL's rules (picotron.nccl_rules, as tests/test_nccl_rules.py does for its layouts)."""
     world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1) * layout.get("cp", 1)
-    results = run_on_ranks(_model_child, world, layout, str(tmp_path / "ep"), timeout_s=300)
+    if replay:
+        recorded = run_on_ranks(nccl_rules.run_recorded, world, _model_child, layout, str(tmp_path / "ep"),
+                                timeout_s=300)
+        results = [out for out, _ in recorded]
+        verdict = nccl_rules.replay([trace for _, trace in recorded])
+        assert verdict.ok, f"{layout}: {verdict}"
+    else:
+        results = run_on_ranks(_model_child, world, layout, str(tmp_path / "ep"), timeout_s=300)
     reference = _reference(tmp_path, layout)
     assert_matches(results, reference, layout)
     return results, reference
@@ -287,8 +296,9 @@ DS = dict(preset="tiny-deepseek-moe", bias_update_speed=0.05, aux_loss_coef=0.01
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items() if k not in ("preset", "aux_loss_coef")))
 def test_deepseek_routing_and_experts_with_cp_match_one_process(tmp_path, layout):
     """The parity standard, and the routing biases after 3 steps equal the one process's on every rank (their
-    loads are counted over the whole step's tokens: every replica moves them alike), and moved."""
-    results, (_, _, ref) = _check(tmp_path, layout)
+    loads are counted over the whole step's tokens: every replica moves them alike), and moved. Every rank's
+    communication (the routing statistics' all-reduce over cp among it) replayed under NCCL's rules."""
+    results, (_, _, ref) = _check(tmp_path, layout, replay=True)
     for rank, (*_, summary) in enumerate(results):
         assert summary["bias"] == {n: ref["bias"][n] for n in summary["bias"]}, f"rank {rank}: routing bias differs"
     assert set().union(*(r[2]["bias"] for r in results)) == set(ref["bias"])

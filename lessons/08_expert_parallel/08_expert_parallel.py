@@ -28,7 +28,7 @@ edit this file, never the notebook.
 # without the auxiliary loss and watch the experts' loads; count every byte the all-to-alls send against the
 # formula and put them on a timeline; measure memory and throughput per rank against ep; check that expert
 # parallelism trains exactly like one process — and catch the trap of dividing expert gradients by the wrong
-# group. The experiments are `experiment.py` in this folder, launched with `torchrun`; `PICOTRON_FAST=1` gives a
+# group; finally, DeepSeek-V3's router, which balances the experts with a bias instead of a loss. The experiments are `experiment.py` in this folder, launched with `torchrun`; `PICOTRON_FAST=1` gives a
 # short run.
 
 # %%
@@ -523,13 +523,14 @@ check("each bias moved by ±γ by the sign of its load error, every step", torch
       f"{final.min():+.2f} to {final.max():+.2f}")
 
 # %% [markdown]
-# Without balancing, the busiest expert settles at about 2.2 times the mean load; the auxiliary loss brings it to
+# Without balancing, the busiest expert settles at about 2.25 times the mean load; the auxiliary loss brings it to
 # 1.13, the bias update to 1.09 — as well, without a term in the loss: the gates, and so the gradients, are those of
 # an unbalanced router; only the choice moves. The update is the sign of the error, not its size, so each bias
 # walks by $\pm\gamma$ and hovers where its expert's load crosses the mean (here within $\pm 0.34$ after 200 steps).
 # The three losses stay within about 1% of each other (2.21, 2.20, 2.23 over the last 10 steps): at this size and
-# length balance neither helps nor costs much; the report's case for the bias is quality at scale, where the aux
-# loss's gradient has to be strong enough to balance thousands of GPUs' worth of experts.
+# length balance neither helps nor costs much; the quality gain that Wang et al. and the DeepSeek-V3 report claim
+# for the bias over the aux loss was measured on models of billions of parameters. What the bias buys here is the
+# balance itself (the busiest rank sets every step's pace) with no hyper-parameter traded against the loss.
 #
 # **Exercise 5.** `deepseek_router_step(logits, k, bias, gamma)` in `exercise.py`: the router's choice with the
 # bias, the gates without it, then the bias update from the batch's loads. The checker says when the bias leaked

@@ -54,7 +54,7 @@ def settings(fast, device_type=None):
               bytes_steps=2 if fast else 4,
               scale_steps=2 if fast else 6, scale_warmup=1,
               parity_steps=10, parity_seq_len=32, parity_mbs=2, parity_grad_acc=2,
-              router_preset="tiny-deepseek-moe", router_steps=60 if fast else 200, router_aux=0.01, router_gamma=0.01)
+              router_preset="tiny-deepseek-moe", router_steps=30 if fast else 200, router_aux=0.01, router_gamma=0.01)
     return _common.sized("08_expert_parallel", st, fast, device_type)
 
 
