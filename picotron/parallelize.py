@@ -238,6 +238,9 @@ def combination_problem(cfg, mc):
         ("dp_impl=ddp", "pp", cfg.pp > 1 and cfg.dp_impl == "ddp",
          f"dp_impl='ddp' with pp={cfg.pp} is not supported (DDP needs each forward followed by its backward, a "
          f"pipeline interleaves micro-batches); use --dp-impl bucket."),
+        ("experts", "dualpipe", experts and cfg.pp > 1 and cfg.pp_schedule == "dualpipe",
+         "experts with pp_schedule='dualpipe' are not supported yet (the two copies of each stage's experts and their "
+         "routing statistics have no parity test); use --pp-schedule zb-v or 1f1b."),
         ("experts", "zero=3", experts and cfg.zero == 3,
          "experts with zero=3 are not supported yet; use --zero 1 or 2."),
         ("ep", "dp_impl=ddp", cfg.ep > 1 and cfg.dp_impl == "ddp",

@@ -171,6 +171,7 @@ def test_evaluation_and_text_go_through_the_pipeline(layout):
     (dict(pp=2, pp_schedule="dualpipe", pp_chunks=2, grad_acc=4), "zb-v and dualpipe always use 2"),
     (dict(pp=2, dp=2, zero=1, pp_schedule="dualpipe", grad_acc=4), "zero=1 with pp_schedule='dualpipe' is not"),
     (dict(pp=2, pp_schedule="dualpipe", grad_acc=4, dtype="fp8"), "dtype='fp8' with pp_schedule='dualpipe'"),
+    (dict(pp=2, pp_schedule="dualpipe", grad_acc=4, preset="tiny-moe"), "experts with pp_schedule='dualpipe' are not"),
 ])
 def test_bad_pipeline_settings_get_one_sentence(settings, message):
     cfg = Config(**settings)
