@@ -330,7 +330,8 @@ def start_or_resume(cfg, mesh, run, injector, local=None):
         why = f"restart {faults.attempt()}: " if faults.attempt() else ""
         if level1:
             step, lost, _ = level1
-            peers = f", rank{'s' * (len(lost) > 1)} {', '.join(map(str, lost))} from the next node's copy" if lost else ""
+            peers = f", rank{'s' * (len(lost) > 1)} {', '.join(map(str, lost))} from the next node's copy" \
+                if lost else ""
             print(f"{why}resuming from level 1 (node-local) step {step}{peers} at step {start}", flush=True)
         else:
             print(f"{why}resuming from {folder} at step {start}" if folder else  # (no folder: only a restart gets here)

@@ -267,9 +267,9 @@ def test_level_1_resumes_exactly_from_the_peers_copy_else_level_2(tmp_path):
     """dp2 as two nodes, level 1 every step, level 2 every 4: after 6 steps each node holds level-1 steps 3 and 5
     (4 and 6 are level 2's), its rank's shard and the other node's rank's copy. Rewound to step 4's level 2 with
     node 1's folder deleted (a lost node), the run resumes from level 1's step 5 (newer), rank 1's shard sent back
-    from node 0's copy (and node 1's folder filled again: rank 1's shard, rank 0's copy); with both folders deleted, from level 2's step 4. Each time the
-    losses after the resume, and the final checkpoint, are the uninterrupted run's bit for bit, and every rank's
-    messages obey NCCL's rules. (A resume from a rank's own copy: tests/test_faults.py, after a real kill.)"""
+    from node 0's copy (and node 1's folder filled again: rank 1's shard, rank 0's copy); with both folders deleted,
+    from level 2's step 4. Each time the losses after the resume, and the final checkpoint, are the uninterrupted
+    run's bit for bit, and every rank's messages obey NCCL's rules. (A resume from a rank's own copy: tests/test_faults.py, after a real kill.)"""
     out = str(tmp_path / "run")
     (ref, _), ops = _levels_run(out, False)
     assert {("isend", "exchange"), ("irecv", "exchange")} <= ops, ops  # the peer copies (dp2 sends nothing else)

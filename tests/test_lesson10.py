@@ -81,14 +81,16 @@ def test_checker_names_interval_mistakes(tmp_path):
 
 def test_checker_names_resume_point_mistakes(tmp_path):
     out = fails_with(tmp_path, "resume_point", ("if all(", "if any("))  # one surviving shard taken for the step
-    assert "FAIL  resume_point: 3 nodes of 2 ranks, nodes 1 and 2 lost (a rank and its peer copy both gone) (level 2 at " \
-           "step 6): returned (1, 8), expected (2, 6): took a level-1 step with a missing shard: rank 2's shard of step " \
-           "8 is neither on node 1 (its own) nor on node 2 (the next node: its peer copy)" in out, out
-    out = fails_with(tmp_path, "resume_point", ("(r // per_node + 1) % nodes, step)", "(r // per_node - 1) % nodes, step)"))
+    assert "FAIL  resume_point: 3 nodes of 2 ranks, nodes 1 and 2 lost (a rank and its peer copy both gone) (level 2 " \
+           "at step 6): returned (1, 8), expected (2, 6): took a level-1 step with a missing shard: rank 2's shard of " \
+           "step 8 is neither on node 1 (its own) nor on node 2 (the next node: its peer copy)" in out, out
+    out = fails_with(tmp_path, "resume_point", ("(r // per_node + 1) % nodes, step)",
+                                                "(r // per_node - 1) % nodes, step)"))  # the previous node
     assert "3 nodes of 2 ranks, node 1 lost (level 2 at step 6): returned (2, 6), expected (1, 8): passed over level-1 " \
            "step 8, complete on the nodes' disks; rank 2's shard survives only as its peer copy on node 2, the next " \
            "node (not node 0, the previous one)" in out, out
-    out = fails_with(tmp_path, "resume_point", ("        if step <= level2_step:\n            break", "        if False:\n            break"))
+    out = fails_with(tmp_path, "resume_point", ("        if step <= level2_step:\n            break",
+                                                "        if False:\n            break"))  # level 2 forgotten
     assert "level 2 newer than every level-1 step (level 2 at step 12): returned (1, 11), expected (2, 12): level-1 " \
            "step 11 is not newer than level 2's step 12" in out, out
 
@@ -128,12 +130,13 @@ def test_the_simulation_agrees_with_the_model(lesson):
 
 
 def test_restarts_are_parsed_from_the_output(lesson):
-    lines = [(1.0, "step     7/9 | loss 4.5000 | lr"), (1.5, "picotron: fault injected: rank 1 loses its node and kills "
-                                                          "itself during step 8"),
+    lines = [(1.0, "step     7/9 | loss 4.5000 | lr"),
+             (1.5, "picotron: fault injected: rank 1 loses its node and kills itself during step 8"),
              (9.0, "restart 1: resuming from level 1 (node-local) step 6, rank 1 from the next node's copy at step 7"),
              (9.5, "step     7/9 | loss 4.5000 | lr"), (10.0, "step     8/9 | loss 4.2500 | lr"),
              (11.0, "picotron: fault injected: rank 0 kills itself during step 9"),
-             (18.0, "restart 2: resuming from OUT/checkpoints/step_000008 at step 9"), (19.5, "step     9/9 | loss 4 | lr")]
+             (18.0, "restart 2: resuming from OUT/checkpoints/step_000008 at step 9"),
+             (19.5, "step     9/9 | loss 4 | lr")]
     assert lesson.restarts(lines) == [dict(killed=8, resumed=6, level=1, redone=2, seconds=8.5),
                                       dict(killed=9, resumed=8, level=2, redone=1, seconds=8.5)]
 

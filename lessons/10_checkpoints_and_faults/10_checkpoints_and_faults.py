@@ -19,8 +19,9 @@ lessons/_notebook.py): edit this file, never the notebook.
 # ranks killed with SIGKILL in the middle of a step and in the middle of a write, and the job finishing with the
 # loss of the run that never failed; the cost of saving against layout and model size, and against
 # `torch.distributed.checkpoint`; how often to checkpoint (Young and Daly) with a failure rate taken from the
-# Llama 3 run; and a second, faster level on the nodes' own disks, with nodes lost for real. The code is `picotron/checkpoint.py` (saving), `picotron/reshard.py` (loading into any layout) and
-# `picotron/faults.py`; the experiments are `experiment.py` in this folder. `PICOTRON_FAST=1` gives a short run.
+# Llama 3 run; and a second, faster level on the nodes' own disks, with nodes lost for real. The code is
+# `picotron/checkpoint.py` (saving), `picotron/reshard.py` (loading into any layout) and `picotron/faults.py`; the
+# experiments are `experiment.py` in this folder. `PICOTRON_FAST=1` gives a short run.
 
 # %%
 import json

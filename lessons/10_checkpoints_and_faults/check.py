@@ -229,7 +229,9 @@ def _resume_point_problem(fn, path):
             if only_peer:
                 r = only_peer[0]
                 hint = (f"; rank {r}'s shard survives only as its peer copy on node {(r // per_node + 1) % nodes}, the "
-                        f"next node" + (f" (not node {(r // per_node - 1) % nodes}, the previous one)" if nodes > 2 else ""))
+                        f"next node")
+                if nodes > 2:
+                    hint += f" (not node {(r // per_node - 1) % nodes}, the previous one)"
             return f"{head}: passed over level-1 step {want[1]}, complete on the nodes' disks{hint}"
         return head
     return None

@@ -19,8 +19,8 @@ picotron.train without faults and with ranks killed at chosen steps (torchrun re
 `resume_demo` resumes one run from its middle checkpoint in four ways (same layout, another layout, another
 data seed, the optimizer state dropped); `round_trips` reshards checkpoints between layouts and compares them
 element by element; `levels_demo` loses nodes (SIGKILL + their level-1 folder deleted) with and without level 1
-and times each restart from the kill to the killed step done again. The Young/Daly interval, a simulation of the time lost to failures, and two-level
-checkpointing are plain functions below.
+and times each restart from the kill to the killed step done again. The Young/Daly interval, a simulation of the
+time lost to failures, and two-level checkpointing are plain functions below.
 """
 import contextlib
 import io
@@ -683,7 +683,8 @@ def plot_levels(lv):
             continue
         ax1.bar(i, sum(redone) / len(redone), 0.6, color=color)
         ax1.plot(range(i, i + 1), [(every + 1) / 2], "k_", ms=40, mew=2)
-        ax1.text(i, sum(redone) / len(redone), f" {sum(redone) / len(redone):.1f}", ha="center", va="bottom", fontsize=7)
+        mean = sum(redone) / len(redone)
+        ax1.text(i, mean, f" {mean:.1f}", ha="center", va="bottom", fontsize=7)
         mean_s = sum(seconds) / len(seconds)
         work = sum(redone) / len(redone) * (r["step_s"] or 0)
         ax2.bar(i, mean_s, 0.6, color=color, alpha=0.5)
