@@ -83,6 +83,7 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path):
                                                                          "step_000006"]
 
 
+@pytest.mark.heavy  # 25 s; lesson 10's FAST run kills a node for real, test_checkpoint covers the paths
 def test_lost_nodes_resume_from_level_1_with_the_uninterrupted_losses(tmp_path):
     """dp2 as two nodes (--ranks-per-node 1), level 1 every 2 steps, level 2 every 4. Node 0 lost in step 7 (its
     level-1 folder deleted, then SIGKILL): the restart resumes from level 1's step 6, rank 0's shard from node 1's
