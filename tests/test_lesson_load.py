@@ -127,7 +127,7 @@ def _balance_and_bubble(tmp_path, cps, schedules):
     six = run_cells("06_context_parallel", ["zig-zag balances the ranks", "transfers hide under the compute"],
                     dict(bal=bal, r2=bal[2], check=_common.check, _common=_common))
     rows = json.loads((tmp_path / "07" / "bubble_pp2.json").read_text())["results"]["rows"]
-    seven = run_cells("07_pipeline_parallel", ["measured bubble within 5 points"],
+    seven = run_cells("07_pipeline_parallel", ["measured bubble within 5 points of the formula"],
                       dict(rows=rows, lesson=_common.load_lesson("07_pipeline_parallel"), check=_common.check,
                            _common=_common))
     print(six + seven)
