@@ -180,7 +180,7 @@ def test_the_matrix_table(lesson):
     assert sum(len(v) for v in grid.values()) == len(matrix["rows"])
     assert set(grid["dp2-pp2-cp2-tp2"]) == {"", "sp", "zero1", "sp+zero1"}
     assert set(grid["dp1-pp1-cp1-tp1"]) == {""}
-    assert all(r.get("refused") for r in grid["dp2-pp2-cp2-tp2+ep2"].values())
+    assert all(r["passed"] and not r.get("refused") for r in grid["dp2-pp2-cp2-tp2+ep2"].values())  # experts with cp run
 
 
 def test_plots_draw(lesson):
