@@ -104,18 +104,25 @@ def _show(acts, limit=14):
     return f"[{text}{' ...' if len(acts) > limit else ''}]"
 
 
-def check_1f1b(path, report):
-    what = EXERCISES["one_f_one_b_rank"]
+def _check_cases(path, report, name, cases, problem_of, success):
+    """Exercise `name` against each (p, m) of `cases`: the first problem `problem_of(fn, p, m)` names fails it;
+    else `success` (with {cases} filled in) is its line."""
+    what = EXERCISES[name]
     try:
-        fn = load(path, "ex07").one_f_one_b_rank
-        for p, m in CASES:
-            problem = _problem_1f1b(fn, p, m)
+        fn = getattr(load(path, "ex07"), name)
+        for p, m in cases:
+            problem = problem_of(fn, p, m)
             if problem:
                 return report.fail(what, problem)
     except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
         return report.fail(what, f"{type(e).__name__}: {e}{where(e, path)}")
-    report.ok(what, ": every stage's list runs with the others' for (p, m) in " + ", ".join(
-        f"({p}, {m})" for p, m in CASES) + "; 1F1B's step time, at most p - i micro-batches alive on stage i")
+    report.ok(what, success.format(cases=", ".join(f"({p}, {m})" for p, m in cases)))
+
+
+def check_1f1b(path, report):
+    _check_cases(path, report, "one_f_one_b_rank", CASES, _problem_1f1b,
+                 ": every stage's list runs with the others' for (p, m) in {cases}; 1F1B's step time, at most p - i "
+                 "micro-batches alive on stage i")
 
 
 # ------------------------------------------------------------------------------------------ exercise 4
@@ -153,17 +160,8 @@ def _problem_dualpipe(fn, p, m):
 
 
 def check_dualpipe(path, report):
-    what = EXERCISES["dualpipe_place"]
-    try:
-        fn = load(path, "ex07").dualpipe_place
-        for p, m in DUAL_CASES:
-            problem = _problem_dualpipe(fn, p, m)
-            if problem:
-                return report.fail(what, problem)
-    except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
-        return report.fail(what, f"{type(e).__name__}: {e}{where(e, path)}")
-    report.ok(what, ": every stage of every micro-batch on DualPipe's rank and chunk for (p, m) in " + ", ".join(
-        f"({p}, {m})" for p, m in DUAL_CASES))
+    _check_cases(path, report, "dualpipe_place", DUAL_CASES, _problem_dualpipe,
+                 ": every stage of every micro-batch on DualPipe's rank and chunk for (p, m) in {cases}")
 
 
 # ---------------------------------------------------------------------------------- exercises 2 and 3
