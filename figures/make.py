@@ -5,8 +5,11 @@ to bottom, in its own folder, with the full settings its prose describes; the ex
 (the committed notebooks carry these outputs) and its k-th figure is written to figures/NN_k.png, so the README,
 the notebooks and figures/ show the same runs. The main job's loss curve is figures/01_main_job_loss.png; the 4D run
 against one process (`./run.sh figures 4d`) is figures/4d_run_loss.png.
-PICOTRON_FAST=1 gives a quick pass (FAST settings: not for committing). Exit status 1 if a lesson's check fails.
-`--no-run` only writes the figures of the notebooks as they are (e.g. after `_notebook.py NN --run full`).
+Each executed notebook is stamped (metadata "picotron": made by `./run.sh figures`, FAST or full, its source's
+SHA-256) and each image output names the file it was written to; tests/test_notebook_sources.py refuses a committed
+notebook that is not a full run of its current source, or whose images differ from figures/ byte for byte.
+PICOTRON_FAST=1 gives a quick pass (FAST settings, stamped FAST: the test refuses it, so it is not for committing).
+Exit status 1 if a lesson's check fails. `--no-run` only writes the figures of the notebooks as they are.
 """
 import base64
 import os
@@ -86,8 +89,23 @@ def four_d():
     save(fig, "4d_run_loss.png")
 
 
+MADE_BY = "./run.sh figures"  # the stamp a committed notebook carries (tests/test_notebook_sources.py checks it)
+
+
+def source_sha(folder):
+    """The SHA-256 of a lesson's source, lessons/NN_topic/NN_topic.py: the stamp names what the outputs came from."""
+    import hashlib
+
+    return hashlib.sha256((folder / f"{folder.name}.py").read_bytes()).hexdigest()
+
+
 def lesson(folder, fast, run=True):
-    """Build and execute one lesson's notebook in place; write its figures as figures/NN_k.png, k = 1, 2, ..."""
+    """Build and execute one lesson's notebook in place; write its figures as figures/NN_k.png, k = 1, 2, ...
+
+    An executed notebook is stamped in its metadata ("picotron": who made it, FAST or full, the source's SHA-256)
+    and each image output names its file ("figure": "figures/NN_k.png"), so tests/test_notebook_sources.py can
+    prove that a committed notebook is one full run of its current source and that figures/ holds its images.
+    `--no-run` writes the figures of the notebook as it is and leaves its stamp alone."""
     import _notebook
     import nbformat
 
@@ -101,14 +119,20 @@ def lesson(folder, fast, run=True):
     for old in HERE.glob(f"{number}_[0-9]*.png"):
         old.unlink()
     nb = nbformat.read(nb_path, as_version=4)
-    pngs = [o["data"]["image/png"] for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-            if "image/png" in o.get("data", {})]
-    for k, png in enumerate(pngs, 1):
-        (HERE / f"{number}_{k}.png").write_bytes(base64.b64decode(png))
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    for k, output in enumerate(images, 1):
+        (HERE / f"{number}_{k}.png").write_bytes(base64.b64decode(output["data"]["image/png"]))
+        output.setdefault("metadata", {})["figure"] = f"figures/{number}_{k}.png"
+    if run:
+        nb.metadata["picotron"] = {"made_by": MADE_BY, "fast": bool(fast), "source_sha256": source_sha(folder),
+                                   "checks_hold": passed, "checks_fail": len(failed), "errors": len(errors)}
+    nbformat.write(nb, nb_path)
     unsure = _notebook.inconclusive(nb)
-    print(f"lesson {folder.name} ({time.perf_counter() - t0:.0f} s): {passed} checks hold, {len(unsure)} inconclusive "
-          f"(the machine was busy: rerun), {len(failed)} fail, {len(errors)} errors; "
-          f"wrote figures/{number}_1..{len(pngs)}.png", flush=True)
+    print(f"lesson {folder.name} ({time.perf_counter() - t0:.0f} s, {'FAST' if fast else 'full'}): {passed} checks "
+          f"hold, {len(unsure)} inconclusive (the machine was busy: rerun), {len(failed)} fail, {len(errors)} errors; "
+          f"wrote figures/{number}_1..{len(images)}.png"
+          + ("  (FAST outputs: not for committing)" if fast else ""), flush=True)
     for line in unsure + failed + errors:
         print("   ", line)
     return not (failed or errors)
