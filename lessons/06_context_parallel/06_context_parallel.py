@@ -7,7 +7,8 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 06 — Context parallelism: cut the sequence
 #
-# Data, tensor and pipeline parallelism (lessons 03-05 and 07) all leave one thing whole on every rank: the **sequence**.
+# Data and tensor parallelism (lessons 03-05) leave one thing whole on every rank: the **sequence**, and so will
+# pipeline parallelism (lesson 07).
 # Activations grow with it, linearly with a flash-style attention, and at 32k or 128k tokens one sequence's
 # activations no longer fit a GPU, however the model is cut. **Context parallelism** cuts the sequence itself:
 # each of $c$ ranks holds $s/c$ of every sequence's tokens. Everything in a layer except attention works token by
@@ -59,24 +60,36 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model: the less
 # ## 1. The problem: one sequence that no GPU holds
 #
 # Per layer, our Llama keeps for backward (fp32, flash-style attention; lesson 01 lists every tensor,
-# [reference](../../docs/reference.md#activation-memory))
-# $A_\text{layer} = sbh\,(32 + 8k/a) + 16\,sbi + sb\,(8 + 4a)$ bytes: **linear in the sequence length $s$** — and in
-# the micro-batch $b$, which is already 1 for long sequences. Tensor parallelism divides part of it, pipeline
-# parallelism divides the layers, ZeRO divides the model states; none divides $s$. Llama-3-8B in bf16 with selective
-# recomputation (the planner's count, `planner.activation_bytes`), activations alone, per GPU:
+# [reference](../../docs/reference.md#activation-memory); symbols: [notation](../../docs/reference.md#notation))
+# $A_\text{layer} = sbh\,(32 + 8a_\text{kv}/a) + 16\,sbh_\text{ff} + sb\,(8 + 4a)$ bytes: **linear in the sequence
+# length $s$** — and in the micro-batch $b$, which is already 1 for long sequences. Tensor parallelism divides part
+# of it, ZeRO divides the model states, pipeline parallelism (next lesson) will divide the layers; none divides $s$.
+#
+# For a real model the lessons use the textbook count: Korthikanti et al. 2022 ("Reducing Activation Recomputation
+# in Large Transformer Models", arXiv:2205.05198, §4.1) find that a GPT layer in 16-bit precision keeps
+# $sbh\,(34 + 5as/h)$ bytes for backward. The $5as^2b$ part is the $s \times s$ attention scores; a flash-attention
+# kernel never stores them (nor does selective recomputation, §5), which leaves $34\,sbh$ per layer
+# (`planner.korthikanti_bytes_per_layer`). Llama-3-8B by that count (its $h$ and $L$ in a GPT layer's formula: an
+# estimate, not our trainer's bytes), the $L$ layers' activations alone, per GPU:
 
 # %%
 llama8 = ModelConfig.from_preset("llama3-8b")
-print(f"Llama-3-8B ({llama8.num_params() / 1e9:.1f} B parameters), bf16, selective recomputation, one sequence:")
+L8, h8, a8 = llama8.num_hidden_layers, llama8.hidden_size, llama8.num_attention_heads
+textbook = lambda s, recompute="selective": L8 * planner.korthikanti_bytes_per_layer(s, 1, h8, a8, recompute)
+print(f"Llama-3-8B ({llama8.num_params() / 1e9:.1f} B parameters, L={L8}, h={h8}), 16-bit, flash attention "
+      f"(Korthikanti et al.'s 34·sbh per layer), one sequence:")
 print(f"{'s':>8} " + " ".join(f"{f'cp={c}':>9}" for c in (1, 2, 4, 8, 16)) + "   (GB of activations per GPU)")
 for s in (8192, 32768, 131072):
-    print(f"{s:>8} " + " ".join(f"{planner.activation_bytes(llama8, s // c, 1, 'bf16', 'selective') / GB:>9.1f}"
-                                for c in (1, 2, 4, 8, 16)))
+    print(f"{s:>8} " + " ".join(f"{textbook(s // c) / GB:>9.1f}" for c in (1, 2, 4, 8, 16)))
+print(f"per layer at s = 8192: {textbook(8192) / L8 / GB:.2f} GB; with the scores kept (5as²b, no flash attention): "
+      f"{textbook(8192, 'none') / L8 / GB:.2f} GB; at s = 131072 full recomputation (each layer's input, 2sbh) "
+      f"still keeps {textbook(131072, 'full') / GB:.1f} GB")
 
 # %% [markdown]
-# At 128k tokens one sequence needs over a terabyte of activations; even full recomputation (only each layer's
-# input kept) leaves 140 GB. Every term that grows with $s$ is divided by $c$ when each rank holds $s/c$ tokens;
-# what stays is what does not depend on $s$ (here the 14 GB of bf16 weight copies autocast saves). Llama 3 405B's
+# At 128k tokens one sequence needs several 80 GB GPUs' worth of activations, and even full recomputation (only
+# each layer's input kept) leaves tens of GB. Every term of this count grows with $s$, so $c$ ranks holding $s/c$
+# tokens each keep exactly $1/c$ of it: each row is its $c = 1$ column divided by $c$. What does not depend on $s$
+# (in our trainer, for one, the bf16 weight copies autocast saves) stays whole on every rank. Llama 3 405B's
 # 128k-token stage ran with $c = 16$, next to tensor parallelism 8 and pipeline parallelism 16 on 16,384 GPUs (Llama
 # Team 2024, Table 4).
 #
@@ -131,18 +144,19 @@ for f in mem["fits"]:
 # ## 2. The idea
 #
 # ### (a) Attention in blocks: the log-sum-exp merge
-# A rank holds its queries and, at any moment, one block of keys and values. For one query with scores
-# $s_j = q \cdot k_j / \sqrt d$, block $i$ gives its normalised output and the log-sum-exp of its scores:
+# A rank holds its queries and, at any moment, one block of keys and values. For one query $\mathbf q$ with scores
+# $z_i = \mathbf q \cdot \mathbf k_i / \sqrt d$ against the keys $\mathbf k_i$ (values $\mathbf v_i$), block $j$ gives
+# its normalised output and the log-sum-exp of its scores:
 #
-# $$o_i = \sum_{j \in i} e^{s_j - \ell_i}\, v_j, \qquad \ell_i = \log \sum_{j\in i} e^{s_j}.$$
+# $$o_j = \sum_{i \in j} e^{z_i - \ell_j}\, \mathbf v_i, \qquad \ell_j = \log \sum_{i\in j} e^{z_i}.$$
 #
-# Over all blocks the softmax denominator is $\sum_i e^{\ell_i} = e^{\ell}$, so
+# Over all blocks the softmax denominator is $\sum_j e^{\ell_j} = e^{\ell}$, so
 #
-# $$o = \sum_j e^{s_j - \ell}\, v_j = \sum_i e^{\ell_i - \ell} \sum_{j\in i} e^{s_j - \ell_i} v_j = \sum_i e^{\ell_i - \ell}\, o_i,
-# \qquad \ell = \log \sum_i e^{\ell_i}.$$
+# $$o = \sum_i e^{z_i - \ell}\, \mathbf v_i = \sum_j e^{\ell_j - \ell} \sum_{i\in j} e^{z_i - \ell_j} \mathbf v_i
+# = \sum_j e^{\ell_j - \ell}\, o_j, \qquad \ell = \log \sum_j e^{\ell_j}.$$
 #
-# Merging two at a time: $\ell = \operatorname{logaddexp}(\ell_a, \ell_b)$ and $o = e^{\ell_a - \ell}\, o_a + e^{\ell_b -
-# \ell}\, o_b$. The weights are at most 1 and sum to 1; $e^{\ell}$ itself is never formed. (This is FlashAttention's
+# Merging two at a time: $\ell = \operatorname{logaddexp}(\ell_1, \ell_2)$ and $o = e^{\ell_1 - \ell}\, o_1 +
+# e^{\ell_2 - \ell}\, o_2$. The weights are at most 1 and sum to 1; $e^{\ell}$ itself is never formed. (This is FlashAttention's
 # online softmax, [reference](../../docs/reference.md#context-parallelism).) The library's `merge`:
 
 # %%
@@ -160,7 +174,7 @@ err = max((o - whole).abs().max().item(), (lse - lse_whole).abs().max().item())
 check("three key blocks merged = softmax attention over all 12 keys (float64)", err < 1e-12, f"max |difference| {err:.1e}")
 
 # %% [markdown]
-# **Why not merge with $e^{\ell_i}$ directly?** $o = (e^{\ell_a} o_a + e^{\ell_b} o_b)/(e^{\ell_a} + e^{\ell_b})$ is the
+# **Why not merge with $e^{\ell_j}$ directly?** $o = (e^{\ell_1} o_1 + e^{\ell_2} o_2)/(e^{\ell_1} + e^{\ell_2})$ is the
 # same in exact arithmetic, but fp32 overflows past $e^{88.7}$. Scores that large happen (a query aligned with a key
 # of norm 30 in 64 dimensions is enough); here they are near 1000:
 
@@ -213,8 +227,8 @@ check("over the ring, every (query chunk, key chunk) pair with key <= query is c
 
 # %% [markdown]
 # Backward walks the ring again ([reference](../../docs/reference.md#context-parallelism)): with the *final*
-# log-sum-exp $\ell$ and $D = \operatorname{rowsum}(dO \circ O)$ each block's share of the gradient is known alone
-# ($P = e^{S - \ell}$, $dS = P \circ (dO\,V^\top - D)$), so $dQ$ accumulates at home while each block's $dK, dV$ travel
+# log-sum-exp $\ell$ and $\delta = \operatorname{rowsum}(dO \circ O)$ each block's share of the gradient is known alone
+# ($P = e^{S - \ell}$, $dS = P \circ (dO\,V^\top - \delta)$), so $dQ$ accumulates at home while each block's $dK, dV$ travel
 # with it, every rank adding its part, and arrive at their owner after a full turn.
 #
 # ### (c) Causal imbalance, and the zig-zag layout
@@ -271,7 +285,7 @@ _common.show_source(cpm.RingAttention._forward, "ring, mine", "ctx.save_for_back
 # %% [markdown]
 # The exchange itself: a send to the next rank and a receive from the previous one, posted together as one batch
 # (`picotron.p2p.exchange`, a `batch_isend_irecv`) on gloo and NCCL alike — on NCCL two single messages could each
-# wait for the other's partner (lessons 02 and 07 replay that under NCCL's rules). It goes through the cp axis
+# wait for the other's partner (lesson 02 replays that under NCCL's rules, and lesson 07 will again). It goes through the cp axis
 # (`Axis.exchange`), which reports every byte sent to a recorder when one is attached, as it does for collectives:
 
 # %%
@@ -369,7 +383,7 @@ for layout, r in r2["layouts"].items():
 flops = 2 * mc.num_attention_heads * (r2["s"] // 2) / (mc.num_key_value_heads * 4)
 print(f"one K/V block ({r2['block_bytes'] / 1024:.0f} KiB) exchanged alone takes {1e3 * r2['exchange_alone_s']:.2f} ms; "
       f"one whole block's compute {1e3 * r2['t_all']:.0f} ms (forward + backward); FLOPs per byte sent "
-      f"2a(s/c)/(k·4) = {flops:.0f}")
+      f"2a(s/c)/(a_kv·4) = {flops:.0f}")
 
 # %%
 zz = r2["layouts"]["zigzag"]["per_rank"]
@@ -383,7 +397,7 @@ check("cp=2, zig-zag: the K/V transfers hide under the compute", hidden <= 0.25 
 # %% [markdown]
 # Each exchange starts before the step's compute and is waited for after it: the K/V arrive long before they are
 # needed (a block moves in about a millisecond; computing with it takes tens), so the ranks hardly wait for K/V at
-# all. A block carries $2a(s/c)/(k \cdot 4)$ FLOPs of attention per byte sent, which grows with the tokens per rank:
+# all. A block carries $2a(s/c)/(a_\text{kv} \cdot 4)$ FLOPs of attention per byte sent, which grows with the tokens per rank:
 # long sequences, exactly where context parallelism is needed, are where the ring hides its traffic. The waits that
 # remain are the ranks waiting for *each other*. Zig-zag's are small; contiguous's rank 0 finishes its forward early
 # (nothing to compute after step 0) and spends much of the backward waiting for the dK/dV of the block that rank 1
@@ -392,8 +406,8 @@ check("cp=2, zig-zag: the K/V transfers hide under the compute", hidden <= 0.25 
 # ### (c) Bytes per step: counted against the formula
 # Training steps of the model at $c = 2$ and $c = 4$ (section (d)), a recorder on the axes counting what the
 # attention cores sent along cp (`lesson.SentBytes`).
-# A block is one rank's K and V: $2\,b\,k\,(s/c)\,d$ numbers of the $k$ KV heads (only those travel: grouped-query
-# attention pays $a/k$ times less than repeated heads). Per layer and step each rank sends, ring: $c-1$ blocks
+# A block is one rank's K and V: $2\,b\,a_\text{kv}\,(s/c)\,d$ numbers of the $a_\text{kv}$ KV heads (only those
+# travel: grouped-query attention pays $a/a_\text{kv}$ times less than repeated heads). Per layer and step each rank sends, ring: $c-1$ blocks
 # forward, $c-1$ again in backward, and $c$ dK/dV blocks (fp32); all-gather: $c-1$ in the gather, $c-1$ in its
 # backward's reduce-scatter.
 
@@ -401,7 +415,7 @@ check("cp=2, zig-zag: the K/V transfers hide under the compute", hidden <= 0.25 
 trn = {c: _common.load_json(OUT / f"train_cp{c}.json")["results"] for c in (2, 4)}
 for c, res in trn.items():
     block = res["rows"]["ring, zigzag"]["formula_parts"]["block"]
-    print(f"cp={c}, s={res['s']}, b={res['b']}, k={res['kv_heads']}, d={res['head_dim']}, {res['layers']} layers: one "
+    print(f"cp={c}, s={res['s']}, b={res['b']}, a_kv={res['kv_heads']}, d={res['head_dim']}, {res['layers']} layers: one "
           f"block {block / 1024:.0f} KiB")
     for name, r in res["rows"].items():
         per = r["sent"][0][-1]
@@ -544,11 +558,11 @@ _common.interactive(draw, lambda w: dict(cp=w.IntSlider(value=4, min=1, max=8, d
 #
 # In an all-to-all a rank keeps $1/c$ of its buffer and sends the rest. Per layer and step each rank sends
 #
-# $$B_{\text{Ulysses}} = 2 \cdot (2a + 2k')\, b\, \tfrac{s}{c}\, d \cdot \tfrac{c-1}{c} \cdot 4 \text{ bytes}
-# \qquad\text{against}\qquad B_{\text{ring}} = (3c - 2) \cdot 2\, b\, k\, \tfrac{s}{c}\, d \cdot 4,$$
+# $$B_{\text{Ulysses}} = 2 \cdot (2a + 2a_\text{kv}')\, b\, \tfrac{s}{c}\, d \cdot \tfrac{c-1}{c} \cdot 4 \text{ bytes}
+# \qquad\text{against}\qquad B_{\text{ring}} = (3c - 2) \cdot 2\, b\, a_\text{kv}\, \tfrac{s}{c}\, d \cdot 4,$$
 #
-# ($k'$: the KV heads sent, see below). At a fixed number of tokens per rank — the way context parallelism is
-# used: twice the sequence, twice the ranks — Ulysses' bytes per rank approach a constant, $2(2a + 2k') b (s/c) d$,
+# ($a_\text{kv}'$: the KV heads sent, see below). At a fixed number of tokens per rank — the way context parallelism is
+# used: twice the sequence, twice the ranks — Ulysses' bytes per rank approach a constant, $2(2a + 2a_\text{kv}') b (s/c) d$,
 # while the ring's grow with $c$: each rank sees every other rank's K/V. (The paper counts the same: a message of
 # $M$ over $c$ ranks costs each link $M/c$.) Ulysses sends q and the output too, so with few KV heads and small $c$
 # the ring can still send less; and it cannot hide its traffic under the compute, as the ring does (section 4(b)):
@@ -557,7 +571,7 @@ _common.interactive(draw, lambda w: dict(cp=w.IntSlider(value=4, min=1, max=8, d
 # **The limit.** Each rank attends with $a/c$ whole heads, so $c$ must divide the query heads (per tensor-parallel
 # rank, with tp: the heads tp gave a rank are split again over cp). `picotron` refuses any other $c$ in one
 # sentence. Grouped-query attention with fewer KV heads than that: picotron *replicates* each KV head, to
-# $k' = \mathrm{lcm}(k, c)$ heads, so that every rank receives the KV heads its query heads read (DeepSpeed's
+# $a_\text{kv}' = \mathrm{lcm}(a_\text{kv}, c)$ heads, so that every rank receives the KV heads its query heads read (DeepSpeed's
 # uneven-head variant is another answer). Ulysses cannot use more ranks than there are heads; the ring has no such
 # limit. With zig-zag the gathered sequence arrives in layout order (rank 0's two chunks, then rank 1's, ...):
 # picotron puts it in position order for the causal attention and back afterwards.
@@ -572,7 +586,7 @@ uly = _common.load_json(OUT / "ulysses_cp4.json")["results"]["runs"]
 for res in uly:
     print(f"cp={res['cp']} x dp={res['dp']}, s={res['s']} ({res['s'] // res['cp']} tokens per rank), b={res['b']}, "
           f"a={res['heads']}, "
-          f"k={res['kv_heads']}, d={res['head_dim']}, {res['layers']} layers; other programs used {res['busy']:.0%} "
+          f"a_kv={res['kv_heads']}, d={res['head_dim']}, {res['layers']} layers; other programs used {res['busy']:.0%} "
           f"of the cores")
     for impl, r in res["rows"].items():
         sent = r["sent"][0][-1]
@@ -581,13 +595,13 @@ for res in uly:
               f"(steps {1e3 * min(r['times']):.0f}-{1e3 * max(r['times']):.0f} ms)")
     fwd = res["rows"]["ulysses"]["buffers"][0][-1]["a2a forward"] // res["layers"]
     print(f"  ulysses: the four forward all-to-alls of a layer carry {fwd / 1024:.0f} KiB of buffers (formula "
-          f"(2a + 2k')·b·(s/c)·d·4 = {res['forward_formula'] / 1024:.0f} KiB), of which (c-1)/c leave the rank")
+          f"(2a + 2a_kv')·b·(s/c)·d·4 = {res['forward_formula'] / 1024:.0f} KiB), of which (c-1)/c leave the rank")
 lesson.plot_ulysses(uly); plt.show()
 
 # %%
 for res in uly:
     c, L, u, r = res["cp"], res["layers"], res["rows"]["ulysses"], res["rows"]["ring"]
-    check(f"cp={c}: Ulysses' forward all-to-alls per layer = (2a + 2k')·b·(s/c)·d·4 bytes, every rank and step",
+    check(f"cp={c}: Ulysses' forward all-to-alls per layer = (2a + 2a_kv')·b·(s/c)·d·4 bytes, every rank and step",
           all(step["a2a forward"] == L * res["forward_formula"] for rank in u["buffers"] for step in rank),
           f"{u['buffers'][0][-1]['a2a forward'] // L} bytes per layer, formula {res['forward_formula']}")
     check(f"cp={c}: bytes sent per step = bytes_per_step_formula, Ulysses and the ring, every rank and step",
@@ -603,7 +617,7 @@ check("same tokens per rank, cp 2 -> 4: the ring's bytes per rank grow by (3·4-
 
 # %% [markdown]
 # The all-to-alls carry exactly the formula's bytes, and with the same tokens per rank the ring's traffic per rank
-# grows with $c$ while Ulysses' levels off at $(2a + 2k') b (s/c) d$ per direction: at $c = 4$ ours already sends
+# grows with $c$ while Ulysses' levels off at $(2a + 2a_\text{kv}') b (s/c) d$ per direction: at $c = 4$ ours already sends
 # less than half the ring's, and the gap widens with every doubling. Activation memory is the same: both keep q, k,
 # v and the output of attention, and the ring's $s/c$ tokens of $a$ heads are as many numbers as Ulysses' $s$ tokens
 # of $a/c$ heads (Ulysses also holds the whole sequence of its heads' K/V for the attention, the ring two blocks at a
@@ -652,10 +666,10 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
-# | context parallel, ring, $c$ ranks | $1/c$ of every sequence's activations (plus a block in flight); the whole model | per layer $3c - 2$ K/V blocks of $2bk(s/c)d$, point to point, overlapped with attention | sequences too long for one GPU's activations even with recomputation; transfers hide when $s/c$ is a few thousand tokens |
+# | context parallel, ring, $c$ ranks | $1/c$ of every sequence's activations (plus a block in flight); the whole model | per layer $3c - 2$ K/V blocks of $2ba_\text{kv}(s/c)d$, point to point, overlapped with attention | sequences too long for one GPU's activations even with recomputation; transfers hide when $s/c$ is a few thousand tokens |
 # | context parallel, all-gather | $1/c$, but the whole K/V (and a mask) for a moment | $2(c-1)$ blocks in collectives, not overlapped | K/V are small (grouped-query attention, few KV heads) and the link is fast |
 # | + zig-zag | the same | the same | always with causal attention: it costs nothing |
-# | context parallel, Ulysses | $1/c$; the whole sequence of $a/c$ heads inside attention | per layer 8 all-to-alls, $2(2a + 2k')b(s/c)d \cdot \frac{c-1}{c}$ numbers sent, not overlapped | a fast all-to-all (inside a node), $c \le$ the (per-tp-rank) query heads |
+# | context parallel, Ulysses | $1/c$; the whole sequence of $a/c$ heads inside attention | per layer 8 all-to-alls, $2(2a + 2a_\text{kv}')b(s/c)d \cdot \frac{c-1}{c}$ numbers sent, not overlapped | a fast all-to-all (inside a node), $c \le$ the (per-tp-rank) query heads |
 #
 # **Its costs.** Gradients are averaged over dp × cp (the cp ranks are replicas for the weights). The ring's
 # transfers hide only while a block's attention takes longer than its transfer, so $s/c$ must stay large: cp
@@ -669,8 +683,8 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 # striped and document-aware layouts, Ulysses with uneven heads (a $c$ that does not divide the heads) and with its
 # all-to-alls overlapped with the projections, and the two combined (Ulysses inside a node, the ring across).
 #
-# **Next — lesson 08, expert parallelism:** the mixture-of-experts layer, whose experts live on different ranks and
-# whose tokens travel to them with an all-to-all.
+# **Next — lesson 07, pipeline parallelism:** the layers cut into stages on different ranks, and the micro-batches
+# that flow through them; lesson 08 then moves tokens to experts on other ranks.
 #
-# **Takeaway:** data parallelism cuts the batch, tensor parallelism the layers' matrices, pipeline parallelism the
-# depth, and context parallelism the sequence.
+# **Takeaway:** data parallelism cuts the batch, tensor parallelism the layers' matrices, and context parallelism
+# the sequence; pipeline parallelism, next, cuts the depth.

@@ -642,7 +642,7 @@ def plot_ring_timeline(res, layouts=cpm.LAYOUTS):
     from matplotlib.patches import Patch
 
     cp = res["cp"]
-    fig, axes = plt.subplots(len(layouts), 1, figsize=(13, (0.55 * cp + 0.9) * len(layouts)), squeeze=False)
+    fig, axes = plt.subplots(len(layouts), 1, figsize=(13, (0.75 * cp + 1.0) * len(layouts)), squeeze=False)
     colors = {"attention": "#4c72b0", "attention-backward": "#dd8452", "wait": "#c44e52"}
     for ax, layout in zip(axes[:, 0], layouts):
         every = res["layouts"][layout]["events"]
@@ -653,11 +653,15 @@ def plot_ring_timeline(res, layouts=cpm.LAYOUTS):
             for e in ev:
                 s, d = 1e3 * (e["start"] - t0), 1e3 * (e["end"] - e["start"])
                 if e["name"] == "wait":
-                    ax.barh(r + 0.05, d, left=s, height=0.55, color=colors["wait"])
+                    ax.barh(r + 0.05, d, left=s, height=0.6, color=colors["wait"])
                     continue
-                ax.barh(r + 0.05, d, left=s, height=0.55, color=colors[e["name"]], edgecolor="white", lw=0.4)
-                if d > 1e3 * span / 80:
-                    ax.text(s + d / 2, r + 0.05, str(e["step"]), ha="center", va="center", fontsize=6, color="white")
+                ax.barh(r + 0.05, d, left=s, height=0.6, color=colors[e["name"]], edgecolor="white", lw=1.0)
+                if d > 1e3 * span / 12:  # wide enough to say it in words
+                    ax.text(s + d / 2, r + 0.05, f"step {e['step']}", ha="center", va="center", fontsize=10,
+                            color="white")
+                elif d > 1e3 * span / 40:  # the number alone
+                    ax.text(s + d / 2, r + 0.05, str(e["step"]), ha="center", va="center", fontsize=10,
+                            color="white")
                 what = "kv"
                 waits = [w for w in ev if w["name"] == "wait" and w["step"] == e["step"] and w["what"] == what
                          and w["start"] >= e["start"]]
@@ -667,8 +671,8 @@ def plot_ring_timeline(res, layouts=cpm.LAYOUTS):
         ax.set_yticks(range(cp), [f"rank {k}" for k in range(cp)], fontsize=FONT)
         ax.set_ylim(cp - 0.5, -0.6)
         ax.set_xlim(0, 1e3 * span)
-        ax.set_title(f"{layout}: one attention layer's forward and backward, cp = {cp}, s = {res['s']} (the number "
-                     f"in a bar: its ring step)", fontsize=9, loc="left")
+        ax.set_title(f"{layout}: one attention layer's forward and backward, cp = {cp}, s = {res['s']} (written in a "
+                     f"bar: its ring step)", fontsize=9, loc="left")
         ax.tick_params(axis="x", labelsize=FONT)
     axes[-1, 0].set_xlabel("ms since the call started", fontsize=FONT)
     handles = [Patch(color=colors["attention"], label="forward: a ring step's blocks"),
@@ -759,8 +763,8 @@ def plot_parity(pairs):
 
 def plot_widget(cp=4, layout="zigzag", step=0):
     """The ring at one step: the (query chunk, key chunk) grid of the causal attention, each block coloured by the
-    rank that computes it at this step (hatched: causal, the diagonal), pale where it is computed at another step,
-    white where it is in the future (skipped); right: every rank's work over the whole ring, in pairs."""
+    rank that computes it at this step, pale where it is computed at another step,
+    white where it is in the future (skipped), hatched on the diagonal (the causal blocks); right: every rank's work over the whole ring, in pairs."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
@@ -778,8 +782,9 @@ def plot_widget(cp=4, layout="zigzag", step=0):
                 face, alpha = RANK_COLORS[owner[qc] % len(RANK_COLORS)], 0.18
             else:
                 face, alpha = "white", 1.0
-            ax.add_patch(Rectangle((kc, qc), 1, 1, facecolor=face, alpha=alpha, edgecolor="0.7", lw=0.5,
-                                   hatch="///" if seen == "causal" and (qc, kc) in now else None))
+            ax.add_patch(Rectangle((kc, qc), 1, 1, facecolor=face, alpha=alpha, edgecolor="0.7", lw=0.5))
+            if seen == "causal":  # the diagonal: hatched at every step, computed now or not
+                ax.add_patch(Rectangle((kc, qc), 1, 1, facecolor="none", edgecolor="0.25", lw=0, hatch="///"))
     ax.set_xlim(0, n)
     ax.set_ylim(n, 0)
     ax.set_aspect("equal")

@@ -19,8 +19,8 @@ edit this file, never the notebook.
 # |---|---|---|
 # | router | softmax over $E$ logits, top-$k$, renormalise (Mixtral); or DeepSeek-V3's sigmoid + bias (section 9) | `moe.route` |
 # | dispatch permutation | one stable sort of the (token, choice) pairs by expert: each expert's rows contiguous | `MoE.forward` |
-# | load-balancing loss | $E \sum_i f_i P_i$: $k$ when balanced, larger when a few experts take the tokens | `moe.aux_loss`, `AuxLoss` |
-# | capacity | at most $\lceil c\,s\,k/E \rceil$ tokens per expert and sequence; the rest dropped | `moe.capacity_keep` |
+# | load-balancing loss | $E \sum_e f_e P_e$: $k$ when balanced, larger when a few experts take the tokens | `moe.aux_loss`, `AuxLoss` |
+# | capacity | at most $\lceil \kappa\,s\,k/E \rceil$ tokens per expert and sequence; the rest dropped | `moe.capacity_keep` |
 # | the exchange | counts, then rows, all-to-all over the ep ranks; back again after the experts | `expert_parallel.Exchange` |
 # | gradients | dense ones averaged over dp; an expert's summed over its replicas (edp), divided by dp | `marks.sync_axis` |
 #
@@ -56,16 +56,17 @@ def check(name, ok, detail):
 st = lesson.settings(FAST)
 mc = lesson.model_config(st)
 print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model: '{st['preset']}', {mc.num_hidden_layers} "
-      f"layers, h={mc.hidden_size}, {mc.num_local_experts} experts of i={mc.intermediate_size}, top-"
+      f"layers, h={mc.hidden_size}, {mc.num_local_experts} experts of h_ff={mc.intermediate_size}, top-"
       f"{mc.num_experts_per_tok}: {mc.num_params() / 1e6:.2f} M parameters, {mc.num_params(active=True) / 1e6:.2f} M "
       f"active per token; {st['micro_batch_size']} sequences of {st['seq_len']} tokens per rank and step")
 
 # %% [markdown]
 # ## 1. Why experts: parameters grow, FLOPs per token do not
 #
-# A dense layer's MLP holds $3hi$ parameters and every token multiplies by all of them. With $E$ experts of the same
-# shape and $k$ per token, the layer holds $E \cdot 3hi$ (plus the router, $E h$) but a token passes through
-# $k \cdot 3hi$: the **active** parameters. Training FLOPs per token are $6 N_\text{active}$ plus attention. So an
+# A dense layer's MLP of width $h_\text{ff}$ holds $3\,h\,h_\text{ff}$ parameters and every token multiplies by all of
+# them ([notation](../../docs/reference.md#notation)). With $E$ experts of the same shape and $k$ per token, the
+# layer holds $3E\,h\,h_\text{ff}$ (plus the router, $E h$) but a token passes through $3k\,h\,h_\text{ff}$: the
+# **active** parameters. Training FLOPs per token are $6 N_\text{active}$ plus attention. So an
 # MoE with $E/k = 4$ holds four times the MLP parameters of a dense model of the same cost per token — more to
 # learn with, at the same compute. Mixtral-8x7B is the published example (46.7 B parameters, 12.9 B active).
 
@@ -75,8 +76,8 @@ dense_of = lambda m: ModelConfig.from_preset("tiny", **{f: getattr(m, f) for f i
                                             intermediate_size=m.num_experts_per_tok * m.intermediate_size)
 mix = ModelConfig.from_preset("mixtral-8x7b")
 mix_dense = ModelConfig.from_preset("mixtral-8x7b", num_local_experts=0, intermediate_size=2 * mix.intermediate_size)
-rows = [("tiny-moe (E=4, k=2)", mc, 64), ("dense, MLP i = k·i", dense_of(mc), 64),
-        ("Mixtral-8x7B (E=8, k=2)", mix, 4096), ("dense, MLP i = k·i", mix_dense, 4096)]
+rows = [("tiny-moe (E=4, k=2)", mc, 64), ("dense, MLP h_ff = k·h_ff", dense_of(mc), 64),
+        ("Mixtral-8x7B (E=8, k=2)", mix, 4096), ("dense, MLP h_ff = k·h_ff", mix_dense, 4096)]
 print(f"{'model':<26} {'parameters':>14} {'active / token':>15} {'GFLOP / token (train)':>22}")
 for name, m, s in rows:
     print(f"{name:<26} {m.num_params() / 1e6:>12.2f} M {m.num_params(active=True) / 1e6:>13.2f} M "
@@ -98,7 +99,7 @@ check("tiny-moe: the MLP parameters are E/k times the dense model's, the FLOPs p
 
 # %%
 t_dense, t_moe = lesson.time_step("tiny", intermediate_size=2 * mc.intermediate_size), lesson.time_step("tiny-moe")
-print(f"dense (i = {2 * mc.intermediate_size}): {1e3 * t_dense:.0f} ms; tiny-moe (4 experts of i = "
+print(f"dense (h_ff = {2 * mc.intermediate_size}): {1e3 * t_dense:.0f} ms; tiny-moe (4 experts of h_ff = "
       f"{mc.intermediate_size}, top-2): {1e3 * t_moe:.0f} ms -> the MoE takes {t_moe / t_dense:.2f}x the dense step "
       f"for {mc.num_params() / dense_of(mc).num_params():.2f}x the parameters")
 
@@ -115,8 +116,9 @@ print(f"dense (i = {2 * mc.intermediate_size}): {1e3 * t_dense:.0f} ms; tiny-moe
 # ## 2. Routing, and the dispatch permutation
 #
 # The router is one linear layer, $h \to E$. Mixtral takes the softmax over the $E$ logits (in fp32), keeps the
-# $k$ largest probabilities and renormalises them to sum to 1; the layer's output for token $t$ is
-# $y_t = \sum_j w_{tj}\,\text{Expert}_{e_{tj}}(x_t)$. (Switch uses $k = 1$ and no renormalisation; GShard $k = 2$.)
+# $k$ largest probabilities $\pi_e$ and renormalises them to sum to 1; the layer's output for token $\tau$ is
+# $y_\tau = \sum_{j=1}^{k} w_{\tau j}\,\text{Expert}_{e_{\tau j}}(x_\tau)$, $e_{\tau j}$ its $j$-th expert and
+# $w_{\tau j}$ that expert's renormalised probability. (Switch uses $k = 1$ and no renormalisation; GShard $k = 2$.)
 # Five tokens, four experts, by hand:
 
 # %%
@@ -130,12 +132,12 @@ check("by hand = picotron's moe.route (weights and experts)", torch.equal(e_lib,
       "softmax -> top-2 -> renormalise")
 
 # %% [markdown]
-# Then the bookkeeping. The $n \cdot k$ (token, choice) pairs are flattened token-major and sorted by expert with a
-# **stable** sort: each expert's pairs become contiguous and stay in token order. `rows = x[order // k]` gathers
-# the inputs; each expert runs on its slice (`counts[e]` rows); `index_add(order // k, out · w[order])` puts the
-# weighted outputs back. Stable matters twice: capacity is "first come, first served" in token order, and the
-# sum is reproducible. With expert parallelism the same sort makes each *rank's* rows contiguous too (its experts
-# are consecutive), so the exchange only needs the counts.
+# Then the bookkeeping. The $n_\text{tok} \cdot k$ (token, choice) pairs of a rank's $n_\text{tok}$ tokens are
+# flattened token-major and sorted by expert with a **stable** sort: each expert's pairs become contiguous and stay in
+# token order. `rows = x[order // k]` gathers the inputs; each expert runs on its slice (`counts[e]` rows);
+# `index_add(order // k, out · w[order])` puts the weighted outputs back. Stable matters twice: capacity is "first
+# come, first served" in token order, and the sum is reproducible. With expert parallelism the same sort makes each
+# *rank's* rows contiguous too (its experts are consecutive), so the exchange only needs the counts.
 
 # %%
 order = torch.argsort(chosen.flatten(), stable=True)
@@ -156,18 +158,22 @@ _common.show_source(moe.MoE.forward, "flat = x.reshape", "y = torch.zeros_like")
 # parallelism the rank holding the popular experts sets everyone's pace (and with a capacity, drops tokens). The
 # **auxiliary loss** of Switch (eq. 4), in Hugging Face Mixtral's form, per layer:
 #
-# $$\text{aux} = E \sum_{i=1}^E f_i P_i,\qquad f_i = \frac{\#\{\text{choices of expert } i\}}{n},\quad P_i = \frac1n\sum_t p_{t,i}.$$
+# $$\text{aux} = E \sum_{e=0}^{E-1} f_e P_e,\qquad f_e = \frac{\#\{\text{choices of expert } e\}}{n_\text{tok}},\quad
+# P_e = \frac{1}{n_\text{tok}}\sum_\tau \pi_{\tau,e},$$
 #
-# $\sum_i f_i = k$ and $\sum_i P_i = 1$; when both are uniform ($f_i = k/E$, $P_i = 1/E$) aux $= k$, and it grows
+# over the $n_\text{tok}$ tokens $\tau$ of the batch, $\pi_{\tau,e}$ token $\tau$'s router probability for expert $e$.
+# $\sum_e f_e = k$ and $\sum_e P_e = 1$; when both are uniform ($f_e = k/E$, $P_e = 1/E$) aux $= k$, and it grows
 # as the routing concentrates. $f$ is a count (no gradient); the gradient flows through $P$ and pushes probability
 # away from the experts that are chosen most. picotron adds $\alpha \cdot \text{aux}$ (mean over layers) to the
 # loss through `AuxLoss`, an identity in forward whose backward also feeds $\alpha$ to the aux — so the model's
 # `forward` still returns only logits.
 #
 # **Measured.** `picotron.train` on tiny-moe at dp = ep = 2 (two processes, each two experts), the same seed and
-# data, without ($\alpha = 0$) and with the auxiliary loss ($\alpha = 0.01$, tiny-moe's default; Mixtral used
-# 0.02). Every step's record holds `record["moe"]["tokens_per_expert"]` (per layer, summed over the dp ranks). The
-# same launch also runs sections 4-6's measurements on two processes.
+# data, without ($\alpha = 0$) and with the auxiliary loss ($\alpha = 0.01$, tiny-moe's default). For comparison,
+# the Mixtral paper (Jiang et al. 2024) does not state its $\alpha$; the released model's `config.json`
+# (mistralai/Mixtral-8x7B-v0.1 on Hugging Face) sets `router_aux_loss_coef` to 0.02, while the `transformers`
+# library's `MixtralConfig` defaults to 0.001. Every step's record holds `record["moe"]["tokens_per_expert"]` (per
+# layer, summed over the dp ranks). The same launch also runs sections 4-6's measurements on two processes.
 
 # %%
 run("balance,bytes,scaling,parity", nproc=2)
@@ -204,36 +210,36 @@ check("balance costs (almost) nothing in loss", abs(aux_run["loss"][-1] - free["
 # its input is the embedding of bytes, which varies more than the deeper layers' inputs.)
 #
 # **Capacity.** GShard and Switch bound each expert's work, so that a step's shapes are fixed and one hot expert
-# cannot stall the rest: expert $i$ takes at most $\lceil c\,s\,k/E \rceil$ of a sequence's choices, first come
+# cannot stall the rest: expert $e$ takes at most $\lceil \kappa\,s\,k/E \rceil$ of a sequence's choices, first come
 # first served; the others are **dropped** (the token keeps its residual, its weight for that expert is lost).
-# Both trained models, one batch, the dropped fraction against $c$; the dashed line is what uniformly random
-# routing would drop (each expert's load Binomial($s$, $k/E$), `lesson.expected_dropped`):
+# Both trained models, one batch, the dropped fraction against the capacity factor $\kappa$; the dashed line is what
+# uniformly random routing would drop (each expert's load Binomial($s$, $k/E$), `lesson.expected_dropped`):
 
 # %%
 for coef, r in bal["runs"].items():
-    print(f"aux coef {coef:>4}: dropped " + ", ".join(f"c={c:g}: {d:.3f}" for c, d in zip(bal["capacities"], r["dropped"])))
-print("uniform:        dropped " + ", ".join(f"c={c:g}: {d:.3f}" for c, d in zip(bal["capacities"], bal["uniform"])))
+    print(f"aux coef {coef:>4}: dropped " + ", ".join(f"κ={c:g}: {d:.3f}" for c, d in zip(bal["capacities"], r["dropped"])))
+print("uniform:        dropped " + ", ".join(f"κ={c:g}: {d:.3f}" for c, d in zip(bal["capacities"], bal["uniform"])))
 lesson.plot_capacity(bal); plt.show()
 check("a larger capacity drops fewer choices, both runs", all(all(a >= b for a, b in zip(r["dropped"], r["dropped"][1:]))
                                                         for r in bal["runs"].values()),
-      f"c = {bal['capacities'][0]:g} .. {bal['capacities'][-1]:g}")
+      f"κ = {bal['capacities'][0]:g} .. {bal['capacities'][-1]:g}")
 i1 = bal["capacities"].index(1.0)
-check("at c = 1 the collapsed router drops far more than the balanced one", free["dropped"][i1] > 2 * aux_run["dropped"][i1],
+check("at κ = 1 the collapsed router drops far more than the balanced one", free["dropped"][i1] > 2 * aux_run["dropped"][i1],
       f"{free['dropped'][i1]:.3f} against {aux_run['dropped'][i1]:.3f} of the choices")
 
 # %% [markdown]
-# At $c = 1$ the collapsed router loses a large part of its choices: the load balance is what makes a capacity
+# At $\kappa = 1$ the collapsed router loses a large part of its choices: the load balance is what makes a capacity
 # affordable. Real routers are not uniform even when balanced on average (a sequence's tokens are alike), so
-# they drop more than the binomial line; $c = 1.25$ (Switch's default for training) to 2 keeps the loss small.
-# picotron's default is $c = 0$, no limit (Mixtral's choice, possible because ours has no fixed shapes).
+# they drop more than the binomial line; $\kappa = 1.25$ (Switch's default for training) to 2 keeps the loss small.
+# picotron's default is $\kappa = 0$, no limit (Mixtral's choice, possible because ours has no fixed shapes).
 #
-# **Takeaway:** without a balancing term the router collapses; $E\sum f_i P_i$ keeps it even at no visible cost;
+# **Takeaway:** without a balancing term the router collapses; $E\sum_e f_e P_e$ keeps it even at no visible cost;
 # capacity trades dropped tokens for bounded work.
 #
 # ## 4. Read the code: the exchange
 #
 # `picotron/expert_parallel.py`. The ep ranks (carved out of dp: they see different data) each keep $E/ep$
-# experts. In a layer, a rank's rows are sorted by expert, so the rows for rank $j$'s experts are one contiguous
+# experts. In a layer, a rank's rows are sorted by expert, so the rows for rank $r$'s experts are one contiguous
 # block: the splits of the all-to-all are sums of `counts`. But the receiver does not know how many rows each
 # sender has for it, so the counts go first (an all-to-all of $E$ numbers), then the rows; the rows arrive
 # grouped by *source*, and are regrouped by *expert* before the experts run:
@@ -246,7 +252,7 @@ _common.show_source(expert_parallel.Exchange.combine)
 # `AllToAll` is an autograd function: backward sends the gradients back the way the rows came (the splits
 # swapped). So per layer and micro-batch there are four all-to-alls of rows — dispatch, combine, and their two
 # backwards — and `Exchange.rows` counts the rows each sent to *other* ranks. With balanced routing a rank's
-# $n$ tokens make $nk$ rows of which $(ep-1)/ep$ leave:
+# $n_\text{tok}$ tokens make $n_\text{tok} k$ rows of which $(ep-1)/ep$ leave:
 
 # %%
 _common.show_source(expert_parallel.bytes_per_step_formula, "return")
@@ -266,7 +272,7 @@ _common.show_source(marks.sync_axis)
 # Training steps at ep = 2 (two processes) and ep = 4 (four), every collective counted by a `metrics.Recorder`
 # (`parallelize(cfg, mesh, recorder=...)`), each layer's `Exchange.rows` read after each step, and every rank's
 # tokens per expert (the routing). From the routing alone the rows are predicted *exactly*: rank $r$ sends to rank
-# $j$ its counts for $j$'s experts (`lesson.send_matrix`, `lesson.predicted_rows`). The Recorder counts each
+# $r'$ its counts for $r'$'s experts (`lesson.send_matrix`, `lesson.predicted_rows`). The Recorder counts each
 # call's whole buffer, the block a rank keeps for itself included, plus the counts ($8E$ bytes):
 # `lesson.predicted_a2a_bytes`. The balanced formula is the expectation, off by the routing's imbalance.
 
@@ -296,8 +302,8 @@ for W, res in byt.items():
 
 # %% [markdown]
 # The counting is exact: the all-to-all sends what the routing says, no more. The formula's
-# $4\,n\,k\,h\,(ep-1)/ep$ elements per layer is what a balanced router costs; each rank sends more or less as its
-# tokens prefer remote or local experts (in a pair of ranks, what one sends in dispatch the other sends in
+# $4\,n_\text{tok}\,k\,h\,(ep-1)/ep$ elements per layer is what a balanced router costs; each rank sends more or less
+# as its tokens prefer remote or local experts (in a pair of ranks, what one sends in dispatch the other sends in
 # combine). Going from ep = 2 to 4 takes the remote share from 1/2 to 3/4 of the rows.
 #
 # **The timeline.** The last step at ep = 2 and 4, from the Recorder's timeline (collectives) and module hooks
@@ -435,10 +441,10 @@ check("expert gradients divided by edp: the loss leaves the reference", not bad[
 # Pick a model, the number of experts $E$, the choices per token $k$, ep and the capacity factor. Left: model states
 # per GPU (bf16 weights and gradients, fp32 AdamW master weights and moments: 16 bytes per parameter) for every ep
 # dividing $E$ (the chosen one dark); middle: the all-to-all bytes each GPU sends per step for 4096 tokens per GPU
-# (balanced, bf16); right: the fraction of choices dropped at capacity $c$ if routing were uniformly random.
-# Questions: how many GPUs does Mixtral-8x7B's model state need at ep = 1, and at ep = 8? Why does the all-to-all
-# traffic hardly grow from ep = 4 to 8? What capacity factor keeps the drops under 1%? (Widgets need a live kernel;
-# a static viewer shows the default only.)
+# (balanced, bf16); right: the fraction of choices dropped at capacity factor $\kappa$ if routing were uniformly
+# random. Questions: how many GPUs does Mixtral-8x7B's model state need at ep = 1, and at ep = 8? Why does the
+# all-to-all traffic hardly grow from ep = 4 to 8? What capacity factor keeps the drops under 1%? (Widgets need a live
+# kernel; a static viewer shows the default only.)
 
 # %%
 def draw(preset="mixtral-8x7b", E=8, k=2, ep=8, c=1.25):
@@ -449,13 +455,13 @@ def draw(preset="mixtral-8x7b", E=8, k=2, ep=8, c=1.25):
     print(f"{preset}, E={E}, k={min(k, E)}, ep={ep}: {n['total'] / 1e9:.2f} B parameters ({n['active'] / 1e9:.2f} B "
           f"active); per GPU {n['dense'] / 1e9:.2f} B dense + {n['experts'] / 1e9:.2f} B of experts -> model states "
           f"{n['state_bytes'] / GB:.0f} GB; all-to-all {n['a2a_bytes'] / GB:.2f} GB per step (4096 tokens per GPU); "
-          f"dropped at c={c:g}: {100 * n['dropped']:.3f}% (uniform routing)")
+          f"dropped at κ={c:g}: {100 * n['dropped']:.3f}% (uniform routing)")
 
 _common.interactive(draw, lambda w: dict(
     preset=w.Dropdown(options=["mixtral-8x7b", "tiny-moe", "llama3-8b"], value="mixtral-8x7b"),
     E=w.IntSlider(value=8, min=1, max=64, description="experts E"), k=w.IntSlider(value=2, min=1, max=8, description="top-k"),
     ep=w.IntSlider(value=8, min=1, max=64, description="ep"), c=w.FloatSlider(value=1.25, min=0.5, max=3, step=0.05,
-                                                                              description="capacity c")))
+                                                                              description="capacity κ")))
 
 # %%
 n1, n8 = lesson.widget_numbers(ep=1), lesson.widget_numbers(ep=8)
@@ -465,7 +471,7 @@ check("the widget's numbers: Mixtral-8x7B's states, ep = 1 against ep = 8",
 
 # %% [markdown]
 # **Takeaway:** ep divides the experts' share of memory; the all-to-all's bytes grow with $k$ and $h$, barely
-# with ep; capacity drops fall fast once $c$ exceeds 1 — for a balanced router.
+# with ep; capacity drops fall fast once $\kappa$ exceeds 1 — for a balanced router.
 #
 # ## 9. DeepSeek-V3's router: balance without an auxiliary loss
 #
@@ -475,24 +481,27 @@ check("the widget's numbers: Mixtral-8x7B's states, ep = 1 against ep = 8",
 # Mixture-of-Experts", arXiv:2408.15664). DeepSeek-V3 (technical report, arXiv:2412.19437, §2.1.2) routes
 # differently:
 #
-# * **sigmoid affinities**: $s_{i} = \sigma(u_t \cdot e_i)$, each expert scored on its own (no softmax over the
-#   experts); the gates are the chosen affinities normalised, $g_i = s_i / \sum_{j \in \text{top-}k} s_j$ (times
-#   `routed_scaling_factor`, 2.5 in the released config; 1 here);
-# * **a bias for the choice only**: the top-$k$ is taken over $s_i + b_i$, but $b_i$ never enters the gates, so the
-#   loss, and hence every gradient, never sees it;
-# * **the bias update** after each optimizer step: $b_i \mathrel{+}= \gamma \cdot \mathrm{sign}(\bar{c} - c_i)$, $c_i$
-#   the tokens that chose expert $i$ in the step, $\bar c$ their mean: an overloaded expert becomes a little less
+# * **sigmoid affinities**: $\pi_e = \sigma(x \cdot w_e)$ for a token $x$ and expert $e$'s router row $w_e$, each
+#   expert scored on its own (no softmax over the experts); the gates are the chosen affinities normalised,
+#   $g_e = \pi_e / \sum_{e' \in \text{top-}k} \pi_{e'}$ (times `routed_scaling_factor`, 2.5 in the released config;
+#   1 here);
+# * **a bias for the choice only**: the top-$k$ is taken over $\pi_e + \mathrm{bias}_e$, but $\mathrm{bias}_e$ never
+#   enters the gates, so the loss, and hence every gradient, never sees it;
+# * **the bias update** after each optimizer step: $\mathrm{bias}_e \mathrel{+}= \gamma \cdot
+#   \mathrm{sign}(\overline{\mathrm{load}} - \mathrm{load}_e)$, $\mathrm{load}_e$ the tokens that chose expert $e$ in
+#   the step, $\overline{\mathrm{load}}$ their mean over the experts: an overloaded expert becomes a little less
 #   attractive, an idle one a little more. The loads are counted over the **global** batch (summed over every
 #   data-parallel, cp and ep rank by `moe.step_stats`), so every replica's bias stays the same;
-# * **shared and fine-grained experts** (DeepSeekMoE, arXiv:2401.06066): $N_s$ experts every token passes through,
-#   and more, smaller routed experts. `tiny-deepseek-moe` has 8 routed experts of $i = 96$, top-3, and 1 shared:
+# * **shared and fine-grained experts** (DeepSeekMoE, arXiv:2401.06066): $N_s$ shared experts that every token
+#   passes through, and more, smaller routed experts. `tiny-deepseek-moe` has 8 routed experts of $h_\text{ff} = 96$,
+#   top-3, and $N_s = 1$ shared:
 #   the same active width ($4 \times 96$) as `tiny-moe`'s $2 \times 192$.
 #
 # | piece | where |
 # |---|---|
-# | sigmoid scores, top-$k$ of $s + b$, gates without $b$ | `moe.route(logits, k, "sigmoid", bias)` |
+# | sigmoid scores, top-$k$ of $\pi + \mathrm{bias}$, gates without the bias | `moe.route(logits, k, "sigmoid", bias)` |
 # | the bias: a buffer (no gradient, no optimizer state), saved in checkpoints | `MoE.e_score_correction_bias` |
-# | $b \mathrel{+}= \gamma\,\mathrm{sign}(\bar c - c)$ on the step's global loads | `moe.update_bias`, called by `moe.step_stats` |
+# | $\mathrm{bias}_e \mathrel{+}= \gamma\,\mathrm{sign}(\overline{\mathrm{load}} - \mathrm{load}_e)$ on the step's global loads | `moe.update_bias`, called by `moe.step_stats` |
 # | options | `--router sigmoid --shared-experts 1 --expert-size 96 --bias-update-speed 0.001`, or `--preset tiny-deepseek-moe` |
 #
 # We train `tiny-deepseek-moe` at dp = ep = 2 three times on the same batches: without balancing, with the
@@ -548,12 +557,12 @@ checker.check(["deepseek_router_step"])
 # Open `lessons/08_expert_parallel/exercise.py`:
 #
 # 1. `top_k_route(logits, k)` — Mixtral's router: softmax in fp32, top-$k$, renormalise. The checker compares with
-#    `moe.route` for several $(n, E, k)$, names the token and expert, and recognises weights not renormalised, raw
-#    logits as weights, the least probable experts, and a softmax over the wrong dimension.
+#    `moe.route` for several $(n_\text{tok}, E, k)$, names the token and expert, and recognises weights not
+#    renormalised, raw logits as weights, the least probable experts, and a softmax over the wrong dimension.
 # 2. `dispatch_permutation(experts, E)` — the order of the (token, choice) pairs sorted by expert, stable, and the
 #    counts. The checker names an expert whose pairs are out of token order (an unstable sort), token indices
 #    in place of pair indices, a descending sort, an expert missing from the counts.
-# 3. `aux_loss(probs, experts, E)` — $E \sum f_i P_i$, value and gradient. The checker recognises Switch's $f$
+# 3. `aux_loss(probs, experts, E)` — $E \sum_e f_e P_e$, value and gradient. The checker recognises Switch's $f$
 #    normalised by $k$ (balance would give 1), the missing factor $E$, $P$ averaged over the chosen experts
 #    only, and a loss no gradient crosses.
 # 4. `exchange_splits(counts, group)` — on every ep rank: the rows it sends to each rank and receives from each,
@@ -574,9 +583,9 @@ all_passed = checker.check()
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
-# | MoE, experts replicated (ep = 1) | every expert: $E \cdot 3hi$ per layer, states ×16 bytes | gradients all-reduced over dp (all experts) | the experts fit; small models |
-# | expert parallel, ep ranks | $E/ep$ experts per layer + the dense part | per layer and micro-batch: counts, then $4\,nkh\,(ep-1)/ep$ elements in four all-to-alls (blocking here) | the experts do not fit; ep within a node's fast links, or routing limited to few nodes |
-# | + capacity $c$ | bounded expert work: fixed shapes | the same, bounded | static shapes (TPUs, CUDA graphs); accept some dropped tokens |
+# | MoE, experts replicated (ep = 1) | every expert: $3E\,h\,h_\text{ff}$ per layer, states ×16 bytes | gradients all-reduced over dp (all experts) | the experts fit; small models |
+# | expert parallel, ep ranks | $E/ep$ experts per layer + the dense part | per layer and micro-batch: counts, then $4\,n_\text{tok}kh\,(ep-1)/ep$ elements in four all-to-alls (blocking here) | the experts do not fit; ep within a node's fast links, or routing limited to few nodes |
+# | + capacity factor $\kappa$ | bounded expert work: fixed shapes | the same, bounded | static shapes (TPUs, CUDA graphs); accept some dropped tokens |
 #
 # **Its costs.** The all-to-alls are on the critical path and their sizes change every step (the counts travel
 # first); unbalanced routing makes the busiest rank everyone's pace, so the balance loss (or DeepSeek-V3's
@@ -594,7 +603,7 @@ all_passed = checker.check()
 #
 # **Sources.** Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts
 # Layer" (noisy top-$k$ gating, a balancing loss); Lepikhin et al. 2020, "GShard" (top-2, expert capacity, experts
-# sharded across devices with all-to-all); Fedus et al. 2022, "Switch Transformers" (top-1, the $E\sum f_i P_i$
+# sharded across devices with all-to-all); Fedus et al. 2022, "Switch Transformers" (top-1, the $E\sum_e f_e P_e$
 # loss, capacity factors); Jiang et al. 2024, "Mixtral of Experts" (softmax then top-2, renormalised; 46.7 B / 12.9 B).
 # Dai et al. 2024, "DeepSeekMoE" (arXiv:2401.06066: fine-grained and shared experts); Wang et al. 2024,
 # "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts" (arXiv:2408.15664); DeepSeek-AI 2024,

@@ -172,16 +172,16 @@ def _aux_problem(fn, path):
             chosen_mean = (torch.zeros_like(probs).scatter(1, experts, probs.gather(1, experts))).mean(0)
             if abs(g - w / k) < 1e-5 * w and k > 1:
                 return (f"{head}: aux = {g:.5f} = expected / k: you normalised f by the n·k choices (Σf = 1); HF "
-                        f"Mixtral's f_i is expert i's choices per TOKEN (Σf = k), so balanced routing gives k, not 1")
+                        f"Mixtral's f_e is expert e's choices per TOKEN (Σf = k), so balanced routing gives k, not 1")
             if abs(g - w / E) < 1e-5 * w:
                 return f"{head}: aux = {g:.5f} = expected / E: the factor E is missing (it makes balance give k for any E)"
             if abs(g - float(E * (f * chosen_mean).sum())) < 1e-5 * w:
-                return (f"{head}: aux = {g:.5f}: your P_i averages only the CHOSEN probabilities; P_i is the mean "
-                        f"of expert i's probability over all tokens (probs.mean(0)): expected {w:.5f}")
+                return (f"{head}: aux = {g:.5f}: your P_e averages only the CHOSEN probabilities; P_e is the mean "
+                        f"of expert e's probability over all tokens (probs.mean(0)): expected {w:.5f}")
             return f"{head}: aux = {g:.6f}, expected {w:.6f}"
         if not got.requires_grad:
             return (f"{head}: the value is right but no gradient reaches probs (detached, or computed from "
-                    f"Python numbers): the router learns to balance only through P_i")
+                    f"Python numbers): the router learns to balance only through P_e")
         (gg,) = torch.autograd.grad(got, logits, retain_graph=True)
         (wg,) = torch.autograd.grad(moe.aux_loss(probs, experts, E), logits)
         if not torch.allclose(gg, wg, rtol=1e-5, atol=1e-7):

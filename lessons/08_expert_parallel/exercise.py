@@ -37,9 +37,9 @@ def dispatch_permutation(experts, num_experts):
 
 def aux_loss(probs, experts, num_experts):
     """EXERCISE 3: the load-balancing loss (Switch Transformers eq. 4, in Hugging Face Mixtral's form).
-    probs [n, E]: every token's router probabilities; experts [n, k]: its chosen experts. Return the scalar
-    E · Σ_i f_i · P_i, with f_i = (pairs that chose expert i) / n (the number of TOKENS: Σ f_i = k) and P_i the
-    mean probability of expert i over the tokens. It must be differentiable through probs (f is a count)."""
+    probs [n, E]: every token's router probabilities; experts [n, k]: its chosen experts (n tokens). Return the
+    scalar E · Σ_e f_e · P_e, with f_e = (pairs that chose expert e) / n (the number of TOKENS: Σ f_e = k) and P_e
+    the mean probability of expert e over the tokens. It must be differentiable through probs (f is a count)."""
     raise NotImplementedError("not written yet")
 
 

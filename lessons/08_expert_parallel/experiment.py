@@ -121,7 +121,7 @@ def model_state_parts(mc, ep=1, elem=4):
 
 def expected_dropped(E, k, c, s):
     """The fraction of (token, choice) pairs capacity drops when every token picks k distinct experts uniformly at
-    random: expert i's load in a sequence of s tokens is Binomial(s, k/E), its capacity ceil(c·s·k/E)."""
+    random: expert e's load in a sequence of s tokens is Binomial(s, k/E), its capacity ceil(κ·s·k/E) (κ: c here)."""
     if c <= 0:
         return 0.0
     cap, p = math.ceil(c * s * k / E), k / E
@@ -517,7 +517,8 @@ def plot_balance(res):
 
     runs = res["runs"]
     layers = len(next(iter(runs.values()))["tokens_per_expert"][0])
-    fig, axes = plt.subplots(len(runs), layers, figsize=(2.9 * layers, 2.0 * len(runs)), squeeze=False)
+    fig, axes = plt.subplots(len(runs), layers, figsize=(2.9 * layers, 2.3 * len(runs)), squeeze=False,
+                             layout="constrained")
     for row, (coef, r) in enumerate(runs.items()):
         t = torch.tensor(r["tokens_per_expert"], dtype=torch.float64)  # [steps, layers, E]
         share = t / t.sum(-1, keepdim=True)
@@ -528,10 +529,14 @@ def plot_balance(res):
                            interpolation="nearest")
             ax.set_yticks(range(E), [f"e{e}" for e in range(E)], fontsize=6)
             ax.tick_params(axis="x", labelsize=6)
-            ax.set_title(f"aux coef {coef}, layer {layer}", fontsize=8)
+            if row == 0:  # the layer above its column, the run left of its row: no title inside the grid
+                ax.set_title(f"layer {layer}", fontsize=9, pad=4)
+            if layer == 0:
+                ax.set_ylabel(f"α = {coef}", fontsize=9)
             if row == len(runs) - 1:
                 ax.set_xlabel("step", fontsize=FONT)
     fig.colorbar(im, ax=axes, shrink=0.8, label=f"share of the step's choices (balanced: 1/E = {1 / E:.2f})")
+    fig.suptitle("each expert's share of the choices per step; rows: the aux-loss coefficient α", fontsize=9)
     return fig
 
 
@@ -549,7 +554,7 @@ def plot_balance_curves(res, window):
         ax2.plot(steps, smooth, lw=1.8, color=line.get_color(), label=f"aux coef {coef} ({window}-step mean)")
     k = 2
     ax1.axhline(k, color="k", ls=":", lw=1, label="perfect balance (= k)")
-    ax1.set(xlabel="step", ylabel="aux = E·Σ f_i P_i (mean of the layers)", title="the auxiliary loss")
+    ax1.set(xlabel="step", ylabel="aux = E·Σ f_e P_e (mean of the layers)", title="the auxiliary loss")
     ax2.axhline(1, color="k", ls=":", lw=1)
     ax2.set(xlabel="step", ylabel="busiest expert / mean (mean of layers)", title="load imbalance per step")
     for ax in (ax1, ax2):
@@ -567,8 +572,8 @@ def plot_capacity(res):
     for coef, r in res["runs"].items():
         ax.plot(cs, r["dropped"], "o-", label=f"trained with aux coef {coef}")
     ax.plot(cs, res["uniform"], "k--", lw=1, label="uniformly random routing (binomial)")
-    ax.set(xlabel="capacity factor c", ylabel="fraction of choices dropped",
-           title="capacity ceil(c·s·k/E) per expert and sequence: what it drops")
+    ax.set(xlabel="capacity factor κ", ylabel="fraction of choices dropped",
+           title="capacity ceil(κ·s·k/E) per expert and sequence: what it drops")
     ax.title.set_fontsize(9)
     _legend_below(ax, ncol=1, dy=-0.2)
     fig.tight_layout()
@@ -724,7 +729,7 @@ def plot_widget(preset="mixtral-8x7b", E=8, k=2, ep=8, c=1.25, tokens=4096):
     cs = [x / 20 for x in range(5, 61)]
     ax3.plot(cs, [expected_dropped(E, min(k, E), x, tokens) for x in cs], "k-", lw=1.2)
     ax3.plot([c], [expected_dropped(E, min(k, E), c, tokens)], "o", color="#c44e52")
-    ax3.set(xlabel="capacity factor c", ylabel="fraction dropped", yscale="log", ylim=(1e-6, 1),
+    ax3.set(xlabel="capacity factor κ", ylabel="fraction dropped", yscale="log", ylim=(1e-6, 1),
             title=f"dropped if routing were uniformly random, s={tokens}")
     for ax in (ax1, ax2, ax3):
         ax.title.set_fontsize(8)

@@ -19,7 +19,7 @@ def dispatch_permutation(experts, num_experts):
 
 
 def aux_loss(probs, experts, num_experts):
-    """EXERCISE 3: E · Σ_i f_i P_i, f_i = choices of expert i per token (Σf = k), P_i = mean probability."""
+    """EXERCISE 3: E · Σ_e f_e P_e, f_e = choices of expert e per token (Σf = k), P_e = mean probability."""
     f = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype) / probs.shape[0]
     return num_experts * (f * probs.mean(0)).sum()
 
