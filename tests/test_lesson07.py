@@ -55,13 +55,13 @@ def test_checker_names_afab_a_short_warm_up_and_a_deadlock(tmp_path):
     code, out = run_checker("--module", str(afab), "one_f_one_b_rank")
     assert code == 1, out
     assert ("FAIL  one_f_one_b_rank: stage 0 of p=2, m=4: runs, but holds 4 micro-batches' activations at once; 1F1B "
-            "holds at most min(p - i, m) = 2 — all forwards first is AFAB (GPipe)") in out, out
+            "holds at most min(p - r, m) = 2 — all forwards first is AFAB (GPipe)") in out, out
 
     short = mutate(tmp_path, ("    warm = min(p - i - 1, m)  #", "    warm = max(0, min(p - i - 2, m))  #"))
     code, out = run_checker("--module", str(short), "one_f_one_b_rank")
     assert code == 1, out
     assert "stage 0 of p=2, m=4: runs, but the step takes 24 time units instead of 1F1B's 15" in out, out
-    assert "your list runs 1 forwards before its first backward, 1F1B's stage 0 runs min(p - i, m) = 2" in out, out
+    assert "your list runs 1 forwards before its first backward, 1F1B's stage 0 runs min(p - r, m) = 2" in out, out
 
     twice = mutate(tmp_path, ("for k in range(m - warm, m)]", "for k in range(m - warm - 1, m)]"))
     code, out = run_checker("--module", str(twice), "one_f_one_b_rank")

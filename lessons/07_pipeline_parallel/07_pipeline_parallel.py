@@ -14,14 +14,22 @@ edit this file, never the notebook.
 # point-to-point messages, few and small, which is why pipelines cross nodes. The price is time: a stage waiting
 # for its neighbour is idle, the **bubble**.
 #
-# | schedule | idea | bubble (fraction of the step) | activations alive on stage $i$ |
+# | schedule | idea | bubble (fraction of the step) | activations alive on stage $r$ (micro-batches) |
 # |---|---|---|---|
-# | AFAB / GPipe (Huang et al. 2019) | all forwards, then all backwards | $\frac{p-1}{m+p-1}$ | $m$ micro-batches |
-# | 1F1B (PipeDream, Narayanan et al. 2019) | $p-i-1$ forwards, then one forward one backward | $\frac{p-1}{m+p-1}$ | $p-i$ |
-# | interleaved 1F1B (Megatron-LM, Narayanan et al. 2021) | $v$ smaller chunks per rank | $\frac{p-1}{v\,m+p-1}$ | about $p$, more on the first ranks |
+# | AFAB / GPipe (Huang et al. 2019) | all forwards, then all backwards | $\frac{p-1}{m+p-1}$ | $m$ |
+# | 1F1B with a flush (PipeDream-Flush, Narayanan et al. 2021b) | $p-r-1$ forwards, then one forward one backward | $\frac{p-1}{m+p-1}$ | $p-r$ |
+# | interleaved 1F1B (Megatron-LM, Narayanan et al. 2021a) | $v$ smaller chunks per rank | $\frac{p-1}{v\,m+p-1}$ | $p\left(1+\frac{p-1}{pv}\right)$ on stage 0, fewer after |
 # | ZB-H1 (Zero Bubble, Qi et al. 2024) | backward split into $B$ (input gradient) and $W$ (weight gradient); $W$'s fill the idle slots | $\frac{p-1}{3m+p-1}$ when $t_F=t_B=t_W$ | $\le p$ |
 # | ZB-V (Qi et al. 2024) | two chunks per rank in a V, $W$'s fill the rest | no closed form: the simulator's | $\le p$ stages' worth |
 # | DualPipe (DeepSeek-V3, 2024) | every stage on two ranks, micro-batches fed in at both ends, F&B pairs | idle $(\frac p2-1)(F\&B+B-3W)$ per rank; $\frac{p-2}{3m+p-2}$ with unit costs | $p+1$, at $2\times$ the parameters |
+#
+# Symbols as in the course's [notation](../../docs/reference.md#notation): $r$ is a stage's index on its rank, $v$
+# the chunks per rank. Sources: Narayanan et al. 2021a, "Efficient Large-Scale Language Model Training on GPU Clusters
+# Using Megatron-LM" (arXiv:2104.04473), §2.2.1 (1F1B with a flush, their default schedule) and §2.2.2 (interleaving:
+# its bubble, messages and memory); Narayanan et al. 2021b, "Memory-Efficient Pipeline-Parallel DNN Training" (ICML
+# 2021, arXiv:2006.09503), §3.2 (PipeDream-Flush). The first PipeDream (Narayanan et al. 2019, SOSP) ran 1F1B
+# *without* a flush — asynchronous, with stashed weight versions —, which changes the training; the 1F1B taught
+# here flushes the pipeline at every step and trains exactly as one process.
 #
 # Here schedules are **data**: one list of actions per rank (`picotron/pipeline_schedules.py`). A simulator runs any
 # list on an ideal machine and says why a wrong one cannot run; one executor runs any list on real processes. We
@@ -82,8 +90,8 @@ print(f"what crosses a stage boundary per micro-batch of one {seq}-token sequenc
 #
 # ## 2. The idea: where the bubble comes from
 #
-# A micro-batch's forward goes stage $0 \to 1 \to \dots \to p-1$; its backward comes back. Stage $i$ cannot start
-# micro-batch 0 before the $i$ stages before it have finished theirs, and the last backward on stage 0 cannot
+# A micro-batch's forward goes stage $0 \to 1 \to \dots \to p-1$; its backward comes back. Stage $r$ cannot start
+# micro-batch 0 before the $r$ stages before it have finished theirs, and the last backward on stage 0 cannot
 # start before the last micro-batch has gone down the pipeline and come back up. Every stage does the same work,
 # $m(t_F + t_B)$, but the step lasts $(m + p - 1)(t_F + t_B)$: the first stage idles at the end for $(p-1)$
 # backward-and-forward times, the last stage at the start, and the ones between some of each. The idle fraction is
@@ -105,14 +113,15 @@ for name in ("afab", "1f1b"):
 
 # %% [markdown]
 # Same step time, same bubble — but AFAB keeps all $m$ micro-batches' activations on every stage until its first
-# backward, while 1F1B starts each backward as soon as it can: stage $i$ runs $p-i-1$ forwards (the warm-up: what
-# keeps it busy until micro-batch 0 comes back), then alternates, and never holds more than $p - i$ micro-batches.
+# backward, while 1F1B starts each backward as soon as it can: stage $r$ runs $p-r-1$ forwards (the warm-up: what
+# keeps it busy until micro-batch 0 comes back), then alternates, and never holds more than $p - r$ micro-batches.
 # 1F1B is AFAB's bubble at a fraction of its memory, which is why $m$ can then grow to shrink the bubble.
 #
 # **Two ways to shrink the bubble further.** *Interleaving* (Megatron-LM): give each rank $v$ smaller chunks (rank
 # $r$ holds stages $r, r+p, \dots$); a micro-batch then crosses a rank in $t_F/v$, the pipeline fills $v$ times
-# faster, and the bubble is $\frac{p-1}{v\,m+p-1}$ — for $v$ times the messages. *Splitting the backward* (Zero
-# Bubble): the backward of a linear layer is two matmuls, one for the input's gradient ($B$, which the previous
+# faster, and the bubble is $\frac{p-1}{v\,m+p-1}$ — for $\frac{pv-1}{p-1}$ times the messages ($pv-1$ stage
+# boundaries instead of $p-1$, Narayanan et al. 2021a §2.2.2; close to $v$ only for large $p$). *Splitting the
+# backward* (Zero Bubble): the backward of a linear layer is two matmuls, one for the input's gradient ($B$, which the previous
 # stage is waiting for) and one for the weight's ($W$, which nobody waits for). Run $B$ at once and hold $W$ back to
 # fill the slots where the rank would idle: with $t_F = t_B = t_W$ ZB-H1's bubble is $\frac{p-1}{3m+p-1}$ at
 # 1F1B's memory. Every schedule against the closed forms, $p = 4$, unit costs:

@@ -10,8 +10,8 @@ Exit status 0 when every check passes, 1 otherwise.
 one_f_one_b_rank (in this process): for several (p, m), each stage's list of yours runs in picotron's simulator
 (`pipeline_schedules.simulate`, t_F = 1, t_B = 2) together with the reference lists of the other stages; the
 simulator's own sentence names the first problem (a micro-batch missing or twice, a B before its F, a deadlock
-and which rank waits for what). A list that runs must keep 1F1B's memory (at most min(p - i, m) micro-batches
-alive on stage i) and its step time.
+and which rank waits for what). A list that runs must keep 1F1B's memory (at most min(p - r, m) micro-batches
+alive on stage r) and its step time.
 
 forward_step and sync_tied_grads run on 2 and then 3 real processes (gloo, picotron.launch.run_on_ranks; the
 tied sync also on 1, where one rank holds both copies). forward_step: rank r holds a small stage seeded by r;
@@ -84,13 +84,13 @@ def _problem_1f1b(fn, p, m):
                     f"{_show(got)}")
         lead = next((k for k, a in enumerate(got) if a.kind == "B"), len(got))  # forwards before the first B
         want = min(p - i, m)
-        runs = (f"your list runs {lead} forwards before its first backward, 1F1B's stage {i} runs min(p - i, m) = "
-                f"{want} (p - i - 1 warm-up forwards, then the first forward of the steady state)")
+        runs = (f"your list runs {lead} forwards before its first backward, 1F1B's stage {i} runs min(p - r, m) = "
+                f"{want} (p - r - 1 warm-up forwards, then the first forward of the steady state)")
         if sim.peak_alive[i] > min(p - i, m):
             hint = (" — all forwards first is AFAB (GPipe): start each backward as soon as it can come back"
                     if lead == m and m > p - i else f" — {runs}")
             return (f"stage {i} of p={p}, m={m}: runs, but holds {sim.peak_alive[i]} micro-batches' activations at "
-                    f"once; 1F1B holds at most min(p - i, m) = {min(p - i, m)}{hint}. Your list: {_show(got)}")
+                    f"once; 1F1B holds at most min(p - r, m) = {min(p - i, m)}{hint}. Your list: {_show(got)}")
         if sim.makespan > best.makespan + 1e-9:
             hint = (f"{runs}, to be busy until micro-batch 0's backward comes back" if lead != want else
                     "after the warm-up alternate ONE forward and ONE backward (the oldest micro-batch in flight)")
@@ -121,8 +121,8 @@ def _check_cases(path, report, name, cases, problem_of, success):
 
 def check_1f1b(path, report):
     _check_cases(path, report, "one_f_one_b_rank", CASES, _problem_1f1b,
-                 ": every stage's list runs with the others' for (p, m) in {cases}; 1F1B's step time, at most p - i "
-                 "micro-batches alive on stage i")
+                 ": every stage's list runs with the others' for (p, m) in {cases}; 1F1B's step time, at most p - r "
+                 "micro-batches alive on stage r")
 
 
 # ------------------------------------------------------------------------------------------ exercise 4
