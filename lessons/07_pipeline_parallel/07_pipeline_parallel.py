@@ -28,8 +28,8 @@ edit this file, never the notebook.
 # Using Megatron-LM" (arXiv:2104.04473), §2.2.1 (1F1B with a flush, their default schedule) and §2.2.2 (interleaving:
 # its bubble, messages and memory); Narayanan et al. 2021b, "Memory-Efficient Pipeline-Parallel DNN Training" (ICML
 # 2021, arXiv:2006.09503), §3.2 (PipeDream-Flush). The first PipeDream (Narayanan et al. 2019, SOSP) ran 1F1B
-# *without* a flush — asynchronous, with stashed weight versions —, which changes the training; the 1F1B taught
-# here flushes the pipeline at every step and trains exactly as one process.
+# without a flush, asynchronously, with stashed weight versions: a different training. The 1F1B taught here
+# flushes the pipeline at every step and trains exactly as one process does.
 #
 # Here schedules are **data**: one list of actions per rank (`picotron/pipeline_schedules.py`). A simulator runs any
 # list on an ideal machine and says why a wrong one cannot run; one executor runs any list on real processes. We
@@ -121,9 +121,9 @@ for name in ("afab", "1f1b"):
 # $r$ holds stages $r, r+p, \dots$); a micro-batch then crosses a rank in $t_F/v$, the pipeline fills $v$ times
 # faster, and the bubble is $\frac{p-1}{v\,m+p-1}$ — for $\frac{pv-1}{p-1}$ times the messages ($pv-1$ stage
 # boundaries instead of $p-1$, Narayanan et al. 2021a §2.2.2; close to $v$ only for large $p$). *Splitting the
-# backward* (Zero Bubble): the backward of a linear layer is two matmuls, one for the input's gradient ($B$, which the previous
-# stage is waiting for) and one for the weight's ($W$, which nobody waits for). Run $B$ at once and hold $W$ back to
-# fill the slots where the rank would idle: with $t_F = t_B = t_W$ ZB-H1's bubble is $\frac{p-1}{3m+p-1}$ at
+# backward* (Zero Bubble): the backward of a linear layer is two matmuls, one for the input's gradient ($B$, which
+# the previous stage is waiting for) and one for the weight's ($W$, which nobody waits for). Run $B$ at once and
+# hold $W$ back to fill the slots where the rank would idle: with $t_F = t_B = t_W$ ZB-H1's bubble is $\frac{p-1}{3m+p-1}$ at
 # 1F1B's memory. Every schedule against the closed forms, $p = 4$, unit costs:
 
 # %%
@@ -356,15 +356,14 @@ check(f"interleaved, v={v_}: bytes sent per step = (pv-1)/(p-1) times 1F1B's (Na
       f"not v = {v_}")
 
 # %% [markdown]
-# Interleaving halves the filling and draining ($v = 2$) and pays with more messages: every micro-batch now
-# crosses $pv - 1 = 3$ stage boundaries instead of $p - 1 = 1$, so $\frac{pv-1}{p-1}$ times 1F1B's bytes — the
-# check's 3 here, not $v = 2$: the factor tends to $v$ only for large $p$ (Narayanan et al. 2021a §2.2.2; section
-# (d)). Splitting the backward costs no extra bytes and
-# no extra FLOPs — the two matmuls of a linear layer's backward are done once each, at different times — but keeps
-# each layer's input and output gradient alive from $B$ until $W$ (section (c)). ZB-V combines both: two chunks per
-# rank in a V, so rank 0 has work at both ends of the step, and the $W$'s fill what is left; one of its boundaries
-# (the V's turn) stays on one rank, in memory. On this CPU the fixed costs per action (Python, a message, the
-# timeline) weigh more in the smaller actions of interleaving and ZB-V than on a GPU.
+# Interleaving halves the filling and draining ($v = 2$) and pays with more messages: every micro-batch now crosses
+# $pv - 1 = 3$ stage boundaries instead of $p - 1 = 1$, so $\frac{pv-1}{p-1}$ times 1F1B's bytes — the check's 3 here,
+# not $v = 2$: the factor tends to $v$ only for large $p$ (Narayanan et al. 2021a §2.2.2; section (d)). Splitting the
+# backward costs no extra bytes and no extra FLOPs — the two matmuls of a linear layer's backward are done once each,
+# at different times — but keeps each layer's input and output gradient alive from $B$ until $W$ (section (c)). ZB-V
+# combines both: two chunks per rank in a V, so rank 0 has work at both ends of the step, and the $W$'s fill what is
+# left; one of its boundaries (the V's turn) stays on one rank, in memory. On this CPU the fixed costs per action
+# (Python, a message, the timeline) weigh more in the smaller actions of interleaving and ZB-V than on a GPU.
 #
 # ### (c) Memory per stage
 # One more step per schedule ($m$ = the largest above) with every tensor autograd saves followed while it is alive:
@@ -415,7 +414,7 @@ for row in mem["rows"]:
             check(f"{lesson.LABELS[row['name']]}, rank {r['rank']}: holds {'m' if row['name'] == 'afab' else 'p - r'} = "
                   f"{want} micro-batches", abs(held - want) < 0.01, f"peak / one micro-batch = {held:.3f}")
     if row["name"] == "interleaved":  # stage 0, in micro-batches of a whole stage (all v chunks)
-        r, p_, v_ = row["ranks"][0], row["p"], 2
+        r, p_, v_ = row["ranks"][0], row["p"], lesson.chunks("interleaved")
         held, want = r["peak"] / sum(r["per_chunk"].values()), p_ * (1 + (p_ - 1) / (p_ * v_))
         check(f"interleaved, v={v_}, rank 0: holds p(1 + (p-1)/(pv)) = {want:g} whole-stage micro-batches "
               f"(Narayanan et al. 2021a, 2.2.2)", abs(held / want - 1) <= 0.02, f"peak / one micro-batch = {held:.3f}")
@@ -426,8 +425,8 @@ for row in mem["rows"]:
 # `Axis.exchange`, which reports to the recorder as every collective does (a receive too, with no bytes sent). The
 # second check below counts each rank's sends and receives of every measured step and holds them against a count
 # derived from the rank's action list alone (`experiment.messages_of`): a message the executor dropped, doubled or
-# kept in memory by mistake shows there. Every stage boundary carries each
-# micro-batch's activation, $b \cdot s \cdot h$ fp32 numbers, forward, and its gradient backward:
+# kept in memory by mistake shows there. Every stage boundary carries each micro-batch's activation,
+# $b \cdot s \cdot h$ fp32 numbers, forward, and its gradient backward:
 # $2(S-1)\,m\,b\,s\,h \cdot 4$ bytes per step over all ranks with $S = p\,v$ stages ($2(S-2)$ for ZB-V, whose turn
 # stays on one rank):
 
@@ -615,13 +614,14 @@ lesson.plot_dualpipe(dual["rows"], p=4, m=8); plt.show()
 # ## 8. Exercises
 # Open `lessons/07_pipeline_parallel/exercise.py`:
 #
-# 1. `one_f_one_b_rank(i, p, m)` — the 1F1B action list of stage $r$ (the argument `i`). The checker runs your list with the reference lists
-#    of the other stages in the simulator, for several $(p, m)$, and prints the simulator's sentence for the first
-#    problem (a deadlock naming who waits for what, a B before its F, a micro-batch missing or twice), then checks
-#    1F1B's memory ($\le p - r$ micro-batches) and step time.
+# 1. `one_f_one_b_rank(i, p, m)` — the 1F1B action list of stage $r$ (the argument `i`). The checker runs your list
+#    with the reference lists of the other stages in the simulator, for several $(p, m)$, and prints the simulator's
+#    sentence for the first problem (a deadlock naming who waits for what, a B before its F, a micro-batch missing or
+#    twice), then checks 1F1B's memory ($\le p - r$ micro-batches) and step time.
 # 2. `forward_step(stage, x, prev, next, shape)` — one forward of a stage with its messages: receive the activation
 #    from the previous rank, compute, send the output on. Checked on 2 and 3 real processes: the checker names the
-#    rank that received the wrong tensor (or nothing) and the rank that hangs, with its line.
+#    rank that received the wrong tensor (or used its buffer before the message arrived) and the rank that hangs,
+#    with its line.
 # 3. `sync_tied_grads(embedding, head, group)` — make the gradients of the first and last stage's copies of a tied
 #    matrix equal to their sum. Checked on 1, 2 and 3 processes.
 # 4. `dualpipe_place(stage, mb, p, m)` — DualPipe's (rank, chunk) for a stage of a micro-batch. Checked against the
