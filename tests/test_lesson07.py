@@ -1,8 +1,9 @@
 """Lesson 07: the notebook is its source and runs in FAST mode with every check holding; the exercise checker passes
 the solutions, fails the stubs naming NotImplementedError, and names typical mistakes (AFAB's memory, a short
-warm-up, a deadlock, a rank that sends its input, a missing requires_grad, a send to the wrong rank as a hang, the
-mean instead of the sum); the experiment's helpers (prediction of peak activations, point-to-point formula, bubble
-from a timeline, the live-activation tracker) by hand.
+warm-up, a deadlock, a rank that sends its input, a missing requires_grad, a receive into torch.empty not waited
+for, a send to the wrong rank as a hang, the mean instead of the sum); the experiment's helpers (prediction of peak
+activations, point-to-point formula, the messages a rank's list implies and a dropped one caught, bubble from a
+timeline, the live-activation tracker) by hand.
 
 No timing is asserted here: the notebook's bubble checks hold on a quiet machine, and on a machine measured busy
 they may say "?" (inconclusive), never ✗ for that reason (tests/test_lesson_load.py runs them under load).
