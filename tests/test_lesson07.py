@@ -1,8 +1,9 @@
 """Lesson 07: the notebook is its source and runs in FAST mode with every check holding; the exercise checker passes
 the solutions, fails the stubs naming NotImplementedError, and names typical mistakes (AFAB's memory, a short
-warm-up, a deadlock, a rank that sends its input, a missing requires_grad, a send to the wrong rank as a hang, the
-mean instead of the sum); the experiment's helpers (prediction of peak activations, point-to-point formula, bubble
-from a timeline, the live-activation tracker) by hand.
+warm-up, a deadlock, a rank that sends its input, a missing requires_grad, a receive into torch.empty not waited
+for, a send to the wrong rank as a hang, the mean instead of the sum); the experiment's helpers (prediction of peak
+activations, point-to-point formula, the messages a rank's list implies and a dropped one caught, bubble from a
+timeline, the live-activation tracker) by hand.
 
 No timing is asserted here: the notebook's bubble checks hold on a quiet machine, and on a machine measured busy
 they may say "?" (inconclusive), never ✗ for that reason (tests/test_lesson_load.py runs them under load).
@@ -55,13 +56,13 @@ def test_checker_names_afab_a_short_warm_up_and_a_deadlock(tmp_path):
     code, out = run_checker("--module", str(afab), "one_f_one_b_rank")
     assert code == 1, out
     assert ("FAIL  one_f_one_b_rank: stage 0 of p=2, m=4: runs, but holds 4 micro-batches' activations at once; 1F1B "
-            "holds at most min(p - i, m) = 2 — all forwards first is AFAB (GPipe)") in out, out
+            "holds at most min(p - r, m) = 2 — all forwards first is AFAB (GPipe)") in out, out
 
     short = mutate(tmp_path, ("    warm = min(p - i - 1, m)  #", "    warm = max(0, min(p - i - 2, m))  #"))
     code, out = run_checker("--module", str(short), "one_f_one_b_rank")
     assert code == 1, out
     assert "stage 0 of p=2, m=4: runs, but the step takes 24 time units instead of 1F1B's 15" in out, out
-    assert "your list runs 1 forwards before its first backward, 1F1B's stage 0 runs min(p - i, m) = 2" in out, out
+    assert "your list runs 1 forwards before its first backward, 1F1B's stage 0 runs min(p - r, m) = 2" in out, out
 
     twice = mutate(tmp_path, ("for k in range(m - warm, m)]", "for k in range(m - warm - 1, m)]"))
     code, out = run_checker("--module", str(twice), "one_f_one_b_rank")
@@ -87,6 +88,40 @@ def test_checker_names_a_sent_input_a_missing_requires_grad_and_a_hang(tmp_path)
     assert code == 1, out
     assert "FAIL  forward_step on 2 ranks:" in out and ("hang" in out or "rank 0" in out), out
     assert "on 3 ranks" not in out or "hang" not in out.split("on 3 ranks")[0], out
+
+
+def test_checker_names_a_receive_not_waited_for_into_torch_empty(tmp_path):
+    """The learner forgets .wait() on the irecv into a torch.empty buffer: whatever the memory held (3e+29, 0, ...)
+    the checker says the activation was used before it arrived."""
+    no_wait = mutate(tmp_path, ("dist.irecv(x, src=prev, group=group).wait()", "dist.irecv(x, src=prev, group=group)"))
+    assert "torch.empty(shape)" in no_wait.read_text() and ".wait()\n        x.requires_grad_" not in no_wait.read_text()
+    code, out = run_checker("--module", str(no_wait), "forward_step")
+    assert code == 1, out
+    assert re.search(r"FAIL  forward_step on 2 ranks: rank 1: (x still holds what its buffer held before the receive"
+                     r"|y = stage\(x\) was computed before the activation from rank 0 arrived)", out), out
+    assert "wait for the irecv's request" in out and "x differs" not in out, out
+
+
+def test_message_counts_catch_a_dropped_message(lesson):
+    """The messages a rank's list implies (derived from the list, not by the executor), by hand; over all ranks they
+    are the closed form's; a count with one message dropped or doubled is named."""
+    assert [lesson.messages_of(ps.one_f_one_b(2, 4), r) for r in range(2)] == [(4, 4), (4, 4)]
+    assert [lesson.messages_of(ps.build("interleaved", 2, 4, 2), r) for r in range(2)] == [(12, 12), (12, 12)]
+    assert [lesson.messages_of(ps.build("zb-v", 2, 4, 2), r) for r in range(2)] == [(8, 8), (8, 8)]  # the turn: memory
+    for name in lesson.SCHEDULES:
+        for p, m in ((2, 8), (4, 8)):
+            sch = ps.build(name, p, m, lesson.chunks(name))
+            counts = [lesson.messages_of(sch, r) for r in range(p)]
+            assert 4 * sum(s for s, _ in counts) == lesson.p2p_formula(name, p, m, 1, 1, 1)  # 4 bytes, b = s = h = 1
+            assert lesson.message_problems(sch, counts) == []
+            dropped = [list(c) for c in counts]
+            dropped[p - 1][1] -= 1  # the last rank never received one message
+            assert lesson.message_problems(sch, dropped) == [
+                f"rank {p - 1}: posted {counts[-1][0]} sends, {counts[-1][1] - 1} receives; its list implies "
+                f"{counts[-1][0]}, {counts[-1][1]}"]
+            doubled = [list(c) for c in counts]
+            doubled[0][0] += 1
+            assert len(lesson.message_problems(sch, doubled)) == 1
 
 
 def test_checker_names_the_mean_and_a_missing_in_memory_sum(tmp_path):

@@ -10,13 +10,14 @@ Exit status 0 when every check passes, 1 otherwise.
 one_f_one_b_rank (in this process): for several (p, m), each stage's list of yours runs in picotron's simulator
 (`pipeline_schedules.simulate`, t_F = 1, t_B = 2) together with the reference lists of the other stages; the
 simulator's own sentence names the first problem (a micro-batch missing or twice, a B before its F, a deadlock
-and which rank waits for what). A list that runs must keep 1F1B's memory (at most min(p - i, m) micro-batches
-alive on stage i) and its step time.
+and which rank waits for what). A list that runs must keep 1F1B's memory (at most min(p - r, m) micro-batches
+alive on stage r) and its step time.
 
 forward_step and sync_tied_grads run on 2 and then 3 real processes (gloo, picotron.launch.run_on_ranks; the
 tied sync also on 1, where one rank holds both copies). forward_step: rank r holds a small stage seeded by r;
 the checker computes the whole chain in this process and names the rank whose input or output is wrong and what
-it matches instead (the previous rank's input: it sent x instead of y; zeros: a receive never waited; ...), an
+it matches instead (the previous rank's input: it sent x instead of y; NaN, or zeros: a receive never waited for,
+the checker filling torch.empty's buffers with NaN while rank 0 sends late; ...), an
 input that does not require a gradient, or the ranks that hang and the line of your file where they wait.
 sync_tied_grads: the first and last rank hold copies of one matrix with different gradients; both must end with
 the sum, a middle rank with nothing touched.
@@ -30,6 +31,8 @@ module level); it imports YOUR file by path and meets the other ranks at a store
 returning, so a rank stuck in a receive shows up as a hang rather than as a peer that left.
 """
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -84,13 +87,13 @@ def _problem_1f1b(fn, p, m):
                     f"{_show(got)}")
         lead = next((k for k, a in enumerate(got) if a.kind == "B"), len(got))  # forwards before the first B
         want = min(p - i, m)
-        runs = (f"your list runs {lead} forwards before its first backward, 1F1B's stage {i} runs min(p - i, m) = "
-                f"{want} (p - i - 1 warm-up forwards, then the first forward of the steady state)")
+        runs = (f"your list runs {lead} forwards before its first backward, 1F1B's stage {i} runs min(p - r, m) = "
+                f"{want} (p - r - 1 warm-up forwards, then the first forward of the steady state)")
         if sim.peak_alive[i] > min(p - i, m):
             hint = (" — all forwards first is AFAB (GPipe): start each backward as soon as it can come back"
                     if lead == m and m > p - i else f" — {runs}")
             return (f"stage {i} of p={p}, m={m}: runs, but holds {sim.peak_alive[i]} micro-batches' activations at "
-                    f"once; 1F1B holds at most min(p - i, m) = {min(p - i, m)}{hint}. Your list: {_show(got)}")
+                    f"once; 1F1B holds at most min(p - r, m) = {min(p - i, m)}{hint}. Your list: {_show(got)}")
         if sim.makespan > best.makespan + 1e-9:
             hint = (f"{runs}, to be busy until micro-batch 0's backward comes back" if lead != want else
                     "after the warm-up alternate ONE forward and ONE backward (the oldest micro-batch in flight)")
@@ -121,8 +124,8 @@ def _check_cases(path, report, name, cases, problem_of, success):
 
 def check_1f1b(path, report):
     _check_cases(path, report, "one_f_one_b_rank", CASES, _problem_1f1b,
-                 ": every stage's list runs with the others' for (p, m) in {cases}; 1F1B's step time, at most p - i "
-                 "micro-batches alive on stage i")
+                 ": every stage's list runs with the others' for (p, m) in {cases}; 1F1B's step time, at most p - r "
+                 "micro-batches alive on stage r")
 
 
 # ------------------------------------------------------------------------------------------ exercise 4
@@ -183,10 +186,32 @@ def _plain(value):
     return value.detach().clone() if torch.is_tensor(value) else None if value is None else repr(value)[:120]
 
 
+SENDER_DELAY_S = 0.5  # rank 0 sends this late: a receive that is not waited for is read before anything arrives
+
+
+@contextmanager
+def _nan_filled_empty():
+    """While inside: torch.empty's float tensors come filled with NaN (its contents are undefined anyway), so a
+    receive buffer read before its message arrived shows as NaN, whatever the memory held."""
+    empty = torch.empty
+
+    def filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    torch.empty = filled
+    try:
+        yield
+    finally:
+        torch.empty = empty
+
+
 def _scenario_forward_step(mod, rank, n):
     stage = make_stage(rank)
     prev, nxt = (rank - 1 if rank > 0 else None), (rank + 1 if rank < n - 1 else None)
-    got = mod.forward_step(stage, first_input() if rank == 0 else None, prev, nxt, (B, S, H), None)
+    if rank == 0:
+        time.sleep(SENDER_DELAY_S)
+    with _nan_filled_empty():
+        got = mod.forward_step(stage, first_input() if rank == 0 else None, prev, nxt, (B, S, H), None)
     if not (isinstance(got, (tuple, list)) and len(got) == 2):
         return dict(returned=repr(got)[:120])
     x, y = got
@@ -257,11 +282,20 @@ def compare_forward_step(n, results):
             if r > 0 and _close(x, chain[r - 1]):
                 return (f"rank {r}: received rank {r - 1}'s INPUT, not its output: rank {r - 1} sent x instead of "
                         f"y = stage(x)")
+            if r > 0 and torch.isnan(x).any():
+                return (f"rank {r}: x still holds what its buffer held before the receive (the checker fills "
+                        f"torch.empty's buffers with NaN and rank {r - 1} sends {SENDER_DELAY_S:g} s late): you used x "
+                        f"before the activation from rank {r - 1} arrived — wait for the irecv's request "
+                        f"(dist.irecv(...).wait()) before using the tensor")
             if r > 0 and not x.abs().sum():
                 return (f"rank {r}: x is all zeros: the activation from rank {r - 1} never arrived in it (wait for the "
                         f"irecv's request before using the tensor)")
             return f"rank {r}: x differs from what rank {r - 1} computed: max |diff| {(x - want_x).abs().max():.2e}"
         if not torch.is_tensor(y) or y.shape != want_y.shape or not _close(y, want_y):
+            if r > 0 and torch.is_tensor(y) and torch.isnan(y).any():
+                return (f"rank {r}: y = stage(x) was computed before the activation from rank {r - 1} arrived in x "
+                        f"(y is NaN: the checker fills torch.empty's buffers with NaN) — wait for the irecv's request "
+                        f"(dist.irecv(...).wait()) before using the tensor")
             return f"rank {r}: y is not stage(x) on this rank's stage"
         if r > 0 and not res["x_requires_grad"]:
             return (f"rank {r}: the received x does not require a gradient, so the backward cannot compute x.grad, the "

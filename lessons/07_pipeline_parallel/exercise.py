@@ -2,10 +2,10 @@
     python lessons/07_pipeline_parallel/check.py                      # all exercises
     python lessons/07_pipeline_parallel/check.py one_f_one_b_rank     # just one (or forward_step, sync_tied_grads,
                                                                       # dualpipe_place)
-Exercise 1 is checked by picotron's simulator: your list for stage i runs together with the reference lists of
+Exercise 1 is checked by picotron's simulator: your list for stage r (the argument i) runs together with the reference lists of
 the other stages, for several (p, m); the checker names the first action that cannot run (a deadlock and who
 waits for whom, a B before its F, a micro-batch missing or twice) and, when it runs, whether it keeps 1F1B's
-memory (at most p - i micro-batches) and its step time. Exercises 2 and 3 run on 2 and 3 real processes (gloo)
+memory (at most p - r micro-batches) and its step time. Exercises 2 and 3 run on 2 and 3 real processes (gloo)
 and say which rank holds what wrong tensor, or which rank hangs on which line of this file. Exercise 4 is checked
 against picotron's DualPipe schedule for several (p, m), and the checker says what your placement mixes up. The lesson notebook
 (lessons/07_pipeline_parallel/07_pipeline_parallel.ipynb) reads picotron/pipeline_schedules.py and pipeline_parallel.py,
@@ -26,7 +26,7 @@ from picotron.pipeline_schedules import Action  # noqa: F401
 
 
 def one_f_one_b_rank(i, p, m):
-    """EXERCISE 1: the 1F1B schedule of ONE stage, as data: the ordered list of Actions stage i (0 <= i < p) runs
+    """EXERCISE 1: the 1F1B schedule of ONE stage, as data: the ordered list of Actions stage i (0 <= i < p; the lesson's r) runs
     for one step of m micro-batches.
 
     Stage i cannot start the backward of micro-batch 0 before it has come through the stages after it and back,

@@ -118,6 +118,35 @@ def p2p_formula(name, p, m, b, s, h, elem=4):
     return 2 * boundaries * m * b * s * h * elem
 
 
+def messages_of(schedule, rank):
+    """(sends, receives) that `rank`'s action list implies, derived here from the list alone (not by the executor):
+    an F sends its output on unless its stage is the last, a B sends its input's gradient back unless its stage is
+    the first, each receiving what its neighbour stage sends it; a neighbour stage on the same rank (the V's turn)
+    is handed over in memory, no message. W's carry nothing."""
+    sends = recvs = 0
+    last = schedule.stages - 1
+    for a in schedule.ranks[rank]:
+        s = schedule.stage(rank, a.chunk)
+        if a.kind == "F":
+            sends += s < last and schedule.where(s + 1, a.mb)[0] != rank
+            recvs += s > 0 and schedule.where(s - 1, a.mb)[0] != rank
+        elif a.kind == "B":
+            sends += s > 0 and schedule.where(s - 1, a.mb)[0] != rank
+            recvs += s < last and schedule.where(s + 1, a.mb)[0] != rank
+    return sends, recvs
+
+
+def message_problems(schedule, counted):
+    """Where the messages the executor posted (`counted[r]` = (sends, receives) of rank r in one step, from the
+    recorder) differ from those its list implies (messages_of): one line per rank that differs, [] when all agree."""
+    out = []
+    for r, got in enumerate(counted):
+        want = messages_of(schedule, r)
+        if tuple(got) != want:
+            out.append(f"rank {r}: posted {got[0]} sends, {got[1]} receives; its list implies {want[0]}, {want[1]}")
+    return out
+
+
 # ------------------------------------------------------------------------------------------- measuring
 class CpuTimeline(metrics.Timeline):
     """A Timeline whose events also carry the CPU time this thread spent inside them (`cpu`): an action's wall time
@@ -177,6 +206,9 @@ class Stepper:
         run.model.zero_grad(set_to_none=True)
         load = window.stop()
         self.losses.append(loss.item())
+        # what the executor posted, as the recorder saw it: a send's batch carries bytes, a receive's none
+        self.messages = (sum(1 for kind, nbytes, _ in self.sent.log if kind == "send" and nbytes > 0),
+                         sum(1 for kind, nbytes, _ in self.sent.log if kind == "send" and nbytes == 0))
         events = [dict(e, start=e["start"] + self.tl.t0, end=e["end"] + self.tl.t0) for e in self.tl.events]
         return events, self.sent.bytes.get("send", 0), load
 
@@ -286,15 +318,17 @@ def exp_bubble(mesh, st, out):
         for m in (st["ms"] if name != "zb-v" else st["ms"][-1:]):
             if name == "interleaved" and m % p:
                 continue
-            stepper, steps, p2p, shares = Stepper(cfg_for(st, name, m, p), mesh), [], [], []
+            stepper, steps, p2p, shares, messages = Stepper(cfg_for(st, name, m, p), mesh), [], [], [], []
             for k in range(st["warmup"] + st["max_steps"]):
                 events, sent, load = stepper.step(k + 1)
                 every = sum(gather(events, mesh), [])  # the same lists on every rank: they decide alike below
                 total = sum(gather(sent, mesh))
+                posted = gather(stepper.messages, mesh)  # (sends, receives) per rank
                 share = _common.others_share(gather(load, mesh)) or 0.0
                 if k >= st["warmup"]:
                     steps.append(actions(every))
                     p2p.append(total)
+                    messages.append(posted)
                     shares.append(share)
                 if len(steps) >= st["steps"] and min(map(quality, steps, [p] * len(steps), shares)) <= st["quiet"]:
                     break
@@ -326,7 +360,8 @@ def exp_bubble(mesh, st, out):
                        sim_pairs=(ps.simulate(sch, cost=lambda a, r: costs[r][a.chunk][a.kind], pairs=True).bubble
                                   if sch.shape == "dual" else None),
                        latency=lat, costs={str(r): {str(c): x for c, x in cs.items()} for r, cs in costs.items()},
-                       per_kind=per_kind, p2p=p2p, p2p_formula=p2p_formula(name, p, m, b, s, h),
+                       per_kind=per_kind, p2p=p2p, p2p_formula=p2p_formula(name, p, m, b, s, h), messages=messages,
+                       messages_of_list=[messages_of(sch, r) for r in range(p)],
                        gantt=acts, losses=stepper.losses)
             rows.append(row)
             _say(mesh, f"{LABELS[name]:<17} m={m:<3} bubble measured {row['bubble']:6.1%} | formula "
@@ -605,35 +640,58 @@ def plot_gantt_pairs(rows, names=SCHEDULES, m=None):
 
 
 def plot_bubbles(rows, p4=None):
-    """Bubble against m per schedule: measured (dots), the closed form (line), the simulator with the measured costs
-    (crosses); right: p = 4 from the simulator (unit costs) and the closed form."""
+    """Bubble against m per schedule: measured (markers; AFAB's filled, 1F1B's hollow and each schedule nudged
+    sideways, so that equal values stay visible), the simulator with the measured costs (crosses), and the closed
+    forms the checks use (lines): (p-1)/(m+p-1) for AFAB and 1F1B, (p-1)/(vm+p-1) interleaved, and for ZB-H1
+    zb_h1_formula with each row's measured t_F, t_B, t_W (`formula_costs`, what its check compares); its equal-cost
+    form (p-1)/(3m+p-1) dotted. Right: p = 4 from the simulator (unit costs) and the closed forms."""
     import matplotlib.pyplot as plt
 
     colors = {"afab": "#4c72b0", "1f1b": "#8172b2", "interleaved": "#c44e52", "zb-h1": "#55a868", "zb-v": "#dd8452"}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.0))
+    marker = {"afab": ("o", 6, True), "1f1b": ("o", 11, False), "interleaved": ("s", 6, True),
+              "zb-h1": ("D", 9, False), "zb-v": ("^", 7, True)}  # (marker, size, filled)
+    nudge = {"afab": 0.96, "1f1b": 1.04, "interleaved": 0.96, "zb-h1": 1.04, "zb-v": 1.0}  # x factor (log axis)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     ax = axes[0]
     for name in SCHEDULES:
         rs = sorted((r for r in rows if r["name"] == name), key=lambda r: r["m"])
+        if not rs:
+            continue
         ms = [r["m"] for r in rs]
-        ax.plot(ms, [r["bubble"] for r in rs], "o", color=colors[name], ms=7, label=f"{LABELS[name]} measured")
-        ax.plot(ms, [r["sim_measured"] for r in rs], "x", color=colors[name], ms=8, mew=2)
-        if name in FORMULA:
-            grid = range(min(ms), max(ms) + 1)
-            ax.plot(list(grid), [formula(name, rs[0]["p"], g) for g in grid], "-", color=colors[name], lw=1,
-                    alpha=0.7, ls="--" if name == "1f1b" else "-")
-    ax.plot([], [], "kx", label="simulated with the measured t_F, t_B, t_W")
-    ax.plot([], [], "k-", lw=1, label="closed form")
+        xs = [m * nudge[name] for m in ms]
+        mk, size, filled = marker[name]
+        ax.plot(xs, [r["bubble"] for r in rs], mk, color=colors[name], ms=size, mew=1.5,
+                mfc=colors[name] if filled else "none", label=f"{LABELS[name]} measured")
+        ax.plot(xs, [r["sim_measured"] for r in rs], "x", color=colors[name], ms=7, mew=1.5)
+        grid = range(min(ms), max(ms) + 1)
+        if name in ("afab", "1f1b", "interleaved"):
+            ax.plot(list(grid), [formula(name, rs[0]["p"], g) for g in grid], color=colors[name], lw=1, alpha=0.7,
+                    ls="--" if name == "1f1b" else "-")
+        elif name == "zb-h1":  # the check's formula: each row's measured t_F, t_B, t_W
+            ax.plot(ms, [r["formula_costs"] for r in rs], "-", color=colors[name], lw=1.2, marker="_", ms=10,
+                    label="ZB-H1, its check's form with the measured $t_F, t_B, t_W$:\n"
+                          r"$(p-1)(t_F+t_B-t_W)\,/\,[m(t_F+t_B+t_W)+(p-1)(t_F+t_B-t_W)]$")
+            ax.plot(list(grid), [formula(name, rs[0]["p"], g) for g in grid], ":", color=colors[name], lw=1,
+                    label=r"ZB-H1 with $t_F=t_B=t_W$: $(p-1)/(3m+p-1)$")
+    ax.plot([], [], "kx", label=r"simulated with the measured $t_F, t_B, t_W$")
+    ax.plot([], [], "k-", lw=1, label=r"$(p-1)/(m+p-1)$: AFAB, 1F1B (dashed)")
+    ax.plot([], [], "-", color=colors["interleaved"], lw=1, label=r"$(p-1)/(vm+p-1)$: interleaved, $v=2$")
+    handles, labels = ax.get_legend_handles_labels()
+    first = [k for k, x in enumerate(labels) if x.endswith(" measured")]  # column 1: the measurements
+    order = first + [k for k in range(len(labels)) if k not in first]
     ax.set(xscale="log", xlabel="micro-batches m", ylabel="bubble (idle fraction of the step)", ylim=(0, None),
            title=f"p = {rows[0]['p']}: measured on this machine")
     ax.set_xticks(sorted({r["m"] for r in rows}), [str(m) for m in sorted({r["m"] for r in rows})])
     ax.minorticks_off()
-    _legend_below(ax, ncol=2, dy=-0.16)
+    _legend_below(ax, ncol=2, dy=-0.16, handles=[handles[k] for k in order], labels=[labels[k] for k in order])
     ax = axes[1]
     p = 4
     ms = [4, 8, 16, 32, 64]
     for name in SCHEDULES:
-        ax.plot(ms, [simulated(name, p, m).bubble for m in ms], "o-" if name != "zb-v" else "s-", color=colors[name],
-                label=LABELS[name], ms=4)
+        mk, size, filled = marker[name]
+        ax.plot(ms, [simulated(name, p, m).bubble for m in ms], "-", marker=mk, color=colors[name],
+                label=LABELS[name], ms=size * 0.7, mew=1.2, mfc=colors[name] if filled else "none",
+                lw=3 if name == "afab" else 1, alpha=0.6 if name == "afab" else 1)
     for name in FORMULA:
         ax.plot(ms, [formula(name, p, m) for m in ms], ":", color="k", lw=0.8)
     ax.set(xscale="log", xlabel="micro-batches m", ylim=(0, None),
