@@ -1,5 +1,5 @@
 """Pipeline parallelism: the layers cut into stages, one per rank, micro-batches flowing through them
-(GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2019 "PipeDream", Megatron-LM 2021 for the interleaved
+(GPipe: Huang et al. 2019; 1F1B with a flush: Narayanan et al. 2021 "PipeDream-Flush", arXiv:2006.09503, Megatron-LM 2021 for the interleaved
 schedule; zero bubble: Qi et al. 2024, "Zero Bubble Pipeline Parallelism"; DualPipe: DeepSeek-V3 technical
 report, 2024, section 3.2.1).
 
