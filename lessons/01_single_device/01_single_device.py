@@ -99,8 +99,8 @@ rows = lesson.saved_tensors_table(tiny, seq_len=16, batch=2, dtype="fp32")
 lesson.print_table(rows)
 
 # %% [markdown]
-# Reading the table, with $s$ sequence, $b$ micro-batch, $h$ hidden, $h_\text{ff}$ MLP width, $a$ heads, $a_\text{kv}$ KV heads,
-# $d$ head dimension, fp32 (4 bytes):
+# Reading the table, with $s$ sequence, $b$ micro-batch, $h$ hidden, $h_\text{ff}$ MLP width, $a$ heads,
+# $a_\text{kv}$ KV heads, $d$ head dimension, fp32 (4 bytes):
 #
 # | part | what is saved | bytes |
 # |---|---|---|
