@@ -641,7 +641,7 @@ COMPARE = {"f_and_g": compare_f_and_g, "parallel_mlp": compare_parallel_mlp,
 SUCCESS = {"f_and_g": "outputs and input gradients of f and g equal the unsharded ones on every rank; f: one "
                       "all-reduce backward, g: one forward",
            "parallel_mlp": f"output, x's gradient and every weight slice's gradient equal the unsharded MLP's "
-                           f"(b={B}, s={S}, h={H}, i={I}); one all-reduce forward, one backward",
+                           f"(b={B}, s={S}, h={H}, h_ff={I}); one all-reduce forward, one backward",
            "vocab_parallel_cross_entropy": f"per-token losses, softmax columns and the logits' gradient equal "
                                            f"F.cross_entropy on the full [{N_TOK}, {VOCAB}] logits (one logit of 120: "
                                            f"no overflow); three all-reduces of T numbers",
