@@ -44,7 +44,8 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}")
 #   weights $4\Psi$ + two fp32 Adam moments $8\Psi$ = **16 bytes per parameter**
 #   ([model states](../../docs/reference.md#model-states));
 # * **activations** per layer (Korthikanti et al. 2022, GPT-3 in bf16): $sbh\,(34 + 5as/h)$ bytes, times $L$ layers
-#   ([activation memory](../../docs/reference.md#activation-memory)).
+#   ([activation memory](../../docs/reference.md#activation-memory); the symbols are the course's
+#   [notation](../../docs/reference.md#notation)).
 #
 # Here are SmolLM-1.7B and Llama-3-8B at sequence length $s=2048$ against one 80 GB GPU.
 
@@ -89,7 +90,7 @@ lesson.plot_estimate(cases, title="textbook estimate: bf16 mixed precision + Ada
 # ### Activations: ask autograd what it keeps
 # Every op that needs its inputs (or outputs) for backward hands them to autograd, and a *saved-tensor hook*
 # sees each one. `saved_tensors_table` runs ONE decoder layer of the `tiny` model (h=128, 8 heads, 4 KV heads,
-# i=384) on s=16, b=2 and lists them: the **counted saved tensors**. A storage saved twice is counted once;
+# $h_\text{ff}=384$) on s=16, b=2 and lists them: the **counted saved tensors**. A storage saved twice is counted once;
 # parameters are not activations.
 
 # %%
@@ -98,19 +99,20 @@ rows = lesson.saved_tensors_table(tiny, seq_len=16, batch=2, dtype="fp32")
 lesson.print_table(rows)
 
 # %% [markdown]
-# Reading the table, with $s$ sequence, $b$ batch, $h$ hidden, $i$ MLP width, $a$ heads, $k$ KV heads, fp32 (4 bytes):
+# Reading the table, with $s$ sequence, $b$ micro-batch, $h$ hidden, $h_\text{ff}$ MLP width, $a$ heads,
+# $a_\text{kv}$ KV heads, $d$ head dimension, fp32 (4 bytes):
 #
 # | part | what is saved | bytes |
 # |---|---|---|
 # | `input_layernorm` | its input $x$ (the residual stream), $1/\mathrm{rms}$, the normalised $x$ | $8sbh + 4sb$ |
 # | `q/k/v_proj` | their common input, **once** (same storage) | $4sbh$ |
 # | RoPE | the cos/sin tables: one pair for the whole model | $2\cdot4sd$ (once) |
-# | `scaled_dot_product_attention` | $q, k, v$ after RoPE ($k, v$ are $k/a$ of $q$: GQA), output, logsumexp | $4sbh(2 + 2k/a) + 4asb$ |
+# | `scaled_dot_product_attention` | $Q, K, V$ after RoPE ($K, V$ are $a_\text{kv}/a$ of $Q$: GQA), output, logsumexp | $4sbh(2 + 2a_\text{kv}/a) + 4asb$ |
 # | `o_proj` | its input *is* the sdpa output: nothing new | 0 |
 # | `post_attention_layernorm` | as above | $8sbh + 4sb$ |
-# | `mlp` | shared input of gate/up, $\mathrm{gate}$, $\mathrm{silu(gate)}$, $\mathrm{up}$, their product (input of down) | $4sbh + 16sbi$ |
+# | `mlp` | shared input of gate/up, $\mathrm{gate}$, $\mathrm{silu(gate)}$, $\mathrm{up}$, their product (input of down) | $4sbh + 16sbh_\text{ff}$ |
 #
-# $$A_\text{layer}^\text{fp32} = sbh\,(32 + 8k/a) + 16\,sbi + sb\,(8 + 4a)\ \text{bytes.}$$
+# $$A_\text{layer}^\text{fp32} = sbh\,(32 + 8a_\text{kv}/a) + 16\,sbh_\text{ff} + sb\,(8 + 4a)\ \text{bytes.}$$
 #
 # Notice what is **not** there: no $s\times s$ matrix. The sdpa kernel here is flash-style: it keeps only the
 # logsumexp of each row and recomputes the attention scores in backward. `planner.activation_terms_per_layer`
@@ -127,7 +129,7 @@ compare_parts(rows, tiny, 16, 2)
 
 # %% [markdown]
 # **Eager attention stores the $s \times s$ scores.** With `attn_impl="eager"` (an explicit
-# `softmax(q kᵀ/√d) v`, as in pre-flash code), the attention core instead keeps $q$, $k$ and $v$ *repeated* to all
+# `softmax(q kᵀ/√d) v`, as in pre-flash code), the attention core instead keeps $Q$, $K$ and $V$ *repeated* to all
 # $a$ heads, the causal mask ($s^2$ bytes), the fp32 softmax output ($4as^2b$) and a copy of the output:
 
 # %%
@@ -156,16 +158,17 @@ compare_parts(rows_bf16, tiny, 16, 2, "bf16")
 # |---|---|---|---|
 # | 2 LayerNorm inputs | $4sbh$ | 2 RMSNorms in fp32: input, normalised $x$, $1/\mathrm{rms}$ | $16sbh + 8sb$ |
 # | QKV input | $2sbh$ | q/k/v input, one bf16 cast per Linear | $6sbh$ |
-# | $Q, K$ | $4sbh$ | $Q, K$ after RoPE ($K$ is $k/a$ of $Q$) | $2sbh(1 + k/a)$ |
+# | $Q, K$ | $4sbh$ | $Q, K$ after RoPE ($K$ is $a_\text{kv}/a$ of $Q$) | $2sbh(1 + a_\text{kv}/a)$ |
 # | softmax output + dropout mask + dropout output | $5as^2b$ | sdpa: logsumexp only · eager: fp32 softmax + its bf16 copy | $4asb$ · $6as^2b$ |
-# | $V$, output-projection input, dropout mask | $5sbh$ | $V$, sdpa output (shared with `o_proj`), no dropout | $2sbh(1 + k/a)$ |
-# | MLP: input, GeLU in ($4h$), GeLU out, dropout mask | $19sbh$ | SwiGLU: input ×2 casts, gate, silu, up, product ($i$ wide) | $4sbh + 8sbi$ |
+# | $V$, output-projection input, dropout mask | $5sbh$ | $V$, sdpa output (shared with `o_proj`), no dropout | $2sbh(1 + a_\text{kv}/a)$ |
+# | MLP: input, GeLU in ($4h$), GeLU out, dropout mask | $19sbh$ | SwiGLU: input ×2 casts, gate, silu, up, product ($h_\text{ff}$ wide) | $4sbh + 8sbh_\text{ff}$ |
 # | — | | bf16 weight copies | $2$ bytes × layer params |
 #
 # (With eager attention our $K$ and $V$ are repeated to all $a$ heads, the output is copied for `o_proj`, and the
 # $s^2$ terms are the causal mask $s^2$ plus the fp32 softmax $4as^2b$ and its bf16 copy $2as^2b$.)
 #
-# Below, both formulas for a GPT-3-like layer ($i=4h$, $k=a$) and for SmolLM-1.7B ($i=4h$, $k=a$ too), eager and sdpa:
+# Below, both formulas for a GPT-3-like layer ($h_\text{ff}=4h$, $a_\text{kv}=a$) and for SmolLM-1.7B ($h_\text{ff}=4h$, $a_\text{kv}=a$
+# too), eager and sdpa:
 
 # %%
 for name, mc in [("GPT-like h=2048 a=16", ModelConfig(vocab_size=50257, hidden_size=2048, intermediate_size=8192, num_hidden_layers=1,
@@ -203,8 +206,8 @@ _common.show_source(RMSNorm.forward)
 _common.show_source(Llama.forward, "x = self.embed_tokens", "return self.lm_head")
 
 # %% [markdown]
-# And one optimizer step. The step engine, `schedule.OneStage.run` (`picotron/schedule.py`), runs $k$ = `grad_acc`
-# micro-batches, each loss divided by $k$ so that the summed gradients are the gradients of the mean loss. It
+# And one optimizer step. The step engine, `schedule.OneStage.run` (`picotron/schedule.py`), runs $m$ = `grad_acc`
+# micro-batches, each loss divided by $m$ so that the summed gradients are the gradients of the mean loss. It
 # measures nothing itself: `self.phases` names each micro-batch's forward and backward, and whoever measures listens
 # (`picotron/hooks.py`): the trainer counts the activations autograd saves, section 4 hands the phases to the profiler. (`no_sync` and `finish_sync` are for lesson 03: on one device the
 # model's wrapper, `Local`, has nothing to synchronise.) `picotron/train.py` calls it, clips the gradient norm and
@@ -291,7 +294,7 @@ lesson.plot_allocator_timeline(main); plt.show()
 # * **gradients arrive during backward**, while the saved tensors leave: with one micro-batch only part of them exist
 #   at the peak, so the peak can stay below the estimate, which adds *all* gradients to *all* saved tensors;
 # * **temporaries**: at the peak some backward operator (named in the table) holds gradients of its inputs — MLP-wide
-#   ones in a layer, logits-sized ones ($4sbv$ bytes) at the loss;
+#   ones in a layer, logits-sized ones ($4sb\,n_\text{vocab}$ bytes) at the loss;
 # * **full recomputation** runs each layer's forward again inside the backward: that layer's saved tensors come
 #   back, one layer at a time, on top of the count;
 # * **gradient accumulation**: the gradients of the first micro-batch stay through the second one's forward;
@@ -349,7 +352,7 @@ lesson.plot_recompute(recompute); plt.show()
 # memory is largest per FLOP (the $s^2$ scores), or everything when nothing else fits.
 #
 # ### (d) Gradient accumulation: a big batch in small pieces
-# One batch of $B$ sequences in one go, or $k$ micro-batches of $B/k$ with the loss divided by $k$ and gradients
+# One batch of $B$ sequences in one go, or $m$ micro-batches of $b = B/m$ with the loss divided by $m$ and gradients
 # summed in `p.grad`. The maths is the same, only the order of the float additions changes.
 
 # %%
@@ -357,19 +360,19 @@ _common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "accum
 accumulate = _common.load_json(OUT / "accumulate.json")["results"]
 a1 = accumulate[0]["counted"]["activations"]
 for r in accumulate:
-    print(f"k={r['grad_acc']:<3} micro-batch {r['micro_batch_size']:<3} counted saved tensors {r['counted']['activations'] / MiB:7.2f} MiB "
-          f"(k=1 / {a1 / r['counted']['activations']:.2f}) | max|grad - grad(k=1)| {r['max_grad_diff']:.1e} "
+    print(f"m={r['grad_acc']:<3} micro-batch {r['micro_batch_size']:<3} counted saved tensors {r['counted']['activations'] / MiB:7.2f} MiB "
+          f"(m=1 / {a1 / r['counted']['activations']:.2f}) | max|grad - grad(m=1)| {r['max_grad_diff']:.1e} "
           f"(largest gradient {r['max_grad']:.1e}) | loss {r['loss']:.7f} | step {1e3 * r['time']:6.1f} ms")
 lesson.plot_accumulate(accumulate); plt.show()
 
 # %% [markdown]
-# The saved tensors of one micro-batch drop by almost exactly $k$ (the `k=1 / …` column; only the RoPE tables do
+# The saved tensors of one micro-batch drop by almost exactly $m$ (the `m=1 / …` column; only the RoPE tables do
 # not scale with $b$). The gradients agree up to fp32 rounding: expect differences around $10^{-7}$ of the
-# largest gradient, since only the order of the additions changes. The cost is time: $k$ passes of smaller matmuls
-# instead of one. On a GPU small micro-batches leave the tensor cores idle and pay $k$ times for every kernel
+# largest gradient, since only the order of the additions changes. The cost is time: $m$ passes of smaller matmuls
+# instead of one. On a GPU small micro-batches leave the tensor cores idle and pay $m$ times for every kernel
 # launch; on this CPU, at these sizes, the step times printed above may differ by little more than the noise.
 #
-# **Takeaway:** gradient accumulation divides the activations by $k$ at the same global batch, exactly; it is the
+# **Takeaway:** gradient accumulation divides the activations by $m$ at the same global batch, exactly; it is the
 # first tool to reach for.
 #
 # ### (e) bf16 autocast vs fp32
@@ -497,7 +500,7 @@ check("full recomputation keeps 4sbh per layer (+ the rest)", all(abs(r["counted
 acc_ok = max(r["max_grad_diff"] / r["max_grad"] for r in accumulate)
 check("grad accumulation == big batch", acc_ok < 1e-5, f"max |Δgrad| / max|grad| = {acc_ok:.1e}")
 drop = a1 / accumulate[-1]["counted"]["activations"]
-check(f"counted saved tensors drop by k={accumulate[-1]['grad_acc']}", drop > 0.9 * accumulate[-1]["grad_acc"], f"counted drop ×{drop:.2f}")
+check(f"counted saved tensors drop by m={accumulate[-1]['grad_acc']}", drop > 0.9 * accumulate[-1]["grad_acc"], f"counted drop ×{drop:.2f}")
 check("bf16 loss follows fp32", max(val_gaps.values()) < 0.1,
       f"validation loss within 0.1 of fp32's at all {len(val_gaps)} evaluations: max |Δ| {max(val_gaps.values()):.4f} "
       f"(single training batches: max |Δ| {max(step_gaps):.4f}, median {sorted(step_gaps)[len(step_gaps) // 2]:.4f}; section 4e)")
@@ -574,7 +577,7 @@ all_passed = checker.check()
 # ## 8. What it costs, when to use it, what comes next
 # | tool | saves | costs | use when |
 # |---|---|---|---|
-# | gradient accumulation ($k$) | activations ÷ $k$ (same global batch) | $k$ smaller, less efficient matmuls; one fp32 gradient buffer | the batch you want does not fit: always the first tool |
+# | gradient accumulation ($m$) | activations ÷ $m$ (same global batch) | $m$ smaller, less efficient matmuls; one fp32 gradient buffer | the batch you want does not fit: always the first tool |
 # | selective recomputation | the attention core's saves ($s^2$ terms with eager attention) | recomputing the attention core (a few % of a large model's FLOPs; more when $s$ is large against $h$) | no flash kernel, long sequences; with flash/sdpa it is already built in |
 # | full recomputation | all but one tensor per layer | one extra forward: $6N \to 8N$ FLOPs | activations dominate even at micro-batch 1 |
 # | bf16 autocast | activations (less than 2× here), matmul time on GPUs | nothing on model states; slower on CPUs without bf16 units | always on modern GPUs |

@@ -158,7 +158,7 @@ def check_activation_bytes_per_layer(mod, ref, report):
             "each RMSNorm also saves its 1/rms (4·s·b bytes)": -8 * sb,
             "each RMSNorm saves its input AND the normalised x": -8 * sbh,
             "o_proj's input is the sdpa output itself (already saved)": 4 * sbh if c.attn_impl == "sdpa" else 0,
-            "the MLP saves four i-sized tensors (gate, silu(gate), up, their product)": -4 * sb * i,
+            "the MLP saves four h_ff-wide tensors (gate, silu(gate), up, their product)": -4 * sb * i,
             "eager attention keeps the fp32 softmax output, 4·a·s²·b bytes": -4 * a * s * s * b if c.attn_impl == "eager" else 0,
             "eager attention keeps the causal mask (s² bools)": -s * s if c.attn_impl == "eager" else 0,
             "leave out the RoPE cos/sin tables (shared by all layers)": 2 * 4 * s * c.head_dim,

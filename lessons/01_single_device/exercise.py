@@ -50,9 +50,9 @@ def accumulate_gradients(model, input_ids, targets, k) -> float:
 def plan_step(model_config, seq_len, global_batch, budget_bytes) -> dict:
     """The puzzle. One training step of `model_config` (fp32, AdamW, one device) on `global_batch` sequences of
     `seq_len` tokens must fit in `budget_bytes` of device memory, at the highest throughput. Choose
-    {"micro_batch_size": b, "grad_acc": k, "recompute": "none" | "selective" | "full"}.
+    {"micro_batch_size": b, "grad_acc": m, "recompute": "none" | "selective" | "full"}.
 
-    - The global batch is fixed: b * k == global_batch.
+    - The global batch is fixed: b * m == global_batch.
     - It fits when peak_bound(model_config, seq_len, b, "fp32", recompute) <= budget_bytes: the planner's count
       plus the backward's working set, the bound section 4b checks against the allocator. (The checker also
       runs your choice and measures the allocator's peak.)

@@ -14,7 +14,7 @@ Each experiment writes OUT/<name>.json, which the notebook plots:
                 counted bytes (on a GPU also max_memory_allocated and a memory-history snapshot)
     recompute   none / selective / full, for sdpa and eager attention: saved bytes, forward+backward time,
                 and loss and gradients compared with no recomputation
-    accumulate  one batch of B sequences vs k micro-batches of B/k: gradients and saved bytes
+    accumulate  one batch of B sequences vs m micro-batches of B/m: gradients and saved bytes
     precision   fp32 vs bf16 autocast: two short runs of picotron.train (loss curves, tokens/s, memory)
     throughput  tokens/s and MFU against the measured matmul peak for a few model sizes (picotron.train)
     trace       one steady training step under torch.profiler: OUT/trace_step.json (a Chrome/Perfetto trace)
@@ -422,8 +422,8 @@ def exp_accumulate(mesh, fast, out):
         r.update(max_grad_diff=max_abs_diff(res["grads"], ref["grads"]), loss_diff=abs(res["loss"] - ref["loss"]),
                  max_grad=max(g.abs().max().item() for g in ref["grads"]))
         rows.append(r)
-        print(f"accumulate k={k:<3} micro-batch {global_batch // k:<3} counted saved tensors {r['counted']['activations']:>11,}"
-              f" B | step {1e3 * r['time']:6.1f} ms | max |grad - grad(k=1)| {r['max_grad_diff']:.1e}", flush=True)
+        print(f"accumulate m={k:<3} micro-batch {global_batch // k:<3} counted saved tensors {r['counted']['activations']:>11,}"
+              f" B | step {1e3 * r['time']:6.1f} ms | max |grad - grad(m=1)| {r['max_grad_diff']:.1e}", flush=True)
     return rows
 
 
@@ -594,11 +594,11 @@ def plot_accumulate(rows):
     act = [r["counted"]["activations"] / MB for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
     ax1.bar(ks, act, color=COLORS["activations"], label="counted")
-    ax1.plot(ks, [act[0] / r["grad_acc"] for r in rows], "ko--", label="(k=1) / k")
-    ax1.set(xlabel="k micro-batches per step", ylabel="MiB (counted saved tensors)", title="saved for backward, one micro-batch")
+    ax1.plot(ks, [act[0] / r["grad_acc"] for r in rows], "ko--", label="(m=1) / m")
+    ax1.set(xlabel="m micro-batches per step", ylabel="MiB (counted saved tensors)", title="saved for backward, one micro-batch")
     ax1.legend(fontsize=8)
     ax2.bar(ks, [max(r["max_grad_diff"], 1e-12) for r in rows], color="gray")
-    ax2.set(yscale="log", ylim=(1e-12, 1), xlabel="k", title="max |grad(k) - grad(k=1)|  (fp32 rounding)")
+    ax2.set(yscale="log", ylim=(1e-12, 1), xlabel="m", title="max |grad(m) - grad(m=1)|  (fp32 rounding)")
     fig.tight_layout()
     return fig
 

@@ -17,7 +17,7 @@ edit this file, never the notebook.
 # * takes the **ring all-reduce** apart: step by step, in a dozen lines, then picotron's pipelined version and
 #   what its extra code buys;
 # * measures every collective against the built-in (`gloo` here, `nccl` on GPUs), fits the **α–β model**
-#   $T = \alpha + \beta N$, and asks when a **tree** beats the ring (a puzzle for you);
+#   $T = \alpha + \beta M$, and asks when a **tree** beats the ring (a puzzle for you);
 # * says what NCCL does on a real GPU node, and checks every claim it can.
 #
 # The measurements live in `experiment.py` (launched with `torchrun`); `PICOTRON_FAST=1` runs short settings.
@@ -39,39 +39,40 @@ print(f"FAST={FAST}, {NPROC} processes, results in {OUT.relative_to(_common.ROOT
 # %% [markdown]
 # ## 1. The problem: n copies of a gradient must become one sum, everywhere
 #
-# Data parallelism runs the same model on $n$ devices; after the backward pass every device holds its own gradient
+# Data parallelism runs the same model on $n$ devices (symbols: the course's
+# [notation](../../docs/reference.md#notation)); after the backward pass every device holds its own gradient
 # and every device needs their **sum** (the all-reduce). If every device has one link of bandwidth $B$ each way,
-# how long does it take — counting only the bytes, in units of $N/B$, the time to push the whole gradient
+# how long does it take — counting only the bytes, in units of $M/B$, the time to push the whole gradient
 # through one link once?
 #
 # * **star**: everybody sends to one rank, which adds and sends the sum back: $2(n-1)$ units at that rank.
 # * **binomial tree**: reduce up a tree in $\lceil\log_2 n\rceil$ rounds, broadcast down in as many, each round
-#   moving the whole $N$: $2\lceil\log_2 n\rceil$ units.
-# * **ring**: $2(n-1)$ steps of $N/n$, every rank sending and receiving at once: $2(n-1)/n$ units — less than 2.
+#   moving the whole $M$: $2\lceil\log_2 n\rceil$ units.
+# * **ring**: $2(n-1)$ steps of $M/n$, every rank sending and receiving at once: $2(n-1)/n$ units — less than 2.
 
 # %%
 N = 2 * ModelConfig.from_preset("llama3-8b").num_params()      # bf16 gradients: 2 bytes each
 ns = [2, 4, 8, 64, 512, 4096]
 units = {"star: 2(n−1)": [2 * (n - 1) for n in ns], "tree: 2⌈log₂n⌉": [2 * math.ceil(math.log2(n)) for n in ns],
          "ring: 2(n−1)/n": [2 * (n - 1) / n for n in ns]}
-print(f"Llama-3-8B gradients in bf16: N = {N / GB:.1f} GB. All-reduce time in units of N/B:")
+print(f"Llama-3-8B gradients in bf16: M = {N / GB:.1f} GB. All-reduce time in units of M/B:")
 print(f"{'n':>6}" + "".join(f"{k.split(':')[0]:>8}" for k in units))
 for i, n in enumerate(ns):
     print(f"{n:>6}" + "".join(f"{v[i]:>8.4g}" for v in units.values()))
-lesson.plot_panels([dict(title="all-reduce: the bandwidth term", ylabel="time in units of N/B", yscale="log",
+lesson.plot_panels([dict(title="all-reduce: the bandwidth term", ylabel="time in units of M/B", yscale="log",
                          lines=[(k, ns, v, dict(marker="o")) for k, v in units.items()])], "devices n", size=(6, 3.2))
 plt.show()
 
 # %% [markdown]
 # The star's root drowns linearly in $n$ and the tree grows with $\log n$, while the ring stays flat: each link
-# carries a little under $2N$ each way whether 8 or 4096 devices share the work. Latency is the other half of the
+# carries a little under $2M$ each way whether 8 or 4096 devices share the work. Latency is the other half of the
 # story (section 6): the ring needs $2(n-1)$ steps one after the other, the tree only $2\lceil\log_2 n\rceil$.
 #
-# **Takeaway:** only the ring's bandwidth term does not grow with $n$ — about $2N/B$ on any number of devices.
+# **Takeaway:** only the ring's bandwidth term does not grow with $n$ — about $2M/B$ on any number of devices.
 #
 # ## 2. Eight collectives, drawn from a real run
 # The run below starts 4 processes with `torchrun`; each rank's tensor holds **encoded chunks** (rank $r$'s chunk
-# $c$ stores $2^r + 256c$, so any sum decodes back to *which ranks' which chunk* it contains). Each picture is what
+# $j$ stores $2^r + 256j$, so any sum decodes back to *which ranks' which chunk* it contains). Each picture is what
 # **our** implementation produced — and, checked in the same run, exactly what the built-in produced. Colours are
 # ranks (a = rank 0, b = rank 1, …), the subscript is the chunk, stripes are sums. The first four only **move**
 # data, from one rank to all or from all to one:
@@ -94,25 +95,25 @@ print("ours == built-in on these pictures:", {name: p["equal_builtin"] for name,
 # %% [markdown]
 # Two identities to keep in mind for the rest of the course:
 #
-# * **all-reduce = reduce-scatter + all-gather.** After a reduce-scatter rank $i$ holds the finished chunk $i$; an
+# * **all-reduce = reduce-scatter + all-gather.** After a reduce-scatter rank $r$ holds the finished chunk $r$; an
 #   all-gather hands every finished chunk to everybody. ZeRO (lesson 04) stops half-way and all-gathers only when
 #   the full tensor is needed.
 # * **all-to-all is a transpose** of the (rank × chunk) grid: the pattern of expert parallelism.
 #
-# What each one costs, with $n$ ranks, $N$ bytes in the nccl-tests convention (the whole buffer of all-reduce and
+# What each one costs, with $n$ ranks, $M$ bytes in the nccl-tests convention (the whole buffer of all-reduce and
 # broadcast, the whole **output** of all-gather and gather, the whole **input** of reduce-scatter, scatter and
 # all-to-all), $\alpha$ the latency of one message and $\beta$ the time per byte of one link (sources in the
 # [reference](../../docs/reference.md#collectives-and-their-cost)):
 #
 # | collective | our algorithm | steps | bytes sent by each rank (busiest) | α–β time |
 # |---|---|---|---|---|
-# | broadcast | binomial tree | $\lceil\log_2 n\rceil$ | $\lceil\log_2 n\rceil N$ (the root) | $\lceil\log_2 n\rceil(\alpha + N\beta)$ |
-# | reduce | binomial tree, backwards | $\lceil\log_2 n\rceil$ | $N$ (the root receives $\lceil\log_2 n\rceil N$) | $\lceil\log_2 n\rceil(\alpha + N\beta)$ |
-# | all-reduce | ring: reduce-scatter + all-gather | $2(n-1)$ | $2\frac{n-1}{n}N$ | $2(n-1)\alpha + 2\frac{n-1}{n}N\beta$ |
-# | reduce-scatter, all-gather | ring | $n-1$ | $\frac{n-1}{n}N$ | $(n-1)\alpha + \frac{n-1}{n}N\beta$ |
-# | all-to-all | pairwise exchange | $n-1$ | $\frac{n-1}{n}N$ | $(n-1)\alpha + \frac{n-1}{n}N\beta$ |
-# | gather, scatter | straight to/from the root | $n-1$ at the root | $\frac{n-1}{n}N$ (the root) | $(n-1)\alpha + \frac{n-1}{n}N\beta$ |
-# | naive all-reduce | tree reduce + tree broadcast | $2\lceil\log_2 n\rceil$ | $\lceil\log_2 n\rceil N$ (the root; it receives as much) | $2\lceil\log_2 n\rceil(\alpha + N\beta)$ |
+# | broadcast | binomial tree | $\lceil\log_2 n\rceil$ | $\lceil\log_2 n\rceil M$ (the root) | $\lceil\log_2 n\rceil(\alpha + M\beta)$ |
+# | reduce | binomial tree, backwards | $\lceil\log_2 n\rceil$ | $M$ (the root receives $\lceil\log_2 n\rceil M$) | $\lceil\log_2 n\rceil(\alpha + M\beta)$ |
+# | all-reduce | ring: reduce-scatter + all-gather | $2(n-1)$ | $2\frac{n-1}{n}M$ | $2(n-1)\alpha + 2\frac{n-1}{n}M\beta$ |
+# | reduce-scatter, all-gather | ring | $n-1$ | $\frac{n-1}{n}M$ | $(n-1)\alpha + \frac{n-1}{n}M\beta$ |
+# | all-to-all | pairwise exchange | $n-1$ | $\frac{n-1}{n}M$ | $(n-1)\alpha + \frac{n-1}{n}M\beta$ |
+# | gather, scatter | straight to/from the root | $n-1$ at the root | $\frac{n-1}{n}M$ (the root) | $(n-1)\alpha + \frac{n-1}{n}M\beta$ |
+# | naive all-reduce | tree reduce + tree broadcast | $2\lceil\log_2 n\rceil$ | $\lceil\log_2 n\rceil M$ (the root; it receives as much) | $2\lceil\log_2 n\rceil(\alpha + M\beta)$ |
 # | barrier | dissemination | $\lceil\log_2 n\rceil$ | 1 byte per step | $\lceil\log_2 n\rceil\alpha$ |
 #
 # **Takeaway:** eight operations, two families — the movers and the reducers — and every one of ours equals the
@@ -120,8 +121,8 @@ print("ours == built-in on these pictures:", {name: p["equal_builtin"] for name,
 #
 # ## 3. The ring all-reduce, step by step
 # Cut the tensor into $n$ chunks. Every rank sends only to its right neighbour and receives only from its left one.
-# **Reduce-scatter** ($n-1$ steps): in step $t$ rank $r$ sends its running sum of chunk $(r-t-1) \bmod n$ and
-# *adds* the chunk $(r-t-2) \bmod n$ it receives; after $n-1$ steps rank $r$ owns the finished chunk $r$. The
+# **Reduce-scatter** ($n-1$ steps): in step $j$ rank $r$ sends its running sum of chunk $(r-j-1) \bmod n$ and
+# *adds* the chunk $(r-j-2) \bmod n$ it receives; after $n-1$ steps rank $r$ owns the finished chunk $r$. The
 # trace below was **recorded** from `picotron.collectives.all_reduce` on 4 processes (every message intercepted,
 # with its data), not drawn by hand; a black border marks the chunk a rank received in that step.
 
@@ -140,9 +141,9 @@ print(f"recorded: {len(ring['frames']) - 1} steps = 2(n-1) for n = {n}; replayin
       f"all_reduce's own result: {ring['consistent']}")
 
 # %% [markdown]
-# One step at a time, with numbers: read rank $r$'s chunk $c$ as $10(r+1)+c$ (rank 0: 10 11 12 13, rank 1: 20 21
-# 22 23, …), so each recorded message and buffer shows the sum of the chunks it holds; the full sum of chunk $c$
-# is $100 + 4c$. Move the slider in a live kernel; a static viewer shows step 3, the last reduce-scatter step,
+# One step at a time, with numbers: read rank $r$'s chunk $j$ as $10(r+1)+j$ (rank 0: 10 11 12 13, rank 1: 20 21
+# 22 23, …), so each recorded message and buffer shows the sum of the chunks it holds; the full sum of chunk $j$
+# is $100 + 4j$. Move the slider in a live kernel; a static viewer shows step 3, the last reduce-scatter step,
 # where every rank completes its own chunk.
 
 # %%
@@ -157,22 +158,22 @@ _common.interactive(show_step, lambda w: dict(step=w.IntSlider(value=3, min=0, m
 # Follow one element. In the end each of the $n$ ranks must hold a value that depends on all $n$ inputs, and every
 # message carries what its sender knows so far, one way. Bringing all contributions together somewhere takes
 # $n-1$ messages, spreading the result $n-1$ more: $2(n-1)$ in all (the *one-way gossip problem*; no schedule does
-# it with fewer). So for $N$ bytes the ranks together send at least $2(n-1)N$ bytes, and the busiest rank at least
-# the average, $2\frac{n-1}{n}N$. The ring hits that bound **on every rank at once** (Patarasuk & Yuan 2009 prove
+# it with fewer). So for $M$ bytes the ranks together send at least $2(n-1)M$ bytes, and the busiest rank at least
+# the average, $2\frac{n-1}{n}M$. The ring hits that bound **on every rank at once** (Patarasuk & Yuan 2009 prove
 # the bound for all-reduce on a cluster). The recording counted the bytes each rank sent in every one of our
 # collectives:
 
 # %%
 vol = trace["volume"]
-print(f"{'collective':<24}{'N (bytes)':>10}  {'sent by each rank (measured)':<40}{'formula':<40}")
+print(f"{'collective':<24}{'M (bytes)':>10}  {'sent by each rank (measured)':<40}{'formula':<40}")
 for name, v in vol.items():
     print(f"{name:<24}{v['bytes']:>10,}  {str(v['sent']):<40}{str(v['expected_sent']):<40}")
 n, N = trace["world_size"], vol["all_reduce"]["bytes"]
-print(f"\nring all-reduce: every rank sent {vol['all_reduce']['sent'][0]:,} B = 2(n-1)/n·N = {2 * (n - 1) * N // n:,} B;"
+print(f"\nring all-reduce: every rank sent {vol['all_reduce']['sent'][0]:,} B = 2(n-1)/n·M = {2 * (n - 1) * N // n:,} B;"
       f" the tree (naive) all-reduce's root sent {max(vol['naive_all_reduce']['sent']):,} B")
 
 # %% [markdown]
-# **Takeaway:** $2(n-1)$ steps of one chunk each; every rank sends exactly the lower bound, $2\frac{n-1}{n}N$.
+# **Takeaway:** $2(n-1)$ steps of one chunk each; every rank sends exactly the lower bound, $2\frac{n-1}{n}M$.
 #
 # ## 4. The ring in a dozen lines, then picotron's
 # Here is the whole algorithm with nothing else, from this lesson's `experiment.py`. Reduce-scatter and all-gather
@@ -197,14 +198,14 @@ _common.launch("02_collectives/experiment.py", ["--out", OUT, "--only", "ring"],
 runs[NPROC] = rv = _common.load_json(OUT / "ring.json")["results"]
 for k, r in runs.items():
     print(f"n = {k}: equal to the built-in, bit for bit, for lengths {r['lengths']}: {r['equal']}; bytes sent per rank "
-          f"for N = {r['volume_bytes']:,} B: simple {r['sent']['simple']}, picotron's {r['sent']['picotron']}")
+          f"for M = {r['volume_bytes']:,} B: simple {r['sent']['simple']}, picotron's {r['sent']['picotron']}")
 
 # %% [markdown]
 # Same result, same bytes. picotron's `all_reduce` runs the same two lists of steps (`_rs_steps`, `_ag_steps`)
 # through `_ring`, which adds three things:
 #
-# 1. **pipelining**: every chunk is cut into pieces of `PIECE_BYTES` that travel on their own — piece $j$ of step
-#    $t+1$ leaves as soon as piece $j$ of step $t$ has arrived and been added, while the other pieces of step $t$
+# 1. **pipelining**: every chunk is cut into pieces of `PIECE_BYTES` that travel on their own — a piece of step
+#    $j+1$ leaves as soon as the same piece of step $j$ has arrived and been added, while the other pieces of step $j$
 #    are still in flight, so adding one piece overlaps receiving the next (what NCCL does with its slices);
 # 2. **one batch per exchange**: the send and the receive of (step, piece) are posted together as one
 #    `batch_isend_irecv` (`picotron/p2p.py`), in the same order on every rank — what NCCL needs (section 7 shows
@@ -249,8 +250,8 @@ print(f"(times in ms) pipelining cuts chunks only above n × PIECE_BYTES = {n * 
 #
 # ### The binomial tree
 # Broadcast (and reduce, run backwards): relative to the root, a rank's parent is itself minus its lowest set bit,
-# its children are itself plus each smaller power of two. Round $k$ doubles the number of ranks that hold the data.
-# Pieces flow here too: a rank forwards piece $j$ to its children as soon as piece $j$ has arrived.
+# its children are itself plus each smaller power of two. Round $j$ doubles the number of ranks that hold the data.
+# Pieces flow here too: a rank forwards each piece to its children as soon as that piece has arrived.
 
 # %%
 _common.show_source(C._tree)
@@ -265,7 +266,7 @@ _common.show_source(C.broadcast)
 # alternating the two inside every repeat so that a disturbance hits both. A repeat's time is the slowest rank's
 # (after a barrier); we keep the median. Then, as nccl-tests reports it:
 #
-# $$\text{algbw} = \frac{N}{T}, \qquad \text{busbw} = \text{algbw}\cdot f(n),\quad f = \tfrac{2(n-1)}{n}\ \text{(all-reduce)},\ \tfrac{n-1}{n}\ \text{(all-gather, reduce-scatter, all-to-all, gather, scatter)},\ 1\ \text{(broadcast, reduce)}.$$
+# $$\text{algbw} = \frac{M}{T}, \qquad \text{busbw} = \text{algbw}\cdot f(n),\quad f = \tfrac{2(n-1)}{n}\ \text{(all-reduce)},\ \tfrac{n-1}{n}\ \text{(all-gather, reduce-scatter, all-to-all, gather, scatter)},\ 1\ \text{(broadcast, reduce)}.$$
 #
 # busbw is the speed of the busiest link under the ring's traffic pattern, which makes numbers of different
 # collectives (and different $n$) comparable with each other and with the hardware's link speed.
@@ -293,10 +294,10 @@ lesson.plot_ratio(bw); plt.show()
 
 # %% [markdown]
 # The curves, four collectives at a time: points are measurements, dashed lines the α–β model
-# $T = \alpha + \beta N$ fitted to them (least squares on the relative error, so small and large messages count
+# $T = \alpha + \beta M$ fitted to them (least squares on the relative error, so small and large messages count
 # alike; the fitted α and 1/β are in the table above), drawn as the bus bandwidth it predicts,
-# $f(n)\,N/(\alpha+\beta N)$. The model's curve is flat near zero while $\alpha$ dominates, rises through
-# $N \approx \alpha/\beta$ and levels off at $f(n)/\beta$; the largest sizes measured here may not reach that
+# $f(n)\,M/(\alpha+\beta M)$. The model's curve is flat near zero while $\alpha$ dominates, rises through
+# $M \approx \alpha/\beta$ and levels off at $f(n)/\beta$; the largest sizes measured here may not reach that
 # plateau. The tensor forms (`all_gather_into_tensor`, `reduce_scatter_tensor`) run the same rings as the list
 # forms: they are in the table and the bar chart.
 
@@ -314,7 +315,7 @@ lesson.plot_bandwidth(bw, ["broadcast", "reduce", "gather", "scatter"]); plt.sho
 # moment — but the absolute numbers say nothing about a GPU node: run this notebook on one and the same code
 # measures NCCL.
 #
-# **Takeaway:** every collective follows $T = \alpha + \beta N$ roughly; on a CPU, α is scheduling and 1/β a
+# **Takeaway:** every collective follows $T = \alpha + \beta M$ roughly; on a CPU, α is scheduling and 1/β a
 # memory-copy rate, so compare ours with the built-in, not with a GPU.
 #
 # ## 6. When a tree wins: latency
@@ -329,17 +330,17 @@ print(f"measured: the tree is faster than our ring at {len(ring_r['bytes']) - le
       f"sizes; the ring is faster at: " + (", ".join(f"{b / 1024:,.0f} KiB" for b in ring_wins) or "none"))
 
 # %% [markdown]
-# Now the model. Reading the ring fit as $T = 2(n-1)\,\alpha_\text{step} + 2\frac{n-1}{n}N\,\beta_\text{link}$
+# Now the model. Reading the ring fit as $T = 2(n-1)\,\alpha_\text{step} + 2\frac{n-1}{n}M\,\beta_\text{link}$
 # gives one message's latency and one link's time per byte; with them the tree costs
-# $2\lceil\log_2 n\rceil(\alpha_\text{step} + N\beta_\text{link})$, and the two cross at
+# $2\lceil\log_2 n\rceil(\alpha_\text{step} + M\beta_\text{link})$, and the two cross at
 #
-# $$N^* = \frac{2\alpha\,(n-1-\lceil\log_2 n\rceil)}{\beta\,\bigl(2\lceil\log_2 n\rceil - 2\frac{n-1}{n}\bigr)}.$$
+# $$M^* = \frac{2\alpha\,(n-1-\lceil\log_2 n\rceil)}{\beta\,\bigl(2\lceil\log_2 n\rceil - 2\frac{n-1}{n}\bigr)}.$$
 #
-# Below $N^*$ the tree wins. With 4 ranks the latency gap is small (6 steps against 4); with 512 it is 1022 against
-# 18, and the tree wins up to much larger messages. Compare $N^*$ for 4 ranks with the sizes above where the ring
+# Below $M^*$ the tree wins. With 4 ranks the latency gap is small (6 steps against 4); with 512 it is 1022 against
+# 18, and the tree wins up to much larger messages. Compare $M^*$ for 4 ranks with the sizes above where the ring
 # won: on this CPU they need not agree. The model gives every rank a link of its own; here four processes share two
 # cores and one memory bus, so what costs is the total of bytes copied — and both all-reduces copy the same total,
-# $2(n-1)N$ (the ring spreads it evenly over the ranks, the tree does not). And a tree hop needs two processes
+# $2(n-1)M$ (the ring spreads it evenly over the ranks, the tree does not). And a tree hop needs two processes
 # scheduled, a ring step all of them (the cell's last line compares the two fits' α). So expect the measured tree
 # to keep up with the ring to larger sizes than the model says. (Our tree cuts messages above `PIECE_BYTES` into pieces, the
 # model's does not: above that size measurement and model can part.)
@@ -351,7 +352,7 @@ a, b = link["alpha_step"], link["beta_link"]
 print(f"from the ring fit on {n} ranks: α = {a * 1e6:.0f} µs per message, 1/β = {1e-9 / b:.2f} GB/s per link")
 for m in (4, 8, 64, 512):
     x = lesson.crossover_bytes(m, a, b)
-    print(f"  n = {m:>3}: the tree wins below N* = {x / 1024:,.0f} KiB" if x else f"  n = {m:>3}: the tree never wins")
+    print(f"  n = {m:>3}: the tree wins below M* = {x / 1024:,.0f} KiB" if x else f"  n = {m:>3}: the tree never wins")
 tree_hop = naive_r["ours"]["fit"]["alpha"] / (2 * math.ceil(math.log2(n)))
 print(f"the tree's own fit: α = {tree_hop * 1e6:.0f} µs per hop, against {a * 1e6:.0f} µs per ring step"
       + (" — on an oversubscribed CPU a ring step needs all ranks to be scheduled, a tree hop only two: one likely reason"
@@ -360,9 +361,9 @@ lesson.plot_model((4, 8, 64, 512), a, b); plt.show()
 
 # %% [markdown]
 # A real library does not choose once and for all: it picks per call, by size and topology. A binomial tree's
-# root sends the whole message once per round, so its bandwidth term stays $\lceil\log_2 n\rceil N\beta$ however
+# root sends the whole message once per round, so its bandwidth term stays $\lceil\log_2 n\rceil M\beta$ however
 # it is pipelined; NCCL's *double binary tree* fixes that with two binary trees that each carry half the data,
-# every rank an inner node in at most one of them, so that no link carries much more than $N$ — a bandwidth term
+# every rank an inner node in at most one of them, so that no link carries much more than $M$ — a bandwidth term
 # near the ring's with a logarithmic latency.
 #
 # ### Puzzle (exercise 4)
@@ -381,9 +382,9 @@ except NotImplementedError:
     print("exercise.py's ring_or_tree is not written yet: write it, then rerun this cell")
 
 # %% [markdown]
-# **Takeaway:** in the model, below $N^*$ latency rules and the tree wins, above it bandwidth rules and the ring
-# wins, and $N^*$ grows with $n$. The model assumes a link per rank, which this CPU does not have; the puzzle's
-# checker tests it where each message does cost $\alpha + b\beta$ (an emulated link).
+# **Takeaway:** in the model, below $M^*$ latency rules and the tree wins, above it bandwidth rules and the ring
+# wins, and $M^*$ grows with $n$. The model assumes a link per rank, which this CPU does not have; the puzzle's
+# checker tests it where each message does cost $\alpha$ plus $\beta$ per byte (an emulated link).
 #
 # ## 7. What NCCL does on a real node
 # Everything above is what NCCL automates on GPUs. Facts worth knowing, hedged where they depend on versions:
@@ -537,14 +538,14 @@ all_passed = checker.check()
 # ## 11. What it costs, when to use it, what comes next
 # | collective | bytes per rank (busiest) | used by |
 # |---|---|---|
-# | all-reduce | $2\frac{n-1}{n}N$ (ring) | data parallelism: gradients (lesson 03); tensor parallelism: activations |
-# | reduce-scatter | $\frac{n-1}{n}N$ | ZeRO: gradient shards (lesson 04); sequence parallelism |
-# | all-gather | $\frac{n-1}{n}N$ | ZeRO-3: parameters before use; sequence parallelism |
-# | all-to-all | $\frac{n-1}{n}N$ | expert parallelism: tokens to their experts and back |
-# | broadcast | $\lceil\log_2 n\rceil N$ (tree root) | initial weights; the loss from the last pipeline stage |
-# | send / recv | $N$ | pipeline parallelism (activations between stages), context parallelism (K/V around a ring) |
+# | all-reduce | $2\frac{n-1}{n}M$ (ring) | data parallelism: gradients (lesson 03); tensor parallelism: activations |
+# | reduce-scatter | $\frac{n-1}{n}M$ | ZeRO: gradient shards (lesson 04); sequence parallelism |
+# | all-gather | $\frac{n-1}{n}M$ | ZeRO-3: parameters before use; sequence parallelism |
+# | all-to-all | $\frac{n-1}{n}M$ | expert parallelism: tokens to their experts and back |
+# | broadcast | $\lceil\log_2 n\rceil M$ (tree root) | initial weights; the loss from the last pipeline stage |
+# | send / recv | $M$ | pipeline parallelism (activations between stages), context parallelism (K/V around a ring) |
 #
-# * **Bandwidth**: large messages are what the ring is built for: $2N$ per rank whatever $n$. Bucket small tensors
+# * **Bandwidth**: large messages are what the ring is built for: $2M$ per rank whatever $n$. Bucket small tensors
 #   into large messages (lesson 03 does exactly this with gradients).
 # * **Latency**: $2(n-1)$ sequential steps. At small sizes or large $n$ trees win; a good library picks per call.
 # * **Overlap**: a collective is communication the GPU could hide behind computation; the next lessons overlap the

@@ -271,10 +271,10 @@ def diagnose(algorithm, n, N, a, b, got):
     usual = {"ring": [
         ((n - 1) * a + (n - 1) / n * N * b, "that is a reduce-scatter (or an all-gather) alone; a ring all-reduce is "
                                            "both, one after the other: 2(n - 1) steps"),
-        (2 * (n - 1) * (a + N * b), "a ring step moves one chunk, N/n bytes, not the whole message"),
+        (2 * (n - 1) * (a + N * b), "a ring step moves one chunk, M/n bytes, not the whole message"),
         (2 * n * a + 2 * N * b, "n - 1 steps per phase, not n: a rank already holds its own chunk"),
         (2 * (n - 1) / n * N * b, "the latency term is missing: each of the 2(n - 1) steps pays alpha"),
-        (2 * (n - 1) * a, "the bandwidth term is missing: every rank sends 2(n - 1)/n * N bytes, beta seconds each")],
+        (2 * (n - 1) * a, "the bandwidth term is missing: every rank sends 2(n - 1)/n * M bytes, beta seconds each")],
         "tree": [
         (rounds * (a + N * b), "that is one tree (a reduce or a broadcast); the naive all-reduce runs two, one after "
                                "the other"),
@@ -282,9 +282,9 @@ def diagnose(algorithm, n, N, a, b, got):
                                          f"{math.log2(n):.3g})"),
         (2 * n.bit_length() * (a + N * b), f"ceil(log2 {n}) = {rounds}, but {n}.bit_length() = {n.bit_length()} "
                                            f"((n - 1).bit_length() is ceil(log2 n))"),
-        (2 * rounds * a + 2 * (n - 1) / n * N * b, "a tree hop carries the whole message, N bytes, not a chunk"),
+        (2 * rounds * a + 2 * (n - 1) / n * N * b, "a tree hop carries the whole message, M bytes, not a chunk"),
         (2 * rounds * N * b, "the latency term is missing: every round pays alpha"),
-        (2 * rounds * a, "the bandwidth term is missing: every round moves N bytes, beta seconds each"),
+        (2 * rounds * a, "the bandwidth term is missing: every round moves M bytes, beta seconds each"),
         (2 * (n - 1) * (a + N * b), "a binomial tree needs ceil(log2 n) rounds each way, not n - 1: the ranks that "
                                     "have the data double every round")]}
     for value, why in usual[algorithm]:

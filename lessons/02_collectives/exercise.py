@@ -25,8 +25,8 @@ def ring_all_gather(tensor: torch.Tensor) -> torch.Tensor:
     on every rank (what dist.all_gather_into_tensor computes).
 
     The ring: rank r only ever sends to its right neighbour (r + 1) % n and receives from its left
-    neighbour (r - 1) % n. Keep n pieces; start with your own in slot r. In step k = 0 .. n-2 send the
-    piece in slot (r - k) % n to the right, and receive the piece for slot (r - k - 1) % n from the left.
+    neighbour (r - 1) % n. Keep n pieces; start with your own in slot r. In step j = 0 .. n-2 send the
+    piece in slot (r - j) % n to the right, and receive the piece for slot (r - j - 1) % n from the left.
     Every rank sends n - 1 messages of L elements: (n-1)/n of the output, the least anyone can."""
     raise NotImplementedError("not written yet")
 
@@ -37,8 +37,8 @@ def ring_reduce_scatter(tensor: torch.Tensor) -> torch.Tensor:
     L % n chunks are one element longer). Return, on rank r, chunk r of the element-wise SUM over all ranks
     — a new tensor of that chunk's length; do not change `tensor`.
 
-    The ring: in step k = 0 .. n-2, rank r sends its running sum of chunk (r - k - 1) % n to the right
-    neighbour, receives the left neighbour's running sum of chunk (r - k - 2) % n and adds it into its own.
+    The ring: in step j = 0 .. n-2, rank r sends its running sum of chunk (r - j - 1) % n to the right
+    neighbour, receives the left neighbour's running sum of chunk (r - j - 2) % n and adds it into its own.
     After n - 1 steps, chunk r on rank r has collected all n contributions."""
     raise NotImplementedError("not written yet")
 
@@ -60,7 +60,7 @@ def allreduce_time(algorithm: str, n: int, nbytes: float, alpha: float, beta: fl
         "ring": picotron's all_reduce — a ring reduce-scatter, then a ring all-gather (the tensor cut in n chunks);
         "tree": picotron's naive_all_reduce — a binomial-tree reduce onto one rank, then a binomial-tree
                 broadcast from it, the whole tensor at every hop.
-    The model: one message of b bytes costs alpha + b * beta seconds; every rank can send one message and receive
+    The model: one message costs alpha seconds plus beta seconds per byte; every rank can send one message and receive
     one at the same time; a message that needs the data of an earlier one waits for it. Count the steps (or
     rounds) that must happen one after the other and what each one moves."""
     raise NotImplementedError("not written yet")

@@ -481,11 +481,11 @@ def draw_grid(ax, rows, n, x0=0.0, y0=0.0, names=True, dim=None, marked=(), font
 
 
 CAPTIONS = dict(broadcast="broadcast(t, src=0): the root's tensor everywhere", reduce="reduce(t, dst=0): the sum, "
-                "on the root only", scatter="scatter(out, list, src=0): piece i of the root to rank i",
+                "on the root only", scatter="scatter(out, list, src=0): piece r of the root to rank r",
                 gather="gather(x, list, dst=0): everyone's piece, on the root", all_gather="all_gather(list, x): "
-                "everyone's piece, everywhere", all_to_all="all_to_all(outs, ins): piece j of rank i to rank j",
-                all_reduce="all_reduce(t): the sum, everywhere", reduce_scatter="reduce_scatter(out, list): chunk i "
-                "of the sum on rank i")
+                "everyone's piece, everywhere", all_to_all="all_to_all(outs, ins): piece j of rank r to rank j",
+                all_reduce="all_reduce(t): the sum, everywhere", reduce_scatter="reduce_scatter(out, list): chunk r "
+                "of the sum on rank r")
 
 
 def plot_collectives(pics, names):
@@ -610,7 +610,7 @@ def plot_naive_vs_ring(bw):
     return plot_panels([dict(title=title, ylabel=ylabel, yscale=yscale, lines=[
         (name, ring["bytes"], [scale * v for v in s[key]], dict(marker="o", ms=3, color=color)) for name, s, color in series])
         for title, ylabel, key, scale, yscale in (("time", "ms", "time", 1e3, "log"),
-                                                  ("bus bandwidth, 2(n−1)/n · N / time", "busbw GB/s", "busbw", 1, "linear"))],
+                                                  ("bus bandwidth, 2(n−1)/n · M / time", "busbw GB/s", "busbw", 1, "linear"))],
         "bytes")
 
 
@@ -627,7 +627,7 @@ def plot_model(ns, alpha, beta, sizes=None, ratio=True):
                  ("tree: 2⌈log₂n⌉(α + Nβ)", sizes, tree_allreduce_time(n, sizes, alpha, beta) * 1e3, {})]
         x = crossover_bytes(n, alpha, beta)
         title = f"n = {n}: the tree wins below {x / MiB:.2f} MiB" if x else f"n = {n}: the tree never wins"
-        return plot_panels([dict(title=title, ylabel="ms", yscale="log", lines=lines)], "message bytes N", size=(7, 3.4))
+        return plot_panels([dict(title=title, ylabel="ms", yscale="log", lines=lines)], "message bytes M", size=(7, 3.4))
     lines = []
     for n, color in zip(ns, colors):
         ratio = tree_allreduce_time(n, sizes, alpha, beta) / ring_allreduce_time(n, sizes, alpha, beta)
@@ -636,7 +636,7 @@ def plot_model(ns, alpha, beta, sizes=None, ratio=True):
         if x:
             lines.append(("crossover: tree = ring", [x], [1], dict(ls="", marker="o", color=color, mec="k")))
     return plot_panels([dict(title=f"α = {alpha * 1e6:.0f} µs per message, 1/β = {1e-9 / beta:.2f} GB/s per link",
-                             ylabel="T_tree / T_ring", yscale="log", hline=1, lines=lines)], "message bytes N", size=(7, 3.4))
+                             ylabel="T_tree / T_ring", yscale="log", hline=1, lines=lines)], "message bytes M", size=(7, 3.4))
 
 
 def plot_ring_variants(ring):

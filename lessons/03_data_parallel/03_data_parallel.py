@@ -67,11 +67,12 @@ print(f"  Llama-3-8B, 15 T tokens: {flops:.1e} FLOPs; one H100 at 40% MFU: {flop
 #
 # ## 2. The idea and the formulas
 #
-# Split the global batch of $B$ sequences into $n$ slices. Rank $r$ holds a full copy of the model, runs forward
-# and backward on its $B/n$ sequences and gets $g_r$, the gradient of the mean loss over its slice. The gradient of
+# Split the global batch of $B$ sequences into $n$ slices (symbols: the course's
+# [notation](../../docs/reference.md#notation)). Rank $r$ holds a full copy of the model, runs forward and backward
+# on its $B/n$ sequences and gets $g_r$, the gradient of the mean loss $\mathcal{L}$ over its slice. The gradient of
 # the mean loss over the whole batch is the mean of the slices' gradients:
 #
-# $$\nabla L_{\text{batch}} = \frac1n\sum_{r=0}^{n-1} g_r .$$
+# $$\nabla \mathcal{L}_{\text{batch}} = \frac1n\sum_{r=0}^{n-1} g_r .$$
 #
 # So after backward each rank calls **all-reduce** (sum, then divide by $n$), every rank holds the same gradient,
 # takes the same AdamW step, and the replicas stay identical, bit for bit. Nothing else is ever exchanged.
@@ -83,7 +84,7 @@ print(f"  Llama-3-8B, 15 T tokens: {flops:.1e} FLOPs; one H100 at 40% MFU: {flop
 # ```
 #
 # **Communication per step.** A ring all-reduce is a reduce-scatter followed by an all-gather (lesson 02); each rank
-# sends and receives $2\frac{n-1}{n}\,\Psi\cdot\text{bytes}$ for $\Psi$ gradient elements — almost independent of $n$:
+# sends and receives $2\frac{n-1}{n}\,\Psi q$ bytes for $\Psi$ gradient elements of $q$ bytes — almost independent of $n$:
 
 # %%
 for name, psi, nbytes in [("small (this lesson)", mc.num_params(), 4),
@@ -95,7 +96,7 @@ for name, psi, nbytes in [("small (this lesson)", mc.num_params(), 4),
 
 # %% [markdown]
 # What does one all-reduce cost *here*? The experiment times `dist.all_reduce` from 1 KiB to 16 MiB on 2 processes
-# (gloo over the loopback interface) and fits the latency–bandwidth model $T = \alpha + \beta\cdot\text{bytes}$:
+# (gloo over the loopback interface) and fits the latency–bandwidth model $T = \alpha + \beta M$ for $M$ bytes:
 
 # %%
 run("allreduce")
@@ -116,20 +117,20 @@ print(f"latency α ≈ {1e6 * allreduce['latency_s']:.0f} µs, bus bandwidth ≈
 # **Hiding it behind backward.** Backward produces gradients from the last layer to the first, so the last layers'
 # gradients are final long before backward ends and their all-reduce can run *while* backward computes the earlier
 # layers. Group the gradients, in that order, into **buckets**; when a bucket is complete, start its all-reduce
-# asynchronously. With bucket $k$ ready at time $t_k$ and one link that carries one message at a time,
+# asynchronously. With bucket $j$ ready at time $t_j$ and one link that carries one message at a time,
 #
-# $$\text{start}_k = \max(t_k,\ \text{end}_{k-1}),\qquad \text{end}_k = \text{start}_k + \alpha + 2\tfrac{n-1}{n}\,\frac{\text{bytes}_k}{\text{bandwidth}},
-# \qquad \text{exposed} = \max(0,\ \text{end}_K - t_{\text{backward end}}).$$
+# $$\text{start}_j = \max(t_j,\ \text{end}_{j-1}),\qquad \text{end}_j = \text{start}_j + \alpha + 2\tfrac{n-1}{n}\,\frac{\text{bytes}_j}{\text{bandwidth}},
+# \qquad \text{exposed} = \max(0,\ \text{end}_\text{last} - t_{\text{backward end}}).$$
 #
 # The **last** bucket is ready only when backward ends, so its all-reduce is always exposed. Tiny buckets pay
 # $\alpha$ many times; one huge bucket cannot start before backward ends. **Takeaway: the best bucket size is in
 # between** — section 4 measures it, section 6 lets you move it, exercise 4 asks you to compute it.
 #
-# **The rule of thumb.** Backward costs about $4N$ FLOPs per token, the all-reduce moves $\approx 2\Psi$ gradient
+# **The rule of thumb.** Backward costs about $4\Psi$ FLOPs per token, the all-reduce moves $\approx 2\Psi$ gradient
 # values per rank whatever the batch. With $T$ tokens per rank, achieved FLOP/s $F$, link bandwidth $W$ bytes/s and
 # bf16 gradients (2 bytes), backward can hide the all-reduce when
 #
-# $$T\cdot\frac{4N}{F} \ \ge\ \frac{2\cdot 2N}{W} \iff T \ \ge\ \frac{F}{W}.$$
+# $$T\cdot\frac{4\Psi}{F} \ \ge\ \frac{2\cdot 2\Psi}{W} \iff T \ \ge\ \frac{F}{W}.$$
 #
 # It assumes the communication runs on hardware of its own, and it is a rule of thumb, not a law
 # ([reference](../../docs/reference.md#data-parallelism-hiding-the-all-reduce) gives the scaling-book estimate for an
@@ -176,8 +177,8 @@ print()
 _common.show_source(data_parallel.DataParallel.finish_sync)
 
 # %% [markdown]
-# **Gradient accumulation** (lesson 01) runs $k$ micro-batches before one optimizer step. All-reducing after each
-# would send $k$ times the bytes for the same result (the sum of averages is the average of sums). `no_sync`
+# **Gradient accumulation** (lesson 01) runs $m$ micro-batches before one optimizer step. All-reducing after each
+# would send $m$ times the bytes for the same result (the sum of averages is the average of sums). `no_sync`
 # switches the hook's sending off. The step engine (`schedule.OneStage.run`, what `picotron/train.py` calls for each
 # optimizer step) wraps all micro-batches but the last in it and waits with `finish_sync()` at the end. Every
 # wrapper here, ZeRO's, and `Local` (one replica, nothing to send) speak that protocol, `GradSync`.
@@ -398,7 +399,7 @@ lesson.plot_ddp(ddp); plt.show()
 # Four micro-batches per step, one bucket: all-reduce only after the last one, or after every one — on this CPU and
 # over the emulated link of (c). Syncing every micro-batch has a trap: the next backward adds into the very buffers
 # still being all-reduced, so it must **wait** for them first (here the step engine runs once per micro-batch, each
-# loss divided by $k$, each run ending in `finish_sync`). The first version of this experiment forgot, and its
+# loss divided by $m$, each run ending in `finish_sync`). The first version of this experiment forgot, and its
 # gradients were off by 10%. So first, one step of each from the same weights and batches: the gradients must agree.
 
 # %%
@@ -418,7 +419,7 @@ lesson.plot_accumulate(acc, N); plt.show()
 # variant can be faster than computing without communicating; a negative value is noise, and its quartile bar,
 # reaching across zero, says so. The diamonds, the waits after backward, are the clean signal: over the emulated link
 # a sync cannot take less than the link's time, so `no_sync` waits for it once per step and syncing every
-# micro-batch $k$ times, however noisy the machine (the check below).
+# micro-batch $m$ times, however noisy the machine (the check below).
 
 # %%
 ns, se = aby["no_sync, emulated"], aby["sync every micro-batch, emulated"]
@@ -429,7 +430,7 @@ check(f"emulated: syncing every micro-batch waits {acc['k']}× as long as no_syn
       _common.busy_reason(ns.get("busy"), what="during the timed rounds"))
 
 # %% [markdown]
-# **Takeaway: with $k$ micro-batches, `no_sync` makes the communication per optimizer step independent of $k$ — so
+# **Takeaway: with $m$ micro-batches, `no_sync` makes the communication per optimizer step independent of $m$ — so
 # gradient accumulation also raises the tokens per all-reduce, the $T$ of the rule of thumb.**
 #
 # ### (f) Scaling from 1 to 2 to 4 ranks
@@ -486,7 +487,7 @@ lesson.plot_memory(runs); plt.show()
 # After that the curves may slowly part, and nothing is wrong: with four ranks the all-reduce adds the partial
 # gradients in another order than one process does, AdamW divides each update by the element's own gradient scale
 # (so last-bit differences on near-zero gradients become visible steps), and every step feeds the next. dp=2 tends
-# to stay bit-equal: each average is one addition of two halves, and $a + b = b + a$. How far the drift gets varies
+# to stay bit-equal: each average is one addition of two halves, and $x + y = y + x$. How far the drift gets varies
 # from run to run (the reference records runs that stayed below $10^{-5}$ and runs that reached $10^{-4}$ in 30
 # steps), so the steps after the window are checked against a looser bound, $10^{-3}$, which a real bug — a
 # micro-batch's gradient lost or counted twice — exceeds.
@@ -597,7 +598,7 @@ all_passed = checker.check()
 # | | per rank | cost |
 # |---|---|---|
 # | memory | all model states ($16\Psi$ bytes in fp32 + Adam) + activations of its micro-batch | nothing saved: $n$ copies |
-# | communication | one all-reduce of the gradients per optimizer step: $2\frac{n-1}{n}\Psi$·bytes sent, independent of the batch | hidden behind backward when tokens per rank ≳ $F/W$ and the link has hardware of its own; `no_sync` makes it independent of gradient accumulation |
+# | communication | one all-reduce of the gradients per optimizer step: $2\frac{n-1}{n}\Psi q$ bytes sent, independent of the batch | hidden behind backward when tokens per rank ≳ $F/W$ and the link has hardware of its own; `no_sync` makes it independent of gradient accumulation |
 # | compute | none extra (the division by $n$; on CPUs the reduction itself) | — |
 #
 # **Use it** always, as the outermost dimension: it is the simplest parallelism, it needs no change to the model,

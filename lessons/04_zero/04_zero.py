@@ -9,7 +9,8 @@ edit this file, never the notebook.
 #
 # Lesson 03 ended on a bar chart: with data parallelism every rank keeps **all** the parameters, **all** the
 # gradients and **all** of AdamW's state — $n$ identical copies of $16\Psi$ bytes. ZeRO (Rajbhandari et al., 2020)
-# removes the redundancy in three stages, each sharding one more of the three over the $n$ ranks:
+# removes the redundancy in three stages, each sharding one more of the three over the $n$ ranks (symbols: the
+# course's [notation](../../docs/reference.md#notation)):
 #
 # | stage | each rank keeps | bytes per rank (our fp32 recipe) | traffic per step |
 # |---|---|---|---|
@@ -313,8 +314,8 @@ gloo_gain = show_prefetch(tl["rows"], "gloo")
 lesson.plot_timeline(tl["rows"], title="ZeRO-3 on gloo, 2 processes on this CPU: one step of rank 0 (the last timed)"); plt.show()
 
 # %% [markdown]
-# How to read it: with prefetch the all-gather of layer $k+1$ (orange) sits under the forward of layer $k$ (blue),
-# and in backward the gather of layer $k-1$ under the backward of layer $k$ (green); the reduce-scatter of a layer's
+# How to read it: with prefetch the all-gather of layer $j+1$ (orange) sits under the forward of layer $j$ (blue),
+# and in backward the gather of layer $j-1$ under the backward of layer $j$ (green); the reduce-scatter of a layer's
 # gradients (red) runs under the next layer's backward. Without prefetch the orange bars sit *between* the compute
 # bars: every layer waits for its parameters. (gloo's reduce-scatter offers no completion callback, so its end is
 # only seen when we wait for it: those bars are paler and longer than the transfer.)

@@ -59,7 +59,8 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': 
 # The activations autograd keeps for backward grow with the tokens of a micro-batch, and neither data parallelism nor
 # ZeRO touches them. Llama-3-8B with one sequence of 8,192 tokens per GPU, with the textbook formulas
 # ([mixed-precision model states](../../docs/reference.md#model-states), 16 bytes per parameter; [Korthikanti's bf16
-# activations](../../docs/reference.md#activation-memory), $34\,sbh$ bytes per layer with flash attention):
+# activations](../../docs/reference.md#activation-memory), $34\,sbh$ bytes per layer with flash attention; symbols as in
+# the course's [notation](../../docs/reference.md#notation)):
 
 # %%
 llama = ModelConfig.from_preset("llama3-8b")
@@ -90,11 +91,11 @@ print(f"(ZeRO-3 over 8 GPUs instead: model states {16 * llama.num_params() / 8 /
 # ```
 #           x (whole, on every rank)
 #           │
-#           f        forward: identity                backward: all-reduce (sum the ranks' parts of dL/dx)
+#           f        forward: identity                backward: all-reduce (sum the ranks' parts of d loss/dx)
 #    ┌──────┴──────┐
-#  gate_r, up_r       column-parallel: rank r's i/t rows of W_gate, W_up  → its i/t intermediate features
+#  gate_r, up_r       column-parallel: rank r's h_ff/t rows of W_gate, W_up  → its h_ff/t intermediate features
 #  silu(gate_r)·up_r  elementwise: stays on rank r
-#  down_r             row-parallel: the i/t columns of W_down that read them → a PARTIAL sum of the output
+#  down_r             row-parallel: the h_ff/t columns of W_down that read them → a PARTIAL sum of the output
 #    └──────┬──────┘
 #           g        forward: all-reduce (sum the partial outputs)    backward: identity
 #           │
@@ -107,7 +108,7 @@ print(f"(ZeRO-3 over 8 GPUs instead: model states {16 * llama.num_params() / 8 /
 # %% [markdown]
 # **Attention** is the same with heads: heads are independent, so rank $r$ takes whole heads — its rows of $W_q$,
 # $W_k$, $W_v$ (column-parallel) — and $W_o$ is row-parallel. Grouped-query attention shares each KV head among
-# several query heads, so $t$ must divide the KV heads too (8 for Llama-3-8B, 3 for SmolLM-135M).
+# several query heads, so $t$ must divide the KV heads $a_\text{kv}$ too (8 for Llama-3-8B, 3 for SmolLM-135M).
 #
 # **f and g** are Megatron's conjugate pair of autograd functions ([reference](../../docs/reference.md#tensor-parallelism)):
 # $f$ where a tensor-parallel region begins, $g$ where it ends. Per layer one $g$ after attention and one after the
@@ -115,9 +116,9 @@ print(f"(ZeRO-3 over 8 GPUs instead: model states {16 * llama.num_params() / 8 /
 # $b\cdot s\cdot h$ activation: traffic proportional to the **tokens**, on the critical path (the next layer waits for
 # it). That is why tensor parallelism lives inside a node (NVLink, $t \le 8$).
 #
-# **The vocabulary** is cut too: rank $r$ keeps rows $[r\frac vt, (r+1)\frac vt)$ of the embedding and of the LM head,
-# whose logits stay cut, $[b, s, \frac vt]$. The cross-entropy needs three all-reduces of one number per token (the
-# row maximum, the sum of exponentials, the target's logit), never the $b\cdot s\cdot v$ logits.
+# **The vocabulary** is cut too: rank $r$ keeps rows $[r\frac{n_\text{vocab}}{t}, (r+1)\frac{n_\text{vocab}}{t})$ of the embedding and of the LM
+# head, whose logits stay cut, $[b, s, \frac{n_\text{vocab}}{t}]$. The cross-entropy needs three all-reduces of one number per token (the
+# row maximum, the sum of exponentials, the target's logit), never the $b\cdot s\cdot n_\text{vocab}$ logits.
 #
 # **Sequence parallelism.** Between the blocks the norms and the residual stream are whole on every rank: $t$ copies of
 # the same numbers, the same work $t$ times. An all-reduce is a reduce-scatter followed by an all-gather (lesson 02),
@@ -268,7 +269,7 @@ print(f"kept whole on every rank without sp: {R / MiB:.2f} MiB per layer, the fl
       f"a layer measured: " + ", ".join(f"{k} {v / MiB:.2f} MiB" for k, v in per_layer.items()))
 
 # %% [markdown]
-# Our formula has Korthikanti's shape in fp32 bytes (twice his bf16 ones; a SwiGLU MLP of width $3h$; no dropout): a
+# Our formula has Korthikanti's shape in fp32 bytes (twice his bf16 ones; a SwiGLU MLP of width $h_\text{ff} = 3h$; no dropout): a
 # part kept whole on every rank — the two norms and each block's input — plus the part inside the blocks, divided by
 # $t$: q, k, v, the attention output, the MLP intermediates. Measured and formula agree part by part on every rank.
 #
@@ -622,10 +623,10 @@ all_passed = checker.check(["f_and_g", "parallel_mlp", "vocab_parallel_cross_ent
 # optimizations, Rajbhandari et al. 2020, §6.1) keeps only $\frac1t$ of it per rank and all-gathers the rest just
 # before the layer is recomputed (docs/reference.md, "Activation memory"):
 #
-# $$\text{checkpoints per rank} = \frac{L\,s\,b\,h\,p}{t}\ \text{bytes instead of}\ L\,s\,b\,h\,p,
-# \qquad\text{plus } L \text{ all-gathers of } s\,b\,h\,p \text{ bytes per micro-batch, in backward}$$
+# $$\text{checkpoints per rank} = \frac{L\,s\,b\,h\,q}{t}\ \text{bytes instead of}\ L\,s\,b\,h\,q,
+# \qquad\text{plus } L \text{ all-gathers of } s\,b\,h\,q \text{ bytes per micro-batch, in backward}$$
 #
-# ($p$ = 4 bytes in fp32; each rank receives $\frac{t-1}{t}$ of each all-gather). The price is small next to what the
+# ($q$ = 4 bytes in fp32; each rank receives $\frac{t-1}{t}$ of each all-gather). The price is small next to what the
 # layer already sends: with full recomputation a Megatron layer makes 6 all-reduces of $sbh$ (forward, recomputed
 # forward, backward), $12\,sbh$ sent per rank; one all-gather of $sbh$ adds under 10% (ZeRO, §8). It sits on the
 # critical path of the backward, though, like every tp collective.

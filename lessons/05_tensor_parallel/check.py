@@ -56,7 +56,7 @@ WORLD_SIZES = {"f_and_g": (2, 4), "parallel_mlp": (2, 4), "vocab_parallel_cross_
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
                "reduce_scatter_single", "broadcast", "reduce")
 B, S, H, I = 2, 3, 8, 16  # the MLP: b sequences of s tokens, hidden h, intermediate i (4 divides it)
-N_TOK, VOCAB, BIG_ROW, BIG_COL = 12, 24, 5, 17  # the loss: N tokens, vocabulary v; one logit of 120 (overflow)
+N_TOK, VOCAB, BIG_ROW, BIG_COL = 12, 24, 5, 17  # the loss: T tokens, vocabulary n_vocab; one logit of 120 (overflow)
 PB, PS, PH = 2, 4, 8  # the partitioned layer input [b, s, h]: 4 divides s too, so a cut of the wrong dim fits
 
 
@@ -180,7 +180,7 @@ def _hint(e):
     if "incorrect number of gradients" in text:
         return " — backward returns one gradient per input of forward: (grad_x, None), None for the group"
     if isinstance(e, IndexError) or "out of bounds" in text or "out of range" in text:
-        return (" — targets are global vocabulary ids; this rank's columns hold ids [lo, lo + v/n), lo = rank·v/n: "
+        return (" — targets are global vocabulary ids; this rank's columns hold ids [lo, lo + n_vocab/n), lo = rank·n_vocab/n: "
                 "subtract lo, and take no logit for rows whose target is not in your columns")
     return ""
 
@@ -492,15 +492,15 @@ def _ce_reference(full, targets, n):
 
 CE_VARIANTS = {
     "own max": "matches using each rank's OWN row maximum: the ranks' exponentials are then scaled differently "
-               "(by e^-m_r) and adding them is meaningless. All-reduce the row max with op=dist.ReduceOp.MAX first",
+               "(each by e^-(its own max)) and adding them is meaningless. All-reduce the row max with op=dist.ReduceOp.MAX first",
     "local sum": "matches log of THIS rank's sum of exponentials: the softmax's denominator covers the whole "
                  "vocabulary; all-reduce sum_exp",
     "target not summed": "the target's logit is only known to the rank whose columns hold it: on the others it "
                          "counts as 0 here. All-reduce it (a sum: the owner contributes it, every other rank 0)",
-    "target everywhere": "every rank added a logit for the target (targets % (v/n)?): only the rank whose columns "
-                         "hold it (lo <= target < lo + v/n) contributes it; mask the others to 0 before the all-reduce",
+    "target everywhere": "every rank added a logit for the target (targets % (n_vocab/n)?): only the rank whose columns "
+                         "hold it (lo <= target < lo + n_vocab/n) contributes it; mask the others to 0 before the all-reduce",
     "target clamped": "every rank added a logit for the target (clamped index?): only the rank whose columns hold it "
-                      "(lo <= target < lo + v/n) contributes it; mask the others to 0 before the all-reduce",
+                      "(lo <= target < lo + n_vocab/n) contributes it; mask the others to 0 before the all-reduce",
     "target unmasked": "the ranks that do not hold a row's target added their column 0's logit to it (the index was "
                        "masked to 0, the logit was not): set their contribution to 0 before the all-reduce",
 }
@@ -528,7 +528,7 @@ def compare_vocab_parallel_cross_entropy(n, results):
 
 def _ce_problem(res, r, n, ref, grad):
     if "returned" in res:
-        return f"returned {res['returned']}; expected a pair (losses [N], softmax [N, v/n]) of tensors"
+        return f"returned {res['returned']}; expected a pair (losses [T], softmax [T, n_vocab/n]) of tensors"
     losses, softmax = res["losses"], res["softmax"]
     want = ref["losses"]
     if losses.shape != want.shape:
@@ -568,7 +568,7 @@ def _ce_problem(res, r, n, ref, grad):
     if fw != 3 or others:
         return (f"right values, but {_counts_text(counts, 'forward')} in forward"
                 + (f" and {_counts_text(counts, 'backward')} in backward" if others else "")
-                + ": three all-reduces of N numbers (max, sum of exponentials, target logit), never the logits")
+                + ": three all-reduces of T numbers (max, sum of exponentials, target logit), never the logits")
     return None
 
 
@@ -641,10 +641,10 @@ COMPARE = {"f_and_g": compare_f_and_g, "parallel_mlp": compare_parallel_mlp,
 SUCCESS = {"f_and_g": "outputs and input gradients of f and g equal the unsharded ones on every rank; f: one "
                       "all-reduce backward, g: one forward",
            "parallel_mlp": f"output, x's gradient and every weight slice's gradient equal the unsharded MLP's "
-                           f"(b={B}, s={S}, h={H}, i={I}); one all-reduce forward, one backward",
+                           f"(b={B}, s={S}, h={H}, h_ff={I}); one all-reduce forward, one backward",
            "vocab_parallel_cross_entropy": f"per-token losses, softmax columns and the logits' gradient equal "
                                            f"F.cross_entropy on the full [{N_TOK}, {VOCAB}] logits (one logit of 120: "
-                                           f"no overflow); three all-reduces of N numbers",
+                                           f"no overflow); three all-reduces of T numbers",
            "partition": f"each rank keeps a copy of its hidden columns of the [{PB}, {PS}, {PH}] input (no "
                         f"communication), and rebuild_input gives every rank the whole input with one all-gather"}
 

@@ -85,14 +85,15 @@ def parallel_mlp(x, gate_w, up_w, down_w, group=None):
 def vocab_parallel_cross_entropy(logits, targets, group=None):
     """EXERCISE 3: the cross-entropy of logits split over the vocabulary, without ever gathering them.
 
-    logits: [N, v/n], this rank's columns: the logits of vocabulary ids [lo, lo + v/n), lo = rank·v/n.
-    targets: [N], the target ids (global: 0 <= target < v).
-    Return (losses, softmax): losses [N], the per-token cross-entropy over the WHOLE vocabulary,
-    -log softmax(z)[target] = log Σ_v exp(z_v - m) - (z_target - m), the same on every rank; softmax [N, v/n],
-    this rank's columns of softmax(z). Three all-reduces of N numbers each:
-        m          the maximum of each row over the whole vocabulary (each rank's row max, all-reduced with MAX);
+    logits: [T, n_vocab/n] (T tokens, n ranks in the group), this rank's columns: the logits of vocabulary ids
+    [lo, lo + n_vocab/n), lo = rank·n_vocab/n.
+    targets: [T], the target ids (global: 0 <= target < n_vocab).
+    Return (losses, softmax): losses [T], the per-token cross-entropy over the WHOLE vocabulary,
+    -log softmax(z)[target] = log Σ_u exp(z_u - row_max) - (z_target - row_max), the same on every rank;
+    softmax [T, n_vocab/n], this rank's columns of softmax(z). Three all-reduces of T numbers each:
+        row_max    the maximum of each row over the whole vocabulary (each rank's row max, all-reduced with MAX);
                    subtracting it keeps exp from overflowing
-        sum_exp    Σ_v exp(z_v - m): each rank's partial sums, all-reduced
+        sum_exp    Σ_u exp(z_u - row_max): each rank's partial sums, all-reduced
         z_target   only the rank whose columns hold a row's target has its logit; the others contribute 0
                    to an all-reduced sum
     The given VocabParallelCrossEntropy below calls this in its forward and does the backward
@@ -101,8 +102,8 @@ def vocab_parallel_cross_entropy(logits, targets, group=None):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Given (not an exercise): the loss as an autograd Function around exercise 3. d loss / d z_v =
-    softmax_v - [v == target]; each rank has its own columns of the softmax, so backward needs no
+    """Given (not an exercise): the loss as an autograd Function around exercise 3. d loss / d z_u =
+    softmax_u - [u == target]; each rank has its own columns of the softmax, so backward needs no
     communication."""
 
     @staticmethod
