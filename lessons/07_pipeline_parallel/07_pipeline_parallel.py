@@ -27,7 +27,8 @@ edit this file, never the notebook.
 # the chunks per rank. Sources: Narayanan et al. 2021a, "Efficient Large-Scale Language Model Training on GPU Clusters
 # Using Megatron-LM" (arXiv:2104.04473), §2.2.1 (1F1B with a flush, their default schedule) and §2.2.2 (interleaving:
 # its bubble, messages and memory); Narayanan et al. 2021b, "Memory-Efficient Pipeline-Parallel DNN Training" (ICML
-# 2021, arXiv:2006.09503), §3.2 (PipeDream-Flush). The first PipeDream (Narayanan et al. 2019, SOSP) ran 1F1B
+# 2021, arXiv:2006.09503), §3.2 (PipeDream-Flush); Korthikanti et al. 2022, "Reducing Activation Recomputation in
+# Large Transformer Models" (arXiv:2205.05198), §4.2.3 (the first stage's activations under interleaving). The first PipeDream (Narayanan et al. 2019, SOSP) ran 1F1B
 # without a flush, asynchronously, with stashed weight versions: a different training. The 1F1B taught here
 # flushes the pipeline at every step and trains exactly as one process does.
 #
@@ -386,7 +387,7 @@ lesson.plot_memory(mem); plt.show()
 # AFAB holds all $m$ micro-batches on both stages; 1F1B holds $p - r$: 2 on rank 0, 1 on rank 1 — $2/m$ and $1/m$
 # of AFAB's, for the same bubble. Interleaving holds more than 1F1B on rank 0: its warm-up is $2(p-r-1) + (v-1)p$
 # chunk-forwards, and the first stage holds $p\left(1+\frac{p-1}{pv}\right)$ whole-stage micro-batches
-# (Narayanan et al. 2021a §2.2.2), $2.5$ at $p = v = 2$. The executor's own count (`metrics.ActivationPeak` on
+# (Korthikanti et al. 2022 §4.2.3, who write $m$ for our $v$), $2.5$ at $p = v = 2$. The executor's own count (`metrics.ActivationPeak` on
 # its phases, what `picotron.train` logs) is a third, independent reading: it follows the actions as they ran and
 # counts a micro-batch whole from F to its B (split schedules: its W). On the split schedules it shows what it
 # does not know: from $B$ to $W$ a micro-batch keeps its linear layers' inputs *and* their output gradients, not
@@ -417,7 +418,7 @@ for row in mem["rows"]:
         r, p_, v_ = row["ranks"][0], row["p"], lesson.chunks("interleaved")
         held, want = r["peak"] / sum(r["per_chunk"].values()), p_ * (1 + (p_ - 1) / (p_ * v_))
         check(f"interleaved, v={v_}, rank 0: holds p(1 + (p-1)/(pv)) = {want:g} whole-stage micro-batches "
-              f"(Narayanan et al. 2021a, 2.2.2)", abs(held / want - 1) <= 0.02, f"peak / one micro-batch = {held:.3f}")
+              f"(Korthikanti et al. 2022, 4.2.3)", abs(held / want - 1) <= 0.02, f"peak / one micro-batch = {held:.3f}")
 
 # %% [markdown]
 # ### (d) Point-to-point bytes per step
