@@ -75,13 +75,13 @@ def _blocks(q, k, v, block, rescale_acc=True, rescale_sum=True, shift=True):
 
 ATTENTION_MISTAKES = (
     (dict(rescale_acc=False), lambda acc, l, m: acc / l[:, None],
-     "the running output acc is not rescaled by exp(m − m') when a block raises the max: the earlier blocks keep "
+     "the running output acc is not rescaled by exp(μ − μ') when a block raises the max: the earlier blocks keep "
      "weights computed against an older, smaller max"),
     (dict(rescale_sum=False), lambda acc, l, m: acc / l[:, None],
-     "the running sum l is not rescaled by exp(m − m') when a block raises the max (acc is): the normaliser mixes "
+     "the running sum l is not rescaled by exp(μ − μ') when a block raises the max (acc is): the normaliser mixes "
      "terms computed against different maxima"),
     (dict(rescale_acc=False, rescale_sum=False), lambda acc, l, m: acc / l[:, None],
-     "neither acc nor l is rescaled by exp(m − m') when a block raises the max"),
+     "neither acc nor l is rescaled by exp(μ − μ') when a block raises the max"),
     ({}, lambda acc, l, m: acc, "the output is acc without the final division by the running sum l"),
 )
 
