@@ -222,13 +222,15 @@ check("ZeRO: each rank writes half", all(abs(b["bytes"] - 6 * r["params"]) <= 12
 # %%
 asy = _common.load_json(OUT / "async.json")["results"]
 lesson.plot_async(asy); plt.show()
-ends = {}
+ends, stopped, moved = {}, {}, {}
 for mode in ("none", "sync", "async"):
     r = asy["runs"][mode][0]
     spans = [b - a for _, a, b in r["steps"]]
     copy = [s["snapshot_s"] for s in r["saves"]]
     write = [s["write_s"] for s in r["saves"]]
     ends[mode] = r["end"]
+    stopped[mode] = sum(copy) + (sum(write) if mode == "sync" else 0.0)
+    moved[mode] = sum(write) if mode == "async" else 0.0
     extra = ""
     if copy:
         c_ms, w_ms = 1e3 * sum(copy) / len(copy), 1e3 * sum(write) / len(write)
@@ -236,10 +238,10 @@ for mode in ("none", "sync", "async"):
                  if mode == "sync" else f", {len(copy)} saves: each stops training {c_ms:.0f} ms (the copy); its "
                  f"write, {w_ms:.0f} ms, runs in a thread beside the training")
     print(f"  {mode:<5}: {len(spans)} steps in {r['end']:.2f} s, mean step {1e3 * sum(spans) / len(spans):.0f} ms{extra}")
-cost_sync, cost_async = ends["sync"] - ends["none"], ends["async"] - ends["none"]
-print(f"saving cost the run {cost_sync:.2f} s synchronous, {cost_async:.2f} s asynchronous: the thread hid "
-      f"{max(0.0, cost_sync - cost_async):.2f} s ({max(0.0, 1 - cost_async / cost_sync) if cost_sync > 0 else 0:.0%} of "
-      f"the synchronous cost) on {len(os.sched_getaffinity(0))} cores shared by both trainers and the writer")
+print(f"the synchronous saves stopped training {stopped['sync']:.2f} s in all, the asynchronous ones {stopped['async']:.2f} "
+      f"s (their writes, {moved['async']:.2f} s, ran beside it); yet the asynchronous run ended "
+      f"{ends['sync'] - ends['async']:+.2f} s before the synchronous one (no checkpoint: {ends['none']:.2f} s), on "
+      f"{len(os.sched_getaffinity(0))} cores shared by the two trainers and the writer thread")
 
 # %% [markdown]
 # A synchronous save stops training for the copy *and* the write (the first printed line with saves); an
@@ -247,10 +249,11 @@ print(f"saving cost the run {cost_sync:.2f} s synchronous, {cost_async:.2f} s as
 # on; the next save (and the end of training) waits for it first — never two writes at once. The writer
 # coordinates over a process group of its own (gloo), so its barriers never interleave with the training's
 # collectives. On a GPU the copy is a device-to-host transfer and the write then costs the GPUs nothing. Here it
-# gains little or nothing (the last line above): the two training processes already keep both cores busy, so the
-# writer thread runs only by taking a core from a trainer; the write takes longer beside the training than alone,
-# and the steps it overlaps take longer too. The timeline shows it: the thin orange bar under the asynchronous row
-# is the write, and the green steps above it stretch.
+# gains far less than the write time it moved out of the pause, or nothing (the last line above; between rounds
+# the run times vary by a few tenths of a second): the two training processes already keep both cores busy, so
+# the writer thread runs only by taking a core from a trainer. The write takes longer beside the training (compare
+# the two write times printed), and the steps it overlaps take longer too. The timeline shows it: the thin orange
+# bar under the asynchronous row is the write, and the green steps above it stretch.
 
 # %%
 dcp = _common.load_json(OUT / "dcp.json")["results"]
