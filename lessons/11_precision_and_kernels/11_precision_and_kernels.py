@@ -48,12 +48,12 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; torch {torch.__
 # %% [markdown]
 # ## 1. Five number formats, measured by casting
 #
-# A binary float with $e$ exponent bits and $m$ mantissa bits stores $\pm 1.f \times 2^{E - \text{bias}}$ with
-# bias $= 2^{e-1} - 1$. Its **range** runs from the smallest normal number $2^{1 - \text{bias}}$ to the largest,
-# $(2 - 2^{-m})\,2^{2^e - 2 - \text{bias}}$ (the top exponent is kept for inf and NaN); below the smallest normal the
-# *subnormals* $0.f \times 2^{1-\text{bias}}$ reach down to $2^{1-\text{bias}-m}$ with fewer and fewer significant
-# bits. Its **precision**: rounding to nearest moves any number inside the normal range by at most
-# $u = 2^{-(m+1)}$ of itself (the unit roundoff, half the gap between 1 and the next number). FP8's E4M3 (torch's
+# A binary float with $w_e$ exponent bits and $w_m$ mantissa bits stores $\pm 1.f \times 2^{z - \text{bias}}$ ($z$ the
+# stored exponent) with bias $= 2^{w_e-1} - 1$. Its **range** runs from the smallest normal number $2^{1 - \text{bias}}$
+# to the largest, $(2 - 2^{-w_m})\,2^{2^{w_e} - 2 - \text{bias}}$ (the top exponent is kept for inf and NaN); below the
+# smallest normal the *subnormals* $0.f \times 2^{1-\text{bias}}$ reach down to $2^{1-\text{bias}-w_m}$ with fewer and
+# fewer significant bits. Its **precision**: rounding to nearest moves any number inside the normal range by at most
+# $u = 2^{-(w_m+1)}$ of itself (the unit roundoff, half the gap between 1 and the next number). FP8's E4M3 (torch's
 # `float8_e4m3fn`, "finite") has no infinities and only one NaN pattern, so its top exponent holds numbers too, up
 # to $1.75 \cdot 2^8 = 448$ (IEEE 754-2019; Goldberg 1991; Micikevicius et al. 2022 for FP8).
 #
@@ -97,7 +97,7 @@ for name, (dtype, e, m, _) in lesson.FORMATS.items():
 #
 # ## 2. fp16: gradients below the window, and loss scaling
 #
-# The gradient of a mean loss over $N$ tokens gives each token a $1/N$ share of every gradient. A step of a real
+# The gradient of a mean loss over $n_\text{tok}$ tokens gives each token a $1/n_\text{tok}$ share of every gradient. A step of a real
 # LLM holds $10^5$ to $10^7$ tokens (Llama 3 405B started at 4 M), so each token's contribution to an activation's
 # gradient is tiny; where it falls below fp16's smallest normal ($2^{-14} \approx 6 \cdot 10^{-5}$) it loses bits, below half its
 # smallest subnormal ($2^{-25}$) it becomes zero, and zero gradients propagate backwards as zeros. Micikevicius et al.
@@ -295,8 +295,8 @@ check("and data parallelism all-reduces bf16 gradients in half, bf16 autocast's 
 # tensor, so each operand of an FP8 matmul is multiplied by its own scale before the cast, and the product divided
 # by both scales afterwards (`picotron/fp8.py`, current scaling):
 #
-# $$s = \frac{f_{\max}}{\max|t|}, \qquad t_q = \text{fp8}\big(\text{clamp}(t \cdot s, \pm f_{\max})\big), \qquad
-# x\,w^\top \approx \frac{x_q\, w_q^\top}{s_x\, s_w}$$
+# $$\sigma = \frac{f_{\max}}{\max|t|}, \qquad t_q = \text{fp8}\big(\text{clamp}(t \cdot \sigma, \pm f_{\max})\big), \qquad
+# x\,w^\top \approx \frac{x_q\, w_q^\top}{\sigma_x\, \sigma_w}$$
 #
 # so the largest element lands on the format's largest number (448 or 57,344) and the rest use the binades below it.
 # Three real tensors of MINI after 10 training steps — the input of layer 1's `down_proj` (an activation: the
@@ -457,7 +457,7 @@ check("attention_bytes counts what the tiled kernel moves", all(c == f for _, c,
 b_, a_, k_, s_, d_ = 1, 32, 8, 4096, 128
 check("the naive count is the reference's formula", kernels.attention_bytes(b_, a_, k_, s_, d_, 2, impl="naive")
       == 2 * (2 * b_ * a_ * s_ * d_ + 2 * b_ * k_ * s_ * d_ + 4 * b_ * a_ * s_ * s_),
-      "elem·(2basd + 2bksd + 4bas²) at s = 4096")
+      "elem·(2basd + 2b·a_kv·sd + 4bas²) at s = 4096")
 top = rows[-1]
 check("naive attention is memory-bound on an H100, tiled is not", abs(top["naive_intensity"] - 128 / 2) / 64 < 0.05
       and top["naive_intensity"] < 295 < top["tiled_intensity"],
