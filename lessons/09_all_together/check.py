@@ -207,7 +207,7 @@ def _memory_problem(fn, path):
                 elif key == "activations":
                     alive = min(layout.pp - stage, m)
                     mistakes = {act * m: f"{m} micro-batches alive is AFAB's peak; 1F1B keeps pp - stage",
-                                act * layout.pp: "1F1B keeps pp - stage micro-batches alive on stage i, not pp",
+                                act * layout.pp: "1F1B keeps pp - stage micro-batches alive on a stage, not pp",
                                 act * (layout.pp - stage): f"only m = {m} micro-batches exist: at most m are alive",
                                 act: "one micro-batch: 1F1B starts pp - stage forwards before the first backward"}
                     hint = next((f": {why}" for v, why in mistakes.items() if v != act * alive and abs(g - v) <= 2), "")
