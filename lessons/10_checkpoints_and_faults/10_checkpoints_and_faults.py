@@ -238,14 +238,14 @@ for mode in ("none", "sync", "async"):
                  if mode == "sync" else f", {len(copy)} saves: each stops training {c_ms:.0f} ms (the copy); its "
                  f"write, {w_ms:.0f} ms, runs in a thread beside the training")
     print(f"  {mode:<5}: {len(spans)} steps in {r['end']:.2f} s, mean step {1e3 * sum(spans) / len(spans):.0f} ms{extra}")
-gain = ends["sync"] - ends["async"]
-hid = gain / stopped["sync"] if stopped["sync"] > 0 else 0.0
-print(f"the synchronous saves stopped training {stopped['sync']:.2f} s in all, the asynchronous ones {stopped['async']:.2f} "
-      f"s (their writes, {moved['async']:.2f} s, ran beside it); the asynchronous run ended {gain:+.2f} s before the "
-      f"synchronous one (no checkpoint: {ends['none']:.2f} s): it hid {hid:.0%} of the synchronous pause"
-      + (f", less than half: the writer thread and the two trainers share {len(os.sched_getaffinity(0))} cores"
-         if hid < 0.5 else f", on {len(os.sched_getaffinity(0))} cores shared by the writer thread and the two trainers "
-         f"(run times vary by about a tenth of a second between rounds)"))
+cost_sync, cost_async = ends["sync"] - ends["none"], ends["async"] - ends["none"]
+hid = max(0.0, min(1.0, 1 - cost_async / cost_sync)) if cost_sync > 0 else 0.0
+cores = len(os.sched_getaffinity(0))
+print(f"saving added {cost_sync:.2f} s to the run synchronously (its pauses: {stopped['sync']:.2f} s) and "
+      f"{cost_async:.2f} s asynchronously (its pauses: {stopped['async']:.2f} s; its writes, {moved['async']:.2f} s, "
+      f"beside the training): the thread hid {hid:.0%} of the synchronous cost"
+      + (f", less than half: the writer thread and the two trainers share {cores} cores" if hid < 0.5 else
+         f", on {cores} cores shared by the writer thread and the two trainers"))
 
 # %% [markdown]
 # A synchronous save stops training for the copy *and* the write (the first printed line with saves); an
@@ -253,11 +253,12 @@ print(f"the synchronous saves stopped training {stopped['sync']:.2f} s in all, t
 # on; the next save (and the end of training) waits for it first — never two writes at once. The writer
 # coordinates over a process group of its own (gloo), so its barriers never interleave with the training's
 # collectives. On a GPU the copy is a device-to-host transfer and the write then costs the GPUs nothing. On this
-# machine it is not free (the last line above says how much of the synchronous pause it hid): the two training
+# machine it is not free (the last line above says how much of the synchronous cost it hid): the two training
 # processes already keep both cores busy, so the writer thread runs only by taking a core from a trainer. The write
 # takes longer beside the training than alone (compare the two write times printed), and the steps it overlaps
-# stretch. In the full run (a larger model, longer writes) that cost can eat most of what the thread hides. The
-# timeline shows it: the thin orange bar under the asynchronous row is the write, and the green steps above it.
+# can stretch. In the full run (a larger model, longer writes) that cost can eat most of what the thread hides. The
+# timeline shows both: the thin orange bar under the asynchronous row is the write, the green steps above it run
+# beside it.
 
 # %%
 dcp = _common.load_json(OUT / "dcp.json")["results"]
