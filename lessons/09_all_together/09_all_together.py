@@ -568,8 +568,8 @@ all_passed = checker.check()
 # topology-aware collectives (NCCL's trees and NVLS, hierarchical all-reduce across nodes); a planner calibrated on
 # the hardware it plans for (ours uses datasheet bandwidths and one assumed efficiency, and no layout of it has run
 # on a GPU); heterogeneous stages (embedding-heavy first or last stages); FP8 as the large runs use it (lesson 11's
-# FP8 scales whole tensors, is simulated on CPUs, and keeps the inputs it saves for backward in full precision, where
-# DeepSeek-V3 scales tiles and blocks); and recovery without a person or a restart of every rank (lesson 10
+# FP8 scales whole tensors, is simulated on CPUs, and hands back fp32 outputs, so the activations around it are larger
+# than bf16's, where DeepSeek-V3 scales tiles and blocks and keeps its activations small); and recovery without a person or a restart of every rank (lesson 10
 # checkpoints, resumes exactly and survives a lost node from its peer's copy, but torchrun restarts the whole job
 # on the same machines, where automation handled all but three of Llama 3 405B's 419 unexpected interruptions:
 # Dubey et al. 2024, §3.3.4).
