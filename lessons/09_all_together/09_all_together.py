@@ -568,11 +568,11 @@ all_passed = checker.check()
 # topology-aware collectives (NCCL's trees and NVLS, hierarchical all-reduce across nodes); a planner calibrated on
 # the hardware it plans for (ours uses datasheet bandwidths and one assumed efficiency, and no layout of it has run
 # on a GPU); heterogeneous stages (embedding-heavy first or last stages); FP8 as the large runs use it (lesson 11's
-# FP8 scales whole tensors, is simulated on CPUs, and hands back fp32 outputs, so the activations around it are larger
-# than bf16's, where DeepSeek-V3 scales tiles and blocks and keeps its activations small); and recovery without a person or a restart of every rank (lesson 10
-# checkpoints, resumes exactly and survives a lost node from its peer's copy, but torchrun restarts the whole job
-# on the same machines, where automation handled all but three of Llama 3 405B's 419 unexpected interruptions:
-# Dubey et al. 2024, §3.3.4).
+# FP8 scales whole tensors, is simulated on CPUs, and hands back fp32 outputs, so the activations around it come
+# out larger than bf16's; DeepSeek-V3 scales tiles and blocks and caches activations in FP8); and recovery that
+# replaces a failed machine (lesson 10 checkpoints, resumes exactly and survives a lost node from its peer's copy,
+# but torchrun restarts every rank on the same machines, with no spare to swap in; automation handled all but three
+# of Llama 3 405B's 419 unexpected interruptions: Dubey et al. 2024, §3.3.4).
 #
 # **Sources.** Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 # Megatron-LM" (the PTD-P layout, tp inside a node, the interleaved schedule); Korthikanti et al. 2022, "Reducing
