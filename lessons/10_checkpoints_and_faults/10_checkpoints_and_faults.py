@@ -241,10 +241,12 @@ for mode in ("none", "sync", "async"):
 cost_sync, cost_async = ends["sync"] - ends["none"], ends["async"] - ends["none"]
 hid = max(0.0, min(1.0, 1 - cost_async / cost_sync)) if cost_sync > 0 else 0.0
 cores = len(os.sched_getaffinity(0))
+verdict = ("the thread hid none of the synchronous cost, it added more" if cost_async >= cost_sync
+           else f"the thread hid {hid:.0%} of the synchronous cost")
 print(f"saving added {cost_sync:.2f} s to the run synchronously (its pauses: {stopped['sync']:.2f} s) and "
       f"{cost_async:.2f} s asynchronously (its pauses: {stopped['async']:.2f} s; its writes, {moved['async']:.2f} s, "
-      f"beside the training): the thread hid {hid:.0%} of the synchronous cost"
-      + (f", less than half: the writer thread and the two trainers share {cores} cores" if hid < 0.5 else
+      f"beside the training): {verdict}"
+      + (f"; the writer thread and the two trainers share {cores} cores" if hid < 0.5 else
          f", on {cores} cores shared by the writer thread and the two trainers"))
 
 # %% [markdown]
