@@ -101,7 +101,7 @@ def test_checker_names_choice_mistakes(tmp_path):
                      r"step, not 256", out), out
     out = fails_with(tmp_path, "choose", ("best = min(kept, key=step_seconds)", "best = min(kept, key=memory_gib)"))
     assert re.search(r"you picked tp8,pp2,1f1b,mbs1,ga256, the one needing the least memory \([\d.]+ GiB\); step 3 "
-                     r"maximises throughput: dp16,zero1,mbs1,ga16 takes", out), out
+                     r"maximises throughput: dp8,tp2,sp,zero1,mbs1,ga32 takes", out), out
     # the batch checked first: a layout failing both gets the wrong reason
     out = fails_with(tmp_path, "choose", (
         "        if memory_gib(layout) > budget_gib:\n            rejected.append((layout, \"memory\"))\n"
@@ -113,8 +113,8 @@ def test_checker_names_choice_mistakes(tmp_path):
     assert re.search(r"you rejected dp8,tp2,mbs1,ga8 \([\d.]+ GiB, 64 sequences per step\) for 'batch', expected "
                      r"'memory' \(it fails both", out), out
     out = fails_with(tmp_path, "choose", ("memory_gib(layout) > budget_gib", "memory_gib(layout) > 80"))
-    assert re.search(r"on 16 GPUs of 48.0 GiB.*you kept dp16,zero1,mbs1,ga16 \([\d.]+ GiB, 256 sequences per step\): "
-                     r"it needs [\d.]+ GiB > 48.0", out), out
+    assert re.search(r"on 16 GPUs of 71.7 GiB.*you kept dp16,zero1,mbs1,ga16 \([\d.]+ GiB, 256 sequences per step\): "
+                     r"it needs 73.6 GiB > 71.7", out), out
 
 
 # ------------------------------------------------------------------------------------- the experiment's helpers

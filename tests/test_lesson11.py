@@ -47,17 +47,17 @@ def test_checker_names_online_softmax_mistakes(tmp_path):
     ex = "online_softmax_attention"
     head = "FAIL  online_softmax_attention: random scores (q [6, 8], k and v [37, 8]), block 1: row 0: "
     out = fails_with(tmp_path, ex, ("acc = rescale[:, None] * acc + p @ v", "acc = acc + p @ v"))
-    assert head in out and "the running output acc is not rescaled by exp(m − m')" in out, out
+    assert head in out and "the running output acc is not rescaled by exp(μ − μ')" in out, out
     out = fails_with(tmp_path, ex, ("l = rescale * l + p.sum(dim=1)", "l = l + p.sum(dim=1)"))
-    assert head in out and "the running sum l is not rescaled by exp(m − m')" in out, out
+    assert head in out and "the running sum l is not rescaled by exp(μ − μ')" in out, out
     out = fails_with(tmp_path, ex, ("return acc / l[:, None], m + torch.log(l)", "return acc, m + torch.log(l)"))
     assert "the output is acc without the final division by the running sum l" in out, out
     out = fails_with(tmp_path, ex, ("return acc / l[:, None], m + torch.log(l)", "return acc / l[:, None], torch.log(l)"))
-    assert head + "lse = " in out and "lse = m + log(l), the running max added back" in out, out
+    assert head + "lse = " in out and "lse = μ + log(l), the running max μ added back" in out, out
     # no running max at all: right on small scores, NaN once exp(s) overflows
     out = fails_with(tmp_path, ex, ("m_new = torch.maximum(m, s.amax(dim=1))", "m_new = torch.zeros_like(m)"))
     assert "FAIL  online_softmax_attention: scores around ±1000" in out and "random scores" not in out, out
-    assert "exp(s) overflows float64 above ~709: subtract the running max before exp" in out, out
+    assert "exp(s) overflows float64 above ~709: subtract the running max μ before exp" in out, out
 
 
 def test_checker_names_update_mistakes(tmp_path):

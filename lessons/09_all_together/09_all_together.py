@@ -63,12 +63,14 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; the run: {lesso
 #
 # `picotron.mesh` numbers the ranks row-major over (dp, pp, cp, tp), **tp fastest**:
 #
-# $$\text{rank} = ((d \cdot P + p) \cdot C + c) \cdot T + t$$
+# $$\text{rank} = ((r_\text{dp} \cdot p + r_\text{pp}) \cdot c + r_\text{cp}) \cdot t + r_\text{tp}$$
 #
-# for coordinates $(d, p, c, t)$ on a grid of sizes $(D, P, C, T)$. A **group** along an axis is every rank that
+# for coordinates $(r_\text{dp}, r_\text{pp}, r_\text{cp}, r_\text{tp})$ on a grid of sizes $(n, p, c, t)$: $n$ data-parallel
+# ranks, $p$ pipeline stages, context-parallel degree $c$, tensor-parallel degree $t$ (the course's
+# [notation](../../docs/reference.md#notation)). A **group** along an axis is every rank that
 # agrees with you on the three other coordinates (`mesh.group_ranks`); each strategy only talks inside its group.
 # Launchers (torchrun, Slurm) give consecutive ranks to the GPUs of one node, so the order decides which groups
-# stay inside a node: tp's groups are consecutive ranks, cp's are $T$ apart, pp's $CT$ apart, dp's $PCT$ apart.
+# stay inside a node: tp's groups are consecutive ranks, cp's are $t$ apart, pp's $c\,t$ apart, dp's $p\,c\,t$ apart.
 # One rank of the 16-rank grid dp2 × pp2 × cp2 × tp2:
 
 # %%
@@ -163,8 +165,8 @@ print(f"over all ranks: compute {sum(s['compute'] for s in sh) / sum(s['step'] f
       f"{W} processes share {env['cores']} cores")
 
 # %% [markdown]
-# On this machine the communication share is mostly not the network: every process needs a core and $W$
-# processes share two, so a rank in an all-reduce is usually waiting for a partner that has no core. The bytes are
+# On this machine the communication share is mostly not the network: every process needs a core and all
+# of the run's processes share two, so a rank in an all-reduce is usually waiting for a partner that has no core. The bytes are
 # the part that carries over to GPUs. Each rank's bytes per step, by axis, against what the layout and the model's
 # shapes say (`lesson.bytes_formula`: tp's four all-reduces per layer and micro-batch plus the embedding's and the
 # loss's; cp's ring blocks; pp's one activation per micro-batch; dp × cp's every gradient once):
@@ -188,8 +190,8 @@ check(f"every rank's bytes per step, on every axis, are the formula's, to the by
 
 # %% [markdown]
 # The formula and the run agree on every rank and axis. With the tiny model the tp all-reduces dominate the bytes
-# (activations of $b \cdot s/cp \cdot h$ numbers, many times per layer) while the gradients cross once; at scale
-# the gradients are much larger ($4\Psi/(tp \cdot pp)$ bytes per GPU) but overlap the backward.
+# (activations of $b\,s\,h/c$ numbers, many times per layer) while the gradients cross once; at scale
+# the gradients are much larger ($4\Psi/(t\,p)$ bytes per GPU) but overlap the backward.
 #
 # **Takeaway:** every strategy keeps its own traffic on its own axis; one timeline shows them nested — tp and cp
 # inside every pipeline action, pp between them, dp at the end.
@@ -222,8 +224,8 @@ check(f"gradient norm {res['name']}", g_["ok"], f"within {GRAD_TOL:.0e} relative
 # %% [markdown]
 # What each rank holds, against the one process (bytes of the last step; activations: the peak of the pipeline's
 # stash). Model states divide by tp × pp (the norms' weights are copies on every tp rank); activations divide by
-# tp for the sharded parts, by cp for every token-wise tensor, and the 1F1B stash holds up to $pp - i$ micro-batches
-# on stage $i$:
+# tp for the sharded parts, by cp for every token-wise tensor, and the 1F1B stash holds up to $p - r$ micro-batches
+# on stage $r$:
 
 # %%
 one = ref["mem"]
@@ -356,7 +358,11 @@ check("every predicted step time within 40% of the measured one", all(0.6 <= r["
 # %% [markdown]
 # **Time, against published runs.** A step-time model cannot be checked on two CPU cores for GPU clusters; what
 # can be checked is what others measured. Four runs whose layout and throughput were published, evaluated with
-# one efficiency for all (60% of the datasheet peak for the matmuls, `plan.EFFICIENCY`), not tuned per run:
+# one efficiency for all, not tuned per run: `plan.EFFICIENCY` = 0.6, the share of the datasheet peak that the
+# layer's kernels are *assumed* to reach. It is an input of the model, not something it predicts: a round value
+# below the about 80% that one large bf16 matmul reaches on an H100 (the reference's
+# [MFU section](../../docs/reference.md#model-flops-utilisation)), for the smaller matmuls, attention and
+# elementwise kernels of a real layer:
 
 # %%
 pub = [(run, plan.evaluate_published(run, rank=False)) for run in plan.PUBLISHED]
@@ -388,9 +394,16 @@ check("the predicted throughput is within 25% of each published one", all(0.75 <
 # memory (bf16 mixed precision) less a headroom: the model counts the model states and the activations, not the CUDA
 # context, NCCL's buffers or the allocator's fragmentation, which take several GiB of a real card, so the plan keeps
 # `plan.HEADROOM` = 10% of it free (71.7 of an H100's 79.6 GiB; `python -m picotron.plan` does the same, `--headroom
-# 0` to fill the card); **(2)** reject what does not run exactly the global batch (dp × micro-batch × accumulation
+# 0` to fill the card). Why that much: PyTorch's caching allocator keeps freed blocks reserved for reuse, so a
+# process holds more than its tensors and can fail to find one contiguous block while enough memory is free in
+# pieces (PyTorch documentation, "CUDA semantics", section "Memory management"); NCCL allocates its own buffers
+# outside PyTorch's allocator, 4 MiB per channel and peer by default (NCCL documentation, "Environment variables",
+# `NCCL_BUFFSIZE`), for every communicator a rank belongs to, and a 4-D layout gives each rank several; **(2)** reject what does not run exactly the global batch (dp × micro-batch × accumulation
 # sequences); **(3)** rank the rest by predicted tokens/s. The jobs: H100 80 GB (8 per node), each model at its
-# training context (SmolLM 2,048 tokens, Llama 3 8,192), 4M tokens per step.
+# training context (SmolLM 2,048 tokens, Llama 3 8,192), 4M tokens per step. The MFU printed is the model's, and
+# its ceiling is the assumed efficiency: MFU = `plan.EFFICIENCY` × the share of the step spent computing (less with
+# recomputation's extra forward or unbalanced stages), so a layout with no exposed communication and no bubble shows
+# exactly 60%: the input, not a prediction (the dashed line of the left panel below).
 
 # %%
 GPU_COUNTS = (8, 64, 256, 1024)
@@ -402,6 +415,10 @@ for j in jobs:
     print(f"{j['name']:<12} {j['gpus']:>5} GPUs, {j['global_seqs']:>4} sequences: {len(ranked):>5} fit; rejected "
           f"{c.get('memory', 0):>5} for memory, {c.get('batch', 0):>3} for the batch, {c.get('tp', 0) + c.get('shape', 0):>5} "
           f"by shape; {best}")
+at_input = [j for j in jobs if j["plan"].ranked and abs(j["plan"].ranked[0][2]["mfu"] - plan.EFFICIENCY) < 5e-4]
+print(f"{len(at_input)} of {sum(bool(j['plan'].ranked) for j in jobs)} best layouts sit at MFU = plan.EFFICIENCY = "
+      f"{plan.EFFICIENCY:.0%}, the assumed kernel efficiency (nothing exposed, no bubble): "
+      + ", ".join(f"{j['name']} on {j['gpus']}" for j in at_input))
 lesson.plot_decisions(jobs); plt.show()
 
 # %% [markdown]
@@ -521,7 +538,8 @@ check("the widget's default: Llama 3 70B on 256 GPUs, the same plan as section 5
 #    the checker recognises the master copy forgotten, ZeRO over dp instead of dp × cp, a ZeRO stage that shards too
 #    much, and AFAB's or an uncapped count of micro-batches alive.
 # 4. `choose(candidates, memory_gib, step_seconds, budget_gib, global_seqs)` — the decision procedure on ten layouts
-#    of Llama 3 8B on 16 GPUs, with 80 and with 40 GB. The checker names a layout kept that does not fit or does not
+#    of Llama 3 8B on 16 GPUs, with 71.7 GiB per GPU (an H100's 79.6 GiB less the 10% headroom of section 5) and
+#    with 35.6 GiB (an A100 40GB's 39.6 GiB less 10%). The checker names a layout kept that does not fit or does not
 #    run the batch, the wrong step for one that fails both, and a best chosen by memory or by a short step that does
 #    less work.
 #
@@ -539,17 +557,22 @@ all_passed = checker.check()
 #
 # | axis | divides | costs | keep it |
 # |---|---|---|---|
-# | tp | weights, and (with sp) activations, by $tp$ | 4 blocking collectives of $b\,s\,h$ per layer | inside a node ($tp \le 8$) |
-# | cp | activations by $cp$ | K/V around a ring, hidden under attention when $s$ is long; or Ulysses' 4 all-to-alls each way, exposed, their bytes falling as $1/cp$ (heads per tp rank divisible by $cp$) | inside a node, or across for very long $s$ |
-# | pp | weights and activations by stage | the bubble $\frac{pp-1}{m+pp-1}$ (needs $m \gg pp$), stage balance; DualPipe: idle $(\frac{pp}{2}-1)(F\&B+B-3W)$ for $2\times$ the parameters per rank | across nodes |
-# | dp / ZeRO | the batch; ZeRO: optimizer state, gradients, parameters by $dp$ | gradients once per step (ZeRO-3: + parameters) | across nodes, as wide as the global batch allows |
-# | ep | experts by $ep$ | two all-to-alls per MoE layer | inside a node, or routing limited to few nodes |
+# | tp | weights, and (with sp) activations, by $t$ | 4 blocking collectives of $b\,s\,h$ per layer | inside a node ($t \le 8$) |
+# | cp | activations by $c$ | K/V around a ring, hidden under attention when $s$ is long; or Ulysses' 4 all-to-alls each way, exposed, their bytes falling as $1/c$ (heads per tp rank divisible by $c$) | inside a node, or across for very long $s$ |
+# | pp | weights and activations by stage | the bubble $\frac{p-1}{m+p-1}$ (needs $m \gg p$), stage balance; DualPipe: idle $(\frac{p}{2}-1)(t_{F\&B}+t_B-3t_W)$ for $2\times$ the parameters per rank | across nodes |
+# | dp / ZeRO | the batch; ZeRO: optimizer state, gradients, parameters by $n$ | gradients once per step (ZeRO-3: + parameters) | across nodes, as wide as the global batch allows |
+# | ep | experts by the ep degree | two all-to-alls per MoE layer | inside a node, or routing limited to few nodes |
 #
-# **What ours lacks** (what Megatron-LM, torchtitan and DeepSpeed add at scale): overlapping tp's collectives
-# with compute (Megatron's communication overlap, async tp), fp8 training, topology-aware collectives (NCCL's
-# trees and NVLS, hierarchical all-reduce across nodes), a planner calibrated on the hardware it plans for
-# (ours uses datasheet bandwidths and one efficiency factor), heterogeneous stages (embedding-heavy first or last
-# stages), and fault tolerance (a checkpoint every few minutes, restart on spare nodes).
+# **What ours lacks** against the published runs (Megatron-LM, torchtitan, DeepSpeed, Llama 3's own stack):
+# overlapping tp's collectives with compute (Megatron's communication overlap, async tp: ours block, lesson 05);
+# topology-aware collectives (NCCL's trees and NVLS, hierarchical all-reduce across nodes); a planner calibrated on
+# the hardware it plans for (ours uses datasheet bandwidths and one assumed efficiency, and no layout of it has run
+# on a GPU); heterogeneous stages (embedding-heavy first or last stages); FP8 as the large runs use it (lesson 11's
+# FP8 scales whole tensors, is simulated on CPUs, and hands back fp32 outputs, so the activations around it come
+# out larger than bf16's; DeepSeek-V3 scales tiles and blocks and caches activations in FP8); and recovery that
+# replaces a failed machine (lesson 10 checkpoints, resumes exactly and survives a lost node from its peer's copy,
+# but torchrun restarts every rank on the same machines, with no spare to swap in; automation handled all but three
+# of Llama 3 405B's 419 unexpected interruptions: Dubey et al. 2024, §3.3.4).
 #
 # **Sources.** Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 # Megatron-LM" (the PTD-P layout, tp inside a node, the interleaved schedule); Korthikanti et al. 2022, "Reducing

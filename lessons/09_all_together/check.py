@@ -207,7 +207,7 @@ def _memory_problem(fn, path):
                 elif key == "activations":
                     alive = min(layout.pp - stage, m)
                     mistakes = {act * m: f"{m} micro-batches alive is AFAB's peak; 1F1B keeps pp - stage",
-                                act * layout.pp: "1F1B keeps pp - stage micro-batches alive on stage i, not pp",
+                                act * layout.pp: "1F1B keeps pp - stage micro-batches alive on a stage, not pp",
                                 act * (layout.pp - stage): f"only m = {m} micro-batches exist: at most m are alive",
                                 act: "one micro-batch: 1F1B starts pp - stage forwards before the first backward"}
                     hint = next((f": {why}" for v, why in mistakes.items() if v != act * alive and abs(g - v) <= 2), "")
@@ -220,12 +220,12 @@ MEM_KEYS = ("params", "grads", "optimizer", "activations")
 
 
 # ------------------------------------------------------------------------------------------ exercise 4
-# Llama 3 8B on 16 H100 (80 GB: the 79.6 GiB a process sees), sequences of 8192, 256 per step (2M tokens); then the
-# same with 48 GiB per GPU.
+# Llama 3 8B on 16 GPUs, sequences of 8192, 256 per step (2M tokens), with the memory a layout may use (section 5's
+# 10% headroom kept free) of an H100 80GB, 71.7 GiB of its 79.6, then of an A100 40GB, 35.6 GiB of its 39.6.
 CHOICES = ("dp16,mbs1,ga16", "dp16,zero3,mbs1,ga8", "dp8,tp2,mbs1,ga8", "dp8,tp2,sp,zero1,mbs1,ga32",
            "dp16,zero2,mbs2,ga8", "dp4,pp4,zero1,mbs1,ga64", "tp8,pp2,mbs1,ga256", "dp16,zero1,mbs1,ga16",
            "dp16,zero3,recompute-full,mbs2,ga4", "dp8,cp2,zero3,mbs1,ga32")
-CHOICE_JOB = dict(model="llama3-8b", seq=8192, global_seqs=256, budgets=("h100-80gb", 48.0))
+CHOICE_JOB = dict(model="llama3-8b", seq=8192, global_seqs=256, budgets=("h100-80gb", "a100-40gb"))
 
 
 def _choice_tools():
@@ -257,7 +257,7 @@ def _choose_problem(fn, path):
     layouts, mem, sec = _choice_tools()
     seqs = CHOICE_JOB["global_seqs"]
     for budget in CHOICE_JOB["budgets"]:
-        budget = plan.GPUS[budget].memory / GiB if isinstance(budget, str) else budget
+        budget = plan.usable(plan.GPUS[budget]).memory / GiB if isinstance(budget, str) else budget
         head = f"{CHOICE_JOB['model']} on 16 GPUs of {budget:.1f} GiB, {seqs} sequences of {CHOICE_JOB['seq']} per step"
         want_best, want_rej = reference_choice(layouts, mem, sec, budget, seqs)
         got = fn(list(layouts), lambda x: mem[x], lambda x: sec[x], budget, seqs)
@@ -309,7 +309,8 @@ SUCCESS = {
                   f"and {len(IMPOSSIBLE)} impossible batches refused",
     "memory_by_part": f": every stage of {len(MEMORY_CASES)} layouts of SmolLM-1.7B and Llama 3 8B equals "
                       f"picotron.planner.memory_per_stage (bf16, mixed)",
-    "choose": f": {len(CHOICES)} layouts of {CHOICE_JOB['model']} on 16 H100s, with their 80 GB and with 48 GiB",
+    "choose": f": {len(CHOICES)} layouts of {CHOICE_JOB['model']} on 16 GPUs, with 71.7 GiB per GPU (an H100's 90%) "
+              f"and with 35.6 GiB (an A100 40GB's 90%)",
 }
 PROBLEMS = {"place": _place_problem, "step_batch": _batch_problem, "memory_by_part": _memory_problem,
             "choose": _choose_problem}

@@ -45,8 +45,9 @@ def memory_by_part(params, layout, activations, stage):
 
 def choose(candidates, memory_gib, step_seconds, budget_gib, global_seqs):
     """EXERCISE 4: the decision procedure. `candidates`: Layouts (.dp .micro_batch_size .grad_acc ...), in the order
-    to try them; memory_gib(layout) and step_seconds(layout): the planner's predictions; budget_gib: memory per
-    GPU; global_seqs: sequences per optimizer step. Step 1: reject what does not fit ("memory"); step 2: reject
+    to try them; memory_gib(layout) and step_seconds(layout): the planner's predictions; budget_gib: the GiB per
+    GPU a layout may use (the checker gives 71.7, an H100's 79.6 less 10% headroom, then 35.6, an A100 40GB's
+    39.6 less 10%); global_seqs: sequences per optimizer step. Step 1: reject what does not fit ("memory"); step 2: reject
     what does not run exactly global_seqs sequences per step ("batch"); a layout failing both is rejected at the
     first step that fails. Step 3: of the rest, the one with the most tokens per second. Return (best or None,
     [(layout, "memory" | "batch"), ...] in the candidates' order)."""

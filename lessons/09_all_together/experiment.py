@@ -641,6 +641,12 @@ def plot_decisions(rows):
         ax.set_xlabel("GPUs (H100 80 GB, 8 per node)", fontsize=FONT)
         ax.tick_params(labelsize=FONT)
         _legend_below(ax, ncol=3, dy=-0.18)
+    from picotron import plan
+
+    ax1.axhline(100 * plan.EFFICIENCY, color="k", ls=":", lw=0.8)
+    ax1.text(ax1.get_xlim()[0], 100 * plan.EFFICIENCY - 0.3, f" dotted: the assumed kernel efficiency, "
+             f"{100 * plan.EFFICIENCY:.0f}% (plan.EFFICIENCY, an input of the model): MFU's ceiling", fontsize=6, va="top")
+    ax1.set_ylim(top=100 * plan.EFFICIENCY + 1.5)
     ax1.set(ylabel="predicted MFU of the best layout (%)", title="step 3: the fastest layout that fits and reaches "
                                                                  "the batch")
     hw, card = rows[0]["hw"], rows[0].get("card", rows[0]["hw"])

@@ -25,6 +25,7 @@ lessons/_notebook.py): edit this file, never the notebook.
 
 # %%
 import json
+import os
 import sys
 import matplotlib.pyplot as plt
 sys.path.insert(0, "..")   # lessons/: the helpers every lesson shares
@@ -44,7 +45,7 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}")
 # %% [markdown]
 # ## 1. What an exact resume needs
 #
-# After step $k$ the run's whole state is: the parameters, the optimizer's state (AdamW: two moments per parameter
+# After step $j$ the run's whole state is: the parameters, the optimizer's state (AdamW: two moments per parameter
 # and a step count), the learning rate (here a function of the step), the position in the data, and any random
 # number generator the step draws from. In picotron the batches are a pure function of (seed, step, rank) and the
 # model has no dropout, so the data position is the step and no generator is used in training; each rank's RNG
@@ -221,21 +222,45 @@ check("ZeRO: each rank writes half", all(abs(b["bytes"] - 6 * r["params"]) <= 12
 # %%
 asy = _common.load_json(OUT / "async.json")["results"]
 lesson.plot_async(asy); plt.show()
+ends, stopped, moved = {}, {}, {}
 for mode in ("none", "sync", "async"):
     r = asy["runs"][mode][0]
     spans = [b - a for _, a, b in r["steps"]]
-    pause = [s["snapshot_s"] for s in r["saves"]]
+    copy = [s["snapshot_s"] for s in r["saves"]]
     write = [s["write_s"] for s in r["saves"]]
-    extra = f", a save pauses training {1e3 * sum(pause) / len(pause):.0f} ms and writes for {1e3 * sum(write) / len(write):.0f} ms" if pause else ""
+    ends[mode] = r["end"]
+    stopped[mode] = sum(copy) + (sum(write) if mode == "sync" else 0.0)
+    moved[mode] = sum(write) if mode == "async" else 0.0
+    extra = ""
+    if copy:
+        c_ms, w_ms = 1e3 * sum(copy) / len(copy), 1e3 * sum(write) / len(write)
+        extra = (f", {len(copy)} saves: each stops training {c_ms + w_ms:.0f} ms (copy {c_ms:.0f} + write {w_ms:.0f})"
+                 if mode == "sync" else f", {len(copy)} saves: each stops training {c_ms:.0f} ms (the copy); its "
+                 f"write, {w_ms:.0f} ms, runs in a thread beside the training")
     print(f"  {mode:<5}: {len(spans)} steps in {r['end']:.2f} s, mean step {1e3 * sum(spans) / len(spans):.0f} ms{extra}")
+cost_sync, cost_async = ends["sync"] - ends["none"], ends["async"] - ends["none"]
+hid = max(0.0, min(1.0, 1 - cost_async / cost_sync)) if cost_sync > 0 else 0.0
+cores = len(os.sched_getaffinity(0))
+verdict = ("the thread hid none of the synchronous cost, it added more" if cost_async >= cost_sync
+           else f"the thread hid {hid:.0%} of the synchronous cost")
+print(f"saving added {cost_sync:.2f} s to the run synchronously (its pauses: {stopped['sync']:.2f} s) and "
+      f"{cost_async:.2f} s asynchronously (its pauses: {stopped['async']:.2f} s; its writes, {moved['async']:.2f} s, "
+      f"beside the training): {verdict}"
+      + (f"; the writer thread and the two trainers share {cores} cores" if hid < 0.5 else
+         f", on {cores} cores shared by the writer thread and the two trainers"))
 
 # %% [markdown]
-# Asynchronous saving pauses training only to copy the tensors to host memory; a thread writes them while
-# training goes on, and the next save (and the end of training) waits for it first — never two writes at once.
-# The writer coordinates over a process group of its own (gloo), so its barriers never interleave with the
-# training's collectives. On a GPU the copy is a device-to-host transfer and the write then costs the GPUs
-# nothing. On this CPU machine the background thread needs the same two cores the training processes use, so the
-# write slows the steps it overlaps: the timeline shows what is hidden and what is not.
+# A synchronous save stops training for the copy *and* the write (the first printed line with saves); an
+# asynchronous one stops it only to copy the tensors to host memory, and a thread writes them while training goes
+# on; the next save (and the end of training) waits for it first — never two writes at once. The writer
+# coordinates over a process group of its own (gloo), so its barriers never interleave with the training's
+# collectives. On a GPU the copy is a device-to-host transfer and the write then costs the GPUs nothing. On this
+# machine it is not free (the last line above says how much of the synchronous cost it hid): the two training
+# processes already keep both cores busy, so the writer thread runs only by taking a core from a trainer. The write
+# takes longer beside the training than alone (compare the two write times printed), and the steps it overlaps
+# can stretch. In the full run (a larger model, longer writes) that cost can eat most of what the thread hides. The
+# timeline shows both: the thin orange bar under the asynchronous row is the write, the green steps above it run
+# beside it.
 
 # %%
 dcp = _common.load_json(OUT / "dcp.json")["results"]
@@ -263,8 +288,8 @@ for r in dcp:
 # \quad \text{(Young 1974)}.$$
 #
 # Daly (2006) refines it for saves that are not small against $M$: $T^* = \sqrt{2CM}\,[1 + \tfrac13\sqrt{C/2M} +
-# \tfrac19 (C/2M)] - C$ for $C < 2M$. The failure rate grows with the number of GPUs: from the Llama 3 run, one
-# unexpected interruption per $54 \times 24 \times 16384 / 419 \approx 50{,}700$ GPU-hours, so $M = 50{,}700\,\text{h} / N$.
+# \tfrac19 (C/2M)] - C$ for $C < 2M$. The failure rate grows with the number of GPUs $G$: from the Llama 3 run, one
+# unexpected interruption per $54 \times 24 \times 16384 / 419 \approx 50{,}700$ GPU-hours, so $M = 50{,}700\,\text{h} / G$.
 # A simulation checks the formula: failures drawn at random over months of work, the lost time counted (the
 # derivation and the sources: [reference](../../docs/reference.md#checkpoints-and-failures)).
 
@@ -302,7 +327,7 @@ check("the first-order model against the simulation", abs(model[4] - at_young) <
 # %% [markdown]
 # **From what we measured.** Section 5 measured this machine's save: its write bandwidth is the largest model's
 # bytes over its synchronous save time. Llama 3's checkpoints held 1 MB to 4 GB per GPU (Dubey et al. 2024,
-# section 3.3.4): a 4 GB shard at the bandwidth measured here, and at the copy to host memory alone (what an
+# section 3.3.1): a 4 GB shard at the bandwidth measured here, and at the copy to host memory alone (what an
 # asynchronous save pauses for), gives the interval a 16,384-GPU job should use:
 
 # %%
@@ -323,11 +348,11 @@ check("measured cost -> interval", 0 < lesson.daly(4e9 / bandwidth, M) < lesson.
 # %% [markdown]
 # **Two levels.** Most failures take out one node while its neighbours live. A copy of each rank's shard in a
 # peer node's memory is cheap to write (a network transfer, no file system) and survives those; disk is needed
-# only for what takes out the pair (or the whole job). With a share $p$ of failures recoverable from the peer's
-# copy, each level gets its own Young interval for the failures it serves: $T_1 = \sqrt{2C_1M/p}$,
-# $T_2 = \sqrt{2C_2M/(1-p)}$ (the idea of multi-level checkpointing, Moody et al. 2010, "SCR"; Gemini, Wang et al.
+# only for what takes out the pair (or the whole job). With a share $\rho$ of failures recoverable from the peer's
+# copy, each level gets its own Young interval for the failures it serves: $T_1 = \sqrt{2C_1M/\rho}$,
+# $T_2 = \sqrt{2C_2M/(1-\rho)}$ (the idea of multi-level checkpointing, Moody et al. 2010, "SCR"; Gemini, Wang et al.
 # 2023, keeps checkpoints in CPU memory of other machines for LLM training). Move the sliders: the number of GPUs,
-# the two costs, the share $p$. (picotron's trainer has the two levels, with the peer's copy on the next node's local
+# the two costs, the share $\rho$. (picotron's trainer has the two levels, with the peer's copy on the next node's local
 # disk: section 7 loses nodes for real.)
 
 # %%
@@ -341,7 +366,7 @@ def draw(gpus=16384, c_disk=60.0, c_memory=2.0, restart=300.0, p=0.9):
     ax.plot(ps, [100 * x for x in two], "-", label="two levels (peer memory, then disk)")
     ax.axhline(100 * one, color="k", ls="--", label="disk only, at Young's interval")
     ax.plot([p], [100 * w], "o", color="C3")
-    ax.set_xlabel("share p of failures a peer's copy recovers", fontsize=8); ax.set_ylabel("% of time lost", fontsize=8)
+    ax.set_xlabel("share ρ of failures a peer's copy recovers", fontsize=8); ax.set_ylabel("% of time lost", fontsize=8)
     ax.legend(fontsize=7); ax.tick_params(labelsize=8); fig.tight_layout(); plt.show()
     print(f"{gpus} GPUs: M = {m / 3600:.2f} h; disk only every {lesson.young(c_disk, m) / 60:.0f} min loses "
           f"{100 * one:.1f}%; two levels: memory every {t1 / 60:.1f} min, disk every {t2 / 60:.0f} min, lose {100 * w:.1f}%")
@@ -351,10 +376,10 @@ _common.interactive(draw, lambda w: dict(
     c_disk=w.FloatSlider(value=60, min=1, max=900, description="C disk (s)"),
     c_memory=w.FloatSlider(value=2, min=0.1, max=60, description="C memory (s)"),
     restart=w.FloatSlider(value=300, min=10, max=1800, description="restart (s)"),
-    p=w.FloatSlider(value=0.9, min=0.0, max=0.99, step=0.01, description="p")))
+    p=w.FloatSlider(value=0.9, min=0.0, max=0.99, step=0.01, description="ρ")))
 
 # %% [markdown]
-# **Takeaway:** checkpoint every $\sqrt{2CM}$; $M$ shrinks as $1/N$, so a bigger cluster must save more often or
+# **Takeaway:** checkpoint every $\sqrt{2CM}$; $M$ shrinks as $1/G$, so a bigger cluster must save more often or
 # more cheaply — asynchronous writes shrink $C$ to the copy, and a peer's memory shrinks it further for most failures.
 #
 # ## 7. Two levels, built: a lost node, and what it costs
@@ -373,8 +398,8 @@ _common.interactive(draw, lambda w: dict(
 # rank's shard survives, on its own node or the next, wins; a rank whose shard was lost gets it back from the next
 # node, and a copy that was lost is sent again. Else level 2.
 #
-# **The model.** A failure during step $k$ redoes the steps since the newest surviving checkpoint $s$: $k - s$
-# of them, the killed one included. Spread evenly over an interval of $K$ steps that is $(K+1)/2$ on average —
+# **The model.** A failure during step $j$ redoes the steps since the newest surviving checkpoint, at step $j_0$:
+# $j - j_0$ of them, the killed one included. Spread evenly over an interval of $K$ steps that is $(K+1)/2$ on average —
 # section 6's $T/2$ plus the killed step — with $K = K_1$ when the lost node's peer survives and $K = K_2$ when
 # only level 2 does; in seconds, that many steps plus the restart $R$ (Moody et al. 2010 model each level this
 # way). The experiment: dp2 + ZeRO-1 as two nodes, level 2 every $K_2$ steps, a node lost at every step of one

@@ -630,7 +630,7 @@ def plot_async(res, rank=0):
     ax.set_yticks([0, 1, 2], ["no checkpoint", "synchronous", "asynchronous"], fontsize=FONT)
     ax.set_ylim(2.6, -0.5)
     ax.set_xlabel(f"seconds, rank {rank} (green: training steps; red: copying the state to host memory; orange: "
-                  f"writing; async: the thread above the bar)", fontsize=FONT)
+                  f"writing; async: the writer thread, the thin bar under its row)", fontsize=FONT)
     ax.tick_params(labelsize=FONT)
     ax.set_title(f"a checkpoint every {res['every']} steps, {res['size']} model ({res['params'] / 1e6:.1f} M "
                  f"parameters), dp2 + ZeRO-1", fontsize=9)

@@ -48,12 +48,12 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; torch {torch.__
 # %% [markdown]
 # ## 1. Five number formats, measured by casting
 #
-# A binary float with $e$ exponent bits and $m$ mantissa bits stores $\pm 1.f \times 2^{E - \text{bias}}$ with
-# bias $= 2^{e-1} - 1$. Its **range** runs from the smallest normal number $2^{1 - \text{bias}}$ to the largest,
-# $(2 - 2^{-m})\,2^{2^e - 2 - \text{bias}}$ (the top exponent is kept for inf and NaN); below the smallest normal the
-# *subnormals* $0.f \times 2^{1-\text{bias}}$ reach down to $2^{1-\text{bias}-m}$ with fewer and fewer significant
-# bits. Its **precision**: rounding to nearest moves any number inside the normal range by at most
-# $u = 2^{-(m+1)}$ of itself (the unit roundoff, half the gap between 1 and the next number). FP8's E4M3 (torch's
+# A binary float with $w_e$ exponent bits and $w_m$ mantissa bits stores $\pm 1.f \times 2^{z - \text{bias}}$ ($z$ the
+# stored exponent) with bias $= 2^{w_e-1} - 1$. Its **range** runs from the smallest normal number $2^{1 - \text{bias}}$
+# to the largest, $(2 - 2^{-w_m})\,2^{2^{w_e} - 2 - \text{bias}}$ (the top exponent is kept for inf and NaN); below the
+# smallest normal the *subnormals* $0.f \times 2^{1-\text{bias}}$ reach down to $2^{1-\text{bias}-w_m}$ with fewer and
+# fewer significant bits. Its **precision**: rounding to nearest moves any number inside the normal range by at most
+# $u = 2^{-(w_m+1)}$ of itself (the unit roundoff, half the gap between 1 and the next number). FP8's E4M3 (torch's
 # `float8_e4m3fn`, "finite") has no infinities and only one NaN pattern, so its top exponent holds numbers too, up
 # to $1.75 \cdot 2^8 = 448$ (IEEE 754-2019; Goldberg 1991; Micikevicius et al. 2022 for FP8).
 #
@@ -97,7 +97,7 @@ for name, (dtype, e, m, _) in lesson.FORMATS.items():
 #
 # ## 2. fp16: gradients below the window, and loss scaling
 #
-# The gradient of a mean loss over $N$ tokens gives each token a $1/N$ share of every gradient. A step of a real
+# The gradient of a mean loss over $n_\text{tok}$ tokens gives each token a $1/n_\text{tok}$ share of every gradient. A step of a real
 # LLM holds $10^5$ to $10^7$ tokens (Llama 3 405B started at 4 M), so each token's contribution to an activation's
 # gradient is tiny; where it falls below fp16's smallest normal ($2^{-14} \approx 6 \cdot 10^{-5}$) it loses bits, below half its
 # smallest subnormal ($2^{-25}$) it becomes zero, and zero gradients propagate backwards as zeros. Micikevicius et al.
@@ -274,8 +274,17 @@ check("and data parallelism all-reduces bf16 gradients in half, bf16 autocast's 
 # %% [markdown]
 # Every recipe holds 16 bytes per parameter of model states, split 4 + 4 + 8 or 2 + 2 + 12. What differs is the
 # activations — bf16 autocast keeps its matmuls' inputs in bf16 (plus a bf16 copy of each weight, lesson 01), bf16
-# parameters make those copies unnecessary, FP8 saves its matmul inputs in one byte — and the traffic: bf16
-# autocast moves fp32 parameters and gradients through every collective, bf16-params half as many bytes.
+# parameters make those copies unnecessary — and the traffic: bf16 autocast moves fp32 parameters and gradients
+# through every collective, bf16-params half as many bytes.
+#
+# FP8 is the exception in the table: its activations come out *above* bf16 autocast's, not below. Its linear layers
+# do save what they need for backward in one byte (the E4M3 input and an E4M3 copy of the weight, `ctx.save_for_backward`
+# in `picotron/fp8.py`), but `fp8_linear` hands back its output in its *input's* dtype. The input comes from the
+# norm or the residual stream, fp32 here (fp32 parameters), so every linear's output is fp32 where bf16 autocast's
+# is bf16, and what the layer saves after it (attention's inputs, SwiGLU's product, the next norm's input) is
+# saved in fp32 too. Counted by dtype on the same step (bytes per parameter): bf16 autocast saves about 27 in bf16
+# and 12.5 in fp32; fp8 about 6.5 in FP8, 4 in bf16 and 35 in fp32 — the fp32 tensors grow almost as much as the
+# bf16 ones shrink, and the one-byte ones come on top. An FP8 recipe that saves less returns bf16 from its linears.
 #
 # **Takeaway:** mixed precision is about speed, activations and bandwidth; the model states stay at 16 bytes per
 # parameter, and only sharding (ZeRO) divides them.
@@ -286,8 +295,8 @@ check("and data parallelism all-reduces bf16 gradients in half, bf16 autocast's 
 # tensor, so each operand of an FP8 matmul is multiplied by its own scale before the cast, and the product divided
 # by both scales afterwards (`picotron/fp8.py`, current scaling):
 #
-# $$s = \frac{f_{\max}}{\max|t|}, \qquad t_q = \text{fp8}\big(\text{clamp}(t \cdot s, \pm f_{\max})\big), \qquad
-# x\,w^\top \approx \frac{x_q\, w_q^\top}{s_x\, s_w}$$
+# $$\sigma = \frac{f_{\max}}{\max|t|}, \qquad t_q = \text{fp8}\big(\text{clamp}(t \cdot \sigma, \pm f_{\max})\big), \qquad
+# x\,w^\top \approx \frac{x_q\, w_q^\top}{\sigma_x\, \sigma_w}$$
 #
 # so the largest element lands on the format's largest number (448 or 57,344) and the rest use the binades below it.
 # Three real tensors of MINI after 10 training steps — the input of layer 1's `down_proj` (an activation: the
@@ -362,8 +371,8 @@ check("fp8_linear's error is FP8's", all(e < 0.15 for e in errs["fp8"]) and all(
 
 # %% [markdown]
 # A per-matmul error of a few percent sounds alarming; it is noise with no bias, and training averages it away.
-# `--dtype fp8` on MINI (the decoder layers' seven linears in FP8; embedding, head, norms and attention in bf16,
-# as DeepSeek-V3 keeps them) against bf16 autocast and fp32:
+# `--dtype fp8` on MINI (the decoder layers' seven linears in FP8; embedding, head, norms and attention in higher
+# precision, as DeepSeek-V3 keeps them) against bf16 autocast and fp32:
 
 # %%
 curves = {"fp32": fp32_run, "bf16": lesson.train_curve(st["fp8_steps"], dtype="bf16"),
@@ -388,27 +397,27 @@ check("FP8 training follows fp32", dev["fp8"] < 3e-2 and curves["fp8"]["loss"][-
 #
 # ## 5. Why attention is memory-bound, and how tiling fixes it
 #
-# Written as three kernels — $S = qk^\top/\sqrt d$, $P = \text{softmax}(S)$, $O = PV$ — attention writes the $s \times s$
+# Written as three kernels — $S = QK^\top/\sqrt d$, $P = \text{softmax}(S)$, $O = PV$ — attention writes the $s \times s$
 # scores to memory, reads them, writes the probabilities, reads them again. Per forward, with $b$ sequences, $a$
-# query heads, $k$ KV heads, elem bytes per number (`kernels.attention_bytes`):
+# query heads, $a_\text{kv}$ KV heads, elem bytes per number (`kernels.attention_bytes`):
 #
-# $$\text{naive} = \text{elem}\,(2basd + 2bksd + 4bas^2), \qquad \text{FLOPs} = 4bas^2d
+# $$\text{naive} = \text{elem}\,(2basd + 2ba_\text{kv}sd + 4bas^2), \qquad \text{FLOPs} = 4bas^2d
 # \;\Rightarrow\; \text{intensity} \to \frac{d}{\text{elem}} \text{ FLOP/byte}.$$
 #
 # At $d = 128$ in bf16 that is 64 FLOPs per byte, against the ~295 an H100 needs to keep its tensor cores busy
 # (989 TFLOP/s / 3.35 TB/s): memory-bound, whatever $s$. FlashAttention (Dao et al. 2022; Dao 2023) never writes $S$:
 # one tile of $B_q$ queries stays in fast on-chip memory while the key and value tiles stream past, merged by the
-# **online softmax** (Milakov and Gimelshein 2018): keep a running max $m$, a running sum $l$ and an unnormalised
-# output, and rescale both by $e^{m - m'}$ whenever a new tile raises the max:
+# **online softmax** (Milakov and Gimelshein 2018): keep a running max $\mu$, a running sum $l$ and an unnormalised
+# output, and rescale both by $e^{\mu - \mu'}$ whenever a new tile raises the max:
 
 # %%
 _common.show_source(kernels._flash_forward, "for q0 in range", "lse[..., q0:q1]")
 
 # %% [markdown]
-# Each query tile reads its $q$ once, the K/V tiles it sees, and writes $O$ and one log-sum-exp per row: the traffic
+# Each query tile reads its $Q$ once, the K/V tiles it sees, and writes $O$ and one log-sum-exp per row: the traffic
 # grows as $s^2/B_q$ instead of $s^2$. The experiment: `attention_bytes` for a Llama-3-8B-like layer (32 query heads,
 # 8 KV heads, $d = 128$, bf16, tiles of 128) against $s$; the same count *measured* on `kernels.flash_attention`
-# by a dispatch mode that watches which tiles it loads (a cast of a slice of $q$, $k$ or $v$) and what it writes back
+# by a dispatch mode that watches which tiles it loads (a cast of a slice of $Q$, $K$ or $V$) and what it writes back
 # (a tile of $O$, a slice of lse); the arithmetic intensity against this CPU's balance (its measured matmul peak over
 # its measured copy bandwidth) and the H100's; then our three implementations timed and their saved activations
 # counted.
@@ -448,7 +457,7 @@ check("attention_bytes counts what the tiled kernel moves", all(c == f for _, c,
 b_, a_, k_, s_, d_ = 1, 32, 8, 4096, 128
 check("the naive count is the reference's formula", kernels.attention_bytes(b_, a_, k_, s_, d_, 2, impl="naive")
       == 2 * (2 * b_ * a_ * s_ * d_ + 2 * b_ * k_ * s_ * d_ + 4 * b_ * a_ * s_ * s_),
-      "elem·(2basd + 2bksd + 4bas²) at s = 4096")
+      "elem·(2basd + 2b·a_kv·sd + 4bas²) at s = 4096")
 top = rows[-1]
 check("naive attention is memory-bound on an H100, tiled is not", abs(top["naive_intensity"] - 128 / 2) / 64 < 0.05
       and top["naive_intensity"] < 295 < top["tiled_intensity"],
@@ -468,9 +477,9 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 
 # %% [markdown]
 # The tiled kernel moves far fewer bytes. At long $s$ both counts are dominated by their $s^2$ terms: the naive
-# $4bas^2$ elements against the tiled $2bkd \cdot s^2/(2B_q)$ (causal: each query tile reads half the keys on
-# average), a ratio of $4aB_q/(kd)$ = 16 for this layer, where the printed ratios level off. The intensity follows:
-# the naive form's tends to $d/\text{elem}$ = 64, the tiled one's to $2aB_q/(k\cdot\text{elem})$ = 512 — above the H100's
+# $4bas^2$ elements against the tiled $2ba_\text{kv}d \cdot s^2/(2B_q)$ (causal: each query tile reads half the keys on
+# average), a ratio of $4aB_q/(a_\text{kv}d)$ = 16 for this layer, where the printed ratios level off. The intensity follows:
+# the naive form's tends to $d/\text{elem}$ = 64, the tiled one's to $2aB_q/(a_\text{kv}\cdot\text{elem})$ = 512 — above the H100's
 # ~295, so the tiled kernel is compute-bound; larger tiles raise it further (on-chip memory is the limit). The bytes
 # are not only an estimate: the count of the tiles `flash_attention` loads and the outputs it writes, watched op by
 # op, equals `attention_bytes` to the byte.
@@ -482,7 +491,7 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 # small PyTorch ops — to pay per tile instead. On a GPU the same tiling in one kernel is what wins: FlashAttention-2
 # runs 3–10× faster than a standard PyTorch attention and reaches up to 73% of an A100's peak (Dao 2023, section
 # 4.1). What holds everywhere is the memory: `eager` saves the $s\times s$ probabilities for backward (quadrupling
-# when $s$ doubles), `flash` and `sdpa` only $q, k, v$, the output and one log-sum-exp per row, and recompute the
+# when $s$ doubles), `flash` and `sdpa` only $Q, K, V$, the output and one log-sum-exp per row, and recompute the
 # probabilities in backward.
 #
 # **Takeaway:** count bytes, not FLOPs: an operation whose FLOPs per byte fall below the machine's balance runs at
@@ -492,10 +501,10 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 #
 # RMSNorm ($y = x/\sqrt{\text{mean}(x^2) + \epsilon} \cdot w$) and SwiGLU ($\text{silu}(g) \cdot u$) do a few FLOPs per
 # element; written in PyTorch each op is a kernel that reads its inputs from memory and writes its output back. The
-# op-by-op RMSNorm forward moves $7N + 6r + h$ elements ($N = r \cdot h$ for $r$ rows): $x^2$ (read $N$, write $N$), its
-# mean ($N$ in, $r$ out), $+\epsilon$ and rsqrt ($2r$ each), $x \cdot \text{rstd}$ ($N + r$ in, $N$ out), $\cdot\, w$
-# ($N + h$ in, $N$ out). A fused kernel reads $x$ and $w$ and writes $y$ (and one rstd per row for backward):
-# $2N + h$. The experiment counts the plain ops' bytes with a dispatch mode, forward and backward, against what
+# op-by-op RMSNorm forward moves $7Rh + 6R + h$ elements ($R$ rows of $h$): $x^2$ (read $Rh$, write $Rh$), its
+# mean ($Rh$ in, $R$ out), $+\epsilon$ and rsqrt ($2R$ each), $x \cdot \text{rstd}$ ($Rh + R$ in, $Rh$ out), $\cdot\, w$
+# ($Rh + h$ in, $Rh$ out). A fused kernel reads $x$ and $w$ and writes $y$ (and one rstd per row for backward):
+# $2Rh + h$. The experiment counts the plain ops' bytes with a dispatch mode, forward and backward, against what
 # the fused kernels in `picotron/kernels.py` read and write; checks `torch.compile`'s fused version against the
 # plain one; and times both.
 
@@ -525,7 +534,7 @@ print(f"  triton: {'installed' if kernels.triton is not None else 'not installed
 # %%
 check("the plain RMSNorm's bytes are the formula's", traffic["rms_norm forward"]["plain"]
       == lesson.rms_norm_plain_bytes(R, 1024),
-      f"{traffic['rms_norm forward']['plain']:,} bytes counted op by op = 4·(7N + 6r + h), N = {R} × 1024")
+      f"{traffic['rms_norm forward']['plain']:,} bytes counted op by op = 4·(7Rh + 6R + h), R = {R} rows, h = 1024")
 
 # %% [markdown]
 # Fusing cuts the RMSNorm forward's traffic about 3.5× and its backward's more (autograd's op-by-op backward
@@ -598,7 +607,7 @@ check("self times partition the step", total <= 1.05 * prof["wall"],
 #
 # ## 8. Explore: a format, a tensor, a scale
 #
-# Pick a format, one of the model's tensors, and a scale $2^k$ it is multiplied by before the cast (the loss scale
+# Pick a format, one of the model's tensors, and a scale $2^j$ it is multiplied by before the cast (the loss scale
 # for gradients, the per-tensor scale for FP8): its values' histogram over the format's window, and what the cast
 # does to them. Questions: what loss scale puts all of the section-2 gradients (loss / V) into fp16's normal range,
 # and what scale makes them overflow? Which tensors fit E4M3 with no scale at all? For the FP8 formats, what is the
@@ -661,7 +670,7 @@ all_passed = checker.check()
 # | bf16 autocast (`--dtype bf16`) | 4 + 4 + 8 | bf16 matmuls; smaller activations | a bf16 copy of each weight; fp32 traffic |
 # | bf16 params (`bf16-params`) | 2 + 2 + 12 | half the bytes in every gather and all-reduce | a master copy in the optimizer |
 # | fp16 (`fp16`) | 2 + 2 + 12 | the same on hardware without bf16 | loss scaling, skipped steps |
-# | FP8 (`fp8`) | 4 + 4 + 8 here | up to 2× matmul rate, 1-byte saved inputs (Hopper, Ada, Blackwell) | per-tensor scales, casts; care with outliers |
+# | FP8 (`fp8`) | 4 + 4 + 8 here | up to 2× matmul rate (Hopper, Ada, Blackwell); 1-byte saved matmul inputs, but ours returns fp32 outputs, so its activations here exceed bf16's (section 3) | per-tensor scales, casts; care with outliers |
 # | tiled attention | — | no $s^2$ memory or traffic | a hand-written kernel (FlashAttention) |
 # | fused norms and activations | — | fewer round trips to memory | a compiler, or a kernel to write |
 #

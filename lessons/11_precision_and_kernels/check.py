@@ -75,13 +75,13 @@ def _blocks(q, k, v, block, rescale_acc=True, rescale_sum=True, shift=True):
 
 ATTENTION_MISTAKES = (
     (dict(rescale_acc=False), lambda acc, l, m: acc / l[:, None],
-     "the running output acc is not rescaled by exp(m − m') when a block raises the max: the earlier blocks keep "
+     "the running output acc is not rescaled by exp(μ − μ') when a block raises the max: the earlier blocks keep "
      "weights computed against an older, smaller max"),
     (dict(rescale_sum=False), lambda acc, l, m: acc / l[:, None],
-     "the running sum l is not rescaled by exp(m − m') when a block raises the max (acc is): the normaliser mixes "
+     "the running sum l is not rescaled by exp(μ − μ') when a block raises the max (acc is): the normaliser mixes "
      "terms computed against different maxima"),
     (dict(rescale_acc=False, rescale_sum=False), lambda acc, l, m: acc / l[:, None],
-     "neither acc nor l is rescaled by exp(m − m') when a block raises the max"),
+     "neither acc nor l is rescaled by exp(μ − μ') when a block raises the max"),
     ({}, lambda acc, l, m: acc, "the output is acc without the final division by the running sum l"),
 )
 
@@ -105,7 +105,7 @@ def _attention_problem(fn, path):
                 hint = ""
                 if magnitude > 1:
                     hint = (f": the scores reach {float(s.abs().max()):.0f}, and exp(s) overflows float64 above "
-                            f"~709: subtract the running max before exp (exp(s − m) ≤ 1)")
+                            f"~709: subtract the running max μ before exp (exp(s − μ) ≤ 1)")
                 return f"{head}: row {i} of out is {out[i, :3].tolist()}...{hint}"
             if not torch.allclose(out, want_out, rtol=1e-9, atol=1e-12):
                 i = int((~torch.isclose(out, want_out, rtol=1e-9, atol=1e-12)).any(1).nonzero()[0])
@@ -121,7 +121,7 @@ def _attention_problem(fn, path):
             if not torch.allclose(lse, want_lse, rtol=1e-9, atol=1e-9):
                 i = int((~torch.isclose(lse, want_lse, rtol=1e-9, atol=1e-9)).nonzero()[0])
                 _, l, mx = _blocks(q, k, v, block)
-                hint = ": lse = m + log(l), the running max added back" if math.isclose(
+                hint = ": lse = μ + log(l), the running max μ added back" if math.isclose(
                     lse[i].item(), math.log(l[i].item()), rel_tol=1e-9) and mx[i] != 0 else ""
                 return f"{head}: row {i}: lse = {lse[i].item():.6g}, expected {want_lse[i].item():.6g}{hint}"
     return None

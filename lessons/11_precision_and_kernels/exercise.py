@@ -14,10 +14,10 @@ E4M3 = torch.float8_e4m3fn  # exercise 3's format
 
 def online_softmax_attention(q, k, v, block):
     """EXERCISE 1: softmax(q kᵀ / sqrt(d)) v for q [n, d], k and v [m, d] (no mask), reading k and v `block` rows
-    at a time, never forming the n × m matrix: keep for each query row a running max m_i, a running sum
-    l_i = Σ exp(s_ij − m_i) and a running output acc_i = Σ exp(s_ij − m_i) v_j over the blocks seen so far; when
-    a new block raises the max to m', multiply l and acc by exp(m − m') before adding the block's terms.
-    Return (out [n, d], lse [n]): out = acc / l after the last block, lse = m + log l (= log Σ_j exp(s_ij)).
+    at a time, never forming the n × m matrix: keep for each query row a running max μ_i, a running sum
+    l_i = Σ exp(s_ij − μ_i) and a running output acc_i = Σ exp(s_ij − μ_i) v_j over the blocks seen so far; when
+    a new block raises the max to μ', multiply l and acc by exp(μ − μ') before adding the block's terms.
+    Return (out [n, d], lse [n]): out = acc / l after the last block, lse = μ + log l (= log Σ_j exp(s_ij)).
     The last block may be shorter than `block`."""
     raise NotImplementedError("not written yet")
 
