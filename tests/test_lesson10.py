@@ -73,8 +73,8 @@ def test_checker_names_assemble_mistakes(tmp_path):
 
 def test_checker_names_interval_mistakes(tmp_path):
     out = fails_with(tmp_path, "interval", ("young = math.sqrt(2 * cost_s * mtbf_s)", "young = math.sqrt(cost_s * mtbf_s)"))
-    assert "FAIL  interval: C = 60 s, M = 10800 s: young = 1138.42" not in out  # the message shows the learner's value
-    assert "young = 804.984, expected 1138.42: sqrt(C·M) lacks the factor 2" in out, out
+    assert "FAIL  interval: C = 60 s, θ = 10800 s: young = 1138.42" not in out  # the message shows the learner's value
+    assert "young = 804.984, expected 1138.42: sqrt(C·θ) lacks the factor 2" in out, out
     out = fails_with(tmp_path, "interval", ("x / 9) - cost_s", "x / 9)"))
     assert "daly = " in out and "Daly subtracts the save's cost C" in out, out
 

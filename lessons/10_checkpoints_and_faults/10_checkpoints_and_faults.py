@@ -281,15 +281,15 @@ for r in dcp:
 # ## 6. How often to checkpoint: Young and Daly
 #
 # Write a checkpoint every $T$ seconds of work, each costing $C$ seconds; failures arrive at random, on average
-# every $M$ seconds; a restart costs $R$. Per unit of time we lose $C/T$ to saving, and per failure half an interval
+# every $\theta$ seconds (the mean time between failures); a restart costs $R$. Per unit of time we lose $C/T$ to saving, and per failure half an interval
 # of redone work on average plus the restart: the share of time lost is, to first order,
 #
-# $$\text{waste}(T) \approx \frac{C}{T} + \frac{T/2 + R}{M}, \qquad \text{minimised at } T^* = \sqrt{2CM}
+# $$\text{waste}(T) \approx \frac{C}{T} + \frac{T/2 + R}{\theta}, \qquad \text{minimised at } T^* = \sqrt{2C\theta}
 # \quad \text{(Young 1974)}.$$
 #
-# Daly (2006) refines it for saves that are not small against $M$: $T^* = \sqrt{2CM}\,[1 + \tfrac13\sqrt{C/2M} +
-# \tfrac19 (C/2M)] - C$ for $C < 2M$. The failure rate grows with the number of GPUs $G$: from the Llama 3 run, one
-# unexpected interruption per $54 \times 24 \times 16384 / 419 \approx 50{,}700$ GPU-hours, so $M = 50{,}700\,\text{h} / G$.
+# Daly (2006) refines it for saves that are not small against $\theta$: $T^* = \sqrt{2C\theta}\,[1 + \tfrac13\sqrt{C/2\theta} +
+# \tfrac19 (C/2\theta)] - C$ for $C < 2\theta$. The failure rate grows with the number of GPUs $G$: from the Llama 3 run, one
+# unexpected interruption per $54 \times 24 \times 16384 / 419 \approx 50{,}700$ GPU-hours, so $\theta = 50{,}700\,\text{h} / G$.
 # A simulation checks the formula: failures drawn at random over months of work, the lost time counted (the
 # derivation and the sources: [reference](../../docs/reference.md#checkpoints-and-failures)).
 
@@ -309,16 +309,16 @@ model = [lesson.waste_model(t, C, M, R) for t in grid]
 fig, ax = plt.subplots(figsize=(6.5, 3))
 ax.plot([t / 60 for t in grid], [100 * x for x in model], "k-", label="first-order model C/T + (T/2 + R)/M")
 ax.plot([t / 60 for t in grid], [100 * x for x in sim], "o", label=f"simulated ({work / 86400:.0f} days of work, 4 seeds)")
-ax.axvline(lesson.young(C, M) / 60, color="gray", ls=":", label="Young: sqrt(2CM)")
+ax.axvline(lesson.young(C, M) / 60, color="gray", ls=":", label="Young: sqrt(2Cθ)")
 ax.set_xscale("log"); ax.set_xlabel("minutes of work between checkpoints", fontsize=8)
 ax.set_ylabel("% of the time lost", fontsize=8); ax.legend(fontsize=7); ax.tick_params(labelsize=8)
-ax.set_title(f"16,384 GPUs (M = {M / 3600:.1f} h), C = {C:.0f} s, R = {R:.0f} s", fontsize=9)
+ax.set_title(f"16,384 GPUs (θ = {M / 3600:.1f} h), C = {C:.0f} s, R = {R:.0f} s", fontsize=9)
 fig.tight_layout(); plt.show()
 
 # %%
 at_young = sim[grid.index(lesson.young(C, M))]
 check("Young's interval is (near) the simulated optimum", at_young <= 1.03 * min(sim),
-      f"{100 * at_young:.2f}% lost at sqrt(2CM) = {lesson.young(C, M) / 60:.0f} min, the best of the grid "
+      f"{100 * at_young:.2f}% lost at sqrt(2Cθ) = {lesson.young(C, M) / 60:.0f} min, the best of the grid "
       f"{100 * min(sim):.2f}% at {grid[sim.index(min(sim))] / 60:.0f} min")
 check("the first-order model against the simulation", abs(model[4] - at_young) <= 0.2 * at_young,
       f"{100 * model[4]:.2f}% predicted, {100 * at_young:.2f}% simulated at T* (the model ignores failures during "
@@ -368,7 +368,7 @@ def draw(gpus=16384, c_disk=60.0, c_memory=2.0, restart=300.0, p=0.9):
     ax.plot([p], [100 * w], "o", color="C3")
     ax.set_xlabel("share ρ of failures a peer's copy recovers", fontsize=8); ax.set_ylabel("% of time lost", fontsize=8)
     ax.legend(fontsize=7); ax.tick_params(labelsize=8); fig.tight_layout(); plt.show()
-    print(f"{gpus} GPUs: M = {m / 3600:.2f} h; disk only every {lesson.young(c_disk, m) / 60:.0f} min loses "
+    print(f"{gpus} GPUs: θ = {m / 3600:.2f} h; disk only every {lesson.young(c_disk, m) / 60:.0f} min loses "
           f"{100 * one:.1f}%; two levels: memory every {t1 / 60:.1f} min, disk every {t2 / 60:.0f} min, lose {100 * w:.1f}%")
 
 _common.interactive(draw, lambda w: dict(
@@ -379,7 +379,7 @@ _common.interactive(draw, lambda w: dict(
     p=w.FloatSlider(value=0.9, min=0.0, max=0.99, step=0.01, description="ρ")))
 
 # %% [markdown]
-# **Takeaway:** checkpoint every $\sqrt{2CM}$; $M$ shrinks as $1/G$, so a bigger cluster must save more often or
+# **Takeaway:** checkpoint every $\sqrt{2C\theta}$; $\theta$ shrinks as $1/G$, so a bigger cluster must save more often or
 # more cheaply — asynchronous writes shrink $C$ to the copy, and a peer's memory shrinks it further for most failures.
 #
 # ## 7. Two levels, built: a lost node, and what it costs
@@ -527,4 +527,4 @@ all_passed = checker.check()
 # hand.
 #
 # **Takeaway:** a checkpoint is an index plus each rank's distinct values; written atomically, often enough
-# ($\sqrt{2CM}$) and cheaply enough (asynchronously), it turns routine failures into minutes lost.
+# ($\sqrt{2C\theta}$) and cheaply enough (asynchronously), it turns routine failures into minutes lost.

@@ -14,7 +14,7 @@ assemble: the pieces of those indexes back into whole tensors, in any order; nam
 recognises a box written through a strided view that never reached the tensor; a missing piece must raise
 ValueError naming an uncovered element, not load as zeros.
 interval: Young's and Daly's intervals for save costs from a second to an hour and failure rates from minutes
-to months (and C >= 2M); recognises Young without its factor 2, and Daly without its − C.
+to months (and C >= 2θ); recognises Young without its factor 2, and Daly without its − C.
 resume_point: which step, at which level, a restart resumes from, given which level-1 shards survive on which
 node: a lost node whose shards live on the next node, a lost pair, a half-written newest step, level 2 newer than
 level 1, one node without peers; names a level-1 step taken with a missing shard (which rank, which nodes), a
@@ -138,7 +138,7 @@ INTERVALS = ((60.0, 3 * 3600.0), (1.0, 3600.0), (600.0, 24 * 3600.0), (3600.0, 3
 def _interval_problem(fn, path):
     sol = _solution()
     for c, m in INTERVALS:
-        head = f"C = {c:g} s, M = {m:g} s"
+        head = f"C = {c:g} s, θ = {m:g} s"
         got = fn(c, m)
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             return f"{head}: returned {got!r}; return (young, daly)"
@@ -147,7 +147,7 @@ def _interval_problem(fn, path):
         if not math.isclose(g_young, young, rel_tol=1e-9):
             hint = ""
             if math.isclose(g_young, math.sqrt(c * m), rel_tol=1e-9):
-                hint = ": sqrt(C·M) lacks the factor 2 (half the lost work per failure is T/2: minimise C/T + T/(2M))"
+                hint = ": sqrt(C·θ) lacks the factor 2 (half the lost work per failure is T/2: minimise C/T + T/(2θ))"
             return f"{head}: young = {g_young:.6g}, expected {young:.6g}{hint}"
         if not math.isclose(g_daly, daly, rel_tol=1e-9):
             hint = ""

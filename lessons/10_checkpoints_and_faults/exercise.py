@@ -30,8 +30,8 @@ def assemble(shape, pieces):
 def interval(cost_s, mtbf_s):
     """EXERCISE 3: how many seconds of training between two checkpoints, for a save that costs `cost_s` seconds
     and failures every `mtbf_s` seconds on average. Return (young, daly): Young's first-order interval
-    sqrt(2 C M), and Daly's higher-order one sqrt(2CM)·[1 + (1/3)·sqrt(C/(2M)) + (1/9)·(C/(2M))] − C, which is M
-    when C >= 2M."""
+    sqrt(2 C θ) (θ = mtbf_s), and Daly's higher-order one sqrt(2Cθ)·[1 + (1/3)·sqrt(C/(2θ)) + (1/9)·(C/(2θ))] − C,
+    which is θ when C >= 2θ."""
     raise NotImplementedError("not written yet")
 
 
