@@ -129,12 +129,13 @@ class ActivationCounter:
     A saved-tensor hook sees every tensor an autograd node keeps (inputs of a matmul, the mask of a
     ReLU, ...). We count each underlying storage once and skip parameters, which are not activations.
     With activation checkpointing only the checkpointed region's inputs are saved: the count drops.
+    `by_dtype`: the same bytes by the saved tensor's dtype ({torch.bfloat16: ..., torch.float32: ...}).
     """
 
     def __init__(self, model=None):
         # A storage's identity (_cdata) survives ZeRO-3 freeing and re-gathering it; its data_ptr does not.
         self._params = {p.untyped_storage()._cdata for p in model.parameters()} if model is not None else set()
-        self.bytes = 0
+        self.bytes, self.by_dtype = 0, {}
         self._seen = set()
 
     def _pack(self, t):
@@ -143,6 +144,7 @@ class ActivationCounter:
         if storage._cdata not in self._params and ptr not in self._seen and t.device.type != "meta":
             self._seen.add(ptr)
             self.bytes += storage.nbytes()
+            self.by_dtype[t.dtype] = self.by_dtype.get(t.dtype, 0) + storage.nbytes()
         return t
 
     def __enter__(self):
@@ -157,7 +159,8 @@ class ActivationCounter:
 
 class ActivationPeak:
     """A listener (picotron.hooks) on a step engine's phases: `bytes`, the most activation bytes alive at once in
-    the last step, and `per_chunk`, what one micro-batch's forward saves on each chunk.
+    the last step, and `per_chunk`, what one micro-batch's forward saves on each chunk (`by_dtype`: the same
+    bytes summed over the chunks, by dtype).
 
     Every micro-batch's forward of a chunk saves the same bytes, and the hooks cost time, so only the step's first
     "forward" of each chunk is counted (`ActivationCounter`). A micro-batch's bytes are alive from its "forward"
@@ -169,7 +172,7 @@ class ActivationPeak:
 
     def __init__(self, model):
         self.model = model  # its parameters are not activations
-        self.bytes, self.per_chunk, self.alive, self.seen = 0, {}, {}, set()
+        self.bytes, self.per_chunk, self.by_dtype, self.alive, self.seen = 0, {}, {}, {}, set()
 
     @contextmanager
     def __call__(self, name, micro=0, chunk=0, weights=True, **info):
@@ -180,13 +183,15 @@ class ActivationPeak:
                 self.alive.pop(key, None)
             return
         if key in self.seen:  # a new step
-            self.bytes, self.per_chunk, self.alive, self.seen = 0, {}, {}, set()
+            self.bytes, self.per_chunk, self.by_dtype, self.alive, self.seen = 0, {}, {}, {}, set()
         self.seen.add(key)
         counter = ActivationCounter(self.model) if chunk not in self.per_chunk else None
         with counter if counter is not None else nullcontext():
             yield
         if counter is not None:
             self.per_chunk[chunk] = counter.bytes
+            for dtype, n in counter.by_dtype.items():
+                self.by_dtype[dtype] = self.by_dtype.get(dtype, 0) + n
         self.alive[key] = self.per_chunk[chunk]
         self.bytes = max(self.bytes, sum(self.alive.values()))
 

@@ -245,6 +245,10 @@ for r in mem:
     print(f"{r['recipe']:<12} {r['params'] / n:>7.2f} {r['grads'] / n:>7.2f} {r['masters'] / n:>8.2f} "
           f"{r['moments'] / n:>8.2f} {(r['params'] + r['grads'] + r['masters'] + r['moments']) / n:>9.3f} "
           f"{r['activations'] / n:>12.1f}   {r['about']}")
+print("saved for backward, by dtype (bytes per parameter): " + "; ".join(
+    f"{r['recipe']} " + ", ".join(f"{k} {v / r['num_params']:.1f}" for k, v in sorted(r["saved_by_dtype"].items(),
+                                                                              key=lambda kv: -kv[1]) if v / r['num_params'] >= 0.05)
+    for r in mem))
 for label, r in comm.items():
     print(f"  {label:<22} " + ", ".join(f"{k.replace('_', '-')} {v / r['num_params']:.2f} B/param ({r['calls'][k]} calls)"
                                          for k, v in sorted(r["bytes"].items())))
@@ -258,6 +262,11 @@ for r in mem:
           f"{(r['params'] + r['grads'] + r['masters'] + r['moments'] - 4 * t) // n} (+ AdamW's 4-byte step counter per "
           f"tensor, {t} tensors)")
 act = {r["recipe"]: r["activations"] for r in mem}
+dt = {r["recipe"]: {k: v / r["num_params"] for k, v in r["saved_by_dtype"].items()} for r in mem}
+check("fp8 saves its matmul inputs in one byte, but the tensors after its linears in fp32: more fp32 than bf16 "
+      "autocast saves", dt["fp8"].get("float8_e4m3fn", 0) > 0 and dt["fp8"]["float32"] > dt["bf16"]["float32"]
+      and act["fp8"] > act["bf16"], f"fp8: {dt['fp8'].get('float8_e4m3fn', 0):.1f} B/param in e4m3, "
+      f"{dt['fp8']['float32']:.1f} in fp32; bf16 autocast: {dt['bf16']['float32']:.1f} in fp32")
 check("low precision shrinks the activations, not the model states", act["bf16-params"] < act["bf16"] < act["fp32"]
       and act["fp8"] < act["fp32"], ", ".join(f"{k} {v / act['fp32']:.2f}" for k, v in act.items()) + " of fp32's")
 half = {layout: comm[f"bf16-params {layout}"]["bytes"] for layout in ("dp2", "dp2 ZeRO-3")}
@@ -282,9 +291,9 @@ check("and data parallelism all-reduces bf16 gradients in half, bf16 autocast's 
 # in `picotron/fp8.py`), but `fp8_linear` hands back its output in its *input's* dtype. The input comes from the
 # norm or the residual stream, fp32 here (fp32 parameters), so every linear's output is fp32 where bf16 autocast's
 # is bf16, and what the layer saves after it (attention's inputs, SwiGLU's product, the next norm's input) is
-# saved in fp32 too. Counted by dtype on the same step (bytes per parameter): bf16 autocast saves about 27 in bf16
-# and 12.5 in fp32; fp8 about 6.5 in FP8, 4 in bf16 and 35 in fp32 — the fp32 tensors grow almost as much as the
-# bf16 ones shrink, and the one-byte ones come on top. An FP8 recipe that saves less returns bf16 from its linears.
+# saved in fp32 too. The "by dtype" line above counts it on the same step: bf16 autocast's bytes are mostly bf16,
+# fp8's mostly fp32 — the fp32 tensors grow almost as much as the bf16 ones shrink, and the one-byte ones come on
+# top (the check above holds it). An FP8 recipe that saves less returns bf16 from its linears.
 #
 # **Takeaway:** mixed precision is about speed, activations and bandwidth; the model states stay at 16 bytes per
 # parameter, and only sharding (ZeRO) divides them.

@@ -360,7 +360,8 @@ def plot_scale(run, start, growth):
 def recipe_memory(recipes=tuple(precision.RECIPES), seq_len=128, micro_batch_size=8):
     """Per recipe, picotron's tiny preset after one step (forward, backward, optimizer step): the bytes of
     parameters, gradients (run.model.memory()), the optimizer's state split into master copy and moments
-    (metrics.optimizer_bytes), the activations saved for backward (metrics.ActivationPeak), against
+    (metrics.optimizer_bytes), the activations saved for backward (metrics.ActivationPeak; `saved_by_dtype`: the
+    same bytes by dtype), against
     precision.model_state_bytes."""
     rows = []
     for name in recipes:
@@ -377,6 +378,7 @@ def recipe_memory(recipes=tuple(precision.RECIPES), seq_len=128, micro_batch_siz
         rows.append(dict(recipe=name, params=mem["params"], grads=mem["grads"], masters=masters,
                          moments=metrics.optimizer_bytes(run.optimizer) - masters,
                          activations=activations.bytes, num_params=run.raw.num_params(),
+                         saved_by_dtype={str(k).replace("torch.", ""): v for k, v in activations.by_dtype.items()},
                          tensors=len(list(run.raw.parameters())),
                          formula=precision.model_state_bytes(run.raw.num_params(), name),
                          about=precision.RECIPES[name].about))
