@@ -116,3 +116,12 @@ def test_no_file_points_outside_the_project():
                 if word in line:
                     hits.append(f"{name}:{i}: {word}")
     assert not hits, "mentions of notes outside the project:\n  " + "\n  ".join(hits)
+
+
+def test_every_lesson_links_the_notation_table():
+    """One notation for the course (docs/reference.md, "Notation"): every lesson points its reader to it."""
+    lessons = sorted((ROOT / "lessons").glob("[0-9][0-9]_*/[0-9][0-9]_*.py"))
+    assert len(lessons) >= 11
+    missing = [p.name for p in lessons if "docs/reference.md#notation" not in p.read_text(encoding="utf-8")]
+    assert not missing, f"these lessons do not link the notation table: {missing}"
+    assert "## Notation" in (ROOT / "docs" / "reference.md").read_text(encoding="utf-8")

@@ -51,7 +51,8 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}")
 # model has no dropout, so the data position is the step and no generator is used in training; each rank's RNG
 # state is saved anyway. In fp32 that is $4 + 4 + 4 = 12$ bytes per parameter. (The mixed-precision recipe of
 # lesson 04 holds 16 in memory; its checkpoint needs the fp32 master weights and the moments, again 12: the bf16
-# copy and the gradients follow from them; the formulas and their sources: [the reference](../../docs/reference.md#checkpoints-and-failures).)
+# copy and the gradients follow from them; the formulas and their sources: [the reference](../../docs/reference.md#checkpoints-and-failures);
+# the symbols: the course's [notation](../../docs/reference.md#notation).)
 #
 # The experiment: one run of `picotron.train` (one process, 2 micro-batches per step), a checkpoint in the middle,
 # and four runs resumed from it — in the same layout; resharded to two processes (dp2 + ZeRO-1, the same global

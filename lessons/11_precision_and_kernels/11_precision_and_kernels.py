@@ -22,7 +22,8 @@ lessons/_notebook.py): edit this file, never the notebook.
 # intensity against a machine's balance, and the tiled online softmax that removes the $s^2$ traffic; fused
 # RMSNorm and SwiGLU and `torch.compile`; a profile of one training step. The code is `picotron/precision.py`,
 # `picotron/fp8.py` and `picotron/kernels.py`; the measurements are `experiment.py` in this folder; the formulas and
-# their sources are in [the reference](../../docs/reference.md#precision-and-kernels). `PICOTRON_FAST=1` gives a short
+# their sources are in [the reference](../../docs/reference.md#precision-and-kernels), its symbols in the course's
+# [notation](../../docs/reference.md#notation). `PICOTRON_FAST=1` gives a short
 # run. Everything runs on this CPU; where a GPU would show something different, the text says what to expect.
 
 # %%
