@@ -169,17 +169,29 @@ class FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def flash_attention(q, k, v, causal: bool = True, block_q: int = 64, block_k: int = 64):
+def flash_attention(q, k, v, causal: bool = True, block_q=None, block_k=None, impl: str = "auto"):
     """softmax(q k^T / sqrt(d)) v, tile by tile: q [b, a, s, d], k/v [b, kv, s, d] with kv dividing a (query
     head h uses KV head h // (a/kv), as `F.scaled_dot_product_attention(..., enable_gqa=True)`) -> [b, a, s, d].
-    causal: query i sees keys 0..i (SDPA's is_causal)."""
+    causal: query i sees keys 0..i (SDPA's is_causal). impl: "plain" the PyTorch tiles above (64 × 64 by
+    default), "triton" the kernels of picotron.flash_triton (128 × 64), "auto" triton for CUDA tensors when
+    triton imports, otherwise plain."""
     b, a, s, d = q.shape
     kv = k.shape[1]
     if a % kv or k.shape != v.shape or k.shape[0] != b or k.shape[-1] != d:
         raise ValueError(f"flash_attention: q {tuple(q.shape)} with k {tuple(k.shape)}, v {tuple(v.shape)}: "
                          f"want q [b, a, s, d], k and v [b, kv, s, d], kv dividing a.")
+    if impl not in ("auto", "plain", "triton"):
+        raise ValueError(f"flash_attention: impl={impl!r}; use 'auto', 'plain' or 'triton'.")
+    if impl == "auto":
+        impl = "triton" if triton is not None and q.is_cuda else "plain"
+    if impl == "triton":
+        if not triton_runs_on(q.device):
+            raise ValueError("flash_attention(impl='triton') needs triton and a CUDA tensor, or on a CPU "
+                             "TRITON_INTERPRET=1 in the environment before triton is imported (the interpreter).")
+        from picotron.flash_triton import flash_attention_triton  # compiles the kernels' Python on first use
+        return flash_attention_triton(q, k, v, causal, block_q, block_k)
     out = FlashAttention.apply(q.unflatten(1, (kv, a // kv)), k.unsqueeze(2), v.unsqueeze(2),
-                               causal, block_q, block_k)
+                               causal, block_q or 64, block_k or 64)
     return out.flatten(1, 2)
 
 
