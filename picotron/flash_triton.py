@@ -23,10 +23,12 @@ loads: the zero columns add nothing to q·k and are never stored. Scores go thro
 into the scale (the Triton tutorial's trick: one multiply fewer per score); lse is stored in natural-log units,
 torch.logsumexp's. Inputs fp32, bf16 or fp16; every sum in fp32; fp32 matmuls in IEEE precision, not TF32.
 
-Tiles: block_q query rows × block_k keys, 128 × 64 by default (block_q a multiple of block_k: the causal split
-into unmasked and diagonal tiles relies on it): the forward and dq kernels take block_q queries against tiles
-of block_k keys, the dk/dv kernel block_q keys against tiles of block_k queries. Runs compiled on CUDA tensors,
-or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported; slow, for tests).
+Tiles: the forward and dq kernels take BLOCK_M queries against tiles of BLOCK_N keys, the dk/dv kernel BLOCK_N
+keys against tiles of BLOCK_M queries; the outer tile a multiple of the inner one (the causal split into
+unmasked and diagonal tiles relies on it). On CUDA they are autotuned among a few configurations (128 × 64 with
+4 warps, 128 × 32, 64 × 64, ...: `_tuned`; the choice is timed once per shape), unless the caller fixes them
+(block_q × block_k, block_k dividing block_q; the tests use 16 × 16). Runs compiled on CUDA tensors, or on CPU
+tensors under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported; slow, for the tests).
 """
 import math
 
@@ -223,13 +225,40 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale, s, A, G,
 
 
 # ==================================================================================================== host
-def _launch_config(d: int, block_q, block_k):
-    """Tile sizes and warps: the defaults, or the caller's (tests use 16 × 16 under the interpreter)."""
+def _tuned(kernel, tiles):
+    """kernel autotuned over (BLOCK_M, BLOCK_N, warps, pipeline stages): on CUDA each config is timed once per
+    (s, head dim, causal) on first use and the fastest kept; a config that does not fit is dropped."""
+    configs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=st) for m, n, w, st in tiles]
+    return triton.autotune(configs, key=["s", "HEAD_DIM", "CAUSAL"])(kernel)
+
+
+# (BLOCK_M queries, BLOCK_N keys, warps, stages); the tile along the inner loop divides the other (see the kernels)
+_fwd_tuned = _tuned(_fwd_kernel, [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
+_dq_tuned = _tuned(_bwd_dq_kernel, [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)])
+_dkdv_tuned = _tuned(_bwd_dkdv_kernel, [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3),
+                                        (64, 64, 4, 3)])
+
+
+def _launch(kernel, tuned, tiles, rows, programs, *args, **meta):
+    """kernel[grid](*args, **meta), one program per tile of `rows` ("BLOCK_M" or "BLOCK_N") rows and per entry of
+    `programs`: the autotuned version when tiles is None (CUDA, no tiles asked for), else the tiles given."""
+    s = meta.pop("s_len")
+    grid = lambda m: (triton.cdiv(s, m[rows]), programs)  # noqa: E731  (m: the kernel's arguments, tiles included)
+    if tiles is None:
+        return tuned[grid](*args, **meta)
+    return kernel[grid](*args, BLOCK_M=tiles[0], BLOCK_N=tiles[1], num_warps=4 if meta["HEAD_DIM"] <= 64 else 8,
+                        **meta)
+
+
+def _check_tiles(q, block_q, block_k):
+    """None on CUDA without tiles asked for (autotuned), else (block_q, block_k), 128 × 64 by default."""
+    if q.is_cuda and block_q is None and block_k is None:
+        return None
     block_q, block_k = block_q or 128, block_k or 64
     if block_q % block_k or block_k < 16 or block_q & (block_q - 1) or block_k & (block_k - 1):
         raise ValueError(f"flash_attention(impl='triton'): block_q={block_q}, block_k={block_k}; the tiles must be "
                          f"powers of two >= 16 with block_k dividing block_q, e.g. 128 and 64.")
-    return dict(BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4 if d <= 64 else 8), block_q, block_k
+    return block_q, block_k
 
 
 class TritonFlashAttention(torch.autograd.Function):
@@ -240,46 +269,44 @@ class TritonFlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, block_q, block_k):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         (b, a, s, d), kv = q.shape, k.shape[1]
-        launch, bq, bk = _launch_config(d, block_q, block_k)
+        tiles = _check_tiles(q, block_q, block_k)
         out = torch.empty_like(q)
         lse = torch.empty(b, a, s, dtype=torch.float32, device=q.device)
         precision = "ieee" if q.dtype == torch.float32 else "upcast" if not q.is_cuda else "tf32"  # see _dot
-        sm_scale = 1.0 / math.sqrt(d)
-        _fwd_kernel[(triton.cdiv(s, bq), b * a)](
-            q, k, v, out, lse, sm_scale * 1.4426950408889634, s, a, a // kv,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            CAUSAL=causal, HEAD_DIM=d, BLOCK_M=bq, BLOCK_N=bk, PRECISION=precision, **launch)
+        meta = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION=precision)
+        _launch(_fwd_kernel, _fwd_tuned, tiles, "BLOCK_M", b * a,
+                q, k, v, out, lse, LOG2E.value / math.sqrt(d), s, a, a // kv,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], s_len=s, **meta)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mark_non_differentiable(lse)
-        ctx.config = (causal, block_q, block_k, precision)
+        ctx.config = (tiles, meta)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):  # dlse: lse is returned for the tests only, never differentiated
         q, k, v, out, lse = ctx.saved_tensors
-        causal, block_q, block_k, precision = ctx.config
+        tiles, meta = ctx.config
         (b, a, s, d), kv = q.shape, k.shape[1]
-        launch, bq, bk = _launch_config(d, block_q, block_k)
         dout = dout.contiguous()
         sm_scale = 1.0 / math.sqrt(d)
-        qk_scale = sm_scale * 1.4426950408889634
         delta = torch.empty_like(lse)
-        _bwd_delta_kernel[(triton.cdiv(s, bq), b * a)](out, dout, delta, s, a, *out.stride()[:3],
-                                                        *dout.stride()[:3], HEAD_DIM=d, BLOCK_M=bq, **launch)
+        _bwd_delta_kernel[(triton.cdiv(s, 64), b * a)](out, dout, delta, s, a, *out.stride()[:3], *dout.stride()[:3],
+                                                       HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-        # dk/dv: tiles of bq keys against tiles of bk queries (bk divides bq: the diagonal split holds)
-        _bwd_dkdv_kernel[(triton.cdiv(s, bq), b * kv)](
-            q, k, v, dout, lse, delta, dk, dv, qk_scale, sm_scale, s, a, kv, a // kv, *strides,
-            CAUSAL=causal, HEAD_DIM=d, BLOCK_M=bk, BLOCK_N=bq, PRECISION=precision, **launch)
-        _bwd_dq_kernel[(triton.cdiv(s, bq), b * a)](
-            q, k, v, dout, lse, delta, dq, qk_scale, sm_scale, s, a, a // kv, *strides,
-            CAUSAL=causal, HEAD_DIM=d, BLOCK_M=bq, BLOCK_N=bk, PRECISION=precision, **launch)
+        # dk/dv: tiles of block_q keys against tiles of block_k queries (block_k divides block_q, as it must)
+        _launch(_bwd_dkdv_kernel, _dkdv_tuned, tiles and tiles[::-1], "BLOCK_N", b * kv,
+                q, k, v, dout, lse, delta, dk, dv, LOG2E.value * sm_scale, sm_scale, s, a, kv, a // kv, *strides,
+                s_len=s, **meta)
+        _launch(_bwd_dq_kernel, _dq_tuned, tiles, "BLOCK_M", b * a,
+                q, k, v, dout, lse, delta, dq, LOG2E.value * sm_scale, sm_scale, s, a, a // kv, *strides,
+                s_len=s, **meta)
         return dq, dk, dv, None, None, None
 
 
 def flash_attention_triton(q, k, v, causal: bool = True, block_q=None, block_k=None, return_lse: bool = False):
     """Flash attention by the Triton kernels; q [b, a, s, d], k/v [b, kv, s, d] (kv dividing a) -> [b, a, s, d],
-    and lse [b, a, s] (fp32, natural log) with return_lse."""
+    and lse [b, a, s] (fp32, natural log) with return_lse. Tiles: autotuned on CUDA unless block_q/block_k are
+    given; 128 × 64 otherwise."""
     out, lse = TritonFlashAttention.apply(q, k, v, causal, block_q, block_k)
     return (out, lse) if return_lse else out

@@ -229,9 +229,9 @@ def rerun_interpreted(test_name):
     return True
 
 
-def triton_flash_vs_sdpa(b, a, kv, s, d, causal, dtype, device):
+def triton_flash_vs_sdpa(b, a, kv, s, d, causal, dtype, device, blocks=(16, 16)):
     """Max |error| of the Triton kernels' out, lse, dq, dk, dv and of SDPA's in dtype, both against SDPA (and
-    the log-sum-exp written out) in float64 on the same inputs; tiles of 16 so s spans several, ragged."""
+    the log-sum-exp written out) in float64 on the same inputs; small tiles so s spans several, ragged."""
     from picotron.flash_triton import flash_attention_triton
     q, k, v = (t.detach().to(device) for t in qkv(b, a, kv, s, d, dtype))
     dout = torch.randn(b, a, s, d, generator=torch.Generator().manual_seed(1)).to(device, dtype)
@@ -247,7 +247,7 @@ def triton_flash_vs_sdpa(b, a, kv, s, d, causal, dtype, device):
             scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=device).triu(1), float("-inf"))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         return out, scores.float().logsumexp(-1)
-    ours = grads(lambda *t: flash_attention_triton(*t, causal, 16, 16, return_lse=True), q, k, v)
+    ours = grads(lambda *t: flash_attention_triton(*t, causal, *blocks, return_lse=True), q, k, v)
     exact = grads(sdpa, *(t.double() for t in (q, k, v)))
     theirs = grads(sdpa, q, k, v)
     for t, e in zip(ours, exact):
@@ -258,20 +258,22 @@ def triton_flash_vs_sdpa(b, a, kv, s, d, causal, dtype, device):
 
 def test_triton_flash_matches_sdpa(monkeypatch):
     """picotron.flash_triton's kernels against SDPA in float64, forward (out, lse) and backward (dq, dk, dv):
-    fp32 to 1e-5 (measured ~1e-6); bf16 no further than twice SDPA's own bf16 error + 2e-3 (measured on CPU
-    ~1e-2..3e-2 on values of order 1, SDPA's the same order). Causal and not, GQA 4 heads over 2, s 48 and 80
-    (no multiple of the 16-row tiles), head dims 16, 32 and 12 (padded to 16); future keys changed leave the
-    causal output untouched; and the model's call path. On CUDA compiled, on a CPU interpreted (child process)."""
+    fp32 to 1e-5 (measured ~1e-6); bf16 no further than 3x SDPA's own bf16 error + 5e-3 (measured on CPU: out
+    9e-3, dq 1.3e-2, dk 1.4e-2, dv 3.6e-2 on values of order 1; SDPA's 4.5e-3, 6.5e-3, 1.3e-2, 1.9e-2: P is
+    rounded to bf16 before P v, as in FlashAttention). Causal and not, GQA 4 heads over 2, s 48 and 80
+    (no multiple of the tiles: 16 × 16, or 32 queries × 16 keys), head dims 16, 32 and 12 (padded to 16); future
+    keys changed leave the causal output untouched; and the model's call path. On CUDA compiled; on a CPU
+    interpreted, in a child process."""
     if rerun_interpreted("test_triton_flash_matches_sdpa"):
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = ("out", "lse", "dq", "dk", "dv")
-    for s, d, causal in ((48, 16, True), (80, 32, False), (80, 12, True)):
-        ours, _ = triton_flash_vs_sdpa(1, 4, 2, s, d, causal, torch.float32, device)
-        assert max(ours) < 1e-5, dict(zip(names, ours))
+    for s, d, causal, blocks in ((48, 16, True, (16, 16)), (80, 32, False, (16, 16)), (80, 12, True, (32, 16))):
+        ours, _ = triton_flash_vs_sdpa(1, 4, 2, s, d, causal, torch.float32, device, blocks)
+        assert max(ours) < 1e-5, (s, d, causal, blocks, dict(zip(names, ours)))
     ours, theirs = triton_flash_vs_sdpa(1, 4, 2, 48, 16, True, torch.bfloat16, device)
     for name, e, e_sdpa in zip(names, ours, theirs):
-        assert e <= 2 * e_sdpa + 2e-3, f"bf16 {name}: ours {e:.2e}, SDPA's {e_sdpa:.2e}"
+        assert e <= 3 * e_sdpa + 5e-3, f"bf16 {name}: ours {e:.2e}, SDPA's {e_sdpa:.2e}"
 
     # causal: keys and values 30.. replaced by others; outputs 0..29 are bitwise the same, 30.. are not
     from picotron.flash_triton import flash_attention_triton
