@@ -82,6 +82,7 @@ def _fwd_kernel(Q, K, V, O, LSE, qk_scale, s, A, G,
                 CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """out and lse of one tile of BLOCK_M queries of one (batch, query head)."""
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
     q0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)  # batch · A + query head
     b, h = (bh // A).to(tl.int64), bh % A
@@ -267,6 +268,9 @@ class TritonFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, block_q, block_k):
+        if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"flash_attention(impl='triton'): q, k, v of dtypes {q.dtype}, {k.dtype}, {v.dtype}; "
+                             f"the kernels take one dtype among float32, bfloat16 and float16 (cast them).")
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         (b, a, s, d), kv = q.shape, k.shape[1]
         tiles = _check_tiles(q, block_q, block_k)
@@ -287,7 +291,7 @@ class TritonFlashAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         tiles, meta = ctx.config
         (b, a, s, d), kv = q.shape, k.shape[1]
-        dout = dout.contiguous()
+        dout = dout.contiguous().to(q.dtype)  # the kernels' matmuls take operands of one dtype
         sm_scale = 1.0 / math.sqrt(d)
         delta = torch.empty_like(lse)
         _bwd_delta_kernel[(triton.cdiv(s, 64), b * a)](out, dout, delta, s, a, *out.stride()[:3], *dout.stride()[:3],

@@ -74,6 +74,9 @@ TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "tru
 
 
 # ======================================================================================= flash attention
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what picotron.flash_triton's kernels take
+
+
 def key_tiles(q0: int, q1: int, s_k: int, block_k: int, causal: bool):
     """Start of every key tile that queries q0..q1-1 look at: all of them, or under a causal mask only
     those starting at or before the last query (query i sees keys 0..i), so future tiles are skipped."""
@@ -182,8 +185,8 @@ def flash_attention(q, k, v, causal: bool = True, block_q=None, block_k=None, im
                          f"want q [b, a, s, d], k and v [b, kv, s, d], kv dividing a.")
     if impl not in ("auto", "plain", "triton"):
         raise ValueError(f"flash_attention: impl={impl!r}; use 'auto', 'plain' or 'triton'.")
-    if impl == "auto":
-        impl = "triton" if triton is not None and q.is_cuda else "plain"
+    if impl == "auto":  # the kernels take fp32, bf16 and fp16 (float64 stays on the plain tiles)
+        impl = "triton" if triton is not None and q.is_cuda and q.dtype in TRITON_DTYPES else "plain"
     if impl == "triton":
         if not triton_runs_on(q.device):
             raise ValueError("flash_attention(impl='triton') needs triton and a CUDA tensor, or on a CPU "
