@@ -28,10 +28,17 @@ reads its inputs from main memory and writes its output back, and the next op re
        D_i  = rowsum(do ∘ out)  (= Σ_j P_ij dP_ij),   dS = P ∘ (dP - D),
        dq  += dS k_j / sqrt(d),   dk_j += dS^T q / sqrt(d).
 
-   `flash_attention` does exactly this in plain PyTorch, a loop over tiles: a reference to read and test,
-   not a fast kernel (the real one keeps a tile in a streaming multiprocessor's shared memory; here a "tile"
-   is just a small tensor). Grouped-query attention shares one K/V tile among the a/k query heads of its
-   group by broadcasting, so K and V are never repeated to all heads.
+   `flash_attention(impl="plain")` does exactly this in plain PyTorch, a loop over tiles: a reference to read
+   and test, not a fast kernel (here a "tile" is just a small tensor). Grouped-query attention shares one K/V
+   tile among the a/k query heads of its group by broadcasting, so K and V are never repeated to all heads.
+   The real kernel is picotron/flash_triton.py, the same arithmetic in Triton, FlashAttention-2's structure:
+   one program per query tile keeps its Q tile, m, l and acc in registers and its K/V tiles in shared memory
+   (forward); backward is a kernel for D = rowsum(dO ∘ O), one for dk/dv (a program per key tile walks the
+   query tiles of every head of its GQA group) and one for dq (a program per query tile), no atomics. Tiles
+   of 128 queries × 32-128 keys, autotuned on CUDA; head dims padded to a power of two; fp32, bf16 or fp16
+   in, fp32 sums. `flash_attention(impl="auto")`, what `--attn-impl flash` calls, takes the Triton kernels
+   for CUDA tensors when triton imports and the plain tiles otherwise; on a CPU the kernels run only under
+   Triton's interpreter (the tests check them against SDPA there).
 
 2. RMSNorm (y = x / sqrt(mean(x²) + eps) · w) and SwiGLU (y = silu(gate) · up) are a handful of elementwise
    ops and a reduction: written in PyTorch each op is one kernel moving the whole tensor, and autograd keeps
