@@ -308,6 +308,7 @@ class TritonFlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+@torch.compiler.disable  # under --compile the layer's graph breaks here and the kernels run as they are
 def flash_attention_triton(q, k, v, causal: bool = True, block_q=None, block_k=None, return_lse: bool = False):
     """Flash attention by the Triton kernels; q [b, a, s, d], k/v [b, kv, s, d] (kv dividing a) -> [b, a, s, d],
     and lse [b, a, s] (fp32, natural log) with return_lse. Tiles: autotuned on CUDA unless block_q/block_k are

@@ -279,7 +279,7 @@ def test_triton_flash_matches_sdpa(monkeypatch):
     from picotron.flash_triton import flash_attention_triton
     q, k, v = (t.detach().to(device) for t in qkv(1, 4, 2, 48, 16, torch.float32))
     k2, v2 = k.clone(), v.clone()
-    k2[:, :, 30:], v2[:, :, 30:] = 3 * torch.randn(2, 18, 16), 3 * torch.randn(2, 18, 16)
+    k2[:, :, 30:], v2[:, :, 30:] = (3 * torch.randn(2, 18, 16).to(device) for _ in range(2))
     before, after = (flash_attention_triton(q, kk, vv, True, 16, 16) for kk, vv in ((k, v), (k2, v2)))
     assert torch.equal(before[:, :, :30], after[:, :, :30])
     assert not torch.allclose(before[:, :, 30:], after[:, :, 30:], atol=1e-3)
