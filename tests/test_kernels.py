@@ -64,6 +64,17 @@ def test_flash_keeps_only_inputs_output_and_lse():
     assert sorted(saved) == sorted([b * a * s * d, b * kv * s * d, b * kv * s * d, b * a * s * d, b * a * s])
 
 
+def test_flash_impl_choice_and_its_sentences():
+    """auto is the plain tiles on a CPU; an unknown impl, or triton where it cannot run, is one sentence."""
+    q, k, v = qkv(1, 4, 2, 8, 8, torch.float32)
+    assert torch.equal(flash_attention(q, k, v), flash_attention(q, k, v, impl="plain"))
+    with pytest.raises(ValueError, match="use 'auto', 'plain' or 'triton'"):
+        flash_attention(q, k, v, impl="fast")
+    if not kernels.triton_runs_on("cpu"):
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            flash_attention(q, k, v, impl="triton")
+
+
 def test_flash_rejects_bad_shapes():
     q, k, v = qkv(1, 4, 3, 8, 8, torch.float32)
     with pytest.raises(ValueError, match="kv dividing a"):
@@ -283,6 +294,11 @@ def test_triton_flash_matches_sdpa(monkeypatch):
     before, after = (flash_attention_triton(q, kk, vv, True, 16, 16) for kk, vv in ((k, v), (k2, v2)))
     assert torch.equal(before[:, :, :30], after[:, :, :30])
     assert not torch.allclose(before[:, :, 30:], after[:, :, 30:], atol=1e-3)
+
+    with pytest.raises(ValueError, match="block_k dividing block_q"):
+        flash_attention_triton(q, k, v, True, 16, 32)
+    with pytest.raises(ValueError, match="one dtype"):
+        flash_attention_triton(q, k.bfloat16(), v, True, 16, 16)
 
     # the model's call path: AttentionCore's "flash" with the Triton kernels against "sdpa" (head dim 12)
     monkeypatch.setattr(kernels, "flash_attention", functools.partial(kernels.flash_attention, impl="triton"))
