@@ -22,6 +22,8 @@ no power of two (the test models' 12) is padded to the next one (at least 16, tl
 loads: the zero columns add nothing to q·k and are never stored. Scores go through exp2 with log2(e) folded
 into the scale (the Triton tutorial's trick: one multiply fewer per score); lse is stored in natural-log units,
 torch.logsumexp's. Inputs fp32, bf16 or fp16; every sum in fp32; fp32 matmuls in IEEE precision, not TF32.
+q, k, v may have any strides but a contiguous last dim (the model's are transposed views: no copies). Under
+torch.compile the wrapper is left out of the graph (a graph break) and the kernels run as they are.
 
 Tiles: the forward and dq kernels take BLOCK_M queries against tiles of BLOCK_N keys, the dk/dv kernel BLOCK_N
 keys against tiles of BLOCK_M queries; the outer tile a multiple of the inner one (the causal split into
@@ -262,6 +264,18 @@ def _check_tiles(q, block_q, block_k):
     return block_q, block_k
 
 
+def _rows(t):
+    """t itself if its last dim is contiguous and nothing is broadcast (stride 0: the outputs made `_like` it
+    would overlap), else a contiguous copy; the kernels take any other strides (the model's k and v are
+    transposed views of [b, s, heads, d])."""
+    return t if t.stride(-1) == 1 and 0 not in t.stride() else t.contiguous()
+
+
+def _like(t):
+    """An uninitialised tensor with t's shape and strides (torch.empty_like drops strides that leave gaps)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
 class TritonFlashAttention(torch.autograd.Function):
     """Flash attention through the kernels above: q [b, a, s, d], k/v [b, kv, s, d] -> [b, a, s, d].
     Saves q, k, v, out and lse [b, a, s] (fp32) for backward."""
@@ -271,10 +285,10 @@ class TritonFlashAttention(torch.autograd.Function):
         if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"flash_attention(impl='triton'): q, k, v of dtypes {q.dtype}, {k.dtype}, {v.dtype}; "
                              f"the kernels take one dtype among float32, bfloat16 and float16 (cast them).")
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k, v = (_rows(t) for t in (q, k, v))
         (b, a, s, d), kv = q.shape, k.shape[1]
         tiles = _check_tiles(q, block_q, block_k)
-        out = torch.empty_like(q)
+        out = _like(q)
         lse = torch.empty(b, a, s, dtype=torch.float32, device=q.device)
         precision = "ieee" if q.dtype == torch.float32 else "upcast" if not q.is_cuda else "tf32"  # see _dot
         meta = dict(CAUSAL=causal, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION=precision)
@@ -291,12 +305,12 @@ class TritonFlashAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         tiles, meta = ctx.config
         (b, a, s, d), kv = q.shape, k.shape[1]
-        dout = dout.contiguous().to(q.dtype)  # the kernels' matmuls take operands of one dtype
+        dout = _rows(dout.to(q.dtype))  # the kernels' matmuls take operands of one dtype
         sm_scale = 1.0 / math.sqrt(d)
         delta = torch.empty_like(lse)
         _bwd_delta_kernel[(triton.cdiv(s, 64), b * a)](out, dout, delta, s, a, *out.stride()[:3], *dout.stride()[:3],
                                                        HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], BLOCK_M=64)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = _like(q), _like(k), _like(v)  # the kernels write each with its input's strides
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
         # dk/dv: tiles of block_q keys against tiles of block_k queries (block_k divides block_q, as it must)
         _launch(_bwd_dkdv_kernel, _dkdv_tuned, tiles and tiles[::-1], "BLOCK_N", b * kv,
