@@ -35,7 +35,7 @@ reads its inputs from main memory and writes its output back, and the next op re
    one program per query tile keeps its Q tile, m, l and acc in registers and its K/V tiles in shared memory
    (forward); backward is a kernel for D = rowsum(dO ∘ O), one for dk/dv (a program per key tile walks the
    query tiles of every head of its GQA group) and one for dq (a program per query tile), no atomics. Tiles
-   of 128 queries × 32-128 keys, autotuned on CUDA; head dims padded to a power of two; fp32, bf16 or fp16
+   of 32 to 128 rows (128 × 64 ...), autotuned on CUDA; head dims padded to a power of two; fp32, bf16 or fp16
    in, fp32 sums. `flash_attention(impl="auto")`, what `--attn-impl flash` calls, takes the Triton kernels
    for CUDA tensors when triton imports and the plain tiles otherwise; on a CPU the kernels run only under
    Triton's interpreter (the tests check them against SDPA there).
