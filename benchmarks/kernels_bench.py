@@ -1,6 +1,7 @@
 """Kernels and precision recipes against what a user would pick instead, side by side in one process.
 
     python benchmarks/kernels_bench.py [--rounds 15] [--seq-lens 256,1024] [--size small] [--steps-model 3]
+    python benchmarks/kernels_bench.py --gpu-attention-only     # on a CUDA GPU: the Triton flash attention alone
 
 Each comparison times both sides in the same round, the order alternating, and reports the median of the paired
 ratios with their quartiles (a ratio > 1: ours is faster). Before timing, both sides' results are compared
@@ -13,6 +14,12 @@ ratios with their quartiles (a ratio > 1: ours is faster). Before timing, both s
   swiglu      kernels.swiglu, the same
   model step  a training step of the lessons' model: --compile (every decoder layer compiled), --kernels
               compile, and each --dtype recipe, against the plain fp32 step
+
+  gpu attention  (CUDA and triton only; otherwise one line says it is skipped) picotron.flash_triton's Triton
+              kernels against SDPA with its flash backend and against the plain-PyTorch tiles, forward + backward,
+              causal, bf16, b·s = 16,384 tokens, 16 heads · d 128 or 32 heads · d 64 (hidden 2,048, no GQA: SDPA's
+              flash backend wants K and V per head), s = 2,048 and 8,192: ms, tokens/s, TFLOP/s and the ratio to
+              SDPA (issue 34's target: >= 0.7). The plain tiles get at most 3 rounds (seconds each at s = 8,192).
 
 On a CPU the plain-PyTorch flash attention is slower than SDPA's C++ kernel (it is a reference: Python loops
 over tiles); its point is memory (no s x s tensor) and the algorithm. On a GPU the Triton and compiled kernels
@@ -40,6 +47,8 @@ from picotron.train import load_data  # noqa: E402
 def timed(fn):
     t0 = time.perf_counter()
     fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
     return time.perf_counter() - t0
 
 
@@ -94,6 +103,50 @@ def attention(rounds, seq_lens):
               f"({naive / tiled:.1f}x less)")
         report(f"s={s}: flash (ours, plain PyTorch) vs SDPA", "ours", "sdpa", paired(rounds, flash, sdpa))
         report(f"s={s}: flash (ours) vs eager", "ours", "eager", paired(rounds, flash, eager))
+
+
+def gpu_attention(rounds):
+    """Triton flash attention vs SDPA (flash backend) vs the plain tiles on one CUDA GPU, bf16, causal."""
+    if not torch.cuda.is_available() or kernels.triton is None:
+        print("gpu attention: skipped (needs a CUDA GPU and the triton package; on a CPU the Triton kernels only run "
+              "under the interpreter, see tests/test_kernels.py)")
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    print(f"gpu attention, causal, bf16, forward + backward on {torch.cuda.get_device_name()}:")
+    for s in (2048, 8192):
+        for d in (64, 128):
+            b, a = 16384 // s, 2048 // d
+            g = torch.Generator(device="cuda").manual_seed(s + d)
+            q, k, v, dout = (torch.randn(b, a, s, d, generator=g, device="cuda", dtype=torch.bfloat16)
+                             for _ in range(4))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+            def step(fn):
+                def go():
+                    for t in (q, k, v):
+                        t.grad = None
+                    fn().backward(dout)
+                return go
+
+            def sdpa():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            triton_fa = step(lambda: kernels.flash_attention(q, k, v, causal=True, impl="triton"))
+            plain = step(lambda: kernels.flash_attention(q, k, v, causal=True, impl="plain"))
+            with torch.no_grad():
+                err = (kernels.flash_attention(q, k, v, impl="triton").float() - sdpa().float()).abs().max().item()
+            if err > 3e-2:
+                raise SystemExit(f"Triton flash attention disagrees with SDPA at s={s}, d={d}: {err:.2e}")
+            flops = 3.5 * 4 * b * a * s * s * d / 2  # forward 4·s²·d per head, halved by the mask; backward 2.5x
+            fast = paired(rounds, triton_fa, step(sdpa))  # the first call autotunes the kernels' tiles
+            t_sdpa = fast[1]
+            plain()  # warm-up
+            t_plain = statistics.median(timed(plain) for _ in range(min(rounds, 3)))
+            print(f"  s={s} d={d} (b={b}, {a} heads): triton {1e3 * fast[0]:.2f} ms "
+                  f"({b * s / fast[0]:,.0f} tokens/s, {flops / fast[0] / 1e12:.0f} TFLOP/s), sdpa flash "
+                  f"{1e3 * t_sdpa:.2f} ms ({flops / t_sdpa / 1e12:.0f} TFLOP/s), plain tiles {1e3 * t_plain:.1f} ms | "
+                  f"triton throughput / sdpa's: median {fast[2]:.2f} (quartiles {fast[3]:.2f}-{fast[4]:.2f}), "
+                  f"plain tiles / sdpa: {t_sdpa / t_plain:.3f}; max |out - sdpa| {err:.1e}", flush=True)
 
 
 def fused(rounds):
@@ -151,9 +204,13 @@ def main(argv=None):
     p.add_argument("--seq-lens", default="256,1024")
     p.add_argument("--size", default="small", choices=sorted(SIZES))
     p.add_argument("--steps-model", type=int, default=3)
+    p.add_argument("--gpu-attention-only", action="store_true", help="only the Triton flash attention on a GPU")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     print(f"kernels and precision recipes, one process ({torch.get_num_threads()} threads), {args.rounds} rounds:")
+    gpu_attention(args.rounds)
+    if args.gpu_attention_only:
+        return
     attention(args.rounds, [int(s) for s in args.seq_lens.split(",")])
     fused(args.rounds)
     model_steps(args.rounds, args.size, args.steps_model)

@@ -201,7 +201,8 @@ class Config:
     max_position_embeddings: Optional[int] = option(None, "model override: max_position_embeddings")
     attn_impl: Optional[str] = option(None, "attention kernel: sdpa (torch's fused attention), eager (the "
                                             "written-out softmax) or flash (picotron.kernels' tiled attention with "
-                                            "an online softmax, in plain PyTorch: a reference, slow)", ATTN_IMPLS)
+                                            "an online softmax: Triton kernels on CUDA, plain-PyTorch tiles on a CPU, "
+                                            "a slow reference)", ATTN_IMPLS)
     tie_word_embeddings: Optional[bool] = option(None, "the LM head shares the embedding matrix (with --pp: two "
                                                        "copies on the first and last stage, their gradients summed)")
     # mixture of experts (None = the preset's; --preset tiny-moe has 4 experts, top-2)

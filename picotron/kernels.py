@@ -28,10 +28,17 @@ reads its inputs from main memory and writes its output back, and the next op re
        D_i  = rowsum(do ∘ out)  (= Σ_j P_ij dP_ij),   dS = P ∘ (dP - D),
        dq  += dS k_j / sqrt(d),   dk_j += dS^T q / sqrt(d).
 
-   `flash_attention` does exactly this in plain PyTorch, a loop over tiles: a reference to read and test,
-   not a fast kernel (the real one keeps a tile in a streaming multiprocessor's shared memory; here a "tile"
-   is just a small tensor). Grouped-query attention shares one K/V tile among the a/k query heads of its
-   group by broadcasting, so K and V are never repeated to all heads.
+   `flash_attention(impl="plain")` does exactly this in plain PyTorch, a loop over tiles: a reference to read
+   and test, not a fast kernel (here a "tile" is just a small tensor). Grouped-query attention shares one K/V
+   tile among the a/k query heads of its group by broadcasting, so K and V are never repeated to all heads.
+   The real kernel is picotron/flash_triton.py, the same arithmetic in Triton, FlashAttention-2's structure:
+   one program per query tile keeps its Q tile, m, l and acc in registers and its K/V tiles in shared memory
+   (forward); backward is a kernel for D = rowsum(dO ∘ O), one for dk/dv (a program per key tile walks the
+   query tiles of every head of its GQA group) and one for dq (a program per query tile), no atomics. Tiles
+   of 32 to 128 rows (128 × 64 ...), autotuned on CUDA; head dims padded to a power of two; fp32, bf16 or fp16
+   in, fp32 sums. `flash_attention(impl="auto")`, what `--attn-impl flash` calls, takes the Triton kernels
+   for CUDA tensors when triton imports and the plain tiles otherwise; on a CPU the kernels run only under
+   Triton's interpreter (the tests check them against SDPA there).
 
 2. RMSNorm (y = x / sqrt(mean(x²) + eps) · w) and SwiGLU (y = silu(gate) · up) are a handful of elementwise
    ops and a reduction: written in PyTorch each op is one kernel moving the whole tensor, and autograd keeps
@@ -74,6 +81,9 @@ TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "tru
 
 
 # ======================================================================================= flash attention
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what picotron.flash_triton's kernels take
+
+
 def key_tiles(q0: int, q1: int, s_k: int, block_k: int, causal: bool):
     """Start of every key tile that queries q0..q1-1 look at: all of them, or under a causal mask only
     those starting at or before the last query (query i sees keys 0..i), so future tiles are skipped."""
@@ -169,17 +179,29 @@ class FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def flash_attention(q, k, v, causal: bool = True, block_q: int = 64, block_k: int = 64):
+def flash_attention(q, k, v, causal: bool = True, block_q=None, block_k=None, impl: str = "auto"):
     """softmax(q k^T / sqrt(d)) v, tile by tile: q [b, a, s, d], k/v [b, kv, s, d] with kv dividing a (query
     head h uses KV head h // (a/kv), as `F.scaled_dot_product_attention(..., enable_gqa=True)`) -> [b, a, s, d].
-    causal: query i sees keys 0..i (SDPA's is_causal)."""
+    causal: query i sees keys 0..i (SDPA's is_causal). impl: "plain" the PyTorch tiles above (64 × 64 by
+    default), "triton" the kernels of picotron.flash_triton (128 × 64), "auto" triton for CUDA tensors when
+    triton imports, otherwise plain."""
     b, a, s, d = q.shape
     kv = k.shape[1]
     if a % kv or k.shape != v.shape or k.shape[0] != b or k.shape[-1] != d:
         raise ValueError(f"flash_attention: q {tuple(q.shape)} with k {tuple(k.shape)}, v {tuple(v.shape)}: "
                          f"want q [b, a, s, d], k and v [b, kv, s, d], kv dividing a.")
+    if impl not in ("auto", "plain", "triton"):
+        raise ValueError(f"flash_attention: impl={impl!r}; use 'auto', 'plain' or 'triton'.")
+    if impl == "auto":  # the kernels take fp32, bf16 and fp16 (float64 stays on the plain tiles)
+        impl = "triton" if triton is not None and q.is_cuda and q.dtype in TRITON_DTYPES else "plain"
+    if impl == "triton":
+        if not triton_runs_on(q.device):
+            raise ValueError("flash_attention(impl='triton') needs triton and a CUDA tensor, or on a CPU "
+                             "TRITON_INTERPRET=1 in the environment before triton is imported (the interpreter).")
+        from picotron.flash_triton import flash_attention_triton  # compiles the kernels' Python on first use
+        return flash_attention_triton(q, k, v, causal, block_q, block_k)
     out = FlashAttention.apply(q.unflatten(1, (kv, a // kv)), k.unsqueeze(2), v.unsqueeze(2),
-                               causal, block_q, block_k)
+                               causal, block_q or 64, block_k or 64)
     return out.flatten(1, 2)
 
 

@@ -1,5 +1,6 @@
 """picotron.kernels: tiled attention against torch's SDPA, fused RMSNorm and SwiGLU against the plain ops, the
 model's hooks, and the bytes model of attention."""
+import functools
 import os
 import subprocess
 import sys
@@ -61,6 +62,17 @@ def test_flash_keeps_only_inputs_output_and_lse():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
         flash_attention(q, k, v, block_q=8, block_k=8)
     assert sorted(saved) == sorted([b * a * s * d, b * kv * s * d, b * kv * s * d, b * a * s * d, b * a * s])
+
+
+def test_flash_impl_choice_and_its_sentences():
+    """auto is the plain tiles on a CPU; an unknown impl, or triton where it cannot run, is one sentence."""
+    q, k, v = qkv(1, 4, 2, 8, 8, torch.float32)
+    assert torch.equal(flash_attention(q, k, v), flash_attention(q, k, v, impl="plain"))
+    with pytest.raises(ValueError, match="use 'auto', 'plain' or 'triton'"):
+        flash_attention(q, k, v, impl="fast")
+    if not kernels.triton_runs_on("cpu"):
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            flash_attention(q, k, v, impl="triton")
 
 
 def test_flash_rejects_bad_shapes():
@@ -210,3 +222,87 @@ def test_triton_matches_plain():
     for op in ("rms_norm", "swiglu"):
         for dtype in (torch.float32, torch.bfloat16):
             check_fused("triton", op, dtype, device)
+
+
+# ------------------------------------------------------------------------------------ Triton flash attention
+def rerun_interpreted(test_name):
+    """Rerun tests/test_kernels.py::test_name in a child process with TRITON_INTERPRET=1 (the interpreter must
+    be switched on before triton is imported); True if this process should return (the child ran it)."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton; on a CPU the kernels "
+                                         "then run under its interpreter)")
+    if kernels.triton_runs_on("cuda" if torch.cuda.is_available() else "cpu"):
+        return False
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            f"{__file__}::{test_name}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert child.returncode == 0 and "1 passed" in child.stdout, child.stdout[-4000:] + child.stderr[-2000:]
+    return True
+
+
+def triton_flash_vs_sdpa(b, a, kv, s, d, causal, dtype, device, blocks=(16, 16)):
+    """Max |error| of the Triton kernels' out, lse, dq, dk, dv and of SDPA's in dtype, both against SDPA (and
+    the log-sum-exp written out) in float64 on the same inputs; small tiles so s spans several, ragged."""
+    from picotron.flash_triton import flash_attention_triton
+    q, k, v = (t.detach().to(device) for t in qkv(b, a, kv, s, d, dtype))
+    dout = torch.randn(b, a, s, d, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+
+    def grads(fn, q, k, v):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out, lse = fn(q, k, v)
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), dout.to(out.dtype)))
+
+    def sdpa(q, k, v):
+        scores = q @ k.repeat_interleave(a // kv, 1).transpose(-2, -1) / d ** 0.5
+        if causal:
+            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=device).triu(1), float("-inf"))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        return out, scores.float().logsumexp(-1)
+    ours = grads(lambda *t: flash_attention_triton(*t, causal, *blocks, return_lse=True), q, k, v)
+    exact = grads(sdpa, *(t.double() for t in (q, k, v)))
+    theirs = grads(sdpa, q, k, v)
+    for t, e in zip(ours, exact):
+        assert t.shape == e.shape and t.dtype in (dtype, torch.float32)
+    return ([(t.double() - e).abs().max().item() for t, e in zip(ours, exact)],
+            [(t.double() - e).abs().max().item() for t, e in zip(theirs, exact)])
+
+
+def test_triton_flash_matches_sdpa(monkeypatch):
+    """picotron.flash_triton's kernels against SDPA in float64, forward (out, lse) and backward (dq, dk, dv):
+    fp32 to 1e-5 (measured ~1e-6); bf16 no further than 3x SDPA's own bf16 error + 5e-3 (measured on CPU: out
+    9e-3, dq 1.3e-2, dk 1.4e-2, dv 3.6e-2 on values of order 1; SDPA's 4.5e-3, 6.5e-3, 1.3e-2, 1.9e-2: P is
+    rounded to bf16 before P v, as in FlashAttention). Causal and not, GQA 4 heads over 2, s 48 and 80
+    (no multiple of the tiles: 16 × 16, or 32 queries × 16 keys), head dims 16, 32 and 12 (padded to 16); future
+    keys changed leave the causal output untouched; and the model's call path. On CUDA compiled; on a CPU
+    interpreted, in a child process."""
+    if rerun_interpreted("test_triton_flash_matches_sdpa"):
+        return
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = ("out", "lse", "dq", "dk", "dv")
+    for s, d, causal, blocks in ((48, 16, True, (16, 16)), (80, 32, False, (16, 16)), (80, 12, True, (32, 16))):
+        ours, _ = triton_flash_vs_sdpa(1, 4, 2, s, d, causal, torch.float32, device, blocks)
+        assert max(ours) < 1e-5, (s, d, causal, blocks, dict(zip(names, ours)))
+    ours, theirs = triton_flash_vs_sdpa(1, 4, 2, 48, 16, True, torch.bfloat16, device)
+    for name, e, e_sdpa in zip(names, ours, theirs):
+        assert e <= 3 * e_sdpa + 5e-3, f"bf16 {name}: ours {e:.2e}, SDPA's {e_sdpa:.2e}"
+
+    # causal: keys and values 30.. replaced by others; outputs 0..29 are bitwise the same, 30.. are not
+    from picotron.flash_triton import flash_attention_triton
+    q, k, v = (t.detach().to(device) for t in qkv(1, 4, 2, 48, 16, torch.float32))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 30:], v2[:, :, 30:] = (3 * torch.randn(2, 18, 16).to(device) for _ in range(2))
+    before, after = (flash_attention_triton(q, kk, vv, True, 16, 16) for kk, vv in ((k, v), (k2, v2)))
+    assert torch.equal(before[:, :, :30], after[:, :, :30])
+    assert not torch.allclose(before[:, :, 30:], after[:, :, 30:], atol=1e-3)
+
+    with pytest.raises(ValueError, match="block_k dividing block_q"):
+        flash_attention_triton(q, k, v, True, 16, 32)
+    with pytest.raises(ValueError, match="one dtype"):
+        flash_attention_triton(q, k.bfloat16(), v, True, 16, 16)
+
+    # the model's call path: AttentionCore's "flash" with the Triton kernels against "sdpa" (head dim 12)
+    monkeypatch.setattr(kernels, "flash_attention", functools.partial(kernels.flash_attention, impl="triton"))
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
+    outs = {impl: logits_and_grads(Llama(ModelConfig(**SMALL, attn_impl=impl)).init_weights(0).to(device), ids)
+            for impl in ("sdpa", "flash")}
+    assert_same_model_outputs(outs["flash"], outs["sdpa"], atol=1e-5)
