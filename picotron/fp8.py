@@ -132,9 +132,10 @@ def _quantize_compiled():
 
 
 def _quantizer(t):
-    """The function that quantizes t: compiled on CUDA (unless we are already inside a torch.compile trace, which
-    fuses it anyway), the plain one everywhere else. Both compute the same numbers."""
-    if t.is_cuda and not torch.compiler.is_compiling():
+    """The function that quantizes t: compiled on a GPU with FP8 (Triton casts to E4M3 from capability 8.9 on),
+    unless we are already inside a torch.compile trace (which fuses it anyway); the plain one everywhere else (the
+    CPU, older GPUs). The same operations in the same order (tests/test_fp8.py compares them bit for bit on a GPU)."""
+    if t.is_cuda and _fp8_tensor_cores(t) and not torch.compiler.is_compiling():
         return _quantize_compiled()
     return _quantize
 

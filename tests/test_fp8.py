@@ -265,6 +265,28 @@ def test_cpu_dispatch_picks_the_simulation(monkeypatch):
     assert y.dtype == gx.dtype == gw.dtype == torch.float32 and torch.isfinite(y).all()
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8._fp8_tensor_cores(torch.empty(0, device="cuda"))),
+                    reason="needs a GPU with FP8 tensor cores (capability >= 8.9)")
+def test_gpu_compiled_quantize_and_scaled_mm_match_the_cpu_simulation():
+    """On an FP8 GPU: the compiled quantization equals the plain one bit for bit, and fp8_linear (torch._scaled_mm)
+    equals the CPU simulation: y in bf16 under autocast, all three within a bf16 rounding plus the FP8 tensor
+    cores' accumulator (about 14 bits on Hopper, module docstring): 2^-7 relative, 2^-9 of the largest absolute."""
+    x, w, g = operands(m=64, k=128, n=96, seed=6)
+    for t, fmt in ((x, E4M3), (g, E5M2)):
+        q, s = quantize(t.cuda(), fmt)
+        assert fp8._quantizer(t.cuda()) is not fp8._quantize
+        q_ref, s_ref = fp8._quantize(t.cuda(), fmt)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpu = forward_backward(x, w, g)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        gpu = forward_backward(x.cuda(), w.cuda(), g.cuda())
+    assert gpu[0].dtype == torch.bfloat16
+    for name, ours, ref in zip(("y", "grad_x", "grad_w"), gpu, cpu):
+        torch.testing.assert_close(ours.cpu().float(), ref.float(), rtol=2.0 ** -7,
+                                   atol=2.0 ** -9 * ref.abs().max().item(), msg=name)
+
+
 # ------------------------------------------------------------------------------------------------- apply
 def linears_of(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
