@@ -203,7 +203,7 @@ class MasterWeights(WrappedOptimizer):
             torch._foreach_div_(grads, self.scaler.scale)  # in fp32: no underflow
         for m, g in zip(masters, grads):
             m.grad = g
-        self.optimizer.step()  # the masters without a gradient (none here) are skipped, as before
+        self.optimizer.step()  # one step over all the masters (one whose parameter has no gradient is skipped)
         for m in masters:
             m.grad = None
         torch._foreach_copy_(params, masters)  # fp32 -> bf16/fp16, rounded to nearest even
