@@ -49,10 +49,12 @@ exact linear map at the rounded operands. A bias (none in picotron's model) is a
 is the sum of the unrounded grad_y.
 
 How the product is computed. On an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or more) and K, N
-multiples of 16, `torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=float32)`: a row-major, b column-major,
-scale_a and scale_b the INVERSE scales 1/s as fp32 tensors of one element (it computes (a·scale_a)(b·scale_b)).
+multiples of 16, `torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=...)`: a row-major, b column-major,
+scale_a and scale_b the INVERSE scales 1/s as fp32 tensors of one element (it computes (a·scale_a)(b·scale_b),
+accumulates in fp32 and rounds to out_dtype in its epilogue: bf16 for the forward under autocast, as F.linear's).
 Elsewhere (CPU, older GPUs, other shapes) a simulation: the FP8 operands cast back to fp32 and multiplied by an
-fp32 matmul. What is exact in that simulation: the operands are the same FP8 numbers bit for bit (the cast is
+fp32 matmul, the result rounded to out_dtype. The quantization (amax, scale, clamp, cast) is one plain function,
+compiled with torch.compile on CUDA (two fused kernels instead of five passes over the tensor), plain on the CPU. What is exact in that simulation: the operands are the same FP8 numbers bit for bit (the cast is
 the same rounding); each product of two FP8 numbers (at most 4 + 4 significant bits, exponents within fp32's
 range) is exact in fp32, as it is in the tensor core; FP8 numbers are exactly representable in TF32, so even a
 GPU that runs fp32 matmuls in TF32 multiplies them exactly. What is not: the accumulation. The fp32 sum of K
@@ -78,7 +80,8 @@ The API:
     E4M3, E5M2                           the two formats (torch dtypes)
     quantize(t, fmt, scale=None)         -> (t_fp8, scale): current scaling unless a scale is given
     dequantize(t_fp8, scale, dtype=fp32) -> t_fp8 / scale
-    fp8_linear(x, weight, bias=None)     F.linear's signature and result shape, computed as above; returns x's dtype
+    fp8_linear(x, weight, bias=None)     F.linear's signature, result shape and dtype (autocast's under autocast,
+                                         x's otherwise), computed as above
     apply(module)                        in place, returns module: every linear layer of every DecoderLayer
                                          inside `module` (a Llama, a pipeline stage) computes through fp8_linear
 
@@ -88,8 +91,9 @@ the forward reads: tensor parallelism's `matmul`, nn.Linear's `forward`). Call i
 as the split pipeline schedules' deferred weight gradients (zero_bubble.defer_weight_grads), so the two do
 not combine: whichever is applied last wins (FP8 applied after it: weight gradients computed in B, correct but
 not deferred; applied before it: FP8 silently replaced). Autocast is switched off inside fp8_linear (its fp32
-products must not be rounded to bf16), so it runs the same with or without the bf16 autocast of the rest of the
-model.
+products must not be rounded to bf16 before the rescale), and only its result follows autocast: bf16 under the
+fp8 recipe's bf16 autocast, so the rest of the layer saves bf16 tensors for backward, as in the bf16 recipe, and
+the linears themselves save 1-byte E4M3 operands (fewer activation bytes than bf16 autocast in total).
 """
 from functools import lru_cache, partial
 
@@ -112,13 +116,34 @@ def current_scale(t, fmt):
     return torch.finfo(fmt).max / amax.clamp(min=AMAX_FLOOR)
 
 
-def quantize(t, fmt, scale=None):
-    """(t·scale in `fmt`, scale): t·scale computed in fp32, saturated at ±fmax, rounded to nearest even.
-    scale=None: the current scale of t."""
+def _quantize(t, fmt, scale=None):
+    """The readable definition (and the CPU path): amax, scale, multiply, clamp, cast, each its own operation."""
     if scale is None:
         scale = current_scale(t, fmt)
     fmax = torch.finfo(fmt).max
     return (t.detach().float() * scale).clamp(-fmax, fmax).to(fmt), scale
+
+
+@lru_cache(maxsize=None)
+def _quantize_compiled():
+    """_quantize compiled (on first use): on a GPU the amax reduction and the scale-clamp-cast pass become two
+    fused kernels instead of five separate passes over the tensor (abs, amax, multiply, clamp, cast)."""
+    return torch.compile(_quantize, dynamic=None)
+
+
+def _quantizer(t):
+    """The function that quantizes t: compiled on a GPU with FP8 (Triton casts to E4M3 from capability 8.9 on),
+    unless we are already inside a torch.compile trace (which fuses it anyway); the plain one everywhere else (the
+    CPU, older GPUs). The same operations in the same order (tests/test_fp8.py compares them bit for bit on a GPU)."""
+    if t.is_cuda and _fp8_tensor_cores(t) and not torch.compiler.is_compiling():
+        return _quantize_compiled()
+    return _quantize
+
+
+def quantize(t, fmt, scale=None):
+    """(t·scale in `fmt`, scale): t·scale computed in fp32, saturated at ±fmax, rounded to nearest even.
+    scale=None: the current scale of t."""
+    return _quantizer(t)(t, fmt, scale)
 
 
 def dequantize(t_fp8, scale, dtype=torch.float32):
@@ -133,51 +158,60 @@ def _capability(index):
 
 def _fp8_tensor_cores(t):
     """Whether t lives on an NVIDIA GPU that multiplies FP8 in hardware (Ada 8.9, Hopper 9.0, Blackwell 10+)."""
-    return t.is_cuda and torch.version.hip is None and _capability(t.device.index) >= (8, 9)
+    return (t.is_cuda and torch.version.hip is None and hasattr(torch, "_scaled_mm")
+            and _capability(t.device.index) >= (8, 9))
 
 
-def _scaled_matmul(a, scale_a, b, scale_b):
-    """(a · bᵀ) / (scale_a · scale_b) in fp32, from FP8 a [M, K] and b [N, K]."""
+def _scaled_matmul(a, scale_a, b, scale_b, out_dtype=torch.float32):
+    """(a · bᵀ) / (scale_a · scale_b) from FP8 a [M, K] and b [N, K], accumulated in fp32, returned in out_dtype
+    (the kernel rescales and rounds in its epilogue; the simulation rounds the fp32 result the same way)."""
     inv_a, inv_b = scale_a.reciprocal(), scale_b.reciprocal()
     if _fp8_tensor_cores(a) and a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0:
-        return torch._scaled_mm(a.contiguous(), b.contiguous().t(), inv_a, inv_b, out_dtype=torch.float32)
-    return (a.float() @ b.float().t()) * (inv_a * inv_b)
+        return torch._scaled_mm(a.contiguous(), b.contiguous().t(), inv_a, inv_b, out_dtype=out_dtype)
+    return ((a.float() @ b.float().t()) * (inv_a * inv_b)).to(out_dtype)
 
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, out_dtype):
         with torch.autocast(x.device.type, enabled=False):
             x_q, s_x = quantize(x.reshape(-1, x.shape[-1]), E4M3)
             w_q, s_w = quantize(weight, E4M3)
-            y = _scaled_matmul(x_q, s_x, w_q, s_w)
-            if bias is not None:
-                y = y + bias.float()
-        ctx.save_for_backward(x_q, s_x, w_q, s_w)
+            if bias is None:
+                y = _scaled_matmul(x_q, s_x, w_q, s_w, out_dtype)  # one rounding, fp32 -> out_dtype
+            else:
+                y = (_scaled_matmul(x_q, s_x, w_q, s_w) + bias.float()).to(out_dtype)
+        ctx.save_for_backward(x_q, s_x, w_q, s_w)  # what backward needs: 1 byte per element
         ctx.x_shape, ctx.dtypes = x.shape, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
         x_q, s_x, w_q, s_w = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_x, need_w, need_b = ctx.needs_input_grad
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_y.device.type, enabled=False):
             g = grad_y.reshape(-1, grad_y.shape[-1])
             g_q, s_g = quantize(g, E5M2)
             if need_x:
-                grad_x = _scaled_matmul(g_q, s_g, w_q.t(), s_w).to(x_dtype).reshape(ctx.x_shape)
+                grad_x = _scaled_matmul(g_q, s_g, w_q.t(), s_w, x_dtype).reshape(ctx.x_shape)
             if need_w:
-                grad_w = _scaled_matmul(g_q.t(), s_g, x_q.t(), s_x).to(w_dtype)
+                grad_w = _scaled_matmul(g_q.t(), s_g, x_q.t(), s_x, w_dtype)
             if need_b:
                 grad_b = g.float().sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 def fp8_linear(x, weight, bias=None):
-    """F.linear(x, weight, bias) with E4M3 operands forward and E5M2 gradients backward (module docstring)."""
-    return _FP8Linear.apply(x, weight, bias)
+    """F.linear(x, weight, bias) with E4M3 operands forward and E5M2 gradients backward (module docstring).
+
+    The result's dtype is F.linear's: autocast's dtype (bf16) under autocast, x's dtype otherwise. Under the fp8
+    recipe (bf16 autocast) the linears thus return bf16, and everything after them (attention, SwiGLU, the
+    residual's next norm) runs and is saved for backward as in the bf16 recipe; only the matmuls differ."""
+    kind = x.device.type
+    autocast = torch.is_autocast_enabled(kind) and x.is_floating_point()
+    return _FP8Linear.apply(x, weight, bias, torch.get_autocast_dtype(kind) if autocast else x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------- apply

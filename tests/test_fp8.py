@@ -220,11 +220,71 @@ def test_fp8_linear_bias_leading_dims_autocast_and_empty_input():
     assert y.shape == (2, 12, w.shape[0]) and gx.shape == x3.shape
     assert torch.equal(y, (y2 + bias).view_as(y)) and torch.equal(gx.view_as(gx2), gx2) and torch.equal(gw, gw2)
     assert torch.equal(gb, g.sum(0))  # the bias's gradient from the unrounded grad_y
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the fp32 products are not rounded to bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # F.linear's dtype rule: the result in bf16, as autocast's
         auto = forward_backward(x, w, g)
-    assert all(torch.equal(a, b) for a, b in zip(auto[:3], (y2, gx2, gw2)))
+    g16 = g.bfloat16().float()  # the incoming gradient, rounded to the output's dtype by autograd
+    _, gx16, gw16, _ = forward_backward(x, w, g16)
+    assert auto[0].dtype == torch.bfloat16 and auto[1].dtype == auto[2].dtype == torch.float32
+    assert torch.equal(auto[0], y2.bfloat16())  # the fp32 product rounded once at the end, not computed in bf16
+    assert torch.equal(auto[1], gx16) and torch.equal(auto[2], gw16)
+    assert not torch.equal(gx16, gx2)  # (the rounding of g above is not vacuous)
     y0, gx0, gw0, _ = forward_backward(torch.empty(0, x.shape[1]), w, torch.empty(0, w.shape[0]))
     assert y0.shape == (0, w.shape[0]) and gx0.shape == (0, x.shape[1]) and (gw0 == 0).all()
+
+
+def test_scaled_mm_returns_autocasts_dtype_like_the_simulation(monkeypatch):
+    """Under bf16 autocast the forward asks the kernel for bf16 directly (rescale and rounding in its epilogue):
+    the same numbers as the simulation's fp32 result rounded to bf16, up to one bf16 rounding (order of the
+    fp32 rescale)."""
+    x, w, g = operands(m=32, k=48, n=64, seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        simulated = forward_backward(x, w, g)
+        calls = []
+        scaled_mm = torch._scaled_mm
+        monkeypatch.setattr(fp8, "_fp8_tensor_cores", lambda t: True)
+        monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(k["out_dtype"]) or scaled_mm(*a, **k))
+        kernel = forward_backward(x, w, g)
+    assert calls == [torch.bfloat16, torch.float32, torch.float32]  # y in bf16; the gradients in x's and w's fp32
+    assert kernel[0].dtype == torch.bfloat16
+    for name, ours, ref in zip(("y", "grad_x", "grad_w"), kernel, simulated):
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=2.0 ** -8, atol=1e-6 * ref.abs().max().item(),
+                                   msg=name)
+
+
+def test_cpu_dispatch_picks_the_simulation(monkeypatch):
+    """On the CPU: the plain quantization (torch.compile only on CUDA) and the fp32 simulation of the matmul,
+    never torch._scaled_mm; the scaled_mm path needs an FP8 GPU (capability >= 8.9), checked before it is taken."""
+    x, w, g = operands(seed=4)
+    assert fp8._quantizer(x) is fp8._quantize and not fp8._fp8_tensor_cores(x)
+
+    def refuse(*a, **k):
+        raise AssertionError("torch._scaled_mm called on the CPU")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    y, gx, gw, _ = forward_backward(x, w, g)
+    assert y.dtype == gx.dtype == gw.dtype == torch.float32 and torch.isfinite(y).all()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8._fp8_tensor_cores(torch.empty(0, device="cuda"))),
+                    reason="needs a GPU with FP8 tensor cores (capability >= 8.9)")
+def test_gpu_compiled_quantize_and_scaled_mm_match_the_cpu_simulation():
+    """On an FP8 GPU: the compiled quantization equals the plain one bit for bit, and fp8_linear (torch._scaled_mm)
+    equals the CPU simulation: y in bf16 under autocast, all three within a bf16 rounding plus the FP8 tensor
+    cores' accumulator (about 14 bits on Hopper, module docstring): 2^-7 relative, 2^-9 of the largest absolute."""
+    x, w, g = operands(m=64, k=128, n=96, seed=6)
+    for t, fmt in ((x, E4M3), (g, E5M2)):
+        q, s = quantize(t.cuda(), fmt)
+        assert fp8._quantizer(t.cuda()) is not fp8._quantize
+        q_ref, s_ref = fp8._quantize(t.cuda(), fmt)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpu = forward_backward(x, w, g)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        gpu = forward_backward(x.cuda(), w.cuda(), g.cuda())
+    assert gpu[0].dtype == torch.bfloat16
+    for name, ours, ref in zip(("y", "grad_x", "grad_w"), gpu, cpu):
+        torch.testing.assert_close(ours.cpu().float(), ref.float(), rtol=2.0 ** -7,
+                                   atol=2.0 ** -9 * ref.abs().max().item(), msg=name)
 
 
 # ------------------------------------------------------------------------------------------------- apply
