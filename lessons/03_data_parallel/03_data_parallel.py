@@ -337,7 +337,8 @@ for name, mb, nb, (med, q1, q3), wait, bwd, model in ex:
 # compute only) adds to the wait whatever slowed backward: the real copy underneath, and this machine's noise (the
 # quartile bars, wide on a busy machine). The checks, with their margins:
 #
-# * one bucket must wait at least 90% of the link's time for all gradients (the link cannot be faster than itself);
+# * one bucket must wait at least 80% of the link's time for all gradients (the link cannot be faster than itself;
+#   the bucket leaves from the last gradient's hook, a few milliseconds before backward returns, and those overlap);
 # * the best bucket size must leave at most half of what one bucket leaves (the model predicts far less);
 # * naive's messages must take at least 90% of their link time (39 latencies and all the bytes), all of it inside
 #   backward, with next to nothing (under 5% of it) to wait for after backward. (Its *exposure* can come out smaller
@@ -354,7 +355,7 @@ best = min(bucketed, key=lambda p: p[4])
 naive_link = len(em["grad_tensor_bytes"]) * link["latency"] + 2 * (N - 1) / N * em["grad_bytes"] / link["bandwidth"]
 gap = sum(abs(p[4] - p[6]) for p in ex) / len(ex)
 busy = _common.busy_reason(ebase.get("busy"), what="during the timed rounds")  # decides ? against ✗ on a miss
-check("emulated: one all-reduce after backward exposes the whole link time", one_bucket[4] >= 0.9 * link_total,
+check("emulated: one all-reduce after backward exposes the whole link time", one_bucket[4] >= 0.8 * link_total,
       f"one bucket waits {1e3 * one_bucket[4]:.1f} ms after backward; the link needs {1e3 * link_total:.1f} ms", busy)
 check("emulated: buckets launched during backward hide most of it", best[4] <= 0.5 * one_bucket[4],
       f"{best[0]} leaves {1e3 * best[4]:.1f} ms, {100 * (1 - best[4] / one_bucket[4]):.0f}% less than one bucket", busy)
