@@ -111,6 +111,26 @@ def numbers(out_dir):
                 losses=[r["loss"] for r in history], steps=len(history), summary=summary is not None)
 
 
+def run_process(cmd, limit_s, env):
+    """Run cmd in the repository, in a session of its own: (its output, exit status), or (the output so far, None)
+    when it was still running after limit_s seconds (then killed)."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=limit_s, start_new_session=True)
+        return proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        return (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")), None
+
+
+def child_env(cuda):
+    """The environment of every row's process: the repository importable; on a CPU one thread per process and
+    Triton's kernels under its interpreter."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    if not cuda:
+        env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), TRITON_INTERPRET="1")
+    return env
+
+
 def run_row(key, name, kind, argv, out, limit_s, env):
     """Run one row; return its record for the table."""
     t0 = time.perf_counter()
@@ -131,16 +151,11 @@ def run_row(key, name, kind, argv, out, limit_s, env):
         else:
             cmd = [sys.executable, "-m", "picotron.train", *argv]
     record["command"] = " ".join(["python" if c == sys.executable else c for c in cmd])
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=limit_s, start_new_session=True)
-        output, code = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        output = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        record.update(reason=f"still running after its {limit_s:.0f} s limit (last output: "
-                             f"{reason_of(output, 80)})", seconds=time.perf_counter() - t0)
-        return record
+    output, code = run_process(cmd, limit_s, env)
     record["seconds"] = time.perf_counter() - t0
+    if code is None:
+        record["reason"] = f"still running after its {limit_s:.0f} s limit (last output: {reason_of(output, 80)})"
+        return record
     if kind == "tests":
         summary = next((line.strip("= ") for line in reversed(output.splitlines()) if re.search(
             r"\d+ (passed|failed|error|skipped|tests? collected)", line)), "")
@@ -220,9 +235,7 @@ def main(argv=None):
     device = "cuda" if cuda else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    if not cuda:  # the smoke: one thread per process, Triton's kernels under its interpreter
-        env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), TRITON_INTERPRET="1")
+    env = child_env(cuda)
     todo = rows(st, device)
     if args.only:
         keep = [k.strip() for k in args.only.split(",") if k.strip()]

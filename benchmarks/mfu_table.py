@@ -20,7 +20,6 @@ exits 0; --cpu-smoke runs the rows with the tiny preset on the CPU (Triton under
 """
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -138,24 +137,17 @@ def run_shape(shape, st, device, out, env, only):
 
 
 def run_hf(argv, label, limit_s, env):
-    import subprocess
-
+    """The "hf" row: this file's --hf-loop in a process of its own, run as gpu_check runs a training row."""
     import gpu_check
 
     t0 = time.perf_counter()
-    rec = dict(run=label, kind="hf", tokens_per_s=None, mfu=None, mfu_datasheet=None, ok=False, status="fail",
-               reason="", seconds=None)
-    try:
-        proc = subprocess.run([sys.executable, __file__, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=limit_s, start_new_session=True)
-    except subprocess.TimeoutExpired:
-        rec.update(reason=f"still running after its {limit_s:.0f} s limit", seconds=time.perf_counter() - t0)
-        return rec
-    rec["seconds"] = time.perf_counter() - t0
-    if proc.returncode != 0:
-        rec["reason"] = gpu_check.reason_of(proc.stdout)
-    else:
-        rec.update(ok=True, status="pass")
+    output, code = gpu_check.run_process([sys.executable, __file__, *argv], limit_s, env)
+    rec = dict(run=label, kind="hf", tokens_per_s=None, mfu=None, mfu_datasheet=None, ok=code == 0,
+               status="pass" if code == 0 else "fail", reason="", seconds=time.perf_counter() - t0)
+    if code is None:
+        rec["reason"] = f"still running after its {limit_s:.0f} s limit"
+    elif code != 0:
+        rec["reason"] = gpu_check.reason_of(output)
     return rec
 
 
@@ -213,9 +205,7 @@ def main(argv=None):
     device = "cuda" if cuda else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)}
-    if not cuda:
-        env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), TRITON_INTERPRET="1")
+    env = gpu_check.child_env(cuda)
     print(f"mfu_table on {gpu_check.describe_device(cuda)}: shapes {', '.join(st['shapes'])}", flush=True)
     t0, result = time.perf_counter(), dict(device=gpu_check.describe_device(cuda), cuda=cuda, settings=st, shapes={})
     texts = []
