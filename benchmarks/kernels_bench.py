@@ -52,6 +52,15 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
+def backward_step(fn, inputs, dout):
+    """A step to time: fn()'s forward and its backward from dout, the inputs' old gradients dropped first."""
+    def step():
+        for t in inputs:
+            t.grad = None
+        fn().backward(dout)
+    return step
+
+
 def paired(rounds, ours, theirs):
     """Median and quartiles of theirs' time / ours' time over rounds (alternating which goes first)."""
     ours(), theirs()  # warm-up (compilation, allocations)
@@ -79,12 +88,7 @@ def attention(rounds, seq_lens):
         q, k, v = (torch.randn(b, h, s, d, generator=g, requires_grad=True) for h in (a, kv, kv))
         dout = torch.randn(b, a, s, d, generator=g)
 
-        def run(fn):
-            def step():
-                for t in (q, k, v):
-                    t.grad = None
-                fn().backward(dout)
-            return step
+        run = lambda fn: backward_step(fn, (q, k, v), dout)  # noqa: E731
         flash = run(lambda: kernels.flash_attention(q, k, v, causal=True))
         sdpa = run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
@@ -121,12 +125,7 @@ def gpu_attention(rounds):
                              for _ in range(4))
             q, k, v = (t.requires_grad_() for t in (q, k, v))
 
-            def step(fn):
-                def go():
-                    for t in (q, k, v):
-                        t.grad = None
-                    fn().backward(dout)
-                return go
+            step = lambda fn: backward_step(fn, (q, k, v), dout)  # noqa: E731
 
             def sdpa():
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
