@@ -2,21 +2,40 @@
 replay it as NCCL would run it and name the first operation that would wait forever or not match.
 
 gloo forgives what NCCL does not (the same code that trains on a laptop can hang on a pod). The replay holds
-each rank's recorded operations to these rules:
+each rank's recorded operations to these rules, each from NVIDIA's NCCL user guide
+(https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/ , sections named below) or torch's documentation:
 
-  single isend/irecv   between two ranks: ONE communicator and ONE stream for both directions, run in the
-                       order posted, tags ignored; a receive holds the stream until the matching send runs
-                       (and a send until its receive), sizes must agree. The pair's communicator is made at
-                       their first message, which blocks the host until the peer posts its own first one.
-  batch_isend_irecv    one grouped call on the group's communicator: its ops are posted together and meet
-                       the peers' batches at the head of their streams; it completes as a whole.
-  collectives          per group, in issue order: every member issues the same ones, same op, same size.
+  one order            "Using multiple NCCL communicators concurrently" (usage/communicators.html): NCCL kernels
+  (several groups)     block waiting for data, any CUDA call may synchronise the device, so "applications should
+                       ensure operations are submitted in the same order across ranks"; launching them on
+                       different streams "might work provided they can fit within the GPU, but could break at
+                       any time". The replay runs each rank's operations, on ALL its communicators, as ONE queue
+                       in the order its host issued them, each completing only at the head of that queue and
+                       meeting its peers' at the heads of theirs, as if each GPU ran one NCCL kernel at a time.
+                       Finishing under it is sufficient for NCCL's rule: there is one order every rank follows.
+  send / receive       "Point-to-point communication" (usage/p2p.html) and the ncclSend / ncclRecv API pages:
+                       "Rank peer needs to call ncclRecv with the same datatype and the same count"; each call
+                       "is blocking for the GPU" until its partner's runs. Single isend/irecv between two ranks
+                       go on ONE communicator and ONE stream for both directions (torch's ProcessGroupNCCL makes
+                       one per pair), in the order posted, tags ignored; sizes must agree. The pair's
+                       communicator is made at their first message, which blocks the host until the peer posts
+                       its own first one (torch's `batch_isend_irecv` documentation).
+  batch_isend_irecv    "Group calls" (usage/groups.html) and usage/p2p.html: "calls within a group can be seen as
+                       progressing independently, hence should never block each other", while the group "will be
+                       blocking until that group of calls completes". One grouped call on the group's
+                       communicator: its ops are posted together and meet the peers' batches at the head of their
+                       queues; it completes as a whole.
+  collectives          "CUDA Stream Semantics" (usage/streams.html): a call is enqueued on its stream and runs in
+                       that order; every member of the group issues the same ones, same op, same size
+                       (all-to-all: what i sends j is what j expects from i).
   wait()               the host waits until the operation (its whole batch) is done; a blocking call
                        (send, recv, all_reduce without async_op) is an issue and a wait.
 
-(Group communicators are made when the group is made — Mesh.init passes device_id, so torch connects them
-eagerly — and ops on different communicators run on different streams.) This is stricter than NCCL where
-NCCL is lenient (a wait() there blocks the GPU stream, not the host), and as strict where it is not.
+The replay first runs the per-communicator model (every communicator its own stream, the streams of a rank
+independent: what NCCL does when kernels fit side by side), then the one-order model; `replay(traces,
+order="per-communicator")` runs the first alone. (Group communicators are made when the group is made —
+Mesh.init passes device_id, so torch connects them eagerly.) This is stricter than NCCL where NCCL is lenient
+(a wait() there blocks the GPU stream, not the host; NCCL may buffer a small send), and as strict where it is not.
 
 Use:
     with nccl_rules.Recorder() as rec:   # in every rank: patches torch.distributed while active
@@ -258,7 +277,8 @@ def _describe(op):
     if op["op"] in ("isend", "irecv"):
         arrow = "to" if op["op"] == "isend" else "from"
         kind = ("batched " if op["batch"] else "") + op["op"]
-        return f"{kind} of {op['bytes']:,} B {arrow} rank {op['peer']} ({op['where']})"
+        on = f" on group [{op['ranks']}]" if op["batch"] and op.get("ranks") else ""
+        return f"{kind} of {op['bytes']:,} B {arrow} rank {op['peer']}{on} ({op['where']})"
     sig = ", ".join(f"{k} {v}" for k, v in op.get("sig", {}).items())
     return f"{op['op']}({sig}) on group [{op['ranks']}] ({op['where']})"
 
@@ -266,20 +286,37 @@ def _describe(op):
 class _Item:
     """One entry of a stream: a collective, a single message, or a batch of messages."""
 
-    def __init__(self, ops):
-        self.ops, self.done = ops, False
+    def __init__(self, ops, key):
+        self.ops, self.key, self.done = ops, key, False
         self.matched = [False] * len(ops)
 
 
-def replay(traces):
-    """Replay each rank's recorded operations (traces in rank order, or {rank: trace}) under NCCL's rules."""
+def replay(traces, order="one"):
+    """Replay each rank's recorded operations (traces in rank order, or {rank: trace}) under NCCL's rules.
+
+    order="one" (the default): both models below must finish, the per-communicator one first (its findings are
+    the more specific), then the one-order one. order="per-communicator": today's per-stream rules alone (every
+    communicator its own stream, running concurrently with the others), the model NCCL does not promise."""
+    if order not in ("one", "per-communicator"):
+        raise ValueError(f"order={order!r}: pick 'one' (NCCL's rule for several communicators) or 'per-communicator'.")
+    verdict = _replay(traces, serial=False)
+    if verdict.ok and order == "one":
+        verdict = _replay(traces, serial=True)
+    return verdict
+
+
+def _replay(traces, serial):
+    """One replay. serial=False: a stream per communicator (per pair for single messages), the streams of a rank
+    independent. serial=True: ONE stream per rank holding all its operations on all its communicators in the
+    order the host issued them; an operation completes only at the head of that stream, meeting its peers' at
+    the heads of theirs (on the same communicator)."""
     traces = {t["rank"]: t for t in (traces.values() if isinstance(traces, dict) else traces)}
     groups = {}
     for t in traces.values():
         groups.update(t["groups"])
     events = {r: t["events"] for r, t in traces.items()}
     pc = {r: 0 for r in events}
-    streams = {}       # comm key -> {rank: deque of _Item}
+    streams = {}       # stream key (the comm's, or ("device",) when serial) -> {rank: deque of _Item}
     items = {}         # (rank, handle) -> _Item
     arrived = {}       # pair comm key -> ranks that reached their first message on it
     errors = []
@@ -315,9 +352,9 @@ def replay(traces):
                 items[rank, batch].ops.append(op)
                 items[rank, batch].matched.append(False)
             else:
-                item = _Item([op])
+                item = _Item([op], key)
                 items[rank, ev["handle"]] = item
-                streams.setdefault(key, {}).setdefault(rank, deque()).append(item)
+                streams.setdefault(("device",) if serial else key, {}).setdefault(rank, deque()).append(item)
             pc[rank] += 1
             moved = True
         return moved
@@ -337,14 +374,14 @@ def replay(traces):
                 if item.matched[i] or op["op"] not in ("isend", "irecv"):
                     continue
                 peer = hs.get(op["peer"])
-                if peer is None:
+                if peer is None or peer.key != item.key:  # (serial: the peer's head is on another communicator)
                     continue
                 want = "irecv" if op["op"] == "isend" else "isend"
                 for j, other in enumerate(peer.ops):
                     if peer.matched[j] or other.get("peer") != r or other["op"] not in ("isend", "irecv"):
                         continue
                     if other["op"] != want:
-                        if key[0] == "pair":  # one FIFO: the first unmatched op toward us decides
+                        if item.key[0] == "pair":  # one FIFO: the first unmatched op toward us decides
                             break
                         continue
                     if other["bytes"] != op["bytes"]:
@@ -353,7 +390,7 @@ def replay(traces):
                     item.matched[i] = peer.matched[j] = True
                     moved = True
                     break
-                if key[0] == "pair":
+                if item.key[0] == "pair":
                     break  # a single message is alone in its item
         for r, item in hs.items():
             if item.ops[0]["op"] in ("isend", "irecv") and all(item.matched):
@@ -361,13 +398,17 @@ def replay(traces):
                 moved = True
         return moved
 
-    def match_collective(key):
+    def match_collectives(key):
+        """Complete the collectives at the heads of the streams of `key` whose every member has it at its head."""
+        comms = {item.key for item in heads(key).values() if item.ops[0]["op"] not in ("isend", "irecv")}
+        return any([match_collective(key, comm) for comm in sorted(comms)])
+
+    def match_collective(key, comm):
         hs = heads(key)
-        members = groups.get(key[1], [])
-        if not hs or any(m not in hs for m in members):
+        members = groups.get(comm[1], [])
+        if any(m not in hs or hs[m].key != comm or hs[m].ops[0]["op"] in ("isend", "irecv") for m in members):
             return False
-        if any(item.ops[0]["op"] in ("isend", "irecv") for item in hs.values()):
-            return False
+        hs = {m: hs[m] for m in members}
         ref = hs[members[0]].ops[0]
         for m in members[1:]:
             op = hs[m].ops[0]
@@ -393,8 +434,7 @@ def replay(traces):
             moved |= issue(r)
         for key in list(streams):
             moved |= match_messages(key)
-            if key[0] == "group":
-                moved |= match_collective(key)
+            moved |= match_collectives(key)
         if not moved:
             break
     if errors:
@@ -418,7 +458,9 @@ def replay(traces):
             line += "; its streams are stuck at " + "; ".join(_describe(i.ops[0]) for i in stuck[:3])
         problems.append(line)
     if problems:
-        problems.insert(0, "DEADLOCK (no operation can make progress):")
+        problems.insert(0, "DEADLOCK under NCCL's rule for several communicators (each rank's operations on all its "
+                           "groups complete in the order it issued them, meeting its peers' in theirs):" if serial else
+                           "DEADLOCK (no operation can make progress):")
         return Verdict(False, problems, nops)
     return Verdict(True, [], nops)
 

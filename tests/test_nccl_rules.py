@@ -111,6 +111,70 @@ def test_a_wait_blocks_the_host_until_the_peer_matches():
     assert not v.ok and "host waits" in str(v), v
 
 
+def _toy_1f1b_on_direction_groups():
+    """pp 2, 1F1B, 2 micro-batches, each direction on a group of its own ("01": 0 -> 1, "10": 1 -> 0), every
+    message one batch, the receives posted one action ahead (the executor before the one-order rule)."""
+    groups = {"01": [0, 1], "10": [0, 1]}
+    t0 = _trace(0, [_msg("isend", 1, batch=1, handle=1, comm="01", where="send F0"),
+                    _msg("irecv", 1, batch=2, handle=2, comm="10", where="recv B0"),
+                    _msg("isend", 1, batch=3, handle=3, comm="01", where="send F1"),
+                    _wait(2), _msg("irecv", 1, batch=4, handle=4, comm="10", where="recv B1"), _wait(4),
+                    _wait(1), _wait(3)], groups)
+    t1 = _trace(1, [_msg("irecv", 0, batch=1, handle=1, comm="01", where="recv F0"),
+                    _msg("irecv", 0, batch=2, handle=2, comm="01", where="recv F1"), _wait(1),
+                    _msg("isend", 0, batch=3, handle=3, comm="10", where="send B0"), _wait(2),
+                    _msg("isend", 0, batch=4, handle=4, comm="10", where="send B1"), _wait(3), _wait(4)], groups)
+    return t0, t1
+
+
+def test_one_order_across_communicators_catches_the_receive_posted_ahead():
+    t0, t1 = _toy_1f1b_on_direction_groups()
+    # each communicator on its own, running beside the other: every message meets its partner
+    assert nccl_rules.replay([t0, t1], order="per-communicator").ok
+    # NCCL's rule for several communicators: rank 0 waits in "recv B0" (link 1->0) for rank 1, which waits in
+    # "recv F1" (link 0->1) for rank 0, whose "send F1" is queued behind its "recv B0"
+    v = nccl_rules.replay([t0, t1])
+    assert not v.ok and "several communicators" in str(v), v
+    assert "recv B0" in str(v) and "recv F1" in str(v), v
+
+
+def test_one_order_completes_when_every_rank_posts_in_the_schedules_order():
+    groups = {"01": [0, 1], "10": [0, 1]}
+    # the same messages, each rank posting them in the order of one timeline: F0, F1, B0, B1
+    t0 = _trace(0, [_msg("isend", 1, batch=1, handle=1, comm="01"), _msg("isend", 1, batch=2, handle=2, comm="01"),
+                    _msg("irecv", 1, batch=3, handle=3, comm="10"), _wait(3),
+                    _msg("irecv", 1, batch=4, handle=4, comm="10"), _wait(4), _wait(1), _wait(2)], groups)
+    t1 = _trace(1, [_msg("irecv", 0, batch=1, handle=1, comm="01"), _wait(1),
+                    _msg("irecv", 0, batch=2, handle=2, comm="01"), _msg("isend", 0, batch=3, handle=3, comm="10"),
+                    _wait(2), _msg("isend", 0, batch=4, handle=4, comm="10"), _wait(3), _wait(4)], groups)
+    assert nccl_rules.replay([t0, t1]).ok
+    # Megatron's way: "send F1 + receive B0" and "send B0 + receive F1" each one batch on one group
+    g = {"pp": [0, 1]}
+    m0 = _trace(0, [_msg("isend", 1, batch=1, handle=1, comm="pp"), _wait(1),
+                    _msg("isend", 1, batch=2, handle=2, comm="pp"), _msg("irecv", 1, batch=2, handle=2, comm="pp"),
+                    _wait(2), _msg("irecv", 1, batch=3, handle=3, comm="pp"), _wait(3)], g)
+    m1 = _trace(1, [_msg("irecv", 0, batch=1, handle=1, comm="pp"), _wait(1),
+                    _msg("isend", 0, batch=2, handle=2, comm="pp"), _msg("irecv", 0, batch=2, handle=2, comm="pp"),
+                    _wait(2), _msg("isend", 0, batch=3, handle=3, comm="pp"), _wait(3)], g)
+    assert nccl_rules.replay([m0, m1]).ok
+
+
+def test_one_order_holds_collectives_on_two_groups_to_one_order():
+    def coll(comm, h):
+        return dict(op="all_reduce", comm=comm, sig=dict(bytes=8), handle=h, where=f"x.py:{h} {comm}")
+    groups = {"a": [0, 1], "b": [0, 1]}
+    # rank 0 starts the all-reduce on a, then b; rank 1 b, then a (async, waited at the end): each group alone is
+    # fine, the two orders are not
+    t0 = _trace(0, [coll("a", 1), coll("b", 2), _wait(1), _wait(2)], groups)
+    t1 = _trace(1, [coll("b", 1), coll("a", 2), _wait(1), _wait(2)], groups)
+    assert nccl_rules.replay([t0, t1], order="per-communicator").ok
+    assert "several communicators" in str(nccl_rules.replay([t0, t1]))
+    t1 = _trace(1, [coll("a", 1), coll("b", 2), _wait(1), _wait(2)], groups)
+    assert nccl_rules.replay([t0, t1]).ok
+    with pytest.raises(ValueError, match="order="):
+        nccl_rules.replay([t0, t1], order="any")
+
+
 # --------------------------------------------------------------------------------------- real runs
 SMALL = dict(seq_len=32, micro_batch_size=2, sample_tokens=4, log_every=1000, eval_every=1, eval_batches=1, lr=3e-3,
              warmup_steps=1, steps=1, grad_clip=1.0)
