@@ -150,22 +150,15 @@ def pick_device(world_size=1, local_rank=0, device=None):
 
 
 def pipeline_links(p):
-    """The directed pairs (sender, receiver) of pipeline positions 0..p-1 that get a process group of their own:
-    both directions between ring neighbours (r, r+1 mod p; the wrap carries the interleaved schedule's turn).
+    """The pairs (a, b), a < b, of pipeline positions 0..p-1 that get a process group of their own: ring
+    neighbours (r, r+1 mod p; the wrap carries the interleaved schedule's turn from the last stage to the first).
 
-    Why one group per direction: on NCCL the messages of one communicator run in order on one stream, both
-    directions mixed. A stage receiving from the next one while that one receives from it waits forever, unless
-    both post their messages in one agreed order. With a group per direction each stream carries one way only:
-    the sender posts in its order, the receiver posts its receives in that same order (it knows the sender's
-    schedule), and nothing can cross. (Megatron instead pairs each send with the opposite receive in one batch.)"""
+    Every message between two neighbours, both directions, is one batch on their group, in the one order the
+    schedule gives every rank (pipeline_schedules.with_messages). A group of exactly the two ranks means every
+    batch on it involves all its members, which torch asks of the first batched call on a group."""
     if p < 2:
         return []
-    pairs = []
-    for r in range(p):
-        for a, b in ((r, (r + 1) % p), ((r + 1) % p, r)):
-            if (a, b) not in pairs:
-                pairs.append((a, b))
-    return pairs
+    return sorted({tuple(sorted((r, (r + 1) % p))) for r in range(p)})
 
 
 _WORLDS = itertools.count(1)  # numbers the worlds Mesh.init makes in this process (their store keys never meet)
@@ -318,8 +311,8 @@ class Mesh:
     Attributes: rank, world_size, local_rank, device, backend, sizes, coords, and the axes
     `dp`, `pp`, `cp`, `tp`, `dp_cp` (dp x cp together: gradients of replicated parameters are averaged over
     it), `ep` and `edp` (the experts' axes carved from dp: see the module docstring), `pp_ends` (the first and last pipeline stage, which share tied embeddings) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
-    pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage; `pp_links`: {(sender, receiver):
-    Axis} for this rank's pipeline neighbours, one two-rank axis (a group) per direction (`pipeline_links`), whose
+    pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage; `pp_links`: {(lower, higher):
+    Axis} for this rank's pipeline neighbours, one two-rank axis (a group) per pair (`pipeline_links`), whose
     messages (`Axis.exchange`) are counted by this mesh's recorder like its collectives.
     """
 
@@ -339,7 +332,7 @@ class Mesh:
             setattr(self, name, Axis(name, ranks, group, ranks.index(rank), dims, self.comm))
             if created:
                 self._created.append(group)
-        self._links = dict(links or {})  # (sender, receiver) global ranks -> the group of that direction
+        self._links = dict(links or {})  # (lower, higher) global ranks of two neighbours -> their group
         self._created += list(self._links.values())
         self.pp_links = self._link_axes(self.comm)
         self.is_first_stage = self.pp.rank == 0
@@ -415,12 +408,12 @@ class Mesh:
             group, created = (dist.new_group(ends, timeout=timeout), True) if len(ends) > 1 else (None, False)
             if rank in ranks:
                 groups["pp_ends"] = (ends, group, created) if rank in ends else ([rank], None, False)
-        links = {}  # one group per direction between pipeline neighbours (why: pipeline_links)
+        links = {}  # one group per pair of pipeline neighbours (pipeline_links)
         for ranks in group_ranks(sizes, "pp"):
             for a, b in pipeline_links(len(ranks)):
                 group = dist.new_group([ranks[a], ranks[b]], timeout=timeout)
                 if rank in (ranks[a], ranks[b]):
-                    links[ranks[a], ranks[b]] = group
+                    links[tuple(sorted((ranks[a], ranks[b])))] = group
         for name, lists in zip(("ep", "edp"), expert_groups(sizes, ep)):  # the experts' axes, carved from dp
             for ranks in lists:
                 if len(ranks) == world_size:
@@ -457,7 +450,7 @@ class Mesh:
         return mesh
 
     def _link_axes(self, comm):
-        """{(sender, receiver): the "pp" axis of the two ranks, on the group of that direction}."""
+        """{(lower, higher): the "pp" axis of the two ranks, on their group}."""
         return {pair: Axis("pp", sorted(pair), group, sorted(pair).index(self.rank), ("pp",), comm)
                 for pair, group in self._links.items()}
 

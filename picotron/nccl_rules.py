@@ -455,7 +455,8 @@ def _replay(traces, serial):
         else:
             line += "the host finished"
         if stuck:
-            line += "; its streams are stuck at " + "; ".join(_describe(i.ops[0]) for i in stuck[:3])
+            line += ("; its one queue is stuck at " if serial else "; its streams are stuck at ") + \
+                "; ".join(_describe(i.ops[0]) for i in stuck[:3])
         problems.append(line)
     if problems:
         problems.insert(0, "DEADLOCK under NCCL's rule for several communicators (each rank's operations on all its "

@@ -13,10 +13,10 @@ W actions, built, simulated and costed in picotron.pipeline_schedules (pure Pyth
 schedules' B and W come from picotron.zero_bubble. This module runs them on real processes:
 
     keep_stage / mark_stage   this rank's chunks of the model (`PipelineStage`), cut by pipeline_schedules.split_layers
-    Pipeline                  the step engine: walks this rank's actions, sends and receives between stages (one
-                              message = one batched send or receive on the group of its direction, NCCL-safe by
-                              construction), syncs the tied embeddings, hands the loss to every rank; with one
-                              stage it is plain gradient accumulation
+    Pipeline                  the step engine: walks this rank's actions and messages in the one order every rank
+                              follows (pipeline_schedules.with_messages; each message one batch on the group of
+                              its two ranks: NCCL-safe by construction), syncs the tied embeddings, hands the loss
+                              to every rank; with one stage it is plain gradient accumulation
     PipelineSampler           text generation through the stages
 
 DualPipe holds every stage twice: rank r's chunk 0 is stage r, its chunk 1 a copy of stage p-1-r for the
@@ -29,7 +29,6 @@ The executor measures nothing: it names each action as a phase (`Pipeline.phases
 "backward", "weight", with the micro-batch, chunk and stage), and whoever measures listens (a timeline, the
 activations it saves: metrics.ActivationPeak).
 """
-from collections import defaultdict
 from contextlib import nullcontext
 
 import torch
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron import hooks, marks, p2p
-from picotron.pipeline_schedules import chunks_of, split_layers
+from picotron.pipeline_schedules import Message, chunks_of, split_layers, with_messages
 
 
 # ========================================================================================= a rank's stage
@@ -164,15 +163,17 @@ class Pipeline:
     gradient goes back. W: the stashed weight gradients. Between chunks of one rank (the V's turn) the tensor is
     handed over in memory.
 
-    Messages, and why they cannot hang on NCCL. There, the messages of one communicator run in the order posted
-    on one stream, both directions mixed, and a receive holds the stream until its send arrives. Posting "receive
-    B0 from the next stage" while that stage posts "receive F1 from us" first would wait forever (it did: every
-    schedule, replayed under NCCL's rules). So each direction between two neighbours has its own group
-    (`mesh.pp_links`): a sender posts its sends in its own order, and the receiver posts its receives in that
-    same order — it knows the neighbour's action list — one action ahead of their use, so the next input
-    arrives while this action computes. Each message is one `batch_isend_irecv` (picotron.p2p), which runs on
-    the group's communicator, made with the group, so no host waits at a first contact either.
-    tests/test_nccl_rules.py replays every schedule at pp 2 and 4 under these rules."""
+    Messages, and why they cannot hang on NCCL. There a send or a receive blocks its stream until the partner's
+    runs, and NCCL asks that operations on all communicators be submitted in one order on every rank (a GPU may
+    run one NCCL kernel at a time). Posting "receive B0" ahead of "send F1" while the neighbour first needs F1
+    waits forever. So the messages are data too: `pipeline_schedules.with_messages` puts each rank's sends and
+    receives between its actions in the order of the schedule's ideal timeline, one order that every rank's list
+    is a piece of; this executor posts them exactly there. A receive is posted when its message happens in that
+    timeline (usually an action or more before its use: it arrives while this rank computes) and waited for just
+    before the action that needs it; a send is posted right after the action that made it, waited for at the end
+    of the step. Each message is one `batch_isend_irecv` (picotron.p2p) on the group of its two ranks
+    (`mesh.pp_links`, made with the mesh), so no host waits at a first contact either. tests/test_nccl_rules.py
+    replays every schedule at pp 2 and 4, and with ZeRO, tp and dp, under these rules."""
 
     def __init__(self, schedule, mesh, hidden, seq_div=1, ends=None, autocast=nullcontext, store=None,
                  dtype=torch.float32):
@@ -182,87 +183,50 @@ class Pipeline:
         self.ends, self.autocast, self.store = ends, autocast, store  # store: a split schedule's WeightGradStore
         self.phases = hooks.Phases()  # each action, for whoever measures
         self.rank = mesh.pp.rank
-        sch = schedule
-        self.last_stage = sch.stages - 1
-        # messages each neighbour sends me, in its order: ("F"|"B", mb, my chunk)
-        self.incoming = defaultdict(list)
-        for r, acts in enumerate(sch.ranks):
-            for a in acts:
-                s = sch.stage(r, a.chunk)
-                if a.kind == "F" and s < self.last_stage:
-                    dst, c = sch.where(s + 1, a.mb)
-                    if dst == self.rank and r != self.rank:
-                        self.incoming[r].append(("F", a.mb, c))
-                if a.kind == "B" and s > 0:
-                    dst, c = sch.where(s - 1, a.mb)
-                    if dst == self.rank and r != self.rank:
-                        self.incoming[r].append(("B", a.mb, c))
-        mine = sch.ranks[self.rank]
-        self.final = set()  # the actions after which a chunk's parameters have their whole gradient
-        for c in range(sch.v):
-            for kind in ("B", "W"):
-                same = [k for k, a in enumerate(mine) if a.kind == kind and a.chunk == c]
-                if same:
-                    self.final.add(same[-1])
+        self.last_stage = schedule.stages - 1
+        self.steps = with_messages(schedule)[self.rank]  # this rank's actions and messages, in the one order
+        mine = schedule.ranks[self.rank]
+        # the actions after which a chunk's parameters have their whole gradient (its last B, or W)
+        self.final = {[a for a in mine if a.kind == kind and a.chunk == c][-1]
+                      for c in range(schedule.v) for kind in ("B", "W") if any(a.kind == kind and a.chunk == c for a in mine)}
 
     # ------------------------------------------------------------------------------- messages
-    def _global(self, pp_rank):
-        return self.pp.ranks[pp_rank]
-
-    def _post(self, src, upto):
-        """Post receives from `src` in its send order, up to and including message `upto`."""
-        queue = self.incoming[src]
-        while self.posted[src] < len(queue):
-            key = queue[self.posted[src]]
+    def _post(self, msg):
+        """Post message `msg` (a pipeline_schedules.Message): a receive into a fresh buffer, kept until its action;
+        a send of what this rank's action left in the outbox."""
+        key = (msg.kind, msg.mb, msg.chunk)
+        if msg.op == "recv":
             buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.mesh.device)
-            self.pending[key] = (buf, self._message("recv", buf, src))
-            self.posted[src] += 1
-            if key == upto:
-                return
-
-    def _source(self, a):
-        """(rank, message key) this action receives from, or None."""
-        sch = self.schedule
-        s = sch.stage(self.rank, a.chunk)
-        if a.kind == "F" and s > 0:
-            r, _ = sch.where(s - 1, a.mb)
-            return (r, ("F", a.mb, a.chunk)) if r != self.rank else None
-        if a.kind == "B" and s < self.last_stage:
-            r, _ = sch.where(s + 1, a.mb)
-            return (r, ("B", a.mb, a.chunk)) if r != self.rank else None
-        return None
-
-    def _post_for(self, a):
-        """Post the receives up to action `a`'s message, if it has one from another rank."""
-        src = self._source(a)
-        if src is not None:
-            self._post(*src)
+            self.pending[key] = (buf, self._message("recv", buf, msg.peer))
+        else:
+            label = "activation" if msg.kind == "F" else "gradient"
+            self.sends += self._message("send", self.outbox.pop(key), msg.peer, label)
 
     def _receive(self, a):
-        src = self._source(a)
-        if src is None:  # same rank: handed over in memory
-            return self.local.pop((a.kind, a.mb, a.chunk))
-        r, key = src
-        self._post(r, key)
+        """Action a's input from its neighbour: handed over in memory by this rank's other chunk, or the buffer of
+        the receive posted earlier, waited for now."""
+        key = (a.kind, a.mb, a.chunk)
+        if key in self.local:
+            return self.local.pop(key)
         buf, works = self.pending.pop(key)
         p2p.wait_all(works)
         return buf
 
-    def _send(self, t, kind, mb, to_stage):
-        r, c = self.schedule.where(to_stage, mb)
+    def _send(self, t, a, to_stage):
+        """What action `a` sends to stage `to_stage`: in memory if this rank holds it, else into the outbox, for
+        the send that follows in the list."""
+        r, c = self.schedule.where(to_stage, a.mb)
         t = t.detach().to(self.dtype).contiguous()
         if r == self.rank:
-            self.local[(kind, mb, c)] = t
-            return
-        self.sends += self._message("send", t, r, "activation" if kind == "F" else "gradient")
+            self.local[(a.kind, a.mb, c)] = t
+        else:
+            self.outbox[(a.kind, a.mb, a.chunk)] = t
 
     def _message(self, kind, t, peer, label="send"):
-        """Post one message to / from pipeline rank `peer` on the axis of its direction (mesh.pp_links: on
-        NCCL each direction is then its own ordered stream, see mesh.pipeline_links); the handles. A recorder
-        on the mesh counts what is sent, under `label` (Axis.exchange)."""
-        me, other = self._global(self.rank), self._global(peer)
-        link = self.mesh.pp_links[(me, other) if kind == "send" else (other, me)]
-        return link.exchange([(kind, t, other)], label)
+        """Post one message to / from pipeline rank `peer` on the group of the two ranks (mesh.pp_links); the
+        handles. A recorder on the mesh counts what is sent, under `label` (Axis.exchange)."""
+        me, other = self.pp.ranks[self.rank], self.pp.ranks[peer]
+        return self.mesh.pp_links[min(me, other), max(me, other)].exchange([(kind, t, other)], label)
 
     # -------------------------------------------------------------------------------- the step
     def run(self, model, micro_batches, loss_fn):
@@ -273,16 +237,16 @@ class Pipeline:
         if len(micro_batches) != sch.m:
             raise ValueError(f"the schedule is for {sch.m} micro-batches, the step has {len(micro_batches)}.")
         self._start(micro_batches)
-        acts = sch.ranks[self.rank]
-        for k, a in enumerate(acts):
-            if k + 1 < len(acts):  # post the next action's receive now: it arrives while this one computes
-                self._post_for(acts[k + 1])
+        for a in self.steps:
+            if isinstance(a, Message):  # a send or a receive, where the one order puts it
+                self._post(a)
+                continue
             s = sch.stage(self.rank, a.chunk)
             with self._phase(a, s):
                 if a.kind == "F":
                     self._forward(a, s, model.module.chunks[a.chunk], micro_batches[a.mb], loss_fn)
                 else:  # the chunk's last B (or W) lets the gradient sync of its parameters start
-                    with nullcontext() if k in self.final else model.no_sync():
+                    with nullcontext() if a in self.final else model.no_sync():
                         if a.kind == "B":
                             self._backward(a, s)
                         else:  # W: the weight gradients this micro-batch's B left in the store
@@ -296,7 +260,7 @@ class Pipeline:
     def _start(self, micro_batches):
         b, seq = micro_batches[0][0].shape
         self.act_shape = (b, seq // self.seq_div, self.hidden)  # every message's
-        self.pending, self.posted, self.local, self.sends = {}, defaultdict(int), {}, []
+        self.pending, self.outbox, self.local, self.sends = {}, {}, {}, []  # (kind, mb, chunk) -> tensor or receive
         self.saved = {}  # (mb, chunk) -> (input, output) of its forward, until its B
         self.total = torch.zeros((), device=self.mesh.device)  # the loss (on the last stage)
 
@@ -320,7 +284,7 @@ class Pipeline:
         if s == self.last_stage:
             self.total += out.detach()
         else:
-            self._send(out, "F", a.mb, s + 1)
+            self._send(out, a, s + 1)
         self.saved[(a.mb, a.chunk)] = (x if s > 0 else None, out)
 
     def _backward(self, a, s):
@@ -335,7 +299,7 @@ class Pipeline:
             self.store.deferring = False
             self.store.collect((a.mb, a.chunk))
         if s > 0:
-            self._send(x.grad, "B", a.mb, s - 1)
+            self._send(x.grad, a, s - 1)
 
     def _wait_sends(self):
         for w in self.sends:

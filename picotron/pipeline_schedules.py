@@ -429,6 +429,50 @@ def dualpipe_idle(p, t_f=1.0, t_b=1.0, t_w=1.0, t_fb=None):
     return (p / 2 - 1) * (t_fb + (t_b + t_w) - 3 * t_w)
 
 
+# ============================================================================================= messages
+Message = namedtuple("Message", "op kind mb chunk peer")  # op "send" | "recv"; kind "F" (an activation) or "B" (a
+Message.__repr__ = lambda m: (f"{'S' if m.op == 'send' else 'R'}{m.kind}{m.mb}" + (f".{m.chunk}" if m.chunk else "")
+                              + f"{'>' if m.op == 'send' else '<'}{m.peer}")  # gradient); this rank's chunk; peer rank
+
+
+def with_messages(schedule):
+    """Each rank's actions with its sends and receives placed between them, in ONE order that every rank follows:
+    the order of the ideal timeline (`simulate`). Every message happens at one instant there, the moment its F
+    or B ends, and both its ends see it at that instant: the sender right after that action, the receiver
+    between the actions it runs before and after that moment. Sort every compute start and every message
+    by time (a message before an action that starts at its instant: the action may need it) and deal them out
+    to the ranks: each rank's list is then a piece of one global sequence, so when each rank posts its
+    messages in its list's order, every message's two ends meet, whatever runs beside them. This is NCCL's rule
+    for several communicators ("operations submitted in the same order across ranks"), and what
+    torch.distributed.pipelining's runtime does when it inserts its SEND/RECV actions into a simulated order.
+
+    Returns [[Action | Message, ...] per rank]: `Message(op, kind, mb, chunk, peer)` with `chunk` this rank's
+    chunk that produced (send) or will consume (recv) the tensor. Between chunks of one rank (the V's turn)
+    nothing is sent: the tensor is handed over in memory."""
+    sim = simulate(schedule)
+    sch, last = schedule, schedule.stages - 1
+    events = []  # (time, 0 message | 1 action, rank, position, what)
+    for r, timeline in enumerate(sim.timeline):
+        for k, (a, start, end) in enumerate(timeline):
+            events.append((start, 1, r, k, a))
+            s = sch.stage(r, a.chunk)
+            to = s + 1 if a.kind == "F" and s < last else s - 1 if a.kind == "B" and s > 0 else None
+            if to is not None:
+                dst, c = sch.where(to, a.mb)
+                if dst != r:
+                    events.append((end, 0, r, k, (Message("send", a.kind, a.mb, a.chunk, dst),
+                                                  dst, Message("recv", a.kind, a.mb, c, r))))
+    out = [[] for _ in range(sch.p)]
+    for _, is_action, r, _, what in sorted(events, key=lambda e: e[:4]):
+        if is_action:
+            out[r].append(what)
+        else:
+            send, dst, recv = what
+            out[r].append(send)
+            out[dst].append(recv)
+    return out
+
+
 # ========================================================================================== stage split
 def layer_costs(model_config, seq_len):
     """Training FLOPs per token of each part, in layer order: [embedding, layer 0, ..., layer L-1, head].

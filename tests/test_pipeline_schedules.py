@@ -179,3 +179,78 @@ def test_the_schedules_need_no_torch():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _as_traces(steps):
+    """with_messages' lists as the traces picotron.nccl_rules replays: each message one batch on the group of its
+    two ranks, a receive waited for just before the action that needs it, the sends at the end of the step."""
+    from picotron.pipeline_schedules import Message
+    traces = []
+    for r, items in enumerate(steps):
+        events, recvs, sends = [], {}, []
+        for h, it in enumerate(items, 1):
+            if isinstance(it, Message):
+                lo, hi = sorted((r, it.peer))
+                events.append(dict(op="i" + it.op, comm=f"{lo}-{hi}", peer=it.peer, bytes=4, batch=h, handle=h,
+                                   where=repr(it)))
+                (recvs.__setitem__((it.kind, it.mb, it.chunk), h) if it.op == "recv" else sends.append(h))
+            elif (it.kind, it.mb, it.chunk) in recvs:
+                events.append(dict(op="wait", handle=recvs.pop((it.kind, it.mb, it.chunk))))
+        events += [dict(op="wait", handle=h) for h in sends]
+        assert not recvs, (r, recvs)  # every receive is used by an action
+        groups = {f"{a}-{b}": [a, b] for a in range(len(steps)) for b in range(a + 1, len(steps))}
+        traces.append(dict(rank=r, groups=groups, events=events))
+    return traces
+
+
+CASES = [(n, p, m, 1) for n in ("afab", "1f1b", "zb-h1", "zb-v") for p in range(1, 9) for m in (1, 2, 3, 5, 8, 16)] + \
+        [("interleaved", p, m, v) for p in range(2, 6) for v in (2, 3) for m in (p, 2 * p, 3 * p)] + \
+        [("dualpipe", p, m, 2) for p in (2, 4, 6) for m in (2 * p, 2 * p + 2, 4 * p)]
+
+
+def test_messages_in_one_order_meet_under_nccls_rules():
+    """Every schedule's messages, placed by with_messages, replay clean under NCCL's rule for several communicators
+    (one queue per rank); each rank's actions keep their order, each receive comes before the action that uses it
+    and each send right after the action that made it."""
+    from picotron import nccl_rules
+    from picotron.pipeline_schedules import Message
+    for name, p, m, v in CASES:
+        sch = ps.build(name, p, m, v)
+        steps = ps.with_messages(sch)
+        for r, items in enumerate(steps):
+            assert [a for a in items if not isinstance(a, Message)] == sch.ranks[r], (name, p, m, r)
+            for k, it in enumerate(items):
+                if isinstance(it, Message) and it.op == "send":
+                    made = [a for a in items[:k] if not isinstance(a, Message)][-1]
+                    assert (made.kind, made.mb, made.chunk) == (it.kind, it.mb, it.chunk), (name, p, m, r, k)
+        verdict = nccl_rules.replay(_as_traces(steps))
+        assert verdict.ok, (name, p, m, v, verdict)
+
+
+def test_receives_posted_one_action_ahead_break_the_one_order():
+    """The executor's order before with_messages (each action's receive posted one action ahead, on a group per
+    direction) replays clean per communicator and deadlocks under one order: the check above can fail."""
+    from picotron import nccl_rules
+    from picotron.pipeline_schedules import Message
+    sch = ps.build("1f1b", 2, 2)
+    steps = []
+    for r, acts in enumerate(sch.ranks):
+        items, posted = [], set()
+        for k, a in enumerate(acts):
+            for b in acts[k:k + 2]:
+                peer = 1 - r
+                if ((b.kind == "F" and r == 1) or (b.kind == "B" and r == 0)) and b not in posted:
+                    posted.add(b)
+                    items.append(Message("recv", b.kind, b.mb, b.chunk, peer))
+            items.append(a)
+            if (a.kind == "F" and r == 0) or (a.kind == "B" and r == 1):
+                items.append(Message("send", a.kind, a.mb, a.chunk, 1 - r))
+        steps.append(items)
+    traces = _as_traces(steps)
+    for t in traces:  # a group per direction, as mesh.pp_links was
+        for e in t["events"]:
+            if "comm" in e:
+                e["comm"] = "F" if (e["op"] == "isend") == (t["rank"] == 0) else "B"
+        t["groups"] = {"F": [0, 1], "B": [0, 1]}
+    assert nccl_rules.replay(traces, order="per-communicator").ok
+    assert "several communicators" in str(nccl_rules.replay(traces))

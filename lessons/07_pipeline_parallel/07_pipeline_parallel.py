@@ -177,48 +177,72 @@ except ps.ScheduleError as e:
 # **The executor** (`Pipeline.run`, in `picotron/pipeline_parallel.py`) walks this rank's list. A forward receives its
 # input (or reads the tokens on stage 0), runs the chunk, sends the output on (or, on the last stage, computes the
 # loss divided by $m$); a backward receives the output's gradient, runs autograd from the stashed output, and sends
-# the input's gradient back. The receives are posted in the order the neighbour sends — known from the neighbour's
-# list — one action ahead. Each action is a named phase (`self.phases`, `picotron.hooks`): the executor measures
-# nothing itself, the experiments below listen to its phases with a timeline and an activation count:
+# the input's gradient back. The messages are data too: `ps.with_messages` places each rank's sends and receives
+# between its actions (why, and in which order: "On a GPU pod" below), and the executor posts each one where its
+# list says. Each action is a named phase (`self.phases`, `picotron.hooks`): the executor measures nothing itself,
+# the experiments below listen to its phases with a timeline and an activation count:
 
 # %%
-_common.show_source(pp.Pipeline.run, "for k, a in enumerate(acts):")
+print("1F1B, p = 2, m = 2, with its messages:", ps.with_messages(ps.build("1f1b", 2, 2)))
+_common.show_source(pp.Pipeline.run, "for a in self.steps:")
 _common.show_source(pp.Pipeline._forward)
 _common.show_source(pp.Pipeline._backward)
 
 # %% [markdown]
 # **On a GPU pod: NCCL's rules.** gloo, this laptop's backend, matches each message by sender and tag and buffers
-# it; NCCL does neither. There the single `isend`/`irecv` between two ranks share one communicator and one CUDA
-# stream, both directions mixed, executed in the order they were posted; a receive holds the stream until its send
-# arrives, and a send its receive (NCCL may buffer a small one; the replay below never counts on it). The first
-# version of this executor posted each action's *next* receive before this action's send, as single messages. At
-# $p = 2$, 1F1B, $m = 2$ — rank 0 runs F0 F1 B0 B1, rank 1 runs F0 B0 F1 B1 — rank 0's stream to rank 1 held
-# [send F0, receive B0 (posted early), send F1] and rank 1's held [receive F0, receive F1 (posted early), send B0]:
-# after F0, each rank waits at the head of its stream for a message the other can only send from behind its own
-# head. gloo ran it without a word; a pod hangs until the watchdog kills the job.
+# it; NCCL does neither. There a send or a receive blocks its stream until the partner's call runs. The single
+# `isend`/`irecv` between two ranks share one communicator and one CUDA stream, both directions mixed, executed in
+# the order they were posted. The first version of this executor posted each action's *next* receive before this
+# action's send, as single messages. At $p = 2$, 1F1B, $m = 2$ — rank 0 runs F0 F1 B0 B1, rank 1 runs F0 B0 F1 B1 —
+# rank 0's stream to rank 1 held [send F0, receive B0 (posted early), send F1] and rank 1's held [receive F0,
+# receive F1 (posted early), send B0]: after F0, each rank waits at the head of its stream for a message the other
+# can only send from behind its own head. gloo ran it without a word; a pod hangs until the watchdog kills the job.
 #
-# `picotron.nccl_rules` shows it without a GPU: it records every rank's messages and collectives (here on gloo)
-# and replays them under NCCL's rules, naming each rank's first stuck operation. Below: that order on a toy model
-# (`nccl_order.py` in this folder), then picotron's executor. Its fix: each *direction* between two neighbours has
-# a group of its own (`mesh.pp_links`), and each message is one batch on it (`picotron.p2p`), so a stream carries
-# one direction only, the receiver posts in the sender's order, and nothing can cross. (Megatron-LM instead pairs
-# "send forward, receive backward" in one batch.) `tests/test_nccl_rules.py` replays every schedule at $p = 2$
-# and $4$, and every layout of the parity matrix, this way.
+# The second version gave each *direction* a group of its own (0 → 1 for activations, 1 → 0 for gradients), each
+# message one batch on it. Per communicator, each stream now carries one direction in the order both ends post
+# it, and nothing crosses. But NCCL promises nothing about two communicators running side by side: its kernels
+# block while they wait for data, any CUDA call (a caching allocator's `cudaFree`, a `.item()`) may synchronise the
+# whole device, and a busy GPU may not fit two NCCL kernels at once. Its user guide ("Using multiple NCCL
+# communicators concurrently") asks that "operations are submitted in the same order across ranks", and says
+# streams running at once "might work ... but could break at any time". Seen as ONE queue per GPU, the same toy
+# order is the same deadlock: rank 0 posts *send F0* (0 → 1), *receive B0* (1 → 0, ahead), *send F1* (0 → 1);
+# rank 1 posts *receive F0*, *receive F1* (ahead), *send B0*. Rank 0 waits in its receive of B0 for rank 1, which
+# waits in its receive of F1 for rank 0.
+#
+# `picotron.nccl_rules` shows both without a GPU: it records every rank's messages and collectives (here on gloo)
+# and replays them as NCCL would run them — first each communicator on its own stream, then every rank's
+# operations on all its groups as one queue in the order it issued them, each meeting its peers' at the heads of
+# theirs — naming each rank's first stuck operation. Below: the two versions on a toy model (`nccl_order.py` in
+# this folder), then picotron's executor. Its fix makes the messages data: `ps.with_messages` (printed above) runs
+# the schedule on the ideal machine, where each message happens at one instant — the end of the action that makes
+# it — and gives every rank its sends and receives in the order of those instants. Every rank's list is then a
+# piece of one global order, so at each message both ends are at the head of their queues. torch's
+# `torch.distributed.pipelining` derives its SEND/RECV actions from a simulated order the same way; Megatron-LM
+# instead posts each step's pair ("send forward, receive backward") as one batch on one group — both keep every
+# rank's messages in one order the neighbours share. `tests/test_nccl_rules.py` replays every schedule at $p = 2$
+# and $4$, with ZeRO, tp and dp, and every layout of the parity matrix, under both rules.
 
 # %%
 from picotron import nccl_rules
 from picotron.launch import run_on_ranks
-import nccl_order   # this folder: the first version's order on a toy model, and one step of picotron's executor
+import nccl_order   # this folder: the first two versions' order on a toy model, and one step of picotron's executor
 
 naive = run_on_ranks(nccl_rules.run_recorded, 2, nccl_order.naive_1f1b, 2)
 print("gloo ran the first version's order to the end; each rank's output sum:", [round(out, 3) for out, _ in naive])
-naive_verdict = nccl_rules.replay([trace for _, trace in naive])
-print(naive_verdict)
+naive_verdict = nccl_rules.replay([trace for _, trace in naive], order="per-communicator")
+print("first version (single messages), each communicator on its own stream:", naive_verdict)
+directed = run_on_ranks(nccl_rules.run_recorded, 2, nccl_order.direction_groups_1f1b, 2)
+directed_per_comm = nccl_rules.replay([trace for _, trace in directed], order="per-communicator")
+directed_one = nccl_rules.replay([trace for _, trace in directed])
+print("second version (a group per direction), each communicator on its own stream:", directed_per_comm)
+print("second version, one order across communicators:", directed_one)
 ours = run_on_ranks(nccl_rules.run_recorded, 2, nccl_order.picotron_1f1b, 2)
 ours_verdict = nccl_rules.replay([trace for _, trace in ours])
-print(f"picotron's executor, the same schedule on the tiny model (loss {ours[0][0]:.4f}):", ours_verdict)
-check("NCCL's rules: the first version's order deadlocks, picotron's executor completes",
-      not naive_verdict.ok and ours_verdict.ok, f"{len(naive_verdict.problems) - 1} ranks stuck vs "
+print(f"picotron's executor, the same schedule on the tiny model (loss {ours[0][0]:.4f}), one order:", ours_verdict)
+check("NCCL's rules: the first version deadlocks on one communicator, the second passes per communicator "
+      "but deadlocks in one order, picotron's executor completes",
+      not naive_verdict.ok and directed_per_comm.ok and not directed_one.ok and ours_verdict.ok,
+      f"{len(naive_verdict.problems) - 1} and {len(directed_one.problems) - 1} ranks stuck vs "
       f"{ours_verdict.ops} operations matched")
 
 # %% [markdown]

@@ -2,9 +2,11 @@
 
 `naive_1f1b` runs one 1F1B step of a toy two-stage model with its messages posted the way picotron's executor
 first posted them — single isend/irecv on the pipeline group, the receive of the NEXT action posted before
-this action's send — which gloo runs happily. `picotron_1f1b` runs one step of the real executor
-(`picotron.pipeline_parallel.Pipeline`: a group per direction, one batch per message). The notebook records
-both on every rank (picotron.nccl_rules.run_recorded) and replays them as NCCL would run them.
+this action's send — which gloo runs happily. `direction_groups_1f1b` is its second version: the same order,
+each message one batch on a group of its direction (0 -> 1 and 1 -> 0). `picotron_1f1b` runs one step of the
+real executor (`picotron.pipeline_parallel.Pipeline`: the messages in the one order of
+`pipeline_schedules.with_messages`, one batch each on the group of the two ranks). The notebook records them on
+every rank (picotron.nccl_rules.run_recorded) and replays them as NCCL would run them.
 """
 import torch
 import torch.distributed as dist
@@ -14,9 +16,20 @@ from picotron import pipeline_schedules as ps
 HIDDEN = 16
 
 
-def naive_1f1b(m=2):
-    """One 1F1B step on p = world size toy stages (a tanh layer each); returns this rank's sum of outputs."""
+def naive_1f1b(m=2, by_direction=False):
+    """One 1F1B step on p = world size toy stages (a tanh layer each); returns this rank's sum of outputs.
+    by_direction: each message one batch on the group of its direction instead of a single isend / irecv."""
     rank, p = dist.get_rank(), dist.get_world_size()
+    if by_direction:  # every rank makes every group, in one order: new_group is collective
+        down = {r: dist.new_group([r, r + 1]) for r in range(p - 1)}  # r -> r + 1 (activations)
+        up = {r: dist.new_group([r, r + 1]) for r in range(p - 1)}    # r + 1 -> r (gradients)
+
+    def message(op, t, peer):
+        if not by_direction:
+            return (dist.isend if op == "send" else dist.irecv)(t, peer)
+        forward = (op == "send") == (peer > rank)  # the message travels towards the last stage
+        group = (down if forward else up)[min(rank, peer)]
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend if op == "send" else dist.irecv, t, peer, group)])[0]
     torch.manual_seed(0)
     w = torch.randn(HIDDEN, HIDDEN, requires_grad=True)
     acts = ps.one_f_one_b(p, m).ranks[rank]
@@ -34,7 +47,7 @@ def naive_1f1b(m=2):
         src = needs(a)
         if src is not None and src[1] not in pending:
             buf = torch.empty(2, HIDDEN)
-            pending[src[1]] = buf, dist.irecv(buf, src[0])  # a single message, posted one action ahead
+            pending[src[1]] = buf, message("recv", buf, src[0])  # posted one action ahead
 
     for k, a in enumerate(acts):
         post(a)
@@ -50,15 +63,21 @@ def naive_1f1b(m=2):
             saved[a.mb] = x, y
             total += float(y.detach().sum())
             if rank < p - 1:
-                sends.append(dist.isend(y.detach(), nxt))  # ... and the send after the compute
+                sends.append(message("send", y.detach(), nxt))  # ... and the send after the compute
         else:
             x, y = saved.pop(a.mb)
             y.backward(torch.ones_like(y) if rank == p - 1 else got)
             if rank > 0:
-                sends.append(dist.isend(x.grad, prev))
+                sends.append(message("send", x.grad, prev))
     for s in sends:
         s.wait()
     return total
+
+
+def direction_groups_1f1b(m=2):
+    """naive_1f1b's order with each message one batch on the group of its direction (the executor's second
+    version): every communicator carries one direction, in the order both ends post it."""
+    return naive_1f1b(m, by_direction=True)
 
 
 def picotron_1f1b(m=2):
