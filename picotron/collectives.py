@@ -161,6 +161,12 @@ def _ring(chunks, steps, op, me, ranks, group):
     flight together, and transfers overlap the reductions. Every rank posts its exchanges in the same order
     (step by step, piece by piece), so on NCCL each one meets its neighbours' (see _exchange). Gathered
     pieces land in place; reduced ones land in a scratch buffer first.
+
+    No receive is posted a step ahead (an earlier version did, double-buffered): under NCCL's rule for several
+    communicators each rank's operations run as one queue, and a receive at its head would wait for a send that
+    every rank holds behind its own receive. Measured side by side on an idle 2-core CPU (4 gloo ranks, median of
+    21, built-in = 1): this ring 0.94-0.99x at 16 MiB and 1.00x at 64 MiB, the double-buffered one 0.96-1.01x
+    and 1.08x; cutting chunks into 1 MiB pieces to win the overlap back costs more per message here (0.87x).
     """
     n, T = len(ranks), len(steps)
     left, right = ranks[(me - 1) % n], ranks[(me + 1) % n]

@@ -59,6 +59,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "gather_object", "scatter_object_list", "all_reduce_coalesced")
 BLOCKING = {"send": "isend", "recv": "irecv"}  # the blocking forms: issue + wait
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_PLUMBING = {os.path.join(_HERE, name) for name in ("nccl_rules.py", "p2p.py", "mesh.py")}
 
 
 # ============================================================================================ recording
@@ -133,11 +134,12 @@ class Recorder:
         self.trace["events"].append(ev)
 
     def _where(self):
-        """file:line function of the nearest caller outside this module and torch."""
+        """file:line function of the nearest caller outside this module, torch and the plumbing every message
+        goes through (picotron/p2p.py, the mesh's axes): the line of the strategy that sent it."""
         f = sys._getframe(2)
         while f is not None:
             path = f.f_code.co_filename
-            if path != __file__ and f"{os.sep}torch{os.sep}" not in path:
+            if os.path.abspath(path) not in _PLUMBING and f"{os.sep}torch{os.sep}" not in path:
                 return f"{os.path.relpath(path, os.path.dirname(_HERE))}:{f.f_lineno} {f.f_code.co_name}"
             f = f.f_back
         return "?"

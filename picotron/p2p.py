@@ -8,9 +8,12 @@ gloo forgives a lot that NCCL does not. On NCCL:
   peer reaches its own first message to us: a ring in which every rank first receives from its left hangs.
 A batch (`batch_isend_irecv`) is one grouped NCCL call on the group's own communicator (made when the group
 was made): all its sends and receives are posted together, so the order inside it does not matter, and it
-meets the peers' batches in the order every rank posts them. Megatron-LM and torch.distributed.pipelining
-post their pipeline messages this way; `tests/test_nccl_rules.py` replays every layout's messages under these
-rules (picotron.nccl_rules) to prove that ours never wait on each other.
+meets the peers' batches in the order every rank posts them. Batches alone are not enough: NCCL asks that the
+operations on ALL of a rank's communicators be submitted in one order its peers follow too (a GPU may run one NCCL
+kernel at a time), so whoever posts batches on several groups keeps them in such an order (the pipeline:
+pipeline_schedules.with_messages). Megatron-LM and torch.distributed.pipelining post their pipeline messages this
+way; `tests/test_nccl_rules.py` replays every layout's messages under these rules (picotron.nccl_rules) to prove
+that ours never wait on each other.
 
 On gloo a batch is just its isend/irecv in order (tags kept), so the same code runs on a laptop.
 """

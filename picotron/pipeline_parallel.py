@@ -168,10 +168,9 @@ class Pipeline:
     run one NCCL kernel at a time). Posting "receive B0" ahead of "send F1" while the neighbour first needs F1
     waits forever. So the messages are data too: `pipeline_schedules.with_messages` puts each rank's sends and
     receives between its actions in the order of the schedule's ideal timeline, one order that every rank's list
-    is a piece of; this executor posts them exactly there. A receive is posted when its message happens in that
-    timeline (usually an action or more before its use: it arrives while this rank computes) and waited for just
-    before the action that needs it; a send is posted right after the action that made it, waited for at the end
-    of the step. Each message is one `batch_isend_irecv` (picotron.p2p) on the group of its two ranks
+    is a piece of; this executor posts them exactly there. A receive is posted as early as that order allows (right
+    after this rank's previous message: it arrives while this rank computes) and waited for just before the action
+    that needs it; a send is posted right after the action that made it, waited for at the end of the step. Each message is one `batch_isend_irecv` (picotron.p2p) on the group of its two ranks
     (`mesh.pp_links`, made with the mesh), so no host waits at a first contact either. tests/test_nccl_rules.py
     replays every schedule at pp 2 and 4, and with ZeRO, tp and dp, under these rules."""
 
@@ -185,10 +184,12 @@ class Pipeline:
         self.rank = mesh.pp.rank
         self.last_stage = schedule.stages - 1
         self.steps = with_messages(schedule)[self.rank]  # this rank's actions and messages, in the one order
-        mine = schedule.ranks[self.rank]
-        # the actions after which a chunk's parameters have their whole gradient (its last B, or W)
-        self.final = {[a for a in mine if a.kind == kind and a.chunk == c][-1]
-                      for c in range(schedule.v) for kind in ("B", "W") if any(a.kind == kind and a.chunk == c for a in mine)}
+        self.final = set()  # the actions after which a chunk's parameters have their whole gradient (last B, W)
+        for c in range(schedule.v):
+            for kind in ("B", "W"):
+                same = [a for a in schedule.ranks[self.rank] if a.kind == kind and a.chunk == c]
+                if same:
+                    self.final.add(same[-1])
 
     # ------------------------------------------------------------------------------- messages
     def _post(self, msg):

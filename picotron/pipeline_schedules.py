@@ -446,6 +446,10 @@ def with_messages(schedule):
     for several communicators ("operations submitted in the same order across ranks"), and what
     torch.distributed.pipelining's runtime does when it inserts its SEND/RECV actions into a simulated order.
 
+    Only the order of the messages matters to NCCL, not where the computing actions fall between them, so each
+    receive then moves up to just after the rank's previous message: it is posted as early as the one order
+    allows, and the tensor arrives while the rank computes what comes before its use.
+
     Returns [[Action | Message, ...] per rank]: `Message(op, kind, mb, chunk, peer)` with `chunk` this rank's
     chunk that produced (send) or will consume (recv) the tensor. Between chunks of one rank (the V's turn)
     nothing is sent: the tensor is handed over in memory."""
@@ -463,13 +467,16 @@ def with_messages(schedule):
                     events.append((end, 0, r, k, (Message("send", a.kind, a.mb, a.chunk, dst),
                                                   dst, Message("recv", a.kind, a.mb, c, r))))
     out = [[] for _ in range(sch.p)]
+    last = [0] * sch.p  # where each rank's list had its latest message: a receive moves up to just after it
     for _, is_action, r, _, what in sorted(events, key=lambda e: e[:4]):
         if is_action:
             out[r].append(what)
         else:
             send, dst, recv = what
             out[r].append(send)
-            out[dst].append(recv)
+            last[r] = len(out[r])
+            out[dst].insert(last[dst], recv)
+            last[dst] += 1
     return out
 
 

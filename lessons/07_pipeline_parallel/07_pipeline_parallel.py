@@ -216,7 +216,10 @@ _common.show_source(pp.Pipeline._backward)
 # this folder), then picotron's executor. Its fix makes the messages data: `ps.with_messages` (printed above) runs
 # the schedule on the ideal machine, where each message happens at one instant — the end of the action that makes
 # it — and gives every rank its sends and receives in the order of those instants. Every rank's list is then a
-# piece of one global order, so at each message both ends are at the head of their queues. torch's
+# piece of one global order, so at each message both ends are at the head of their queues. Only the messages'
+# order matters, not where the computations fall between them, so each receive then moves up to just after the
+# rank's previous message (rank 1 above posts R F0 and R F1 before computing anything): the activation arrives
+# while the rank computes. torch's
 # `torch.distributed.pipelining` derives its SEND/RECV actions from a simulated order the same way; Megatron-LM
 # instead posts each step's pair ("send forward, receive backward") as one batch on one group — both keep every
 # rank's messages in one order the neighbours share. `tests/test_nccl_rules.py` replays every schedule at $p = 2$
