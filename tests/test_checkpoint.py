@@ -272,7 +272,7 @@ def test_level_1_resumes_exactly_from_the_peers_copy_else_level_2(tmp_path):
     run's bit for bit, and every rank's messages obey NCCL's rules. (A resume from a rank's own copy: tests/test_faults.py, after a real kill.)"""
     out = str(tmp_path / "run")
     (ref, _), ops = _levels_run(out, False)
-    assert {("isend", "exchange"), ("irecv", "exchange")} <= ops, ops  # the peer copies (dp2 sends nothing else)
+    assert {("isend", "_transfer"), ("irecv", "_transfer")} <= ops, ops  # the peer copies (dp2 sends nothing else)
     final = reshard.consolidate(checkpoint.latest(out))
     local = tmp_path / "run" / "local"
     assert sorted(os.listdir(local / "node_000")) == sorted(os.listdir(local / "node_001")) == \
@@ -288,7 +288,7 @@ def test_level_1_resumes_exactly_from_the_peers_copy_else_level_2(tmp_path):
         (records, printed), ops = _levels_run(out, True)
         assert ("all_gather", "agreed_local") in ops, ops  # the agreement was replayed
         if len(lost) == 1:  # the shard sent back to the lost node (step 6 writes level 2 only: no peer copy)
-            assert {("isend", "exchange"), ("irecv", "exchange")} <= ops, ops
+            assert {("isend", "_transfer"), ("irecv", "_transfer")} <= ops, ops
         assert line in printed, printed
         assert [r["loss"] for r in records] == [r["loss"] for r in ref], lost
         assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in ref], lost
