@@ -170,8 +170,9 @@ class Pipeline:
     receives between its actions in the order of the schedule's ideal timeline, one order that every rank's list
     is a piece of; this executor posts them exactly there. A receive is posted as early as that order allows (right
     after this rank's previous message: it arrives while this rank computes) and waited for just before the action
-    that needs it; a send is posted right after the action that made it, waited for at the end of the step. Each message is one `batch_isend_irecv` (picotron.p2p) on the group of its two ranks
-    (`mesh.pp_links`, made with the mesh), so no host waits at a first contact either. tests/test_nccl_rules.py
+    that needs it; a send is posted right after the action that made it, waited for at the end of the step.
+    Each message is one `batch_isend_irecv` (picotron.p2p) on the group of its two ranks (`mesh.pp_links`, made
+    with the mesh), so no host waits at a first contact either. tests/test_nccl_rules.py
     replays every schedule at pp 2 and 4, and with ZeRO, tp and dp, under these rules."""
 
     def __init__(self, schedule, mesh, hidden, seq_div=1, ends=None, autocast=nullcontext, store=None,
