@@ -193,7 +193,10 @@ def _as_traces(steps):
                 lo, hi = sorted((r, it.peer))
                 events.append(dict(op="i" + it.op, comm=f"{lo}-{hi}", peer=it.peer, bytes=4, batch=h, handle=h,
                                    where=repr(it)))
-                (recvs.__setitem__((it.kind, it.mb, it.chunk), h) if it.op == "recv" else sends.append(h))
+                if it.op == "recv":
+                    recvs[it.kind, it.mb, it.chunk] = h
+                else:
+                    sends.append(h)
             elif (it.kind, it.mb, it.chunk) in recvs:
                 events.append(dict(op="wait", handle=recvs.pop((it.kind, it.mb, it.chunk))))
         events += [dict(op="wait", handle=h) for h in sends]
