@@ -29,10 +29,11 @@ def block_after(command_prefix):
 def test_the_planner_block_is_its_output():
     from picotron import plan
 
-    command, shown = block_after("python -m picotron.plan")
+    command, shown = block_after("./run.sh python -m picotron.plan")
     buf = io.StringIO()
     with redirect_stdout(buf):
-        plan.main(shlex.split(command)[3:])
+        words = shlex.split(command)
+        plan.main(words[words.index("picotron.plan") + 1:])
     printed = buf.getvalue().splitlines()
     shown = [line for line in shown if line.strip() != "..."]
     at = 0  # every shown line appears in the output, in order (the README leaves some rejection reasons out)
