@@ -7,8 +7,16 @@ The checkpoint's slices are assembled into whole tensors (`reshard.consolidate`,
 group), put into a one-process Llama, and written as `config.json` + `model.safetensors`
 (`LlamaForCausalLM`, or `MixtralForCausalLM` for a mixture-of-experts model). Adam's state is not exported. A
 model with DeepSeek-V3's routing (picotron.moe) is refused: transformers' Mixtral would load it and route otherwise.
+
+The tokenizer goes with it, so `AutoTokenizer.from_pretrained(directory)` works too. picotron's default model
+reads UTF-8 bytes (picotron.data.ByteTokenizer: token id = byte value, 256 ids, no special tokens), written here
+as a `tokenizer.json` of the `tokenizers` library: GPT-2's byte-level pre-tokenizer (each byte becomes one
+printable character, `bytes_to_unicode`) and a BPE model with those 256 characters as its vocabulary and no
+merges, so every byte is one token whose id is the byte's value, and decoding maps the characters back to bytes
+(invalid UTF-8 becomes U+FFFD, as picotron's decode does). A run with `--tokenizer NAME` gets NAME's own files.
 """
 import argparse
+import json
 import os
 import sys
 
@@ -31,9 +39,39 @@ def folder_of(path):
     return newest
 
 
+def bytes_to_unicode():
+    """GPT-2's map from the 256 byte values to printable characters: the printable ones map to themselves, the
+    others (controls, space, ...) to the characters from U+0100 on, in byte order (space -> 'Ġ', newline -> 'Ċ')."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def save_byte_tokenizer(directory, model_max_length):
+    """Write picotron's byte tokenizer (token id = UTF-8 byte value) as tokenizer.json + tokenizer_config.json."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise ImportError("writing the tokenizer needs the 'tokenizers' package, which comes with transformers: "
+                          "pip install transformers") from None
+
+    tok = Tokenizer(models.BPE(vocab={char: b for b, char in bytes_to_unicode().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)  # no word splitting
+    tok.decoder = decoders.ByteLevel()
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast",  # the generic class: it reads tokenizer.json as is
+                "clean_up_tokenization_spaces": False,  # decode gives back the very text: "a ." stays "a ."
+                "model_max_length": model_max_length}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(settings, f, indent=2)
+
+
 def export(path, directory, dtype=None):
-    """Write the checkpoint at `path` to `directory` in the Hugging Face layout; return the model (CPU)."""
-    whole = reshard.consolidate(folder_of(path))
+    """Write the checkpoint at `path` and its tokenizer to `directory` in the Hugging Face layout; return the
+    model (CPU), the checkpoint folder and its step."""
+    folder = folder_of(path)
+    whole = reshard.consolidate(folder)
     cfg = Config.from_dict(whole["config"], source=path)
     mc = cfg.model_config()
     deepseek = {k: getattr(mc, k) for k in DEEPSEEK if getattr(mc, k) != getattr(ModelConfig, k)}
@@ -52,23 +90,29 @@ def export(path, directory, dtype=None):
     model.tie_weights()
     if dtype is not None:
         model.to(dtype)
+    if cfg.tokenizer == "byte":  # the tokenizer first: one that cannot be written stops the export before the weights
+        save_byte_tokenizer(directory, mc.max_position_embeddings)
+    else:
+        from picotron.data import get_tokenizer
+        get_tokenizer(cfg.tokenizer).tok.save_pretrained(directory)
     model.save_hf(directory)
-    return model
+    return model, folder, whole["step"]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m picotron.export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a run's --out folder (its newest checkpoint) or a checkpoint folder")
-    p.add_argument("directory", help="where to write config.json and model.safetensors")
+    p.add_argument("directory", help="where to write config.json, model.safetensors and the tokenizer's files")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = p.parse_args(argv)
     try:
-        model = export(args.checkpoint, args.directory, torch.bfloat16 if args.dtype == "bf16" else None)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+        model, folder, step = export(args.checkpoint, args.directory, torch.bfloat16 if args.dtype == "bf16" else None)
+    except (FileNotFoundError, ValueError, KeyError, ImportError) as e:
         print(f"picotron.export: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.directory}: {model.config.num_params() / 1e6:.2f} M parameters ({args.dtype}), loadable "
-          f"with transformers' AutoModelForCausalLM.from_pretrained({args.directory!r})")
+    print(f"wrote {args.directory}: step {step} ({folder}), {model.config.num_params() / 1e6:.2f} M parameters "
+          f"({args.dtype}) and its tokenizer, loadable with transformers' AutoModelForCausalLM and "
+          f"AutoTokenizer.from_pretrained({args.directory!r})")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Hugging Face files as the installed transformers writes them, both ways: `save_pretrained` -> `Llama.from_hf`,
-and picotron's `save_hf` (what `python -m picotron.export` writes) -> transformers' `from_pretrained`.
+and picotron's `save_hf` (what `python -m picotron.export` writes) -> transformers' `from_pretrained`; and the byte
+tokenizer export writes beside it, which `AutoTokenizer` loads with picotron's ids (issue 41).
 
 test_model.py builds each config from picotron's own `to_dict`, so it never meets the nulls and defaults of a
 config.json that transformers wrote itself (MixtralConfig writes "head_dim": null: issue 30).
@@ -140,3 +141,54 @@ def test_from_hf_names_the_file_it_refuses(tmp_path):
     written("llama", num_key_value_heads=2, head_dim=32).config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"config\.json: unsupported llama config: head_dim=32"):
         Llama.from_hf(tmp_path)
+
+
+# ------------------------------------------------------------------ the tokenizer picotron.export writes
+TEXTS = ["Ünïcode — ok", "ROMEO:\n\tBut, soft!  what light  .", "日本語 🎉", "", "a" * 40]
+
+
+def test_the_byte_tokenizer_loads_in_transformers_with_picotrons_ids(tmp_path):
+    """AutoTokenizer reads what export writes for the byte tokenizer: the ids are picotron's (the UTF-8 bytes),
+    decoding gives the text back, and invalid UTF-8 decodes as picotron's decode does (U+FFFD)."""
+    from picotron.data import ByteTokenizer
+    from picotron.export import save_byte_tokenizer
+
+    save_byte_tokenizer(tmp_path, model_max_length=64)
+    theirs, ours = transformers.AutoTokenizer.from_pretrained(tmp_path), ByteTokenizer()
+    assert len(theirs) == ours.vocab_size == 256 and theirs.all_special_ids == []  # no ids beyond the bytes
+    for text in TEXTS:
+        ids = theirs(text)["input_ids"]
+        assert ids == ours.encode(text) == list(text.encode("utf-8")), text
+        assert theirs.decode(ids) == text
+    for ids in ([0xE2, 0x80, 0x41], [0xC3], [0xFF, 0x41, 0xE2, 0x80, 0x94, 0xF0, 0x9F]):  # cut or invalid UTF-8
+        assert theirs.decode(ids) == ours.decode(ids)
+
+
+def test_an_exported_checkpoint_generates_text_with_transformers(tmp_path, capsys):
+    """A tiny run's checkpoint -> `python -m picotron.export` -> AutoTokenizer + AutoModelForCausalLM: the prompt
+    becomes picotron's ids, greedy generation continues it as picotron's own generate does, and the tokenizer
+    decodes the continuation as picotron does. The printed line names the step exported."""
+    from picotron import export
+    from picotron.config import Config
+    from picotron.data import ByteTokenizer
+    from picotron.mesh import Mesh
+    from picotron.model import generate
+    from picotron.train import train
+
+    run = Config(steps=3, save_every=3, out=str(tmp_path / "run"), sample_tokens=0, log_every=1000, eval_every=0,
+                 seq_len=32, micro_batch_size=4)
+    with Mesh.init() as mesh:
+        train(run, mesh)
+    capsys.readouterr()
+    assert export.main([run.out, str(tmp_path / "hf")]) == 0
+    printed = capsys.readouterr().out
+    assert "step 3 (" in printed and "step_000003" in printed, printed
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    prompt = tok("Ünïcode — ", return_tensors="pt")
+    assert prompt["input_ids"][0].tolist() == ByteTokenizer().encode("Ünïcode — ")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+        ours = generate(Llama.from_hf(tmp_path / "hf").eval(), prompt["input_ids"], 12, temperature=0)
+    assert out.shape == (1, prompt["input_ids"].shape[1] + 12) and torch.equal(out, ours)
+    assert tok.decode(out[0]) == ByteTokenizer().decode(out[0])
