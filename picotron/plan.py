@@ -6,6 +6,8 @@ remains, take the fastest. `planner.memory_per_stage` gives the bytes of a layou
   * `Hardware` and the `GPUS` table (datasheet peaks and links, with sources);
   * `step_time`: seconds of one optimizer step by part, from an α-β model of every strategy's collectives;
   * `search`: every layout of a job, ranked by predicted tokens/s, and the rejected ones with their reason;
+  * when none fits: `least_memory` (the least any layout needs, and which), `fewest_gpus` (the fewest at which one
+    fits) and `bounding` (the refusals that keep out a layout needing less; the others are not listed);
   * `PUBLISHED`: large runs whose layout and throughput were published, evaluated and ranked by the same model;
   * the command line (`--layout tp8,pp16,dp128` evaluates one layout instead of searching; every layout a table row
     or --published prints, e.g. `dp2,tp4,pp2,cp4,ulysses,sp,zero1,interleaved-v2,mbs2,ga32`, is accepted verbatim and
@@ -384,13 +386,14 @@ def candidates(mc, gpus, hw, seq_len, global_seqs, space=None):
 class Plan:
     ranked: list  # [(layout, memory row, time row)], fastest first
     rejected: list  # [(layout, reason)]
+    short: list = field(default_factory=list)  # [(layout, memory row)]: the rejected ones refused for memory alone
 
 
 def search(mc, gpus, hw, seq_len, global_seqs, dtype="bf16", recipe="mixed", space=None, rules=True):
     """Rank every feasible layout by predicted tokens/s (ties: less memory, then fewer strategies); keep each rejected
     one's reason. tp wider than a node is searched only when space["max_tp"] asks for it (then it runs, flagged).
     `rules`: refuse what picotron's trainer refuses (check_layout)."""
-    ranked, rejected = [], []
+    ranked, rejected, short = [], [], []
     cross = bool(space and (space.get("max_tp") or 0) > hw.gpus_per_node)
     for layout in candidates(mc, gpus, hw, seq_len, global_seqs, space):
         if layout.grad_acc == 0:
@@ -399,10 +402,58 @@ def search(mc, gpus, hw, seq_len, global_seqs, dtype="bf16", recipe="mixed", spa
         mem, why = check_layout(mc, layout, seq_len, hw, global_seqs, dtype, recipe, cross_node_tp=cross, rules=rules)
         if why:
             rejected.append((layout, why))
+            if mem is not None:  # everything but its memory would run
+                short.append((layout, mem))
         else:
             ranked.append((layout, mem, step_time(mc, layout, seq_len, hw, dtype, recipe)))
     ranked.sort(key=lambda r: (-float(f"{r[2]['tokens_per_s']:.9g}"), r[1]["total"], _complexity(r[0])))
-    return Plan(ranked, rejected)
+    return Plan(ranked, rejected, short)
+
+
+# ------------------------------------------------------------------------------------- when no layout fits
+def least_memory(plan):
+    """(layout, memory row) of the layout needing the least memory per GPU among those refused for memory alone (every
+    other rule holds), or None: what the job needs at the least, whatever the layout."""
+    return min(plan.short, key=lambda r: r[1]["total"], default=None)
+
+
+def counts_above(gpus, per_node):
+    """The GPU counts above `gpus` a job may take, in order: below a node the divisors of a node (tp's rule), then
+    whole nodes."""
+    n = gpus + 1
+    while True:
+        if n % per_node == 0 or (n < per_node and per_node % n == 0):
+            yield n
+        n += 1
+
+
+def fewest_gpus(mc, gpus, hw, seq_len, global_seqs, dtype="bf16", recipe="mixed", space=None, tries=16):
+    """(n, plan at n): the fewest GPUs above `gpus` at which a layout fits, or (None, the last count searched) after
+    `tries` searches. A count whose GPUs together cannot hold the model states (RECIPES' bytes per parameter: each
+    parameter's are held at least once, so some GPU holds at least their n-th part) is skipped without a search."""
+    states = sum(RECIPES[recipe]) * mc.num_params() * (1 - 1e-6)  # (1e-6: tp's cuts round a few elements down)
+    for n in counts_above(gpus, hw.gpus_per_node):
+        if states / n > hw.memory:
+            continue
+        found = search(mc, n, hw, seq_len, global_seqs, dtype, recipe, space)
+        tries -= 1
+        if found.ranked or tries == 0:
+            return (n if found.ranked else None), (found if found.ranked else n)
+
+
+def bounding(mc, plan, least, seq_len, hw, global_seqs, dtype="bf16", recipe="mixed", space=None):
+    """The layouts refused for a rule, not for memory, that would need less memory than `least` (a memory row): the
+    rules that bound the answer. A refusal whose layouts would need more (or whose shapes leave no memory to count:
+    tp not dividing the heads, the batch) changes nothing: lift it and still no layout fits."""
+    cross = bool(space and (space.get("max_tp") or 0) > hw.gpus_per_node)
+    out = []
+    for layout, why in plan.rejected:
+        if layout.grad_acc == 0 or why.startswith("does not fit"):
+            continue
+        mem, _ = check_layout(mc, layout, seq_len, hw, global_seqs, dtype, recipe, cross_node_tp=cross, rules=False)
+        if mem is not None and mem["total"] < least["total"]:
+            out.append((layout, why, mem))
+    return out
 
 
 def _complexity(layout):
@@ -704,6 +755,29 @@ def print_published(runs=None, rank=True, out=print):
             out(f"    assumed: {run.notes}")
 
 
+def _no_fit(job, plan, least, ns, space):
+    """When memory keeps out every layout: print the least memory any layout needs (and which) and the fewest GPUs at
+    which one fits; return the rejected layouts worth listing, [(layout, why)] by memory, least first: those refused
+    for memory and those refused by a rule though they would need less (`bounding`)."""
+    mc, hw, seqs = job["mc"], job["hw"], job["seqs"]
+    layout, mem = least
+    parts = ", ".join(f"{k} {mem[k] / GiB:.1f}" for k in ("params", "grads", "optimizer", "activations"))
+    print(f"least memory per GPU of any layout: {mem['total'] / GiB:.1f} GiB > {hw.memory / GiB:.1f} GiB usable, with "
+          f"{layout} ({parts})")
+    n, found = fewest_gpus(mc, job["gpus"], hw, ns.seq_len, seqs, ns.dtype, ns.recipe, space)
+    if n is None:
+        print(f"fewest GPUs above {job['gpus']} at which a layout fits: more than {found} (the search stops there); "
+              f"a shorter --seq-len, a smaller model or GPUs with more memory")
+    else:
+        best, need, t = found.ranked[0]
+        print(f"fewest GPUs above {job['gpus']} at which a layout fits: {n} x {job['card'].name}, e.g. {best}: "
+              f"{need['total'] / GiB:.1f} GiB, {t['tokens_per_s']:,.0f} tokens/s; --gpus {n} ranks them")
+    why = dict(plan.rejected)
+    listed = [(lay, why[lay], m) for lay, m in plan.short] + bounding(mc, plan, mem, ns.seq_len, hw, seqs, ns.dtype,
+                                                                      ns.recipe, space)
+    return [(lay, text) for lay, text, m in sorted(listed, key=lambda r: r[2]["total"])]
+
+
 def main(argv=None):
     ns = build_parser().parse_args(argv)
     try:
@@ -753,18 +827,27 @@ def main(argv=None):
         print(HEADER)
         for layout, mem, t in plan.ranked[:ns.top]:
             print(_row(layout, mem, t, hw))
-        if not plan.ranked:
-            print(f"{'(no layout fits)':52s} {'—':>7s}")
         if any(_link(hw, lay.tp)[1] != hw.intra_bw for lay, _, _ in plan.ranked[:ns.top]):
             print(f"* tp crosses nodes of {hw.gpus_per_node} GPUs")
+        least = None if plan.ranked else least_memory(plan)
+        if not plan.ranked:
+            print(f"{'(no layout fits)':52s} {'—':>7s}")
+        if least is None:  # some fit (or none has its memory counted): every reason, its first example
+            shown, heading = plan.rejected, "one example each"
+        else:  # memory keeps every layout out: what it takes, and only the rules that keep a smaller one out
+            shown = _no_fit(job, plan, least, ns, space)
+            heading = "the one needing the least memory each; only the reasons that keep out a layout needing less"
         reasons = {}
-        for layout, why in plan.rejected:
+        for layout, why in shown:
             key = why.split(":")[0] if why.startswith("does not fit") else " ".join(why.split(" ")[:2])
             n, first, text = reasons.get(key, (0, layout, why))
             reasons[key] = (n + 1, first, text)
-        print("rejected, by reason (one example each):")
+        print(f"rejected, by reason ({heading}):")
         for key, (n, layout, why) in sorted(reasons.items(), key=lambda kv: -kv[1][0]):
             print(f"  {n:6d} x  {layout}: {why}")
+        if len(shown) < len(plan.rejected):
+            print(f"  {len(plan.rejected) - len(shown):6d} more refused for reasons that keep out no layout needing less "
+                  f"memory (a shape, the batch, a combination the trainer lacks)")
         return 0 if plan.ranked else 1
     except ValueError as e:
         print(f"picotron.plan: error: {e}", file=sys.stderr)

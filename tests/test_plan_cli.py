@@ -155,6 +155,31 @@ def test_the_default_headroom_keeps_ten_percent_free_and_says_so(capsys):
     assert "headroom" in plan.__doc__ and "HEADROOM" in plan.__doc__
 
 
+
+def test_when_no_layout_fits_it_names_the_least_memory_and_the_fewest_gpus(capsys):
+    """Issue 41: a job too big for its GPUs names the least memory per GPU any layout needs (the layout's own figure,
+    the minimum of the search), the fewest GPUs at which one fits (a layout the command then accepts, and none at
+    the count before), and lists only the reasons that keep out a layout needing less: no ZeRO-with-DualPipe noise."""
+    argv = ["--preset", "llama3-70b", "--gpus", "8"]
+    code, out, _ = _run(capsys, argv)
+    assert code == 1 and "(no layout fits)" in out, out
+    least = re.search(r"^least memory per GPU of any layout: ([\d.]+) GiB > ([\d.]+) GiB usable, with (\S+) ", out, re.M)
+    assert least, out
+    mc, hw = ModelConfig.from_preset("llama3-70b"), plan.usable(plan.GPUS["h100-80gb"])
+    named = Layout.parse(least[3])
+    need = planner.memory_per_gpu(mc, named, 4096, "bf16", "mixed")["total"]
+    searched = plan.search(mc, 8, hw, 4096, 256)
+    assert need == plan.least_memory(searched)[1]["total"] and least[1] == f"{need / 2**30:.1f}"
+    fewest = re.search(r"^fewest GPUs above 8 at which a layout fits: (\d+) x H100 80GB SXM, e.g. (\S+): ", out, re.M)
+    assert fewest, out
+    n, example = int(fewest[1]), fewest[2]
+    assert _run(capsys, ["--preset", "llama3-70b", "--gpus", str(n), "--layout", example])[0] == 0  # fits there
+    assert n == 16 and not searched.ranked  # 8, the count before 16, fits nothing
+    listed = out[out.index("rejected, by reason"):]
+    assert "dualpipe" not in listed and "is not supported" not in listed and "dp=1" not in listed, listed
+    assert f"x  {least[3]}: does not fit: {least[1]} GiB" in listed, listed
+
+
 # The command-line flags of the published runs whose hardware is in plan.GPUS (BLOOM's Jean Zay network is not), judged
 # against the whole card as --published judges them.
 PUBLISHED_ARGV = {

@@ -3,6 +3,8 @@ the published runs. Expected values are derived here by hand (parameter counts, 
 Korthikanti's per-layer count, ring formulas, the bubble), not read back from the planner; the memory model against
 real runs is in test_planner_memory.py."""
 import dataclasses
+import itertools
+import math
 import subprocess
 import sys
 
@@ -325,6 +327,55 @@ def test_search_space_reaches_beyond_a_node_only_when_asked():
     t16 = next(t for lay, _, t in wide.ranked if lay.tp == 16)
     assert t16["tp"] > 0 and max(t["tokens_per_s"] for lay, _, t in wide.ranked if lay.tp == 16) < \
         wide.ranked[0][2]["tokens_per_s"]
+
+
+
+# ------------------------------------------------------------------------------------------- when no layout fits
+def test_when_nothing_fits_the_least_memory_is_the_minimum_over_every_candidate_and_more_gpus_fit():
+    """llama3-8b on GPUs of 10 GiB: on 8 none fits; the least memory named is the minimum over every candidate that
+    only memory refuses (recomputed here from check_layout), and no layout that runs needs less. The fewest GPUs
+    named: a layout fits there and none at the count before it (8, skipped by the model-states bound: checked here)."""
+    mc = ModelConfig.from_preset("llama3-8b")
+    hw = dataclasses.replace(plan.GPUS["h100-80gb"], memory=10 * plan.GiB)
+    job = (4096, 64)  # seq_len, sequences per step
+    at8 = plan.search(mc, 8, hw, *job)
+    assert not at8.ranked
+    layout, mem = plan.least_memory(at8)
+    checked = [plan.check_layout(mc, lay, *job[:1], hw, job[1]) for lay in plan.candidates(mc, 8, hw, *job)
+               if lay.grad_acc]
+    short = [m["total"] for m, why in checked if m is not None]  # every rule holds but memory
+    assert len(short) == len(at8.short) > 100 and mem["total"] == min(short) > hw.memory
+    assert mem == planner.memory_per_gpu(mc, layout, 4096, "bf16", "mixed")
+    assert plan.check_layout(mc, layout, *job[:1], hw, job[1])[1].startswith("does not fit")
+    assert list(itertools.islice(plan.counts_above(1, 8), 5)) == [2, 4, 8, 16, 24]  # within a node, then whole nodes
+    assert list(itertools.islice(plan.counts_above(8, 8), 2)) == [16, 24]
+    n, found = plan.fewest_gpus(mc, 1, hw, *job)
+    assert n == 16 and found.ranked and all(m["total"] <= hw.memory for _, m, _ in found.ranked)
+    assert found.ranked[0][0].gpus == 16
+    # 2, 4 and 8 GPUs cannot hold the 16 bytes per parameter (skipped unsearched); at 8 the search above agrees
+    assert all(16 * mc.num_params() / k > hw.memory for k in (2, 4, 8)) and 16 * mc.num_params() / 16 < hw.memory
+    # the search stops after `tries` counts, naming the last one: GPUs of 0.1 GiB, searched from the first whole node
+    # that holds the model states (1200 GPUs), then 1208
+    tiny = dataclasses.replace(hw, memory=0.1 * plan.GiB)
+    first = 8 * math.ceil(16 * mc.num_params() / tiny.memory / 8)
+    assert first == 1200 and plan.fewest_gpus(mc, 1, tiny, *job, tries=2) == (None, first + 8)
+
+
+def test_only_a_rule_that_keeps_out_a_layout_needing_less_memory_bounds_the_answer():
+    """`bounding`: the layouts refused by a rule (not memory) whose memory, the rule lifted, is below the least that
+    runs; with llama3-8b on 2 GPUs of 40 GB (nothing fits) none is: the refusals (ZeRO over one rank, DualPipe with
+    ZeRO) keep out only layouts needing as much or more. Against a larger bound every such layout is returned."""
+    mc = ModelConfig.from_preset("llama3-8b")
+    hw = plan.usable(plan.GPUS["a100-40gb"])
+    job = (4096, 64)
+    found = plan.search(mc, 2, hw, *job)
+    _, least = plan.least_memory(found)
+    assert not found.ranked and plan.bounding(mc, found, least, *job[:1], hw, job[1]) == []
+    every = plan.bounding(mc, found, {"total": float("inf")}, *job[:1], hw, job[1])
+    refused = {why for _, why, _ in every}
+    assert any("dualpipe" in why for why in refused) and any("zero=1 with dp=1" in why for why in refused)
+    for lay, why, mem in every:
+        assert why == plan.trainer_problem(mc, lay, 4096) and mem["total"] >= least["total"]
 
 
 # ------------------------------------------------------------------------------------------------ command line
