@@ -45,7 +45,10 @@ choose_python() {
 setup() {
   local want
   want=$(cat requirements.txt pyproject.toml | cksum)
-  if [ -f .setup-stamp ] && [ "$(cat .setup-stamp)" = "$want $PY" ] && "$PY" -c "import torch, picotron" 2>/dev/null; then
+  # Set up already (the stamp names these requirements and this Python) and torch and picotron still findable?
+  # find_spec locates them without importing torch: a second of every command, a minute on a busy machine.
+  if [ -f .setup-stamp ] && [ "$(cat .setup-stamp)" = "$want $PY" ] && "$PY" -c \
+      "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('torch', 'picotron'))))" 2>/dev/null; then
     return
   fi
   echo "== set-up: installing what is missing into $("$PY" -c 'import sys; print(sys.prefix)')"
@@ -85,11 +88,14 @@ lessons() {
 }
 
 # The main job: 600 steps, evaluated and checkpointed every 100. Each run claims a folder of its own (runs/main,
-# runs/main-2, ...; --out DIR to choose; --resume continues the newest): picotron.runs, so that ./run.sh and
-# python -m picotron.train behave the same.
+# runs/main-2, ...; --out DIR to choose; --resume continues the run the flags name, with its own settings):
+# picotron.runs, so that ./run.sh and python -m picotron.train behave the same. Those defaults travel apart from the
+# user's flags (below every setting the user gives, --config's too), and the launcher's name with them, so the
+# commands picotron hands back ("continue with ./run.sh --steps 1200 --resume --out runs/main") are what was typed.
 train() {
   setup
-  exec "$PY" -m picotron.train --steps 600 --eval-every 100 --save-every 100 "$@"
+  PICOTRON_LAUNCHER=./run.sh PICOTRON_LAUNCHER_DEFAULTS="--steps 600 --eval-every 100 --save-every 100" \
+    exec "$PY" -m picotron.train "$@"
 }
 
 cmd=${1:-train}

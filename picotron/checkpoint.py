@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 from picotron import marks, p2p
+from picotron.runs import latest, resume_problem, step_dir, step_of  # noqa: F401 (see 'folders')
 
 
 # ------------------------------------------------------------------------------------------- the index
@@ -125,21 +126,9 @@ def placements(run):
 
 
 # ------------------------------------------------------------------------------------------ folders
-def step_dir(out, step):
-    return os.path.join(out, "checkpoints", f"step_{step:06d}")
-
-
-def latest(out):
-    """The newest complete checkpoint folder of a run, or None."""
-    try:
-        with open(os.path.join(out, "checkpoints", "latest")) as f:
-            return os.path.join(out, "checkpoints", f.read().strip())
-    except FileNotFoundError:
-        return None
-
-
-def step_of(folder):
-    return int(os.path.basename(folder).rsplit("_", 1)[-1])
+# step_dir(out, step), latest(out) (the newest complete checkpoint folder, or None), step_of(folder) and
+# resume_problem(cfg, folder) (why --resume cannot continue, in one sentence) read files only: they live in
+# picotron.runs, imported above, which needs no torch (the command line checks checkpoints before torch loads).
 
 
 class NotShared(RuntimeError):
@@ -569,33 +558,6 @@ def load_local(saver, step, lost, unpaired, run):
 
 
 # ------------------------------------------------------------------------------- before any process
-def resume_problem(cfg, folder=None):
-    """Why `--resume` cannot continue from cfg.out's newest checkpoint (or `--resume-from` from `folder`): one
-    sentence, or None if it can.
-
-    Compares the checkpoint's config.json with cfg before any process starts: the resolved model shape must
-    be the same (names the first field that differs); the layout may differ (the checkpoint is resharded)."""
-    folder = folder or (latest(cfg.out) if cfg.out else None)
-    if folder is None:
-        return None  # nothing saved yet: the run starts from step 1 (the trainer says so)
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            saved = type(cfg).from_dict(json.load(f), source=os.path.join(folder, "config.json"))
-    except (OSError, ValueError) as e:
-        return f"checkpoint {folder} cannot be read ({e}); resume from another --out or start anew without --resume."
-    was, now = asdict(saved.model_config()), asdict(cfg.model_config())
-    for name in was:
-        if was[name] != now[name] and name != "attn_impl":
-            return (f"checkpoint {folder} holds a model with {name}={was[name]}, this run asks for {name}={now[name]}; "
-                    f"resume with the checkpoint's model settings (--preset {saved.preset} and its overrides) or "
-                    f"pass a new --out to start another run.")
-    step = step_of(folder)
-    if step >= cfg.steps:
-        return (f"the checkpoint {folder} is at step {step} >= --steps {cfg.steps}; nothing to do (raise --steps "
-                f"to train further).")
-    return None
-
-
 def resume_notes(cfg, folder):
     """What differs from the run that wrote `folder` and what that means for exactness (lines, maybe none)."""
     with open(os.path.join(folder, "config.json")) as f:

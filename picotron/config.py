@@ -2,7 +2,8 @@
 
 Where a setting comes from, lowest priority first:
 
-    Config() defaults  <  --config run.json  <  command-line flags (--tp 2 --steps 50 ...)
+    Config() defaults  <  the launcher's defaults (./run.sh: --steps 600 ...)  <  with --resume, the run's own
+    settings (its checkpoint's config.json, picotron.runs)  <  --config run.json  <  command-line flags
 
 `parse_args(argv)` reads them; `check(cfg)` applies the rules of the settings themselves (known names, ranges,
 the model's shape, faults, nodes) and raises ConfigError with ONE sentence: the value, the rule and a fix.
@@ -15,7 +16,8 @@ and exits with status 2:
     picotron: error: tp=3 does not divide num_attention_heads=8; pick tp in {1, 2, 4}.
 
 This module imports nothing of picotron but leaves (picotron.model_config, picotron.faults) and no torch, so
-`--help` is instant and every module may import the option tuples below from here.
+`--help` is instant, a bad setting is refused before torch loads (`picotron.runs.read_command`), and every
+module may import the option tuples below from here.
 
 The parallel degrees and the process grid
 -----------------------------------------
@@ -33,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -135,8 +138,11 @@ class Config:
                                 "with --save-final; Ctrl-C still saves one)")
     save_final: bool = option(True, "write a checkpoint of the last step, for --resume and `python -m "
                                     "picotron.export OUT`")
-    resume: bool = option(False, "continue the run in OUT (without --out: the newest runs/main*) from its newest "
-                                 "checkpoint (same model; any layout: the checkpoint is resharded)")
+    resume: bool = option(False, "continue the run in OUT from its newest checkpoint with that run's settings, the "
+                                 "flags given now overriding what they name (--steps 1200; a new layout is "
+                                 "resharded); without --out, the newest runs/main* started with the same flags apart "
+                                 "from --steps, --out, checkpoints, logging and faults, else the only one with a "
+                                 "checkpoint, else a refusal naming each with the --out to pass")
     resume_from: str = option("", "start a new run from this checkpoint (RUN/checkpoints/step_NNNNNN, or a run "
                                   "folder: its newest); the run it came from is left as it was")
     keep_checkpoints: int = option(3, "how many of the newest checkpoints to keep (older ones are deleted; "
@@ -275,6 +281,13 @@ class Config:
             raise ConfigError(f"config file {path!r} holds a {type(values).__name__}, not an object; "
                               f"write {{\"field\": value, ...}}.")
         return cls.from_dict(values, source=path)
+
+    @classmethod
+    def read(cls, path):
+        """The settings a JSON file names (a dict, checked), without the defaults of the others."""
+        values = cls.load(path).to_dict()
+        with open(path) as f:
+            return {name: values[name] for name in (k.replace("-", "_") for k in json.load(f))}
 
 
 def _field_types():
@@ -473,10 +486,15 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser():
     """Flags mirror the Config fields in kebab case; defaults are suppressed so only given flags override."""
-    p = _Parser(prog="python -m picotron.train", usage="%(prog)s [--config F.json] [--FLAG VALUE ...]",
-                argument_default=argparse.SUPPRESS,
-                formatter_class=argparse.RawDescriptionHelpFormatter, description=DESCRIPTION)
+    from picotron import __version__
+
+    launcher, defaults_of_launcher = os.environ.get(LAUNCHER), os.environ.get(LAUNCHER_DEFAULTS)
+    p = _Parser(prog=launcher or "python -m picotron.train", usage="%(prog)s [--config F.json] [--FLAG VALUE ...]",
+                argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter,
+                description=DESCRIPTION + (f"\n\n{launcher} sets {defaults_of_launcher} (a flag given here wins)."
+                                           if launcher and defaults_of_launcher else ""))
     p.add_argument("--config", metavar="F.json", help="JSON file of settings; flags given here override it")
+    p.add_argument("--version", action="version", version=f"picotron {__version__}")
     types = _field_types()
     defaults = Config()
     for f in dataclasses.fields(Config):
@@ -484,7 +502,8 @@ def build_parser():
         optional = typing.get_origin(kind) is typing.Union
         kind = typing.get_args(kind)[0] if optional else kind
         flag = "--" + name.replace("_", "-")
-        default = "a new folder runs/main, runs/main-2, ...; with --resume the newest of them" if name == "out" else \
+        default = "a new folder runs/main, runs/main-2, ...; with --resume the run the flags name, as --resume " \
+            "says" if name == "out" else \
             "the preset's" if optional else repr(getattr(defaults, name))
         helptext = f.metadata["help"] + (f"; one of {', '.join(map(str, choices))}" if choices else "") + \
             f" (default: {default})"
@@ -511,14 +530,45 @@ one per cell of the dp x pp x cp x tp grid); several machines: the same command 
 Bad settings stop before any process starts, with one sentence: the value, the rule, a fix."""
 
 
-def parse_args(argv=None):
-    """Config from defaults < --config file < flags. Not validated: call `picotron.parallelize.validate` (or
-    `picotron.parallelize.cli`, both in one)."""
+# How a launcher (run.sh) says what it is and which flags are its own defaults: the commands a message hands back
+# start with it and leave those flags out (the user did not type them); they sit below everything the user gives.
+LAUNCHER, LAUNCHER_DEFAULTS = "PICOTRON_LAUNCHER", "PICOTRON_LAUNCHER_DEFAULTS"
+
+
+def given(argv):
+    """The settings a command line names (a dict: field -> value): its --config file's, then its flags'."""
     ns = vars(build_parser().parse_args(argv))
     path = ns.pop("config", None)
-    base = Config.load(path).to_dict() if path else {}
-    base.update(ns)
-    return Config.from_dict(base, source=path or "the command line")
+    values = Config.read(path) if path else {}
+    values.update(_checked(ns, "the command line"))
+    return values
+
+
+def launcher_defaults():
+    """The settings the launcher sets below the user's flags ($PICOTRON_LAUNCHER_DEFAULTS, e.g. run.sh's --steps 600)."""
+    return given(shlex.split(os.environ.get(LAUNCHER_DEFAULTS, "")))
+
+
+def flags(values):
+    """The command-line flags that set `values` (a dict: field -> value): {"preset": "tiny-moe", "sp": True} ->
+    ['--preset', 'tiny-moe', '--sp']."""
+    out = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return out
+
+
+def parse_args(argv=None, saved=None):
+    """Config from defaults < the launcher's defaults < `saved` (--resume: the run's own settings) < --config file <
+    flags. Not validated: call `picotron.parallelize.validate` (or `picotron.parallelize.cli`, both in one)."""
+    values = launcher_defaults()
+    values.update(saved or {})
+    values.update(given(argv))
+    return Config.from_dict(values, source="the command line")
 
 
 if __name__ == "__main__":  # python -m picotron.config --tp 2 ...: the resolved, validated settings; the rules of

@@ -462,9 +462,10 @@ def check(cfg, model_config):
         return None
     if cfg.seq_len % (2 * cfg.cp):
         good = [c for c in range(1, 65) if cfg.seq_len % (2 * c) == 0][:8]
-        fix = f"pick cp in {{{', '.join(map(str, good))}}} or " if good else ""
+        fix = f"pick cp in {{{', '.join(map(str, good))}}}, or " if good else ""
+        seq = max(2 * cfg.cp, cfg.seq_len // (2 * cfg.cp) * 2 * cfg.cp)  # the nearest multiple of 2*cp below
         return (f"cp={cfg.cp} needs seq_len={cfg.seq_len} divisible by 2*cp={2 * cfg.cp} (each rank holds two of "
-                f"2*cp equal chunks of every sequence); {fix}a seq_len that is a multiple of {2 * cfg.cp}.")
+                f"2*cp equal chunks of every sequence); {fix}pass --seq-len {seq} (a multiple of {2 * cfg.cp}).")
     heads, tp = model_config.num_attention_heads, cfg.tp
     if cfg.cp_impl == "ulysses" and heads % tp == 0 and (heads // tp) % cfg.cp:  # (tp's own rule: tp divides heads)
         good = [c for c in range(1, heads // tp + 1) if (heads // tp) % c == 0]

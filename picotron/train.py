@@ -34,7 +34,6 @@ Every step writes one line to OUT/metrics.jsonl (loss, lr, grad_norm, tokens, to
 category), every `log_every` steps a progress line, every `eval_every` steps the validation loss, and at the
 end a summary line and a short text sample from the trained model.
 """
-import dataclasses
 import math
 import os
 import signal
@@ -42,13 +41,20 @@ import sys
 import time
 from contextlib import contextmanager
 
-import torch
+from picotron import config, faults, runs  # no torch: the command line is read and checked before torch loads
 
-from picotron import checkpoint, config, data, faults, launch, metrics, moe, precision, reshard, runs
-from picotron.marks import clip_grad_norm
-from picotron.mesh import Mesh
-from picotron.model import generate
-from picotron.parallelize import autocast_for, cli, parallelize, token_positions
+if __name__ == "__main__":  # `python -m picotron.train ...`: --help, --version and every refusal of the settings or
+    runs.read_command(sys.argv[1:], "WORLD_SIZE" in os.environ)  # the run folder answer now, not after seconds
+    # (a minute on a busy machine) of importing torch; main() reads the command again, in milliseconds
+
+import torch  # noqa: E402
+
+from picotron import checkpoint, data, launch, metrics, moe, precision, reshard  # noqa: E402
+from picotron.config import Config, ConfigError  # noqa: E402
+from picotron.marks import clip_grad_norm  # noqa: E402
+from picotron.mesh import Mesh  # noqa: E402
+from picotron.model import generate  # noqa: E402
+from picotron.parallelize import autocast_for, parallelize, token_positions, validate  # noqa: E402
 
 
 class Stopped(Exception):
@@ -88,32 +94,17 @@ def interruptible(announce=True):
         signal.signal(signal.SIGINT, previous)
 
 
-def command_line(argv, drop=("--faults", "--resume", "--no-resume", "--resume-from", "--out"), add=(), lr=None):
-    """The command that ran (argv: picotron.train's flags), without the flags in `drop` (and their values),
-    with --lr replaced by `lr` if given, plus `add`: a command a message can hand back to the user."""
-    takes_value = {"--faults", "--resume-from", "--out", "--lr"}
-    kept, skip = [], False
-    for a in map(str, argv):
-        if skip:
-            skip = False
-            continue
-        flag = a.split("=", 1)[0]
-        if flag in drop or (lr is not None and flag == "--lr"):
-            skip = flag in takes_value and "=" not in a
-            continue
-        kept.append(a)
-    extra = (["--lr", f"{lr:.2g}"] if lr is not None else []) + list(add)
-    return " ".join(["python -m picotron.train", *kept, *extra])
-
-
 def resume_hint(cfg, folder, argv=None, lr=None):
-    """Where the newest checkpoint is and the exact command that continues from it (without --faults: an
-    injected fault would fire again), or that there is none."""
+    """Where the newest checkpoint is and the exact command that continues from it, as the user would paste it
+    (picotron.runs.command: their launcher and flags, without --faults: an injected fault would fire again), or
+    that there is none and the command that starts again."""
     argv = sys.argv[1:] if argv is None else argv
+    lower = ["--lr", f"{lr:.2g}"] if lr is not None else []
     if folder is None:
         return ("no checkpoint was saved (--save-every K keeps one every K steps); start again with "
-                f"{command_line(argv, lr=lr, drop=('--faults', '--resume', '--no-resume', '--resume-from'))}")
-    return f"newest checkpoint {folder}; continue with {command_line(argv, lr=lr, add=['--resume', '--out', cfg.out])}"
+                f"{runs.command(argv, add=lower, drop=('faults', 'resume', 'resume_from', 'out'))}")
+    return (f"newest checkpoint {folder}; continue with "
+            f"{runs.command(argv, add=[*lower, '--resume', '--out', cfg.out], drop=('faults', 'resume_from'))}")
 
 
 def divergence_message(cfg, step, loss_value, grad_norm, injected, folder, argv=None):
@@ -180,7 +171,8 @@ def train(cfg, mesh, return_model=False):
     log = metrics.MetricsLog(cfg.out, enabled=is_logger, resume_step=start if start > 1 else None)
     if is_logger:
         announce(cfg, mesh, run, speed)
-    history, t_start = [], time.perf_counter()
+    history, t_start, warned = [], time.perf_counter(), False
+    aux = bool(run.raw.config.num_local_experts and run.raw.config.router_aux_loss_coef)  # aux loss in the loss?
     try:
         with interruptible(announce=is_logger) as stop_asked:  # Ctrl-C: stop after this step, with a checkpoint
             for step in range(start, cfg.steps + 1):
@@ -201,7 +193,9 @@ def train(cfg, mesh, return_model=False):
                         not (cfg.save_final and step == cfg.steps):  # (the last step's is level 2's)
                     saver.save(step, run, level=1)  # each rank's state on its node's disk and its peer's
                 if is_logger and (step % cfg.log_every == 0 or step in (1, cfg.steps) or "val_loss" in record):
-                    print(progress_line(record, cfg.steps), flush=True)
+                    print(progress_line(record, cfg.steps, aux=aux), flush=True)
+                if is_logger and not warned:
+                    warned = warn_if_diverging(history, cfg)
                 if step < cfg.steps and mesh.agree(stop_asked()):  # every rank stops after the same step
                     raise stop_after(step, cfg, run, saver)
         if cfg.save_final and saver.newest != checkpoint.step_dir(cfg.out, cfg.steps):
@@ -215,7 +209,7 @@ def train(cfg, mesh, return_model=False):
     log.write(summary)
     log.close()
     if is_logger:
-        print(done_line(history, summary), flush=True)
+        print(done_line(history, summary, cfg.out), flush=True)
     if cfg.sample_tokens:  # every rank generates (the same text): under ZeRO-3 and tp each forward is collective
         text = sample_text(run.sampler, tokenizer, cfg, mesh.device)
         if is_logger:
@@ -417,9 +411,28 @@ def save_times(times):
     return out
 
 
-def done_line(history, summary):
+def warn_if_diverging(history, cfg):
+    """Print one warning, and return True, when the newest loss is well above the first of this start (1 nat and
+    20% more): the model then predicts worse than it did untrained, which almost always means the learning rate is
+    too high (--lr 0.9 climbs from 5.57 to 12.6 while every step is finite: --on-nonfinite never fires)."""
+    first, now = history[0], history[-1]
+    if not now["loss"] > first["loss"] + max(1.0, 0.2 * first["loss"]):
+        return False
+    smaller = Config.lr if cfg.lr > Config.lr else cfg.lr / 10
+    print(f"picotron: warning: the loss rose from {first['loss']:.2f} at step {first['step']} to {now['loss']:.2f} at "
+          f"step {now['step']}: the run is diverging, most likely because the learning rate is too high; stop it "
+          f"(Ctrl-C) and pass a smaller --lr (e.g. --lr {smaller:.2g}; now {cfg.lr:g}).", flush=True)
+    return True
+
+
+def done_line(history, summary, out=None):
+    """The last line: the losses, the speed and the time of this start (after a restart or --resume: since it
+    resumed, which it says; every step of the run is in metrics.jsonl)."""
     val = f"val {summary['val_loss']:.3f}, " if summary["val_loss"] is not None else ""
-    return (f"done: loss {history[0]['loss']:.3f} -> {summary['final_loss']:.3f}, {val}"
+    first, last = history[0]["step"], history[-1]["step"]
+    part = "" if first == 1 else \
+        f" (steps {first}-{last}, since resuming at step {first}; every step is in {out or 'OUT'}/metrics.jsonl)"
+    return (f"done{part}: loss {history[0]['loss']:.3f} -> {summary['final_loss']:.3f}, {val}"
             f"{summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}% of the measured matmul peak, "
             f"{summary['elapsed_s']:.0f} s")
 
@@ -436,51 +449,35 @@ def sample_text(sampler, tokenizer, cfg, device):
     return data.printable(tokenizer, out[0].tolist()).strip()
 
 
-def progress_line(r, steps):
+def progress_line(r, steps, aux=True):
+    """The progress line of a step; `aux`: show the load-balancing loss (False when its coefficient is 0: it is
+    not part of the loss then, and a number beside the loss would read as if it were)."""
     mem = r["mem"]
     peak = mem["device_peak"] if mem["device_peak"] is not None else mem["rss_peak"]
     line = (f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad {r['grad_norm']:.2f} | "
             f"{r['tokens_per_s']:>9,.0f} tok/s | MFU {100 * r['mfu']:5.1f}% | act {metrics.human_bytes(mem['activations'])}"
             f" | peak {metrics.human_bytes(peak)}")
     if "moe" in r:  # the load-balancing loss (k when balanced) and the choices dropped by capacity
-        line += f" | aux {r['moe']['aux']:.3f}" + (f" dropped {r['moe']['dropped']}" if r["moe"]["dropped"] else "")
+        line += (f" | aux {r['moe']['aux']:.3f}" if aux else "") + \
+            (f" | dropped {r['moe']['dropped']}" if r["moe"]["dropped"] else "")
     return line + (f" | val {r['val_loss']:.4f}" if "val_loss" in r else "")
-
-
-CLAIMED = "PICOTRON_RUN_FOLDER"  # set by the process that claimed the folder, for the workers it starts
-
-
-def run_folder(cfg, argv, under_launcher):
-    """(cfg with its folder, argv naming it): the folder this run writes, by picotron.runs' rules, checked before
-    any process group exists (a broken rule: one sentence, status 2). Workers this process starts are handed the
-    folder with --out; a restart after a lost rank continues its own folder."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if under_launcher and (faults.attempt() > 0 or (cfg.out and os.environ.get(CLAIMED) == os.path.abspath(cfg.out))):
-        return cfg, argv  # the launching process checked and claimed it
-    try:
-        if under_launcher and world > 1 and cfg.out is None:
-            raise runs.RunFolderError(f"under torchrun the {world} processes must write one folder; pass --out DIR "
-                                      f"(or start the job with `python -m picotron.train --dp {world} ...` without "
-                                      f"torchrun: it picks a new runs/main-N itself).")
-        out, line = runs.prepare(cfg, argv, claim=not under_launcher or world == 1)
-    except runs.RunFolderError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"picotron: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    if os.environ.get("RANK", "0") == "0":
-        print(line, flush=True)
-    return dataclasses.replace(cfg, out=out), (argv if cfg.out == out else [*argv, "--out", out])
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     under_launcher = "WORLD_SIZE" in os.environ  # torchrun (or a test harness) started this process
-    # Validated before any process group exists; a bad setting exits 2 with one sentence.
-    cfg = cli(argv, any_world_size=not under_launcher)
-    cfg, argv = run_folder(cfg, argv, under_launcher)  # checked, and claimed, before any process group exists
+    # Checked before any process group exists; a broken rule exits 2 with one sentence. First without torch: the
+    # settings (--resume: the run's own, under the flags given now) and the run folder (picotron.runs); then the
+    # strategies', the data and the devices (picotron.parallelize.validate); then the folder is claimed.
+    cfg = runs.read_command(argv, under_launcher)
+    try:
+        validate(cfg, any_world_size=not under_launcher)
+    except ConfigError as e:
+        runs.refuse(e)
+    cfg, argv = runs.folder(cfg, argv, under_launcher)  # claimed (a new run), and handed to the workers by --out
     if not under_launcher and (cfg.world_size > 1 or cfg.max_restarts or cfg.nnodes > 1):  # start them ourselves
         nodes = dict(nnodes=cfg.nnodes, node_rank=cfg.node_rank, rdzv_endpoint=cfg.rdzv_endpoint, rdzv_id=cfg.rdzv_id)
-        os.environ[CLAIMED] = os.path.abspath(cfg.out)  # the workers' folder, checked here: they need not again
+        os.environ[runs.CLAIMED] = os.path.abspath(cfg.out)  # the workers' folder, checked here: they need not again
         raise SystemExit(launch.torchrun_main("picotron.train", cfg.world_size // cfg.nnodes, argv,
                                               max_restarts=cfg.max_restarts,
                                               hint=lambda: resume_hint(cfg, checkpoint.latest(cfg.out), argv), **nodes))

@@ -88,7 +88,8 @@ def test_pp_needs_a_layer_per_stage():
 def test_cp_needs_seq_len_divisible_by_2cp():
     msg = error_of(cp=3)
     assert "cp=3" in msg and "seq_len=128" in msg and "2*cp=6" in msg and "pick cp in {1, 2, 4" in msg
-    error_of(cp=2, seq_len=130)  # 130 % 4 != 0
+    assert msg.endswith("; pick cp in {1, 2, 4, 8, 16, 32, 64}, or pass --seq-len 126 (a multiple of 6).")  # issue 41
+    assert error_of(cp=2, seq_len=130).endswith("pass --seq-len 128 (a multiple of 4).")  # 130 % 4 != 0
 
 
 def test_sp_needs_tp():

@@ -371,12 +371,13 @@ case "$*" in
   *"sys.prefix == sys.base_prefix"*) exit {in_env} ;;  # in_env
   *"print(sys.executable)"*|*"print(sys.prefix)"*) echo "$0"; exit 0 ;;
   "-c import torch") [ -e "$(dirname "$0")/torch" ] && exit 0 || exit 1 ;;
-  "-c import torch, picotron") exit 0 ;;
+  *"find_spec"*) exit 0 ;;  # set up: torch and picotron are findable
   "-m venv"*) mkdir -p .venv/bin && sed -e 's/exit 1 ;;  # in_env/exit 0 ;;/' "$0" > .venv/bin/python
               chmod +x .venv/bin/python
               case "$*" in *--system-site-packages*) touch .venv/bin/torch ;; esac; exit 0 ;;
   *"pip install"*"torch=="*) touch "$(dirname "$0")/torch"; exit 0 ;;
-  "-m picotron.train"*) shift 2; while [ $# -gt 0 ]; do [ "$1" = --out ] && mkdir -p "$2"; shift; done; exit 0 ;;
+  "-m picotron.train"*) echo "launcher=$PICOTRON_LAUNCHER defaults=$PICOTRON_LAUNCHER_DEFAULTS" >> "{log}"
+                        shift 2; while [ $# -gt 0 ]; do [ "$1" = --out ] && mkdir -p "$2"; shift; done; exit 0 ;;
 esac
 exit 0
 """
@@ -421,6 +422,7 @@ def test_run_sh_makes_a_project_environment_and_never_installs_into_the_base_pyt
     log.write_text("")
     second = _run_sh(repo, env, "setup")  # the second time: nothing to do
     assert "set-up" not in second and not any(" -m pip" in c or " -m venv" in c for c in log.read_text().splitlines())
+    assert not any("import torch" in c for c in log.read_text().splitlines())  # checked without importing torch
 
 
 def test_run_sh_uses_an_active_environment(tmp_path):
@@ -432,12 +434,14 @@ def test_run_sh_uses_an_active_environment(tmp_path):
 
 
 def test_run_sh_is_the_main_job_with_its_defaults_and_leaves_the_folder_to_it(tmp_path):
-    """./run.sh ARGS is `python -m picotron.train --steps 600 --eval-every 100 --save-every 100 ARGS`: the folder
-    (a new runs/main-N, --out, --resume) is picotron.runs' business, so ./run.sh and python -m behave the same
-    (tests/test_runs.py runs the real thing)."""
+    """./run.sh ARGS is `python -m picotron.train ARGS` with run.sh's defaults (--steps 600 --eval-every 100
+    --save-every 100) and its name beside the flags, not among them, so the commands picotron hands back are what the
+    user typed (issue 41); the folder (a new runs/main-N, --out, --resume) is picotron.runs' business, so ./run.sh and
+    python -m behave the same (tests/test_runs.py runs the real thing)."""
     repo, log, env = _fake_checkout(tmp_path, has_torch=True)
     _run_sh(repo, env, "setup")
     for args in ([], ["--resume"], ["--out", "runs/mine"], ["--dp", "16", "--nnodes", "2", "--rdzv-endpoint", "n0:29500"]):
         _run_sh(repo, env, *args)
-        assert log.read_text().splitlines()[-1].endswith(
-            " ".join(["-m picotron.train --steps 600 --eval-every 100 --save-every 100", *args]).rstrip())
+        call, said = log.read_text().splitlines()[-2:]
+        assert call.endswith(" ".join(["-m picotron.train", *args]).rstrip())
+        assert said == "launcher=./run.sh defaults=--steps 600 --eval-every 100 --save-every 100"

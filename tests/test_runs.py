@@ -158,7 +158,9 @@ def test_the_main_jobs_model_exports_and_loads_in_transformers(tmp_path):
 
 
 # ------------------------------------------------------------------------------ advice that cannot loop
-def test_divergence_advice_fits_the_settings_in_force():
+def test_divergence_advice_fits_the_settings_in_force(monkeypatch):
+    monkeypatch.delenv("PICOTRON_LAUNCHER", raising=False)
+    monkeypatch.setattr(runs, "launcher", lambda: "python -m picotron.train")  # (which python: the next tests)
     argv = ["--steps", "9", "--lr", "0.003"]
     at_one = divergence_message(Config(out="r", grad_clip=1.0, warmup_steps=20), 50, float("nan"), float("nan"),
                                 False, "r/checkpoints/step_000040", argv)
@@ -182,12 +184,82 @@ def test_the_resume_command_after_an_injected_nan_runs_to_the_end(tmp_path):
     assert proc.returncode == 1 and "that NaN was injected by --faults nan@3" in last, proc.stderr
     command = last.split("continue with ", 1)[1].rstrip(".")
     assert "--faults" not in command and command.endswith("--resume --out r")
-    argv = shlex.split(command)
-    assert argv[:3] == ["python", "-m", "picotron.train"]
-    proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env=ENV)
-    assert proc.returncode == 0, proc.stderr
+    python, *rest = shlex.split(command)  # this Python, as the shell finds it (outside .venv `python` may be another)
+    assert python in ("python", "python3", sys.executable) and rest[:2] == ["-m", "picotron.train"]
+    proc = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr  # pasted as printed
     assert "resuming from r/checkpoints/step_000002 at step 3" in proc.stdout
+
+
+def no_flag_twice(command):
+    flags = [t.split("=")[0].replace("--no-", "--") for t in shlex.split(command) if t.startswith("--")]
+    assert len(flags) == len(set(flags)), command
+
+
+def test_the_hint_after_ctrl_c_is_the_command_typed_with_each_flag_once(monkeypatch):
+    """Issue 41: after Ctrl-C under ./run.sh it said `continue with python -m picotron.train --steps 600
+    --eval-every 100 --save-every 100 --steps 1200 --resume --out runs/main`: run.sh's defaults, a flag twice, and a
+    `python` that outside .venv has no torch."""
+    from picotron.train import resume_hint
+
+    monkeypatch.setenv("PICOTRON_LAUNCHER", "./run.sh")
+    typed = ["--steps", "1200", "--resume", "--out", "runs/main"]  # (the workers' argv: the folder appended)
+    hint = resume_hint(Config(out="runs/main"), "runs/main/checkpoints/step_000700", typed)
+    assert hint.endswith("continue with ./run.sh --steps 1200 --resume --out runs/main")
+    assert runs.command(["--steps", "5", "--lr", "0.5", "--steps", "7", "--no-sp", "--faults", "nan@3"], add=["--lr", "0.1"],
+                        drop=("faults",)) == "./run.sh --steps 7 --no-sp --lr 0.1"
+
+
+def test_a_stop_under_run_sh_hands_back_a_run_sh_command_that_finishes(tmp_path):
+    """The NaN stop's hint under ./run.sh: ./run.sh, the flags typed (none of run.sh's defaults), each once; pasted
+    into a shell it resumes and finishes."""
+    env = _run_sh_here(tmp_path)
+    code, out, err = run_sh(tmp_path, env, "--steps", 4, "--save-every", 1, "--faults", "nan@3", *TINY)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "that NaN was injected" in last, err
+    command = last.split("continue with ", 1)[1].rstrip(".")
+    assert command == shlex.join(["./run.sh", "--steps", "4", "--save-every", "1", *TINY, "--resume", "--out",
+                                  "runs/main"])
+    no_flag_twice(command)
+    proc = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "resuming from runs/main/checkpoints/step_000002 at step 3" in proc.stdout, proc.stderr
+
+
+def test_resume_continues_the_run_the_flags_name_with_its_own_settings(tmp_path):
+    """Issue 41: after runs of other models, `--resume` took the newest run (another model) and refused; and it
+    needed the run's settings typed again."""
+    env = _run_sh_here(tmp_path)
+    assert run_sh(tmp_path, env, "--steps", 2, *TINY)[0] == 0  # runs/main
+    assert run_sh(tmp_path, env, "--steps", 2, "--intermediate-size", 96, *TINY)[0] == 0  # runs/main-2: another model
+    code, out, err = run_sh(tmp_path, env, "--resume", "--steps", 3, *TINY)  # the flags of runs/main, not the newest
+    assert code == 0 and "== this run continues runs/main/ from its checkpoint at step 2" in out, err
+    code, out, err = run_sh(tmp_path, env, "--resume", "--steps", 4, "--log-every", 1)  # flags of neither: which?
+    assert code == 2 and one_sentence(err) == (
+        "picotron: error: --resume without --out: 2 runs have a checkpoint and none was started with the flags given "
+        "now (no flags), so it cannot tell which to continue; add the --out of the one you mean: --out runs/main-2 "
+        "(started with --intermediate-size 96 --seq-len 32 --micro-batch-size 2 --warmup-steps 0, checkpoint at step "
+        "2), --out runs/main (started with --seq-len 32 --micro-batch-size 2 --warmup-steps 0, checkpoint at step 3).")
+    code, out, err = run_sh(tmp_path, env, "--resume", "--out", "runs/main", "--steps", 4)  # its settings, not retyped
+    assert code == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "runs/main/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3, 4] and rows[-2]["tokens"] == 4 * 2 * 32  # seq 32
+    code, out, err = run_sh(tmp_path, env, "--resume", "--out", "runs/main-2", "--steps", 4, "--intermediate-size", 64)
+    assert code == 2 and one_sentence(err) == (
+        "picotron: error: checkpoint runs/main-2/checkpoints/step_000002 holds a model with intermediate_size=96, but "
+        "this run asks for intermediate_size=64 (a model flag given now: --resume reuses the run's own settings); drop "
+        "that flag to continue --out runs/main-2, or pass --out runs/main-3 without --resume to start a new run with "
+        "this model.")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["--steps", "0"], ["--resume"], ["--out", "r", "--resume"]])
+def test_help_and_refusals_answer_before_torch_is_imported(tmp_path, args):
+    """Issue 41: every command imported torch (40-106 s on a busy machine) before --help or a one-sentence
+    refusal."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "picotron.train", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")]
+    assert "picotron.config" in imported and "torch" not in imported, proc.stderr[-2000:]
+    assert proc.returncode == (0 if args[0] in ("--help", "--version") else 2), proc.stderr[-2000:]
 
 
 def test_config_out_none_is_for_the_command_line_only(tmp_path):

@@ -201,3 +201,37 @@ def test_mfu_never_exceeds_100_percent_when_the_peak_was_measured_busy(mesh, tmp
     assert all(0 < r["mfu"] <= 1.0 for r in steps) and 0 < summary["mfu"] <= 1.0
     assert summary["peak_flops_measured_at_start"] == 1e3 and summary["peak_flops_measured"] > 2e3
     assert "above the matmul peak measured at start-up (0.0 GFLOP/s: the machine was busy then)" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ what the lines say (issue 41)
+def _record(step, loss, aux=2.054):
+    return {"step": step, "loss": loss, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "mfu": 0.01,
+            "mem": {"device_peak": None, "rss_peak": 1 << 20, "activations": 1 << 10}, "moe": {"aux": aux, "dropped": 0}}
+
+
+def test_the_step_line_hides_aux_when_it_is_not_in_the_loss():
+    from picotron.train import progress_line
+
+    assert "aux 2.054" in progress_line(_record(1, 5.5), 10)
+    assert "aux" not in progress_line(_record(1, 5.5), 10, aux=False)  # --aux-loss-coef 0
+
+
+def test_the_done_line_says_it_covers_the_steps_since_resuming():
+    from picotron.train import done_line
+
+    summary = {"val_loss": None, "final_loss": 2.0, "tokens_per_s": 1000.0, "mfu": 0.01, "elapsed_s": 5.0}
+    assert done_line([_record(1, 5.5), _record(600, 2.0)], summary).startswith("done: loss 5.500 -> 2.000")
+    assert done_line([_record(301, 3.0), _record(600, 2.0)], summary, "runs/main").startswith(
+        "done (steps 301-600, since resuming at step 301; every step is in runs/main/metrics.jsonl): loss 3.000")
+
+
+def test_a_loss_climbing_far_above_its_start_is_named_with_a_smaller_lr(capsys):
+    """--lr 0.9 climbed from 5.57 to 12.62 without a word (every step finite, so --on-nonfinite never fires)."""
+    from picotron.train import warn_if_diverging
+
+    history = [_record(1, 5.57), _record(10, 6.2)]
+    assert not warn_if_diverging(history, Config(lr=0.9)) and capsys.readouterr().out == ""
+    assert warn_if_diverging(history + [_record(20, 12.62)], Config(lr=0.9))
+    assert capsys.readouterr().out == (
+        "picotron: warning: the loss rose from 5.57 at step 1 to 12.62 at step 20: the run is diverging, most likely "
+        "because the learning rate is too high; stop it (Ctrl-C) and pass a smaller --lr (e.g. --lr 0.003; now 0.9).\n")
