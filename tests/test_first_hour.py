@@ -185,7 +185,8 @@ def test_resume_into_another_model_names_the_field(tmp_path):
     _run(tmp_path)
     msg = error_of(out=str(tmp_path), resume=True, steps=8, hidden_size=256)
     assert msg.startswith(f"checkpoint {tmp_path}/checkpoints/step_000004 holds a model with hidden_size=128, "
-                          f"this run asks for hidden_size=256")
+                          f"but this run asks for hidden_size=256 (a model flag given now: --resume reuses the run's "
+                          f"own settings); drop that flag to continue --out {tmp_path}, or pass --out runs/main")
     assert "num_key_value_heads" in error_of(out=str(tmp_path), resume=True, steps=8, num_key_value_heads=2)
     assert "nothing to do" in error_of(out=str(tmp_path), resume=True, steps=4)
     validate(Config(out=str(tmp_path), resume=True, steps=8), 1)  # the same model resumes
