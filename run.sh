@@ -84,6 +84,11 @@ lessons() {
   done
   "$PY" lessons/_notebook.py --scratch --into "$dir" ${mine[@]+"${mine[@]}"}
   [ -n "$prepare_only" ] && return 0
+  [ "$(id -u)" = 0 ] && jupyter+=(--allow-root)  # a rented GPU pod logs you in as root; Jupyter refuses it otherwise
+  # the kernels' sockets encrypted where jupyter_client can (8.10+): ipykernel 7.4+ warns of plain TCP otherwise
+  "$PY" -c 'import sys, zmq; from jupyter_client.manager import KernelManager as K
+sys.exit(not (zmq.has("curve") and "transport_encryption" in K.class_trait_names()))' 2>/dev/null \
+    && jupyter+=(--KernelManager.transport_encryption=required)
   exec "$PY" -m jupyter notebook --notebook-dir "$dir" ${jupyter[@]+"${jupyter[@]}"}
 }
 

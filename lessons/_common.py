@@ -10,7 +10,7 @@
     saved(name, file, record, t0, rank)     save one experiment's results and say where they went
     environment(mesh, **extra), run_experiments(names, run, file_of, env, ...)   the loop every experiment.py ends with
     show_source(obj, start, stop)   print the lines of a function between two markers
-    interactive(draw, controls)     a figure drawn once, then redrawn from ipywidgets controls in a live kernel
+    interactive(draw, controls)     labelled ipywidgets controls above one figure they redraw (a static image headless)
     parity(got, ref)                the parity standard applied to two loss curves (window, drift beyond it)
     parity_checks(label, got, ref)  the ✓/✗ lines a lesson prints for them
     check(name, ok, detail, busy)   print one check line: ✓, ✗, or ? (a timing check the machine was too busy to decide)
@@ -46,6 +46,9 @@ FAST = os.environ.get("PICOTRON_FAST", "0") == "1"
 # core its partner needs, and a 2-thread run became 2-10x slower on a busy 2-core machine; an idle machine loses little.
 # Every experiment imports this module before torch, and launch()'s processes inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch.profiler's C++ library (kineto) writes "USDT: ... profiler_start" and "... profiler_stop" to stderr at every
+# profile, whatever its log level below 6 (6 silences its errors too; a failed profile still raises in Python).
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 # ------------------------------------------------------------------------ where the lessons run: one setting
@@ -307,26 +310,94 @@ def show_source(obj, start=None, stop=None):
     print("\n".join(lines[first:last + 1]))
 
 
+HEADLESS = "PICOTRON_HEADLESS"  # "1" in the kernels lessons/_notebook.py starts: committed notebooks and tests
+
+
 def interactive(draw, controls):
-    """Call `draw()` once with its defaults (what a static viewer of the notebook shows); then, in a live kernel
-    with ipywidgets, show `controls(ipywidgets)` -> {draw's argument: widget}: change one and the figure below
-    them is drawn again with every control's value."""
-    draw()
+    """`controls(ipywidgets)` -> {draw's argument: widget}, above one figure drawn by `draw(**their values)`.
+
+    In Jupyter (a live kernel): every control labelled (its `description`, else its argument's name), and under them
+    the figure, drawn first with the defaults, then again after a change. Sliders send their value when released
+    (continuous_update=False), and a redraw waits until the kernel has taken the changes that arrived meanwhile:
+    one slow draw (lesson 09's planner search) for the latest values, not one per value on the way.
+    In a notebook executed without a browser (lessons/_notebook.py sets PICOTRON_HEADLESS=1: the committed notebooks,
+    the tests): the default figure only, a plain image that static viewers (GitHub) show; the controls are built
+    (so a broken one fails the tests) and closed."""
     try:
         import ipywidgets as w
         from IPython.display import display
     except ImportError:
+        draw()
         print("pip install ipywidgets for the interactive version")
         return
-    widgets, figure = controls(w), w.Output()
-
-    def redraw(change):
-        with figure:
-            figure.clear_output(wait=True)
-            draw(**{name: c.value for name, c in widgets.items()})
+    widgets = controls(w)
+    for name, c in widgets.items():
+        c.description = c.description or name
+        if hasattr(c, "continuous_update"):
+            c.continuous_update = False
+    width = f"{0.6 * max(len(c.description) for c in widgets.values()) + 1:.1f}em"  # every label whole, aligned
     for c in widgets.values():
-        c.observe(redraw, "value")
+        c.style.description_width = width
+    if os.environ.get(HEADLESS) == "1":
+        draw()
+        for c in widgets.values():
+            c.close()
+        return
+    figure, pending = w.Output(), []
+
+    def redraw():
+        pending.clear()
+        figure.outputs = _outputs_of(draw, {name: c.value for name, c in widgets.items()})  # one swap, no flicker
+
+    def changed(_):
+        import asyncio
+
+        try:  # on the kernel's event loop, a moment later: the changes queued behind this one are taken first
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (not an ipykernel): draw now
+            return redraw()
+        if not pending:  # a redraw is already waiting: it will read the latest values
+            pending.append(loop.call_later(0.1, redraw))
+    for c in widgets.values():
+        c.observe(changed, "value")
     display(w.VBox([*widgets.values(), figure]))
+    redraw()
+
+
+def _outputs_of(draw, values):
+    """What draw(**values) prints and shows (plt.show's figures), in order, as notebook outputs, its error's traceback
+    included. (Drawing inside `with output_widget:` instead works only while the kernel handles the browser's message:
+    the browser drops what a redraw run later, on the event loop, shows there.)"""
+    import contextlib
+    import io
+    import traceback
+
+    from IPython import get_ipython
+    from IPython.core.displaypub import CapturingDisplayPublisher
+
+    outputs, text = [], io.StringIO()
+
+    def printed():
+        if text.getvalue():
+            outputs.append({"output_type": "stream", "name": "stdout", "text": text.getvalue()})
+            text.seek(0), text.truncate()
+
+    class Shown(CapturingDisplayPublisher):
+        def publish(self, data, metadata=None, *args, **kwargs):
+            printed()
+            outputs.append({"output_type": "display_data", "data": data, "metadata": metadata or {}})
+
+    shell = get_ipython()
+    shell.display_pub, kept = Shown(), shell.display_pub
+    try:
+        with contextlib.redirect_stdout(text):
+            draw(**values)
+    except Exception:  # noqa: BLE001 - shown under the controls, as a cell shows its error
+        text.write(traceback.format_exc())
+    finally:
+        shell.display_pub = kept
+    printed()
+    return tuple(outputs)
 
 
 # ------------------------------------------------------------------------- what the experiment scripts share

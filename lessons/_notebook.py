@@ -122,20 +122,31 @@ def run_cells(nb, cwd, timeout_s=6000):
                                      resources={"metadata": {"path": str(cwd)}})
     left = {}
     try:
-        with client.setup_kernel():  # (unlike execute(), installs no signal handlers)
-            try:
+        # no browser: the widgets draw their default figure as a plain image (lessons/_common.interactive)
+        with client.setup_kernel(env={**os.environ, "PICOTRON_HEADLESS": "1"}, **_encrypted()):
+            try:  # (unlike execute(), setup_kernel installs no signal handlers)
                 info = client.wait_for_reply(client.kc.kernel_info())
                 if info and "language_info" in info["content"]:
                     nb.metadata["language_info"] = info["content"]["language_info"]
                 for index, cell in enumerate(nb.cells):
                     client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
-                client.set_widgets_metadata()
             except KeyboardInterrupt:
                 left = _interrupt(client)
                 raise
     finally:
         _kill(left)
     return nb
+
+
+def _encrypted():
+    """The kernel's sockets encrypted (CurveZMQ keys from the kernel manager, jupyter_client 8.10+): ipykernel 7.4+
+    otherwise warns "Kernel is running over TCP without encryption" in every run. Older versions: plain TCP, no warning."""
+    import zmq
+    from jupyter_client.manager import KernelManager
+
+    if "transport_encryption" in KernelManager.class_trait_names() and zmq.has("curve"):
+        return {"transport_encryption": "required"}
+    return {}
 
 
 def _interrupt(client, grace_s=5.0):
@@ -252,8 +263,9 @@ STAMP = ".copied.json"  # in each copy's folder: what it was made from, and what
 
 def scratch(into=NOTEBOOKS, names=(), fresh=False, lessons=LESSONS):
     """Make or refresh the learners' copies of the committed notebooks: into/NN_topic/NN_topic.ipynb, the tracked
-    notebook (outputs included) behind one first cell that moves the kernel into lessons/NN_topic/, so the copy
-    imports and launches what the original does. The tracked files are only read.
+    notebook (outputs included, less its widgets': _copy_text) behind one first cell that moves the kernel into
+    lessons/NN_topic/, so the copy imports and launches what the original does, and holds the FAST switch. Each copy
+    is signed trusted (_sign), so its widgets work after you reopen it. The tracked files are only read.
 
     A copy is made when it is missing, and made again from the tracked notebook when that changed since the copy
     was made, unless the learner changed the copy after the tracked notebook's last change: that one is kept
@@ -289,23 +301,48 @@ def scratch(into=NOTEBOOKS, names=(), fresh=False, lessons=LESSONS):
         text = _copy_text(tracked, folder)
         copy.parent.mkdir(parents=True, exist_ok=True)
         copy.write_text(text, encoding="utf-8")
+        _sign(copy)
         stamp_path.write_text(json.dumps({"from": source, "copy": _sha(copy.read_bytes()), "root": str(folder)}))
         done.append((folder.name, what))
     return done
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
 def _copy_text(tracked, folder):
-    """The tracked notebook's JSON with one code cell in front that moves the kernel into the lesson's folder."""
+    """The tracked notebook's JSON with one code cell in front (it moves the kernel into the lesson's folder and is the
+    FAST switch), less its widgets' outputs and saved state: their models lived in the kernel that made them, so
+    Jupyter could only show their text ("VBox(children=...")."""
     nb = json.loads(tracked.read_text(encoding="utf-8"))
     source = (f"# A copy of lessons/{folder.name}/{tracked.name} (./run.sh lessons made it): your edits and outputs stay\n"
               f"# here. Like the original, it runs in the lesson's folder, next to its experiment.py and exercise.py.\n"
-              f"import os; os.chdir({str(folder)!r})")
+              f"# FAST mode, short settings (about a minute a lesson on 2 CPU cores; the numbers differ from the prose's):\n"
+              f"# change \"0\" to \"1\" (or start PICOTRON_FAST=1 ./run.sh lessons), restart the kernel and run again.\n"
+              f"import os; os.chdir({str(folder)!r}); os.environ.setdefault(\"PICOTRON_FAST\", \"0\")\n"
+              f"print(\"FAST mode: short settings\" if os.environ[\"PICOTRON_FAST\"] == \"1\" else \"the full lesson "
+              f"(FAST mode: see this cell)\")")
     cell = {"cell_type": "code", "execution_count": None, "id": "picotron-copy", "metadata": {}, "outputs": [],
             "source": source.splitlines(keepends=True)}
     if (nb.get("nbformat"), nb.get("nbformat_minor", 0)) < (4, 5):
         del cell["id"]  # cell ids came with nbformat 4.5
+    for c in nb["cells"]:
+        if c["cell_type"] == "code":
+            c["outputs"] = [o for o in c["outputs"] if WIDGET_VIEW not in o.get("data", {})]
+    nb["metadata"].pop("widgets", None)
     nb["cells"].insert(0, cell)
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def _sign(copy):
+    """Record the copy as trusted in Jupyter's signature database (nbformat's NotebookNotary, the one Jupyter reads).
+    Its outputs are the committed notebook's, from the lessons you cloned. Unsigned, it would open "Not Trusted", and
+    Jupyter would save it unsigned again as long as one committed output was left (any cell not re-run): widgets
+    would show as text each time it is reopened."""
+    import nbformat
+    from nbformat.sign import NotebookNotary
+
+    NotebookNotary().sign(nbformat.read(copy, as_version=4))
 
 
 def _backup(copy):

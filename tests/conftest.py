@@ -5,7 +5,8 @@ module level in a test file (children import them by name), and the children inh
 
 Three tiers (README, "Tests"): `--quick` runs the tests listed in tests/quick.txt (3.5 minutes on an idle 2-core
 machine: each strategy's fastest parity test, the configuration messages, collectives, a few NCCL replays, no
-notebook); no flag, the default suite; `--heavy --parity-matrix`, everything.
+notebook); no flag, the default suite; `--heavy --parity-matrix`, everything. Apart from them, `--browser` runs
+tests/test_browser.py (the lessons' widgets in headless Chromium; needs chromium and playwright, .ci/run installs them).
 
 Ctrl-C (SIGINT) stops the run at once with pytest's KeyboardInterrupt summary, and so does SIGTERM (turned into a
 KeyboardInterrupt here): the running test's launches stop their processes (picotron.launch; a notebook's kernel is
@@ -70,6 +71,9 @@ HEAVY_FLAG = "--heavy"
 QUICK_FLAG = "--quick"
 QUICK_LIST = os.path.join(ROOT, "tests", "quick.txt")
 
+# The browser tier (tests/test_browser.py, marked `browser`): skipped unless asked for, `pytest --browser tests/test_browser.py`.
+BROWSER_FLAG = "--browser"
+
 
 def quick_entries(path=None):
     """tests/quick.txt's entries: a node id (`tests/f.py::test[id]`), a test with all its parameters
@@ -89,6 +93,8 @@ def pytest_addoption(parser):
                      help="also run the heavier cases marked `heavy` (8-process collectives, every schedule at pp = 4, "
                           "every ring-attention variant at every cp, three more checkpoint reshard pairs), whose code paths the "
                           "default cases cover")
+    parser.addoption(BROWSER_FLAG, action="store_true", default=False,
+                     help="run the browser tier (tests/test_browser.py: JupyterLab in headless Chromium, ~1 minute)")
     parser.addoption(MATRIX_FLAG, action="store_true", default=False,
                      help="run every variant of tests/test_parity_matrix.py (dp, pp, cp, tp in {1, 2}, sp, ZeRO-1, "
                           "ep on the MoE preset; up to 16 processes), not only its default covering subset")
@@ -99,6 +105,7 @@ def pytest_configure(config):
                                        f"{HEAVY_FLAG}")
     config.addinivalue_line("markers", f"parity_matrix: a parity-matrix variant outside the default subset; runs "
                                        f"with {MATRIX_FLAG}")
+    config.addinivalue_line("markers", f"browser: drives Jupyter in headless Chromium; runs with {BROWSER_FLAG}")
     config.addinivalue_line("markers", f"quick: in the quick tier (tests/quick.txt, {QUICK_FLAG}); set by conftest")
     _own_the_signals()
 
@@ -107,7 +114,10 @@ def pytest_collection_modifyitems(config, items):
     heavy = pytest.mark.skip(reason=f"a heavier case, covered by the default ones; runs with {HEAVY_FLAG}")
     matrix = pytest.mark.skip(reason=f"the whole parity matrix runs with {MATRIX_FLAG} "
                                      f"(python -m pytest tests/test_parity_matrix.py {MATRIX_FLAG})")
+    browser = pytest.mark.skip(reason=f"the browser tier runs with {BROWSER_FLAG}")
     for item in items:
+        if item.get_closest_marker("browser") and not config.getoption(BROWSER_FLAG):
+            item.add_marker(browser)
         if item.get_closest_marker("heavy") and not config.getoption(HEAVY_FLAG):
             item.add_marker(heavy)
         if item.get_closest_marker("parity_matrix") and not config.getoption(MATRIX_FLAG):

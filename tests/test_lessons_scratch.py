@@ -16,6 +16,12 @@ sys.path.insert(0, str(ROOT / "lessons"))
 import _notebook  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _signatures(tmp_path, monkeypatch):
+    """The copies are signed into Jupyter's signature database (lessons/_notebook._sign): here, one of the test's own."""
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter"))
+
+
 def _fingerprint(folder):
     """{path: (sha256, mtime)} of every file under folder (lessons/), caches aside."""
     return {str(p): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
@@ -38,13 +44,44 @@ def test_run_sh_lessons_prepares_copies_and_leaves_lessons_untouched(tmp_path):
     for name in lessons:
         copy = nbformat.read(into / name / f"{name}.ipynb", as_version=4)
         tracked = nbformat.read(ROOT / "lessons" / name / f"{name}.ipynb", as_version=4)
+        # the tracked notebook's cells and outputs, less its widgets' (their models lived in the kernel that made them)
         assert [(c.cell_type, c.source, c.get("outputs")) for c in copy.cells[1:]] == \
-               [(c.cell_type, c.source, c.get("outputs")) for c in tracked.cells], f"{name}: not the tracked notebook"
+               [(c.cell_type, c.source, [o for o in c.get("outputs", []) if _notebook.WIDGET_VIEW not in o.get("data", {})]
+                 if c.cell_type == "code" else None) for c in tracked.cells], f"{name}: not the tracked notebook"
+        assert "widgets" not in copy.metadata
         assert f"os.chdir({str(ROOT / 'lessons' / name)!r})" in copy.cells[0].source
+        assert 'os.environ.setdefault("PICOTRON_FAST", "0")' in copy.cells[0].source  # the FAST switch
+        assert _trusted(copy, tmp_path / "jupyter"), f"{name}: the copy is not signed: it would open Not Trusted"
     assert _fingerprint(ROOT / "lessons") == before, "preparing the copies changed a file under lessons/"
     again = subprocess.run(["bash", "run.sh", "lessons", "--prepare-only"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=300)
     assert "(11 as it was)" in again.stdout, again.stdout
+
+
+def _trusted(nb, data_dir):
+    """Whether Jupyter (its signature database in data_dir) opens `nb` trusted."""
+    from nbformat.sign import NotebookNotary
+
+    return NotebookNotary(data_dir=str(data_dir)).check_signature(nb)
+
+
+def test_interactive_labels_its_controls_and_draws_a_plain_figure_headless(monkeypatch):
+    """lessons/_common.interactive: every control gets a label (its argument's name unless it has one) and sliders
+    send their value on release; executed headless (PICOTRON_HEADLESS=1, as lessons/_notebook.py runs notebooks) it
+    draws the default figure once, without widgets. (tests/test_browser.py drives the live widget.)"""
+    import _common
+
+    monkeypatch.setenv("PICOTRON_HEADLESS", "1")
+    made, drawn = {}, []
+
+    def controls(w):
+        made.update(n=w.IntSlider(value=1), s=w.Dropdown(options=["x", "y"], description="schedule"),
+                    t=w.ToggleButtons(options=["p", "q"]))
+        return made
+    _common.interactive(lambda **kw: drawn.append(kw), controls)
+    assert drawn == [{}]
+    assert {k: c.description for k, c in made.items()} == {"n": "n", "s": "schedule", "t": "t"}
+    assert made["n"].continuous_update is False
 
 
 def test_a_copy_runs_where_its_lesson_does(tmp_path, monkeypatch):

@@ -1,9 +1,9 @@
 """Checker for lesson 01's exercises: runs your functions on several inputs against the reference and
 against measurement, and says precisely what is off.
 
-    python lessons/01_single_device/check.py [name ...]          # your lessons/01_single_device/exercise.py
-    python lessons/01_single_device/check.py --solutions         # the reference solutions (must pass)
-    python lessons/01_single_device/check.py --module my.py      # any file defining the same functions
+    ./run.sh python lessons/01_single_device/check.py [name ...]          # your lessons/01_single_device/exercise.py
+    ./run.sh python lessons/01_single_device/check.py --solutions         # the reference solutions (must pass)
+    ./run.sh python lessons/01_single_device/check.py --module my.py      # any file defining the same functions
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise.
 

@@ -1,6 +1,6 @@
 """Lesson 01 exercises: write each function, then run the checker
-    python lessons/01_single_device/check.py                      # all exercises
-    python lessons/01_single_device/check.py count_parameters     # just one
+    ./run.sh python lessons/01_single_device/check.py                      # all exercises
+    ./run.sh python lessons/01_single_device/check.py count_parameters     # just one
 It runs your function on several inputs against the reference (and against measurement) and says what is
 off; for the puzzle, plan_step, it also runs your choice for a couple of steps on the CPU. The lesson notebook (lessons/01_single_device/01_single_device.ipynb) has everything you need; the solutions are in solution.py
 (look after trying).

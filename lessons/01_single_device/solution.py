@@ -1,6 +1,6 @@
 """Lesson 01, reference solutions. Try lessons/01_single_device/exercise.py first, then compare:
-    python lessons/01_single_device/check.py                 # checks your file
-    python lessons/01_single_device/check.py --solutions     # checks this one
+    ./run.sh python lessons/01_single_device/check.py                 # checks your file
+    ./run.sh python lessons/01_single_device/check.py --solutions     # checks this one
 """
 import torch.nn.functional as F
 

@@ -2,10 +2,10 @@
 picotron.launch.run_on_ranks) and says exactly what is wrong — which rank, which element, which shape, which
 message went where — or which ranks hang, and on which line of your file they wait.
 
-    python lessons/02_collectives/check.py [name ...]          # your lessons/02_collectives/exercise.py
-    python lessons/02_collectives/check.py --solutions         # the reference solutions (must pass)
-    python lessons/02_collectives/check.py --module my.py      # any file defining the same functions
-    python lessons/02_collectives/check.py --timeout 5         # seconds before a launch counts as a hang (10)
+    ./run.sh python lessons/02_collectives/check.py [name ...]          # your lessons/02_collectives/exercise.py
+    ./run.sh python lessons/02_collectives/check.py --solutions         # the reference solutions (must pass)
+    ./run.sh python lessons/02_collectives/check.py --module my.py      # any file defining the same functions
+    ./run.sh python lessons/02_collectives/check.py --timeout 5         # seconds before a launch counts as a hang (10)
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise.
 

@@ -1,8 +1,8 @@
 """Lesson 02 exercises: three collectives from point-to-point messages, and a puzzle (ring or tree?). Write each
 function, then run
-    python lessons/02_collectives/check.py                      # all exercises, on 2, 3 and 4 processes
-    python lessons/02_collectives/check.py ring_all_gather      # just one
-    python lessons/02_collectives/check.py ring_or_tree         # the puzzle
+    ./run.sh python lessons/02_collectives/check.py                      # all exercises, on 2, 3 and 4 processes
+    ./run.sh python lessons/02_collectives/check.py ring_all_gather      # just one
+    ./run.sh python lessons/02_collectives/check.py ring_or_tree         # the puzzle
 The checker starts real processes (gloo, one default process group: rank = dist.get_rank(), n =
 dist.get_world_size()), runs your function on every rank and tells you which rank is wrong, where, and why
 — or which ranks hang. Use only dist.send / dist.recv / dist.isend / dist.irecv (the checker switches the

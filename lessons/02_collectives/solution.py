@@ -1,6 +1,6 @@
 """Lesson 02, reference solutions. Try lessons/02_collectives/exercise.py first, then compare:
-    python lessons/02_collectives/check.py                 # checks your file
-    python lessons/02_collectives/check.py --solutions     # checks this one
+    ./run.sh python lessons/02_collectives/check.py                 # checks your file
+    ./run.sh python lessons/02_collectives/check.py --solutions     # checks this one
 """
 import math
 

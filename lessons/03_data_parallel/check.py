@@ -4,10 +4,10 @@ of all ranks' gradients computed in one process. It names the rank and the param
 the error looks like (off by the world size, still the rank's own gradient, ...), the ranks that hang and the
 line of your file where they wait, and whether your all-reduces really overlap the backward pass.
 
-    python lessons/03_data_parallel/check.py [name ...]          # your lessons/03_data_parallel/exercise.py
-    python lessons/03_data_parallel/check.py --solutions         # the reference solutions (must pass)
-    python lessons/03_data_parallel/check.py --module my.py      # any file defining the same classes
-    python lessons/03_data_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (10)
+    ./run.sh python lessons/03_data_parallel/check.py [name ...]          # your lessons/03_data_parallel/exercise.py
+    ./run.sh python lessons/03_data_parallel/check.py --solutions         # the reference solutions (must pass)
+    ./run.sh python lessons/03_data_parallel/check.py --module my.py      # any file defining the same classes
+    ./run.sh python lessons/03_data_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (10)
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise.
 

@@ -1,6 +1,6 @@
 """Lesson 03 exercises: data parallelism from autograd hooks. Write the methods marked EXERCISE, then run
-    python lessons/03_data_parallel/check.py                          # all exercises
-    python lessons/03_data_parallel/check.py average_gradient         # just one (on_gradient_ready, no_sync, bucket_size)
+    ./run.sh python lessons/03_data_parallel/check.py                          # all exercises
+    ./run.sh python lessons/03_data_parallel/check.py average_gradient         # just one (on_gradient_ready, no_sync, bucket_size)
 The checker starts 2 and then 3 real processes (gloo), gives every rank its own batch, runs your class and
 compares each rank's gradients with the mean of all ranks' gradients computed in one process. It says which
 rank and which parameter is wrong and by how much (and what that usually means), which ranks hang and on

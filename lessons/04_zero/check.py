@@ -4,11 +4,11 @@ the chunk and the element that are wrong and what the error usually means (forgo
 padding, wrong chunk offset, the chunks never all-gathered, no bias correction, ...), and the ranks that hang
 with the line of your file where they wait.
 
-    python lessons/04_zero/check.py [name ...]          # your lessons/04_zero/exercise.py
-    python lessons/04_zero/check.py --solutions         # the reference solutions (must pass)
-    python lessons/04_zero/check.py --module my.py      # any file defining the same functions
-    python lessons/04_zero/check.py --timeout 5         # seconds before a launch counts as a hang (10; the
-                                                        # exercises that train a model get at least 120)
+    ./run.sh python lessons/04_zero/check.py [name ...]          # your lessons/04_zero/exercise.py
+    ./run.sh python lessons/04_zero/check.py --solutions         # the reference solutions (must pass)
+    ./run.sh python lessons/04_zero/check.py --module my.py      # any file defining the same functions
+    ./run.sh python lessons/04_zero/check.py --timeout 5         # seconds before a launch counts as a hang (10; the
+                                                                 # exercises that train a model get at least 120)
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise.
 

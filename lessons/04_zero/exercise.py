@@ -1,9 +1,9 @@
 """Lesson 04 exercises: ZeRO's three moves by hand, two improvements to ZeRO-3, and a puzzle. Write the pieces
 marked EXERCISE, then run
-    python lessons/04_zero/check.py                      # all exercises
-    python lessons/04_zero/check.py keep_last_layer      # just one: shard_range, reduce_scatter_gradients,
-                                                         # sharded_adamw, keep_last_layer, bf16_gather, plan,
-                                                         # pp_traffic
+    ./run.sh python lessons/04_zero/check.py                      # all exercises
+    ./run.sh python lessons/04_zero/check.py keep_last_layer      # just one: shard_range, reduce_scatter_gradients,
+                                                                  # sharded_adamw, keep_last_layer, bf16_gather, plan,
+                                                                  # pp_traffic
 The checker runs shard_range on many sizes, and exercises 2 to 5 on 2 and then 3 real processes (gloo), with
 sizes that n does not divide (so padding matters). It compares what each rank returns or holds with the answer
 computed another way — in one process (the mean gradient; torch.optim.AdamW on the whole vector), or with the

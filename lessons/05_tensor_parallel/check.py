@@ -6,10 +6,10 @@ unsummed, a sum taken twice, an all-reduce done in place on the caller's tensor,
 wrong columns, ...), counts your all-reduces against Megatron's pattern, and names the ranks that hang with the
 line of your file where they wait.
 
-    python lessons/05_tensor_parallel/check.py [name ...]          # your lessons/05_tensor_parallel/exercise.py
-    python lessons/05_tensor_parallel/check.py --solutions         # the reference solutions (must pass)
-    python lessons/05_tensor_parallel/check.py --module my.py      # any file defining the same functions
-    python lessons/05_tensor_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (15)
+    ./run.sh python lessons/05_tensor_parallel/check.py [name ...]          # your lessons/05_tensor_parallel/exercise.py
+    ./run.sh python lessons/05_tensor_parallel/check.py --solutions         # the reference solutions (must pass)
+    ./run.sh python lessons/05_tensor_parallel/check.py --module my.py      # any file defining the same functions
+    ./run.sh python lessons/05_tensor_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (15)
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise.
 

@@ -1,7 +1,7 @@
 """Lesson 05 exercises: Megatron's tensor parallelism by hand, a puzzle, and ZeRO-R's partitioned checkpoint. Write
 the pieces marked EXERCISE, then
-    python lessons/05_tensor_parallel/check.py                          # all exercises
-    python lessons/05_tensor_parallel/check.py parallel_mlp             # just one (or f_and_g, vocab_parallel_cross_entropy, plan, partition)
+    ./run.sh python lessons/05_tensor_parallel/check.py                          # all exercises
+    ./run.sh python lessons/05_tensor_parallel/check.py parallel_mlp             # just one (or f_and_g, vocab_parallel_cross_entropy, plan, partition)
 The checker runs each exercise on 2 and then 4 real processes (gloo), gives every rank its slice of the same
 full weights or logits, and compares what every rank computes, outputs AND gradients, with the unsharded
 computation done in one process. It says which rank and which tensor is wrong and what that usually means (a

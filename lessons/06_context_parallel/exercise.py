@@ -1,7 +1,7 @@
 """Lesson 06 exercises: context parallelism by hand. Write the pieces marked EXERCISE, then
-    python lessons/06_context_parallel/check.py                 # all exercises
-    python lessons/06_context_parallel/check.py merge           # just one (or zigzag_positions, step_blocks,
-                                                                #   heads_send_buffer)
+    ./run.sh python lessons/06_context_parallel/check.py                 # all exercises
+    ./run.sh python lessons/06_context_parallel/check.py merge           # just one (or zigzag_positions, step_blocks,
+                                                                         #   heads_send_buffer)
 Exercise 1 is checked in this process against softmax attention computed whole (including scores of 1000, where
 a merge that forms e^lse overflows), then inside picotron's real ring attention on 2 and 3 processes (gloo): the
 checker swaps the library's merge for yours and names the rank whose output differs from full causal attention.

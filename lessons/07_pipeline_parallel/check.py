@@ -1,9 +1,9 @@
 """Checker for lesson 07's exercises.
 
-    python lessons/07_pipeline_parallel/check.py [name ...]          # your lessons/07_pipeline_parallel/exercise.py
-    python lessons/07_pipeline_parallel/check.py --solutions         # the reference solutions (must pass)
-    python lessons/07_pipeline_parallel/check.py --module my.py      # any file defining the same functions
-    python lessons/07_pipeline_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (15)
+    ./run.sh python lessons/07_pipeline_parallel/check.py [name ...]          # your lessons/07_pipeline_parallel/exercise.py
+    ./run.sh python lessons/07_pipeline_parallel/check.py --solutions         # the reference solutions (must pass)
+    ./run.sh python lessons/07_pipeline_parallel/check.py --module my.py      # any file defining the same functions
+    ./run.sh python lessons/07_pipeline_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (15)
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise.
 

@@ -1,7 +1,7 @@
 """Lesson 07 exercises: pipeline parallelism by hand. Write the pieces marked EXERCISE, then
-    python lessons/07_pipeline_parallel/check.py                      # all exercises
-    python lessons/07_pipeline_parallel/check.py one_f_one_b_rank     # just one (or forward_step, sync_tied_grads,
-                                                                      # dualpipe_place)
+    ./run.sh python lessons/07_pipeline_parallel/check.py                      # all exercises
+    ./run.sh python lessons/07_pipeline_parallel/check.py one_f_one_b_rank     # just one (or forward_step, sync_tied_grads,
+                                                                               # dualpipe_place)
 Exercise 1 is checked by picotron's simulator: your list for stage r (the argument i) runs together with the reference lists of
 the other stages, for several (p, m); the checker names the first action that cannot run (a deadlock and who
 waits for whom, a B before its F, a micro-batch missing or twice) and, when it runs, whether it keeps 1F1B's

@@ -1,7 +1,7 @@
 """Lesson 08 exercises: a mixture-of-experts layer's bookkeeping by hand. Write the pieces marked EXERCISE, then
-    python lessons/08_expert_parallel/check.py                  # all exercises
-    python lessons/08_expert_parallel/check.py top_k_route      # just one (or dispatch_permutation, aux_loss,
-                                                                #   exchange_splits, deepseek_router_step)
+    ./run.sh python lessons/08_expert_parallel/check.py                  # all exercises
+    ./run.sh python lessons/08_expert_parallel/check.py top_k_route      # just one (or dispatch_permutation, aux_loss,
+                                                                         #   exchange_splits, deepseek_router_step)
 Exercises 1-3 are checked in this process against picotron.moe on random routers (several token counts, E and k);
 the checker names the token, expert or value that is wrong and recognises the usual mistakes (weights not
 renormalised, an unstable sort, Switch's fraction normalised by k...). Exercise 4 runs on 2 and 4 real processes

@@ -1,6 +1,6 @@
 """Lesson 09 exercises: the arithmetic of a 4-D layout. Write the pieces marked EXERCISE, then
-    python lessons/09_all_together/check.py                # all exercises
-    python lessons/09_all_together/check.py place          # just one (or step_batch)
+    ./run.sh python lessons/09_all_together/check.py                # all exercises
+    ./run.sh python lessons/09_all_together/check.py place          # just one (or step_batch)
 Everything is checked in this process, on grids and clusters too big to launch: the checker compares with
 picotron.mesh and names the rank, the axis, the group or the number that is wrong, and recognises the usual
 mistakes (dp numbered fastest, a group along the wrong axis, sequences divided over cp...). The lesson notebook

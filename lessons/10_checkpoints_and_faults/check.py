@@ -1,8 +1,8 @@
 """Checker for lesson 10's exercises.
 
-    python lessons/10_checkpoints_and_faults/check.py [name ...]          # your exercise.py
-    python lessons/10_checkpoints_and_faults/check.py --solutions         # the reference solutions (must pass)
-    python lessons/10_checkpoints_and_faults/check.py --module my.py      # any file defining the same functions
+    ./run.sh python lessons/10_checkpoints_and_faults/check.py [name ...]          # your exercise.py
+    ./run.sh python lessons/10_checkpoints_and_faults/check.py --solutions         # the reference solutions (must pass)
+    ./run.sh python lessons/10_checkpoints_and_faults/check.py --module my.py      # any file defining the same functions
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise. Everything runs in this process.
 

@@ -1,6 +1,6 @@
 """Lesson 10 exercises: the checkpoint's index, and how often to write one. Write the pieces marked EXERCISE, then
-    python lessons/10_checkpoints_and_faults/check.py              # all exercises
-    python lessons/10_checkpoints_and_faults/check.py cut          # just one (or assemble, interval, resume_point)
+    ./run.sh python lessons/10_checkpoints_and_faults/check.py              # all exercises
+    ./run.sh python lessons/10_checkpoints_and_faults/check.py cut          # just one (or assemble, interval, resume_point)
 Everything is checked in this process against picotron.checkpoint and the lesson's formulas: the checker names
 the slice, the element or the number that is wrong, and recognises the usual mistakes (the flat range taken from
 the whole tensor instead of the rank's box, an element nobody wrote left as zero, Young's formula without its

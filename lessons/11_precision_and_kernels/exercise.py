@@ -1,7 +1,7 @@
 """Lesson 11 exercises: the online softmax at the heart of flash attention, fp16's loss-scale rule, and FP8's
 per-tensor scaling. Write the pieces marked EXERCISE, then
-    python lessons/11_precision_and_kernels/check.py                            # all exercises
-    python lessons/11_precision_and_kernels/check.py online_softmax_attention   # just one (or update, quantize_e4m3)
+    ./run.sh python lessons/11_precision_and_kernels/check.py                            # all exercises
+    ./run.sh python lessons/11_precision_and_kernels/check.py online_softmax_attention   # just one (or update, quantize_e4m3)
 Everything is checked in this process against torch.softmax, picotron.precision.LossScaler and picotron.fp8: the
 checker names the row, the step or the element that is wrong, and recognises the usual mistakes (an accumulator not
 rescaled when the running max grows, exp of unshifted scores overflowing, a count of clean steps that an overflow
