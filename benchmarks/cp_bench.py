@@ -44,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "lessons"))
 from _common import SIZES, make_cfg, run_interleaved  # noqa: E402  (the lessons' models; puts ROOT on sys.path)
+import _smoke  # noqa: E402  (benchmarks/_smoke.py: --smoke, the test's size)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -153,14 +154,14 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--grad-acc", type=int, default=1)
     p.add_argument("--variants", default=",".join(VARIANTS[:4]), help=f"comma-separated subset of {','.join(VARIANTS)}")
-    args = p.parse_args()
+    args, tiny = _smoke.parse(p, num_hidden_layers=2, seq_len=32, micro_batch_size=1)
     names = args.variants.split(",")
     if any(n not in VARIANTS for n in names) or len(set(names)) != len(names):
         p.error(f"--variants {args.variants!r}: pick a comma-separated subset of {','.join(VARIANTS)}")
     cp = int(os.environ.get("WORLD_SIZE", "1"))
     if cp < 2:
         p.error("run it with torchrun --nproc_per_node C, C >= 2 (the cp ranks)")
-    kw = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_acc=args.grad_acc, cp=cp,
+    kw = dict(**tiny, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, grad_acc=args.grad_acc, cp=cp,
               max_position_embeddings=max(1024, args.seq_len))
     if args.num_hidden_layers:
         kw["num_hidden_layers"] = args.num_hidden_layers

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "lessons"))
 import _common  # noqa: E402
+import _smoke  # noqa: E402  (benchmarks/_smoke.py: --smoke, the test's size)
 
 import torch.distributed as dist  # noqa: E402
 
@@ -64,11 +65,11 @@ def main():
     p.add_argument("--size", default="small", choices=list(_common.SIZES))
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=2)
-    args = p.parse_args()
+    args, tiny = _smoke.parse(p, seq_len=16, micro_batch_size=1, bucket_mb="1")
     import os
 
     mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
-    cfg = _common.make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
+    cfg = _common.make_cfg(args.size, **tiny, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
         for mb in (float(x) for x in args.bucket_mb.split(",")):
             ours = lesson.Variant("ours", cfg, mesh, "bucket", mb, record_comm=False)

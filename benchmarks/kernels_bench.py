@@ -1,6 +1,7 @@
 """Kernels and precision recipes against what a user would pick instead, side by side in one process.
 
     python benchmarks/kernels_bench.py [--rounds 15] [--seq-lens 256,1024] [--size small] [--steps-model 3]
+    python benchmarks/kernels_bench.py --smoke [--skip-compile]  # the tests' size: that it runs (compiling: a minute)
     python benchmarks/kernels_bench.py --gpu-attention-only     # on a CUDA GPU: the Triton flash attention alone
 
 Each comparison times both sides in the same round, the order alternating, and reports the median of the paired
@@ -34,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "lessons"))
 from _common import SIZES, make_cfg  # noqa: E402  (the lessons' models; puts ROOT on sys.path)
+import _smoke  # noqa: E402  (benchmarks/_smoke.py: --smoke, the test's size)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -148,13 +150,15 @@ def gpu_attention(rounds):
                   f"plain tiles / sdpa: {t_sdpa / t_plain:.3f}; max |out - sdpa| {err:.1e}", flush=True)
 
 
-def fused(rounds):
-    print("fused RMSNorm and SwiGLU, forward + backward, fp32 [8, 256, 1024] (SwiGLU's inputs [8, 256, 2816]):")
+def fused(rounds, shape=(8, 256, 1024), inner=2816, compile=True):
+    impls = ["compile"] * compile + (["triton"] if kernels.triton_runs_on("cpu") else [])
+    if not impls:
+        return
+    print(f"fused RMSNorm and SwiGLU, forward + backward, fp32 {list(shape)} (SwiGLU's inputs {[*shape[:2], inner]}):")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 256, 1024, generator=g, requires_grad=True)
-    w = torch.ones(1024, requires_grad=True)
-    gate, up = (torch.randn(8, 256, 2816, generator=g, requires_grad=True) for _ in range(2))
-    impls = ["compile"] + (["triton"] if kernels.triton_runs_on("cpu") else [])
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.ones(shape[-1], requires_grad=True)
+    gate, up = (torch.randn(*shape[:2], inner, generator=g, requires_grad=True) for _ in range(2))
     for impl in impls:
         def norm(i):
             return lambda: kernels.rms_norm(x, w, 1e-5, impl=i).sum().backward()
@@ -168,20 +172,22 @@ def fused(rounds):
         report(f"swiglu {impl} vs plain", impl, "plain", paired(rounds, glu(impl), glu("plain")))
 
 
-def model_steps(rounds, size, steps):
+def model_steps(rounds, size, steps, compile=True, **tiny):
     mesh = Mesh.local()
     variants = {"plain fp32": {}, "--compile": dict(compile=True), "--kernels compile": dict(kernels="compile"),
                 "--dtype bf16": dict(dtype="bf16"), "--dtype bf16-params": dict(dtype="bf16-params"),
                 "--dtype fp8": dict(dtype="fp8")}
+    if not compile:
+        variants = {k: v for k, v in variants.items() if "compile" not in k}
     runs = {}
     for name, kw in variants.items():
-        cfg = make_cfg(size, **kw)
+        cfg = make_cfg(size, **tiny, **kw)
         run = parallelize(cfg, mesh)
         _, loader = load_data(cfg, mesh)
         runs[name] = (run, loader)
-    cfg = make_cfg(size)
-    print(f"a training step of the lessons' '{size}' model (h={SIZES[size]['hidden_size']}), {cfg.micro_batch_size} x {cfg.seq_len} "
-          f"tokens, {steps} steps per timing:")
+    cfg = make_cfg(size, **tiny)
+    print(f"a training step of the lessons' '{size}' model{' made tiny' * bool(tiny)} (h={cfg.model_config().hidden_size}), "
+          f"{cfg.micro_batch_size} x {cfg.seq_len} tokens, {steps} steps per timing:")
 
     def stepper(name):
         run, loader = runs[name]
@@ -204,15 +210,20 @@ def main(argv=None):
     p.add_argument("--size", default="small", choices=sorted(SIZES))
     p.add_argument("--steps-model", type=int, default=3)
     p.add_argument("--gpu-attention-only", action="store_true", help="only the Triton flash attention on a GPU")
-    args = p.parse_args(argv)
+    p.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile variants (compiling "
+                                                                 "takes tens of seconds on a CPU, whatever the size)")
+    args, tiny = _smoke.parse(p, argv, rounds=2, seq_lens="32", steps_model=1)
     torch.manual_seed(0)
     print(f"kernels and precision recipes, one process ({torch.get_num_threads()} threads), {args.rounds} rounds:")
     gpu_attention(args.rounds)
     if args.gpu_attention_only:
         return
     attention(args.rounds, [int(s) for s in args.seq_lens.split(",")])
-    fused(args.rounds)
-    model_steps(args.rounds, args.size, args.steps_model)
+    compile = not args.skip_compile
+    if not compile:
+        print("--skip-compile: the torch.compile variants are left out")
+    fused(args.rounds, *([(2, 32, 64), 128] if args.smoke else []), compile=compile)
+    model_steps(args.rounds, args.size, args.steps_model, compile, **tiny and dict(tiny, seq_len=32, micro_batch_size=2))
 
 
 if __name__ == "__main__":

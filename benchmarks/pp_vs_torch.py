@@ -48,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "lessons"))
 from _common import SIZES, make_cfg, tokens  # noqa: E402  (the lessons' models and corpus; puts ROOT on sys.path)
+import _smoke  # noqa: E402  (benchmarks/_smoke.py: --smoke, the test's size)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -202,7 +203,7 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=8, help="m, the micro-batches of a step (--grad-acc)")
     p.add_argument("--schedules", default=",".join(PAIRS), help=f"comma-separated subset of {','.join(PAIRS)}")
-    args = p.parse_args()
+    args, tiny = _smoke.parse(p, num_hidden_layers=4, seq_len=16, micro_batch_size=1, micro_batches=4)  # 2P layers
     if compat.missing("pipelining"):  # a comparison with a torch feature newer than picotron's floor
         sys.exit(compat.missing("pipelining"))
     names = args.schedules.split(",")
@@ -210,7 +211,7 @@ def main():
         p.error(f"--schedules {args.schedules!r}: pick a comma-separated subset of {','.join(PAIRS)}")
     pp = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = Mesh.init(pp=pp)
-    base = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, pp=pp,
+    base = make_cfg(args.size, **tiny, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, pp=pp,
                     num_hidden_layers=args.num_hidden_layers)
     threads = torch.get_num_threads()
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)

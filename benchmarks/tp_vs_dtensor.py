@@ -36,6 +36,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.zero_vs_fsdp import SIZES, RSSPeak, local_bytes, make_cfg, tokens  # noqa: E402  (same models, corpus)
+from benchmarks import _smoke  # noqa: E402  (--smoke, the test's size)
 from picotron import compat, data, data_parallel, marks, metrics  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
@@ -217,7 +218,7 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--sp", action="store_true", help="sequence parallelism on both sides")
     p.add_argument("--memory", action="store_true", help="(one process) each variant alone: peak memory")
-    args = p.parse_args()
+    args, tiny = _smoke.parse(p, seq_len=16, micro_batch_size=1)
     if compat.missing("dtensor_tp"):  # a comparison with a torch feature newer than picotron's floor
         sys.exit(compat.missing("dtensor_tp"))
     if args.memory:
@@ -226,7 +227,7 @@ def main():
                   + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in r["states"].items()))
         return
     mesh = Mesh.init(tp=int(os.environ.get("WORLD_SIZE", "1")))
-    cfg = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, tp=mesh.tp.size,
+    cfg = make_cfg(args.size, **tiny, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, tp=mesh.tp.size,
                    sp=args.sp)
     with mesh:  # a normal end waits for every rank before the groups go (Mesh.__exit__)
         t0 = time.perf_counter()

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "lessons"))
 from _common import SIZES, make_cfg, tokens  # noqa: E402,F401  (the lessons' models and corpus; puts ROOT on sys.path)
+import _smoke  # noqa: E402  (benchmarks/_smoke.py: --smoke, the test's size)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -184,11 +185,11 @@ def main():
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--memory", action="store_true", help="also measure each variant's peak memory alone")
-    args = p.parse_args()
+    args, tiny = _smoke.parse(p, seq_len=16, micro_batch_size=1)
     if compat.missing("fsdp2"):  # a comparison with a torch feature newer than picotron's floor
         sys.exit(compat.missing("fsdp2"))
     mesh = Mesh.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
-    cfg = make_cfg(args.size, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
+    cfg = make_cfg(args.size, **tiny, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, dp=mesh.dp.size)
     with mesh:  # a normal end waits for every rank before the groups go (Mesh.__exit__)
         t0 = time.perf_counter()
         rows = compare(cfg, mesh, args.steps, args.warmup)
