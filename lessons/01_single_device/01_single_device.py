@@ -538,10 +538,14 @@ ours = {attn: planner.memory_estimate(dataclasses.replace(ModelConfig.from_prese
 print(f"SmolLM-1.7B, s=2048, b=4, bf16: section 1's textbook estimate {sum(textbook('smollm-1.7b', 2048, 4).values()) / GB:.1f} GB; "
       f"our code with sdpa {ours['sdpa'] / GB:.1f} GB, with eager attention {ours['eager'] / GB:.1f} GB")
 # drawn once with the defaults (what a static viewer shows); in a live kernel, controls that redraw it
-_common.interactive(draw, lambda w: dict(preset=w.Dropdown(options=["tiny", "smollm-135m", "smollm-360m", "smollm-1.7b", "llama3-8b"], value="smollm-1.7b"),
-                                         seq_len=w.SelectionSlider(options=[2**k for k in range(7, 15)], value=2048),
-                                         micro_batch=w.IntSlider(value=4, min=1, max=64), dtype=w.ToggleButtons(options=["fp32", "bf16"], value="bf16"),
-                                         recompute=w.ToggleButtons(options=["none", "selective", "full"]), attn=w.ToggleButtons(options=["sdpa", "eager"])))
+_common.interactive(draw, lambda w: dict(
+    preset=w.Dropdown(options=["tiny", "smollm-135m", "smollm-360m", "smollm-1.7b", "llama3-8b"], value="smollm-1.7b",
+                      description="model"),
+    seq_len=w.SelectionSlider(options=[2**k for k in range(7, 15)], value=2048, description="sequence s"),
+    micro_batch=w.IntSlider(value=4, min=1, max=64, description="micro-batch b"),
+    dtype=w.ToggleButtons(options=["fp32", "bf16"], value="bf16", description="precision"),
+    recompute=w.ToggleButtons(options=["none", "selective", "full"], description="recompute"),
+    attn=w.ToggleButtons(options=["sdpa", "eager"], description="attention")))
 
 # %% [markdown]
 # ## 7. Exercises
@@ -558,7 +562,7 @@ _common.interactive(draw, lambda w: dict(preset=w.Dropdown(options=["tiny", "smo
 #    The checker tries it on the puzzles below, then runs your choice for real on the CPU: the allocator's peak
 #    must fit too, and it measures tokens/s beside the reference choice.
 #
-# Then run the checker (here, or `python lessons/01_single_device/check.py [name]`). Until you write them it reports
+# Then run the checker (here, or `./run.sh python lessons/01_single_device/check.py [name]`). Until you write them it reports
 # `NotImplementedError: not written yet`; a wrong answer comes with the expected value and, where it can tell, the
 # likely mistake.
 
