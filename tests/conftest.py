@@ -94,7 +94,7 @@ def pytest_addoption(parser):
                           "every ring-attention variant at every cp, three more checkpoint reshard pairs), whose code paths the "
                           "default cases cover")
     parser.addoption(BROWSER_FLAG, action="store_true", default=False,
-                     help="run the browser tier (tests/test_browser.py: JupyterLab in headless Chromium, ~1 minute)")
+                     help="run the browser tier (tests/test_browser.py: JupyterLab and Notebook 7 in headless Chromium, ~2 minutes)")
     parser.addoption(MATRIX_FLAG, action="store_true", default=False,
                      help="run every variant of tests/test_parity_matrix.py (dp, pp, cp, tp in {1, 2}, sp, ZeRO-1, "
                           "ep on the MoE preset; up to 16 processes), not only its default covering subset")

@@ -5,7 +5,7 @@ control with the mouse and sees the figure redrawn, then saves, reopens the copy
 the text Jupyter shows for a widget it cannot render ("VBox(children=...").
 
 Needs Debian's chromium (`apt-get install -y chromium`, /usr/bin/chromium; never a downloaded browser) and the
-`playwright` package (`./run.sh python -m pip install playwright`). About a minute on 2 cores.
+`playwright` package (`./run.sh python -m pip install playwright`). About 2 minutes on 2 cores (two lessons, ~45 s each).
 """
 import os
 import re
