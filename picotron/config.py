@@ -7,10 +7,10 @@ Where a setting comes from, lowest priority first:
 
 `parse_args(argv)` reads them; `check(cfg)` applies the rules of the settings themselves (known names, ranges,
 the model's shape, faults, nodes) and raises ConfigError with ONE sentence: the value, the rule and a fix.
-The rules of which strategies combine, and each strategy's own, live with the strategies:
-`picotron.parallelize.validate` runs this module's check, then theirs, then reads the data and the checkpoint
-and looks at the devices, all before `torch.distributed` is initialised; its `cli(argv)` prints the one sentence
-and exits with status 2:
+The rules of which strategies combine, and each strategy's own (its module's `check`), are picotron.rules':
+`picotron.rules.validate` runs this module's check, then theirs, then reads the data and the checkpoint and looks
+at the devices, all before `torch.distributed` is initialised and, as here, without torch; `picotron.parallelize.cli`
+prints the one sentence and exits with status 2:
 
     $ python -m picotron.train --tp 3
     picotron: error: tp=3 does not divide num_attention_heads=8; pick tp in {1, 2, 4}.
@@ -321,7 +321,7 @@ def _checked(values, source):
 def check(cfg):
     """Raise ConfigError for the first broken rule of the settings themselves; return the run's ModelConfig.
 
-    The rules of the strategies (each one's own, and which combine) are `picotron.parallelize.validate`'s."""
+    The rules of the strategies (each one's own, and which combine) are `picotron.rules.validate`'s."""
     _check_names(cfg)
     _check_positive(cfg)
     mc = cfg.model_config()
@@ -564,7 +564,7 @@ def flags(values):
 
 def parse_args(argv=None, saved=None):
     """Config from defaults < the launcher's defaults < `saved` (--resume: the run's own settings) < --config file <
-    flags. Not validated: call `picotron.parallelize.validate` (or `picotron.parallelize.cli`, both in one)."""
+    flags. Not validated: call `picotron.rules.validate` (or `picotron.parallelize.cli`, both in one)."""
     values = launcher_defaults()
     values.update(saved or {})
     values.update(given(argv))

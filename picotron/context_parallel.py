@@ -57,6 +57,8 @@ from torch import nn
 from picotron import hooks
 from picotron.config import CP_IMPLS as IMPLS, CP_LAYOUTS as LAYOUTS  # --cp-impl's and --cp-layout's values
 from picotron.model import AttentionCore, apply_rope
+# check(cfg, model_config), this strategy's rule, lives in picotron.rules: no torch there, so a refusal is instant
+from picotron.rules import context_parallel_rule as check
 
 
 # ================================================================================= who holds which tokens
@@ -453,27 +455,3 @@ def bytes_per_step_formula(cp, b, seq_len, kv_heads, head_dim, layers, elem=4, i
     else:
         per_layer = block * 2 * (cp - 1) * elem
     return layers * micro_batches * per_layer
-
-
-# ================================================================================= the rules
-def check(cfg, model_config):
-    """Context parallelism's rules: the one-sentence problem with these settings, or None."""
-    if cfg.cp == 1:
-        return None
-    if cfg.seq_len % (2 * cfg.cp):
-        good = [c for c in range(1, 65) if cfg.seq_len % (2 * c) == 0][:8]
-        fix = f"pick cp in {{{', '.join(map(str, good))}}}, or " if good else ""
-        seq = max(2 * cfg.cp, cfg.seq_len // (2 * cfg.cp) * 2 * cfg.cp)  # the nearest multiple of 2*cp below
-        return (f"cp={cfg.cp} needs seq_len={cfg.seq_len} divisible by 2*cp={2 * cfg.cp} (each rank holds two of "
-                f"2*cp equal chunks of every sequence); {fix}pass --seq-len {seq} (a multiple of {2 * cfg.cp}).")
-    heads, tp = model_config.num_attention_heads, cfg.tp
-    if cfg.cp_impl == "ulysses" and heads % tp == 0 and (heads // tp) % cfg.cp:  # (tp's own rule: tp divides heads)
-        good = [c for c in range(1, heads // tp + 1) if (heads // tp) % c == 0]
-        return (f"cp_impl='ulysses' with cp={cfg.cp} needs the query heads per tp rank (num_attention_heads={heads} / "
-                f"tp={tp} = {heads // tp}) divisible by cp (each cp rank attends with its share of the heads); pick cp "
-                f"in {{{', '.join(map(str, good))}}} or --cp-impl ring.")
-    if model_config.attn_impl == "eager":
-        return (f"attn_impl='eager' with cp={cfg.cp}: context parallelism computes attention block by block itself "
-                f"(the s x s score matrix is never formed whole), so the eager path would never run; drop "
-                f"--attn-impl eager.")
-    return None

@@ -33,13 +33,15 @@ its own tokens' part and the aux weight is multiplied by cp, like the LM loss's 
 loads are summed over dp x cp by `moe.step_stats`. A finite capacity is refused with cp (`check`): its first-come
 order runs along the whole sequence, which no cp rank sees.
 
-Rules (`check`): ep divides dp and the number of experts; the model has experts; top_k at most the experts; no
-finite capacity with cp. Which strategies it does not combine with (ZeRO-3; torch's DDP) is picotron.parallelize's
-table, `combination_problem`.
+Rules (`check`, in picotron.rules): ep divides dp and the number of experts; the model has experts; top_k at most
+the experts; no finite capacity with cp. Which strategies it does not combine with (ZeRO-3; torch's DDP) is
+picotron.rules' table, `combination_problem`.
 """
 import torch
 
 from picotron import marks
+# check(cfg, model_config), this strategy's rule, lives in picotron.rules: no torch there, so a refusal is instant
+from picotron.rules import expert_parallel_rule as check
 
 
 class AllToAll(torch.autograd.Function):
@@ -162,35 +164,3 @@ def bytes_per_step_formula(tokens, k, hidden, ep, layers, elem=4):
     tokens·k rows of `hidden` values, (ep−1)/ep of them elsewhere, four times (dispatch and combine, forward
     and backward). The measured count uses the real routing (`Exchange.rows`)."""
     return 4 * layers * tokens * k * hidden * elem * (ep - 1) // ep
-
-
-def check(cfg, model_config):
-    """Expert parallelism's own rules: the one-sentence problem with these settings, or None (which strategies
-    combine with it: picotron.parallelize.combination_problem)."""
-    ep = cfg.ep
-    E = model_config.num_local_experts
-    if ep > 1 and not E:
-        return (f"ep={ep} needs a model with experts, but {cfg.preset!r} is dense; add --experts E (e.g. 4) or "
-                f"use --preset tiny-moe.")
-    if cfg.dp % ep or (E and E % ep):  # the experts are split over ep ranks carved out of the dp ranks
-        broken = " and ".join(w for w, bad in ((f"dp={cfg.dp}", cfg.dp % ep), (f"the {E} experts", E and E % ep)) if bad)
-        good = [d for d in range(1, cfg.dp + 1) if cfg.dp % d == 0 and (not E or E % d == 0)]
-        only = "" if len(good) > 1 else \
-            f" (with dp={cfg.dp} only ep=1 fits; e.g. --dp {E} --ep {E} puts the experts on {E} ranks)" if E else ""
-        return (f"ep={ep} does not divide {broken} (expert-parallel ranks are carved out of the dp={cfg.dp} "
-                f"data-parallel ranks and each holds an equal share of the {E} experts, so ep must divide both); "
-                f"pick ep in {{{', '.join(map(str, good))}}}{only}.")
-    if E and cfg.cp > 1 and model_config.capacity_factor:
-        return (f"capacity_factor={model_config.capacity_factor} with cp={cfg.cp} is not supported (an expert's "
-                f"capacity fills in token order along the whole sequence, and cp splits sequences); pass "
-                f"--capacity-factor 0 (no-drop routing) or --cp 1.")
-    if E and not model_config.routed_scaling_factor > 0:
-        return (f"routed_scaling_factor={model_config.routed_scaling_factor} must be positive (it multiplies the "
-                f"routed experts' gates); pass --routed-scaling 1 (or DeepSeek-V3's 2.5).")
-    if E and model_config.scoring_func not in ("softmax", "sigmoid"):
-        return (f"scoring_func={model_config.scoring_func!r} is not a router picotron has; pick softmax (Mixtral) or "
-                f"sigmoid (DeepSeek-V3).")
-    if E and model_config.num_experts_per_tok > E:
-        return (f"top_k={model_config.num_experts_per_tok} is more than the {E} experts; pick top_k between 1 "
-                f"and {E}.")
-    return None

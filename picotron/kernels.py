@@ -68,6 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from picotron.config import KERNELS
+# check(cfg, model_config), the kernels' rule, lives in picotron.rules: no torch there, so a refusal is instant
+from picotron.rules import kernels_rule as check
 
 try:
     import triton
@@ -383,12 +385,3 @@ def swiglu(gate, up, impl: str = "auto"):
     if impl == "triton":
         return TritonSwiGLU.apply(gate, up)
     return (_compiled(swiglu_plain) if impl == "compile" else swiglu_plain)(gate, up)
-
-
-def check(cfg, model_config):
-    """The kernels' rule for a training run: the one-sentence problem, or None."""
-    gpu = torch.cuda.is_available() and cfg.device != "cpu"
-    if cfg.kernels == "triton" and not triton_runs_on("cuda" if gpu else "cpu"):
-        return ("kernels='triton' needs the triton package and a CUDA GPU (or TRITON_INTERPRET=1 on a CPU, slow); "
-                "pass --kernels compile or auto, or pip install triton.")
-    return None

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from picotron import p2p
 from picotron.compat import collective
+from picotron.rules import device_problem  # the rule, without torch for --device cpu: picotron.rules
 
 ORDER = ("dp", "pp", "cp", "tp")  # slowest- to fastest-varying
 
@@ -110,27 +111,6 @@ def expert_groups(sizes, ep):
         for e in range(ep):
             edp_groups.append([r for r in ranks if grid_coords(r, sizes)["dp"] % ep == e])
     return sorted(ep_groups), sorted(edp_groups)
-
-
-def device_problem(local_world, device=None):
-    """Why `local_world` processes on this node cannot run on `device` ("auto", "cpu", "cuda"), in one sentence,
-    or None. The rule: cuda + nccl when there is one GPU per local process; cpu + gloo when asked or when torch
-    sees no GPU; never silently one for the other. Calls no torch.cuda function for device="cpu"."""
-    if device == "cpu":
-        return None
-    if device not in (None, "auto", "cuda"):
-        return f"device={device!r} is not one of 'auto', 'cpu', 'cuda'; pass --device auto, cpu or cuda."
-    if not torch.cuda.is_available():  # auto: gloo on a machine without GPUs
-        return "device='cuda' but no CUDA GPU is visible to torch; pass --device auto or --device cpu." \
-            if device == "cuda" else None
-    gpus = torch.cuda.device_count()
-    if gpus >= local_world:
-        return None
-    asked = "--device cuda with " if device == "cuda" else ""
-    procs = f"{local_world} process{'es' if local_world > 1 else ''} per node"
-    return (f"{asked}{procs} need{'s' if asked else ''} {local_world} GPUs (one each); this node has {gpus}: pass "
-            f"--device cpu to run them on CPU with gloo, or run at most {gpus} process{'es' if gpus > 1 else ''} "
-            f"per node.")
 
 
 def pick_device(world_size=1, local_rank=0, device=None):

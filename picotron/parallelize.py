@@ -27,7 +27,8 @@ strategy means adding it here (and its own module), not another `if` in the trai
 The rules, checked by `validate(cfg)` before any process group exists (`cli(argv)`: parse, validate, and on a
 broken rule print one sentence and exit with status 2): picotron.config's rules of the settings themselves,
 then each strategy's own (its module's `check(cfg, model_config)`: its values alone), then which strategies
-combine (`combination_problem`, one table here), then the data, the checkpoint to resume and the devices.
+combine (`combination_problem`, one table), then the data, the checkpoint to resume and the devices. They live
+in picotron.rules, which imports no torch: the trainer refuses a bad command before torch loads.
 """
 import json
 import os
@@ -38,12 +39,11 @@ from functools import partial
 
 import torch
 
-from picotron import (checkpoint, config, context_parallel, data, data_parallel, expert_parallel, fp8, kernels, marks,
-                      pipeline_parallel, pipeline_schedules, precision, schedule, tensor_parallel, zero, zero3,
-                      zero_bubble)
+from picotron import (config, context_parallel, data_parallel, expert_parallel, fp8, kernels, marks, pipeline_parallel,
+                      pipeline_schedules, precision, schedule, tensor_parallel, zero, zero3, zero_bubble)
 from picotron.config import ConfigError
-from picotron.mesh import device_problem
 from picotron.model import DecoderLayer, Llama, loss_fn, use_kernels
+from picotron.rules import combination_problem, validate  # noqa: F401 (the rules, without torch: picotron.rules)
 
 
 @dataclass
@@ -212,91 +212,9 @@ def describe(cfg, mesh):
 
 
 # ------------------------------------------------------------------------------------------------ the rules
-# each checks its own values: check(cfg, model_config) -> one sentence or None
+# each strategy's own rule is its module's check(cfg, model_config) -> one sentence or None; the rules' code,
+# combination_problem and validate are in picotron.rules, which imports no torch (a refusal is instant)
 STRATEGIES = (tensor_parallel, context_parallel, pipeline_parallel, expert_parallel, precision, kernels)
-
-
-def combination_problem(cfg, mc):
-    """Which strategies combine: a table of the pairs that do not (or that need each other), each with the
-    sentence that refuses it. The first row that applies wins; None when none does. The degrees dp, pp, cp, tp,
-    ep with sp and ZeRO-1 otherwise all combine (tests/test_parity_matrix.py trains each pair); ZeRO-2/3 with pp,
-    tied embeddings included: tests/test_zero.py."""
-    dp, experts = cfg.dp * cfg.cp, mc.is_moe  # dp: the data-parallel ranks, those ZeRO shards over
-    table = [  # (this, with that, refused when, the one sentence)
-        ("dp_impl=ddp", "collectives=ours", cfg.dp_impl == "ddp" and cfg.collectives == "ours" and dp > 1,
-         "dp_impl='ddp' runs torch's DistributedDataParallel, which always uses torch.distributed's own "
-         "collectives, but collectives='ours' asks for lesson 02's; drop --dp-impl ddp or --collectives ours."),
-        ("zero", "dp_impl", cfg.zero and cfg.dp_impl != "bucket",
-         f"dp_impl={cfg.dp_impl!r} does not apply with zero={cfg.zero} (ZeRO replaces the data-parallel wrapper: it "
-         f"reduce-scatters the gradients itself); drop --dp-impl or use zero=0."),
-        ("zero", "needs dp", cfg.zero and dp == 1,
-         f"zero={cfg.zero} with dp=1 has nothing to shard over (ZeRO splits the model states over the data-parallel "
-         f"ranks); add --dp 2 or more, or drop --zero."),
-        ("sp", "needs tp", cfg.sp and cfg.tp == 1,
-         "--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism leaves replicated over "
-         "the tp ranks); add --tp 2 or more, or drop --sp."),
-        ("dp_impl=ddp", "pp", cfg.pp > 1 and cfg.dp_impl == "ddp",
-         f"dp_impl='ddp' with pp={cfg.pp} is not supported (DDP needs each forward followed by its backward, a "
-         f"pipeline interleaves micro-batches); use --dp-impl bucket."),
-        ("experts", "dualpipe", experts and cfg.pp > 1 and cfg.pp_schedule == "dualpipe",
-         "experts with pp_schedule='dualpipe' are not supported yet (the two copies of each stage's experts and their "
-         "routing statistics have no parity test); use --pp-schedule zb-v or 1f1b."),
-        ("experts", "zero=3", experts and cfg.zero == 3,
-         "experts with zero=3 are not supported yet; use --zero 1 or 2."),
-        ("ep", "dp_impl=ddp", cfg.ep > 1 and cfg.dp_impl == "ddp",
-         "ep with dp_impl='ddp' is not supported (torch's DDP averages every gradient over one group, but experts "
-         "are summed over their own replicas); drop --dp-impl ddp."),
-        ("dtype=fp8", "pp zero-bubble",
-         cfg.dtype == "fp8" and cfg.pp_schedule in ("zb-h1", "zb-v", "dualpipe") and cfg.pp > 1,
-         f"dtype='fp8' with pp_schedule={cfg.pp_schedule!r} is not supported (both replace the linears' matmul: the "
-         f"split backward would drop FP8); use --pp-schedule 1f1b or interleaved, or --dtype bf16."),
-        ("dtype=fp16", "experts", cfg.dtype == "fp16" and experts,
-         "dtype='fp16' with experts is not supported (the load-balancing loss reaches the router outside the scaled "
-         "loss, so its gradient would miss the loss scale); use --dtype bf16-params or bf16."),
-    ]
-    return next((sentence for _, _, refused, sentence in table if refused), None)
-
-
-def validate(cfg, world_size=None, any_world_size=False):
-    """Raise ConfigError for the first broken rule, in one sentence, before any process group exists; `world_size`
-    defaults to $WORLD_SIZE or 1. any_world_size=True: the processes are not started yet, the caller will start
-    cfg.world_size of them."""
-    if world_size is None:
-        world_size = cfg.world_size if any_world_size else int(os.environ.get("WORLD_SIZE", "1"))
-    mc = config.check(cfg)  # the settings themselves: names, ranges, the model's shape, faults, nodes
-    for rule in [strategy.check for strategy in STRATEGIES] + [combination_problem]:
-        problem = rule(cfg, mc)
-        if problem:
-            raise ConfigError(problem)
-    _check_inputs(cfg, mc)
-    # cuda + nccl with one GPU per process of this node, or cpu + gloo; never one for the other in silence
-    local = cfg.world_size // cfg.nnodes if any_world_size else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    problem = device_problem(local, cfg.device)
-    if problem:
-        raise ConfigError(problem)
-    if world_size != cfg.world_size:
-        raise ConfigError(
-            f"world size {world_size} does not equal dp*pp*cp*tp = {cfg.dp}*{cfg.pp}*{cfg.cp}*{cfg.tp} = "
-            f"{cfg.world_size}; launch {cfg.world_size} process{'es' if cfg.world_size > 1 else ''} "
-            f"(torchrun --nproc_per_node {cfg.world_size} -m picotron.train ...) or change the degrees.")
-
-
-def _check_inputs(cfg, mc):
-    """The data, the tokenizer and the checkpoint to resume from: read now, so a wrong one costs a second."""
-    try:
-        tokenizer = data.get_tokenizer(cfg.tokenizer)  # byte: nothing to load; else a local folder or the Hub
-        if tokenizer.vocab_size > mc.vocab_size:
-            raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {tokenizer.vocab_size} ids but vocab_size="
-                              f"{mc.vocab_size}; pass --vocab-size {tokenizer.vocab_size} or a smaller tokenizer.")
-        if cfg.data != "shakespeare" and not cfg.data.startswith("hf:"):  # a local file: read it now
-            text = data.load_text(cfg.data)  # (another tokenizer's count waits for the trainer: no tokenizing twice)
-            if isinstance(tokenizer, data.ByteTokenizer):
-                data.check_size(cfg.data, len(text.encode("utf-8")), cfg.seq_len)
-        problem = checkpoint.resume_problem(cfg) if cfg.resume else None
-    except data.DataError as e:
-        raise ConfigError(str(e)) from None
-    if problem:
-        raise ConfigError(problem)
 
 
 def cli(argv=None, world_size=None, any_world_size=False):

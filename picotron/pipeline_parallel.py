@@ -36,7 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron import hooks, marks, p2p
-from picotron.pipeline_schedules import Message, chunks_of, split_layers, with_messages
+from picotron.pipeline_schedules import Message, split_layers, with_messages
+# check(cfg, model_config), this strategy's rule, lives in picotron.rules: no torch there, so a refusal is instant
+from picotron.rules import pipeline_parallel_rule as check
 
 
 # ========================================================================================= a rank's stage
@@ -412,36 +414,3 @@ class PipelineSampler(nn.Module):
         out = self.pipeline.forward_only(self.stage, (ids, ids), head=self.head)
         t = out.float() if out is not None else torch.zeros(ids.shape + (self.config.vocab_size,), device=ids.device)
         return _from_last(t, self.pipeline.pp, self.pipeline.schedule)[:, :s]
-
-
-# ========================================================================================== the rules
-def check(cfg, model_config):
-    """Pipeline parallelism's own rules: the one-sentence problem with these settings, or None (which strategies
-    combine with it: picotron.parallelize.combination_problem)."""
-    if cfg.pp == 1:
-        return None
-    v = chunks_of(cfg.pp_schedule, cfg.pp_chunks)
-    if cfg.pp_chunks > 1 and cfg.pp_schedule != "interleaved":
-        return (f"pp_chunks={cfg.pp_chunks} applies to the interleaved schedule only (zb-v and dualpipe always use 2, "
-                f"the others 1); pass --pp-schedule interleaved or drop --pp-chunks.")
-    if cfg.pp_schedule == "dualpipe":  # p stages, each on two ranks: micro-batches enter at both ends
-        if cfg.pp % 2 or cfg.grad_acc % 2 or cfg.grad_acc < 2 * cfg.pp:
-            return (f"pp_schedule='dualpipe' needs an even pp and an even grad_acc >= 2*pp (half the micro-batches "
-                    f"enter at each end), got pp={cfg.pp}, grad_acc={cfg.grad_acc}; pass an even --pp and --grad-acc "
-                    f"{max(2 * cfg.pp, cfg.grad_acc + cfg.grad_acc % 2)}.")
-        if cfg.zero:
-            return (f"zero={cfg.zero} with pp_schedule='dualpipe' is not supported (the two copies of a stage would "
-                    f"sum gradient shards cut at different places); drop --zero or pick another --pp-schedule.")
-        v = 1  # as many stages as ranks
-    if cfg.pp_schedule == "interleaved" and cfg.pp_chunks == 1:
-        return ("pp_schedule='interleaved' with pp_chunks=1 is plain 1F1B; pass --pp-chunks 2 (or more) for "
-                "interleaving, or --pp-schedule 1f1b.")
-    L = model_config.num_hidden_layers
-    if cfg.pp * v > L:
-        return (f"pp={cfg.pp} with {v} chunk{'s' if v > 1 else ''} per rank needs {cfg.pp * v} stages of at least one "
-                f"layer each but the model has num_hidden_layers={L}; pick pp <= {max(1, L // v)}"
-                + (" or fewer --pp-chunks." if cfg.pp_schedule == "interleaved" else "."))
-    if cfg.pp_schedule == "interleaved" and cfg.grad_acc % cfg.pp:
-        return (f"the interleaved schedule needs grad_acc={cfg.grad_acc} (the micro-batches of a step) to be a "
-                f"multiple of pp={cfg.pp}; pass --grad-acc {cfg.pp * max(1, cfg.grad_acc // cfg.pp)}.")
-    return None

@@ -14,7 +14,7 @@ remains, take the fastest. `planner.memory_per_stage` gives the bytes of a layou
     evaluates the same).
 
 Runs or not: a layout picotron's trainer refuses is refused with the trainer's sentence (`trainer_problem`: the rules
-`parallelize.validate` applies, each strategy's check and `combination_problem`; no copy here). DualPipe and Ulysses
+`picotron.rules` applies, each strategy's rule and `combination_problem`; no copy here). DualPipe and Ulysses
 are modelled by name whether or not this trainer has them yet (picotron.config's PP_SCHEDULES, CP_IMPLS); the search
 offers them once it does. The published runs ran on other software: only the model's shapes and memory judge them.
 
@@ -273,10 +273,10 @@ def _divisors(n, limit=None):
 
 
 def trainer_problem(mc, layout, seq_len, dtype="bf16"):
-    """The sentence with which picotron's trainer refuses this layout, or None: the same rules `parallelize.validate`
-    applies before any process group exists (each strategy's `check`, then `combination_problem`), so the planner
-    keeps no copy of them."""
-    from picotron import parallelize
+    """The sentence with which picotron's trainer refuses this layout, or None: the same rules its `validate` applies
+    before any process group exists (picotron.rules: each strategy's rule, then `combination_problem`), so the
+    planner keeps no copy of them."""
+    from picotron import rules
     from picotron.config import CP_IMPLS, PP_SCHEDULES, Config
     for name, value, known in (("pp_schedule", layout.pp_schedule, PP_SCHEDULES), ("cp_impl", layout.cp_impl, CP_IMPLS)):
         if value not in known:
@@ -285,7 +285,7 @@ def trainer_problem(mc, layout, seq_len, dtype="bf16"):
                  pp_schedule=layout.pp_schedule, pp_chunks=layout.pp_chunks, cp_impl=layout.cp_impl,
                  micro_batch_size=layout.micro_batch_size, grad_acc=max(1, layout.grad_acc),
                  recompute=layout.recompute, seq_len=seq_len, dtype="fp32" if dtype == "fp32" else "bf16-params")
-    for rule in [strategy.check for strategy in parallelize.STRATEGIES] + [parallelize.combination_problem]:
+    for rule in rules.RULES + (rules.combination_problem,):
         problem = rule(cfg, mc)
         if problem:
             return problem

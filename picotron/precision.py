@@ -39,6 +39,8 @@ from typing import Optional
 import torch
 
 from picotron import marks
+# check(cfg, model_config), the recipe's rule, lives in picotron.rules: no torch there, so a refusal is instant
+from picotron.rules import precision_rule as check
 from picotron.zero import WrappedOptimizer
 
 
@@ -213,21 +215,3 @@ class MasterWeights(WrappedOptimizer):
         """The masters were filled from a checkpoint: round them into the model's parameters."""
         for p, m in zip(self.model_params, self.masters):
             p.copy_(m)
-
-
-def check(cfg, model_config):
-    """The precision recipe's own rules: the one-sentence problem with these settings, or None (which strategies
-    combine with it: picotron.parallelize.combination_problem)."""
-    scale = cfg.loss_scale
-    if scale not in ("dynamic", "none"):
-        try:
-            ok = 0 < float(scale) < float("inf")  # NaN compares False
-        except ValueError:
-            ok = False
-        if not ok:
-            return (f"loss_scale={scale!r} is neither dynamic, none nor a positive number; pass --loss-scale dynamic "
-                    f"(the default) or a number such as 1024.")
-    if scale != "dynamic" and cfg.dtype != "fp16":
-        return (f"loss_scale={scale!r} only applies with --dtype fp16 ({cfg.dtype} keeps fp32's exponent range, so "
-                f"nothing underflows); drop --loss-scale or pass --dtype fp16.")
-    return None

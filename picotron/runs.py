@@ -318,7 +318,7 @@ def read_command(argv, under_launcher=False):
     """The run's settings from its command line, checked without importing torch: parsed (with --resume, the
     run's own settings under the flags given now), the settings' own rules (picotron.config.check) and the run
     folder's (`folder`, without claiming). A broken rule: one sentence, exit status 2. The strategies' rules
-    (picotron.parallelize.validate) come next, with torch."""
+    (picotron.rules.validate) come next, without torch too (picotron.train.read_command)."""
     try:
         cfg = config.parse_args(argv)
         if cfg.resume and not cfg.resume_from and (cfg.out or cfg.nnodes == 1):

@@ -66,6 +66,8 @@ from torch import nn
 
 from picotron import marks
 from picotron.model import RMSNorm
+# check(cfg, model_config), this strategy's rule, lives in picotron.rules: no torch there, so a refusal is instant
+from picotron.rules import tensor_parallel_rule as check, tp_shape_problem
 
 
 # --------------------------------------------------------------------------- the communication operators
@@ -330,45 +332,6 @@ def gather_vocab(logits, axis):
 
 
 # ---------------------------------------------------------------------------------------------- apply
-def check(cfg, model_config):
-    """Tensor (and sequence) parallelism's own rules: the one-sentence problem with these settings, or None
-    (which strategies combine with it: picotron.parallelize.combination_problem).
-
-    tp splits the query heads, the KV heads, the MLP columns and the vocabulary into tp equal slices, whole
-    heads per rank (no KV-head replication here); sp splits each rank's sequence over the tp ranks; recompute
-    "partitioned" splits each layer's saved input over the tp ranks, which hold it whole only without sp."""
-    tp = cfg.tp
-    problem = _shape_problem(model_config, tp)
-    if problem:
-        return problem
-    if cfg.recompute == "partitioned" and tp == 1:
-        return ("recompute='partitioned' with tp=1 has nothing to partition (it splits each layer's saved input over "
-                "the tp ranks, which hold identical copies); use --recompute full, or add --tp 2 or more.")
-    if cfg.recompute == "partitioned" and cfg.sp:
-        return ("recompute='partitioned' with --sp is already what --recompute full does (sequence parallelism splits "
-                "each layer's input over the tp ranks, so full recomputation keeps 1/tp of it); use --recompute full.")
-    if cfg.sp and (cfg.seq_len // cfg.cp) % tp:
-        return (f"sp with tp={tp} needs the local sequence length seq_len/cp={cfg.seq_len // cfg.cp} divisible by "
-                f"tp (the sequence is split over tp ranks); pass a seq_len that is a multiple of {tp * cfg.cp}.")
-    return None
-
-
-def _shape_problem(mc, tp):
-    """Whether tp cuts the model's heads, KV heads, MLP columns and vocabulary into whole, equal slices."""
-    sizes = [("num_attention_heads", mc.num_attention_heads), ("num_key_value_heads", mc.num_key_value_heads),
-             ("intermediate_size", mc.intermediate_size), ("vocab_size", mc.vocab_size)]
-    good = "{" + ", ".join(str(d) for d in range(1, min(mc.num_attention_heads, 64) + 1)
-                           if all(n % d == 0 for _, n in sizes)) + "}"
-    if tp > mc.num_key_value_heads:
-        return (f"tp={tp} is more than num_key_value_heads={mc.num_key_value_heads} (every tensor-parallel rank "
-                f"needs at least one whole KV head, and KV heads are not replicated); pick tp in {good} or a model "
-                f"with at least {tp} KV heads.")
-    for name, n in sizes:
-        if n % tp:
-            return f"tp={tp} does not divide {name}={n}; pick tp in {good}."
-    return None
-
-
 def _enter_block(axis, sp, module, args):
     """Forward pre-hook on an attention or MLP block: its input enters the tp region once, for q, k and v."""
     return (enter_tp(args[0], axis, sp),) + tuple(args[1:])
@@ -388,7 +351,7 @@ def apply(model, axis, sp=False):
     n = axis.size
     if n == 1:
         return model
-    problem = _shape_problem(model.config, n)
+    problem = tp_shape_problem(model.config, n)
     if problem:
         raise ValueError(problem)
     w = model.embed_tokens.weight

@@ -41,20 +41,33 @@ import sys
 import time
 from contextlib import contextmanager
 
-from picotron import config, faults, runs  # no torch: the command line is read and checked before torch loads
+from picotron import config, faults, rules, runs  # no torch: the command line is read and checked before torch loads
 
-if __name__ == "__main__":  # `python -m picotron.train ...`: --help, --version and every refusal of the settings or
-    runs.read_command(sys.argv[1:], "WORLD_SIZE" in os.environ)  # the run folder answer now, not after seconds
-    # (a minute on a busy machine) of importing torch; main() reads the command again, in milliseconds
+
+def read_command(argv, under_launcher):
+    """This command's settings, every rule checked before any process starts, without torch: the settings' own and
+    the run folder's (picotron.runs.read_command), then the strategies', the data's and the devices' (picotron.rules;
+    torch loads there only to count the GPUs for several processes). A broken rule: one sentence, exit status 2."""
+    cfg = runs.read_command(argv, under_launcher)
+    try:
+        rules.validate(cfg, any_world_size=not under_launcher)
+    except config.ConfigError as e:
+        runs.refuse(e)
+    return cfg
+
+
+if __name__ == "__main__":  # `python -m picotron.train ...`: --help, --version and every refusal answer now, not
+    read_command(sys.argv[1:], "WORLD_SIZE" in os.environ)  # after seconds (a minute on a busy machine) of
+    # importing torch; main() reads the command again, in milliseconds
 
 import torch  # noqa: E402
 
 from picotron import checkpoint, data, launch, metrics, moe, precision, reshard  # noqa: E402
-from picotron.config import Config, ConfigError  # noqa: E402
+from picotron.config import Config  # noqa: E402
 from picotron.marks import clip_grad_norm  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import generate  # noqa: E402
-from picotron.parallelize import autocast_for, parallelize, token_positions, validate  # noqa: E402
+from picotron.parallelize import autocast_for, parallelize, token_positions  # noqa: E402
 
 
 class Stopped(Exception):
@@ -466,14 +479,10 @@ def progress_line(r, steps, aux=True):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     under_launcher = "WORLD_SIZE" in os.environ  # torchrun (or a test harness) started this process
-    # Checked before any process group exists; a broken rule exits 2 with one sentence. First without torch: the
-    # settings (--resume: the run's own, under the flags given now) and the run folder (picotron.runs); then the
-    # strategies', the data and the devices (picotron.parallelize.validate); then the folder is claimed.
-    cfg = runs.read_command(argv, under_launcher)
-    try:
-        validate(cfg, any_world_size=not under_launcher)
-    except ConfigError as e:
-        runs.refuse(e)
+    # Checked before any process group exists; a broken rule exits 2 with one sentence: the settings (--resume: the
+    # run's own, under the flags given now), the run folder, the strategies', the data and the devices
+    # (`read_command`); then the folder is claimed.
+    cfg = read_command(argv, under_launcher)
     cfg, argv = runs.folder(cfg, argv, under_launcher)  # claimed (a new run), and handed to the workers by --out
     if not under_launcher and (cfg.world_size > 1 or cfg.max_restarts or cfg.nnodes > 1):  # start them ourselves
         nodes = dict(nnodes=cfg.nnodes, node_rank=cfg.node_rank, rdzv_endpoint=cfg.rdzv_endpoint, rdzv_id=cfg.rdzv_id)

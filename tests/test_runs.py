@@ -262,6 +262,25 @@ def test_help_and_refusals_answer_before_torch_is_imported(tmp_path, args):
     assert proc.returncode == (0 if args[0] in ("--help", "--version") else 2), proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("args, sentence", [
+    (["--tp", "3"], "tp=3 does not divide num_attention_heads=8; pick tp in {1, 2, 4}."),  # the README's example
+    (["--cp", "3"], "cp=3 needs seq_len=128 divisible by 2*cp=6"),
+    (["--pp", "9"], "pp=9 with 1 chunk per rank needs 9 stages of at least one layer each"),
+    (["--dp", "2", "--zero", "1", "--dp-impl", "naive"], "dp_impl='naive' does not apply with zero=1"),  # combination
+    (["--data", "small.txt"], "data 'small.txt' holds 12 tokens, too few for seq_len=128"),  # a local file, read
+])
+def test_strategy_rules_refuse_before_torch_is_imported(tmp_path, args, sentence):
+    """Issue 41: the strategies' rules (picotron.rules), the combination table and the data's answer in one sentence
+    without importing torch (seconds, a minute on a busy machine), as config.check's do."""
+    (tmp_path / "small.txt").write_text("hello world\n")
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "picotron.train", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")]
+    assert "picotron.rules" in imported and "torch" not in imported, proc.stderr[-2000:]
+    err = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time"))
+    assert proc.returncode == 2 and one_sentence(err).startswith(f"picotron: error: {sentence}"), err
+
+
 def test_config_out_none_is_for_the_command_line_only(tmp_path):
     from picotron.mesh import Mesh
     from picotron.train import train
