@@ -138,9 +138,11 @@ def _context(start_method=None):
     return ctx
 
 
-def run_on_ranks(fn, world_size, *args, timeout_s=60, backend="gloo", init_group=True, start_method=None,
+def run_on_ranks(fn, world_size, *args, timeout_s=None, backend="gloo", init_group=True, start_method=None,
                  **kwargs):
     """Run fn(*args, **kwargs) on `world_size` fresh processes; return the list of results, by rank.
+    timeout_s: the hang guard, by default $PICOTRON_RANK_TIMEOUT_S or 60 s (the test suite sets 300: a busy
+    machine may be slow, but never that slow).
 
     Each child has RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
     OMP_NUM_THREADS=1 in its environment and, unless init_group=False, an initialised default process group
@@ -151,6 +153,8 @@ def run_on_ranks(fn, world_size, *args, timeout_s=60, backend="gloo", init_group
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1.")
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("PICOTRON_RANK_TIMEOUT_S", "60"))
     try:
         payload = pickle.dumps((fn, args, kwargs))
     except Exception as e:

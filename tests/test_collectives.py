@@ -244,20 +244,23 @@ def test_collectives_equal_builtins_bit_for_bit(world):  # 8 processes on 2 core
 
 # ----------------------------------------------------------------------------------------------- barrier
 def _time_barrier(late_rank, delay_s):
+    """(when this rank arrived at the barrier, when it left): wall-clock times, one clock for every process here."""
     if dist.get_rank() == late_rank:
         time.sleep(delay_s)
-    t0 = time.perf_counter()
+    arrived = time.time()
     C.barrier()
-    waited = time.perf_counter() - t0
+    left = time.time()
     C.barrier()  # and the barrier is reusable right away
-    return waited
+    return arrived, left
 
 
 @pytest.mark.parametrize("world", [3, 5])
 def test_barrier_blocks_until_the_last_rank_arrives(world):
-    waited = run_on_ranks(_time_barrier, world, world - 1, 0.5)
-    assert all(w > 0.4 for r, w in enumerate(waited) if r != world - 1), waited
-    assert waited[world - 1] < 0.4, waited
+    """No rank leaves before the last one arrives (one rank sleeps first, so it is late): an order of events, not a
+    duration, so a busy machine cannot fail it by being slow."""
+    times = run_on_ranks(_time_barrier, world, world - 1, 0.5)
+    last_arrival = max(arrived for arrived, _ in times)
+    assert all(left >= last_arrival for _, left in times), times
 
 
 # ------------------------------------------------------------------------------------- no allocation per step

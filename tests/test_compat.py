@@ -156,7 +156,7 @@ def test_every_axis_collective_runs_on_this_torch(impl, link):
     deprecation warning."""
     from picotron.launch import run_on_ranks
 
-    got = run_on_ranks(_axis_collectives, 2, impl, link, timeout_s=60)
+    got = run_on_ranks(_axis_collectives, 2, impl, link)
     want = [[[0, 1, 2, 3, 10, 11, 12, 13], [10, 12], [10, 12, 14, 16], [10, 11, 12, 13], [0, 1, 10, 11]],
             [[0, 1, 2, 3, 10, 11, 12, 13], [14, 16], [10, 12, 14, 16], [10, 11, 12, 13], [2, 3, 12, 13]]]
     assert [values for values, _ in got] == [w[:4] if link else w for w in want]

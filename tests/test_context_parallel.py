@@ -80,7 +80,7 @@ def _attention_case(cp, impl, layout):
 def test_attention_equals_full_causal_attention(cp, impl, layout):
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         for kv_heads in (1, 2, 4):  # GQA (4 query heads over 1 or 2 KV heads) and plain multi-head
-            results = run_on_ranks(_attention_child, cp, dtype, impl, layout, kv_heads, timeout_s=60)
+            results = run_on_ranks(_attention_child, cp, dtype, impl, layout, kv_heads)
             for rank, (pairs, _) in enumerate(results):
                 for what, (got, want) in zip(("output", "dq", "dk", "dv"), pairs):
                     torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: (
@@ -90,7 +90,7 @@ def test_attention_equals_full_causal_attention(cp, impl, layout):
 def test_only_the_kv_heads_travel_and_bytes_match_the_formula():
     for impl in cpm.IMPLS:
         for kv_heads in (1, 2):
-            results = run_on_ranks(_attention_child, 4, torch.float32, impl, "zigzag", kv_heads, timeout_s=60)
+            results = run_on_ranks(_attention_child, 4, torch.float32, impl, "zigzag", kv_heads)
             b, s, d = 2, 32, 8
             want = cpm.bytes_per_step_formula(4, b, s, kv_heads, d, layers=1, elem=4, impl=impl, heads=4)
             for _, sent in results:

@@ -75,7 +75,7 @@ def test_data_parallel_matches_single_process(reference, tmp_path, dp, grad_acc,
 
 def test_buckets_are_views_and_follow_backward_order():
     """Each p.grad is a view into its bucket; buckets are filled from the last layer to the first."""
-    results = run_on_ranks(_bucket_layout, 2, timeout_s=60)
+    results = run_on_ranks(_bucket_layout, 2)
     assert results[0] == results[1]
     first_bucket_names, n_buckets, all_views = results[0]
     assert n_buckets > 1 and all_views
@@ -94,7 +94,7 @@ def _bucket_layout():
 
 
 def test_no_sync_sends_nothing_until_the_last_micro_batch():
-    assert run_on_ranks(_no_sync_child, 2, timeout_s=60) == [True, True]
+    assert run_on_ranks(_no_sync_child, 2) == [True, True]
 
 
 def _no_sync_child():

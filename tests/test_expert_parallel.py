@@ -200,7 +200,7 @@ def _round_trip_child(ep):
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_dispatch_and_combine_lose_and_duplicate_nothing(ep):
-    results = run_on_ranks(_round_trip_child, ep, ep, timeout_s=60)
+    results = run_on_ranks(_round_trip_child, ep, ep)
     assert all(r[0] for r in results), "combine(dispatch(rows)) != rows"
     assert all(r[1] for r in results), "a row reached a rank that does not hold its expert, or out of expert order"
     received = sorted(i for r in results for i in r[2])

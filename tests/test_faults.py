@@ -45,7 +45,7 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path):
                            "ranks; newest checkpoint "), err
     assert "step_000002" in last and "--resume" in last
     assert "Traceback" not in out + err and "ChildFailedError" not in out + err
-    assert seconds < 60  # well inside the collective timeout (300 s): no hang
+    assert seconds < 240  # a hang guard below the collective timeout (300 s): the job did not wait for it
 
 
 def test_faults_at_random_steps_finish_with_the_uninterrupted_losses(tmp_path):

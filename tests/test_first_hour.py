@@ -161,7 +161,8 @@ def test_unknown_tokenizer_is_one_sentence_and_quick(tmp_path):
     t0 = time.monotonic()
     code, out, err = picotron("--tokenizer", "no-such-user/no-such-tokenizer", env={"HF_HUB_OFFLINE": "1"})
     assert code == 2 and "--tokenizer byte" in one_line_error(err)
-    assert time.monotonic() - t0 < 60  # the Hub client alone retried for ~50 s offline
+    # a hang guard, far above the ~5-20 s of start-up: offline, the Hub client must not retry for minutes
+    assert time.monotonic() - t0 < 120
 
 
 def test_untrained_sample_is_printable():
@@ -281,7 +282,7 @@ def _node(cwd, node_rank, port, *args):
     """One "machine" of a two-node job on this one: its own folder (not shared), the launcher as a user runs it."""
     os.makedirs(cwd, exist_ok=True)
     cmd = [sys.executable, "-m", "picotron.train", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--steps", "3", "--timeout-s", "60", *QUICK, *map(str, args)]
+           "--steps", "3", "--timeout-s", "300", *QUICK, *map(str, args)]
     if node_rank is not None:
         cmd += ["--node-rank", str(node_rank)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=ENV,

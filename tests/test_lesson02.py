@@ -6,7 +6,6 @@ Timings are never asserted: the benchmark's numbers are shown in the notebook, n
 """
 import math
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -207,14 +206,12 @@ def test_checker_names_the_puzzle_mistakes(tmp_path):
 def test_checker_reports_a_hang_within_its_timeout(tmp_path):
     hang = tmp_path / "hang.py"
     hang.write_text(HANG)
-    start = time.monotonic()
-    code, out = run_checker("--module", str(hang), "ring_all_gather", "--timeout", "4", timeout=60)
-    elapsed = time.monotonic() - start
+    # timeout=300: a hang guard for the checker itself; its own 4 s timeout is what ends the exercise
+    code, out = run_checker("--module", str(hang), "ring_all_gather", "--timeout", "4", timeout=300)
     assert code == 1, out
     assert "FAIL  ring_all_gather on 2 ranks: hang: ranks 0, 1 are still waiting after 4 s" in out, out
     assert "rank 0 waits in ring_all_gather, line 8: dist.recv(incoming, (rank - 1) % n)" in out, out
     assert "on 3 ranks" not in out  # a hang ends the exercise: it would hang again
-    assert elapsed < 40, f"the checker took {elapsed:.0f} s to report a 4 s hang"
 
 
 # ------------------------------------------------------------------------------------------ the notebook

@@ -84,7 +84,7 @@ def _overlap_on_gloo(delay_s):
 
 def test_caller_computes_while_a_recorded_all_reduce_is_in_flight():
     delay_s = 1.0
-    r0, r1 = run_on_ranks(_overlap_on_gloo, 2, delay_s, timeout_s=60)
+    r0, r1 = run_on_ranks(_overlap_on_gloo, 2, delay_s)
     assert r0["sum"] == r1["sum"] == 3.0
     assert r0["in_flight"]  # rank 0 computed while its all-reduce waited for rank 1
     comm = next(e for e in r0["events"] if e.get("kind") == "comm")
@@ -156,7 +156,7 @@ def _ring_messages():
 def test_an_axis_counts_its_point_to_point_messages():
     """Axis.exchange posts a batch of messages and reports the bytes of its sends to the axis's recorder (kind
     "send", with what they carry as the label); an axis without a recorder just sends."""
-    for rank, r in enumerate(run_on_ranks(_ring_messages, 2, timeout_s=60)):
+    for rank, r in enumerate(run_on_ranks(_ring_messages, 2)):
         assert r["got"] == 1 - rank
         assert r["bytes"] == {"send": 48} and r["calls"] == {"send": 1} and r["log"] == [("send", 48, "cp")]
         assert r["labels"] == ["kv"]
