@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "lessons"))
 from _common import SIZES, make_cfg, tokens  # noqa: E402,F401  (the lessons' models and corpus; puts ROOT on sys.path)
-import _smoke  # noqa: E402  (benchmarks/_smoke.py: --smoke, the test's size)
+from benchmarks import _smoke  # noqa: E402  (--smoke, the test's size; a package import: lessons import these scripts)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
