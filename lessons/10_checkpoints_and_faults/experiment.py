@@ -436,7 +436,8 @@ def resume_demo(out, fast):
         raise RuntimeError(err[-2000:])
     from picotron.metrics import read_metrics
     ref = [r["loss"] for r in read_metrics(str(base))[0]]
-    ways = {"same layout": ["--grad-acc", 2], "resharded to dp2 + ZeRO-1": ["--dp", 2, "--zero", 1],
+    # --resume reuses the run's own settings (grad_acc=2): on dp = 2 the same global batch is --grad-acc 1
+    ways = {"same layout": ["--grad-acc", 2], "resharded to dp2 + ZeRO-1": ["--dp", 2, "--zero", 1, "--grad-acc", 1],
             "another data seed": ["--grad-acc", 2, "--seed", 1], "no optimizer state": ["--grad-acc", 2]}
     curves = {}
     for label, args in ways.items():
