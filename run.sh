@@ -2,7 +2,7 @@
 # picotron's one entry point. Every command sets itself up on first use (and again when requirements change).
 #
 #   ./run.sh [train flags]   train the tiny Llama on the embedded Shakespeare (no network, no GPU needed)
-#   ./run.sh test [pytest flags]   the test suite (multi-rank tests run real gloo processes), ~40 min on 2 cores
+#   ./run.sh test [pytest flags]   the test suite (multi-rank tests run real gloo processes), ~1 hour on 2 cores
 #   ./run.sh test quick      the quick tier (tests/quick.txt), ~3.5 min;  ./run.sh test all: --heavy --parity-matrix
 #   ./run.sh lessons         Jupyter on your copies of the lesson notebooks, runs/notebooks/ (lessons/ stays as
 #                            committed); --fresh: make every copy again; --prepare-only: the copies, no Jupyter
