@@ -528,7 +528,7 @@ _common.interactive(draw_model, lambda w: dict(n=w.SelectionSlider(options=[2, 4
 # picotron's ring and tree on 4 processes over an emulated link — 20 ms per message, 20 MB/s, slow enough that this
 # busy CPU's own costs are small next to it — and checks your predicted times against the measured ones (within
 # ×0.9 to ×1.5: a busy machine only adds time) and your winner against the faster one. Run it here or as
-# `python lessons/02_collectives/check.py [name]`; until you write them it reports `NotImplementedError: not
+# `./run.sh python lessons/02_collectives/check.py [name]`; until you write them it reports `NotImplementedError: not
 # written yet`.
 
 # %%
