@@ -39,7 +39,7 @@ from functools import partial
 
 import torch
 
-from picotron import (config, context_parallel, data_parallel, expert_parallel, fp8, kernels, marks, pipeline_parallel,
+from picotron import (config, context_parallel, data_parallel, expert_parallel, fp8, marks, pipeline_parallel,
                       pipeline_schedules, precision, schedule, tensor_parallel, zero, zero3, zero_bubble)
 from picotron.config import ConfigError
 from picotron.model import DecoderLayer, Llama, loss_fn, use_kernels
@@ -212,9 +212,8 @@ def describe(cfg, mesh):
 
 
 # ------------------------------------------------------------------------------------------------ the rules
-# each strategy's own rule is its module's check(cfg, model_config) -> one sentence or None; the rules' code,
-# combination_problem and validate are in picotron.rules, which imports no torch (a refusal is instant)
-STRATEGIES = (tensor_parallel, context_parallel, pipeline_parallel, expert_parallel, precision, kernels)
+# each strategy's own rule is its module's check(cfg, model_config) -> one sentence or None; the rules' code
+# (rules.RULES), combination_problem and validate are in picotron.rules, which imports no torch (a refusal is instant)
 
 
 def cli(argv=None, world_size=None, any_world_size=False):

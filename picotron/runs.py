@@ -166,8 +166,8 @@ def to_resume(given_now, base=BASE):
     saved = [r for r in held if latest(r)]
     if not saved:
         return held[-1]  # prepare says it has no checkpoint, and what to do
-    same = [r for r in saved if started_with(r) is not None and
-            _what_names_the_run(started_with(r)) == _what_names_the_run(given_now)]
+    wanted = _what_names_the_run(given_now)
+    same = [r for r in saved if (given := started_with(r)) is not None and _what_names_the_run(given) == wanted]
     if same or len(saved) == 1:
         return (same or saved)[-1]
     now = " ".join(config.flags(_what_names_the_run(given_now))) or "no flags"
