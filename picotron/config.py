@@ -15,6 +15,11 @@ prints the one sentence and exits with status 2:
     $ python -m picotron.train --tp 3
     picotron: error: tp=3 does not divide num_attention_heads=8; pick tp in {1, 2, 4}.
 
+Settings come from the command line and two environment variables a launcher sets (PICOTRON_LAUNCHER,
+PICOTRON_LAUNCHER_DEFAULTS: `launcher`, `launcher_defaults`); this module and picotron.launch (the launcher's
+RANK, WORLD_SIZE, ...: `launch.place`) are where the environment is read, and picotron.launch's docstring lists
+every variable picotron reads.
+
 This module imports nothing of picotron but leaves (picotron.model_config, picotron.faults) and no torch, so
 `--help` is instant, a bad setting is refused before torch loads (`picotron.runs.read_command`), and every
 module may import the option tuples below from here.
@@ -488,11 +493,11 @@ def build_parser():
     """Flags mirror the Config fields in kebab case; defaults are suppressed so only given flags override."""
     from picotron import __version__
 
-    launcher, defaults_of_launcher = os.environ.get(LAUNCHER), os.environ.get(LAUNCHER_DEFAULTS)
-    p = _Parser(prog=launcher or "python -m picotron.train", usage="%(prog)s [--config F.json] [--FLAG VALUE ...]",
+    launcher_name, defaults_of_launcher = launcher(), os.environ.get(LAUNCHER_DEFAULTS)
+    p = _Parser(prog=launcher_name or "python -m picotron.train", usage="%(prog)s [--config F.json] [--FLAG VALUE ...]",
                 argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter,
-                description=DESCRIPTION + (f"\n\n{launcher} sets {defaults_of_launcher} (a flag given here wins)."
-                                           if launcher and defaults_of_launcher else ""))
+                description=DESCRIPTION + (f"\n\n{launcher_name} sets {defaults_of_launcher} (a flag given here wins)."
+                                           if launcher_name and defaults_of_launcher else ""))
     p.add_argument("--config", metavar="F.json", help="JSON file of settings; flags given here override it")
     p.add_argument("--version", action="version", version=f"picotron {__version__}")
     types = _field_types()
@@ -542,6 +547,11 @@ def given(argv):
     values = Config.read(path) if path else {}
     values.update(_checked(ns, "the command line"))
     return values
+
+
+def launcher():
+    """How the user starts training when a launcher says so ($PICOTRON_LAUNCHER, e.g. "./run.sh"), else None."""
+    return os.environ.get(LAUNCHER) or None
 
 
 def launcher_defaults():

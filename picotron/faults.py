@@ -10,7 +10,8 @@
 A kill is real: the process gets SIGKILL between the backward and the optimizer step, while its peers wait
 in a collective. torchrun sees the death and stops the other workers; with `--max-restarts N` it starts them
 all again and the trainer resumes from the newest complete checkpoint (`picotron.train`). The i-th kill
-listed fires in the i-th attempt only (torchrun's TORCHELASTIC_RESTART_COUNT), so a restarted run is not
+listed fires in the i-th attempt only (torchrun's TORCHELASTIC_RESTART_COUNT, which picotron.launch.place reads
+and the trainer passes in), so a restarted run is not
 killed again at the same step: with faults at random steps the job still ends, with the final loss of the
 run that never failed (the resume is exact).
 """
@@ -53,20 +54,16 @@ def problem(cfg):
     return None  # more kills than --max-restarts is allowed: the job then ends at a kill, which is worth seeing too
 
 
-def attempt():
-    """Which start of the job this is: 0, then 1, 2, ... after each torchrun restart."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
 class Injector:
     """The faults of this run, for one rank: `maybe_kill(where, step)` and `loss_fn(step, loss_fn)`.
-    node_dir: this rank's node's level-1 folder, which lose-node deletes (None: no level 1)."""
+    node_dir: this rank's node's level-1 folder, which lose-node deletes (None: no level 1). attempt: which start
+    of the job this is (0, then 1, 2, ... after each torchrun restart: picotron.launch.Place.attempt)."""
 
-    def __init__(self, spec, rank, world_size, node_dir=None):
+    def __init__(self, spec, rank, world_size, node_dir=None, attempt=0):
         self.rank, self.world_size, self.node_dir = rank, world_size, node_dir
         items = parse(spec or "")
         kills = [(k, s, r) for k, s, r in items if k != "nan"]
-        mine = kills[attempt()] if attempt() < len(kills) else None  # this attempt's kill, if any
+        mine = kills[attempt] if attempt < len(kills) else None  # this attempt's kill, if any
         self.kill = mine
         self.nan_steps = {s for k, s, _ in items if k == "nan"}
 

@@ -62,7 +62,6 @@ Sources:
 """
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -78,8 +77,6 @@ except ImportError:  # no triton: the "compile" and "plain" paths remain
     triton = None
 
 IMPLS = KERNELS  # plain, compile, triton, auto (the --kernels values)
-# Triton decides at @triton.jit time whether a kernel is compiled or interpreted; we record the same choice.
-TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 # ======================================================================================= flash attention
@@ -348,9 +345,15 @@ class TritonSwiGLU(torch.autograd.Function):
         return dg, du
 
 
+def triton_interprets() -> bool:
+    """Whether Triton runs our kernels under its interpreter: Triton decides when @triton.jit makes a kernel (from
+    TRITON_INTERPRET, which it reads itself), so we ask a kernel what it was made as."""
+    return triton is not None and type(_rms_norm_fwd_kernel).__name__ == "InterpretedFunction"
+
+
 def triton_runs_on(device) -> bool:
     """Whether the Triton kernels can run on tensors of `device`: compiled on CUDA, or interpreted."""
-    return triton is not None and (torch.device(device).type == "cuda" or TRITON_INTERPRET)
+    return triton is not None and (torch.device(device).type == "cuda" or triton_interprets())
 
 
 @functools.cache

@@ -27,6 +27,35 @@ file (not a lambda, not in a notebook cell), and guard a script's own code with
 
 run_torchrun(script, 4, args) runs `python -m torch.distributed.run --standalone --nproc_per_node 4 script
 args` (what the lessons use), with a timeout, and raises with the tail of its output if it fails.
+
+place() reads what a launcher (torchrun, or run_on_ranks) tells a process it starts: its rank, how many there are,
+which start of the job this is. This is the one place that reads those variables; the trainer reads them once,
+at the top of its main(), and passes them down (picotron.mesh, picotron.runs, picotron.faults take them as
+arguments).
+
+The environment variables picotron reads, all of them (the ones a user sets, and the ones launchers set):
+
+    RANK, WORLD_SIZE          this process's rank and the job's size (torchrun, run_on_ranks): `place`
+    LOCAL_RANK                its rank on this machine (which GPU): `place`
+    LOCAL_WORLD_SIZE          the processes on this machine (how many GPUs they need; level-1 checkpoints'
+                              nodes): `place`
+    TORCHELASTIC_RESTART_COUNT  which start of the job this is (torchrun --max-restarts): `place`
+    MASTER_ADDR, MASTER_PORT  where the ranks meet: read by torch.distributed's env:// rendezvous, not by us
+    PICOTRON_RUN_FOLDER       the run folder the launching process claimed, for the workers it starts: `place`
+    PICOTRON_LAUNCHER         how the user starts training (./run.sh says so): picotron.config.launcher
+    PICOTRON_LAUNCHER_DEFAULTS  the launcher's own default flags (run.sh's --steps 600 ...), below the user's:
+                              picotron.config.launcher_defaults
+    OMP_NUM_THREADS           threads per process; unset, torchrun_main shares the cores out
+    PICOTRON_START_METHOD, PICOTRON_PRELOAD, PICOTRON_RANK_TIMEOUT_S
+                              run_on_ranks' start method, preloaded modules and hang guard (`_context`,
+                              `run_on_ranks`)
+    HF_HUB_OFFLINE, HF_ENDPOINT  Hugging Face's own: whether picotron.data may download a tokenizer, and from where
+    TRITON_INTERPRET          Triton's own (read by triton at import): its kernels run under its interpreter;
+                              picotron.kernels asks triton what it chose
+
+Nothing else in picotron/ reads the environment or sys.argv (tests/test_edges.py checks it): config.py, launch.py
+and data.py (Hugging Face's) read it, and the command line is read in `if __name__ == "__main__":`.
+The lessons read their own settings (PICOTRON_FAST, PICOTRON_DEVICE, PICOTRON_NPROC: lessons/_common.py).
 """
 import faulthandler
 import multiprocessing as mp
@@ -39,10 +68,50 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
+from typing import Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+CLAIMED = "PICOTRON_RUN_FOLDER"  # set by the process that claimed the run folder, for the workers it starts
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this process sits in the job, as its launcher said (`place()`); Place() is a process on its own.
+    rank and local_rank are None when no launcher set them (with a process group already made, its rank
+    stands in); local_world_size None: all the job's processes are on this machine."""
+    launched: bool = False                  # WORLD_SIZE is set: torchrun (or a test harness) started this process
+    rank: Optional[int] = None              # RANK
+    world_size: int = 1                     # WORLD_SIZE
+    local_rank: Optional[int] = None        # LOCAL_RANK
+    local_world_size: Optional[int] = None  # LOCAL_WORLD_SIZE
+    attempt: int = 0                        # TORCHELASTIC_RESTART_COUNT: 0, then 1, 2, ... after each restart
+    claimed: Optional[str] = None           # PICOTRON_RUN_FOLDER: the folder the launching process claimed
+
+    @property
+    def says(self):
+        """True on the process that speaks for the job (rank 0, or a process on its own)."""
+        return (self.rank or 0) == 0
+
+    def per_node(self, world_size=None):
+        """The processes on this machine: LOCAL_WORLD_SIZE, else every process of the job."""
+        return self.local_world_size or world_size or self.world_size
+
+
+def place(environ=None):
+    """This process's Place, read from `environ` (by default the environment): the one reader of the variables
+    launchers set (this module's docstring lists them)."""
+    env = os.environ if environ is None else environ
+
+    def number(name):
+        return int(env[name]) if env.get(name, "") != "" else None
+    return Place(launched="WORLD_SIZE" in env, rank=number("RANK"), world_size=number("WORLD_SIZE") or 1,
+                 local_rank=number("LOCAL_RANK"), local_world_size=number("LOCAL_WORLD_SIZE"),
+                 attempt=number("TORCHELASTIC_RESTART_COUNT") or 0, claimed=env.get(CLAIMED) or None)
 
 
 class RankError(RuntimeError):
@@ -364,7 +433,7 @@ def threads_per_process(nproc, cores=None):
     return max(1, (cores or 1) // nproc)
 
 
-def torchrun_main(module, nproc, argv, max_restarts=0, hint=None, **nodes):
+def torchrun_main(module, nproc, argv, max_restarts=0, hint=None, claimed=None, **nodes):
     """`python -m picotron.train --dp 2 ...` on one machine: run torchrun for it and return the exit status.
     `nodes` (nnodes, node_rank, rdzv_endpoint, rdzv_id): this machine is one of several (`torchrun_cmd`), nproc
     processes here.
@@ -375,10 +444,12 @@ def torchrun_main(module, nproc, argv, max_restarts=0, hint=None, **nodes):
     A rank that dies (killed, crashed) is named in one line instead of torchrun's report: with restarts left
     (`max_restarts`, torchrun's --max-restarts) every rank starts again and resumes; else the job ends, and
     `hint()` says where the newest checkpoint is. Ctrl-C reaches the workers through torchrun: they finish
-    the step, save a checkpoint and say so. OMP_NUM_THREADS, unless set, shares the cores out.
+    the step, save a checkpoint and say so. OMP_NUM_THREADS, unless set, shares the cores out. `claimed`: the run
+    folder this process checked and claimed, handed to the workers ($PICOTRON_RUN_FOLDER: they need not again).
     """
     cmd = torchrun_cmd(module, nproc, argv, module=True, max_restarts=max_restarts, **nodes)
-    env = _env({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(nproc)))})
+    env = _env({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_process(nproc))),
+                **({CLAIMED: os.path.abspath(claimed)} if claimed else {})})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun gets Ctrl-C too and passes it on
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)

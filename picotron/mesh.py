@@ -36,13 +36,12 @@ import copy
 import gc
 import itertools
 import math
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from picotron import p2p
+from picotron import launch, p2p
 from picotron.compat import collective
 from picotron.rules import device_problem  # the rule, without torch for --device cpu: picotron.rules
 
@@ -113,15 +112,16 @@ def expert_groups(sizes, ep):
     return sorted(ep_groups), sorted(edp_groups)
 
 
-def pick_device(world_size=1, local_rank=0, device=None):
+def pick_device(world_size=1, local_rank=0, device=None, per_node=None):
     """(torch.device, backend): one GPU per process with NCCL, or CPU with gloo (asked for, or no GPU at all).
 
     `device` forces "cpu" or "cuda"; None/"auto" decides: cuda when torch sees a GPU, cpu when it sees none.
-    The processes on this node are $LOCAL_WORLD_SIZE (torchrun sets it), else `world_size`; more of them than
-    GPUs raises `device_problem`'s sentence instead of falling back to the CPU in silence. On the CPU path no
-    CUDA function beyond is_available() is called (none at all for device="cpu")."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    problem = device_problem(local_world, device)
+    The processes on this node are `per_node`, by default the launcher's LOCAL_WORLD_SIZE (picotron.launch.place),
+    else `world_size`; more of them than GPUs raises `device_problem`'s sentence instead of falling back to the CPU
+    in silence. On the CPU path no CUDA function beyond is_available() is called (none at all for device="cpu")."""
+    if per_node is None:
+        per_node = launch.place().per_node(world_size)
+    problem = device_problem(per_node, device)
     if problem:
         raise (RuntimeError if device in (None, "auto", "cuda") else ValueError)(problem)  # ValueError: no such device
     if device != "cpu" and torch.cuda.is_available():
@@ -288,7 +288,8 @@ def collective_ops(name):
 class Mesh:
     """This process's place on the (dp, pp, cp, tp) grid: one declared `Axis` per dimension.
 
-    Attributes: rank, world_size, local_rank, device, backend, sizes, coords, and the axes
+    Attributes: rank, world_size, local_rank, per_node (the processes on this machine: torchrun's
+    LOCAL_WORLD_SIZE, else all), device, backend, sizes, coords, and the axes
     `dp`, `pp`, `cp`, `tp`, `dp_cp` (dp x cp together: gradients of replicated parameters are averaged over
     it), `ep` and `edp` (the experts' axes carved from dp: see the module docstring), `pp_ends` (the first and last pipeline stage, which share tied embeddings) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
     pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage; `pp_links`: {(lower, higher):
@@ -299,8 +300,9 @@ class Mesh:
     AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
 
     def __init__(self, rank, world_size, sizes, device, backend, groups, local_rank=0, owns_world=False,
-                 collectives="torch", links=None):
+                 collectives="torch", links=None, per_node=None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.per_node = per_node or world_size
         self.device, self.backend = device, backend
         self.sizes = _as_sizes(sizes)
         self.coords = grid_coords(rank, self.sizes)
@@ -328,11 +330,13 @@ class Mesh:
         return cls(0, 1, (1, 1, 1, 1), torch.device(device), None, groups)
 
     @classmethod
-    def init(cls, dp=1, pp=1, cp=1, tp=1, ep=1, timeout_s=300, backend=None, device=None, collectives="torch"):
+    def init(cls, dp=1, pp=1, cp=1, tp=1, ep=1, timeout_s=300, backend=None, device=None, collectives="torch",
+             place=None):
         """Join (or create) the default process group and build the per-axis groups.
 
         - a process group already exists (e.g. inside `launch.run_on_ranks`): use it as the world;
-        - RANK/WORLD_SIZE are set (torchrun): initialise from MASTER_ADDR/MASTER_PORT (env://);
+        - RANK/WORLD_SIZE are set (torchrun; `place`, by default picotron.launch.place()): initialise from
+          MASTER_ADDR/MASTER_PORT (env://);
         - neither, and the grid has one cell: a one-process group on an in-memory HashStore, so
           `python -m picotron.train` needs no launcher.
         Every rank must call this with the same sizes: new_group is collective and called in the same order.
@@ -342,30 +346,30 @@ class Mesh:
         need = math.prod(sizes.values())
         timeout = timedelta(seconds=timeout_s)
         owns_world = not dist.is_initialized()
+        place = place or launch.place()
         if not owns_world:
             rank, world_size = dist.get_rank(), dist.get_world_size()
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            local_rank = rank if place.local_rank is None else place.local_rank
             backend = dist.get_backend()
-            dev, _ = pick_device(world_size, local_rank, device or ("cpu" if backend == "gloo" else None))
+            dev, _ = pick_device(world_size, local_rank, device or ("cpu" if backend == "gloo" else None),
+                                 place.per_node(world_size))
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
         else:
-            in_env = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-            rank = int(os.environ["RANK"]) if in_env else 0
-            world_size = int(os.environ["WORLD_SIZE"]) if in_env else 1
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            in_env = place.launched and place.rank is not None
+            rank, world_size = (place.rank, place.world_size) if in_env else (0, 1)
+            local_rank = rank if place.local_rank is None else place.local_rank
             if world_size != need:
                 raise RuntimeError(f"the grid dp*pp*cp*tp={need} needs {need} processes but WORLD_SIZE={world_size}; "
                                    f"launch with torchrun --nproc_per_node {need}.")
-            dev, default_backend = pick_device(world_size, local_rank, device)
+            dev, default_backend = pick_device(world_size, local_rank, device, place.per_node(world_size))
             backend = backend or default_backend
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
             if in_env:  # torchrun: its store, our keys prefixed by the attempt (a restarted job must not read
                 # the addresses the previous attempt's ranks published: seen on gloo after --max-restarts)
                 store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                prefix = f"picotron/attempt_{attempt}/world_{next(_WORLDS)}"  # (every rank counts alike)
+                prefix = f"picotron/attempt_{place.attempt}/world_{next(_WORLDS)}"  # (every rank counts alike)
                 dist.init_process_group(backend, store=dist.PrefixStore(prefix, store),
                                         rank=rank, world_size=world_size, timeout=timeout,
                                         device_id=dev if dev.type == "cuda" else None)
@@ -407,7 +411,8 @@ class Mesh:
                 if rank in ranks:
                     groups[name] = (ranks, group, created)
         groups["world"] = (list(range(world_size)), dist.group.WORLD, False)
-        return cls(rank, world_size, sizes, dev, backend, groups, local_rank, owns_world, collectives, links)
+        return cls(rank, world_size, sizes, dev, backend, groups, local_rank, owns_world, collectives, links,
+                   place.per_node(world_size))
 
     def recorded(self, recorder):
         """The same mesh (same groups, same ranks) with every axis's collectives counted and timed by `recorder`

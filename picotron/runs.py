@@ -25,11 +25,15 @@ picotron.config, needs no torch), so a broken one is one sentence at once (`RunF
 is no checkpoint, `--out` at a folder that holds a run without `--resume`, several nodes without one shared `--out`.
 Under a launcher the processes check without claiming (each sees the same folder before any of them writes: the
 process group forms only after every rank checked), and a restart after a lost rank (torchrun --max-restarts)
-continues its own folder.
+continues its own folder. What the launcher said (rank, world size, which restart, the folder the launching
+process claimed) comes in as a `place` (picotron.launch.place, read once by the trainer): this module reads no
+environment.
 
 The commands a message hands back (`command`: "continue with ...") are the one the user typed, pasteable: the
 launcher they used (`./run.sh`, which says so in $PICOTRON_LAUNCHER and keeps its own defaults out of the flags,
-or this Python's `-m picotron.train`), each flag once, none they did not type.
+or this Python's `-m picotron.train`), each flag once, none they did not type. A run started from Python (a test,
+a lesson: `train(cfg, mesh)`) has no command line of its own: its commands are built from its settings
+(`flags_of`), never from sys.argv (which would be pytest's or jupyter's).
 """
 import dataclasses
 import glob
@@ -43,11 +47,10 @@ import sys
 import time
 from typing import Optional
 
-from picotron import config, faults
+from picotron import config
 
 BASE = "runs/main"
 CLAIM = "run.json"
-CLAIMED = "PICOTRON_RUN_FOLDER"  # set by the process that claimed the folder, for the workers it starts
 # Settings a continuation may change and still be the same run (how long, where, what it saves and prints):
 # ignored when --resume looks for the run the flags given now name.
 CONTINUATION = ("resume", "resume_from", "out", "steps", "faults", "max_restarts", "save_every", "save_final",
@@ -229,6 +232,25 @@ def resume_problem(cfg, folder=None, base=BASE):
     return None
 
 
+def resume_notes(cfg, folder):
+    """What differs from the run that wrote `folder` and what that means for exactness (lines, maybe none)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        saved = json.load(f)
+    notes = []
+    layout = ("dp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "pp_chunks")
+    changed = [f"{k} {saved.get(k)} -> {getattr(cfg, k)}" for k in layout if saved.get(k) != getattr(cfg, k)]
+    if changed:
+        notes.append(f"resharding the checkpoint ({', '.join(changed)}): the same values, but sums in another order, "
+                     f"so losses match the uninterrupted run to ~1e-6, not bit for bit")
+    batch = ("seed", "seq_len", "micro_batch_size", "grad_acc")
+    was = saved.get("dp", 1) * saved.get("micro_batch_size", 1) * saved.get("grad_acc", 1)
+    now = cfg.dp * cfg.micro_batch_size * cfg.grad_acc
+    if was != now or any(saved.get(k) != getattr(cfg, k) for k in ("seed", "seq_len")):
+        notes.append(f"the data differs from the run that wrote it ({', '.join(batch)}, global batch {was} -> {now} "
+                     f"sequences): training goes on, but not as that run would have")
+    return notes
+
+
 # ------------------------------------------------------------------------------------------------ claiming
 def _claim(folder, record):
     """Create folder/run.json exclusively; False if another run has it (or the folder holds a run)."""
@@ -307,36 +329,39 @@ def prepare(cfg, argv, base=BASE, claim=True):
 
 
 # ---------------------------------------------------------------------------- the command line, before torch
-def refuse(message):
-    """A broken rule on the command line: one sentence (from rank 0 only: every rank finds the same), status 2."""
-    if os.environ.get("RANK", "0") == "0":
+def refuse(message, says=True):
+    """A broken rule on the command line: one sentence (if `says`: from rank 0 only, every rank finds the same),
+    status 2."""
+    if says:
         print(f"picotron: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
-def read_command(argv, under_launcher=False):
+def read_command(argv, place):
     """The run's settings from its command line, checked without importing torch: parsed (with --resume, the
     run's own settings under the flags given now), the settings' own rules (picotron.config.check) and the run
     folder's (`folder`, without claiming). A broken rule: one sentence, exit status 2. The strategies' rules
-    (picotron.rules.validate) come next, without torch too (picotron.train.read_command)."""
+    (picotron.rules.validate) come next, without torch too (picotron.train.read_command). `place`: what the
+    launcher said (picotron.launch.Place)."""
     try:
         cfg = config.parse_args(argv)
         if cfg.resume and not cfg.resume_from and (cfg.out or cfg.nnodes == 1):
             out = cfg.out or to_resume(config.given(argv))
             cfg = dataclasses.replace(config.parse_args(argv, saved=saved_settings(out)), out=out)
         config.check(cfg)
-        folder(cfg, argv, under_launcher, claim=False)
+        folder(cfg, argv, place, claim=False)
     except (config.ConfigError, RunFolderError) as e:
-        refuse(e)
+        refuse(e, place.says)
     return cfg
 
 
-def folder(cfg, argv, under_launcher, claim=True):
+def folder(cfg, argv, place, claim=True):
     """(cfg with its folder, argv naming it): the folder this run writes, by this module's rules, checked (and
     claimed if `claim`) before any process group exists; a broken rule: one sentence, status 2. Workers this
-    process starts are handed the folder with --out; a restart after a lost rank continues its own folder."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if under_launcher and (faults.attempt() > 0 or (cfg.out and os.environ.get(CLAIMED) == os.path.abspath(cfg.out))):
+    process starts are handed the folder with --out (and its claim with $PICOTRON_RUN_FOLDER: `place.claimed`); a
+    restart after a lost rank continues its own folder."""
+    under_launcher, world = place.launched, place.world_size
+    if under_launcher and (place.attempt > 0 or (cfg.out and place.claimed == os.path.abspath(cfg.out))):
         return cfg, argv  # the launching process checked and claimed it
     try:
         if under_launcher and world > 1 and cfg.out is None:
@@ -345,8 +370,8 @@ def folder(cfg, argv, under_launcher, claim=True):
                                  f"it picks a new runs/main-N itself).")
         out, line = prepare(cfg, argv, claim=claim and (not under_launcher or world == 1))
     except RunFolderError as e:
-        refuse(e)
-    if claim and os.environ.get("RANK", "0") == "0":
+        refuse(e, place.says)
+    if claim and place.says:
         print(line, flush=True)
     return dataclasses.replace(cfg, out=out), argv + ["--out", out]
 
@@ -354,9 +379,9 @@ def folder(cfg, argv, under_launcher, claim=True):
 # --------------------------------------------------------------------------- commands handed back to the user
 def launcher():
     """How the user starts training, as they would type it: ./run.sh when run.sh started this run (it says so in
-    $PICOTRON_LAUNCHER), else this Python's `-m picotron.train`: `python` if the shell finds this one under that
-    name, else its path (outside .venv a bare `python` may be another, without torch)."""
-    named = os.environ.get(config.LAUNCHER)
+    $PICOTRON_LAUNCHER: picotron.config.launcher), else this Python's `-m picotron.train`: `python` if the shell
+    finds this one under that name, else its path (outside .venv a bare `python` may be another, without torch)."""
+    named = config.launcher()
     if named:
         return named
     for name in ("python", "python3"):
@@ -381,6 +406,13 @@ def _flags_of(argv):
         out.append((name, argv[i:i + 1 + takes_value]))
         i += 1 + takes_value
     return out
+
+
+def flags_of(cfg):
+    """The flags that make `cfg` on the command line, for a run that has none of its own (started from Python:
+    a test, a lesson): each setting that differs from the defaults (and the launcher's), in the Config's order."""
+    base = config.Config.from_dict(config.launcher_defaults()).to_dict()
+    return config.flags({k: v for k, v in cfg.to_dict().items() if v != base[k] and v is not None})
 
 
 def command(argv, add=(), drop=()):

@@ -195,7 +195,7 @@ def test_export_from_any_layout_loads_in_transformers(tmp_path, preset, layout):
 def _own_folder_each(outs, resume):
     """Child: rank r trains with --out outs[r], as ranks on nodes without a shared filesystem see the same path;
     returns (exit code, message) of the run's stop on this rank."""
-    from picotron.train import Stopped
+    from picotron.messages import Stopped
 
     with Mesh.init(dp=2) as mesh:
         cfg = Config(out=outs[mesh.rank], dp=2, steps=3, save_every=1, resume=resume, **SMALL)

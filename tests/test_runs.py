@@ -15,7 +15,7 @@ import pytest
 
 from picotron import runs
 from picotron.config import Config
-from picotron.train import divergence_message
+from picotron.messages import divergence_message
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
@@ -200,7 +200,7 @@ def test_the_hint_after_ctrl_c_is_the_command_typed_with_each_flag_once(monkeypa
     """Issue 41: after Ctrl-C under ./run.sh it said `continue with python -m picotron.train --steps 600
     --eval-every 100 --save-every 100 --steps 1200 --resume --out runs/main`: run.sh's defaults, a flag twice, and a
     `python` that outside .venv has no torch."""
-    from picotron.train import resume_hint
+    from picotron.messages import resume_hint
 
     monkeypatch.setenv("PICOTRON_LAUNCHER", "./run.sh")
     typed = ["--steps", "1200", "--resume", "--out", "runs/main"]  # (the workers' argv: the folder appended)

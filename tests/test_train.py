@@ -210,14 +210,14 @@ def _record(step, loss, aux=2.054):
 
 
 def test_the_step_line_hides_aux_when_it_is_not_in_the_loss():
-    from picotron.train import progress_line
+    from picotron.messages import progress_line
 
     assert "aux 2.054" in progress_line(_record(1, 5.5), 10)
     assert "aux" not in progress_line(_record(1, 5.5), 10, aux=False)  # --aux-loss-coef 0
 
 
 def test_the_done_line_says_it_covers_the_steps_since_resuming():
-    from picotron.train import done_line
+    from picotron.messages import done_line
 
     summary = {"val_loss": None, "final_loss": 2.0, "tokens_per_s": 1000.0, "mfu": 0.01, "elapsed_s": 5.0}
     assert done_line([_record(1, 5.5), _record(600, 2.0)], summary).startswith("done: loss 5.500 -> 2.000")
@@ -227,7 +227,7 @@ def test_the_done_line_says_it_covers_the_steps_since_resuming():
 
 def test_a_loss_climbing_far_above_its_start_is_named_with_a_smaller_lr(capsys):
     """--lr 0.9 climbed from 5.57 to 12.62 without a word (every step finite, so --on-nonfinite never fires)."""
-    from picotron.train import warn_if_diverging
+    from picotron.messages import warn_if_diverging
 
     history = [_record(1, 5.57), _record(10, 6.2)]
     assert not warn_if_diverging(history, Config(lr=0.9)) and capsys.readouterr().out == ""
