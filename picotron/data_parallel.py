@@ -49,6 +49,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from picotron import marks
+
 
 class GradSync(nn.Module):
     """The protocol every gradient-sync wrapper follows (the step engine uses nothing else).
@@ -59,13 +61,20 @@ class GradSync(nn.Module):
     zero_grad()         drop (or zero) the gradients for the next step
     memory()            bytes of parameters and gradients this rank keeps: {"params": .., "grads": .., ...}
     optimizer_groups()  (parameters with weight decay, without): what the optimizer updates on this rank
+    tied_grads()        the gradients of this rank's ends of an embedding tied across pipeline stages, as this
+                        wrapper holds them (whole here; ZeRO: this rank's shards), for pipeline_parallel.sync_tied
 
-    `self.sync` is False inside no_sync(): a wrapper's gradient hooks read it (ZeRO-2/3 reduce-scatter anyway).
+    `self.stages` is what the wrapped model holds (model.Stages: its chunks, their pipeline stages, the tied
+    pair), read once from `module.stages()`: the one thing wrappers and the pipeline executor read of a model
+    (a whole Llama and a pipeline stage both answer it). `self.sync` is False inside no_sync(): a wrapper's
+    gradient hooks read it (ZeRO-2/3 reduce-scatter anyway). Wrapping gives every parameter its placement
+    again (picotron.marks.attach: the records kept on the modules), since the wrappers read them.
     """
 
     def __init__(self, module):
         super().__init__()
-        self.module = module
+        self.module = marks.attach(module)
+        self.stages = module.stages()
         self.sync = True
 
     def forward(self, *args, **kwargs):
@@ -91,6 +100,9 @@ class GradSync(nn.Module):
     def optimizer_groups(self):
         params = [p for p in self.module.parameters() if p.requires_grad]
         return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+
+    def tied_grads(self):
+        return [p.grad for p in self.stages.tied_params(self.module)]
 
 
 class Local(GradSync):

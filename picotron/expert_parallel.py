@@ -40,6 +40,7 @@ picotron.rules' table, `combination_problem`.
 import torch
 
 from picotron import marks
+from picotron.moe import MoE
 # check(cfg, model_config), this strategy's rule, lives in picotron.rules: no torch there, so a refusal is instant
 from picotron.rules import expert_parallel_rule as check
 
@@ -134,8 +135,8 @@ def apply(model, axis, cp=None):
     ("ep",) and give each layer the `Exchange` over `axis` (the mesh's ep axis); with `cp` (the mesh's cp axis,
     size > 1) each layer's routing statistics are summed over it. ep = cp = 1: nothing changes."""
     for layer in model.layers:
-        moe = getattr(layer, "block_sparse_moe", None)
-        if moe is None:
+        moe = layer.feed_forward
+        if not isinstance(moe, MoE):
             continue
         if cp is not None and cp.size > 1:
             moe.sequence = Sequence(cp)
@@ -149,14 +150,14 @@ def apply(model, axis, cp=None):
             if e not in mine:
                 del moe.experts[str(e)]
         moe.exchange = Exchange(axis, E)
-        for p in moe.experts.parameters():  # marks.materialize keeps the placement through to_empty
-            marks.place(p, dims=("ep",))
+        for name, _ in moe.experts.named_parameters():  # a record kept on the module: to_empty keeps it
+            marks.place(moe.experts, name, dims=("ep",))
     return model
 
 
 def exchanges(model):
     """The Exchange of every MoE layer this rank holds (for counting what the all-to-alls sent)."""
-    return [m.exchange for m in model.modules() if getattr(m, "exchange", None) is not None]
+    return [m.exchange for m in model.modules() if isinstance(m, MoE) and m.exchange is not None]
 
 
 def bytes_per_step_formula(tokens, k, hidden, ep, layers, elem=4):

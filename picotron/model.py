@@ -42,7 +42,11 @@ The model knows nothing about parallelism. Things the parallel strategies may re
     for the same reason, and the step engine passes them with every batch;
   * `init_weights(seed)` draws every parameter from a generator seeded by (seed, parameter name) only, so
     every layout initialises identically. A strategy that shards a parameter places it (`picotron.marks`:
-    the full shape and the slice's offsets in it); `init_weights` then draws the full tensor and keeps the slice;
+    the full shape and the slice's offsets in it, a record kept on the module by parameter name, so `to_empty`
+    and `load_state_dict(assign=True)` keep it); `init_weights` then draws the full tensor and keeps the slice;
+  * `stages()` says what a gradient wrapper (data_parallel, zero, zero3) and the pipeline executor may read of a
+    model (`Stages`: its chunks, their pipeline stages, the tied pair held apart): a whole model is one chunk,
+    stage 0, nothing tied apart; a pipeline stage (picotron.pipeline_parallel) answers the same question;
   * `partition` (None here) says how recompute="partitioned" cuts a layer's input into this rank's piece and
     rebuilds it in backward (`keep`, `rebuild`): tensor parallelism sets it (ZeRO-R's partitioned checkpoints).
 
@@ -55,6 +59,7 @@ Each RMSNorm and dense MLP has a `kernel` attribute, "plain" (the PyTorch ops wr
 import json
 import math
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -247,6 +252,31 @@ class Layers(nn.ModuleDict):
         return [int(k) for k in self.keys()]
 
 
+@dataclass(frozen=True)
+class Stages:
+    """What a model holds, as gradient wrappers and the pipeline executor read it (the one contract between them):
+
+        chunks  the modules a forward runs through, each a Llama holding some layers (a whole model: itself)
+        ids     the pipeline stage each chunk is (a whole model: stage 0)
+        tied    the names, in the model, of the parameters on this rank that are an embedding and its copy held
+                apart (a pipeline's first-stage embedding and last-stage head): none, one or both. Their
+                gradients are summed after the backward (pipeline_parallel.sync_tied). Names, not tensors:
+                a name still finds the parameter after to_empty or a swap.
+    """
+    chunks: tuple
+    ids: tuple
+    tied: tuple = ()
+
+    def tied_params(self, model):
+        """The tied parameters of `model` (the module these Stages describe), in the order of `tied`."""
+        return [model.get_parameter(name) for name in self.tied]
+
+
+def _attach_after_load(module, incompatible_keys):
+    """load_state_dict(assign=True) puts new Parameter objects in: let them carry their placements again."""
+    marks.attach(module)
+
+
 class Llama(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -258,6 +288,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        self.register_load_state_dict_post_hook(_attach_after_load)
 
     def tie_weights(self):
         """Make lm_head share the embedding matrix when the config says so (to_empty unties: we re-tie)."""
@@ -265,9 +296,15 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def to_empty(self, *, device, recurse: bool = True):
+        """torch's to_empty (new Parameter objects), then the tie made again and every parameter given its
+        placement again (picotron.marks: the records stay on the modules; the new tensors carry them)."""
         super().to_empty(device=device, recurse=recurse)
         self.tie_weights()
-        return self
+        return marks.attach(self)
+
+    def stages(self):
+        """A whole model (or one chunk): one chunk, stage 0, nothing tied apart (a tied head IS the embedding)."""
+        return Stages(chunks=(self,), ids=(0,))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() counts a tied matrix once
@@ -314,8 +351,9 @@ class Llama(nn.Module):
     def init_weights(self, seed: int = 0):
         """Fill every parameter from `init_tensor(name, shape, seed, std)`: norms 1, the rest normal; buffers 0."""
         self.tie_weights()
+        placed = marks.records(self)  # kept by name on the modules: right even after a plain to_empty
         for name, p in self.named_parameters():  # a tied lm_head.weight is skipped: it is embed_tokens
-            where = marks.placement(p)  # a slice (tensor parallelism) draws the full tensor and keeps its part
+            where = placed[name]  # a slice (tensor parallelism) draws the full tensor and keeps its part
             if name.endswith("norm.weight"):
                 full = torch.ones(where.shape)
             else:

@@ -43,6 +43,7 @@ from picotron import (config, context_parallel, data_parallel, expert_parallel, 
                       pipeline_schedules, precision, schedule, tensor_parallel, zero, zero3, zero_bubble)
 from picotron.config import ConfigError
 from picotron.model import DecoderLayer, Llama, loss_fn, use_kernels
+from picotron.moe import MoE
 from picotron.rules import combination_problem, validate  # noqa: F401 (the rules, without torch: picotron.rules)
 
 
@@ -57,6 +58,7 @@ class Parallelized:
     sampler: torch.nn.Module   # ids -> logits over the whole vocabulary, for generating text
     description: str           # the strategies in use, for the start-up line
     scaler: precision.LossScaler = None  # fp16's loss scale (S = 1, never updated, for every other recipe)
+    masters_of: list = None    # under a master copy (bf16-params, fp16): the low-precision tensors the masters stand for
 
     @property
     def params(self):
@@ -67,8 +69,7 @@ class Parallelized:
     def grad_params(self):
         """The tensors the backward leaves gradients in, with their placements: `params`, or under a master copy
         (bf16-params, fp16) the low-precision ones the fp32 masters are copies of."""
-        held = getattr(self.optimizer, "model_params", None)  # precision.MasterWeights (ZeRO-1/2 forward it)
-        return self.params if held is None else held
+        return self.params if self.masters_of is None else self.masters_of
 
 
 def pipeline_schedule(cfg, pp_size=None):
@@ -102,7 +103,7 @@ def build_model(cfg, mesh, store=None):
         use_kernels(model, cfg.kernels)
     if precision.recipe(cfg).fp8:  # the decoder layers' linears through FP8 matmuls (picotron.fp8)
         fp8.apply(model)
-    marks.materialize(model, mesh.device)  # to_empty, keeping every parameter's placement
+    marks.materialize(model, mesh.device)  # to_empty; the placements are kept by name on the modules
     if plan is not None:
         pipeline_parallel.mark_stage(model, plan, mesh.pp)
     model.init_weights(cfg.seed)  # in fp32, then rounded to the recipe's parameter dtype
@@ -115,9 +116,9 @@ def build_model(cfg, mesh, store=None):
             if isinstance(layer, DecoderLayer):
                 layer.compile()
     for module in model.modules():  # MoE: the aux loss's weight per micro-batch, per tp rank (see tensor_parallel),
-        if hasattr(module, "aux_weight"):  # and times cp (each cp rank's share of it: see expert_parallel)
+        if isinstance(module, MoE):  # and times cp (each cp rank's share of it: see expert_parallel)
             module.aux_weight = mc.router_aux_loss_coef / cfg.grad_acc / mesh.tp.size * mesh.cp.size
-    return model
+    return marks.check(model)  # every parameter carries its placement record: clipping, ZeRO, checkpoints read it
 
 
 def build_optimizer(groups, cfg, device, scaler=None):
@@ -164,6 +165,7 @@ def parallelize(cfg, mesh, recorder=None):
     model = wrap_for_sync(raw, cfg, mesh.dp_cp, partial(marks.sync_axis, mesh=mesh) if mesh.ep.size > 1 else None)
     scaler = precision.loss_scaler(cfg)
     optimizer = build_optimizer(model.optimizer_groups(), cfg, mesh.device, scaler)
+    masters_of = optimizer.model_params if precision.recipe(cfg).master else None  # precision.MasterWeights
     if cfg.zero in (1, 2):  # the step updates this rank's chunk, then all-gathers every chunk
         optimizer = zero.ShardedOptimizer(optimizer, model)
     tp = mesh.tp.size > 1
@@ -182,7 +184,7 @@ def parallelize(cfg, mesh, recorder=None):
     loss = partial(tensor_parallel.loss_fn, axis=mesh.tp) if tp else loss_fn  # tp: vocab-parallel
     return Parallelized(
         model=model, raw=raw, optimizer=optimizer, schedule=steps, loss_fn=precision.scaled(loss, scaler),
-        sampler=sampler, description=describe(cfg, mesh), scaler=scaler)
+        sampler=sampler, description=describe(cfg, mesh), scaler=scaler, masters_of=masters_of)
 
 
 def describe(cfg, mesh):

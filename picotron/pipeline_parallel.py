@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron import hooks, marks, p2p
+from picotron.model import Stages, init_tensor
 from picotron.pipeline_schedules import Message, split_layers, with_messages
 # check(cfg, model_config), this strategy's rule, lives in picotron.rules: no torch there, so a refusal is instant
 from picotron.rules import pipeline_parallel_rule as check
@@ -45,25 +46,36 @@ from picotron.rules import pipeline_parallel_rule as check
 class PipelineStage(nn.Module):
     """This rank's chunks of the model: `chunks[c]` is a Llama keeping only stage schedule.stage(rank, c)'s
     layers (with the embedding on stage 0, norm and head on the last). Parameter names inside a chunk are
-    the full model's (layers.5.mlp..., lm_head.weight), so the layout-independent init holds."""
+    the full model's (layers.5.mlp..., lm_head.weight), so the layout-independent init holds.
 
-    def __init__(self, chunks, stages, tied):
+    `stages()` is what gradient wrappers and the executor read (model.Stages, the same contract a whole Llama
+    answers): the chunks, their stage ids, and the names of this rank's ends of a tied embedding (`mark_stage`)."""
+
+    def __init__(self, chunks, stages):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.stage_ids = list(stages)
-        self.tied = tied  # (embedding weight or None, head weight or None) when the embeddings are tied
+        self.tied = ()  # names of this rank's first-stage embedding and last-stage head copy, when tied (mark_stage)
         self.config = chunks[0].config
+
+    def stages(self):
+        return Stages(chunks=tuple(self.chunks), ids=tuple(self.stage_ids), tied=tuple(self.tied))
+
+    def to_empty(self, *, device, recurse=True):
+        """torch's to_empty, then every parameter given its placement again (picotron.marks)."""
+        super().to_empty(device=device, recurse=recurse)
+        return marks.attach(self)
 
     def init_weights(self, seed):
         for chunk in self.chunks:
             chunk.init_weights(seed)
-        embedding, head = self.tied
-        if head is not None:  # the last stage's copy of the tied matrix starts as the embedding
-            from picotron.model import init_tensor
-            where = marks.placement(head)
-            full = init_tensor("embed_tokens.weight", where.shape, seed, self.config.initializer_range)
-            with torch.no_grad():
-                head.copy_(where.take(full, head.shape))
+        placed = marks.records(self)
+        for name in self.tied:  # the last stage's copy of the tied matrix starts as the embedding
+            if name.endswith("lm_head.weight"):
+                head, where = self.get_parameter(name), placed[name]
+                full = init_tensor("embed_tokens.weight", where.shape, seed, self.config.initializer_range)
+                with torch.no_grad():
+                    head.copy_(where.take(full, head.shape))
         return self
 
     @property
@@ -94,11 +106,10 @@ def keep_stage(model_factory, schedule, rank, model_config, seq_len):
         if s != last:
             model.norm = model.lm_head = None
         elif model_config.tie_word_embeddings and s != 0:  # its own copy of the matrix, kept equal by sync
-            old = model.lm_head.weight
-            model.lm_head.weight = marks.place(nn.Parameter(torch.empty_like(old)), marks.placement(old))
+            model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight))  # (lm_head keeps its record)
         chunks.append(model)
         stages.append(s)
-    return PipelineStage(chunks, stages, (None, None))
+    return PipelineStage(chunks, stages)
 
 
 def mark_stage(stage, schedule, pp):
@@ -106,43 +117,43 @@ def mark_stage(stage, schedule, pp):
     last stage's copy of a tied embedding as a copy (clipping counts it once, on stage 0), and remember the
     tied pair for the gradient sync. DualPipe: chunk 1 is a copy of another rank's chunk 0, each of its
     parameters placed as a copy of itself (of the embedding for a tied head, as on the last stage)."""
-    embedding = head = None
+    tied = []
     for c, (chunk, s) in enumerate(zip(stage.chunks, stage.stage_ids)):
-        for name, p in chunk.named_parameters():
-            marks.place(p, dims=pp.dims)
-            if schedule.shape == "dual" and c == 1:
-                marks.place(p, copy_of=name)
+        for name, _ in chunk.named_parameters():
+            marks.place(chunk, name, dims=pp.dims)
+            if schedule.copies and c == 1:
+                marks.place(chunk, name, copy_of=name)
         if s == 0 and chunk.embed_tokens is not None and chunk.lm_head is None:
-            embedding = chunk.embed_tokens.weight
+            tied.append(f"chunks.{c}.embed_tokens.weight")
         if s == schedule.stages - 1 and chunk.embed_tokens is None and stage.config.tie_word_embeddings:
-            head = chunk.lm_head.weight
-            marks.place(head, copy_of="embed_tokens.weight")  # (a DualPipe copy of it too)
+            tied.append(f"chunks.{c}.lm_head.weight")
+            marks.place(chunk, "lm_head.weight", copy_of="embed_tokens.weight")  # (a DualPipe copy of it too)
     if stage.config.tie_word_embeddings and schedule.stages > 1:
-        stage.tied = (embedding, head)
+        stage.tied = tuple(tied)
     return stage
 
 
-def sync_tied(stage, ends):
-    """Tied embeddings on two stages: add the gradients of the first stage's embedding and the last
-    stage's head (one all-reduce between those two ranks; in memory when one rank holds both, as in the
-    V shape), so both copies take the same step from the same values."""
-    embedding, head = stage.tied
-    if embedding is not None and head is not None:
-        embedding.grad.add_(head.grad)
-        head.grad.copy_(embedding.grad)
+def sync_tied(grads, ends):
+    """Tied embeddings on two stages: add the gradients of the first stage's embedding and the last stage's
+    head, so both copies take the same step from the same values. `grads`: what this rank holds of the two
+    (the wrapper's `tied_grads()`: whole gradients, or under ZeRO this rank's shards of them, which line up):
+    both, added in memory (one rank holds both ends, as in the V shape), or one, all-reduced over `ends` (the
+    two ranks that hold the ends)."""
+    if len(grads) == 2:
+        grads[0].add_(grads[1])
+        grads[1].copy_(grads[0])
         return
-    for w in (embedding, head):
-        if w is not None:
-            ends.all_reduce(w.grad, label="tied embedding")
+    for g in grads:
+        ends.all_reduce(g, label="tied embedding")
 
 
-def sum_copies(stage, pp):
+def sum_copies(chunks, pp):
     """DualPipe: rank r's chunk 0 (stage r) is a copy of its mirror's (rank p-1-r) chunk 1, and its chunk 1 of the
     mirror's chunk 0. Each sends the other its gradients, chunk 0's then chunk 1's, as one flat message
     (one batch of a send and a receive on the pp group, posted at the same point of the step by every rank:
     NCCL-safe), and adds the mirror's copy of each stage to its own: both hold the same sum, bit for bit
     (a + b = b + a in floating point), so the copies take the same step."""
-    mine = [[p.grad for p in chunk.parameters()] for chunk in stage.chunks]
+    mine = [[p.grad for p in chunk.parameters()] for chunk in chunks]
     flat = [torch.cat([g.reshape(-1) for g in grads]) for grads in mine]
     out = torch.cat(flat)
     theirs = torch.empty_like(out)
@@ -241,6 +252,7 @@ class Pipeline:
         if len(micro_batches) != sch.m:
             raise ValueError(f"the schedule is for {sch.m} micro-batches, the step has {len(micro_batches)}.")
         self._start(micro_batches)
+        chunks = model.stages.chunks  # what the wrapper says the stage holds (model.Stages)
         for a in self.steps:
             if isinstance(a, Message):  # a send or a receive, where the one order puts it
                 self._post(a)
@@ -248,7 +260,7 @@ class Pipeline:
             s = sch.stage(self.rank, a.chunk)
             with self._phase(a, s):
                 if a.kind == "F":
-                    self._forward(a, s, model.module.chunks[a.chunk], micro_batches[a.mb], loss_fn)
+                    self._forward(a, s, chunks[a.chunk], micro_batches[a.mb], loss_fn)
                 else:  # the chunk's last B (or W) lets the gradient sync of its parameters start
                     with nullcontext() if a in self.final else model.no_sync():
                         if a.kind == "B":
@@ -257,8 +269,10 @@ class Pipeline:
                             self.store.flush((a.mb, a.chunk))
         self._wait_sends()
         model.finish_sync()
-        self._sum_copies(model.module)
-        self._sync_tied(model)
+        if sch.copies:  # DualPipe: this rank's two chunks and its mirror rank's are the same two stages
+            sum_copies(chunks, self.pp)
+        if self.ends is not None:  # tied embeddings: the first stage's and the last stage's copy
+            sync_tied(model.tied_grads(), self.ends)
         return self._step_loss()
 
     def _start(self, micro_batches):
@@ -310,24 +324,9 @@ class Pipeline:
             w.wait()
         self.sends = []
 
-    def _sum_copies(self, stage):
-        """DualPipe: this rank's two chunks and its mirror rank's are the same two stages; add their gradients."""
-        if self.schedule.shape == "dual":
-            sum_copies(stage, self.pp)
-
-    def _sync_tied(self, model):
-        """Tied embeddings: the first stage's embedding and the last stage's head take the summed gradient (ZeRO's
-        gradients are shards by then: its wrapper sums its shards of the two, picotron.zero)."""
-        if self.ends is None:
-            return
-        if hasattr(model, "sync_tied"):
-            model.sync_tied(self.ends)
-        else:
-            sync_tied(model.module, self.ends)
-
     def _step_loss(self):
         """The loss lives on the last stage: hand it to every stage, then average over the replicas."""
-        if self.schedule.shape == "dual":  # two last stages (ranks p-1 and 0), each with its direction's losses
+        if self.schedule.copies:  # two last stages (ranks p-1 and 0), each with its direction's losses
             loss = self.total.detach().clone()
             self.pp.all_reduce(loss, label="loss")
         else:
@@ -372,8 +371,9 @@ class Pipeline:
 
     @torch.no_grad()
     def evaluate(self, model, batches, loss_fn):
-        """The mean loss over `batches`, forward only through the pipeline; the same number on every rank."""
-        stage = model.module if hasattr(model, "module") else model
+        """The mean loss over `batches`, forward only through the pipeline; the same number on every rank.
+        `model`: this rank's PipelineStage (run.raw)."""
+        stage = model
         stage.eval()
         losses = []
         for batch in batches:

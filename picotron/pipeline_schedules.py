@@ -65,6 +65,13 @@ class Schedule:
     def stages(self):
         return self.p if self.shape == "dual" else self.p * self.v
 
+    @property
+    def copies(self):
+        """Every stage held twice (DualPipe): rank r's chunk 1 is a copy of rank p-1-r's chunk 0. What the executor
+        and the placements read (copies placed as such, their gradients summed: pipeline_parallel.sum_copies; the
+        loss on two last stages), so no code outside this file asks which shape a schedule has."""
+        return self.shape == "dual"
+
     def stage(self, rank, chunk):
         if self.shape == "v":
             return rank if chunk == 0 else 2 * self.p - 1 - rank

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from picotron import marks
+from picotron import marks, planner
 # check(cfg, model_config), the recipe's rule, lives in picotron.rules: no torch there, so a refusal is instant
 from picotron.rules import precision_rule as check
 from picotron.zero import WrappedOptimizer
@@ -79,11 +79,10 @@ def recipe(cfg):
 
 
 def model_state_bytes(num_params, name):
-    """Bytes per rank of parameters, gradients and optimizer state without sharding: the table above."""
-    r = RECIPES[name]
-    low = torch.finfo(r.param_dtype).bits // 8
-    return {"params": low * num_params, "grads": low * num_params,
-            "optimizer": (4 if r.master else 0) * num_params + 8 * num_params}
+    """Bytes per rank of parameters, gradients and optimizer state without sharding: the table above, counted by
+    planner.model_state_bytes (the formula's one home) for this recipe's parameter dtype."""
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[RECIPES[name].param_dtype]
+    return planner.model_state_bytes(num_params, dtype)
 
 
 def cast_parameters(model, dtype):
@@ -185,7 +184,7 @@ class MasterWeights(WrappedOptimizer):
         for group in groups:
             masters = []
             for p in group["params"]:
-                m = marks.place(p.detach().float().clone(), marks.placement(p), master_for=p)
+                m = marks.tag(p.detach().float().clone(), marks.placement(p).merged(master_for=p))
                 masters.append(m)
                 self.model_params.append(p)
             master_groups.append({**group, "params": masters})

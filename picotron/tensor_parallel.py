@@ -66,6 +66,7 @@ from torch import nn
 
 from picotron import marks
 from picotron.model import RMSNorm
+from picotron.moe import MoE
 # check(cfg, model_config), this strategy's rule, lives in picotron.rules: no torch there, so a refusal is instant
 from picotron.rules import tensor_parallel_rule as check, tp_shape_problem
 
@@ -192,7 +193,7 @@ class _Sharded(nn.Module):
         local[dim] //= self.size
         self.weight = nn.Parameter(torch.empty(local, device=device, dtype=dtype))
         # what Llama.init_weights, clipping, checkpoints and the tests read (picotron.marks)
-        marks.place(self.weight, dims=axis.dims, shape=tuple(shape), split_dim=dim,
+        marks.place(self, "weight", dims=axis.dims, shape=tuple(shape), split_dim=dim,
                     offsets=tuple(self.rank * n if d == dim else 0 for d, n in enumerate(local)))
 
     def extra_repr(self):
@@ -350,7 +351,7 @@ def apply(model, axis, sp=False):
     """Shard `model` (a Llama) over `axis` (the mesh's tp axis) in place and return it; tp=1 leaves it untouched."""
     n = axis.size
     if n == 1:
-        return model
+        return marks.attach(model)  # every parameter carries its placement on return (here: replicated)
     problem = tp_shape_problem(model.config, n)
     if problem:
         raise ValueError(problem)
@@ -372,7 +373,7 @@ def apply(model, axis, sp=False):
         for name in ("q_proj", "k_proj", "v_proj"):  # whole heads per rank: rows [r·a/n·d, (r+1)·a/n·d)
             _swap(attn, name, column(getattr(attn, name), enter=False))
         _swap(attn, "o_proj", row(attn.o_proj))
-        if hasattr(mlp, "experts"):  # MoE: every expert cut like an MLP; the block enters and leaves once
+        if isinstance(mlp, MoE):  # MoE: every expert cut like an MLP; the block enters and leaves once
             _moe(mlp, axis, sp, column, row, kw)
         else:
             _swap(mlp, "gate_proj", column(mlp.gate_proj, enter=False))
@@ -391,7 +392,7 @@ def apply(model, axis, sp=False):
     model.tie_weights()  # tied: the LM head uses the embedding's shard (same rows, same split)
     if not sp:  # every rank holds the same layer input: recompute="partitioned" keeps 1/n of it
         model.partition = HiddenSlices(axis)
-    return model
+    return marks.attach(model)  # the tied head and the new modules' parameters carry their placements too
 
 
 def _moe(moe, axis, sp, column, row, kw):

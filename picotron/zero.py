@@ -74,9 +74,21 @@ from picotron.data_parallel import GradSync, buckets
 
 
 class FlatUnit:
-    """Parameters seen as one flat vector of `padded` = n·`chunk` elements; this rank owns [lo, hi)."""
+    """Parameters seen as one flat vector of `padded` = n·`chunk` elements; this rank owns [lo, hi).
 
-    def __init__(self, name, params, axis):
+    Every field a stage uses is declared here (None where that stage does not use it), so reading a unit never
+    has to ask what it has:
+
+        full        the flat parameters: ZeRO-1/2 always; ZeRO-3 a buffer whose storage exists only while gathered
+        shard       this rank's chunk of the parameters (ZeRO-1/2: a view of `full`; ZeRO-3: its own copy)
+        grad_full   ZeRO-1: the full flat gradient, each p.grad a view of it
+        grad_shard  this rank's chunk of the summed gradient (what the optimizer's pieces view)
+        grad_flat   ZeRO-3: the flat gradient buffer autograd accumulates into during the unit's backward
+        layer       ZeRO-3: a transformer layer (True) or a root (False); `state`: "free", "gathering" or
+                    "gathered"; `phase`: the open hooks.Phases context of the layer's forward or backward
+    """
+
+    def __init__(self, name, params, axis, layer=False):
         self.name, self.params, self.axis = name, list(params), axis
         rank, n = axis.rank, axis.size
         sizes = [p.numel() for p in self.params]
@@ -88,6 +100,8 @@ class FlatUnit:
         self.ready = 0  # gradients accumulated so far in this backward
         self.holding = False  # (accumulate) full gradients kept over the micro-batches, not yet reduce-scattered
         self.work = None  # the collective in flight on this unit, if any
+        self.full = self.shard = self.grad_full = self.grad_shard = self.grad_flat = None  # (see the docstring)
+        self.layer, self.state, self.phase = layer, "gathered", None
 
     def flat(self, tensors):
         """Concatenate `tensors` (one per parameter, same shapes) into one zero-padded flat vector."""
@@ -128,7 +142,7 @@ class ShardedGradSync(GradSync):
         self.transient = self.transient_peak = 0  # bytes of gathered params + gradient buckets in flight
         self._pending = []  # reduce-scatters in flight: (unit, work, flat gradient buffer)
         # a pipeline's tied embedding: the first stage's matrix and the last stage's copy, each a unit of its own
-        self.tied = [p for p in getattr(module, "tied", ()) if p is not None]
+        self.tied = self.stages.tied_params(module)
 
     def _make_pieces(self):
         """The optimizer's parameters: 1-D views of each unit's shard, their .grad views of the gradient shard.
@@ -138,8 +152,9 @@ class ShardedGradSync(GradSync):
         self.pieces = []  # (piece, is a matrix, unit, start, length)
         for unit in self.units:
             for p, start, length, at in unit.pieces():
-                piece = marks.place(nn.Parameter(unit.shard[start:start + length]), dims=unit.axis.dims
-                                    + marks.placement(p).dims, flat=(p, at, length), copy_of=marks.placement(p).copy_of)
+                where = marks.placement(p)
+                piece = marks.tag(nn.Parameter(unit.shard[start:start + length]), marks.Placement().merged(
+                    unit.axis.dims + where.dims, flat=(p, at, length), copy_of=where.copy_of))
                 self.pieces.append((piece, p.dim() >= 2, unit, start, length))
         self._attach_piece_grads()
 
@@ -158,7 +173,7 @@ class ShardedGradSync(GradSync):
     def _send_gradients(self, unit):
         """Stages 2-3: the unit's gradients as one flat buffer (ZeRO-3: autograd wrote them into it; ZeRO-2:
         copied), the per-parameter gradients dropped, then an asynchronous reduce-scatter of the buffer."""
-        flat = unit.grad_flat if getattr(unit, "grad_flat", None) is not None else unit.flat([p.grad for p in unit.params])
+        flat = unit.grad_flat if unit.grad_flat is not None else unit.flat([p.grad for p in unit.params])
         unit.grad_flat = None
         if unit.holding:  # (accumulate) the gradients held over the micro-batches are this flat buffer now
             unit.holding = False
@@ -192,16 +207,11 @@ class ShardedGradSync(GradSync):
         self._drain(keep=0)
         self._attach_piece_grads()
 
-    def sync_tied(self, ends):
-        """A pipeline's tied embedding (the step engine calls this after finish_sync): the first stage's matrix and
-        the last stage's copy are units of one shape, cut alike, so this rank's shards of the two hold the same
-        elements; both take their sum (in memory where one rank holds both, zb-v's rank 0; else over `ends`)."""
-        units = [self.unit_of[p] for p in self.tied]
-        if len(units) == 2:
-            units[0].grad_shard.add_(units[1].grad_shard)
-            units[1].grad_shard.copy_(units[0].grad_shard)
-        elif units:
-            ends.all_reduce(units[0].grad_shard, label="tied embedding")
+    def tied_grads(self):
+        """A pipeline's tied embedding (pipeline_parallel.sync_tied sums these after finish_sync): the first stage's
+        matrix and the last stage's copy are units of one shape, cut alike, so this rank's shards of the two hold
+        the same elements."""
+        return [self.unit_of[p].grad_shard for p in self.tied]
 
     def zero_grad(self, set_to_none=True):
         """Zero the gradient shards in place (the optimizer's pieces keep views of them)."""

@@ -35,8 +35,8 @@ from picotron.zero import FlatUnit, ShardedGradSync
 class Zero3(ShardedGradSync):
     """ZeRO stage 3: each rank keeps 1/n of the parameters; a unit is gathered only while it computes.
 
-    Units: each module of `module.layers` (a transformer layer), plus a root unit with everything else; for a
-    pipeline stage (`module.chunks`), the same for each chunk (a chunk with neither embedding nor head has no
+    Units: each module of a chunk's `layers` (a transformer layer), plus a root unit with everything else, for each
+    chunk the model holds (`module.stages()`, model.Stages: a whole model is one chunk; a pipeline stage one or two) (a chunk with neither embedding nor head has no
     root). A unit's parameters are views of one flat buffer whose storage is freed (resized to 0 bytes) between
     uses and re-filled by an all-gather: tensors autograd saved for backward stay valid views of it.
 
@@ -51,9 +51,8 @@ class Zero3(ShardedGradSync):
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.phases = hooks.Phases()
         self.next_of = {}  # (unit index, in backward) -> the unit computing next in this chunk, to prefetch
-        chunks = list(module.chunks) if hasattr(module, "chunks") else [module]
-        stages = getattr(module, "stage_ids", [None])
-        for chunk, stage in zip(chunks, stages):
+        chunks = self.stages.chunks  # (model.Stages: a whole model is one chunk)
+        for chunk, stage in zip(chunks, self.stages.ids):
             layers = list(chunk.layers)
             in_layers = {p for layer in layers for p in layer.parameters()}
             root = [p for p in chunk.parameters() if p not in in_layers]
@@ -78,13 +77,10 @@ class Zero3(ShardedGradSync):
         self.in_backward = False
 
     def _add_unit(self, name, params, layer):
-        unit = FlatUnit(name, params, self.axis)
-        full = unit.flat([p.detach() for p in params])
-        unit.shard = full[unit.lo:unit.hi].clone()  # this rank's fp32 parameters, kept for good
-        unit.grad_shard = unit.grad_flat = unit.phase = None
-        unit.full, unit.layer = full, layer
-        unit.use_as_storage(full)
-        unit.state = "gathered"
+        unit = FlatUnit(name, params, self.axis, layer=layer)
+        unit.full = unit.flat([p.detach() for p in params])
+        unit.shard = unit.full[unit.lo:unit.hi].clone()  # this rank's fp32 parameters, kept for good
+        unit.use_as_storage(unit.full)
         self._free(unit, count=False)
         self.units.append(unit)
         for p in params:

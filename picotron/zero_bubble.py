@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picotron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
 
 class WeightGradStore:
     """Split schedules (ZB-H1, ZB-V, DualPipe): during B, every linear layer computes only the gradient of its input
@@ -92,5 +94,5 @@ def defer_weight_grads(module, store):
     for m in module.modules():
         if type(m) is nn.Linear:
             m.forward = partial(lambda mod, x: store.linear(x, mod.weight), m)
-        elif hasattr(m, "matmul"):
+        elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m.matmul = store.linear

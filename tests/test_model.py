@@ -172,7 +172,7 @@ def test_init_sharded_parameter_gets_its_slice_of_the_full_tensor():
     model = Llama(cfg)
     attn = model.layers[0].self_attn
     attn.q_proj.weight = torch.nn.Parameter(torch.empty(32, 64))  # rank 1 of 2, column-parallel
-    marks.place(attn.q_proj.weight, dims=("tp",), shape=(64, 64), offsets=(32, 0), split_dim=0)
+    marks.place(attn.q_proj, "weight", dims=("tp",), shape=(64, 64), offsets=(32, 0), split_dim=0)
     model.init_weights(seed=3)
     assert torch.equal(attn.q_proj.weight, full.layers[0].self_attn.q_proj.weight[32:])
 

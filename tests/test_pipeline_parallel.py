@@ -26,8 +26,7 @@ SMALL = dict(seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, ev
 def _grads(run, mesh):
     """{parameter name: full gradient} of this rank's stage chunks (tp slices gathered), after one step."""
     out = {}
-    chunks = run.raw.chunks if hasattr(run.raw, "chunks") else [run.raw]
-    for chunk in chunks:
+    for chunk in run.raw.stages().chunks:  # (model.Stages: a whole model is one chunk)
         for name, p in chunk.named_parameters():
             copy_of = marks.placement(p).copy_of
             if copy_of is not None:  # a tied head (its gradient is the embedding's), or a DualPipe copy
