@@ -1,5 +1,22 @@
 """What the exercise checkers share: importing the learner's file afresh, turning a child's exception into
-one line, and the ok/FAIL report. Each checkNN.py adds its own cases and the messages that name mistakes."""
+one line, and the ok/FAIL report. Each lesson's check.py adds its own cases and the messages that name mistakes.
+
+Every lesson's checker runs the same way (`entry_points` and `cli` below make its check() and main()):
+
+    ./run.sh python lessons/NN_topic/check.py [name ...]       # your lessons/NN_topic/exercise.py (default: all)
+    ./run.sh python lessons/NN_topic/check.py --solutions      # the reference solutions (must pass)
+    ./run.sh python lessons/NN_topic/check.py --module my.py   # any file defining the same functions
+    ./run.sh python lessons/NN_topic/check.py --timeout 5      # seconds before a launch counts as a hang (each
+                                                               # checker has its own default; it says which)
+From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
+Exit status 0 when every check passes, 1 otherwise.
+
+How a multi-rank checker works: picotron.launch.run_on_ranks pickles the function it runs by reference, so the
+children run the checker's `_on_rank` (at module level in its check.py). That imports YOUR file by path (`load`),
+runs it, and meets the other ranks at a store-based `rendezvous` before returning, so a rank stuck in a collective or
+a receive shows up as a hang rather than as a peer that left; `hang_message` then names the line of your file where
+each stuck rank waits, and `on_ranks` runs one exercise on each world size and reports what it finds.
+"""
 import importlib.util
 import linecache
 import re

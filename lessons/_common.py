@@ -4,6 +4,9 @@
     ROOT            the repository root (put on sys.path, so `import picotron` works from lessons/)
     run_dir(name)   runs/lessons/<name>/, created
     launch(...)     run a lesson's experiment.py with torchrun on N processes; returns its printed output
+    run_experiment(lesson, only, nproc, *args)   a notebook's run(): launch its experiment.py, print its output
+                                                 less picotron.train's chatter (TRAINING_CHATTER)
+    say(mesh, text)  print on rank 0 only (an experiment's commentary)
     load_json/save_json, load_lesson(name) (import lessons/<name>/experiment.py as a module)
     SIZES, make_cfg(size, **kw), tokens()   the lessons' models (picotron Configs) and the embedded corpus
     cli(lesson, experiments, ...)           the command line every experiment.py shares (--out, --only, --fast)
@@ -13,6 +16,7 @@
     interactive(draw, controls)     labelled ipywidgets controls above one figure they redraw (a static image headless)
     parity(got, ref)                the parity standard applied to two loss curves (window, drift beyond it)
     parity_checks(label, got, ref)  the ✓/✗ lines a lesson prints for them
+    (figures several lessons draw, the parity plot among them: lessons/_plots.py)
     check(name, ok, detail, busy)   print one check line: ✓, ✗, or ? (a timing check the machine was too busy to decide)
     summary() / tally(text)         the lesson's count of ✓, ? and ✗ (printed / read back from its output)
     LoadWindow, others_share(...)   the share of the machine's cores other programs used while something was timed
@@ -299,6 +303,25 @@ def launch(script, args=(), nproc=1, timeout_s=3600, quiet=False):
     return result.stdout
 
 
+# The lines a lesson's notebook leaves out of an experiment's printed output: picotron.train's per-step lines and its
+# banner, and its closing summary ("done: loss ... -> ..., tokens/s, MFU").
+TRAINING_CHATTER = ("step ", "picotron |", "done: ")
+
+
+def run_experiment(lesson, only, nproc=2, *args, hide=TRAINING_CHATTER):
+    """What a lesson's notebook calls run(): `torchrun --nproc_per_node nproc lessons/<lesson>/experiment.py --out
+    runs/lessons/<lesson> --only <only> [args]` (launch), then prints what it printed, less the lines that start with
+    one of `hide`. The experiment writes its results there as JSON, which the notebook then reads and plots."""
+    out = launch(f"{lesson}/experiment.py", ["--out", run_dir(lesson), "--only", only, *args], nproc=nproc, quiet=True)
+    print("\n".join(line for line in out.splitlines() if not line.startswith(hide)))
+
+
+def say(mesh, text):
+    """Print `text` on rank 0 only (an experiment's running commentary, once for all its processes)."""
+    if mesh.rank == 0:
+        print(text, flush=True)
+
+
 def show_source(obj, start=None, stop=None):
     """Print the source of a function or class, optionally only from the first line containing `start`
     to the first later line containing `stop` (inclusive): quoting the code as it is, never a copy."""
@@ -576,30 +599,3 @@ def parity_checks(label, got, ref, where="lesson 03, section 5"):
         lines.append((f"drift {label}", p["drift_ok"], f"steps {p['window'] + 1}-{p['n_steps']} within {p['bound']:.0e} "
                       f"relative (a bound on rounding amplified by AdamW, not parity; {where}): max {p['beyond']:.1e}"))
     return lines
-
-
-def plot_parity(pairs, what="each run", window=PARITY_STEPS):
-    """pairs: {label: (losses, reference losses)}: both curves, and their relative difference against the
-    course's parity standard (1e-5 over the first `window` steps, shaded) and, after it, the drift bound."""
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
-    longest = 0
-    for label, (got, ref) in pairs.items():
-        steps = range(1, len(got) + 1)
-        longest = max(longest, len(got))
-        ax1.plot(steps, ref, "k-", lw=3, alpha=0.3)
-        ax1.plot(steps, got, "o--", ms=3, label=label)
-        ax2.semilogy(steps, [max(x, 1e-9) for x in rel_diffs(got, ref)], "o-", ms=3, label=label)
-    ax1.set(xlabel="step", ylabel="loss", title=f"{what} (dashed) over one process (grey)")
-    ax1.legend(fontsize=7)
-    ax2.axvspan(0.5, min(window, longest) + 0.5, color="#55a868", alpha=0.12, lw=0,
-                label=f"parity window: steps 1-{window}")
-    ax2.axhline(PARITY_TOL, color="#c44e52", ls="--", lw=1, label=f"parity standard {PARITY_TOL:.0e}")
-    if longest > window:
-        ax2.hlines(DRIFT_BOUND, window + 0.5, longest + 0.5, color="#8172b2", ls=":", lw=1.5,
-                   label=f"drift bound after step {window}: {DRIFT_BOUND:.0e}")
-    ax2.set(xlabel="step", ylabel="|Δloss| / loss", title="relative difference (1e-9: equal)", ylim=(1e-10, 1e-2))
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    return fig

@@ -2,12 +2,8 @@
 picotron.launch.run_on_ranks) and says exactly what is wrong — which rank, which element, which shape, which
 message went where — or which ranks hang, and on which line of your file they wait.
 
-    ./run.sh python lessons/02_collectives/check.py [name ...]          # your lessons/02_collectives/exercise.py
-    ./run.sh python lessons/02_collectives/check.py --solutions         # the reference solutions (must pass)
-    ./run.sh python lessons/02_collectives/check.py --module my.py      # any file defining the same functions
-    ./run.sh python lessons/02_collectives/check.py --timeout 5         # seconds before a launch counts as a hang (10)
-From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
-Exit status 0 when every check passes, 1 otherwise.
+    ./run.sh python lessons/02_collectives/check.py [name ...] [--solutions | --module my.py] [--timeout S]
+(what each option does, and the call from the notebook: lessons/_checker.py; here --timeout defaults to 10 s.)
 
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
 at module level), which imports YOUR file by path inside each child, counts every send/isend (destination

@@ -34,8 +34,7 @@ MiB, N = 2**20, 2
 
 def run(only, nproc=2, *args):
     # torchrun --nproc_per_node nproc lessons/03_data_parallel/experiment.py --out OUT --only <only> ...; show its output
-    out = _common.launch("03_data_parallel/experiment.py", ["--out", OUT, "--only", only, *args], nproc=nproc, quiet=True)
-    print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |"))))
+    _common.run_experiment("03_data_parallel", only, nproc, *args, hide=("step ", "picotron |"))
 
 check = _common.check   # prints ✓ or ✗ (or ?, only for a timing check on a machine measured busy) and counts it
 

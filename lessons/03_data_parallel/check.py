@@ -4,12 +4,8 @@ of all ranks' gradients computed in one process. It names the rank and the param
 the error looks like (off by the world size, still the rank's own gradient, ...), the ranks that hang and the
 line of your file where they wait, and whether your all-reduces really overlap the backward pass.
 
-    ./run.sh python lessons/03_data_parallel/check.py [name ...]          # your lessons/03_data_parallel/exercise.py
-    ./run.sh python lessons/03_data_parallel/check.py --solutions         # the reference solutions (must pass)
-    ./run.sh python lessons/03_data_parallel/check.py --module my.py      # any file defining the same classes
-    ./run.sh python lessons/03_data_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (10)
-From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
-Exit status 0 when every check passes, 1 otherwise.
+    ./run.sh python lessons/03_data_parallel/check.py [name ...] [--solutions | --module my.py] [--timeout S]
+(what each option does, and the call from the notebook: lessons/_checker.py; here --timeout defaults to 10 s.)
 
 The exercises: average_gradient (NaiveDP), on_gradient_ready (BucketedDP.on_gradient_ready and
 finish_sync), no_sync (BucketedDP.no_sync; checked with the reference's hook, so it does not depend

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
 import _common  # noqa: E402  (puts the repository root on sys.path)
 from _common import gather, make_cfg, run_interleaved, tokens, union_length  # noqa: E402
+import _plots  # noqa: E402  (figure helpers several lessons share)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -567,7 +568,7 @@ def plot_model_timeline(grad_bytes, backward_s, bucket_mb, latency_s, busbw, n=2
     return fig
 
 
-plot_parity = functools.partial(_common.plot_parity, what="dp ranks")  # for the notebook
+plot_parity = functools.partial(_plots.plot_parity, what="dp ranks")  # for the notebook
 
 
 def main(argv=None):

@@ -42,8 +42,7 @@ MiB = 2**20
 
 def run(only, nproc=2):
     # torchrun --nproc_per_node nproc lessons/04_zero/experiment.py --out OUT --only <only>; show what it printed
-    out = _common.launch("04_zero/experiment.py", ["--out", OUT, "--only", only], nproc=nproc, quiet=True)
-    print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |", "done: "))))
+    _common.run_experiment("04_zero", only, nproc)
 
 mc = ModelConfig.from_preset("tiny", **_common.SIZES["small"])
 psi = mc.num_params()

@@ -4,13 +4,9 @@ the chunk and the element that are wrong and what the error usually means (forgo
 padding, wrong chunk offset, the chunks never all-gathered, no bias correction, ...), and the ranks that hang
 with the line of your file where they wait.
 
-    ./run.sh python lessons/04_zero/check.py [name ...]          # your lessons/04_zero/exercise.py
-    ./run.sh python lessons/04_zero/check.py --solutions         # the reference solutions (must pass)
-    ./run.sh python lessons/04_zero/check.py --module my.py      # any file defining the same functions
-    ./run.sh python lessons/04_zero/check.py --timeout 5         # seconds before a launch counts as a hang (10; the
-                                                                 # exercises that train a model get at least 120)
-From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
-Exit status 0 when every check passes, 1 otherwise.
+    ./run.sh python lessons/04_zero/check.py [name ...] [--solutions | --module my.py] [--timeout S]
+(what each option does, and the call from the notebook: lessons/_checker.py; here --timeout defaults to 10 s,
+at least 120 for the exercises that train a model.)
 
 The exercises: shard_range (pure arithmetic: checked on many sizes in one process), reduce_scatter_gradients
 and sharded_adamw (ShardedAdamW.step), each on 2 and 3 ranks with unit sizes that n does not divide, so the

@@ -24,6 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
 import _common  # noqa: E402  (puts the repository root on sys.path)
 from _common import gather, make_cfg, run_interleaved, tokens, union_length  # noqa: E402
+import _plots  # noqa: E402  (figure helpers several lessons share)
+from _plots import stacked_bar  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
@@ -290,7 +292,7 @@ def plot_pipeline(res):
             r = next(x for x in row["by_rank"] if x["pp_rank"] == i)
             x, norm = j + (i - 0.5) * 0.38, 4 * r["psi"]
             parts = {k.replace("_", "-"): b / norm for k, b in r["bytes"].items()}
-            _stacked(ax1, x, parts, 0.34, COMM_COLORS, label=j == 0 and i == 0)
+            stacked_bar(ax1, x, parts, COMM_COLORS, 0.34, label=j == 0 and i == 0)
             ax1.plot([x - 0.17, x + 0.17], [sum(r["predicted"].values()) / r["psi"]] * 2, "k-", lw=2,
                      label="formula" if j == 0 and i == 0 else None)
             ax2.bar(x, r["mem"]["zero_transient_peak"] / norm, 0.34, color=["#4c72b0", "#55a868"][i],
@@ -368,15 +370,6 @@ def plot_flat_units(units, n, zoom=12):
     return fig
 
 
-def _stacked(ax, x, parts, width, colors, hatch=None, label=True):
-    """One stacked bar of {name: height}; returns its top."""
-    bottom = 0
-    for k, v in parts.items():
-        ax.bar(x, v, width, bottom=bottom, color=colors[k], hatch=hatch, edgecolor="white", label=k if label else None)
-        bottom += v
-    return bottom
-
-
 def _per_dp(results, draw, ylabel, legend_loc):
     """One panel per dp of the `stages` results, a group of bars per stage drawn by draw(ax, j, row, first)."""
     plt = _plt()
@@ -395,8 +388,8 @@ def _per_dp(results, draw, ylabel, legend_loc):
 def plot_memory(results):
     """{n: stages result}: per stage, rank 0's measured model states (left) next to the formula (right, hatched)."""
     def draw(ax, j, row, first):
-        _stacked(ax, j - 0.2, {k: row["mem_by_rank"][0][k] / MiB for k in PARTS}, 0.38, PART_COLORS, label=first)
-        top = _stacked(ax, j + 0.2, {k: row["formula"][k] / MiB for k in PARTS}, 0.38, PART_COLORS, "//", False)
+        stacked_bar(ax, j - 0.2, {k: row["mem_by_rank"][0][k] / MiB for k in PARTS}, PART_COLORS, 0.38, label=first)
+        top = stacked_bar(ax, j + 0.2, {k: row["formula"][k] / MiB for k in PARTS}, PART_COLORS, 0.38, "//", False)
         ax.text(j, top, f"{top:.1f}", ha="center", va="bottom", fontsize=8)
     fig = _per_dp(results, draw, "MiB per rank: measured (rank 0) | formula (hatched)", dict(loc="center right"))
     fig.tight_layout(rect=(0, 0, 0.9, 1))
@@ -411,7 +404,7 @@ def plot_comm(results):
     def draw(ax, j, row, first):
         parts = {("all-reduce (as RS + AG)" if k == "all_reduce" else k.replace("_", "-")):
                  b / (4 * row["psi"]) * (2 if k == "all_reduce" else 1) for k, b in row["bytes_per_step"].items()}
-        top = _stacked(ax, j, parts, 0.8, COMM_COLORS)
+        top = stacked_bar(ax, j, parts, COMM_COLORS, 0.8)
         ax.plot([j - 0.35, j + 0.35], [sum(row["predicted_elements"].values()) / row["psi"]] * 2, "k-", lw=2,
                 label="planner.zero_comm_elements")
         ax.text(j, top + 0.05, f"{top:.3f}", ha="center", fontsize=8)
@@ -490,8 +483,8 @@ def plot_fsdp(fsdp, memory):
 
 
 def plot_parity(pairs):
-    """_common.plot_parity with its legends moved off the data: the curves' beside the panels, the bounds' below."""
-    fig = _common.plot_parity(pairs, what="each stage")
+    """_plots.plot_parity with its legends moved off the data: the curves' beside the panels, the bounds' below."""
+    fig = _plots.plot_parity(pairs, what="each stage")
     ax1, ax2 = fig.axes
     for ax in fig.axes:
         ax.get_legend().remove()
@@ -509,7 +502,7 @@ def plot_memory_model(n_params, n, stage, recipe="ours", capacity_gb=80.0, title
     GB, per = 1e9, memory_per_gpu(n_params, n, recipe)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw=dict(width_ratios=[3, 2]))
     for s in range(4):
-        top = _stacked(ax1, s, {k: per[s][k] / GB for k in PARTS}, 0.8, PART_COLORS, label=s == 0)
+        top = stacked_bar(ax1, s, {k: per[s][k] / GB for k in PARTS}, PART_COLORS, 0.8, label=s == 0)
         ax1.bar(s, top, 0.8, fill=False, edgecolor="k" if s == stage else "none", lw=2)
         ax1.text(s, top, f"{top:,.1f} GB", ha="center", va="bottom", fontsize=8)
     ax1.axhline(capacity_gb, color="#c44e52", ls="--", lw=1, label=f"{capacity_gb:g} GB per GPU")

@@ -40,9 +40,7 @@ MiB, GB = 2**20, 1e9
 
 def run(only, nproc=2, dp=1):
     # torchrun --nproc_per_node nproc lessons/05_tensor_parallel/experiment.py --out OUT --only <only> --dp dp
-    out = _common.launch("05_tensor_parallel/experiment.py", ["--out", OUT, "--only", only, "--dp", dp], nproc=nproc,
-                         quiet=True)
-    print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |", "done: "))))
+    _common.run_experiment("05_tensor_parallel", only, nproc, "--dp", dp)
 
 def check(name, ok, detail):
     print(f"{'✓' if ok else '✗'} {name}: {detail}")

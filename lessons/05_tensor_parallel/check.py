@@ -6,12 +6,8 @@ unsummed, a sum taken twice, an all-reduce done in place on the caller's tensor,
 wrong columns, ...), counts your all-reduces against Megatron's pattern, and names the ranks that hang with the
 line of your file where they wait.
 
-    ./run.sh python lessons/05_tensor_parallel/check.py [name ...]          # your lessons/05_tensor_parallel/exercise.py
-    ./run.sh python lessons/05_tensor_parallel/check.py --solutions         # the reference solutions (must pass)
-    ./run.sh python lessons/05_tensor_parallel/check.py --module my.py      # any file defining the same functions
-    ./run.sh python lessons/05_tensor_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (15)
-From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
-Exit status 0 when every check passes, 1 otherwise.
+    ./run.sh python lessons/05_tensor_parallel/check.py [name ...] [--solutions | --module my.py] [--timeout S]
+(what each option does, and the call from the notebook: lessons/_checker.py; here --timeout defaults to 15 s.)
 
 The puzzle, plan(budget_mib), is graded in this process against the lesson's formulas for six budgets (most
 with a trap: counting every accumulated micro-batch's activations, sp where it costs memory, no sp where it saves

@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
 import _common  # noqa: E402  (puts the repository root on sys.path)
-from _common import SIZES, gather, make_cfg, run_interleaved  # noqa: E402
+from _common import SIZES, gather, make_cfg, run_interleaved, say  # noqa: E402
+from _plots import FONT, legend_below, plot_parity_below, stacked_bar  # noqa: E402  (shared figure helpers)
 
 import torch  # noqa: E402
 
@@ -48,7 +49,6 @@ COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "acti
           "compute and the rest": "#8da0cb", "inside collectives": "#fc8d62",
           **dict(zip(LAYER_PARTS, ["#8da0cb", "#fc8d62", "#a6d854", "#e78ac3"]))}
 RANK_COLORS = ["#8dd3c7", "#fdb462", "#bebada", "#fb8072", "#80b1d3", "#b3de69", "#fccde5", "#d9d9d9"]
-FONT = 8  # the smallest text on any figure
 
 
 def settings(fast, device_type=None):
@@ -348,11 +348,6 @@ def parse_counts(d):
     return {p: {(k.split()[0], int(k.split()[1])): c for k, c in inner.items()} for p, inner in d.items()}
 
 
-def _say(mesh, text):
-    if mesh.rank == 0:
-        print(text, flush=True)
-
-
 # --------------------------------------------------------------------------------------------- experiments
 def exp_comm(mesh, st, out, lo=2, hi=4):
     """One forward + backward + clipping at lo and hi layers, sp off and on: every collective, counted."""
@@ -371,7 +366,7 @@ def exp_comm(mesh, st, out, lo=2, hi=4):
                          outside=_keys_to_str(outside), expected=_keys_to_str(expected),
                          matches=all(per_layer[p] == expected[p] for p in expected),
                          calls=[list(c) for c in deep.calls]))  # the deeper model's calls, in order
-        _say(mesh, f"{deep.name:<10} per layer: " + " | ".join(f"{p}: " + ", ".join(
+        say(mesh, f"{deep.name:<10} per layer: " + " | ".join(f"{p}: " + ", ".join(
             f"{c:g} {OPS[op]} of {nb / 1024:.0f} KiB" for (op, nb), c in sorted(per_layer[p].items()))
             for p in expected) + f"  -> Megatron's pattern: {'yes' if rows[-1]['matches'] else 'NO'}")
     return dict(rows=rows)
@@ -388,7 +383,7 @@ def exp_memory(mesh, st, out):
                          schedule_by_rank=gather(v.activation_bytes, mesh), formula=activation_parts(mc, s, b, t, sp),
                          formula_total=activation_bytes(mc, s, b, t, sp), formula_states=model_state_bytes(mc, t),
                          params_per_rank=sum(p.numel() for p in v.run.raw.parameters())))
-        _say(mesh, f"{v.name:<10} rank 0: activations {v.parts['total'] / MiB:6.2f} MiB (formula "
+        say(mesh, f"{v.name:<10} rank 0: activations {v.parts['total'] / MiB:6.2f} MiB (formula "
                    f"{rows[-1]['formula_total'] / MiB:6.2f}, the step schedule's count {v.activation_bytes / MiB:6.2f}) | "
                    "model states " + ", ".join(f"{k} {v.states[k] / MiB:.2f}" for k in PARTS) + " MiB")
     return dict(rows=rows)
@@ -408,7 +403,7 @@ def exp_scaling(mesh, st, out):
         rows.append(dict(name=v.name, sp=v.cfg.sp, step_times=times, comm_times=comm, q1=q[0], q3=q[2],
                          median=statistics.median(times),
                          comm_median=statistics.median(comm), tokens_per_s=tokens_per_step / statistics.median(times)))
-        _say(mesh, f"{v.name:<10} {1e3 * rows[-1]['median']:7.1f} ms/step, {rows[-1]['tokens_per_s']:7,.0f} tokens/s, "
+        say(mesh, f"{v.name:<10} {1e3 * rows[-1]['median']:7.1f} ms/step, {rows[-1]['tokens_per_s']:7,.0f} tokens/s, "
                    f"{1e3 * rows[-1]['comm_median']:6.1f} ms in collectives" + "".join(
                        f" | {c['per_step']:g} {OPS[op]}s of {act // 1024} KiB per step, {1e3 * c['median_s']:.2f} ms each"
                        for op, c in per_call.items()))
@@ -428,7 +423,7 @@ def exp_dtensor(mesh, st, out):
         name = f"tp={mesh.tp.size}" + " + sp" * sp
         result["runs"][name] = dict(sp=sp, rows=rows,
                                     ratio=dict(median=med, q1=q1, q3=q3, n=len(rows[0]["step_times"])))
-        _say(mesh, f"{name:<10} " + " | ".join(f"{r['name']} {1e3 * r['median']:7.2f} ms/step" for r in rows) +
+        say(mesh, f"{name:<10} " + " | ".join(f"{r['name']} {1e3 * r['median']:7.2f} ms/step" for r in rows) +
                    f" | ours / DTensor throughput: median {med:.3f} (quartiles {q1:.3f}-{q3:.3f})")
     ref = Variant("one process", make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"]),
                   Mesh.local(mesh.device))  # in each process, no collectives
@@ -498,7 +493,7 @@ def exp_partitioned(mesh, st, out, lo=2, hi=4):
                          all_gather_bytes=v.recorder.bytes.get("all_gather", 0),
                          all_gather_calls=v.recorder.calls.get("all_gather", 0),
                          step_times=times, median=statistics.median(times), losses=v.losses))
-        _say(mesh, f"tp={t} {m:<12} keeps {rows[-1]['per_layer_by_rank'][0] / MiB:6.3f} MiB per layer (rank 0), "
+        say(mesh, f"tp={t} {m:<12} keeps {rows[-1]['per_layer_by_rank'][0] / MiB:6.3f} MiB per layer (rank 0), "
                    f"{rows[-1]['all_gather_calls']} all-gathers of {rows[-1]['all_gather_bytes'] / MiB:.2f} MiB per step, "
                    f"{1e3 * rows[-1]['median']:7.1f} ms/step")
     return dict(t=t, b=b, s=s, h=mc.hidden_size, layers=hi, others_share=others, rows=rows,
@@ -517,19 +512,9 @@ NEEDS_TP = ("comm", "dtensor")  # meaningless with one process
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
-def _legend_below(ax, ncol=3, dy=-0.2, **kw):
-    """A legend under the axes: it never covers data."""
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, dy), ncol=ncol, fontsize=FONT, frameon=False, **kw)
-
-
 def _bars(ax, x, parts, width=0.8, hatch=None, label=True, **kw):
-    """One stacked bar of {part: value}; returns its top."""
-    bottom = 0
-    for k, v in parts.items():
-        ax.bar(x, v, width, bottom=bottom, color=COLORS.get(k, "0.65"), hatch=hatch, label=k if label else None,
-               **{"edgecolor": "white", "lw": 0.5, **kw})
-        bottom += v
-    return bottom
+    """_plots.stacked_bar in this lesson's COLORS, thin edges; returns its top."""
+    return stacked_bar(ax, x, parts, COLORS, width, hatch, label, **{"lw": 0.5, **kw})
 
 
 def _pairs(ax, rows, measured, formula, keys, scale=MiB, total=False):
@@ -624,7 +609,7 @@ def plot_memory_model(mc, tp, sp=False, seq_len=4096, micro_batch_size=1, flash=
     ax.set_ylabel("GB per GPU")
     ax.set_title(f"{title} per rank: model states (16 bytes per parameter held) + the layers' activations (Korthikanti, "
                  f"bf16{', no s² scores' if flash else ''}), s={seq_len}, b={micro_batch_size}", fontsize=9, loc="left")
-    _legend_below(ax, ncol=5, dy=-0.22)
+    legend_below(ax, ncol=5, dy=-0.22)
     fig.tight_layout()
     return fig
 
@@ -681,10 +666,10 @@ def plot_activations(results, mc, seq_len, micro_batch_size):
         ax1.plot(ts, [one * korthikanti_bytes_per_layer(s, b, h, a, t, sp, flash=True) / k1 / MiB for t in ts], ":",
                  color=color, lw=1.5, label="Korthikanti" + " + sp" * sp + " (scaled)")
     ax1.set(xlabel="tp", ylabel="MiB per layer per rank", title="one layer's activations, per rank", xticks=grid)
-    _legend_below(ax1, ncol=2, dy=-0.18)
+    legend_below(ax1, ncol=2, dy=-0.18)
     _pairs(ax2, rows, lambda r: r["parts_by_rank"][0]["per layer"], lambda r: r["formula"]["per layer"], LAYER_PARTS)
     ax2.set(ylabel="MiB per layer (rank 0)", title="by part: measured (left), formula (right, hatched)")
-    _legend_below(ax2, ncol=4, dy=-0.12)
+    legend_below(ax2, ncol=4, dy=-0.12)
     fig.tight_layout()
     return fig
 
@@ -719,7 +704,7 @@ def plot_partitioned(results):
     ax1.set(ylabel="MiB per rank (all layers)", title="what the layers keep for backward, per rank")
     ax2.set(ylabel="ms per step (median)", title="step time (a shared CPU: shown, not judged)")
     handles = {lab: h for h, lab in zip(*ax1.get_legend_handles_labels())}
-    _legend_below(ax1, ncol=4, dy=-0.16, handles=list(handles.values()), labels=list(handles))
+    legend_below(ax1, ncol=4, dy=-0.16, handles=list(handles.values()), labels=list(handles))
     fig.tight_layout()
     return fig
 
@@ -734,7 +719,7 @@ def plot_memory(results):
            lambda r: r["states_by_rank"][0] | {"activations": r["parts_by_rank"][0]["total"]},
            lambda r: r["formula_states"] | {"activations": r["formula_total"]}, (*PARTS, "activations"), total=True)
     ax.set(ylabel="MiB per rank (rank 0)", title="memory per rank: measured (left), formulas (right, hatched)")
-    _legend_below(ax, ncol=4, dy=-0.12)
+    legend_below(ax, ncol=4, dy=-0.12)
     fig.tight_layout()
     return fig
 
@@ -757,7 +742,7 @@ def plot_scaling(results, oversubscribed=4):
         ax1.axvspan(oversubscribed - 0.3, max(tps) + 0.3, color="0.9", zorder=0, label="more ranks than cores")
     ax1.set(xlabel="tp (ranks)", ylabel="tokens/s (median step)", title="throughput: the same batch on every rank",
             xticks=tps, ylim=(0, None))
-    _legend_below(ax1, ncol=3)
+    legend_below(ax1, ncol=3)
     for x, (t, r) in enumerate(rows):
         comm, med = 1e3 * r["comm_median"], 1e3 * r["median"]
         _bars(ax2, x, {"compute and the rest": med - comm, "inside collectives": comm}, 0.7, label=x == 0)
@@ -765,7 +750,7 @@ def plot_scaling(results, oversubscribed=4):
     ax2.set_xticks(range(len(rows)), [r["name"].replace(" + ", "\n+") for _, r in rows], fontsize=FONT)
     ax2.set(ylabel="ms per step (median, slowest rank)", title="where the step goes (label: share in collectives)")
     ax2.set_ylim(0, ax2.get_ylim()[1] * 1.1)
-    _legend_below(ax2, ncol=2)
+    legend_below(ax2, ncol=2)
     fig.tight_layout()
     return fig
 
@@ -797,19 +782,13 @@ def plot_dtensor(res):
     axes[2].set(xlabel="step", ylabel="|Δloss| / loss vs one process", ylim=(1e-9, 1),
                 title="against the unsharded model")
     for ax, n in zip(axes, (1, 2, 2)):
-        _legend_below(ax, ncol=n)
+        legend_below(ax, ncol=n)
     fig.tight_layout()
     return fig
 
 
 def plot_parity(pairs, what="each layout"):
-    """_common.plot_parity with its legends under the axes, where they cannot cover a curve."""
-    fig = _common.plot_parity(pairs, what=what)
-    fig.set_size_inches(10, 4.2)
-    for ax in fig.axes:
-        _legend_below(ax, ncol=2)
-    fig.tight_layout()
-    return fig
+    return plot_parity_below(pairs, what, height=4.2)
 
 
 def plot_grid(sizes, micro_batch_size, grad_acc):
@@ -869,7 +848,7 @@ def plot_puzzle(mc=None, budgets=PUZZLE["budgets_mib"]):
     ax.set(xlim=(-0.6, len(ls) - 0.4), ylabel="MiB per rank (formula)",
            title=f"the puzzle's layouts, fastest first: {PUZZLE['global_batch']} x {PUZZLE['seq_len']} tokens per step "
                  "= micro-batch b x accumulation (hatched: sp)")
-    _legend_below(ax, ncol=2)
+    legend_below(ax, ncol=2)
     fig.tight_layout()
     return fig
 
@@ -889,7 +868,7 @@ def main(argv=None):
             lambda name: out / f"{name}{f'_dp{args.dp}' if args.dp > 1 else ''}_tp{mesh.tp.size}.json",
             _common.environment(mesh, dp=args.dp, tp=mesh.tp.size, settings=st), mesh.rank,
             skip=lambda name: "needs tp >= 2 (torchrun --nproc_per_node 2)" if world == 1 and name in NEEDS_TP else None,
-            say=lambda text: _say(mesh, text))
+            say=lambda text: say(mesh, text))
 
 
 if __name__ == "__main__":

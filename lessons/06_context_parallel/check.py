@@ -1,11 +1,7 @@
 """Checker for lesson 06's exercises.
 
-    ./run.sh python lessons/06_context_parallel/check.py [name ...]          # your lessons/06_context_parallel/exercise.py
-    ./run.sh python lessons/06_context_parallel/check.py --solutions         # the reference solutions (must pass)
-    ./run.sh python lessons/06_context_parallel/check.py --module my.py      # any file defining the same functions
-    ./run.sh python lessons/06_context_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (30)
-From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
-Exit status 0 when every check passes, 1 otherwise.
+    ./run.sh python lessons/06_context_parallel/check.py [name ...] [--solutions | --module my.py] [--timeout S]
+(what each option does, and the call from the notebook: lessons/_checker.py; here --timeout defaults to 30 s.)
 
 merge (in this process, then on 2 and 3 processes): random queries, keys and values in float64, the keys cut in
 two (and in three, merged one after the other); your merge of the two halves' results must equal softmax
@@ -26,9 +22,7 @@ layout and ring; the checker names the rank (and step) and the first wrong posit
 answer matches instead when it is a known mistake (the contiguous layout, the chunks in the wrong order, the ring
 turning the wrong way, a causal block called whole, a block from the future).
 
-How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below, at
-module level); it imports YOUR file by path and meets the other ranks at a store-based rendezvous before
-returning, so a rank stuck in a receive shows up as a hang rather than as a peer that left.
+How it works: as in every multi-rank checker (lessons/_checker.py), each child runs `_on_rank` (below).
 """
 import sys
 from pathlib import Path

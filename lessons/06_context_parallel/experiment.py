@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
 import _common  # noqa: E402  (puts the repository root on sys.path)
-from _common import gather, make_cfg, run_interleaved  # noqa: E402
+from _common import gather, make_cfg, run_interleaved, say  # noqa: E402
+from _plots import FONT, legend_below, plot_parity_below  # noqa: E402  (figure helpers several lessons share)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -41,7 +42,6 @@ from picotron.model import ModelConfig, rope_cos_sin  # noqa: E402
 from picotron.train import load_data, train  # noqa: E402
 
 MiB = 2**20
-FONT = 8
 LAYOUT_COLORS = {"zigzag": "#4c72b0", "contiguous": "#dd8452"}
 RANK_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3", "#8c8c8c"]
 VARIANTS = (("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag"))
@@ -223,11 +223,6 @@ class SentBytes(metrics.Recorder):
         self.sent, self.buffers = {"kv": 0, "dkv": 0}, {}
 
 
-def _say(mesh, text):
-    if mesh.rank == 0:
-        print(text, flush=True)
-
-
 def exp_memory(mesh, st, out):
     """Activation bytes of one forward of one rank's tokens (through parallelize, the loader and the loss) for every
     cp dividing the world size (the other ranks: data parallel), ring and all-gather, at every sequence length of
@@ -250,13 +245,13 @@ def exp_memory(mesh, st, out):
                     rows.append(dict(cp=cp, impl=impl, s=s, measured=mine[0], every_rank=mine,
                                      formula=activation_bytes(mc, s, st["b"], cp, impl),
                                      parts=activation_parts(mc, s, st["b"], cp, impl)))
-                    _say(mesh, f"cp={cp} {impl:<9} s={s:<5}: {mine[0] / MiB:7.2f} MiB per rank measured, formula "
+                    say(mesh, f"cp={cp} {impl:<9} s={s:<5}: {mine[0] / MiB:7.2f} MiB per rank measured, formula "
                                f"{rows[-1]['formula'] / MiB:7.2f}")
                 if impl == "ring":
                     s_max = longest_fitting(mc, st["b"], cp, budget, limit=longest - 2 * cp)
                     at, above = (_saved_bytes(run, cfg, sub, x, mesh)[0] for x in (s_max, s_max + 2 * cp))
                     fits.append(dict(cp=cp, s_max=s_max, at=at, above=above, budget=budget))
-                    _say(mesh, f"budget {st['budget_mib']} MiB, cp={cp}: longest s = {s_max} ({at / MiB:.2f} MiB "
+                    say(mesh, f"budget {st['budget_mib']} MiB, cp={cp}: longest s = {s_max} ({at / MiB:.2f} MiB "
                                f"measured); s = {s_max + 2 * cp}: {above / MiB:.2f} MiB")
             finally:
                 sub.destroy()
@@ -352,15 +347,15 @@ def exp_balance(mesh, st, out):
                    pairs=[pairs(r, cp, layout) for r in range(cp)], bytes=dict(sent[layout].sent),
                    shares=shares[layout], busy=statistics.median(shares[layout]))
         result["layouts"][layout] = res
-        _say(mesh, f"cp={cp} {layout:<10} s={s}: attention per rank, forward + backward (CPU ms, each step's least of "
+        say(mesh, f"cp={cp} {layout:<10} s={s}: attention per rank, forward + backward (CPU ms, each step's least of "
                    f"{len(rs)}) " + " ".join(f"{1e3 * x:7.1f}" for x in per_rank["cpu"])
                    + f" -> max/min {res['ratio']:.2f} (pairs predict {res['predicted']:.2f}, with the measured block "
                      f"costs {res['predicted_costs']:.2f}); forward alone {res['ratio_fwd']:.2f}, backward alone "
                      f"{res['ratio_bwd']:.2f}; the call per rank (ms, median) "
                    + " ".join(f"{1e3 * x:.0f}" for x in per_rank["call"]))
-    _say(mesh, f"block costs (forward + backward, CPU): whole {1e3 * t_all:.1f} ms, causal {1e3 * t_causal:.1f} ms; "
+    say(mesh, f"block costs (forward + backward, CPU): whole {1e3 * t_all:.1f} ms, causal {1e3 * t_causal:.1f} ms; "
                f"other programs used {result['busy']:.0%} of the cores (median over the calls)")
-    _say(mesh, f"one K/V block ({result['block_bytes'] / 1024:.0f} KiB) exchanged alone: {1e3 * alone:.2f} ms")
+    say(mesh, f"one K/V block ({result['block_bytes'] / 1024:.0f} KiB) exchanged alone: {1e3 * alone:.2f} ms")
     return result
 
 
@@ -439,7 +434,7 @@ def exp_train(mesh, st, out):
         rows[name] = dict(impl=impl, layout=v.cfg.cp_layout, times=v.times, step_s=med, tokens_per_s=b * s / med,
                           sent=sent, formula=formula, losses=v.losses,
                           formula_parts=dict(block=2 * b * mc.num_key_value_heads * (s // cp) * mc.head_dim * 4))
-        _say(mesh, f"cp={cp} {name:<17} s={s}: step {1e3 * med:6.0f} ms (median of {len(v.times)}), "
+        say(mesh, f"cp={cp} {name:<17} s={s}: step {1e3 * med:6.0f} ms (median of {len(v.times)}), "
                    f"{b * s / med:7.0f} tokens/s; sent per step {sum(sent[0][-1].values()) / MiB:.3f} MiB "
                    f"(formula {formula / MiB:.3f})")
     return dict(cp=cp, s=s, b=b, layers=mc.num_hidden_layers, kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
@@ -485,7 +480,7 @@ def _ulysses_at(sub, st, b, s, mesh):
                           formula=cpm.bytes_per_step_formula(cp, b, s, mc.num_key_value_heads, mc.head_dim, L,
                                                              impl=impl, heads=mc.num_attention_heads),
                           activations=_saved_bytes(v.run, v.cfg, sub, s, mesh), losses=v.losses)
-        _say(mesh, f"cp={cp} x dp={sub.dp.size} {impl:<8} s={s}: step {1e3 * med:6.0f} ms (median of {len(v.times)}); "
+        say(mesh, f"cp={cp} x dp={sub.dp.size} {impl:<8} s={s}: step {1e3 * med:6.0f} ms (median of {len(v.times)}); "
                    f"sent per step {sum(rows[impl]['sent'][0][-1].values()) / MiB:.3f} MiB (formula "
                    f"{rows[impl]['formula'] / MiB:.3f}); activations {rows[impl]['activations'][0] / MiB:.2f} MiB")
     return dict(cp=cp, dp=sub.dp.size, s=s, b=b, layers=L, heads=mc.num_attention_heads,
@@ -560,10 +555,6 @@ EXPERIMENTS = ("memory", "balance", "train", "parity", "ulysses")
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
-def _legend_below(ax, ncol=3, dy=-0.2, **kw):
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, dy), ncol=ncol, fontsize=FONT, frameon=False, **kw)
-
-
 def plot_memory(res):
     """Left: activations per rank against s, measured (dots) and the formula (lines), ring for every cp and all-gather
     dashed, the budget and the longest s under it. Right: one layer's parts per rank at the longest s measured."""
@@ -588,7 +579,7 @@ def plot_memory(res):
     ax1.set(xlabel="sequence length s (tokens)", ylabel="MiB per rank (activations of one forward)",
             title="measured (markers) and the formula (lines); stars: the longest s within the budget")
     ax1.title.set_fontsize(9)
-    _legend_below(ax1, ncol=5, dy=-0.14)
+    legend_below(ax1, ncol=5, dy=-0.14)
     s = max(r["s"] for r in rows)
     cases = [r for r in rows if r["s"] == s]
     labels = [f"cp={r['cp']}" + ("" if r["cp"] == 1 else f"\n{r['impl']}") for r in cases]
@@ -601,7 +592,7 @@ def plot_memory(res):
     ax2.set_xticks(range(len(cases)), labels, fontsize=FONT)
     ax2.set(ylabel="MiB per layer and rank (formula)", title=f"one layer's activations by part, s = {s}")
     ax2.title.set_fontsize(9)
-    _legend_below(ax2, ncol=3, dy=-0.22)
+    legend_below(ax2, ncol=3, dy=-0.22)
     fig.tight_layout()
     return fig
 
@@ -628,7 +619,7 @@ def plot_balance(results):
         ax.set_xticks(range(cp), [f"rank {k}" for k in range(cp)], fontsize=FONT)
         ax.set(ylabel="CPU ms (forward + backward)", title=f"cp = {cp}, s = {res['s']}: each rank's ring attention")
         ax.title.set_fontsize(9)
-        _legend_below(ax, ncol=1, dy=-0.12)
+        legend_below(ax, ncol=1, dy=-0.12)
     fig.tight_layout()
     return fig
 
@@ -703,7 +694,7 @@ def plot_throughput(results):
                   fontsize=FONT)
     ax.set(ylabel="tokens / s (median step)", title="training throughput: ring against all-gather")
     ax.title.set_fontsize(9)
-    _legend_below(ax, ncol=3, dy=-0.14)
+    legend_below(ax, ncol=3, dy=-0.14)
     fig.tight_layout()
     return fig
 
@@ -751,14 +742,8 @@ def plot_ulysses(results):
 
 
 def plot_parity(pairs):
-    """_common.plot_parity with its legends under the axes."""
-    fig = _common.plot_parity(pairs, what="each cp run")
-    fig.set_size_inches(10, 4.4)
-    fig.axes[1].set_ylim(1e-10, 1e-1)  # the run not averaged over cp leaves the parity range
-    for ax in fig.axes:
-        _legend_below(ax, ncol=2)
-    fig.tight_layout()
-    return fig
+    # diff_ylim: the run not averaged over cp leaves the parity range
+    return plot_parity_below(pairs, "each cp run", diff_ylim=(1e-10, 1e-1))
 
 
 def plot_widget(cp=4, layout="zigzag", step=0):

@@ -53,8 +53,7 @@ MiB, GB = 2**20, 1e9
 
 def run(only, nproc=2):
     # torchrun --nproc_per_node nproc lessons/07_pipeline_parallel/experiment.py --out OUT --only <only>
-    out = _common.launch("07_pipeline_parallel/experiment.py", ["--out", OUT, "--only", only], nproc=nproc, quiet=True)
-    print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |", "done: "))))
+    _common.run_experiment("07_pipeline_parallel", only, nproc)
 
 check = _common.check   # prints ✓ or ✗ (or ?, only for a timing check on a machine measured busy) and counts it
 

@@ -1,11 +1,7 @@
 """Checker for lesson 07's exercises.
 
-    ./run.sh python lessons/07_pipeline_parallel/check.py [name ...]          # your lessons/07_pipeline_parallel/exercise.py
-    ./run.sh python lessons/07_pipeline_parallel/check.py --solutions         # the reference solutions (must pass)
-    ./run.sh python lessons/07_pipeline_parallel/check.py --module my.py      # any file defining the same functions
-    ./run.sh python lessons/07_pipeline_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (15)
-From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
-Exit status 0 when every check passes, 1 otherwise.
+    ./run.sh python lessons/07_pipeline_parallel/check.py [name ...] [--solutions | --module my.py] [--timeout S]
+(what each option does, and the call from the notebook: lessons/_checker.py; here --timeout defaults to 15 s.)
 
 one_f_one_b_rank (in this process): for several (p, m), each stage's list of yours runs in picotron's simulator
 (`pipeline_schedules.simulate`, t_F = 1, t_B = 2) together with the reference lists of the other stages; the
@@ -26,9 +22,7 @@ dualpipe_place (in this process): for several (p, m), every (stage, micro-batch)
 schedule (`Schedule.where(stage, mb)`); a wrong place is named with what it mixes up (the direction ignored, the
 halves taken as even and odd micro-batches, the mirror rank off by one, the right rank with the other chunk).
 
-How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below, at
-module level); it imports YOUR file by path and meets the other ranks at a store-based rendezvous before
-returning, so a rank stuck in a receive shows up as a hang rather than as a peer that left.
+How it works: as in every multi-rank checker (lessons/_checker.py), each child runs `_on_rank` (below).
 """
 import sys
 import time

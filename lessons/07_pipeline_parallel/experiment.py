@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
 import _common  # noqa: E402  (puts the repository root on sys.path)
-from _common import gather, make_cfg  # noqa: E402
+from _common import gather, make_cfg, say  # noqa: E402
+from _plots import FONT, legend_below, plot_parity_below  # noqa: E402  (figure helpers several lessons share)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -41,7 +42,6 @@ FORMULA = ("afab", "1f1b", "interleaved", "zb-h1")  # the ones with a closed-for
 LABELS = {"afab": "AFAB (GPipe)", "1f1b": "1F1B", "interleaved": "interleaved, v=2", "zb-h1": "ZB-H1", "zb-v": "ZB-V",
           "dualpipe": "DualPipe"}
 KIND_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
-FONT = 8
 
 
 def settings(fast, device_type=None):
@@ -305,11 +305,6 @@ def latency_of(acts, schedule):
     return statistics.median(delays) if delays else 0.0
 
 
-def _say(mesh, text):
-    if mesh.rank == 0:
-        print(text, flush=True)
-
-
 def exp_bubble(mesh, st, out):
     """Every schedule at every m of the settings (ZB-V: the largest m only): measured steps with their timelines."""
     p, rows = mesh.pp.size, []
@@ -364,7 +359,7 @@ def exp_bubble(mesh, st, out):
                        messages_of_list=[messages_of(sch, r) for r in range(p)],
                        gantt=acts, losses=stepper.losses)
             rows.append(row)
-            _say(mesh, f"{LABELS[name]:<17} m={m:<3} bubble measured {row['bubble']:6.1%} | formula "
+            say(mesh, f"{LABELS[name]:<17} m={m:<3} bubble measured {row['bubble']:6.1%} | formula "
                        + (f"{row['formula']:6.1%}" if row["formula"] is not None else "  --  ")
                        + f" | simulated with measured costs {row['sim_measured']:6.1%} | step {1e3 * row['step_s']:6.0f} ms"
                        f" | t_F {1e3 * per_kind['F']:.1f} t_B {1e3 * per_kind['B']:.1f}"
@@ -513,7 +508,7 @@ def exp_memory(mesh, st, out):
                   alive_units=simulated(name, p, m).peak_alive[mesh.pp.rank])
         ranks = gather(me, mesh)
         rows.append(dict(name=name, m=m, p=p, ranks=ranks))
-        _say(mesh, f"{LABELS[name]:<17} m={m}: peak activations per stage " + ", ".join(
+        say(mesh, f"{LABELS[name]:<17} m={m}: peak activations per stage " + ", ".join(
             f"stage {r['rank']} {r['peak'] / MiB:.2f} MiB (predicted {r['predicted'] / MiB:.2f}"
             + (f", with the stash {r['predicted_stash'] / MiB:.2f}" if r["predicted_stash"] else "") + f", executor's count "
             f"{r['executor'] / MiB:.2f}; {r['alive_units']} micro-batches)" for r in ranks))
@@ -580,10 +575,6 @@ EXPERIMENTS = ("bubble", "memory", "parity", "dualpipe")
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
-def _legend_below(ax, ncol=3, dy=-0.2, **kw):
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, dy), ncol=ncol, fontsize=FONT, frameon=False, **kw)
-
-
 def draw_gantt(ax, bars, p, title="", span=None, labels=True):
     """bars: [(rank, kind, mb, chunk, start, end)]: one row per rank (rank 0 on top), F blue, B orange, W green;
     a second chunk drawn hatched; the micro-batch written in each bar wide enough for it."""
@@ -683,7 +674,7 @@ def plot_bubbles(rows, p4=None):
            title=f"p = {rows[0]['p']}: measured on this machine")
     ax.set_xticks(sorted({r["m"] for r in rows}), [str(m) for m in sorted({r["m"] for r in rows})])
     ax.minorticks_off()
-    _legend_below(ax, ncol=2, dy=-0.16, handles=[handles[k] for k in order], labels=[labels[k] for k in order])
+    legend_below(ax, ncol=2, dy=-0.16, handles=[handles[k] for k in order], labels=[labels[k] for k in order])
     ax = axes[1]
     p = 4
     ms = [4, 8, 16, 32, 64]
@@ -698,7 +689,7 @@ def plot_bubbles(rows, p4=None):
            title="p = 4: the simulator (unit costs), closed forms dotted")
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.minorticks_off()
-    _legend_below(ax, ncol=3, dy=-0.16)
+    legend_below(ax, ncol=3, dy=-0.16)
     fig.tight_layout()
     return fig
 
@@ -722,14 +713,14 @@ def plot_memory(res):
                     hatch="//", label=f"rank {k}: the schedule's prediction" if x == 0 else None)
     ax1.set_xticks(range(len(rows)), [LABELS[r["name"]] for r in rows], fontsize=FONT)
     ax1.set(ylabel="MiB (activations autograd keeps)", title=f"peak activations per rank, m={rows[0]['m']}")
-    _legend_below(ax1, ncol=2, dy=-0.12)
+    legend_below(ax1, ncol=2, dy=-0.12)
     for row, ls in zip([r for r in rows if r["name"] in ("afab", "1f1b")], ("-", "--")):
         for r in row["ranks"]:
             ax2.plot([a[3] / MiB for a in r["curve"]], ls, color=stage_colors[r["rank"]], lw=1.3,
                      label=f"{LABELS[row['name']]}, rank {r['rank']}")
     ax2.set(xlabel="the rank's actions, in order", ylabel="MiB alive after the action",
             title="alive activations through one step")
-    _legend_below(ax2, ncol=2, dy=-0.16)
+    legend_below(ax2, ncol=2, dy=-0.16)
     fig.tight_layout()
     return fig
 
@@ -781,13 +772,7 @@ def plot_dualpipe(rows, p=4, m=8):
 
 
 def plot_parity(pairs):
-    """_common.plot_parity with its legends under the axes."""
-    fig = _common.plot_parity(pairs, what="each schedule at pp=2")
-    fig.set_size_inches(10, 4.4)
-    for ax in fig.axes:
-        _legend_below(ax, ncol=2)
-    fig.tight_layout()
-    return fig
+    return plot_parity_below(pairs, "each schedule at pp=2")
 
 
 # ------------------------------------------------------------------------------------------------ main

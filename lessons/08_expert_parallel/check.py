@@ -1,11 +1,7 @@
 """Checker for lesson 08's exercises.
 
-    ./run.sh python lessons/08_expert_parallel/check.py [name ...]          # your lessons/08_expert_parallel/exercise.py
-    ./run.sh python lessons/08_expert_parallel/check.py --solutions         # the reference solutions (must pass)
-    ./run.sh python lessons/08_expert_parallel/check.py --module my.py      # any file defining the same functions
-    ./run.sh python lessons/08_expert_parallel/check.py --timeout 5         # seconds before a launch counts as a hang (30)
-From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
-Exit status 0 when every check passes, 1 otherwise.
+    ./run.sh python lessons/08_expert_parallel/check.py [name ...] [--solutions | --module my.py] [--timeout S]
+(what each option does, and the call from the notebook: lessons/_checker.py; here --timeout defaults to 30 s.)
 
 top_k_route, dispatch_permutation, aux_loss (in this process): random routers for several (tokens, E, k), against
 picotron.moe (`route`, the sort in `MoE.forward`, `aux_loss`). The checker names the first wrong token, expert or
@@ -22,9 +18,7 @@ normalised, the update's sign reversed, an update proportional to the load error
 exchange_splits (on 2 and 4 processes): every rank's counts are random; its (send, recv) must be the reference's;
 the checker names the rank and the peer whose split is wrong, or the ranks stuck in a collective.
 
-How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below, at
-module level); it imports YOUR file by path and meets the other ranks at a store-based rendezvous before
-returning, so a rank stuck in a collective shows up as a hang rather than as a peer that left.
+How it works: as in every multi-rank checker (lessons/_checker.py), each child runs `_on_rank` (below).
 """
 import sys
 from pathlib import Path

@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
 import _common  # noqa: E402  (puts the repository root on sys.path)
-from _common import gather, run_interleaved  # noqa: E402
+from _common import gather, run_interleaved, say  # noqa: E402
+from _plots import FONT, legend_below, plot_parity_below  # noqa: E402  (figure helpers several lessons share)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -39,7 +40,6 @@ from picotron.model import ModelConfig  # noqa: E402
 from picotron.train import load_data, train  # noqa: E402
 
 MiB = 2**20
-FONT = 8
 KINDS = ("dispatch", "combine", "dispatch-backward", "combine-backward")
 KIND_COLORS = {"dispatch": "#4c72b0", "combine": "#dd8452", "dispatch-backward": "#55a868",
                "combine-backward": "#c44e52"}
@@ -179,11 +179,6 @@ def time_step(preset, steps=6, seq_len=64, batch=8, **kw):
     return statistics.median(times[1:])
 
 
-def _say(mesh, text):
-    if mesh.rank == 0:
-        print(text, flush=True)
-
-
 def _records(cfg, mesh):
     return metrics.read_metrics(cfg.out)[0] if mesh.rank == 0 else None
 
@@ -213,7 +208,7 @@ def exp_balance(mesh, st, out):
                 coef=coef, loss=[r["loss"] for r in recs], aux=[r["moe"]["aux"] for r in recs],
                 tokens_per_expert=[r["moe"]["tokens_per_expert"] for r in recs], dropped=dropped)
             last = max(1, len(recs) // 10)
-            _say(mesh, f"aux coef {coef:g}: loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}, aux "
+            say(mesh, f"aux coef {coef:g}: loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}, aux "
                        f"{recs[0]['moe']['aux']:.3f} -> {recs[-1]['moe']['aux']:.3f}; load max/mean per layer over the "
                        f"last {last} steps " + " ".join(f"{x:.2f}" for x in window_ratio(recs, last))
                        + "; dropped at c = " + ", ".join(f"{c:g}: {d:.3f}" for c, d in zip(st["capacities"], dropped)))
@@ -306,7 +301,7 @@ def exp_bytes(mesh, st, out):
                              a2a=[e["a2a"] for e in every], a2a_predicted=pred_a2a,
                              bytes=[e["bytes"] for e in every], counts=[e["counts"] for e in every]))
         sent = [sum(e["rows"].values()) * mc.hidden_size * 4 for e in every]
-        _say(mesh, f"ep={W} step {s + 1}: rows sent to other ranks per rank " + " ".join(
+        say(mesh, f"ep={W} step {s + 1}: rows sent to other ranks per rank " + " ".join(
             str(sum(e["rows"].values())) for e in every) + " -> " + " ".join(f"{b / MiB:.3f}" for b in sent)
              + f" MiB (balanced formula {formula / MiB:.3f} MiB); Recorder all-to-all " + " ".join(
             f"{e['a2a'] / MiB:.3f}" for e in every) + " MiB (predicted " + " ".join(
@@ -361,7 +356,7 @@ def exp_scaling(mesh, st, out):
             tokens = W * v.cfg.micro_batch_size * v.cfg.seq_len * v.cfg.grad_acc
             rows[ep] = dict(mem=gather(v.mem, mesh), parts=parts, formula=parts["bytes"] + 4 * n_tensors,
                             n_tensors=n_tensors, times=v.times, step_s=med, tokens_per_s=tokens / med)
-            _say(mesh, f"W={W} ep={ep}: model states per rank {sum(v.mem.values()) / MiB:.2f} MiB (formula "
+            say(mesh, f"W={W} ep={ep}: model states per rank {sum(v.mem.values()) / MiB:.2f} MiB (formula "
                        f"{rows[ep]['formula'] / MiB:.2f}: {parts['dense'] / 1e6:.3f} M dense + {parts['experts'] / 1e6:.3f} M "
                        f"of experts); step {1e3 * med:.0f} ms (median of {len(v.times)}), {tokens / med:.0f} tokens/s")
     finally:
@@ -462,13 +457,9 @@ def exp_router(mesh, st, out):
             result["runs"][name] = dict(loss=[r["loss"] for r in recs],
                                         tokens_per_expert=[r["moe"]["tokens_per_expert"] for r in recs], bias=bias)
             ratio = [statistics.mean(load_ratio(r["moe"]["tokens_per_expert"])) for r in recs]
-            _say(mesh, f"{name}: loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}; busiest/mean expert load "
+            say(mesh, f"{name}: loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}; busiest/mean expert load "
                        f"(mean of layers) {ratio[0]:.2f} -> {statistics.mean(ratio[-10:]):.2f} (last 10 steps)")
     return result
-
-
-def _legend_below(ax, ncol=3, dy=-0.2, **kw):
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, dy), ncol=ncol, fontsize=FONT, frameon=False, **kw)
 
 
 def plot_routing(logits, k):
@@ -492,7 +483,7 @@ def plot_routing(logits, k):
     ax.set(ylabel="router probability (softmax)", ylim=(0, 1.1),
            title=f"filled: the top-{k}; above: expert:weight after renormalising")
     ax.title.set_fontsize(9)
-    _legend_below(ax, ncol=E, dy=-0.12)
+    legend_below(ax, ncol=E, dy=-0.12)
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
     for i in range(len(flat)):
@@ -559,7 +550,7 @@ def plot_balance_curves(res, window):
     ax2.set(xlabel="step", ylabel="busiest expert / mean (mean of layers)", title="load imbalance per step")
     for ax in (ax1, ax2):
         ax.title.set_fontsize(9)
-        _legend_below(ax, ncol=2, dy=-0.2)
+        legend_below(ax, ncol=2, dy=-0.2)
     fig.tight_layout()
     return fig
 
@@ -575,7 +566,7 @@ def plot_capacity(res):
     ax.set(xlabel="capacity factor κ", ylabel="fraction of choices dropped",
            title="capacity ceil(κ·s·k/E) per expert and sequence: what it drops")
     ax.title.set_fontsize(9)
-    _legend_below(ax, ncol=1, dy=-0.2)
+    legend_below(ax, ncol=1, dy=-0.2)
     fig.tight_layout()
     return fig
 
@@ -601,7 +592,7 @@ def plot_bytes(results):
         ax.set(ylabel="MiB sent to other ranks per step", title=f"ep = {W}: step {last['step']}, {res['layers']} "
                                                                  f"layers, {res['tokens']} tokens per rank")
         ax.title.set_fontsize(9)
-        _legend_below(ax, ncol=3, dy=-0.12)
+        legend_below(ax, ncol=3, dy=-0.12)
     fig.tight_layout()
     return fig
 
@@ -693,19 +684,14 @@ def plot_scaling(results):
     ax2.set(ylabel="tokens / s (median step)", title="throughput, same global batch (2 CPU cores)")
     ax1.title.set_fontsize(9)
     ax2.title.set_fontsize(9)
-    _legend_below(ax1, ncol=3, dy=-0.22)
+    legend_below(ax1, ncol=3, dy=-0.22)
     fig.tight_layout()
     return fig
 
 
 def plot_parity(pairs):
-    fig = _common.plot_parity(pairs, what="each ep run")
-    fig.set_size_inches(10, 4.4)
-    fig.axes[1].set_ylim(1e-10, 1e-1)
-    for ax in fig.axes:
-        _legend_below(ax, ncol=2)
-    fig.tight_layout()
-    return fig
+    # diff_ylim: the trap (expert gradients divided by edp, not dp x cp) leaves the parity range
+    return plot_parity_below(pairs, "each ep run", diff_ylim=(1e-10, 1e-1))
 
 
 def plot_widget(preset="mixtral-8x7b", E=8, k=2, ep=8, c=1.25, tokens=4096):
@@ -756,7 +742,7 @@ def plot_router(res, window=10):
     ax2.set(xlabel="step", ylabel="training loss", title="the language-model loss")
     for ax in (ax1, ax2):
         ax.title.set_fontsize(9)
-        _legend_below(ax, ncol=1, dy=-0.2)
+        legend_below(ax, ncol=1, dy=-0.2)
     fig.tight_layout()
     return fig
 

@@ -40,8 +40,7 @@ MiB, GB = 2**20, 1e9
 
 def run(only, nproc):
     # torchrun --nproc_per_node nproc lessons/09_all_together/experiment.py --out OUT --only <only>
-    out = _common.launch("09_all_together/experiment.py", ["--out", OUT, "--only", only], nproc=nproc, quiet=True)
-    print("\n".join(line for line in out.splitlines() if not line.startswith(("step ", "picotron |", "done: "))))
+    _common.run_experiment("09_all_together", only, nproc)
 
 def check(name, ok, detail):
     print(f"{'✓' if ok else '✗'} {name}: {detail}")

@@ -1,11 +1,8 @@
 """Checker for lesson 09's exercises.
 
-    ./run.sh python lessons/09_all_together/check.py [name ...]          # your lessons/09_all_together/exercise.py
-    ./run.sh python lessons/09_all_together/check.py --solutions         # the reference solutions (must pass)
-    ./run.sh python lessons/09_all_together/check.py --module my.py      # any file defining the same functions
-From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
-Exit status 0 when every check passes, 1 otherwise. Everything runs in this process (no process group: the
-exercises are arithmetic on layouts).
+    ./run.sh python lessons/09_all_together/check.py [name ...] [--solutions | --module my.py]
+(what each option does, and the call from the notebook: lessons/_checker.py.) Everything runs in this process
+(no process group: the exercises are arithmetic on layouts).
 
 place: every rank of several 4-D grids against picotron.mesh (`grid_coords`, `group_ranks`); names the rank, the
 axis and the group, and recognises dp numbered fastest (tp slowest), a group along the wrong axis, and a group

@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lessons/
 import _common  # noqa: E402  (puts the repository root on sys.path)
-from _common import gather  # noqa: E402
+from _common import gather, say  # noqa: E402
+from _plots import FONT, legend_below, plot_parity_below  # noqa: E402  (figure helpers several lessons share)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -31,7 +32,6 @@ from picotron.metrics import read_metrics  # noqa: E402
 from picotron.train import load_data, lr_at, train  # noqa: E402
 
 MiB = 2**20
-FONT = 8
 AXES = ("tp", "cp", "pp", "dp")  # fastest- to slowest-varying: the order of the drawing
 AXIS_COLORS = {"tp": "#c44e52", "cp": "#8172b2", "pp": "#55a868", "dp": "#4c72b0", "dp_cp": "#4c72b0",
                "world": "#937860", "pp_ends": "#da8bc3"}
@@ -167,11 +167,6 @@ class TimedRun:
                     log=list(self.recorder.log))
 
 
-def _say(mesh, text):
-    if mesh.rank == 0:
-        print(text, flush=True)
-
-
 def _curve(cfg):
     rows, summary = read_metrics(cfg.out)
     return dict(losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows],
@@ -192,7 +187,7 @@ def exp_run4d(mesh, st, out):
     train_s = time.perf_counter() - t0
     del run
     every_mem = gather(dict(mem=mem, params=params, tensors=tensors, coords=mesh.coords), mesh)
-    _say(mesh, f"{name}: {st['steps']} steps of picotron.train in {train_s:.1f} s")
+    say(mesh, f"{name}: {st['steps']} steps of picotron.train in {train_s:.1f} s")
     timed = TimedRun(cfg, mesh)
     steps = []
     for s in range(1, st["timed_steps"] + 1):
@@ -372,10 +367,6 @@ MEM_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
-def _legend_below(ax, ncol=3, dy=-0.2, **kw):
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, dy), ncol=ncol, fontsize=FONT, frameon=False, **kw)
-
-
 def _cell(sizes, rank):
     """Where a rank is drawn: row = (dp, pp), column = (cp, tp): with tp fastest, a row is consecutive ranks."""
     c = grid_coords(rank, sizes)
@@ -495,7 +486,7 @@ def plot_shares(res):
     ax.set_xticks(range(len(every)), [str(r["rank"]) for r in every], fontsize=FONT)
     ax.set(xlabel="rank", ylabel="ms of the step", title="where each rank's step went")
     ax.title.set_fontsize(9)
-    _legend_below(ax, ncol=4, dy=-0.22)
+    legend_below(ax, ncol=4, dy=-0.22)
     fig.tight_layout()
     return fig
 
@@ -640,7 +631,7 @@ def plot_decisions(rows):
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel("GPUs (H100 80 GB, 8 per node)", fontsize=FONT)
         ax.tick_params(labelsize=FONT)
-        _legend_below(ax, ncol=3, dy=-0.18)
+        legend_below(ax, ncol=3, dy=-0.18)
     from picotron import plan
 
     ax1.axhline(100 * plan.EFFICIENCY, color="k", ls=":", lw=0.8)
@@ -699,7 +690,7 @@ def plot_plan(job, top=6):
         ax.set_yticks(range(len(ranked)), names if ax is ax1 else [""] * len(ranked), fontsize=6.5)
         ax.set_ylim(len(ranked) - 0.5, -0.5)
         ax.tick_params(axis="x", labelsize=FONT)
-        _legend_below(ax, ncol=4, dy=-0.25 if len(ranked) > 3 else -0.4)
+        legend_below(ax, ncol=4, dy=-0.25 if len(ranked) > 3 else -0.4)
     ax1.set_xlabel("GiB per GPU (bf16 mixed precision: 2 + 2 + 12 bytes per parameter)", fontsize=FONT)
     ax2.set_xlabel("predicted seconds per step", fontsize=FONT)
     ax2.set_xlim(0, max((t["total"] for _, _, t in ranked), default=1) * 1.45)
@@ -713,12 +704,7 @@ def plot_plan(job, top=6):
 
 
 def plot_parity(pairs):
-    fig = _common.plot_parity(pairs, what="the 4-D run")
-    fig.set_size_inches(10, 4.0)
-    for ax in fig.axes:
-        _legend_below(ax, ncol=2)
-    fig.tight_layout()
-    return fig
+    return plot_parity_below(pairs, "the 4-D run", height=4.0)
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -1,10 +1,7 @@
 """Checker for lesson 10's exercises.
 
-    ./run.sh python lessons/10_checkpoints_and_faults/check.py [name ...]          # your exercise.py
-    ./run.sh python lessons/10_checkpoints_and_faults/check.py --solutions         # the reference solutions (must pass)
-    ./run.sh python lessons/10_checkpoints_and_faults/check.py --module my.py      # any file defining the same functions
-From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
-Exit status 0 when every check passes, 1 otherwise. Everything runs in this process.
+    ./run.sh python lessons/10_checkpoints_and_faults/check.py [name ...] [--solutions | --module my.py]
+(what each option does, and the call from the notebook: lessons/_checker.py.) Everything runs in this process.
 
 cut: every slice of real checkpoints' indexes (tensor-parallel boxes along either dimension, ZeRO's flat ranges
 inside a box, pipeline stages) against picotron.checkpoint.Slice.cut; names the tensor, the rank's entry and the

@@ -1,10 +1,7 @@
 """Checker for lesson 11's exercises.
 
-    ./run.sh python lessons/11_precision_and_kernels/check.py [name ...]          # your exercise.py
-    ./run.sh python lessons/11_precision_and_kernels/check.py --solutions         # the reference solutions (must pass)
-    ./run.sh python lessons/11_precision_and_kernels/check.py --module my.py      # any file defining the same functions
-From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
-Exit status 0 when every check passes, 1 otherwise. Everything runs in this process.
+    ./run.sh python lessons/11_precision_and_kernels/check.py [name ...] [--solutions | --module my.py]
+(what each option does, and the call from the notebook: lessons/_checker.py.) Everything runs in this process.
 
 online_softmax_attention: float64 inputs against softmax(q kᵀ/√d) v and logsumexp computed whole, for block sizes
 from 1 to more than the keys (a last block shorter than the others); scores around ±1000 as well, where exp of an
