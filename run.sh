@@ -2,8 +2,9 @@
 # picotron's one entry point. Every command sets itself up on first use (and again when requirements change).
 #
 #   ./run.sh [train flags]   train the tiny Llama on the embedded Shakespeare (no network, no GPU needed)
-#   ./run.sh test [pytest flags]   the test suite (multi-rank tests run real gloo processes), ~1 hour on 2 cores
-#   ./run.sh test quick      the quick tier (tests/quick.txt), ~3.5 min;  ./run.sh test all: --heavy --parity-matrix
+#   ./run.sh test [pytest flags]   the default test suite (multi-rank tests run real gloo processes), ~12 min on 2 cores
+#   ./run.sh test quick|lessons|heavy|all   a tier: quick (tests/quick.txt, ~3.5 min), lessons (the notebooks and
+#                            checkers), heavy (more processes), all (default + lessons + heavy); README, "Tests"
 #   ./run.sh lessons         Jupyter on your copies of the lesson notebooks, runs/notebooks/ (lessons/ stays as
 #                            committed); --fresh: make every copy again; --prepare-only: the copies, no Jupyter
 #   ./run.sh figures         regenerate figures/ from real runs
@@ -61,11 +62,11 @@ setup() {
   echo "== set-up done; later runs skip it"
 }
 
-# ./run.sh test [quick|all] [pytest flags]: quick = the quick tier, all = every heavy case and the whole parity matrix.
+# ./run.sh test [quick|lessons|heavy|browser|all] [pytest flags]: one tier (tests/conftest.py's TIERS); none: the default.
 run_tests() {
   case "${1:-}" in
     quick) shift; set -- --quick "$@" ;;
-    all)   shift; set -- --heavy --parity-matrix "$@" ;;
+    default|lessons|heavy|browser|all) set -- "--tier=$1" "${@:2}" ;;  # one word: pytest would take lessons for a folder
   esac
   exec "$PY" -m pytest -q "$@"
 }

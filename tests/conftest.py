@@ -15,6 +15,7 @@ interrupted session ends is killed (every process it starts carries PICOTRON_TES
 """
 import importlib.util
 import os
+import re
 import signal
 import sys
 import threading
@@ -61,21 +62,54 @@ def run_notebook(monkeypatch):
     return run
 
 
-# The whole parity matrix (tests/test_parity_matrix.py) is opt-in: its covering subset runs by default.
-MATRIX_FLAG = "--parity-matrix"
+# ------------------------------------------------------------------------------------------------------ the tiers
+# Every test belongs to exactly one tier (README, "Tests"); `./run.sh test NAME` runs one, `./run.sh test all` every
+# one but the browser's. A test outside the tiers asked for is skipped, with the command that runs it, or, when the
+# default tier is not asked for either, left out of the run.
+TIERS = {
+    "default": "every module and strategy: each parity layout at 2-4 processes, every rule's message, the main job, "
+               "collectives, the NCCL replays, the lessons' experiments and each lesson's checker on its solutions",
+    "lessons": "the eleven notebooks executed in FAST mode, the exercise checkers on wrong answers, lessons under load",
+    "heavy": "more processes on the default tier's code paths: the whole parity matrix (up to 16 processes), every "
+             "schedule at pp = 4, 8-process collectives, more reshard pairs, the benchmarks' smoke runs",
+    "browser": "the lessons' widgets in JupyterLab and Notebook 7 in headless Chromium (needs chromium and playwright)",
+}
+ALL = ("default", "lessons", "heavy")  # `--tier all`; the browser tier needs a browser, so it is asked for by name
 
+# The lessons tier, by name, so that a new lesson's tests land in it without a marker: in tests/test_lessonNN.py the
+# notebook executions (test_notebook_*) and the checker runs (test_checker_*) but the one on the solutions; and every
+# test of tests/test_lesson_load.py (the timing checks under a competing load).
+LESSON_FILE = re.compile(r"tests/test_lesson\d\d\.py$")
+LESSONS_FILES = ("tests/test_lesson_load.py",)
+LESSONS_KEPT = ("test_checker_passes_the_solutions",)
 
-# Heavier cases of a few matrices (more processes, the same code paths as a default case) are opt-in too, so the
-# default suite stays near 30 minutes on a 2-core machine: `--heavy` runs them (`--heavy --parity-matrix`: everything).
-HEAVY_FLAG = "--heavy"
-
-
-# The quick tier: the tests listed in tests/quick.txt, 3.5 minutes on an idle 2-core machine (`./run.sh test quick`).
+# The quick tier: a list, not a tier of its own: tests/quick.txt, 3.5 minutes on an idle 2-core machine.
 QUICK_FLAG = "--quick"
 QUICK_LIST = os.path.join(ROOT, "tests", "quick.txt")
 
-# The browser tier (tests/test_browser.py, marked `browser`): skipped unless asked for, `pytest --browser tests/test_browser.py`.
-BROWSER_FLAG = "--browser"
+# Older spellings, kept: each adds its tier to those asked for.
+ADD_FLAGS = {"--heavy": "heavy", "--parity-matrix": "heavy", "--lessons": "lessons", "--browser": "browser"}
+BROWSER_FLAG, HEAVY_FLAG, MATRIX_FLAG = "--browser", "--heavy", "--parity-matrix"
+
+
+def tier_of(item):
+    """The one tier `item` belongs to: its marker (browser, heavy, parity_matrix, lessons), else its file and name."""
+    path, name = item.nodeid.split("::")[0], item.nodeid.split("::")[-1].split("[")[0]
+    if item.get_closest_marker("browser"):
+        return "browser"
+    if item.get_closest_marker("heavy") or item.get_closest_marker("parity_matrix"):
+        return "heavy"
+    if item.get_closest_marker("lessons") or path in LESSONS_FILES or LESSON_FILE.search(path) and (
+            name.startswith("test_notebook") or name.startswith("test_checker") and name not in LESSONS_KEPT):
+        return "lessons"
+    return "default"
+
+
+def chosen_tiers(config):
+    tiers = set()
+    for name in config.getoption("--tier") or ["default"]:
+        tiers |= set(ALL) if name == "all" else {name}
+    return tiers | {tier for flag, tier in ADD_FLAGS.items() if config.getoption(flag)}
 
 
 def quick_entries(path=None):
@@ -90,41 +124,40 @@ def _in_quick(nodeid, entry):
 
 
 def pytest_addoption(parser):
+    parser.addoption("--tier", action="append", choices=sorted(TIERS) + ["all"],
+                     help="run this tier (repeatable; default: default). " +
+                          "; ".join(f"{k}: {v}" for k, v in TIERS.items()) + "; all: default, lessons and heavy")
     parser.addoption(QUICK_FLAG, action="store_true", default=False,
                      help="run only the quick tier, the tests listed in tests/quick.txt (3.5 minutes on 2 idle cores)")
-    parser.addoption(HEAVY_FLAG, action="store_true", default=False,
-                     help="also run the heavier cases marked `heavy` (8-process collectives, every schedule at pp = 4, "
-                          "every ring-attention variant at every cp, three more checkpoint reshard pairs), whose code paths the "
-                          "default cases cover")
-    parser.addoption(BROWSER_FLAG, action="store_true", default=False,
-                     help="run the browser tier (tests/test_browser.py: JupyterLab and Notebook 7 in headless Chromium, ~2 minutes)")
-    parser.addoption(MATRIX_FLAG, action="store_true", default=False,
-                     help="run every variant of tests/test_parity_matrix.py (dp, pp, cp, tp in {1, 2}, sp, ZeRO-1, "
-                          "ep on the MoE preset; up to 16 processes), not only its default covering subset")
+    for flag, tier in ADD_FLAGS.items():
+        parser.addoption(flag, action="store_true", default=False, help=f"also run the {tier} tier (= --tier {tier})")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", f"heavy: a heavier case whose code paths a default case covers; runs with "
-                                       f"{HEAVY_FLAG}")
-    config.addinivalue_line("markers", f"parity_matrix: a parity-matrix variant outside the default subset; runs "
-                                       f"with {MATRIX_FLAG}")
-    config.addinivalue_line("markers", f"browser: drives Jupyter in headless Chromium; runs with {BROWSER_FLAG}")
-    config.addinivalue_line("markers", f"quick: in the quick tier (tests/quick.txt, {QUICK_FLAG}); set by conftest")
+    for marker in ("heavy", "parity_matrix"):
+        config.addinivalue_line("markers", f"{marker}: in the heavy tier ({TIERS['heavy']}); --tier heavy")
+    config.addinivalue_line("markers", f"lessons: in the lessons tier ({TIERS['lessons']}); --tier lessons")
+    config.addinivalue_line("markers", f"browser: in the browser tier ({TIERS['browser']}); --tier browser")
+    config.addinivalue_line("markers", f"quick: in the quick list (tests/quick.txt, {QUICK_FLAG}); set by conftest")
     _own_the_signals()
 
 
 def pytest_collection_modifyitems(config, items):
-    heavy = pytest.mark.skip(reason=f"a heavier case, covered by the default ones; runs with {HEAVY_FLAG}")
-    matrix = pytest.mark.skip(reason=f"the whole parity matrix runs with {MATRIX_FLAG} "
-                                     f"(python -m pytest tests/test_parity_matrix.py {MATRIX_FLAG})")
-    browser = pytest.mark.skip(reason=f"the browser tier runs with {BROWSER_FLAG}")
+    if config.getoption(QUICK_FLAG):  # the quick list is a selection of its own, whatever tier its tests are in
+        return _quick_tier(config, items)
+    tiers, dropped = chosen_tiers(config), []
     for item in items:
-        if item.get_closest_marker("browser") and not config.getoption(BROWSER_FLAG):
-            item.add_marker(browser)
-        if item.get_closest_marker("heavy") and not config.getoption(HEAVY_FLAG):
-            item.add_marker(heavy)
-        if item.get_closest_marker("parity_matrix") and not config.getoption(MATRIX_FLAG):
-            item.add_marker(matrix)
+        tier = tier_of(item)
+        if tier in tiers:
+            continue
+        if "default" in tiers:
+            item.add_marker(pytest.mark.skip(reason=f"in the {tier} tier: ./run.sh test {tier} (pytest --tier {tier})"))
+        else:
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = set(map(id, dropped))
+        items[:] = [item for item in items if id(item) not in gone]
     _quick_tier(config, items)
 
 

@@ -18,6 +18,7 @@ loss at cp 2; DeepSeek's at dp2 x cp2 x ep2); a resume whose routing biases come
 import pytest
 import torch
 from _parity import assert_matches, layout_grads
+from _reference import PARITY, single_process
 
 from picotron import expert_parallel, moe, nccl_rules
 from picotron.checkpoint import canonical
@@ -215,8 +216,7 @@ def test_expert_groups():
 
 
 # ------------------------------------------------------------------------------------------ the whole model
-SMALL = dict(preset="tiny-moe", seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, eval_every=3,
-             eval_batches=1, lr=3e-3, warmup_steps=2, steps=3, grad_clip=1.0)
+SMALL = dict(PARITY, preset="tiny-moe")
 
 
 def _model_child(layout, out, wrong_divisor=False):
@@ -240,11 +240,11 @@ def _model_child(layout, out, wrong_divisor=False):
     return grads, records, dict(summary, bias=bias)
 
 
-def _reference(tmp_path, layout):
+def _reference(layout):
     parallel = ("dp", "ep", "tp", "sp", "pp", "pp_schedule", "pp_chunks", "zero", "grad_acc", "cp")
     ref = {"grad_acc": layout.get("grad_acc", 1) * layout.get("dp", 1),
            **{k: v for k, v in layout.items() if k not in parallel}}  # the model's own settings (capacity, ...)
-    return run_on_ranks(_model_child, 1, ref, str(tmp_path / "ref"), timeout_s=120)[0]
+    return single_process(_model_child, ref, timeout_s=120)  # once per settings in the session (tests/_reference.py)
 
 
 def _check(tmp_path, layout, replay=False):
@@ -259,7 +259,7 @@ def _check(tmp_path, layout, replay=False):
         assert verdict.ok, f"{layout}: {verdict}"
     else:
         results = run_on_ranks(_model_child, world, layout, str(tmp_path / "ep"), timeout_s=300)
-    reference = _reference(tmp_path, layout)
+    reference = _reference(layout)
     assert_matches(results, reference, layout)
     return results, reference
 
@@ -336,7 +336,7 @@ def test_export_refuses_deepseek_routing(tmp_path, monkeypatch):
 def test_the_parity_check_catches_expert_gradients_divided_by_their_own_group():
     grads = run_on_ranks(_model_child, 2, dict(dp=2, ep=2), str(tmp_dir := __import__("tempfile").mkdtemp()), True,
                          timeout_s=120)
-    ref = _reference(__import__("pathlib").Path(tmp_dir), dict(dp=2))[0]
+    ref = _reference(dict(dp=2))[0]
     worst = max(((g[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for g, _, _ in grads for n in g
                 if ".experts." in n)
     assert worst > 0.5, worst

@@ -19,17 +19,17 @@ the validation loss too. One reference run per distinct reference (preset, grad_
 Default run: a covering subset (`DEFAULT`). The pairs of dimensions already active together elsewhere:
 dp·tp, dp·sp, tp·sp, tp·zero1, sp·zero1 (test_tensor_parallel); dp·zero1 (test_zero); pp·dp, pp·tp, pp·sp,
 pp·zero1 (test_pipeline_parallel); pp·zero2, pp·zero3 (test_zero); cp·dp, cp·tp, cp·sp, cp·pp, cp·zero1 (test_context_parallel); ep·dp, ep·tp,
-ep·sp, ep·zero1, ep·pp (test_expert_parallel) — every feasible pair, each in two or three dimensions. Here: the
-four-dimensional dp2·pp2·cp2·tp2 with sp and ZeRO-1 (16 processes: all 15 pairs of dp, pp, cp, tp, sp, zero1 in
-one run), the same without sp and ZeRO-1 (16 processes: the gradients synced by the data-parallel wrapper instead
-of reduce-scattered by ZeRO, tp's activations whole instead of sequence-split) and dp2·pp2·tp2 + ep2 + sp + ZeRO-1
-on the MoE model (8 processes: ep with each of dp, pp, tp, sp, zero1), so every pair of the seven dimensions but
-cp·ep is also covered in this file, at the highest dimension; cp·ep is in test_expert_parallel's default
-(dp2·cp2·ep2, with DeepSeek's router).
+ep·sp, ep·zero1, ep·pp (test_expert_parallel) — every feasible pair, each in two or three dimensions. Here, three
+eight-process variants, three of the four degrees at 2 in each, so every pair of the seven dimensions but cp·ep is
+also covered in this file: dp2·pp2·tp2 + ep2 + sp + ZeRO-1 on the MoE model (dp·pp, dp·tp, pp·tp, and ep, sp and
+zero1 with each of them and each other), dp2·cp2·tp2 + sp + ZeRO-1 (dp·cp, cp·tp, cp·sp, cp·zero1) and pp2·cp2·tp2 +
+sp (pp·cp) on the dense one; cp·ep is in test_expert_parallel's default (dp2·cp2·ep2, with DeepSeek's router). The
+16-process variants (all four degrees at once) run in the heavy tier with the rest of the matrix: on 2 cores each
+takes 35-50 s of the default tier's 12 minutes for no pair the three above miss.
 `test_default_subset_covers_every_pair` checks that.
 
-The whole matrix: `python -m pytest tests/test_parity_matrix.py --parity-matrix` (the option is in
-tests/conftest.py; without it the other variants are skipped with a reason that names it). With
+The whole matrix is in the heavy tier: `./run.sh test heavy tests/test_parity_matrix.py` (tests/conftest.py's tiers;
+in the default run the other variants are skipped with a reason that names it). With
 PICOTRON_MATRIX_OUT=path.json every variant that ran (and every refused one) becomes one row of a JSON table: layout,
 processes, passed, the worst gradient difference relative to its tensor's largest gradient, the worst share of
 the 1e-5 tolerance used by any gradient element, the worst relative difference of the loss, the gradient norm and
@@ -103,7 +103,7 @@ def refusal(layout):
 VARIANTS = variants()
 REFUSED = {name: why for name, why in ((n, refusal(layout)) for n, layout in VARIANTS) if why}
 RUNNABLE = [(name, layout) for name, layout in VARIANTS if name not in REFUSED]
-DEFAULT = {"dp2-pp2-cp2-tp2+sp+zero1", "dp2-pp2-cp2-tp2", "dp2-pp2-cp1-tp2+ep2+sp+zero1"}
+DEFAULT = {"dp2-pp2-cp1-tp2+ep2+sp+zero1", "dp2-pp1-cp2-tp2+sp+zero1", "dp1-pp2-cp2-tp2+sp"}  # 8 processes each
 
 
 # ------------------------------------------------------------------------------------ one variant's run
@@ -171,7 +171,7 @@ def write_table():
         return
     order = [name for name, _ in VARIANTS]
     rows = [ROWS[n] for n in order if n in ROWS]
-    meta = dict(command="PICOTRON_MATRIX_OUT=... python -m pytest tests/test_parity_matrix.py --parity-matrix",
+    meta = dict(command="PICOTRON_MATRIX_OUT=... python -m pytest tests/test_parity_matrix.py --tier=heavy",
                 settings=SMALL, torch=torch.__version__, python=platform.python_version(), cpu_cores=os.cpu_count(),
                 variants=len(VARIANTS), ran=sum(r["passed"] is not None for r in rows),
                 passed=sum(r["passed"] is True for r in rows), refused=sum(r["passed"] is None for r in rows),
@@ -238,4 +238,4 @@ def test_default_subset_covers_every_pair():
             together |= set(itertools.combinations(sorted(dims_on(layout)), 2))
     missing = set(itertools.combinations(sorted(DIMS), 2)) - together - {("cp", "ep")}
     assert not missing, missing
-    assert any(world_of(l) == 16 for n, l in RUNNABLE if n in DEFAULT)
+    assert max(world_of(l) for n, l in RUNNABLE if n in DEFAULT) == 8  # the 16-process runs are the heavy tier's

@@ -1,13 +1,16 @@
 """The suite's tiers and its stop button.
 
-Tiers (tests/conftest.py, README "Tests"): `./run.sh test quick` runs tests/quick.txt's list (3.5 minutes on 2 idle
-cores), `./run.sh test` the default suite, `./run.sh test all` everything (--heavy --parity-matrix). The quick list
-cannot go stale: every entry must name a test that collects.
+Tiers (tests/conftest.py's TIERS, README "Tests"): every test is in exactly one of default, lessons, heavy and browser.
+`./run.sh test` runs the default tier (12 minutes on 2 idle cores), `./run.sh test lessons` the notebooks and the
+checkers' runs on wrong answers, `./run.sh test heavy` the runs with more processes, `./run.sh test all` the three;
+`./run.sh test quick` runs tests/quick.txt's list (3.5 minutes). The quick list cannot go stale: every entry must name
+a test that collects. The tests below read the tiers off one real collection, so a tier cannot lose what it promises.
 
 Ctrl-C (SIGINT, sent to the whole process group as a terminal does) and SIGTERM (to pytest alone, as `kill` or a CI
 timeout does) end the run at once with pytest's KeyboardInterrupt summary, while a test is deep in a launch: processes
 from run_on_ranks, or a notebook whose cell runs torchrun. Nothing it started may be left running.
 """
+import json
 import os
 import signal
 import subprocess
@@ -17,13 +20,37 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, quick_entries
+from conftest import LESSONS_FILES, ROOT, quick_entries
 
 PROBE = "PICOTRON_SIGNAL_PROBE"  # set by the tests below for the pytest they start: where the probes say "ready"
 
+# A pytest plugin for the collection below: every test's tier and whether the quick list names it, as JSON.
+TIER_PROBE = """
+import json, os
+
+def pytest_collection_finish(session):
+    import conftest  # tests/conftest.py, imported by then
+    with open(os.environ["TIER_PROBE_OUT"], "w") as f:
+        json.dump({i.nodeid: [conftest.tier_of(i), bool(i.get_closest_marker("quick"))] for i in session.items}, f)
+"""
+
 
 # ------------------------------------------------------------------------------------------------------- tiers
-def test_every_quick_entry_names_a_test_and_every_strategy_has_one():
+@pytest.fixture(scope="module")
+def tiers(tmp_path_factory):
+    """{node id: (tier, in the quick list)} of every test, from one real collection of every tier."""
+    folder = tmp_path_factory.mktemp("tiers")
+    (folder / "tier_probe.py").write_text(TIER_PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]),
+           "TIER_PROBE_OUT": str(folder / "tiers.json")}
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-p", "tier_probe", "--tier=all", "--tier=browser"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return {k: tuple(v) for k, v in json.loads((folder / "tiers.json").read_text()).items()}
+
+
+def test_every_quick_entry_names_a_test_and_every_strategy_has_one(tiers):
     entries = quick_entries()
     assert len(entries) == len(set(entries)), "tests/quick.txt lists a test twice"
     for module in ("collectives", "config", "first_hour", "data_parallel", "zero", "tensor_parallel",
@@ -31,14 +58,31 @@ def test_every_quick_entry_names_a_test_and_every_strategy_has_one():
                    "model", "parallelize"):
         assert any(e.startswith(f"tests/test_{module}.py") for e in entries), f"the quick tier has no test_{module}"
     assert not any("notebook_runs" in e for e in entries), "a notebook takes a minute: not in the quick tier"
-    # collect the tier for real: a renamed or removed test is a usage error (conftest), not a silently smaller tier
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "--quick"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    collected = [line for line in out.stdout.splitlines() if "::" in line]
-    for entry in entries:
-        assert any(c == entry or c.startswith(entry + "::") or c.split("[")[0] == entry for c in collected), entry
-    assert len(collected) >= 60, len(collected)
+    for entry in entries:  # a renamed or removed test would shrink the list without anyone noticing
+        assert any(c == entry or c.startswith(entry + "::") or c.split("[")[0] == entry for c in tiers), entry
+    quick = [n for n, (tier, q) in tiers.items() if q]
+    assert len(quick) >= 60, len(quick)
+    assert not [n for n in quick if tiers[n][0] in ("heavy", "browser")], "the quick list is for a 2-core laptop"
+
+
+def test_the_tiers_hold_what_they_promise(tiers):
+    by_tier = {}
+    for node, (tier, _) in tiers.items():
+        by_tier.setdefault(tier, []).append(node)
+    assert set(by_tier) == {"default", "lessons", "heavy", "browser"}
+    default, lessons, heavy = (set(by_tier[t]) for t in ("default", "lessons", "heavy"))
+    # the eleven notebooks' executions, and the checkers' runs on wrong answers, are the lessons tier's
+    notebooks = [n for n in tiers if n.endswith("::test_notebook_runs_in_fast_mode")]
+    assert len(notebooks) == 11 and set(notebooks) <= lessons
+    assert not [n for n in default if "::test_checker_" in n and "passes_the_solutions" not in n]
+    # every lesson's checker still runs on its solutions by default (its exercises stay checked)
+    for nn in range(1, 12):
+        assert f"tests/test_lesson{nn:02d}.py::test_checker_passes_the_solutions" in default, nn
+    # no 16-process run by default: the matrix's four-degree variants are heavy
+    assert [n for n in heavy if "dp2-pp2-cp2-tp2" in n] and not [n for n in default if "dp2-pp2-cp2-tp2" in n]
+    # the same coverage: every test file with a test outside the lessons and browser tiers keeps one by default
+    files = {n.split("::")[0] for n in default | heavy} - set(LESSONS_FILES)
+    assert not files - {n.split("::")[0] for n in default}, files - {n.split("::")[0] for n in default}
 
 
 def test_a_stale_quick_entry_stops_the_quick_run(tmp_path, monkeypatch):
