@@ -55,7 +55,7 @@ def read_command(argv, place):
     `place`: what the launcher said (picotron.launch.place)."""
     cfg = runs.read_command(argv, place)
     try:
-        rules.validate(cfg, place.world_size, any_world_size=not place.launched)
+        rules.validate(cfg, place.world_size if place.launched else None, any_world_size=not place.launched)
     except config.ConfigError as e:
         runs.refuse(e, place.says)
     return cfg
