@@ -57,6 +57,8 @@ from torch import nn
 from picotron import hooks
 from picotron.config import CP_IMPLS as IMPLS, CP_LAYOUTS as LAYOUTS  # --cp-impl's and --cp-layout's values
 from picotron.model import AttentionCore, apply_rope
+# the bytes every core sends per step, and the KV heads Ulysses repeats, live with the other formulas (no torch there)
+from picotron.planner import cp_bytes_per_step as bytes_per_step_formula, ulysses_kv_heads  # noqa: F401
 # check(cfg, model_config), this strategy's rule, lives in picotron.rules: no torch there, so a refusal is instant
 from picotron.rules import context_parallel_rule as check
 
@@ -330,18 +332,12 @@ def heads_to_seq(y, axis, label="all-to-all out"):
     return got.transpose(0, 1).reshape(b, n * g, s // n, d)
 
 
-def ulysses_kv_heads(heads, kv_heads, cp):
-    """How many KV heads Ulysses sends: kv_heads when cp divides them, else the fewest copies (each KV head
-    repeated next to itself) that cp divides and that still group the query heads evenly: lcm(kv_heads, cp)."""
-    return kv_heads * cp // math.gcd(kv_heads, cp)
-
-
 def ulysses_attention(q, k, v, axis, layout, phases):
     """All-to-all q, k, v to the whole sequence of H/cp heads, causal attention, all-to-all back."""
     n, a, kh = axis.size, q.shape[1], k.shape[1]
     if a % n:
         raise ValueError(f"ulysses: {a} query heads on this rank do not split over cp={n}.")
-    copies = ulysses_kv_heads(a, kh, n) // kh
+    copies = ulysses_kv_heads(kh, n) // kh
     if copies > 1:  # GQA with fewer KV heads than cp divides: head i's copies serve its query heads
         k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
     q, k, v = (seq_to_heads(t, axis, f"all-to-all {what}") for t, what in ((q, "q"), (k, "k"), (v, "v")))
@@ -433,25 +429,3 @@ class WholeSequence(nn.Module):
     def forward(self, ids):
         with whole_sequence(self.model):
             return self.inner(ids)
-
-
-def bytes_per_step_formula(cp, b, seq_len, kv_heads, head_dim, layers, elem=4, impl="ring", micro_batches=1,
-                           heads=None):
-    """Bytes one rank sends per optimizer step for attention under cp (recomputation adds its forwards); the
-    head counts are this rank's (per tp rank).
-
-    A block is one rank's K and V: 2·b·kh·(s/cp)·d elements. ring: cp-1 blocks forward, cp-1 again in backward
-    (the ring is walked again rather than keeping every block), and cp dK/dV blocks, accumulated in fp32 (the
-    last one goes home); allgather: cp-1 blocks out in the gather and cp-1 gradient blocks in the reduce-scatter.
-    ulysses (needs `heads`, the query heads): four all-to-alls forward, of q, k, v and the output, each rank's
-    b·(s/cp)·d per head, of which (cp-1)/cp leave the rank: (2·a + 2·kh')·b·(s/cp)·d·(cp-1)/cp elements, kh' =
-    ulysses_kv_heads (the KV heads after replication); backward sends as much again."""
-    if impl == "ulysses":
-        kv = ulysses_kv_heads(heads, kv_heads, cp)
-        return layers * micro_batches * 2 * (2 * heads + 2 * kv) * b * (seq_len // cp) * head_dim * elem * (cp - 1) // cp
-    block = 2 * b * kv_heads * (seq_len // cp) * head_dim
-    if impl == "ring":
-        per_layer = block * (2 * (cp - 1) * elem + cp * max(elem, 4))
-    else:
-        per_layer = block * 2 * (cp - 1) * elem
-    return layers * micro_batches * per_layer

@@ -53,12 +53,7 @@ Korthikanti et al. (2022) count 34·sbh + 5·a·s²·b bytes per layer for GPT-3
 """
 import math
 
-from picotron.config import CP_IMPLS as TRAINER_CP_IMPLS, PP_SCHEDULES as TRAINER_PP_SCHEDULES, RECOMPUTE
-
-# What the planner models: the trainer's schedules and cp implementations (picotron.config), and DualPipe and Ulysses
-# by name whether or not this trainer has them yet (the layout check says when it does not: plan.trainer_problem).
-PP_SCHEDULES = tuple(dict.fromkeys(TRAINER_PP_SCHEDULES + ("dualpipe",)))
-CP_IMPLS = tuple(dict.fromkeys(TRAINER_CP_IMPLS + ("ulysses",)))
+from picotron.config import CP_IMPLS, PP_SCHEDULES, RECOMPUTE  # what the planner models: the trainer's own
 
 BYTES = {"fp32": 4, "bf16": 2}
 
@@ -83,13 +78,17 @@ def matmul_params_per_layer(mc) -> int:
     return 2 * h * h + 2 * h * kv + 3 * h * mc.intermediate_size
 
 
-def model_state_bytes(n_params, dtype="fp32", optimizer="adamw"):
-    """The textbook bytes of model states: fp32 4+4+8; bf16 mixed precision 2+2+(4 master + 8)."""
-    _check(dtype, "none", optimizer)
-    moments = 8 if optimizer == "adamw" else 0
-    if dtype == "fp32":
-        return {"params": 4 * n_params, "grads": 4 * n_params, "optimizer": moments * n_params}
-    return {"params": 2 * n_params, "grads": 2 * n_params, "optimizer": (4 + moments) * n_params}
+def model_state_bytes(n_params, dtype="fp32", optimizer="adamw", tensors=0):
+    """The textbook bytes of model states by the parameters' dtype: fp32 4+4+8; bf16 (or fp16) mixed precision
+    2+2+(4 master + 8). `tensors`: parameter tensors, each with AdamW's 4-byte step counter (what our trainer holds
+    on top; 0 leaves them out, as the textbook does)."""
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"dtype={dtype!r}; use 'fp32', 'bf16' or 'fp16'.")
+    _check("fp32", "none", optimizer)
+    P, G, K = RECIPES["ours" if dtype == "fp32" else "mixed"]
+    if optimizer != "adamw":  # plain SGD keeps no moments (nor a step counter), only the master copy
+        K, tensors = K - 8, 0
+    return {"params": P * n_params, "grads": G * n_params, "optimizer": K * n_params + 4 * tensors}
 
 
 def zero_model_state_bytes(n_params, zero=0, n=1, dtype="fp32", recipe="ours"):
@@ -103,12 +102,9 @@ def zero_model_state_bytes(n_params, zero=0, n=1, dtype="fp32", recipe="ours"):
     Padding (each unit rounded up to a multiple of n elements) and Adam's 4-byte step counters come on top."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero!r}; use 0, 1, 2 or 3.")
-    if recipe == "ours":
-        P, G, K = 4 * n_params, 4 * n_params, 8 * n_params
-    elif recipe == "mixed":
-        P, G, K = 2 * n_params, 2 * n_params, 12 * n_params
-    else:
-        raise ValueError(f"recipe={recipe!r}; use 'ours' or 'mixed'.")
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe={recipe!r}; use one of {', '.join(RECIPES)}.")
+    P, G, K = (x * n_params for x in RECIPES[recipe])
     return {"params": P / n if zero >= 3 else P, "grads": G / n if zero >= 2 else G, "optimizer": K / n if zero >= 1 else K}
 
 
@@ -175,13 +171,20 @@ def activation_bytes(mc, seq_len, micro_batch_size, dtype="fp32", recompute="non
             + model_level_activation_bytes(mc, seq_len, micro_batch_size, dtype, recompute))
 
 
-def korthikanti_bytes_per_layer(seq_len, micro_batch_size, hidden_size, num_heads, recompute="none"):
-    """Korthikanti et al. 2022 (GPT, pure bf16, dropout, 4h MLP): sbh(34 + 5as/h); selective drops the s²
-    term; full keeps 2sbh (the layer input)."""
-    s, b, h, a = seq_len, micro_batch_size, hidden_size, num_heads
+def korthikanti_bytes_per_layer(seq_len, micro_batch_size, hidden_size, num_heads, recompute="none", tp=1, sp=False,
+                                flash=False):
+    """Korthikanti et al. 2022 (GPT, pure bf16, dropout, 4h MLP), per layer and rank: sbh(34 + 5as/h); selective
+    drops the s² term, and so does flash=True (the s x s scores are never stored); full keeps 2sbh (the layer input).
+    With tensor parallelism over tp ranks sbh(10 + 24/tp + 5as/(h·tp)), and with sp as well sbh/tp·(34 + 5as/h)
+    (their Table 2); full recomputation with sp keeps 2sbh/tp."""
+    s, b, h, a, t = seq_len, micro_batch_size, hidden_size, num_heads, tp
     if recompute in ("full", "partitioned"):
-        return 2 * s * b * h
-    return 34 * s * b * h + (0 if recompute == "selective" else 5 * a * s * s * b)
+        return 2 * s * b * h / t if sp and t > 1 else 2 * s * b * h
+    flash = flash or recompute == "selective"
+    if t == 1:
+        return 34 * s * b * h + (0 if flash else 5 * a * s * s * b)
+    scores = 0 if flash else 5 * a * s / h
+    return s * b * h / t * (34 + scores) if sp else s * b * h * (10 + 24 / t + scores / t)
 
 
 def memory_estimate(model_config, seq_len, micro_batch_size, dtype="fp32", recompute="none", optimizer="adamw"):
@@ -196,13 +199,8 @@ def memory_estimate(model_config, seq_len, micro_batch_size, dtype="fp32", recom
     Temporaries (the logits before the loss, one layer's recomputation, kernels' workspaces) come on top.
     """
     _check(dtype, recompute, optimizer)
-    n = model_config.num_params()
-    out = {
-        "params": 4 * n,
-        "grads": 4 * n,
-        "optimizer": (8 * n + 4 * param_tensors(model_config)) if optimizer == "adamw" else 0,
-        "activations": activation_bytes(model_config, seq_len, micro_batch_size, dtype, recompute),
-    }
+    out = model_state_bytes(model_config.num_params(), "fp32", optimizer, tensors=param_tensors(model_config))
+    out["activations"] = activation_bytes(model_config, seq_len, micro_batch_size, dtype, recompute)
     out["total"] = sum(out.values())
     return out
 
@@ -415,9 +413,37 @@ def _layer_activations(mc, layout, seq_len, dtype):
 
 
 def ulysses_kv_heads(kv_heads, cp):
-    """KV heads per rank-group that Ulysses sends: cp must divide them, so fewer are repeated until it does (GQA):
-    lcm(kv_heads, cp) of this tp rank's KV heads."""
+    """How many KV heads Ulysses sends (this tp rank's): kv_heads when cp divides them, else the fewest copies (each
+    KV head repeated next to itself) that cp divides and that still group the query heads evenly: lcm(kv_heads, cp).
+    context_parallel.ulysses_attention repeats them so."""
     return math.lcm(kv_heads, cp)
+
+
+def ulysses_buffer_bytes(heads, kv_heads, cp, b, seq_len, head_dim, elem=4):
+    """The buffers of one layer's four forward all-to-alls on one rank (q, k, v, the output: this rank's s/cp tokens
+    of every head, `heads` query heads and ulysses_kv_heads KV heads): (2a + 2kh')·b·(s/cp)·d·elem bytes; (cp-1)/cp
+    of each leaves the rank, and the backward's four send as much again."""
+    return (2 * heads + 2 * ulysses_kv_heads(kv_heads, cp)) * b * (seq_len // cp) * head_dim * elem
+
+
+def cp_bytes_per_step(cp, b, seq_len, kv_heads, head_dim, layers, elem=4, impl="ring", micro_batches=1, heads=None):
+    """Bytes one rank sends per optimizer step for attention under cp (recomputation adds its forwards); the head
+    counts are this rank's (per tp rank). context_parallel's three cores send exactly this (lesson 06 counts it).
+
+    A block is one rank's K and V: 2·b·kh·(s/cp)·d elements. ring: cp-1 blocks forward, cp-1 again in backward
+    (the ring is walked again rather than keeping every block), and cp dK/dV blocks, accumulated in fp32 (the
+    last one goes home): 3cp - 2 messages per layer; allgather: cp-1 blocks out in the gather and cp-1 gradient
+    blocks in the reduce-scatter. ulysses (needs `heads`, the query heads): four all-to-alls forward, of q, k, v
+    and the output (`ulysses_buffer_bytes`), of which (cp-1)/cp leave the rank; backward sends as much again."""
+    if impl == "ulysses":
+        one = ulysses_buffer_bytes(heads, kv_heads, cp, b, seq_len, head_dim, elem)
+        return layers * micro_batches * 2 * one * (cp - 1) // cp
+    block = 2 * b * kv_heads * (seq_len // cp) * head_dim
+    if impl == "ring":
+        per_layer = block * (2 * (cp - 1) * elem + cp * max(elem, 4))
+    else:
+        per_layer = block * 2 * (cp - 1) * elem
+    return layers * micro_batches * per_layer
 
 
 def ulysses_extra_bytes(mc, layout, seq_len, elem):

@@ -47,10 +47,11 @@ def tensor_parallel_rule(cfg, model_config):
     return None
 
 
-def tp_shape_problem(mc, tp):
-    """Whether tp cuts the model's heads, KV heads, MLP columns and vocabulary into whole, equal slices."""
-    sizes = [("num_attention_heads", mc.num_attention_heads), ("num_key_value_heads", mc.num_key_value_heads),
-             ("intermediate_size", mc.intermediate_size), ("vocab_size", mc.vocab_size)]
+def tp_shape_problem(mc, tp, padded=False):
+    """Whether tp cuts the model's heads, KV heads, MLP columns and vocabulary into whole, equal slices; padded=True:
+    the heads only (a trainer that pads the MLP columns and the vocabulary to a multiple of tp, as Megatron-LM)."""
+    sizes = [("num_attention_heads", mc.num_attention_heads), ("num_key_value_heads", mc.num_key_value_heads)]
+    sizes += [] if padded else [("intermediate_size", mc.intermediate_size), ("vocab_size", mc.vocab_size)]
     good = "{" + ", ".join(str(d) for d in range(1, min(mc.num_attention_heads, 64) + 1)
                            if all(n % d == 0 for _, n in sizes)) + "}"
     if tp > mc.num_key_value_heads:
@@ -102,9 +103,6 @@ def pipeline_parallel_rule(cfg, model_config):
             return (f"pp_schedule='dualpipe' needs an even pp and an even grad_acc >= 2*pp (half the micro-batches "
                     f"enter at each end), got pp={cfg.pp}, grad_acc={cfg.grad_acc}; pass an even --pp and --grad-acc "
                     f"{max(2 * cfg.pp, cfg.grad_acc + cfg.grad_acc % 2)}.")
-        if cfg.zero:
-            return (f"zero={cfg.zero} with pp_schedule='dualpipe' is not supported (the two copies of a stage would "
-                    f"sum gradient shards cut at different places); drop --zero or pick another --pp-schedule.")
         v = 1  # as many stages as ranks
     if cfg.pp_schedule == "interleaved" and cfg.pp_chunks == 1:
         return ("pp_schedule='interleaved' with pp_chunks=1 is plain 1F1B; pass --pp-chunks 2 (or more) for "
@@ -127,8 +125,8 @@ def expert_parallel_rule(cfg, model_config):
     ep = cfg.ep
     E = model_config.num_local_experts
     if ep > 1 and not E:
-        return (f"ep={ep} needs a model with experts, but {cfg.preset!r} is dense; add --experts E (e.g. 4) or "
-                f"use --preset tiny-moe.")
+        return (f"ep={ep} needs a model with experts, but this one is dense (num_local_experts=0); add --experts E "
+                f"(e.g. 4) or use --preset tiny-moe.")
     if cfg.dp % ep or (E and E % ep):  # the experts are split over ep ranks carved out of the dp ranks
         broken = " and ".join(w for w, bad in ((f"dp={cfg.dp}", cfg.dp % ep), (f"the {E} experts", E and E % ep)) if bad)
         good = [d for d in range(1, cfg.dp + 1) if cfg.dp % d == 0 and (not E or E % d == 0)]
@@ -191,6 +189,16 @@ RULES = (tensor_parallel_rule, context_parallel_rule, pipeline_parallel_rule, ex
          kernels_rule)
 
 
+def padded_tp_rule(cfg, model_config):
+    """Tensor parallelism's rule for another trainer, which pads the MLP columns and the vocabulary: whole heads."""
+    return tp_shape_problem(model_config, cfg.tp, padded=True)
+
+
+# what the strategies' shapes need (heads, chunks, stages, experts) whoever's trainer runs them: the planner judges
+# published runs of other software by these
+SHAPE_RULES = (padded_tp_rule, context_parallel_rule, pipeline_parallel_rule, expert_parallel_rule)
+
+
 # ================================================================================ which strategies combine
 def combination_problem(cfg, mc):
     """Which strategies combine: a table of the pairs that do not (or that need each other), each with the
@@ -214,6 +222,9 @@ def combination_problem(cfg, mc):
         ("dp_impl=ddp", "pp", cfg.pp > 1 and cfg.dp_impl == "ddp",
          f"dp_impl='ddp' with pp={cfg.pp} is not supported (DDP needs each forward followed by its backward, a "
          f"pipeline interleaves micro-batches); use --dp-impl bucket."),
+        ("zero", "dualpipe", cfg.zero and cfg.pp > 1 and cfg.pp_schedule == "dualpipe",
+         f"zero={cfg.zero} with pp_schedule='dualpipe' is not supported (the two copies of a stage would sum gradient "
+         f"shards cut at different places); drop --zero or pick another --pp-schedule."),
         ("experts", "dualpipe", experts and cfg.pp > 1 and cfg.pp_schedule == "dualpipe",
          "experts with pp_schedule='dualpipe' are not supported yet (the two copies of each stage's experts and their "
          "routing statistics have no parity test); use --pp-schedule zb-v or 1f1b."),
@@ -234,6 +245,18 @@ def combination_problem(cfg, mc):
 
 
 # ========================================================================================= all of them
+def layout_problem(cfg, mc, trainer=True):
+    """The first broken rule of a layout's settings, or None, without config.check or the inputs: with `trainer`,
+    every rule `validate` applies to the strategies (RULES, then combination_problem), in its order; without, only
+    SHAPE_RULES: what another trainer of the same strategies faces too. The planner asks this, so it keeps no copy
+    of any rule."""
+    for rule in (RULES + (combination_problem,)) if trainer else SHAPE_RULES:
+        problem = rule(cfg, mc)
+        if problem:
+            return problem
+    return None
+
+
 def validate(cfg, world_size=None, any_world_size=False):
     """Raise ConfigError for the first broken rule, in one sentence, before any process group exists; `world_size`
     defaults to $WORLD_SIZE or 1. any_world_size=True: the processes are not started yet, the caller will start
@@ -241,10 +264,9 @@ def validate(cfg, world_size=None, any_world_size=False):
     if world_size is None:
         world_size = cfg.world_size if any_world_size else int(os.environ.get("WORLD_SIZE", "1"))
     mc = config.check(cfg)  # the settings themselves: names, ranges, the model's shape, faults, nodes
-    for rule in RULES + (combination_problem,):
-        problem = rule(cfg, mc)
-        if problem:
-            raise ConfigError(problem)
+    problem = layout_problem(cfg, mc)
+    if problem:
+        raise ConfigError(problem)
     _check_inputs(cfg, mc)
     # cuda + nccl with one GPU per process of this node, or cpu + gloo; never one for the other in silence
     local = cfg.world_size // cfg.nnodes if any_world_size else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

@@ -656,7 +656,7 @@ def _lesson():
 def _mistakes(L):
     """Planners that make one classic mistake each, with what to tell a learner whose answers match theirs."""
     mc, s, G, MiB = L.puzzle_model(), L.PUZZLE["seq_len"], L.PUZZLE["global_batch"], L.MiB
-    states = {t: sum(L.model_state_bytes(mc, t).values()) for t in L.valid_tps(mc)}
+    states = {t: sum(L.rank_state_bytes(mc, t).values()) for t in L.valid_tps(mc)}
 
     def planner(held=lambda t, sp, b: L.rank_bytes(mc, t, sp, b), allowed=lambda t, sp, b: True,
                 key=lambda x: (x[0], -x[2], x[1])):
@@ -683,7 +683,7 @@ def _mistakes(L):
                         "activations (lesson.activation_bytes)"),
         "activations only": (planner(held=lambda t, sp, b: L.activation_bytes(mc, s, b, t, sp)),
                              "you left out the model states: parameters, gradients and AdamW's moments "
-                             "(lesson.model_state_bytes), 16 bytes per parameter a rank holds"),
+                             "(lesson.rank_state_bytes), 16 bytes per parameter a rank holds"),
     }
 
 

@@ -131,7 +131,7 @@ def plan(budget_mib):
         tp                 the tensor-parallel degree, one the model allows (lesson.valid_tps(mc))
         sp                 sequence parallelism, on top of tp > 1
         micro_batch_size   b, a divisor of 8: each step accumulates 8 / b micro-batches (the same training)
-    No rank may hold more than budget_mib MiB (2**20 bytes): its model states (lesson.model_state_bytes(mc, tp),
+    No rank may hold more than budget_mib MiB (2**20 bytes): its model states (lesson.rank_state_bytes(mc, tp),
     params + grads + optimizer) plus the activations autograd keeps for backward (lesson.activation_bytes(mc,
     seq_len, micro_batch_size, tp, sp): the lesson measured both exactly). Think about how many micro-batches'
     activations are alive at once.

@@ -34,6 +34,10 @@ from picotron.config import Config  # noqa: E402
 from picotron.mesh import Axis, Mesh, grid_coords, group_ranks  # noqa: E402
 from picotron.model import Llama, ModelConfig  # noqa: E402
 from picotron.parallelize import parallelize  # noqa: E402
+# With sp, the copies of a block's all-gathered input [b, s, h] autograd keeps: our all-gather returns a transposed
+# view and F.linear keeps a contiguous copy of it per projection reading it (q, k, v; gate, up): 3 and 2. Without sp
+# they share the norm's output: 1 and 1. (The memory experiment measures which is the case.)
+from picotron.planner import SP_INPUT_COPIES  # noqa: E402
 from picotron.train import load_data, train  # noqa: E402
 
 # SIZES["small"]: the tiny preset widened (3.3 M parameters), as in lessons 03 and 04: 8 heads, 4 KV heads, so tp = 1,
@@ -115,20 +119,15 @@ def params_per_rank(mc, tp):
 
 
 # ------------------------------------------------------------------------------------------- formulas
-def model_state_bytes(mc, tp, recipe="ours"):
-    """Model-state bytes per rank. "ours": fp32 params 4 + grads 4 + AdamW 8 per parameter + AdamW's 4-byte step
-    per tensor (what our trainer holds); "mixed": the textbook bf16 recipe 2 + 2 + 12 (docs/reference.md)."""
+def rank_state_bytes(mc, tp, recipe="ours"):
+    """Model-state bytes per rank (planner.model_state_bytes of the parameters a rank holds). "ours": fp32 params 4
+    + grads 4 + AdamW 8 per parameter + AdamW's 4-byte step per tensor (what our trainer holds); "mixed": the
+    textbook bf16 recipe 2 + 2 + 12 (docs/reference.md)."""
     n = params_per_rank(mc, tp)
     if recipe == "mixed":
-        return dict(planner.model_state_bytes(n, "bf16"))
-    b = planner.model_state_bytes(n, "fp32")
-    return b | {"optimizer": b["optimizer"] + 4 * planner.param_tensors(mc)}
+        return planner.model_state_bytes(n, "bf16")
+    return planner.model_state_bytes(n, "fp32", tensors=planner.param_tensors(mc))
 
-
-# With sp, the copies of a block's all-gathered input [b, s, h] autograd keeps: our all-gather returns a transposed
-# view and F.linear keeps a contiguous copy of it per projection reading it (q, k, v; gate, up). Without sp they
-# share the norm's output: 1 and 1. (The memory experiment measures which is the case.)
-SP_INPUT_COPIES = {"attention": 3, "mlp": 2}
 
 
 def activation_parts(mc, seq_len, micro_batch_size, tp=1, sp=False):
@@ -162,20 +161,13 @@ def replicated_and_sharded(mc, seq_len, micro_batch_size, sp=False):
     return 2 * four - two, 4 * (two - four)
 
 
-def korthikanti_bytes_per_layer(s, b, h, a, tp=1, sp=False, flash=False):
-    """Korthikanti et al. 2022 (GPT, bf16, dropout, 4h MLP), per layer and rank: sbh(10 + 24/t + 5as/(ht)); with
-    sp sbh/t (34 + 5as/h). flash=True drops the 5as/h term (the s x s scores are never stored)."""
-    scores = 0 if flash else 5 * a * s / h
-    return s * b * h / tp * (34 + scores) if sp else s * b * h * (10 + 24 / tp + scores / tp)
-
-
 def memory_per_rank(mc, tp, sp=False, seq_len=4096, micro_batch_size=1, flash=True):
     """The widget's bytes per rank: model states (mixed precision, 16 per parameter held) + the layers'
     activations (Korthikanti's bf16 formula x L). Raises ValueError for a tp the model does not allow."""
     _require(mc, tp)
-    out = model_state_bytes(mc, tp, recipe="mixed")
-    out["activations"] = mc.num_hidden_layers * korthikanti_bytes_per_layer(
-        seq_len, micro_batch_size, mc.hidden_size, mc.num_attention_heads, tp, sp, flash)
+    out = rank_state_bytes(mc, tp, recipe="mixed")
+    out["activations"] = mc.num_hidden_layers * planner.korthikanti_bytes_per_layer(
+        seq_len, micro_batch_size, mc.hidden_size, mc.num_attention_heads, tp=tp, sp=sp, flash=flash)
     return out | {"total": sum(out.values())}
 
 
@@ -202,7 +194,7 @@ def puzzle_model():
 
 def rank_bytes(mc, tp, sp, micro_batch_size, seq_len=PUZZLE["seq_len"]):
     """The puzzle's bytes per rank: model states + ONE micro-batch's activations (each freed in its backward)."""
-    return sum(model_state_bytes(mc, tp).values()) + activation_bytes(mc, seq_len, micro_batch_size, tp, sp)
+    return sum(rank_state_bytes(mc, tp).values()) + activation_bytes(mc, seq_len, micro_batch_size, tp, sp)
 
 
 def layouts(mc, global_batch=PUZZLE["global_batch"]):
@@ -381,7 +373,7 @@ def exp_memory(mesh, st, out):
         mc, sp = v.run.raw.config, v.cfg.sp
         rows.append(dict(name=v.name, sp=sp, parts_by_rank=gather(v.parts, mesh), states_by_rank=gather(v.states, mesh),
                          schedule_by_rank=gather(v.activation_bytes, mesh), formula=activation_parts(mc, s, b, t, sp),
-                         formula_total=activation_bytes(mc, s, b, t, sp), formula_states=model_state_bytes(mc, t),
+                         formula_total=activation_bytes(mc, s, b, t, sp), formula_states=rank_state_bytes(mc, t),
                          params_per_rank=sum(p.numel() for p in v.run.raw.parameters())))
         say(mesh, f"{v.name:<10} rank 0: activations {v.parts['total'] / MiB:6.2f} MiB (formula "
                    f"{rows[-1]['formula_total'] / MiB:6.2f}, the step schedule's count {v.activation_bytes / MiB:6.2f}) | "
@@ -466,7 +458,7 @@ def exp_grid(mesh, st, out, micro_batch_size=2, global_batch=8):
               states={k: summary["mem"][k] for k in PARTS})
     return dict(config=kw | dict(seq_len=cfg.seq_len, global_batch=loader.global_batch), ranks=gather(me, mesh),
                 losses=losses, groups={a: group_ranks(mesh.sizes, a) for a in ("tp", "dp")},
-                tp_alone_states=model_state_bytes(cfg.model_config(), tp))  # tp without ZeRO, for comparison
+                tp_alone_states=rank_state_bytes(cfg.model_config(), tp))  # tp without ZeRO, for comparison
 
 
 def exp_partitioned(mesh, st, out, lo=2, hi=4):
@@ -654,7 +646,7 @@ def plot_activations(results, mc, seq_len, micro_batch_size):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw=dict(width_ratios=[1, 1.5]))
     grid, (s, b, h, a) = [1, 2, 3, 4, 6, 8], (seq_len, micro_batch_size, mc.hidden_size, mc.num_attention_heads)
     one, k1 = (sum(activation_parts(mc, s, b, 1)["per layer"].values()),
-               korthikanti_bytes_per_layer(s, b, h, a, 1, False, flash=True))
+               planner.korthikanti_bytes_per_layer(s, b, h, a, flash=True))
     rows = [r for t in sorted(results) for r in results[t]["rows"]]
     for sp, color in ((False, "#4c72b0"), (True, "#c44e52")):
         ts = [t for t in grid if t > 1 or not sp]
@@ -663,8 +655,9 @@ def plot_activations(results, mc, seq_len, micro_batch_size):
         ax1.plot(*zip(*meas), "o", color=color, ms=7, label="measured" + " + sp" * sp)
         ax1.plot(ts, [sum(activation_parts(mc, s, b, t, sp)["per layer"].values()) / MiB for t in ts], "-",
                  color=color, lw=1, label="our formula" + " + sp" * sp)
-        ax1.plot(ts, [one * korthikanti_bytes_per_layer(s, b, h, a, t, sp, flash=True) / k1 / MiB for t in ts], ":",
-                 color=color, lw=1.5, label="Korthikanti" + " + sp" * sp + " (scaled)")
+        korthikanti = [planner.korthikanti_bytes_per_layer(s, b, h, a, tp=t, sp=sp, flash=True) for t in ts]
+        ax1.plot(ts, [one * k / k1 / MiB for k in korthikanti], ":", color=color, lw=1.5,
+                 label="Korthikanti" + " + sp" * sp + " (scaled)")
     ax1.set(xlabel="tp", ylabel="MiB per layer per rank", title="one layer's activations, per rank", xticks=grid)
     legend_below(ax1, ncol=2, dy=-0.18)
     _pairs(ax2, rows, lambda r: r["parts_by_rank"][0]["per layer"], lambda r: r["formula"]["per layer"], LAYER_PARTS)
@@ -838,7 +831,7 @@ def plot_puzzle(mc=None, budgets=PUZZLE["budgets_mib"]):
     mc, ls = mc or puzzle_model(), layouts(mc or puzzle_model())
     fig, ax = plt.subplots(figsize=(13, 3.8))
     for x, (t, sp, b) in enumerate(ls):
-        _bars(ax, x, {"model states": sum(model_state_bytes(mc, t).values()) / MiB,
+        _bars(ax, x, {"model states": sum(rank_state_bytes(mc, t).values()) / MiB,
                       "activations": activation_bytes(mc, PUZZLE["seq_len"], b, t, sp) / MiB},
               hatch="//" if sp else None, label=x == 0)
     for y in budgets:

@@ -90,7 +90,7 @@ def plan(budget_mib):
     mc, batch, seq = lesson.puzzle_model(), lesson.PUZZLE["global_batch"], lesson.PUZZLE["seq_len"]
     fits = []
     for tp in lesson.valid_tps(mc):
-        states = sum(lesson.model_state_bytes(mc, tp).values())
+        states = sum(lesson.rank_state_bytes(mc, tp).values())
         for sp in (False, True) if tp > 1 else (False,):
             for b in [b for b in range(1, batch + 1) if batch % b == 0]:
                 # one micro-batch's activations: accumulation frees each one's in its backward

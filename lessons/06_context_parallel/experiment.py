@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from picotron import context_parallel as cpm, data_parallel, hooks, marks, metrics, parallelize as par  # noqa: E402
+from picotron import planner  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
 from picotron.model import ModelConfig, rope_cos_sin  # noqa: E402
 from picotron.train import load_data, train  # noqa: E402
@@ -446,8 +447,7 @@ def ulysses_forward_bytes(mc, b, s, cp, elem=4):
     """The buffers of one layer's four forward all-to-alls on one rank (q, k, v, out: this rank's s/cp tokens of
     every head, a query heads and kh' = ulysses_kv_heads KV heads): (2a + 2kh')·b·(s/cp)·d·elem; (cp-1)/cp of it
     leaves the rank, and the backward sends as much again."""
-    kv = cpm.ulysses_kv_heads(mc.num_attention_heads, mc.num_key_value_heads, cp)
-    return (2 * mc.num_attention_heads + 2 * kv) * b * (s // cp) * mc.head_dim * elem
+    return planner.ulysses_buffer_bytes(mc.num_attention_heads, mc.num_key_value_heads, cp, b, s, mc.head_dim, elem)
 
 
 def exp_ulysses(mesh, st, out):
