@@ -51,8 +51,8 @@ def reads(path):
 
 
 def test_the_environment_and_argv_are_read_at_the_edges_only():
-    stray = [f"picotron/{p.name}:{line}: {what}" for p in sorted(PICOTRON.glob("*.py"))
-             if p.name not in EDGES | NOT_YET for line, what in reads(p)]
+    stray = [f"picotron/{name}:{line}: {what}" for p in sorted(PICOTRON.rglob("*.py"))
+             if (name := p.relative_to(PICOTRON).as_posix()) not in EDGES | NOT_YET for line, what in reads(p)]
     assert not stray, ("read the environment or sys.argv at the edges (picotron.config, picotron.launch.place, a "
                        "`__main__` block) and pass the value down:\n" + "\n".join(stray))
     assert all((PICOTRON / name).exists() for name in EDGES | NOT_YET)  # (a renamed file must be renamed here too)
