@@ -31,7 +31,6 @@ combine (`combination_problem`, one table), then the data, the checkpoint to res
 in picotron.rules, which imports no torch: the trainer refuses a bad command before torch loads.
 """
 import json
-import os
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -218,14 +217,15 @@ def describe(cfg, mesh):
 # (rules.RULES), combination_problem and validate are in picotron.rules, which imports no torch (a refusal is instant)
 
 
-def cli(argv=None, world_size=None, any_world_size=False):
-    """config.parse_args + validate; a bad setting prints 'picotron: error: <one sentence>' and exits with status 2."""
+def cli(argv=None, world_size=None, any_world_size=False, says=True):
+    """config.parse_args + validate; a bad setting prints 'picotron: error: <one sentence>' and exits with status 2.
+    says=False: another process says it (under torchrun every rank finds the same error: rank 0 alone says it)."""
     try:
         cfg = config.parse_args(argv)
         validate(cfg, world_size, any_world_size)
         return cfg
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same error: say it once
+        if says:
             print(f"picotron: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -16,7 +16,6 @@ Why a module of its own: the strategies' modules import torch, which takes secon
 and a refusal should take a blink. Nothing here imports torch, except where a rule needs it: counting the GPUs
 for several processes on --device auto or cuda, --kernels triton, and a Hugging Face tokenizer (transformers).
 """
-import os
 
 from picotron import config, runs, text
 from picotron.config import ConfigError
@@ -257,19 +256,21 @@ def layout_problem(cfg, mc, trainer=True):
     return None
 
 
-def validate(cfg, world_size=None, any_world_size=False):
-    """Raise ConfigError for the first broken rule, in one sentence, before any process group exists; `world_size`
-    defaults to $WORLD_SIZE or 1. any_world_size=True: the processes are not started yet, the caller will start
-    cfg.world_size of them."""
+def validate(cfg, world_size=None, any_world_size=False, per_node=None):
+    """Raise ConfigError for the first broken rule, in one sentence, before any process group exists.
+    `world_size`: the processes the launcher started (default 1: a process on its own); `per_node`: those on this
+    machine (default: all of them). any_world_size=True: the processes are not started yet, the caller will start
+    cfg.world_size of them, cfg.nnodes machines' worth. The caller reads the launcher's numbers (launch.place) and
+    passes them: this module reads no environment."""
     if world_size is None:
-        world_size = cfg.world_size if any_world_size else int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = cfg.world_size if any_world_size else 1
     mc = config.check(cfg)  # the settings themselves: names, ranges, the model's shape, faults, nodes
     problem = layout_problem(cfg, mc)
     if problem:
         raise ConfigError(problem)
     _check_inputs(cfg, mc)
     # cuda + nccl with one GPU per process of this node, or cpu + gloo; never one for the other in silence
-    local = cfg.world_size // cfg.nnodes if any_world_size else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local = cfg.world_size // cfg.nnodes if any_world_size else per_node or world_size
     problem = device_problem(local, cfg.device)
     if problem:
         raise ConfigError(problem)

@@ -55,7 +55,8 @@ def read_command(argv, place):
     `place`: what the launcher said (picotron.launch.place)."""
     cfg = runs.read_command(argv, place)
     try:
-        rules.validate(cfg, place.world_size if place.launched else None, any_world_size=not place.launched)
+        rules.validate(cfg, place.world_size if place.launched else None, any_world_size=not place.launched,
+                       per_node=place.per_node() if place.launched else None)
     except config.ConfigError as e:
         runs.refuse(e, place.says)
     return cfg

@@ -10,6 +10,9 @@ the sessions that quote its ratios. (kernels_bench.py runs in one process.)
 Time: at --smoke a benchmark's own work takes about a second; what is left is starting the processes (torchrun and
 2 ranks importing torch: about 20 s on a loaded 2-core machine). Every timeout here is a hang guard, far above that,
 never a speed requirement: a busy machine must not fail these tests by time alone.
+
+Tiers: the two-rank benchmarks (torchrun's start, about 20 s each) and the torch.compile one (a minute of cold
+compiling) are the heavy tier's, `./run.sh test heavy`; the kernels' benchmark without compile stays in the default one.
 """
 import os
 import subprocess
@@ -31,6 +34,7 @@ def newer(feature, *values):
     return pytest.param(*values, marks=pytest.mark.skipif(why is not None, reason=why or ""))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("script,args,expect", [
     ("dp_vs_ddp.py", [], "throughput / DDP's: median"),
     newer("fsdp2", "zero_vs_fsdp.py", [], "our throughput / FSDP2's: median"),
@@ -60,10 +64,11 @@ def test_kernels_benchmark_runs():
     assert "--compile vs plain" not in out, out[-2000:]
 
 
+@pytest.mark.heavy
 def test_kernels_benchmark_compiles():
     """The torch.compile variants too: fused RMSNorm/SwiGLU and the model with --compile and --kernels compile. About
-    a minute on a loaded 2-core machine with a cold compile cache (compiling, not the tiny work); in the default tier
-    all the same: it is the only test of the whole model under --compile."""
+    a minute on a loaded 2-core machine with a cold compile cache (compiling, not the tiny work): the heavy tier's.
+    tests/test_kernels.py compiles the fused kernels on their own by default."""
     out = kernels_bench()
     for expect in ("compile throughput / plain's: median", "--compile vs plain fp32", "--kernels compile vs plain"):
         assert expect in out, out[-2000:]

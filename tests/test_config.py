@@ -49,11 +49,11 @@ def test_world_size_must_equal_product_of_degrees():
     validate(Config(dp=2, tp=2), 4)  # the matching world size is fine
 
 
-def test_world_size_defaults_to_env(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "3")
+def test_the_world_size_is_the_launchers():
+    """validate reads no environment: the launcher's numbers come in as arguments (train.read_command passes
+    launch.place's); without them a process is on its own."""
     with pytest.raises(ConfigError, match="world size 3"):
-        validate(Config())
-    monkeypatch.delenv("WORLD_SIZE")
+        validate(Config(), 3)
     validate(Config())
 
 
@@ -287,15 +287,22 @@ def test_more_processes_than_gpus_is_refused_before_torchrun_starts(monkeypatch)
     validate(Config(dp=2), any_world_size=True)  # no GPU at all: cpu + gloo, silently (a laptop)
 
 
-def test_under_torchrun_the_node_is_local_world_size(monkeypatch):
+def test_under_torchrun_the_node_is_local_world_size(monkeypatch, capsys, tmp_path):
     """Plain `torchrun --nproc_per_node 2 -m picotron.train --dp 2` on a one-GPU machine: every worker validates
-    with LOCAL_WORLD_SIZE before Mesh.init; rank 0 prints the sentence."""
+    with LOCAL_WORLD_SIZE (launch.place reads it, train.read_command passes it) before Mesh.init; rank 0 prints the
+    sentence."""
+    from picotron import launch, train
+
     _gpus(monkeypatch, 1)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert "2 processes per node need 2 GPUs" in error_of(dp=2, world_size=None)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two nodes of one process: one GPU each is enough
-    validate(Config(dp=2))
+    with pytest.raises(ConfigError, match="2 processes per node need 2 GPUs"):
+        validate(Config(dp=2), 2, per_node=2)
+    validate(Config(dp=2), 2, per_node=1)  # two nodes of one process: one GPU each is enough
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    with pytest.raises(SystemExit):
+        train.read_command(["--dp", "2", "--out", str(tmp_path / "a")], launch.place(env))
+    assert "2 processes per node need 2 GPUs" in capsys.readouterr().err
+    one_each = launch.place({**env, "LOCAL_WORLD_SIZE": "1"})
+    assert train.read_command(["--dp", "2", "--out", str(tmp_path / "b")], one_each).dp == 2
 
 
 def test_node_rules():

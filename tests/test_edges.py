@@ -16,9 +16,6 @@ from picotron.messages import resume_hint
 
 PICOTRON = pathlib.Path(__file__).resolve().parent.parent / "picotron"
 EDGES = {"config.py", "launch.py", "data.py"}  # data.py: HF_HUB_OFFLINE and HF_ENDPOINT, Hugging Face's own
-# Not yet moved, in files other helpers own this pass: rules.validate's WORLD_SIZE / LOCAL_WORLD_SIZE (its caller
-# could pass them: train.read_command passes the world size already) and parallelize.cli's RANK.
-NOT_YET = {"rules.py", "parallelize.py"}
 
 
 def _main_blocks(tree):
@@ -52,10 +49,10 @@ def reads(path):
 
 def test_the_environment_and_argv_are_read_at_the_edges_only():
     stray = [f"picotron/{name}:{line}: {what}" for p in sorted(PICOTRON.rglob("*.py"))
-             if (name := p.relative_to(PICOTRON).as_posix()) not in EDGES | NOT_YET for line, what in reads(p)]
+             if (name := p.relative_to(PICOTRON).as_posix()) not in EDGES for line, what in reads(p)]
     assert not stray, ("read the environment or sys.argv at the edges (picotron.config, picotron.launch.place, a "
                        "`__main__` block) and pass the value down:\n" + "\n".join(stray))
-    assert all((PICOTRON / name).exists() for name in EDGES | NOT_YET)  # (a renamed file must be renamed here too)
+    assert all((PICOTRON / name).exists() for name in EDGES)  # (a renamed file must be renamed here too)
 
 
 def test_the_checker_finds_a_read(tmp_path):
