@@ -163,8 +163,8 @@ class MoE(nn.Module):
         self.bias_update_speed = config.bias_update_speed
         self.gate = nn.Linear(h, E, bias=False)
         self.experts = Experts((i, Expert(h, config.expert_size)) for i in range(E))
-        if config.n_shared_experts:
-            self.shared_experts = Expert(h, config.expert_size * config.n_shared_experts)
+        # (None: a plain attribute, so the state dict has no entry; declared, so no one has to ask whether it exists)
+        self.shared_experts = Expert(h, config.expert_size * config.n_shared_experts) if config.n_shared_experts else None
         if self.bias_update_speed:  # not in state_dict (not a weight of HF's files); checkpoints save it themselves
             self.register_buffer("e_score_correction_bias", torch.zeros(E), persistent=False)
         self.exchange = None  # expert parallelism: .dispatch(rows, counts) -> (rows, counts, ctx); .combine(rows, ctx)
@@ -193,7 +193,7 @@ class MoE(nn.Module):
         order = order[:out.shape[0]]  # the kept choices (a shape: known on the host, no sync)
         out = (out * weights.flatten()[order, None].to(out.dtype)).to(flat.dtype)
         y = torch.zeros_like(flat).index_add(0, order // self.k, out)  # the combine: back to token order
-        if hasattr(self, "shared_experts"):  # every token, unweighted
+        if self.shared_experts is not None:  # every token, unweighted
             y = y + self.shared_experts(flat)
         if self.training:  # the statistics of training steps only (not of evaluation or text sampling)
             routed = torch.bincount(chosen, minlength=self.num_experts)

@@ -400,7 +400,7 @@ def _moe(moe, axis, sp, column, row, kw):
     all-reduce; the block's output (the weighted sum of partial expert outputs) leaves the tp region once, so
     the router's gradient is partial too (`PartialGradLinear`), and so is the auxiliary loss's: the step
     engine's `aux_weight` is divided by tp (every tp rank adds the same aux). Shared experts (DeepSeek) alike."""
-    for expert in [*moe.experts.values(), *([moe.shared_experts] if hasattr(moe, "shared_experts") else [])]:
+    for expert in [*moe.experts.values(), *([moe.shared_experts] if moe.shared_experts is not None else [])]:
         _swap(expert, "w1", column(expert.w1, enter=False))
         _swap(expert, "w3", column(expert.w3, enter=False))
         _swap(expert, "w2", row(expert.w2, leave=False))
