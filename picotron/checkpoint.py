@@ -1,26 +1,8 @@
 """Checkpoints: sharded, atomic, asynchronous if asked, and loadable into any other layout.
 
-What a step's checkpoint holds, `OUT/checkpoints/step_000120/`:
-
-    config.json            the run's settings (model, layout, seed, batch)
-    rank_00003.pt          rank 3's tensors: each slice it is the one holder of (values + Adam's moments),
-                           its RNG state
-    rank_00003.json        rank 3's index: for each slice, where it sits in the full tensor
-
-An index entry says `name` (the parameter's name in the whole model, the same in every layout: the layers
-keep their global numbers, experts theirs), `shape` (the full tensor's), `offsets` and `box` (the corner and
-shape of this rank's tensor-parallel or expert slice) and `flat` (ZeRO: the elements [a, b) of that box,
-flattened, that this rank's optimizer piece holds; null otherwise):
-
-    layers.0.mlp.down_proj.weight  shape [64, 128]  offsets [0, 64]  box [64, 64]  flat [1024, 3072]
-      = full[0:64, 64:128].flatten()[1024:3072]       (tp rank 1 of 2, dp rank 1 of a ZeRO over 2)
-
-Each element of the model is written exactly once: a rank writes a slice only where it is the first holder
-of those values (`marks.counted_here`: coordinate 0 along every dimension the slice is replicated over).
-
-Loading into another layout (resharding, `picotron.reshard`) needs nothing else: the new layout's ranks compute
-the same (name, offsets, box, flat) of every tensor THEY hold and cut their slices out of the full tensors the
-pieces assemble into.
+The files (what a step's folder holds, and the index that makes any layout able to load it) are
+picotron.checkpoint_format's; level 1 (node-local copies) is picotron.checkpoint_local's; loading, into this layout
+or another, is picotron.reshard's.
 
 Atomic. Every rank writes into `step_000120.tmp/` (each file as `.part`, flushed and fsync'ed, then renamed);
 after a barrier rank 0 renames the folder to `step_000120/`, then replaces the pointer `latest` (written to
@@ -53,58 +35,21 @@ checks it sees that folder (`agreed_latest`). Either failure is one sentence on 
 import glob
 import json
 import os
-import re
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from picotron import marks
+# Slice, canonical and placements (the index) and Local (level 1) are also reachable from here, where readers of
+# an older picotron found them
+from picotron.checkpoint_format import Slice, canonical, fsync_dir, index_text, placements, write_atomic  # noqa: F401
+from picotron.checkpoint_local import Local  # noqa: F401
 from picotron.runs import latest, resume_notes, resume_problem, step_dir, step_of  # noqa: F401 (see 'folders')
-
-
-# ------------------------------------------------------------------------------------------- the index
-@dataclass(frozen=True)
-class Slice:
-    """Where one tensor a rank holds sits in the full model."""
-    name: str               # the parameter's name in the whole model
-    shape: tuple            # the full tensor's shape
-    offsets: tuple          # the corner of this rank's box (tensor-parallel slice) in the full tensor
-    box: tuple              # the box's shape
-    flat: tuple = None      # ZeRO: [a, b) of the flattened box held by this piece; None: the whole box
-
-    def cut(self, full):
-        """This slice of `full` (a tensor of `shape`)."""
-        region = full[tuple(slice(o, o + n) for o, n in zip(self.offsets, self.box))]
-        return region if self.flat is None else region.reshape(-1)[self.flat[0]:self.flat[1]]
-
-
-def canonical(name):
-    """A parameter's name in the whole model: a pipeline stage's chunk prefix removed."""
-    return re.sub(r"^chunks\.\d+\.", "", name)
-
-
-def placements(run):
-    """[(tensor, Slice)] for every tensor the optimizer updates on this rank (ZeRO: its pieces; under a master copy
-    the fp32 masters, so a resume is exact), in the optimizer's order. Read off each tensor's placement
-    (picotron.marks): a master's `master_for`, a piece's `flat`, a slice's `shape` and `offsets`, a pipeline's copy
-    of a tied embedding (`copy_of`: it holds embed_tokens.weight)."""
-    names = {p: canonical(n) for n, p in run.raw.named_parameters()}
-    out = []
-    for q in run.params:
-        where, flat = marks.placement(q), None
-        base = q if where.master_for is None else where.master_for  # an fp32 master saves for its parameter
-        if where.flat is not None:
-            base, at, n = where.flat
-            flat = (at, at + n)
-        whole = marks.placement(base)
-        name = whole.copy_of or names[base]
-        out.append((q, Slice(name, whole.shape, whole.offsets, tuple(base.shape), flat)))
-    return out
 
 
 # ------------------------------------------------------------------------------------------ folders
@@ -153,29 +98,6 @@ def agreed_latest(out, mesh):
         raise NotShared(f"{_who(blind)} not see {folder} that rank 0 resumes from: every node must see the same "
                         f"checkpoint folder (a shared filesystem), or copy it there.")
     return folder
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path, write):
-    """write(f) into path + '.part', flush and fsync it, then rename it to path."""
-    with open(path + ".part", "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
-
-
-def _index_text(meta, index):
-    """A rank's .json: its meta (without the RNG states and buffers), then one slice per line."""
-    info = {k: v for k, v in meta.items() if "rng" not in k and k != "buffers"}
-    return json.dumps(info)[:-1] + ', "slices": [\n' + ",\n".join(json.dumps(e) for e in index) + "\n]}\n"
 
 
 # ------------------------------------------------------------------------------------------- saving
@@ -238,7 +160,7 @@ class Saver:
         probe = os.path.join(self.root, ".shared-probe")
         if self.mesh.rank == 0:
             os.makedirs(self.root, exist_ok=True)
-            _write_atomic(probe, lambda f: f.write(token[0].encode()))
+            write_atomic(probe, lambda f: f.write(token[0].encode()))
         self._barrier()
         try:
             with open(probe) as f:
@@ -306,7 +228,7 @@ class Saver:
         os.makedirs(tmp, exist_ok=True)
         base = os.path.join(tmp, f"rank_{self.mesh.rank:05d}")
         if self.mesh.rank == 0:
-            _write_atomic(os.path.join(tmp, "config.json"),
+            write_atomic(os.path.join(tmp, "config.json"),
                           lambda f: f.write(json.dumps(self.cfg.to_dict(), indent=1).encode()))
 
         def write_tensors(f):
@@ -314,9 +236,9 @@ class Saver:
             if self.on_write is not None:
                 f.flush()
                 self.on_write(step)  # a fault injected here dies with the file half written
-        _write_atomic(base + ".pt", write_tensors)
-        text = _index_text(meta, index)
-        _write_atomic(base + ".json", lambda f: f.write(text.encode()))  # one slice per line
+        write_atomic(base + ".pt", write_tensors)
+        text = index_text(meta, index)
+        write_atomic(base + ".json", lambda f: f.write(text.encode()))  # one slice per line
         self._barrier()  # every rank's files are complete
         if self.mesh.rank == 0:
             self._commit(tmp, final)
@@ -330,20 +252,13 @@ class Saver:
             self.local.forget_after(self, step)
 
     def _commit(self, tmp, final):
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
         os.replace(tmp, final)
         pointer = os.path.join(self.root, "latest")
-        _write_atomic(pointer, lambda f: f.write(os.path.basename(final).encode()))
-        _fsync_dir(self.root)
+        write_atomic(pointer, lambda f: f.write(os.path.basename(final).encode()))
+        fsync_dir(self.root)
         done = sorted(d for d in glob.glob(os.path.join(self.root, "step_*")) if not d.endswith(".tmp"))
         for old in done[:-self.keep] if self.keep > 0 else []:
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
-
-
-def __getattr__(name):  # level 1 moved to picotron.checkpoint_local; its names still answer here
-    if name in ("Local", "local_of", "agreed_local", "load_local", "LOCAL_KEEP", "LOCAL_HELD"):
-        from picotron import checkpoint_local
-        return getattr(checkpoint_local, name)
-    raise AttributeError(f"module 'picotron.checkpoint' has no attribute {name!r}")

@@ -21,8 +21,9 @@ the peer (one batch of messages), writes it again and loads it, and a peer copy 
 second lost node is survived too); else level 2 (resharded if the layout changed; level 1 needs the same layout,
 the same model and the same run).
 
-The Saver (picotron.checkpoint) writes level 1 when asked (`saver.save(step, run, level=1)`) through its `Local`;
-the format is level 2's (picotron.checkpoint: `snapshot` with every tensor, `_index_text`), in one folder per node.
+The Saver (picotron.checkpoint) writes level 1 when asked (`saver.save(step, run, level=1)`) through its `Local`,
+handing over its `snapshot` with every tensor; the files are level 2's (picotron.checkpoint_format), in one folder
+per node.
 """
 import glob
 import io
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from picotron import p2p
-from picotron.checkpoint import _index_text, _write_atomic, placements
+from picotron.checkpoint_format import index_text, placements, write_atomic
 from picotron.runs import step_of
 
 LOCAL_KEEP = 2  # level-1 steps each node keeps (the newest: a crash during one write leaves the one before)
@@ -84,7 +85,7 @@ class Local:
         rank = saver.mesh.rank
         buf = io.BytesIO()
         torch.save({"tensors": tensors, "meta": meta}, buf)
-        shard = (buf.getvalue(), _index_text({**meta, "run": self.run}, index).encode())
+        shard = (buf.getvalue(), index_text({**meta, "run": self.run}, index).encode())
         folder = self.folder(rank, step)
         os.makedirs(folder, exist_ok=True)
         _write_shard(folder, rank, *shard, on_write=None if saver.on_write is None else lambda: saver.on_write(step))
@@ -144,8 +145,8 @@ def _write_shard(folder, rank, data, index, on_write=None):
         if on_write is not None:
             f.flush()
             on_write()  # a fault injected here dies with the file half written
-    _write_atomic(base + ".pt", write_data)
-    _write_atomic(base + ".json", lambda f: f.write(index))
+    write_atomic(base + ".pt", write_data)
+    write_atomic(base + ".json", lambda f: f.write(index))
 
 
 def _transfer(group, send_to=None, parts=(), recv_from=None, count=2):

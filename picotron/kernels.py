@@ -67,8 +67,9 @@ import torch
 import torch.nn.functional as F
 
 from picotron.config import KERNELS
-# check(cfg, model_config), the kernels' rule, lives in picotron.rules: no torch there, so a refusal is instant
-from picotron.rules import kernels_rule as check
+
+# The kernels' rule (picotron.rules.kernels_rule, checked before any process starts) asks `triton_runs_on` below
+# whether this machine runs them; this module imports nothing of the rules, so the two stay out of a circle.
 
 try:
     import triton
