@@ -28,8 +28,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 # The rank processes of run_on_ranks fork from a server that has imported torch; within one test session the
-# project's code does not change, so the server imports picotron's modules once too (picotron.launch._context).
-os.environ.setdefault("PICOTRON_PRELOAD", "picotron.train,picotron.nccl_rules,picotron.collectives")
+# project's code does not change, so the server imports picotron's modules once too (picotron.launch._context),
+# and picotron.warm does there what each rank process would do first.
+os.environ.setdefault("PICOTRON_PRELOAD", "picotron.train,picotron.nccl_rules,picotron.collectives,picotron.warm")
 # run_on_ranks' hang guard for tests that name none: far above any such test's time on a loaded 2-core machine, so
 # a slow machine never fails a test by time alone (tests of the timeout itself pass their own, small, timeout_s).
 os.environ.setdefault("PICOTRON_RANK_TIMEOUT_S", "300")
