@@ -202,8 +202,8 @@ def _context(start_method=None):
     ctx = mp.get_context(method)
     if method == "forkserver":
         extra = [m for m in os.environ.get("PICOTRON_PRELOAD", "").split(",") if m]
-        # torch._dynamo too: building a model on the meta device imports it (nn.init's normal_ goes through
-        # torch._refs there), 1.7 s of each process's start on a 2-core machine, out of 2.4 s for a 3-step run
+        # torch._dynamo too: torch.optim's constructor imports it (and so does nn.init's normal_ on the meta
+        # device), 1.7 s of each process's start on a 2-core machine, out of 2.4 s for a 3-step run
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"]
                                    + [m for m in ("numpy", "pytest") if m in sys.modules] + extra)
     return ctx
