@@ -68,9 +68,10 @@ def run_notebook(monkeypatch):
 # one but the browser's. A test outside the tiers asked for is skipped, with the command that runs it, or, when the
 # default tier is not asked for either, left out of the run.
 TIERS = {
-    "default": "every module and strategy: each parity layout at 2-4 processes, every rule's message, the main job, "
-               "collectives, the NCCL replays, the lessons' experiments and each lesson's checker on its solutions",
-    "lessons": "the eleven notebooks executed in FAST mode, the exercise checkers on wrong answers, lessons under load",
+    "default": "every module and strategy: each parity layout at 2-4 processes (three at 8), every rule's message, "
+               "the main job, collectives, the NCCL replays, the lessons' experiments' own functions",
+    "lessons": "the eleven notebooks executed in FAST mode, the exercise checkers on the solutions and on wrong "
+               "answers, the lessons under load",
     "heavy": "more processes on the default tier's code paths: the whole parity matrix (up to 16 processes), every "
              "schedule at pp = 4, 8-process collectives, more reshard pairs, the benchmarks' smoke runs",
     "browser": "the lessons' widgets in JupyterLab and Notebook 7 in headless Chromium (needs chromium and playwright)",
@@ -78,11 +79,11 @@ TIERS = {
 ALL = ("default", "lessons", "heavy")  # `--tier all`; the browser tier needs a browser, so it is asked for by name
 
 # The lessons tier, by name, so that a new lesson's tests land in it without a marker: in tests/test_lessonNN.py the
-# notebook executions (test_notebook_*) and the checker runs (test_checker_*) but the one on the solutions; and every
+# notebook executions (test_notebook_*) and the checker runs (test_checker_*); and every
 # test of tests/test_lesson_load.py (the timing checks under a competing load).
 LESSON_FILE = re.compile(r"tests/test_lesson\d\d\.py$")
 LESSONS_FILES = ("tests/test_lesson_load.py",)
-LESSONS_KEPT = ("test_checker_passes_the_solutions",)
+LESSONS_KEPT = ()  # (each lesson's checker on its solutions is the lessons tier's too: 10-20 s each)
 
 # The quick tier: a list, not a tier of its own: tests/quick.txt, 3.5 minutes on an idle 2-core machine.
 QUICK_FLAG = "--quick"

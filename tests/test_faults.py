@@ -48,6 +48,7 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path):
     assert seconds < 240  # a hang guard below the collective timeout (300 s): the job did not wait for it
 
 
+@pytest.mark.heavy  # the heavy tier: 30 s of random kills; the default tier kills at fixed steps (the same restart paths)
 def test_faults_at_random_steps_finish_with_the_uninterrupted_losses(tmp_path):
     """dp2 + ZeRO-1, 10 steps, a checkpoint every 2: two kills at random steps (random ranks) and one during a
     checkpoint write; torchrun restarts three times, each attempt resumes from the newest complete checkpoint, and

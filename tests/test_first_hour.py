@@ -299,6 +299,7 @@ def _finish(*procs, timeout=240):
                 os.killpg(p.pid, signal.SIGKILL)
 
 
+@pytest.mark.heavy  # the heavy tier: test_checkpoint's agreed resume covers the check by default
 def test_two_nodes_resume_only_from_a_folder_both_see(tmp_path):
     """Two launchers on this machine play two nodes (torchrun's static rendezvous, --node-rank), each in its own
     folder, --out relative: node 0 has a checkpoint, node 1 does not see it. Rank 0 picks it, rank 1 says it does

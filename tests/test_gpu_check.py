@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
@@ -18,6 +20,7 @@ def run(*args, timeout=170):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.heavy  # the heavy tier: a whole subprocess run of every recipe (18 s)
 def test_cpu_smoke_prints_one_table_and_writes_it(tmp_path):
     proc = run("--cpu-smoke", "--only", "main,nccl,tests", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

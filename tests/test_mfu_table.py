@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "mfu_table.py"
 
@@ -22,6 +24,7 @@ def test_without_a_gpu_it_says_so_and_exits_0():
     assert out.returncode == 0 and "torch sees no CUDA GPU" in out.stdout, out.stdout + out.stderr
 
 
+@pytest.mark.heavy  # the heavy tier: a subprocess training both loops (14 s)
 def test_cpu_smoke_runs_ours_and_the_transformers_loop(tmp_path):
     out = run("--cpu-smoke", "--only", "bf16,hf", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr

@@ -107,6 +107,7 @@ def test_model_states_are_the_formulas_bytes(dtype):
     assert sum(want.values()) == 16 * n
 
 
+@pytest.mark.heavy  # the heavy tier: 20 s to show what loss scaling is for; the scaled recipe's tests stay by default
 def test_fp16_without_loss_scaling_loses_the_small_gradients():
     """One step's gradient of the tiny model in fp16 over 8,192 tokens (4 micro-batches of 16 x 128): the mean
     loss makes each token's share of a gradient ~1/8192 of it, below fp16's smallest normal 6.1e-5, where fp16
@@ -189,8 +190,9 @@ def _layout_child(dtype, layout, out, steps):
         return [r["loss"] for r in read_metrics(out)[0]] if mesh.rank == 0 else None
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2, zero=1), dict(dp=2, zero=3), dict(tp=2, sp=True),
-                                    dict(pp=2, grad_acc=2), dict(cp=2)],
+@pytest.mark.parametrize("layout", [dict(dp=2, zero=1), pytest.param(dict(dp=2, zero=3), marks=pytest.mark.heavy),
+                                    dict(tp=2, sp=True), pytest.param(dict(pp=2, grad_acc=2), marks=pytest.mark.heavy),
+                                    dict(cp=2)],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_bf16_params_under_every_strategy_follows_one_process(tmp_path, layout):
     """bf16 parameters with each strategy against the one-process bf16-params run on the same global batch:

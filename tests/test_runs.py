@@ -139,6 +139,7 @@ def test_several_nodes_and_torchrun_must_name_one_folder(tmp_path):
     assert proc.returncode == 2 and "under torchrun the 2 processes must write one folder" in one_sentence(proc.stderr)
 
 
+@pytest.mark.heavy  # the heavy tier: tests/test_hf_files.py exports and loads by default
 def test_the_main_jobs_model_exports_and_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch

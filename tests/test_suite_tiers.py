@@ -74,10 +74,9 @@ def test_the_tiers_hold_what_they_promise(tiers):
     # the eleven notebooks' executions, and the checkers' runs on wrong answers, are the lessons tier's
     notebooks = [n for n in tiers if n.endswith("::test_notebook_runs_in_fast_mode")]
     assert len(notebooks) == 11 and set(notebooks) <= lessons
-    assert not [n for n in default if "::test_checker_" in n and "passes_the_solutions" not in n]
-    # every lesson's checker still runs on its solutions by default (its exercises stay checked)
-    for nn in range(1, 12):
-        assert f"tests/test_lesson{nn:02d}.py::test_checker_passes_the_solutions" in default, nn
+    assert not [n for n in default if "::test_checker_" in n]
+    for nn in range(1, 12):  # every lesson's checker on its solutions, in the lessons tier
+        assert f"tests/test_lesson{nn:02d}.py::test_checker_passes_the_solutions" in lessons, nn
     # no 16-process run by default: the matrix's four-degree variants are heavy
     assert [n for n in heavy if "dp2-pp2-cp2-tp2" in n] and not [n for n in default if "dp2-pp2-cp2-tp2" in n]
     # the same coverage: every test file with a test outside the lessons and browser tiers keeps one by default
@@ -166,8 +165,10 @@ def _probe_processes(folder):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc") or not hasattr(os, "killpg"), reason="needs Linux's /proc")
-@pytest.mark.parametrize("probe_name,sig", [("ranks", signal.SIGINT), ("notebook", signal.SIGINT),
-                                            ("ranks", signal.SIGTERM), ("notebook", signal.SIGTERM)],
+@pytest.mark.parametrize("probe_name,sig", [("ranks", signal.SIGINT),
+                                            pytest.param("notebook", signal.SIGINT, marks=pytest.mark.heavy),
+                                            pytest.param("ranks", signal.SIGTERM, marks=pytest.mark.heavy),
+                                            ("notebook", signal.SIGTERM)],
                          ids=["ranks-SIGINT", "notebook-SIGINT", "ranks-SIGTERM", "notebook-SIGTERM"])
 def test_a_signal_ends_the_run(tmp_path, probe_name, sig):
     """pytest on a test that waits deep in a launch: the signal ends the run in seconds, as interrupted (exit status
