@@ -354,7 +354,9 @@ for r in rows:
               f"measured {r['bubble']:.1%}, formula {r['formula_costs']:.1%}"
               + (f" (with t_F = t_B = t_W: {r['formula']:.1%})" if zb else "") + ", simulated with the measured costs "
               f"{r['sim_measured']:.1%} (disturbance {r['disturbance']:.1%}, spread {r['spread']:.1%}, other programs "
-              f"{r['busy']:.0%} of the cores)", busy=_common.busy_reason(r["busy"], what="during the kept step"))
+              f"{r['busy']:.0%} of the cores)", busy=_common.busy_reason(r["busy"], what="during the kept step") or (
+                  f"one kind of action took {r['spread']:.0%} more or less time from one to the next (spread), more than "
+                  "the 5 points allowed: the formula assumes each costs the same" if r["spread"] > 0.05 else None))
 for name in (n for n in lesson.FORMULA if any(r["name"] == n for r in rows)):
     rs = sorted((r for r in rows if r["name"] == name), key=lambda r: r["m"])
     check(f"{lesson.LABELS[name]}: the bubble shrinks as m grows (measured)", rs[-1]["bubble"] < rs[0]["bubble"],
