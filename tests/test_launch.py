@@ -219,10 +219,10 @@ def test_a_worker_killed_by_a_signal_keeps_its_last_words(tmp_path):
 def test_run_torchrun_timeout_kills_the_workers(tmp_path):
     script, pid_file = tmp_path / "hang.py", tmp_path / "pid"
     script.write_text(SCRIPT_HANG)
-    # 20 s: far above torchrun's start-up (it imports torch: ~3 s idle, ~10 s on a loaded 2-core machine), so the
+    # 15 s: above torchrun's start-up (it imports torch: ~3 s idle, ~10 s on a loaded 2-core machine), so the
     # worker has written its pid before the timeout stops it
-    with pytest.raises(TorchrunError, match="still running after 20 s: hang?"):
-        run_torchrun(str(script), 1, [str(pid_file)], timeout_s=20)
+    with pytest.raises(TorchrunError, match="still running after 15 s: hang?"):
+        run_torchrun(str(script), 1, [str(pid_file)], timeout_s=15)
     pid = int(pid_file.read_text())
     for _ in range(50):  # the worker was signalled; give the kernel a moment to reap it
         if not _alive(pid):

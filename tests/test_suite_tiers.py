@@ -165,7 +165,7 @@ def _probe_processes(folder):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc") or not hasattr(os, "killpg"), reason="needs Linux's /proc")
-@pytest.mark.parametrize("probe_name,sig", [("ranks", signal.SIGINT),
+@pytest.mark.parametrize("probe_name,sig", [pytest.param("ranks", signal.SIGINT, marks=pytest.mark.heavy),
                                             pytest.param("notebook", signal.SIGINT, marks=pytest.mark.heavy),
                                             pytest.param("ranks", signal.SIGTERM, marks=pytest.mark.heavy),
                                             ("notebook", signal.SIGTERM)],
