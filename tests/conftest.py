@@ -3,10 +3,10 @@
 Multi-rank tests use `picotron.launch.run_on_ranks`; the functions they run on each rank must live at
 module level in a test file (children import them by name), and the children inherit this sys.path.
 
-Three tiers (README, "Tests"): `--quick` runs the tests listed in tests/quick.txt (3.5 minutes on an idle 2-core
-machine: each strategy's fastest parity test, the configuration messages, collectives, a few NCCL replays, no
-notebook); no flag, the default suite; `--heavy --parity-matrix`, everything. Apart from them, `--browser` runs
-tests/test_browser.py (the lessons' widgets in headless Chromium; needs chromium and playwright, .ci/run installs them).
+The tiers (README, "Tests"; `TIERS` below): every test is in one of default, lessons, heavy and browser, and
+`--tier=NAME` (repeatable; `all` = default, lessons and heavy) runs those; no flag, the default tier. `--quick` runs
+the list in tests/quick.txt (3.5 minutes on an idle 2-core machine: each strategy's fastest parity test, the
+configuration messages, collectives, a few NCCL replays, no notebook), whatever tier each of its tests is in.
 
 Ctrl-C (SIGINT) stops the run at once with pytest's KeyboardInterrupt summary, and so does SIGTERM (turned into a
 KeyboardInterrupt here): the running test's launches stop their processes (picotron.launch; a notebook's kernel is
@@ -91,7 +91,6 @@ QUICK_LIST = os.path.join(ROOT, "tests", "quick.txt")
 
 # Older spellings, kept: each adds its tier to those asked for.
 ADD_FLAGS = {"--heavy": "heavy", "--parity-matrix": "heavy", "--lessons": "lessons", "--browser": "browser"}
-BROWSER_FLAG, HEAVY_FLAG, MATRIX_FLAG = "--browser", "--heavy", "--parity-matrix"
 
 
 def tier_of(item):
