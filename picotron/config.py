@@ -105,6 +105,14 @@ class Config:
                           "the parameters; 0 = plain data parallelism", ZERO_STAGES)
     sp: bool = option(False, "sequence parallelism on top of --tp: the norms and the activations between the "
                              "tensor-parallel blocks are split along the sequence over the tp ranks")
+    dp_shard: int = option(0, "HSDP, hybrid sharded data parallelism, with --zero: ZeRO shards over groups of dp_shard "
+                              "consecutive dp ranks (with their cp ranks) and the dp/dp_shard groups are replicas that "
+                              "all-reduce their gradient shards; 0 = one group of all dp ranks (plain ZeRO)")
+    async_tp: bool = option(False, "async tensor parallelism with --sp: each block's all-gather before its column-"
+                                   "parallel matmuls and reduce-scatter after its row-parallel one cut into tp ring "
+                                   "steps, each overlapped with the partial matmul of a chunk that has arrived")
+    ep_overlap: bool = option(False, "with --ep: each micro-batch's routed tokens cut in two parts, one part's "
+                                     "all-to-alls travelling while the other part's experts compute")
     pp_schedule: str = option("1f1b", "pipeline schedule with --pp: all forwards then all backwards (afab), one "
                                       "forward one backward (1f1b), 1f1b over --pp-chunks chunks per rank "
                                       "(interleaved), zero bubble at 1f1b's memory (zb-h1), zero bubble with two "
@@ -251,6 +259,11 @@ class Config:
         return self.dp * self.grad_acc * self.micro_batch_size
 
     @property
+    def dp_replicate(self):
+        """HSDP's replicas: the dp ranks cut into groups of dp_shard (0: one group, plain ZeRO)."""
+        return self.dp // self.dp_shard if self.dp_shard else 1
+
+    @property
     def tokens_per_step(self):
         return self.global_batch_size * self.seq_len
 
@@ -362,7 +375,7 @@ def _check_positive(cfg):
                 "grad_acc": 1, "log_every": 1, "timeout_s": 1, "seed": 0, "save_every": 0, "warmup_steps": 0,
                 "keep_checkpoints": 0, "max_restarts": 0, "local_save_every": 0, "ranks_per_node": 0,
                 "eval_every": 0, "eval_batches": 0, "sample_tokens": 0, "experts": 0, "top_k": 1, "shared_experts": 0,
-                "expert_size": 0}
+                "expert_size": 0, "dp_shard": 0}
     at_least.update({k: 1 for k in MODEL_FIELDS})
     for name, low in at_least.items():
         value = getattr(cfg, name)

@@ -130,10 +130,12 @@ class Exchange:
         return AllToAll.apply(source_major, send, recv, self.axis, self, "combine")
 
 
-def apply(model, axis, cp=None):
+def apply(model, axis, cp=None, overlap=False):
     """Keep this rank's experts in every MoE layer of `model` (on the meta device, before init), place them over
     ("ep",) and give each layer the `Exchange` over `axis` (the mesh's ep axis); with `cp` (the mesh's cp axis,
     size > 1) each layer's routing statistics are summed over it. ep = cp = 1: nothing changes."""
+    if overlap:
+        raise NotImplementedError("expert all-to-alls under compute: being built (issue 43)")
     for layer in model.layers:
         moe = layer.feed_forward
         if not isinstance(moe, MoE):

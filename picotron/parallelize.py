@@ -88,9 +88,9 @@ def build_model(cfg, mesh, store=None):
     def whole():
         with torch.device("meta"):
             model = Llama(mc)
-        tensor_parallel.apply(model, mesh.tp, sp=cfg.sp)  # a no-op when tp = 1
+        tensor_parallel.apply(model, mesh.tp, sp=cfg.sp, overlap=cfg.async_tp)  # a no-op when tp = 1
         context_parallel.apply(model, mesh.cp, impl=cfg.cp_impl, layout=cfg.cp_layout)  # a no-op when cp = 1
-        expert_parallel.apply(model, mesh.ep, mesh.cp)  # a no-op when ep = cp = 1
+        expert_parallel.apply(model, mesh.ep, mesh.cp, overlap=cfg.ep_overlap)  # a no-op when ep = cp = 1
         return model
 
     plan = pipeline_schedule(cfg, mesh.pp.size)

@@ -215,6 +215,29 @@ def combination_problem(cfg, mc):
         ("zero", "needs dp", cfg.zero and dp == 1,
          f"zero={cfg.zero} with dp=1 has nothing to shard over (ZeRO splits the model states over the data-parallel "
          f"ranks); add --dp 2 or more, or drop --zero."),
+        ("dp_shard", "needs zero", cfg.dp_shard and not cfg.zero,
+         f"dp_shard={cfg.dp_shard} without --zero has nothing to shard (HSDP shards ZeRO's model states within groups "
+         f"of dp_shard ranks and replicates them across the groups); add --zero 1, 2 or 3, or drop --dp-shard."),
+        ("dp_shard", "divides dp", cfg.dp_shard and cfg.dp % cfg.dp_shard,
+         f"dp_shard={cfg.dp_shard} does not divide dp={cfg.dp} (HSDP cuts the dp ranks into equal groups of dp_shard "
+         f"that each hold one sharded copy); pick dp_shard in "
+         f"{{{', '.join(str(d) for d in range(1, cfg.dp + 1) if cfg.dp % d == 0)}}}."),
+        ("dp_shard", "something to shard", cfg.dp_shard == 1 and cfg.cp == 1 and cfg.zero,
+         f"dp_shard=1 with cp=1 leaves ZeRO one rank per group, nothing to shard (every rank a full replica: plain "
+         f"data parallelism); pick dp_shard of 2 or more, or drop --zero and --dp-shard."),
+        ("dp_shard", "ep", cfg.dp_shard and cfg.ep > 1,
+         f"dp_shard={cfg.dp_shard} with ep={cfg.ep} is not supported yet (the experts' replicas, the edp axis, are not "
+         f"cut into shard and replicate groups); drop --dp-shard or use --ep 1."),
+        ("async_tp", "needs tp", cfg.async_tp and cfg.tp == 1,
+         "--async-tp with tp=1 has no tensor-parallel collective to overlap; add --tp 2 or more with --sp, or drop "
+         "--async-tp."),
+        ("async_tp", "needs sp", cfg.async_tp and not cfg.sp,
+         "--async-tp decomposes sequence parallelism's all-gather and reduce-scatter into ring steps under the matmuls "
+         "(without --sp tensor parallelism all-reduces, which has no chunk to start on early; torchtitan and Megatron "
+         "also require it); add --sp, or drop --async-tp."),
+        ("ep_overlap", "needs ep", cfg.ep_overlap and cfg.ep == 1,
+         "--ep-overlap with ep=1 has no all-to-all to overlap (every expert is on this rank); add --ep 2 or more "
+         "(with a mixture-of-experts model), or drop --ep-overlap."),
         ("sp", "needs tp", cfg.sp and cfg.tp == 1,
          "--sp with tp=1 does nothing (sequence parallelism splits what tensor parallelism leaves replicated over "
          "the tp ranks); add --tp 2 or more, or drop --sp."),

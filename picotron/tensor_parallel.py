@@ -347,8 +347,10 @@ def _swap(parent, name, new):
     setattr(parent, name, new)
 
 
-def apply(model, axis, sp=False):
+def apply(model, axis, sp=False, overlap=False):
     """Shard `model` (a Llama) over `axis` (the mesh's tp axis) in place and return it; tp=1 leaves it untouched."""
+    if overlap:
+        raise NotImplementedError("async tensor parallelism: being built (issue 43)")
     n = axis.size
     if n == 1:
         return marks.attach(model)  # every parameter carries its placement on return (here: replicated)
