@@ -556,14 +556,15 @@ all_passed = checker.check()
 #
 # | axis | divides | costs | keep it |
 # |---|---|---|---|
-# | tp | weights, and (with sp) activations, by $t$ | 4 blocking collectives of $b\,s\,h$ per layer | inside a node ($t \le 8$) |
+# | tp | weights, and (with sp) activations, by $t$ | 4 collectives of $b\,s\,h$ per layer, blocking; with sp and `--async-tp` cut into $t$ ring steps under the matmuls (lesson 05) | inside a node ($t \le 8$) |
 # | cp | activations by $c$ | K/V around a ring, hidden under attention when $s$ is long; or Ulysses' 4 all-to-alls each way, exposed, their bytes falling as $1/c$ (heads per tp rank divisible by $c$) | inside a node, or across for very long $s$ |
 # | pp | weights and activations by stage | the bubble $\frac{p-1}{m+p-1}$ (needs $m \gg p$), stage balance; DualPipe: idle $(\frac{p}{2}-1)(t_{F\&B}+t_B-3t_W)$ for $2\times$ the parameters per rank | across nodes |
-# | dp / ZeRO | the batch; ZeRO: optimizer state, gradients, parameters by $n$ | gradients once per step (ZeRO-3: + parameters) | across nodes, as wide as the global batch allows |
-# | ep | experts by the ep degree | two all-to-alls per MoE layer | inside a node, or routing limited to few nodes |
+# | dp / ZeRO | the batch; ZeRO: optimizer state, gradients, parameters by $n$ | gradients once per step (ZeRO-3: + parameters); HSDP (`--dp-shard`) shards within a group, a node, and all-reduces only $1/n_s$ of it across groups (lesson 04) | across nodes, as wide as the global batch allows |
+# | ep | experts by the ep degree | two all-to-alls per MoE layer; with `--ep-overlap` one half of the tokens travels while the other half computes (lesson 08) | inside a node, or routing limited to few nodes |
 #
 # **What ours lacks** against the published runs (Megatron-LM, torchtitan, DeepSpeed, Llama 3's own stack):
-# overlapping tp's collectives with compute (Megatron's communication overlap, async tp: ours block, lesson 05);
+# overlap that runs on the GPU's own schedule (ours overlaps tp's ring steps and the experts' all-to-alls from
+# Python, lessons 05 and 08, and is measured on CPUs only: Megatron and torchtitan fuse them into kernels and streams);
 # topology-aware collectives (NCCL's trees and NVLS, hierarchical all-reduce across nodes); a planner calibrated on
 # the hardware it plans for (ours uses datasheet bandwidths and one assumed efficiency, and no layout of it has run
 # on a GPU); heterogeneous stages (embedding-heavy first or last stages); FP8 as the large runs use it (lesson 11's
