@@ -113,14 +113,7 @@ class Exchange:
         send = [sum(both[j * L:(j + 1) * L]) for j in range(n)]  # rows to each rank (its experts are contiguous)
         recv = [sum(row) for row in mine]
         got = AllToAll.apply(rows[:sum(send)], recv, send, self.axis, self, "dispatch")  # source-major blocks
-        # regroup source-major -> expert-major, so that each local expert's rows are contiguous: block (src, e)
-        # starts at starts[src][e] in `got`; expert-major, the blocks go e by e, every source in turn
-        starts = [sum(recv[:s]) + sum(mine[s][:e]) for s in range(n) for e in range(L)]
-        blocks = [(starts[s * L + e], mine[s][e]) for e in range(L) for s in range(n)]
-        lens = torch.tensor([c for _, c in blocks], device=rows.device)
-        shift = torch.tensor([b for b, _ in blocks], device=rows.device) - (torch.cumsum(lens, 0) - lens)
-        total = sum(recv)
-        order = torch.arange(total, device=rows.device) + torch.repeat_interleave(shift, lens, output_size=total)
+        order = expert_major(mine, recv, rows.device)
         return got[order], [sum(mine[s][e] for s in range(n)) for e in range(L)], (order, send, recv)
 
     def combine(self, out, ctx):
@@ -130,12 +123,169 @@ class Exchange:
         return AllToAll.apply(source_major, send, recv, self.axis, self, "combine")
 
 
+class OverlappedExchange(Exchange):
+    """The Exchange of --ep-overlap: the micro-batch's routed rows cut into two parts, each with its own dispatch
+    and combine, so that one part's all-to-all travels while the other part's experts (or the shared expert)
+    compute (the module docstring's schedule). moe.MoE calls `overlap` instead of dispatch and combine; the
+    routing, the capacity and the aux loss were decided on the whole micro-batch before, and an expert's output for
+    a row depends on that row alone, so the result is the unsplit layer's."""
+
+    def overlap(self, rows, counts, experts, flat, shared):
+        """rows: this rank's (token, choice) rows sorted by expert (dropped choices last), counts[e] the kept rows
+        of each global expert; experts(rows, counts) runs this rank's experts; flat: every token (the shared
+        expert's input), shared: the shared expert or None. Returns (the experts' outputs of the kept rows, in
+        `rows`' order; shared(flat) or None)."""
+        job = _TwoParts(self, counts, experts, shared, grad=torch.is_grad_enabled())
+        out, shared_out = _Overlapped.apply(rows[:job.total], flat, job)
+        return out, (shared_out if shared is not None else None)
+
+    def start(self, x, out_splits, in_splits, name, part):
+        """Launch one part's all-to-all (asynchronous); `.wait()` on what it returns gives the rows received."""
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        work = self.axis.all_to_all_into(out, x.contiguous(), out_splits, in_splits, async_op=True,
+                                         label=f"all-to-all {name} {part}")
+        self.rows[name] = self.rows.get(name, 0) + sum(in_splits) - in_splits[self.axis.rank]
+        return _Pending(work, out)
+
+
+class _Pending:
+    def __init__(self, work, out):
+        self.work, self.out = work, out
+
+    def wait(self):
+        self.work.wait()
+        return self.out
+
+
+class _Part:
+    """One part's plan: rows it sends to each rank (send), receives from each (recv), the regrouping of what it
+    receives (order) and its rows per local expert (local)."""
+
+    def __init__(self, send, recv, order, local):
+        self.send, self.recv, self.order, self.local = send, recv, order, local
+
+
+class _TwoParts:
+    """One MoE layer's two-part schedule, forward and backward (what _Overlapped runs):
+
+        forward                                    backward
+        dispatch 1, dispatch 2 launched            combine-backward 1, 2 launched
+        shared expert          (under both)        shared expert's backward     (under both)
+        wait 1; experts on part 1  (under 2)       wait 1; experts' backward 1  (under 2)
+        combine 1 launched                         dispatch-backward 1 launched
+        wait 2; experts on part 2  (under 1)       wait 2; experts' backward 2  (under 1)
+        combine 2 launched; wait both              dispatch-backward 2 launched; wait both
+
+    Every rank issues the same four all-to-alls on the ep group in the same order (NCCL's rule); the counts go
+    first, one all-to-all of 2E numbers for both parts, read by the host once. Part 1 takes the first half
+    (rounded up) of each expert's rows, part 2 the rest: both parts stay sorted by expert."""
+
+    def __init__(self, exchange, counts, experts, shared, grad):
+        self.exchange, self.experts, self.shared, self.grad = exchange, experts, shared, grad
+        axis, L, E = exchange.axis, exchange.local, counts.numel()
+        n = axis.size
+        first = (counts + 1) // 2
+        halves = torch.stack([first, counts - first])  # [part, E]
+        sent = halves.view(2, n, L).transpose(0, 1).contiguous()  # [rank j, part, j's experts]
+        received = torch.empty_like(sent)  # [source rank, part, my experts]
+        axis.all_to_all_into(received, sent, label="all-to-all counts")
+        numbers = torch.cat([halves.flatten(), received.flatten()]).tolist()  # the one sync of the layer
+        self.parts = []
+        for p in range(2):
+            c = numbers[p * E:(p + 1) * E]
+            mine = [numbers[2 * E + s * 2 * L + p * L:2 * E + s * 2 * L + (p + 1) * L] for s in range(n)]
+            recv = [sum(m) for m in mine]
+            self.parts.append(_Part([sum(c[j * L:(j + 1) * L]) for j in range(n)], recv,
+                                    expert_major(mine, recv, counts.device),
+                                    [sum(mine[s][e] for s in range(n)) for e in range(L)]))
+        sizes = [sum(part.send) for part in self.parts]
+        self.total = sum(sizes)
+        # the kept rows' positions, part 1's then part 2's: row r of expert e is in part 1 if it is among e's first
+        begin = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts, output_size=self.total)
+        within = torch.arange(self.total, device=counts.device) - begin
+        later = within >= torch.repeat_interleave(first, counts, output_size=self.total)
+        self.perm = torch.argsort(later.to(torch.int32), stable=True)
+        self.sizes = sizes
+
+    def forward(self, rows, flat):
+        ex = self.exchange
+        parts = rows[self.perm].split(self.sizes)
+        pending = [ex.start(x, p.recv, p.send, "dispatch", f"part {i + 1}")
+                   for i, (x, p) in enumerate(zip(parts, self.parts))]
+        shared_out = self._shared(flat)  # under both dispatches
+        combines, self.saved = [], []
+        for i, (wait, part) in enumerate(zip(pending, self.parts)):
+            got = wait.wait()  # part i has arrived; the other part is still travelling (or its combine is)
+            leaf = got.detach().requires_grad_(self.grad)
+            with torch.set_grad_enabled(self.grad):
+                out = self.experts(leaf[part.order], part.local)
+                out = torch.empty_like(out).index_copy(0, part.order, out)  # back to source-major
+            self.saved.append((leaf, out))
+            combines.append(ex.start(out.detach(), part.send, part.recv, "combine", f"part {i + 1}"))
+        back = torch.cat([c.wait() for c in combines])
+        return torch.empty_like(back).index_copy(0, self.perm, back), shared_out
+
+    def _shared(self, flat):
+        self.shared_in = flat.detach().requires_grad_(self.grad)
+        if self.shared is None:
+            self.shared_out = flat.new_zeros(0)
+            return self.shared_out
+        with torch.set_grad_enabled(self.grad):
+            self.shared_out = self.shared(self.shared_in)
+        return self.shared_out.detach()
+
+    def backward(self, grad_out, grad_shared):
+        ex = self.exchange
+        grads = grad_out[self.perm].split(self.sizes)
+        pending = [ex.start(g, p.recv, p.send, "combine-backward", f"part {i + 1}")
+                   for i, (g, p) in enumerate(zip(grads, self.parts))]
+        grad_flat = None
+        if self.shared is not None and grad_shared is not None:  # under both combine-backwards
+            torch.autograd.backward(self.shared_out, grad_shared)
+            grad_flat = self.shared_in.grad
+        sends = []
+        for i, (wait, part, (leaf, out)) in enumerate(zip(pending, self.parts, self.saved)):
+            torch.autograd.backward(out, wait.wait())  # the experts' backward on part i (weight gradients too)
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            sends.append(ex.start(g, part.send, part.recv, "dispatch-backward", f"part {i + 1}"))
+        back = torch.cat([s.wait() for s in sends])
+        self.saved, self.shared_in, self.shared_out = [], None, None
+        return torch.empty_like(back).index_copy(0, self.perm, back), grad_flat
+
+
+class _Overlapped(torch.autograd.Function):
+    """rows, flat -> (the experts' outputs of rows, the shared expert's of flat), each all-to-all under another
+    part's compute, forward and backward (_TwoParts). The experts' own graphs live inside: their backward runs
+    here, part by part, and accumulates their weights' gradients as usual (hooks fire)."""
+
+    @staticmethod
+    def forward(ctx, rows, flat, job):
+        ctx.job = job
+        return job.forward(rows, flat)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_shared):
+        grad_rows, grad_flat = ctx.job.backward(grad_out.contiguous(), grad_shared)
+        return grad_rows, grad_flat, None
+
+
+def expert_major(mine, recv, device):
+    """The permutation that regroups received rows source-major -> expert-major (each local expert's rows
+    contiguous): mine[src][e] rows came from rank src for local expert e, recv[src] = their sum. Block (src, e)
+    starts at starts[src][e] in the received rows; expert-major, the blocks go e by e, every source in turn."""
+    n, L = len(mine), len(mine[0])
+    starts = [sum(recv[:s]) + sum(mine[s][:e]) for s in range(n) for e in range(L)]
+    blocks = [(starts[s * L + e], mine[s][e]) for e in range(L) for s in range(n)]
+    lens = torch.tensor([c for _, c in blocks], device=device)
+    shift = torch.tensor([b for b, _ in blocks], device=device) - (torch.cumsum(lens, 0) - lens)
+    total = sum(recv)
+    return torch.arange(total, device=device) + torch.repeat_interleave(shift, lens, output_size=total)
+
+
 def apply(model, axis, cp=None, overlap=False):
     """Keep this rank's experts in every MoE layer of `model` (on the meta device, before init), place them over
     ("ep",) and give each layer the `Exchange` over `axis` (the mesh's ep axis); with `cp` (the mesh's cp axis,
     size > 1) each layer's routing statistics are summed over it. ep = cp = 1: nothing changes."""
-    if overlap:
-        raise NotImplementedError("expert all-to-alls under compute: being built (issue 43)")
     for layer in model.layers:
         moe = layer.feed_forward
         if not isinstance(moe, MoE):
@@ -151,7 +301,7 @@ def apply(model, axis, cp=None, overlap=False):
         for e in moe.experts.indices():
             if e not in mine:
                 del moe.experts[str(e)]
-        moe.exchange = Exchange(axis, E)
+        moe.exchange = (OverlappedExchange if overlap else Exchange)(axis, E)
         for name, _ in moe.experts.named_parameters():  # a record kept on the module: to_empty keeps it
             marks.place(moe.experts, name, dims=("ep",))
     return model

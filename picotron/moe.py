@@ -184,9 +184,12 @@ class MoE(nn.Module):
         order = torch.argsort(sort_by, stable=True)
         counts = torch.bincount(sort_by, minlength=self.num_experts + 1)[:-1]  # kept rows per expert
         rows = flat[order // self.k]  # the dispatch permutation: each expert's tokens, contiguous (dropped last)
+        shared = None
         if self.exchange is None:
             sizes = counts.tolist()  # the host reads the counts once per layer (split needs numbers)
             out = self.run_experts(rows[:sum(sizes)], sizes)
+        elif hasattr(self.exchange, "overlap"):  # --ep-overlap: the all-to-alls under the experts' compute
+            out, shared = self.exchange.overlap(rows, counts, self.run_experts, flat, self.shared_experts)
         else:  # the exchange reads the counts once, with the other ranks'
             rows, local_counts, ctx = self.exchange.dispatch(rows, counts)
             out = self.exchange.combine(self.run_experts(rows, local_counts), ctx)
@@ -194,7 +197,7 @@ class MoE(nn.Module):
         out = (out * weights.flatten()[order, None].to(out.dtype)).to(flat.dtype)
         y = torch.zeros_like(flat).index_add(0, order // self.k, out)  # the combine: back to token order
         if self.shared_experts is not None:  # every token, unweighted
-            y = y + self.shared_experts(flat)
+            y = y + (self.shared_experts(flat) if shared is None else shared)
         if self.training:  # the statistics of training steps only (not of evaluation or text sampling)
             routed = torch.bincount(chosen, minlength=self.num_experts)
             self.counts = routed if self.counts is None else self.counts + routed
