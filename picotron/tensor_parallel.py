@@ -56,6 +56,12 @@ dimension it is cut along. Parameters without one are replicated over tp, and gl
 once. `check(cfg, model_config)`
 holds the rules the degrees must follow.
 Heads are never split: tp must divide the query heads and the KV heads (no KV-head replication here).
+
+Async TP (--async-tp, with --sp; `apply(..., overlap=True)`): each block's all-gather and the q/k/v (gate/up)
+matmuls become ONE collective matmul, and each row-parallel matmul and its reduce-scatter another, both cut into
+tp ring steps that overlap the chunks' matmuls (picotron.async_tp, which explains the ring). The LM head's
+all-gather too. An MoE block's experts read the routed tokens, not a chunk of the sequence: its feed-forward keeps
+the blocking all-gather and reduce-scatter, its attention overlaps. Off by default: without it nothing here changes.
 """
 from functools import partial
 
@@ -65,6 +71,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron import marks
+from picotron.async_tp import all_gather_matmul, matmul_reduce_scatter
+from picotron.hooks import Phases
 from picotron.model import RMSNorm
 from picotron.moe import MoE
 # check(cfg, model_config), this strategy's rule, lives in picotron.rules: no torch there, so a refusal is instant
@@ -208,27 +216,58 @@ class ColumnParallelLinear(_Sharded):
     the caller has done it already, once for several layers reading the same input (q, k and v; gate and up):
     three f's would all-reduce the input's gradient three times."""
 
-    def __init__(self, in_features, out_features, axis, sp=False, enter=True, device=None, dtype=None):
+    def __init__(self, in_features, out_features, axis, sp=False, enter=True, overlap=False, device=None,
+                 dtype=None):
         super().__init__((out_features, in_features), 0, axis, device, dtype)
-        self.sp, self.enter = sp, enter
+        self.sp, self.enter, self.overlap = sp, enter, overlap
+        if overlap:  # async TP: the collective matmul's phases (chunk matmuls, waits), for whoever measures
+            self.phases = Phases()
 
     def forward(self, x):
+        if self.overlap:
+            return self._overlapped(x)
         if self.enter:
             x = enter_tp(x, self.axis, self.sp)
         return self.matmul(x, self.weight)
+
+    def _overlapped(self, x):
+        """Async TP: enter=True gathers and multiplies in one ring; enter=False takes the output its block's
+        collective matmul computed (`_enter_block_overlapped`) from this very input."""
+        _plain_matmul(self)
+        if self.enter:
+            return all_gather_matmul(x, self.axis, [self.weight], self.phases)[1][0]
+        gathered, y = self.__dict__.pop("pending", (None, None))
+        if gathered is not x:
+            raise RuntimeError("an async-TP column-parallel layer ran on an input its block's collective matmul did "
+                               "not gather; call it only inside its attention or MLP block.")
+        return y
 
 
 class RowParallelLinear(_Sharded):
     """y = Σ_r x_r W_rᵀ: W's input features split; takes this rank's slice of the input, returns the full
     output (g), or with sp this rank's tokens of it (reduce-scatter)."""
 
-    def __init__(self, in_features, out_features, axis, sp=False, leave=True, device=None, dtype=None):
+    def __init__(self, in_features, out_features, axis, sp=False, leave=True, overlap=False, device=None,
+                 dtype=None):
         super().__init__((out_features, in_features), 1, axis, device, dtype)
         self.sp, self.leave = sp, leave  # leave=False: return the partial sum (an MoE block leaves once, later)
+        self.overlap = overlap and leave  # async TP: the matmul and its reduce-scatter as one ring
+        if self.overlap:
+            self.phases = Phases()
 
     def forward(self, x):
+        if self.overlap:
+            _plain_matmul(self)
+            return matmul_reduce_scatter(x, self.weight, self.axis, self.phases)
         y = self.matmul(x, self.weight)
         return leave_tp(y, self.axis, self.sp) if self.leave else y
+
+
+def _plain_matmul(layer):
+    """Async TP multiplies with F.linear's arithmetic inside its ring: refuse a layer whose matmul was replaced."""
+    if "matmul" in layer.__dict__:
+        raise NotImplementedError("async TP's collective matmul cannot use a replaced matmul (FP8, the zero-bubble "
+                                  "split backward); drop --async-tp or that option (picotron.rules refuses both).")
 
 
 class VocabParallelEmbedding(_Sharded):
@@ -338,6 +377,16 @@ def _enter_block(axis, sp, module, args):
     return (enter_tp(args[0], axis, sp),) + tuple(args[1:])
 
 
+def _enter_block_overlapped(axis, columns, module, args):
+    """Async TP's forward pre-hook on an attention or MLP block: one collective matmul gathers the input and
+    multiplies it by every column layer's weight (q, k, v or gate, up); each layer then returns its output. The
+    block receives the gathered input, as without overlap."""
+    gathered, ys = all_gather_matmul(args[0], axis, [c.weight for c in columns], columns[0].phases)
+    for c, y in zip(columns, ys):
+        c.pending = (gathered, y)
+    return (gathered,) + tuple(args[1:])
+
+
 def _swap(parent, name, new):
     """Replace parent.<name> by `new`; if the old module holds real weights (not meta), keep their slice."""
     old = getattr(parent, name)
@@ -349,8 +398,6 @@ def _swap(parent, name, new):
 
 def apply(model, axis, sp=False, overlap=False):
     """Shard `model` (a Llama) over `axis` (the mesh's tp axis) in place and return it; tp=1 leaves it untouched."""
-    if overlap:
-        raise NotImplementedError("async tensor parallelism: being built (issue 43)")
     n = axis.size
     if n == 1:
         return marks.attach(model)  # every parameter carries its placement on return (here: replicated)
@@ -360,11 +407,15 @@ def apply(model, axis, sp=False, overlap=False):
     w = model.embed_tokens.weight
     kw = dict(device=w.device, dtype=w.dtype)
 
-    def column(lin, enter):
-        return ColumnParallelLinear(lin.in_features, lin.out_features, axis, sp=sp, enter=enter, **kw)
+    overlap = bool(overlap and sp)  # async TP decomposes sp's collectives (picotron.rules refuses it without sp)
 
-    def row(lin, leave=True):
-        return RowParallelLinear(lin.in_features, lin.out_features, axis, sp=sp, leave=leave, **kw)
+    def column(lin, enter, overlapped=overlap):
+        return ColumnParallelLinear(lin.in_features, lin.out_features, axis, sp=sp, enter=enter,
+                                    overlap=overlapped, **kw)
+
+    def row(lin, leave=True, overlapped=overlap):
+        return RowParallelLinear(lin.in_features, lin.out_features, axis, sp=sp, leave=leave, overlap=overlapped,
+                                 **kw)
 
     def norm(old):
         with torch.device(w.device):
@@ -375,14 +426,22 @@ def apply(model, axis, sp=False, overlap=False):
         for name in ("q_proj", "k_proj", "v_proj"):  # whole heads per rank: rows [r·a/n·d, (r+1)·a/n·d)
             _swap(attn, name, column(getattr(attn, name), enter=False))
         _swap(attn, "o_proj", row(attn.o_proj))
-        if isinstance(mlp, MoE):  # MoE: every expert cut like an MLP; the block enters and leaves once
-            _moe(mlp, axis, sp, column, row, kw)
+        moe = isinstance(mlp, MoE)
+        if moe:  # MoE: every expert cut like an MLP; the block enters and leaves once (blocking, also with overlap)
+            _moe(mlp, axis, sp, partial(column, overlapped=False), partial(row, overlapped=False), kw)
         else:
             _swap(mlp, "gate_proj", column(mlp.gate_proj, enter=False))
             _swap(mlp, "up_proj", column(mlp.up_proj, enter=False))
             _swap(mlp, "down_proj", row(mlp.down_proj))
-        attn.register_forward_pre_hook(partial(_enter_block, axis, sp))
-        mlp.register_forward_pre_hook(partial(_enter_block, axis, sp))
+        if overlap:  # async TP: the block's all-gather and its column matmuls as one ring
+            attn.register_forward_pre_hook(partial(_enter_block_overlapped, axis, [attn.q_proj, attn.k_proj,
+                                                                                   attn.v_proj]))
+        else:
+            attn.register_forward_pre_hook(partial(_enter_block, axis, sp))
+        if overlap and not moe:
+            mlp.register_forward_pre_hook(partial(_enter_block_overlapped, axis, [mlp.gate_proj, mlp.up_proj]))
+        else:
+            mlp.register_forward_pre_hook(partial(_enter_block, axis, sp))
         if sp:
             _swap(layer, "input_layernorm", norm(layer.input_layernorm))
             _swap(layer, "post_attention_layernorm", norm(layer.post_attention_layernorm))
