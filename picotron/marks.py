@@ -42,6 +42,10 @@ device)` is `to_empty` then `attach`; `Llama.to_empty` and `load_state_dict` att
 part, edp, and over cp. So a gradient placed over ("ep",) is counted where the rank's edp coordinate is 0, and it
 is summed over the mesh's `edp` axis, not `dp_cp` (`sync_axis`).
 
+"dp_shard" is the same kind of part of dp (HSDP, picotron.mesh): a ZeRO piece cut over the shard group is placed
+over ("dp_shard", "cp") and is replicated over dp's other part, the replicate groups (the blocks of dp_shard
+consecutive dp ranks hold the same pieces). So it is counted where the rank's block index (dp // dp_shard) is 0.
+
 Global-norm clipping. Every rank sums the squares of its own gradients, but counts a replicated gradient
 only on the rank whose coordinate is 0 along each dimension it is replicated over; one all-reduce over the
 world then adds every element of the model's gradient exactly once. No all-reduce at all when nothing is
@@ -52,7 +56,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 GRID = ("dp", "pp", "cp", "tp")
-DIMS = GRID + ("ep",)  # what a placement's dims may name
+DIMS = GRID + ("ep", "dp_shard")  # what a placement's dims may name
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,8 @@ def counted_here(p, mesh):
     coords = dict(mesh.coords)
     if "ep" in where.dims:  # an expert: replicated over edp only, the part of dp that is not ep
         coords["dp"] //= mesh.ep.size  # the block's index: ranks at the same place in each block hold it
+    if "dp_shard" in where.dims:  # an HSDP piece: replicated over the blocks of dp_shard dp ranks
+        coords["dp"] //= mesh.dp_shard.size // mesh.cp.size  # the block's index (replicas differ only in it)
     return all(coords[d] == 0 for d in GRID if d not in where.dims)
 
 
@@ -198,7 +204,7 @@ def clip_grad_norm(params, max_norm, mesh, grad_scale=1.0):
     grads = [p.grad for p in params]
     norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]) if grads else \
         torch.zeros(0, device=mesh.device)
-    sizes = {**mesh.sizes, "ep": mesh.ep.size}
+    sizes = {**mesh.sizes, "ep": mesh.ep.size, "dp_shard": mesh.dp_shard.size}
     if all(n == 1 for n in sizes.values()) or not any(sizes[d] > 1 for p in params for d in placement(p).dims):
         total = torch.linalg.vector_norm(norms)  # every rank holds the whole gradient
     else:

@@ -29,7 +29,19 @@ blocks of ep consecutive dp coordinates; the ranks of a block hold different exp
 (`ep`), and the ranks at the same place in every block (and every cp rank) hold the same experts (`edp`,
 where expert gradients are summed). With dp=4, ep=2 (pp=cp=tp=1): ep groups {0,1} {2,3}, edp groups {0,2} {1,3}.
 
-The pure functions (`grid_coords`, `grid_rank`, `group_ranks`, `expert_groups`) need no processes and are what the tests and
+HSDP (hybrid sharded data parallelism, `--dp-shard n`) cuts dp the same way, for ZeRO: the dp ranks are cut into
+blocks of n consecutive dp coordinates; a block, with every cp rank, is one SHARD group (`dp_shard`: ZeRO's units are
+cut over it, its ranks hold different shards), and the ranks at the same place in every block (same cp) form a
+REPLICATE group (`dp_replicate`: they hold the same shard and all-reduce its gradient). On two nodes of four GPUs,
+dp=8, dp_shard=4:
+
+    dp coordinate      0   1   2   3  |  4   5   6   7
+    shard groups     [ 0   1   2   3 ]|[ 4   5   6   7 ]      within a node: the fast links carry the most bytes
+    replicate groups   {0,4} {1,5} {2,6} {3,7}                 across nodes: 1/4 of the gradient, once a step
+
+With dp_shard = 0 (or dp) there is one block: `dp_shard` is dp x cp itself and `dp_replicate` has one rank.
+
+The pure functions (`grid_coords`, `grid_rank`, `group_ranks`, `expert_groups`, `shard_groups`) need no processes and are what the tests and
 lessons use to reason about layouts; `Mesh.init` turns them into real `torch.distributed` groups.
 """
 import copy
@@ -112,6 +124,24 @@ def expert_groups(sizes, ep):
     return sorted(ep_groups), sorted(edp_groups)
 
 
+def shard_groups(sizes, dp_shard):
+    """(shard groups, replicate groups) of HSDP as lists of ranks: a shard group = a block of dp_shard consecutive dp
+    coordinates with every cp rank (same pp, tp); a replicate group = the same place in every block (same pp, cp,
+    tp). dp_shard must divide dp; 0 means dp (one block). With dp=4, dp_shard=2 (pp=cp=tp=1): shard groups {0,1}
+    {2,3}, replicate groups {0,2} {1,3}."""
+    sizes = _as_sizes(sizes)
+    n = dp_shard or sizes["dp"]
+    if sizes["dp"] % n:
+        raise ValueError(f"dp_shard={n} does not divide dp={sizes['dp']}.")
+    shard, replicate = [], []
+    for ranks in group_ranks(sizes, ("dp", "cp")):
+        block_of = {r: grid_coords(r, sizes)["dp"] // n for r in ranks}
+        shard += [[r for r in ranks if block_of[r] == b] for b in range(sizes["dp"] // n)]
+    for ranks in group_ranks(sizes, "dp"):
+        replicate += [[r for r in ranks if grid_coords(r, sizes)["dp"] % n == j] for j in range(n)]
+    return sorted(shard), sorted(replicate)
+
+
 def pick_device(world_size=1, local_rank=0, device=None, per_node=None):
     """(torch.device, backend): one GPU per process with NCCL, or CPU with gloo (asked for, or no GPU at all).
 
@@ -139,6 +169,14 @@ def pipeline_links(p):
     if p < 2:
         return []
     return sorted({tuple(sorted((r, (r + 1) % p))) for r in range(p)})
+
+
+def _hsdp_dims(name, ranks, sizes):
+    """The grid dimensions an HSDP axis spans: the shard axis is dp x cp when it is all of it (no HSDP), else
+    ("dp_shard", "cp"), a part of dp (what picotron.marks reads to count a ZeRO piece once over the replicas)."""
+    if name == "dp_shard":
+        return ("dp", "cp") if len(ranks) == sizes["dp"] * sizes["cp"] else ("dp_shard", "cp")
+    return ("dp",)  # the replicate axis: a part of dp
 
 
 _WORLDS = itertools.count(1)  # numbers the worlds Mesh.init makes in this process (their store keys never meet)
@@ -291,13 +329,14 @@ class Mesh:
     Attributes: rank, world_size, local_rank, per_node (the processes on this machine: torchrun's
     LOCAL_WORLD_SIZE, else all), device, backend, sizes, coords, and the axes
     `dp`, `pp`, `cp`, `tp`, `dp_cp` (dp x cp together: gradients of replicated parameters are averaged over
-    it), `ep` and `edp` (the experts' axes carved from dp: see the module docstring), `pp_ends` (the first and last pipeline stage, which share tied embeddings) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
+    it), `ep` and `edp` (the experts' axes carved from dp: see the module docstring), `dp_shard` and
+    `dp_replicate` (HSDP's shard and replicate groups, `shard_groups`; without HSDP dp x cp and one rank), `pp_ends` (the first and last pipeline stage, which share tied embeddings) and `world`, each with .group / .rank / .size / .ranks and the collectives; pp_prev_rank /
     pp_next_rank (global ranks, None at the ends); is_first_stage / is_last_stage; `pp_links`: {(lower, higher):
     Axis} for this rank's pipeline neighbours, one two-rank axis (a group) per pair (`pipeline_links`), whose
     messages (`Axis.exchange`) are counted by this mesh's recorder like its collectives.
     """
 
-    AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "pp_ends", "world")
+    AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp", "dp_shard", "dp_replicate", "pp_ends", "world")
 
     def __init__(self, rank, world_size, sizes, device, backend, groups, local_rank=0, owns_world=False,
                  collectives="torch", links=None, per_node=None):
@@ -310,7 +349,7 @@ class Mesh:
         self._created, self._owns_world = [], owns_world
         for name, (ranks, group, created) in groups.items():
             dims = ORDER if name == "world" else ("dp", "cp") if name in ("dp_cp", "edp") else ("pp",) \
-                if name == "pp_ends" else (name,)
+                if name == "pp_ends" else _hsdp_dims(name, ranks, self.sizes) if name.startswith("dp_") else (name,)
             setattr(self, name, Axis(name, ranks, group, ranks.index(rank), dims, self.comm))
             if created:
                 self._created.append(group)
@@ -331,7 +370,7 @@ class Mesh:
 
     @classmethod
     def init(cls, dp=1, pp=1, cp=1, tp=1, ep=1, timeout_s=300, backend=None, device=None, collectives="torch",
-             place=None):
+             place=None, dp_shard=0):
         """Join (or create) the default process group and build the per-axis groups.
 
         - a process group already exists (e.g. inside `launch.run_on_ranks`): use it as the world;
@@ -341,6 +380,7 @@ class Mesh:
           `python -m picotron.train` needs no launcher.
         Every rank must call this with the same sizes: new_group is collective and called in the same order.
         `collectives`: "torch" (torch.distributed's) or "ours" (picotron.collectives, built from send/recv).
+        `dp_shard`: HSDP's shard size (0: dp, one block; see `shard_groups`).
         """
         sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
         need = math.prod(sizes.values())
@@ -403,6 +443,18 @@ class Mesh:
                 if len(ranks) == world_size:
                     group, created = dist.group.WORLD, False
                 elif name == "edp" and ep == 1:  # the experts' replicas are all of dp x cp (same groups)
+                    group, created = (groups["dp_cp"][1] if rank in ranks else None), False
+                elif len(ranks) == 1:  # (every group has this size: every rank takes this branch)
+                    group, created = None, False
+                else:
+                    group, created = dist.new_group(ranks, timeout=timeout), True
+                if rank in ranks:
+                    groups[name] = (ranks, group, created)
+        for name, lists in zip(("dp_shard", "dp_replicate"), shard_groups(sizes, dp_shard)):  # HSDP's axes
+            for ranks in lists:
+                if len(ranks) == world_size:
+                    group, created = dist.group.WORLD, False
+                elif name == "dp_shard" and len(ranks) == dp * cp:  # no HSDP: the shard group is dp x cp itself
                     group, created = (groups["dp_cp"][1] if rank in ranks else None), False
                 elif len(ranks) == 1:  # (every group has this size: every rank takes this branch)
                     group, created = None, False

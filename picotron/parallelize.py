@@ -15,7 +15,7 @@ builds this rank's part of the model and everything a training step needs:
        --dtype fp8 route the norms, SwiGLUs and linears through picotron.kernels and picotron.fp8;
     4. activation recomputation;
     5. wrap for gradient synchronisation over mesh.dp_cp: data parallelism, ZeRO-1/2, ZeRO-3, or `Local`
-       when there is one replica;
+       when there is one replica (HSDP, --dp-shard: ZeRO over mesh.dp_shard, replicated over mesh.dp_replicate);
     6. the optimizer (ZeRO-1/2: a sharded one whose step all-gathers the updated chunks), the step schedule
        (gradient accumulation, or with pp > 1 the pipeline schedule run by `pipeline_parallel.Pipeline`),
        the loss (vocab-parallel under tp) and the model that generates text. (Checkpoints read the
@@ -129,16 +129,18 @@ def build_optimizer(groups, cfg, device, scaler=None):
     return precision.MasterWeights(groups, adamw, scaler) if precision.recipe(cfg).master else adamw(groups)
 
 
-def wrap_for_sync(raw, cfg, axis, axis_of=None):
-    """Step 5: the gradient-sync wrapper over `axis` (dp x cp); `axis_of(p)`, from the placements: where each
-    gradient is summed (experts: their replicas, the mesh's edp axis). With pp > 1, ZeRO-2/3 follow the pipeline's
-    no_sync: each chunk's gradients are reduce-scattered once, at its last backward (ZeRO-3 keeps a chunk's
-    layers gathered over the step: picotron.zero3)."""
+def wrap_for_sync(raw, cfg, axis, axis_of=None, replicate=None):
+    """Step 5: the gradient-sync wrapper over `axis` (dp x cp; with HSDP the mesh's dp_shard axis, and `replicate`
+    its dp_replicate axis, over which ZeRO's gradient shards are all-reduced: picotron.zero, "HSDP"); `axis_of(p)`,
+    from the placements: where each gradient is summed (experts: their replicas, the mesh's edp axis). With pp > 1,
+    ZeRO-2/3 follow the pipeline's no_sync: each chunk's gradients are reduce-scattered once, at its last backward
+    (ZeRO-3 keeps a chunk's layers gathered over the step: picotron.zero3)."""
     piped = cfg.pp > 1
     if cfg.zero == 3:
-        return zero3.Zero3(raw, axis, accumulate=piped, reshard_after_forward=not piped)
+        return zero3.Zero3(raw, axis, accumulate=piped, reshard_after_forward=not piped, replicate=replicate)
     if cfg.zero:
-        return zero.wrap(raw, axis, cfg.zero, bucket_mb=cfg.bucket_mb, axis_of=axis_of, accumulate=piped)
+        return zero.wrap(raw, axis, cfg.zero, bucket_mb=cfg.bucket_mb, axis_of=axis_of, accumulate=piped,
+                         replicate=replicate)
     return data_parallel.wrap(raw, axis, impl=cfg.dp_impl, bucket_mb=cfg.bucket_mb, axis_of=axis_of)
 
 
@@ -156,12 +158,18 @@ def parallelize(cfg, mesh, recorder=None):
     `recorder`: a metrics.Recorder that counts (and times) every collective of the model and its gradient sync
     (lessons; the schedule's 4-byte average of the loss for the log is left out)."""
     loss_axis = mesh.dp_cp
+    if cfg.zero and cfg.dp_shard and cfg.dp_shard * mesh.cp.size != mesh.dp_shard.size:
+        raise ValueError(f"dp_shard={cfg.dp_shard} but the mesh's shard groups have {mesh.dp_shard.size} ranks; build "
+                         f"the mesh with Mesh.init(..., dp_shard=cfg.dp_shard).")
     if recorder is not None:
         mesh = mesh.recorded(recorder)
     plan = pipeline_schedule(cfg, mesh.pp.size)
     store = zero_bubble.WeightGradStore() if plan is not None and plan.split else None
     raw = build_model(cfg, mesh, store)
-    model = wrap_for_sync(raw, cfg, mesh.dp_cp, partial(marks.sync_axis, mesh=mesh) if mesh.ep.size > 1 else None)
+    hsdp = cfg.zero and mesh.dp_replicate.size > 1  # ZeRO within the shard groups, replicated across them
+    model = wrap_for_sync(raw, cfg, mesh.dp_shard if hsdp else mesh.dp_cp,
+                          partial(marks.sync_axis, mesh=mesh) if mesh.ep.size > 1 else None,
+                          replicate=mesh.dp_replicate if hsdp else None)
     scaler = precision.loss_scaler(cfg)
     optimizer = build_optimizer(model.optimizer_groups(), cfg, mesh.device, scaler)
     masters_of = optimizer.model_params if precision.recipe(cfg).master else None  # precision.MasterWeights
@@ -189,7 +197,10 @@ def parallelize(cfg, mesh, recorder=None):
 def describe(cfg, mesh):
     """What the start-up line says of the parallel strategies in use, e.g. 'ZeRO-3 over dp*cp=2 | tp=2 + sp'."""
     parts = []
-    if cfg.zero:
+    if cfg.zero and mesh.dp_replicate.size > 1:
+        parts.append(f"HSDP: ZeRO-{cfg.zero} over dp_shard*cp={mesh.dp_shard.size}, "
+                     f"{mesh.dp_replicate.size} replicas (dp_replicate)")
+    elif cfg.zero:
         parts.append(f"ZeRO-{cfg.zero} over dp*cp={mesh.dp_cp.size}")
     elif mesh.dp_cp.size > 1:
         over = f" over dp*cp={mesh.dp_cp.size}" if mesh.cp.size > 1 else ""

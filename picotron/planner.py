@@ -119,6 +119,29 @@ def zero_comm_elements(n_params, zero=0, root_params=0):
     return {"all_gather": n_params, "reduce_scatter": n_params}
 
 
+# --- HSDP (issue 43): the bytes on each link of a hybrid-sharded step ------------------------------------------
+def hsdp_bytes_per_step(n_params, zero, n_shard, n_replicate, root_params=0, elem=4):
+    """Bytes one rank SENDS in one optimizer step (one micro-batch) of ZeRO-`zero` under HSDP, per axis:
+    {"dp_shard": ..., "dp_replicate": ...}, and the collectives' whole buffers ("buffers", nccl-tests' N, what
+    metrics.Recorder counts). ZeRO's collectives run within the shard group of n_s = `n_shard` ranks (a ring sends
+    (n_s-1)/n_s of each buffer: zero_comm_elements' reduce-scatter Ψ and all-gathers Ψ, or 2Ψ - root for ZeRO-3);
+    then each rank's gradient shard, Ψ/n_s, is all-reduced over the n_r = `n_replicate` replicas (a ring sends
+    2(n_r-1)/n_r of it):
+
+        dp_shard      (n_s-1)/n_s · (RS Ψ + AG Ψ | 2Ψ - root) · elem      the fast links (within a node)
+        dp_replicate  2(n_r-1)/n_r · Ψ/n_s · elem                         the slow links (across nodes)
+
+    n_s = dp·cp (n_r = 1) is plain ZeRO; n_s = 1 is plain data parallelism's all-reduce. Ψ as the units hold it
+    (each padded to a multiple of n_s) makes it exact. (torchtitan's HSDP, FSDP's hybrid sharding: Zhao et al.
+    2023, "PyTorch FSDP", section 3.2.)"""
+    shard = zero_comm_elements(n_params, zero, root_params)
+    chunk = n_params / n_shard
+    buffers = {"dp_shard": {k: v * elem for k, v in shard.items() if n_shard > 1},
+               "dp_replicate": {"all_reduce": chunk * elem} if n_replicate > 1 else {}}
+    return {"dp_shard": (n_shard - 1) / n_shard * sum(shard.values()) * elem,
+            "dp_replicate": 2 * (n_replicate - 1) / n_replicate * chunk * elem, "buffers": buffers}
+
+
 def activation_terms_per_layer(mc, seq_len, micro_batch_size, dtype="fp32", recompute="none"):
     """Bytes one decoder layer keeps for backward, by part (see the module docstring). Exact for our code."""
     _check(dtype, recompute)

@@ -398,7 +398,8 @@ def main(argv, place=None):
             print(f"picotron: warning: {note}", flush=True)
     try:
         mesh = Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, timeout_s=cfg.timeout_s,
-                         device=None if cfg.device == "auto" else cfg.device, collectives=cfg.collectives, place=place)
+                         device=None if cfg.device == "auto" else cfg.device, collectives=cfg.collectives, place=place,
+                         dp_shard=cfg.dp_shard)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     # the one line that ends the job: from rank 0, and on several nodes from each node's first process too

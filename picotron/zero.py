@@ -57,6 +57,21 @@ Experts (expert parallelism) are sharded over ep already and replicated only ove
 mesh's `edp` axis: their units are cut over that axis instead (`axis_of(p)`, from the placements), while every
 gradient is still divided by the dp x cp size, the number of batch shards it was summed over.
 
+HSDP (hybrid sharded data parallelism: torchtitan's data_parallel_shard_degree x data_parallel_replicate_degree,
+Megatron's distributed-optimizer instances; PyTorch FSDP's hybrid sharding, Zhao et al. 2023; ZeRO++'s hpZ, Wang et
+al. 2023, keeps a secondary copy of the parameters within a node for the same reason). ZeRO over all n = dp x cp
+ranks sends every byte of every stage over the slowest link of the group: on a pod, the network between nodes.
+HSDP shards over a smaller group of n_s ranks (`axis`: the mesh's dp_shard axis, a node) and keeps
+n_r = n / n_s replicas of that sharded model (`replicate`: the mesh's dp_replicate axis, across nodes):
+
+    gradients   reduce-scatter within the shard group   (n_s-1)/n_s · Ψ      on the fast links
+                then all-reduce the shard across replicas 2(n_r-1)/n_r · Ψ/n_s   on the slow ones: 1/n_s of DP's
+    parameters  all-gather within the shard group        (n_s-1)/n_s · Ψ      (ZeRO-3: every layer, twice)
+
+(bytes sent per rank, in units of the parameters' bytes; picotron.planner.hsdp_bytes_per_step.) The all-reduce
+runs in `finish_sync`, once per step on the summed shard, after the last reduce-scatter; the division is by n
+(the batch shards of the mean), not n_s. Memory divides by n_s instead of n: the price of the cheaper network.
+
 ZeRO-1/2 here: `ZeroDataParallel` syncs the gradients (reduce-scatter into shards) and `ShardedOptimizer` is the
 optimizer: its step updates this rank's chunk and then all-gathers every chunk, so that every rank holds the
 updated parameters again. Stage 3 is in `picotron.zero3`.
@@ -131,9 +146,12 @@ class FlatUnit:
 class ShardedGradSync(GradSync):
     """What the stages share: the axis, the optimizer's pieces, the reduce-scatter pipeline, checkpoints."""
 
-    def __init__(self, module, axis, stage, axis_of=None, accumulate=False):
+    def __init__(self, module, axis, stage, axis_of=None, accumulate=False, replicate=None):
         super().__init__(module)
         self.stage, self.axis = stage, axis
+        self.replicate = replicate  # HSDP: the replicas of this shard group; each shard's gradient all-reduced over it
+        self.batch_shards = axis.size * (replicate.size if replicate is not None else 1)  # the mean divides by this
+        self._replicas_due = False  # a reduce-scatter ran since the last all-reduce over the replicas
         self.accumulate = accumulate  # stages 2-3: under no_sync keep the full gradients, reduce-scatter the sum once
         self.axis_of = axis_of or (lambda p: axis)  # the axis a parameter's unit is cut over (experts: edp)
         self.n, self.rank = axis.size, axis.rank
@@ -180,10 +198,11 @@ class ShardedGradSync(GradSync):
             self._track(-unit.nbytes())
         for p in unit.params:
             p.grad = None
-        flat.div_(self.n)  # the sum over ranks becomes the mean
+        flat.div_(self.batch_shards)  # the sum over ranks becomes the mean
         work = unit.axis.reduce_scatter_into(flat[unit.lo:unit.hi], flat, async_op=True,  # in place: chunk r gets the sum
                                              label=f"reduce-scatter {unit.name}")
         self._pending.append((unit, work, flat))
+        self._replicas_due = True
         self._track(flat.numel() * flat.element_size())
         self._drain(keep=1)  # at most two buffers in flight: memory stays bounded
 
@@ -205,7 +224,18 @@ class ShardedGradSync(GradSync):
                 unit.work.wait()
                 unit.work = None
         self._drain(keep=0)
+        if self.replicate is not None and self._replicas_due:  # (once per step, however often this is called)
+            self._all_reduce_replicas()
+        self._replicas_due = False
         self._attach_piece_grads()
+
+    def _all_reduce_replicas(self):
+        """HSDP: sum each unit's gradient shard over the replicas (the same shard on every replica), all started
+        at once in the units' order, then waited for: 1/n_s of the gradient crosses the replicate axis."""
+        works = [self.replicate.all_reduce(u.grad_shard, async_op=True, label=f"all-reduce {u.name} over replicas")
+                 for u in self.units if u.grad_shard is not None]
+        for w in works:
+            w.wait()
 
     def tied_grads(self):
         """A pipeline's tied embedding (pipeline_parallel.sync_tied sums these after finish_sync): the first stage's
@@ -252,10 +282,10 @@ class ZeroDataParallel(ShardedGradSync):
     optimizer updates. `ShardedOptimizer.step` then all-gathers every chunk (`gather_updated_params`).
     """
 
-    def __init__(self, module, axis, stage, bucket_mb=25.0, axis_of=None, accumulate=False):
+    def __init__(self, module, axis, stage, bucket_mb=25.0, axis_of=None, accumulate=False, replicate=None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel does stages 1 and 2, not {stage}; stage 3 is zero3.Zero3.")
-        super().__init__(module, axis, stage, axis_of, accumulate)
+        super().__init__(module, axis, stage, axis_of, accumulate, replicate)
         params = [p for p in module.parameters() if p.requires_grad]
         by_axis = {}  # one set of buckets per axis (experts: edp; the rest: dp x cp)
         for p in params:
@@ -300,9 +330,10 @@ class ZeroDataParallel(ShardedGradSync):
         if self.stage == 2:
             self._send_gradients(unit)
         elif self.sync:
-            unit.grad_full.div_(self.n)
+            unit.grad_full.div_(self.batch_shards)
             unit.work = unit.axis.reduce_scatter_into(unit.grad_full[unit.lo:unit.hi], unit.grad_full, async_op=True,
                                                       label=f"reduce-scatter {unit.name}")
+            self._replicas_due = True
 
     def forward(self, *args, **kwargs):
         if any(u.work is not None for u in self.units):  # stage 1: never accumulate into a buffer in flight
@@ -356,9 +387,11 @@ class ShardedOptimizer(WrappedOptimizer):
         return getattr(self.__dict__["optimizer"], name)
 
 
-def wrap(model, axis, stage, bucket_mb=25.0, axis_of=None, accumulate=False):
-    """ZeRO stage 1 or 2 over `axis` (the mesh's dp_cp axis; `axis_of(p)`: another axis for some parameters,
-    the experts' edp; `accumulate`: stage 2 follows no_sync, as under a pipeline); stage 3 is picotron.zero3.Zero3."""
+def wrap(model, axis, stage, bucket_mb=25.0, axis_of=None, accumulate=False, replicate=None):
+    """ZeRO stage 1 or 2 over `axis` (the mesh's dp_cp axis, or with HSDP its dp_shard axis and `replicate` its
+    dp_replicate axis; `axis_of(p)`: another axis for some parameters, the experts' edp; `accumulate`: stage 2 follows
+    no_sync, as under a pipeline); stage 3 is picotron.zero3.Zero3."""
     if stage in (1, 2):
-        return ZeroDataParallel(model, axis, stage, bucket_mb=bucket_mb, axis_of=axis_of, accumulate=accumulate)
+        return ZeroDataParallel(model, axis, stage, bucket_mb=bucket_mb, axis_of=axis_of, accumulate=accumulate,
+                                replicate=replicate)
     raise ValueError(f"ZeRO stage {stage!r}: zero.wrap does stages 1 and 2; stage 3 is picotron.zero3.Zero3.")

@@ -43,11 +43,13 @@ class Zero3(ShardedGradSync):
     `accumulate` (pipeline): follow `no_sync()`, gradients summed locally over the micro-batches and reduce-scattered
     once, at the chunk's last backward. `reshard_after_forward` (pipeline): free a layer after each forward and
     backward and gather it again for the next (True), or keep every unit gathered from its first use in the step
-    to the chunk's last backward (False, the default with a pipeline: see the module docstring).
+    to the chunk's last backward (False, the default with a pipeline: see the module docstring). `replicate` (HSDP):
+    `axis` is one shard group, the parameters are gathered within it only, and the gradient shards are all-reduced
+    over `replicate` once a step (picotron.zero, "HSDP").
     """
 
-    def __init__(self, module, axis, prefetch=True, accumulate=False, reshard_after_forward=True):
-        super().__init__(module, axis, 3, accumulate=accumulate)
+    def __init__(self, module, axis, prefetch=True, accumulate=False, reshard_after_forward=True, replicate=None):
+        super().__init__(module, axis, 3, accumulate=accumulate, replicate=replicate)
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.phases = hooks.Phases()
         self.next_of = {}  # (unit index, in backward) -> the unit computing next in this chunk, to prefetch
