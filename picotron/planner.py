@@ -276,6 +276,7 @@ class Layout:
     micro_batch_size: int = 1
     grad_acc: int = 1
     recompute: str = "none"
+    async_tp: bool = False  # the collective matmul (picotron.async_tp; needs sp): 'async-tp' in the text form
 
     @property
     def gpus(self) -> int:
@@ -302,6 +303,8 @@ class Layout:
                 values[{"mbs": "micro_batch_size", "ga": "grad_acc", "v": "pp_chunks"}.get(key, key)] = number
             elif item == "sp":
                 values["sp"] = True
+            elif item == "async-tp":
+                values["async_tp"] = True
             elif item in PP_SCHEDULES:
                 values["pp_schedule"] = item
             elif item in CP_IMPLS:
@@ -312,7 +315,7 @@ class Layout:
                 values["recompute"] = item[10:]
             else:
                 raise ValueError(f"layout item {item!r} in {text!r} is not one of dp/tp/pp/cp/ep/zero/mbs/ga/v followed by a "
-                                 f"number, 'sp', 'recompute-none|selective|full', a schedule ({', '.join(PP_SCHEDULES)}), "
+                                 f"number, 'sp', 'async-tp', 'recompute-none|selective|full', a schedule ({', '.join(PP_SCHEDULES)}), "
                                  f"'interleaved-v<chunks>' or a cp_impl ({', '.join(CP_IMPLS)}); e.g. 'tp8,pp16,dp128'.")
         return cls(**{**values, **overrides})
 
@@ -320,13 +323,13 @@ class Layout:
     def from_config(cls, cfg):
         return cls(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sp, zero=cfg.zero,
                    pp_schedule=cfg.pp_schedule, pp_chunks=cfg.pp_chunks, cp_impl=cfg.cp_impl, micro_batch_size=cfg.micro_batch_size,
-                   grad_acc=cfg.grad_acc, recompute=cfg.recompute)
+                   grad_acc=cfg.grad_acc, recompute=cfg.recompute, async_tp=cfg.async_tp)
 
     def __str__(self):
         """'dp2,tp4,pp2,cp2,ulysses,sp,zero1,interleaved-v2,mbs2,ga32': what `parse` reads back as this layout."""
         parts = [f"{k}{getattr(self, k)}" for k in DEGREES if getattr(self, k) > 1] or ["dp1"]
         parts += [self.cp_impl] * (self.cp_impl != "ring")
-        parts += ["sp"] * self.sp + [f"zero{self.zero}"] * (self.zero > 0)
+        parts += ["sp"] * self.sp + ["async-tp"] * self.async_tp + [f"zero{self.zero}"] * (self.zero > 0)
         if self.pp > 1:
             parts.append(self.pp_schedule + (f"-v{self.pp_chunks}" if self.pp_schedule == "interleaved" else ""))
         parts += [f"mbs{self.micro_batch_size}"] + [f"ga{self.grad_acc}"] * (self.grad_acc > 0)  # 0: no whole number
@@ -593,3 +596,44 @@ def _mixed_edge(mc, layout, seq_len, first, last):
 def memory_per_gpu(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     """The busiest stage's `memory_per_stage` row (by total)."""
     return max(memory_per_stage(mc, layout, seq_len, dtype, recipe), key=lambda r: r["total"])
+
+
+# ============================================================================ async TP (the collective matmul)
+def async_tp_exposed_seconds(n, chunk_bytes, chunk_matmul_s, alpha, bw):
+    """Seconds of communication one collective matmul over n tp ranks leaves exposed (picotron.async_tp): its n−1
+    ring steps each send one chunk (`chunk_bytes`: one rank's b·s/n·h activations), α + chunk_bytes/bw, while one
+    chunk's matmul (`chunk_matmul_s`) runs; a step is exposed by what its message takes beyond that matmul:
+
+        T_exposed = (n − 1) · max(0, α + chunk_bytes/bw − t_chunk_matmul)
+
+    against the blocking collective's (n − 1) · (α + chunk_bytes/bw) (a ring all-gather or reduce-scatter of the n
+    chunks). Wang et al. 2023 (ASPLOS'23), section 3; the JAX scaling book's collective matmul."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * max(0.0, alpha + chunk_bytes / bw - chunk_matmul_s)
+
+
+def async_tp_layer_seconds(mc, tokens, tp, elem, rate, alpha, bw, overlap=True):
+    """Seconds of tensor-parallel communication per decoder layer and micro-batch of `tokens` tokens (b·s/cp) on one
+    rank, forward and backward, with sp: four collective matmuls forward (q/k/v and gate/up all-gather-matmuls, the
+    o and down matmul-reduce-scatters) and four backward (each the other kind: dx of an all-gather-matmul is a
+    matmul-reduce-scatter, hidden under the dx matmuls of its chunks; an all-gather-matmul's backward, hidden under
+    dx and dW). A chunk's matmul: its block's matmul FLOPs / tp (this rank's columns) / tp (one chunk of the tokens)
+    at `rate` FLOP/s. overlap=False: the blocking collectives, 8 · (tp − 1) · (α + chunk/bw). An MoE model's
+    feed-forward stays blocking (its experts read routed tokens, not sequence chunks)."""
+    t, h, d = tp, mc.hidden_size, mc.head_dim
+    if t <= 1:
+        return 0.0
+    chunk = tokens / t * h * elem
+    msg = alpha + chunk / bw
+    if not overlap:
+        return 8 * (t - 1) * msg
+    qkv = 2 * tokens * h * (mc.num_attention_heads + 2 * mc.num_key_value_heads) * d
+    out = 2 * tokens * mc.num_attention_heads * d * h
+    up, down = 2 * tokens * h * 2 * mc.intermediate_size, 2 * tokens * mc.intermediate_size * h
+    per_chunk = {name: f / t / t / rate for name, f in (("qkv", qkv), ("o", out), ("up", up), ("down", down))}
+    forward_mm = [per_chunk["qkv"], per_chunk["o"]] + ([] if mc.is_moe else [per_chunk["up"], per_chunk["down"]])
+    backward_mm = [per_chunk["qkv"], 2 * per_chunk["o"]] + ([] if mc.is_moe else [per_chunk["up"], 2 * per_chunk["down"]])
+    exposed = sum(async_tp_exposed_seconds(t, chunk, mm, alpha, bw) for mm in forward_mm + backward_mm)
+    return exposed + (4 * (t - 1) * msg if mc.is_moe else 0.0)  # the MoE feed-forward's blocking pair, both ways
+# ---------------------------------------------------------------------------------------------- end async TP

@@ -184,3 +184,42 @@ def test_async_tp_refusals_are_one_sentence(settings, words):
     with pytest.raises(ConfigError, match="async-tp") as err:
         validate(Config(**settings), any_world_size=True)
     assert words in str(err.value) and str(err.value).count(". ") <= 1
+
+
+# ---------------------------------------------------------------------------------------------- the planner
+def test_exposed_formula_hides_what_a_chunk_matmul_covers():
+    from picotron.planner import async_tp_exposed_seconds
+    alpha, bw, chunk = 1e-6, 1e9, 1e6  # one ring step: 1 us + 1 ms
+    msg = alpha + chunk / bw
+    assert async_tp_exposed_seconds(4, chunk, 0.0, alpha, bw) == pytest.approx(3 * msg)  # nothing to hide under
+    assert async_tp_exposed_seconds(4, chunk, 0.4e-3, alpha, bw) == pytest.approx(3 * (msg - 0.4e-3))
+    assert async_tp_exposed_seconds(4, chunk, 2e-3, alpha, bw) == 0.0  # the matmul outlasts every message
+    assert async_tp_exposed_seconds(1, chunk, 0.0, alpha, bw) == 0.0
+
+
+def test_time_model_counts_async_tp_only_where_it_applies():
+    import dataclasses
+
+    from picotron.model_config import ModelConfig
+    from picotron.plan.hardware import GPUS
+    from picotron.plan.search import candidates
+    from picotron.plan.time_model import step_time
+    from picotron.planner import Layout, async_tp_layer_seconds
+
+    mc, hw = ModelConfig.from_preset("llama3-8b"), GPUS["h100-80gb"]
+    lay = Layout.parse("tp8,sp,mbs1,ga8")
+    assert Layout.parse(str(dataclasses.replace(lay, async_tp=True))).async_tp
+    blocking, overlapped = step_time(mc, lay, 4096, hw), step_time(mc, dataclasses.replace(lay, async_tp=True), 4096, hw)
+    rate = hw.peak * hw.efficiency
+    per_layer = async_tp_layer_seconds(mc, 4096, 8, 2, rate, hw.intra_alpha, hw.intra_bw)
+    assert overlapped["tp"] == pytest.approx(8 * mc.num_hidden_layers * per_layer)
+    assert 0 < overlapped["tp"] < blocking["tp"]  # tp 8: a chunk's matmul no longer covers its message
+    assert blocking["tp"] == pytest.approx(8 * mc.num_hidden_layers * async_tp_layer_seconds(
+        mc, 4096, 8, 2, rate, hw.intra_alpha, hw.intra_bw, overlap=False))  # the blocking model, the same bytes
+    assert overlapped["total"] == pytest.approx(blocking["total"] - blocking["tp"] + overlapped["tp"])
+    no_sp = Layout.parse("tp8,mbs1,ga8")  # without sp the flag changes nothing (rules refuse it)
+    assert step_time(mc, dataclasses.replace(no_sp, async_tp=True), 4096, hw) == step_time(mc, no_sp, 4096, hw)
+    found = list(candidates(mc, 8, hw, 4096, 8, space={"async_tp": (False, True), "zero": (1,), "cp": (1,),
+                                                         "recompute": ("none",), "micro_batches": (1,)}))
+    assert any(l.async_tp for l in found) and all(l.sp and l.tp > 1 for l in found if l.async_tp)
+    assert not any(l.async_tp for l in candidates(mc, 8, hw, 4096, 8))  # off unless asked

@@ -32,7 +32,8 @@ def _config(layout, seq_len, dtype):
     return Config(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, sp=layout.sp, zero=layout.zero,
                   pp_schedule=layout.pp_schedule, pp_chunks=layout.pp_chunks, cp_impl=layout.cp_impl,
                   micro_batch_size=layout.micro_batch_size, grad_acc=max(1, layout.grad_acc),
-                  recompute=layout.recompute, seq_len=seq_len, dtype="fp32" if dtype == "fp32" else "bf16-params")
+                  recompute=layout.recompute, seq_len=seq_len, dtype="fp32" if dtype == "fp32" else "bf16-params",
+                  async_tp=layout.async_tp)
 
 
 def check_layout(mc, layout, seq_len, hw, global_seqs, dtype="bf16", recipe="mixed", cross_node_tp=False,
@@ -75,6 +76,7 @@ SPACE = dict(  # what `candidates` enumerates; a run's `available` narrows it
     schedules=(("1f1b", 1), ("interleaved", 2), ("dualpipe", 1)),
     micro_batches=(1, 2, 4, 8),
     cp_impls=("ring", "ulysses"),  # with cp > 1
+    async_tp=(False,),  # (False, True): also each sp layout with the collective matmul (picotron.async_tp)
 )
 
 
@@ -100,9 +102,11 @@ def candidates(mc, gpus, hw, seq_len, global_seqs, space=None):
                                 for recompute in sp_["recompute"]:
                                     for sched, v in (sp_["schedules"] if pp > 1 else (("1f1b", 1),)):
                                         for impl in (sp_["cp_impls"] if cp > 1 else ("ring",)):
-                                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero,
-                                                         pp_schedule=sched, pp_chunks=v, cp_impl=impl,
-                                                         micro_batch_size=mbs, grad_acc=ga, recompute=recompute)
+                                            for atp in (sp_["async_tp"] if sp else (False,)):
+                                                yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero,
+                                                             pp_schedule=sched, pp_chunks=v, cp_impl=impl,
+                                                             micro_batch_size=mbs, grad_acc=ga, recompute=recompute,
+                                                             async_tp=atp)
 
 
 @dataclass

@@ -9,6 +9,8 @@ The time model (every term in one function, `step_time`), for one rank of the bu
             efficiency for every run (EFFICIENCY), not tuned per run.
   tp        per layer and micro-batch 4 all-reduces of b·(s/cp)·h elements (2 forward, 2 backward; with sp the same
             bytes as all-gathers + reduce-scatters; full recomputation repeats the 2 forward ones); not overlapped.
+            With async TP (sp): each of the 8 collectives a collective matmul, only the excess of each ring step's
+            message over one chunk's matmul exposed (planner.async_tp_exposed_seconds).
   cp        ring attention: per layer and micro-batch the bytes context_parallel sends (planner.cp_bytes_per_step:
             (cp−1) K/V blocks forward, (cp−1) K/V + cp fp32 dK/dV backward), overlapped with that layer's attention
             compute: only the excess counts. Ulysses (Jacobs et al. 2023,
@@ -43,6 +45,7 @@ import math
 
 from picotron.pipeline_schedules import bubble_formula, build, layer_costs, simulate
 from picotron.planner import RECIPES, chunks_held, cp_bytes_per_step, stage_layers
+from picotron.planner import async_tp_layer_seconds
 
 
 def ring_time(kind, n, nbytes, alpha, bw):
@@ -106,6 +109,14 @@ def busiest_share(mc, layout, seq_len):
     return best[0] / sum(costs), best[1]
 
 
+def _async_tp_per_layer(mc, layout, tokens, el, rate, alpha, bw):
+    """Async TP's exposed tp seconds per layer and micro-batch (planner.async_tp_layer_seconds: each ring step hidden
+    under one chunk's matmul); full recomputation redoes the forward's two collective matmuls, the attention pair and
+    the MLP pair: + half the forward and backward's exposure, as the blocking model adds 2 of its 4 all-reduces."""
+    exposed = async_tp_layer_seconds(mc, tokens, layout.tp, el, rate, alpha, bw)
+    return exposed * (1.5 if layout.recompute in ("full", "partitioned") else 1.0)
+
+
 def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     """Predicted seconds of one optimizer step by part (module docstring), with tokens/s, model FLOP/s per GPU
     (`tflops`: 6N + 12·L·h·s per token, no recomputation), `hardware_tflops` (with the recomputed forward) and MFU
@@ -124,6 +135,8 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     # tensor parallelism: 4 all-reduces of the activation per layer and micro-batch (+2 with full recompute)
     calls = 4 + (2 if layout.recompute in ("full", "partitioned") else 0)
     tp = m * layers * calls * ring_time("all_reduce", t, local * h * el, *link(hw, t))
+    if getattr(layout, "async_tp", False) and layout.sp and t > 1:  # async TP: the collective matmul (its own block)
+        tp = m * layers * _async_tp_per_layer(mc, layout, local, el, rate, *link(hw, t))
     if layout.recompute == "partitioned":  # + the all-gather of each layer's checkpoint before its recompute
         tp += m * layers * ring_time("all_gather", t, local * h * 4, *link(hw, t))
     # context parallelism: the bytes a rank's attention sends per layer and micro-batch (planner.cp_bytes_per_step,
