@@ -130,12 +130,13 @@ class OverlappedExchange(Exchange):
     routing, the capacity and the aux loss were decided on the whole micro-batch before, and an expert's output for
     a row depends on that row alone, so the result is the unsplit layer's."""
 
-    def overlap(self, rows, counts, experts, flat, shared):
+    def overlap(self, rows, counts, experts, weights, flat, shared):
         """rows: this rank's (token, choice) rows sorted by expert (dropped choices last), counts[e] the kept rows
-        of each global expert; experts(rows, counts) runs this rank's experts; flat: every token (the shared
-        expert's input), shared: the shared expert or None. Returns (the experts' outputs of the kept rows, in
-        `rows`' order; shared(flat) or None)."""
+        of each global expert; experts(rows, counts) runs this rank's experts, whose parameters are `weights`;
+        flat: every token (the shared expert's input), shared: the shared expert or None. Returns (the experts'
+        outputs of the kept rows, in `rows`' order; shared(flat) or None)."""
         job = _TwoParts(self, counts, experts, shared, grad=torch.is_grad_enabled())
+        job.weights = [w for w in weights if w.requires_grad]
         out, shared_out = _Overlapped.apply(rows[:job.total], flat, job)
         return out, (shared_out if shared is not None else None)
 
@@ -174,7 +175,8 @@ class _TwoParts:
         wait 1; experts on part 1  (under 2)       wait 1; experts' backward 1  (under 2)
         combine 1 launched                         dispatch-backward 1 launched
         wait 2; experts on part 2  (under 1)       wait 2; experts' backward 2  (under 1)
-        combine 2 launched; wait both              dispatch-backward 2 launched; wait both
+        combine 2 launched; wait both              dispatch-backward 2 launched; the weights' gradients
+                                                   of both parts accumulated, once; wait both
 
     Every rank issues the same four all-to-alls on the ep group in the same order (NCCL's rule); the counts go
     first, one all-to-all of 2E numbers for both parts, read by the host once. Part 1 takes the first half
@@ -243,14 +245,42 @@ class _TwoParts:
         if self.shared is not None and grad_shared is not None:  # under both combine-backwards
             torch.autograd.backward(self.shared_out, grad_shared)
             grad_flat = self.shared_in.grad
-        sends = []
+        sends, weight_grads = [], [None] * len(self.weights)
         for i, (wait, part, (leaf, out)) in enumerate(zip(pending, self.parts, self.saved)):
-            torch.autograd.backward(out, wait.wait())  # the experts' backward on part i (weight gradients too)
-            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            # the experts' backward on part i: its rows' gradient and the weights', not yet accumulated (a weight's
+            # accumulation hook, which data parallelism counts, must fire once per backward, not once per part)
+            g, *dw = torch.autograd.grad(out, [leaf, *self.weights], wait.wait(), allow_unused=True)
+            weight_grads = [a if b is None else b if a is None else a + b for a, b in zip(weight_grads, dw)]
+            g = g if g is not None else torch.zeros_like(leaf)
             sends.append(ex.start(g, part.send, part.recv, "dispatch-backward", f"part {i + 1}"))
+        _accumulate_once(self.weights, weight_grads)  # under the last dispatch-backward
         back = torch.cat([s.wait() for s in sends])
         self.saved, self.shared_in, self.shared_out = [], None, None
         return torch.empty_like(back).index_copy(0, self.perm, back), grad_flat
+
+
+def _accumulate_once(weights, grads):
+    """Each weight's gradient accumulated by autograd (its hooks fire once), as if the backward had reached it.
+    (Weights whose gradient is deferred, zero-bubble's split backward, have none here: their layers keep it.)"""
+    pairs = [(w, g) for w, g in zip(weights, grads) if g is not None]
+    if pairs:
+        with torch.enable_grad():
+            handle = _Accumulate.apply(tuple(g for _, g in pairs), *(w for w, _ in pairs))
+        torch.autograd.backward(handle)
+
+
+class _Accumulate(torch.autograd.Function):
+    """A zero-size output whose backward hands each weight the gradient it was given."""
+
+    @staticmethod
+    def forward(ctx, grads, *weights):
+        ctx.grads = grads
+        return weights[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grads, ctx.grads = ctx.grads, None
+        return (None, *grads)
 
 
 class _Overlapped(torch.autograd.Function):

@@ -189,7 +189,8 @@ class MoE(nn.Module):
             sizes = counts.tolist()  # the host reads the counts once per layer (split needs numbers)
             out = self.run_experts(rows[:sum(sizes)], sizes)
         elif hasattr(self.exchange, "overlap"):  # --ep-overlap: the all-to-alls under the experts' compute
-            out, shared = self.exchange.overlap(rows, counts, self.run_experts, flat, self.shared_experts)
+            out, shared = self.exchange.overlap(rows, counts, self.run_experts, list(self.experts.parameters()), flat,
+                                                self.shared_experts)
         else:  # the exchange reads the counts once, with the other ranks'
             rows, local_counts, ctx = self.exchange.dispatch(rows, counts)
             out = self.exchange.combine(self.run_experts(rows, local_counts), ctx)

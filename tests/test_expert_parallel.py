@@ -241,7 +241,7 @@ def _model_child(layout, out, wrong_divisor=False):
 
 
 def _reference(layout):
-    parallel = ("dp", "ep", "tp", "sp", "pp", "pp_schedule", "pp_chunks", "zero", "grad_acc", "cp")
+    parallel = ("dp", "ep", "tp", "sp", "pp", "pp_schedule", "pp_chunks", "zero", "grad_acc", "cp", "ep_overlap")
     ref = {"grad_acc": layout.get("grad_acc", 1) * layout.get("dp", 1),
            **{k: v for k, v in layout.items() if k not in parallel}}  # the model's own settings (capacity, ...)
     return single_process(_model_child, ref, timeout_s=120)  # once per settings in the session (tests/_reference.py)
