@@ -214,12 +214,12 @@ def test_hsdp_checkpoint_resumes_exactly_and_loads_into_other_layouts(tmp_path, 
     step2 = {src: str(tmp_path / src / "checkpoints" / "step_000002") for src in ("hsdp", "plain")}
     a, b = reshard.consolidate(step2["hsdp"]), reshard.consolidate(step2["plain"])
     assert a["params"].keys() == b["params"].keys() and a["params"]
-    for name in a["params"]:
-        torch.testing.assert_close(a["params"][name], b["params"][name], rtol=1e-5, atol=1e-7,
-                                   msg=lambda m: f"{name}: {m}")
-        for kind in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(a["optimizer"][name][kind], b["optimizer"][name][kind], rtol=1e-4, atol=1e-9,
-                                       msg=lambda m: f"{name} {kind}: {m}")
+    for name in a["params"]:  # two Adam steps apart in summation order only: close in norm (tests/test_zero.py's
+        # assert_params_close says why not element by element: Adam's sign flips where a gradient element is ~0)
+        pairs = [(a["params"][name], b["params"][name])] + [(a["optimizer"][name][k], b["optimizer"][name][k])
+                                                            for k in ("exp_avg", "exp_avg_sq")]
+        for x, y in pairs:
+            assert x.shape == y.shape and (x - y).norm() <= 1e-4 * y.norm() + 1e-9, (name, (x - y).norm(), y.norm())
     want = [r["loss"] for r in full if r["step"] > 2]
     for src, dst, exact in (("hsdp", hsdp, True), ("plain", hsdp, False), ("hsdp", plain, False)):
         out = tmp_path / f"{src}-to-{'hsdp' if dst is hsdp else 'plain'}"

@@ -69,7 +69,8 @@ def build_parser():
     p.add_argument("--recipe", choices=("mixed", "mixed-fp32-grads", "ours"), default="mixed",
                    help="bytes per parameter and activations: bf16 mixed precision 2+2+12 (default), with fp32 gradient "
                         "accumulation 2+4+12, or picotron's fp32 trainer 4+4+8"),
-    p.add_argument("--layout", default=None, help="evaluate this layout, e.g. tp8,pp16,dp128 (+ zero1, sp, mbs2, ga8, "
+    p.add_argument("--layout", default=None, help="evaluate this layout, e.g. tp8,pp16,dp128 (+ zero1, shard8 (HSDP: "
+                                                  "ZeRO within groups of 8 dp ranks), sp, mbs2, ga8, "
                                                   "interleaved-v2, dualpipe, ulysses, recompute-full): any layout a "
                                                   "table row or --published shows")
     p.add_argument("--max-tp", type=int, default=None, help="search tp up to this (beyond a node: flagged)")

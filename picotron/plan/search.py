@@ -33,7 +33,7 @@ def _config(layout, seq_len, dtype):
                   pp_schedule=layout.pp_schedule, pp_chunks=layout.pp_chunks, cp_impl=layout.cp_impl,
                   micro_batch_size=layout.micro_batch_size, grad_acc=max(1, layout.grad_acc),
                   recompute=layout.recompute, seq_len=seq_len, dtype="fp32" if dtype == "fp32" else "bf16-params",
-                  async_tp=layout.async_tp)
+                  async_tp=layout.async_tp, dp_shard=layout.dp_shard)
 
 
 def check_layout(mc, layout, seq_len, hw, global_seqs, dtype="bf16", recipe="mixed", cross_node_tp=False,
@@ -77,7 +77,16 @@ SPACE = dict(  # what `candidates` enumerates; a run's `available` narrows it
     micro_batches=(1, 2, 4, 8),
     cp_impls=("ring", "ulysses"),  # with cp > 1
     async_tp=(False,),  # (False, True): also each sp layout with the collective matmul (picotron.async_tp)
+    hsdp=True,  # with ZeRO, also HSDP's shard groups that lie in one node (`shard_sizes`)
 )
+
+
+def shard_sizes(dp, cp, span, node):
+    """HSDP's dp_shard values the search tries for a ZeRO layout: 0 (ZeRO over all of dp x cp) and each proper divisor
+    of dp whose shard group (span = tp·cp·pp consecutive ranks per dp coordinate, times dp_shard) lies in one node,
+    the point of HSDP: ZeRO's traffic on NVLink, only the replicas' all-reduce on the network. (dp_shard = 1 shards
+    over cp alone, so it needs cp > 1.)"""
+    return [0] + [k for k in _divisors(dp) if k < dp and (k > 1 or cp > 1) and node % (span * k) == 0]
 
 
 def candidates(mc, gpus, hw, seq_len, global_seqs, space=None):
@@ -97,7 +106,8 @@ def candidates(mc, gpus, hw, seq_len, global_seqs, space=None):
                             yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch_size=mbs, grad_acc=0)
                             continue
                         ga = global_seqs // (dp * mbs)
-                        for zero in sp_["zero"]:
+                        for zero, shard in ((z, k) for z in sp_["zero"] for k in
+                                            (shard_sizes(dp, cp, tp * cp * pp, node) if z and sp_["hsdp"] else [0])):
                             for sp in (sp_["sp"] if tp > 1 else (False,)):
                                 for recompute in sp_["recompute"]:
                                     for sched, v in (sp_["schedules"] if pp > 1 else (("1f1b", 1),)):
@@ -106,7 +116,7 @@ def candidates(mc, gpus, hw, seq_len, global_seqs, space=None):
                                                 yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, zero=zero,
                                                              pp_schedule=sched, pp_chunks=v, cp_impl=impl,
                                                              micro_batch_size=mbs, grad_acc=ga, recompute=recompute,
-                                                             async_tp=atp)
+                                                             async_tp=atp, dp_shard=shard)
 
 
 @dataclass
