@@ -248,6 +248,7 @@ def memory_estimate(model_config, seq_len, micro_batch_size, dtype="fp32", recom
 #        our schedule's action lists like the others' (Table 2 says p + 1 stage micro-batches for DeepSeek's own).
 #   ep   a rank holds E/ep experts of every MoE layer (each cut by tp like an MLP).
 #   ZeRO over the dp x cp ranks (experts: over dp x cp / ep): 1 the optimizer state, 2 + gradients, 3 + params.
+#        HSDP (dp_shard): over one shard group, dp_shard x cp ranks, instead: the replicas hold the same shards.
 #        ZeRO-3 with pp keeps a stage's gathered parameters from its first micro-batch's forward to the step's end
 #        (torchtitan's reshard_after_forward=False under a pipeline): whole parameters + this rank's shard.
 from dataclasses import dataclass  # noqa: E402
@@ -277,6 +278,13 @@ class Layout:
     grad_acc: int = 1
     recompute: str = "none"
     async_tp: bool = False  # the collective matmul (picotron.async_tp; needs sp): 'async-tp' in the text form
+    dp_shard: int = 0  # HSDP: ZeRO within groups of dp_shard dp ranks (x cp), replicated across them; 0 = all of dp
+    ep_overlap: bool = False  # expert all-to-alls under compute (two parts; needs ep > 1): 'ep-overlap' in the text
+
+    @property
+    def shard(self) -> int:
+        """The ranks ZeRO shards over: dp x cp, or with HSDP dp_shard x cp (one shard group): 'shard4' in the text."""
+        return (self.dp_shard or self.dp) * self.cp
 
     @property
     def gpus(self) -> int:
@@ -292,7 +300,7 @@ class Layout:
         for item in (t.strip() for t in str(text).replace(" ", ",").split(",")):
             if not item:
                 continue
-            key = next((k for k in ("zero", "mbs", "ga", "dp", "tp", "pp", "cp", "ep", "v")
+            key = next((k for k in ("zero", "mbs", "ga", "dp", "tp", "pp", "cp", "ep", "v", "shard")
                         if item.startswith(k) and item[len(k):].isdigit()), None)
             chunks = item.rpartition("-v")  # 'interleaved-v2': the schedule and its chunks in one item
             if key:
@@ -300,11 +308,14 @@ class Layout:
                 if number < (0 if key == "zero" else 1) or (key == "zero" and number > 3):
                     raise ValueError(f"layout item {item!r} in {text!r}: " + (
                         "ZeRO's stage is 0, 1, 2 or 3" if key == "zero" else f"{key} must be at least 1") + ".")
-                values[{"mbs": "micro_batch_size", "ga": "grad_acc", "v": "pp_chunks"}.get(key, key)] = number
+                values[{"mbs": "micro_batch_size", "ga": "grad_acc", "v": "pp_chunks", "shard": "dp_shard"}.get(key, key)] \
+                    = number
             elif item == "sp":
                 values["sp"] = True
             elif item == "async-tp":
                 values["async_tp"] = True
+            elif item == "ep-overlap":
+                values["ep_overlap"] = True
             elif item in PP_SCHEDULES:
                 values["pp_schedule"] = item
             elif item in CP_IMPLS:
@@ -314,8 +325,8 @@ class Layout:
             elif item.startswith("recompute-") and item[10:] in RECOMPUTE:
                 values["recompute"] = item[10:]
             else:
-                raise ValueError(f"layout item {item!r} in {text!r} is not one of dp/tp/pp/cp/ep/zero/mbs/ga/v followed by a "
-                                 f"number, 'sp', 'async-tp', 'recompute-none|selective|full', a schedule ({', '.join(PP_SCHEDULES)}), "
+                raise ValueError(f"layout item {item!r} in {text!r} is not one of dp/tp/pp/cp/ep/zero/mbs/ga/v/shard followed by a "
+                                 f"number, 'sp', 'async-tp', 'ep-overlap', 'recompute-none|selective|full', a schedule ({', '.join(PP_SCHEDULES)}), "
                                  f"'interleaved-v<chunks>' or a cp_impl ({', '.join(CP_IMPLS)}); e.g. 'tp8,pp16,dp128'.")
         return cls(**{**values, **overrides})
 
@@ -323,13 +334,16 @@ class Layout:
     def from_config(cls, cfg):
         return cls(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, sp=cfg.sp, zero=cfg.zero,
                    pp_schedule=cfg.pp_schedule, pp_chunks=cfg.pp_chunks, cp_impl=cfg.cp_impl, micro_batch_size=cfg.micro_batch_size,
-                   grad_acc=cfg.grad_acc, recompute=cfg.recompute, async_tp=cfg.async_tp)
+                   grad_acc=cfg.grad_acc, recompute=cfg.recompute, async_tp=cfg.async_tp, dp_shard=cfg.dp_shard,
+                   ep_overlap=cfg.ep_overlap)
 
     def __str__(self):
         """'dp2,tp4,pp2,cp2,ulysses,sp,zero1,interleaved-v2,mbs2,ga32': what `parse` reads back as this layout."""
         parts = [f"{k}{getattr(self, k)}" for k in DEGREES if getattr(self, k) > 1] or ["dp1"]
         parts += [self.cp_impl] * (self.cp_impl != "ring")
         parts += ["sp"] * self.sp + ["async-tp"] * self.async_tp + [f"zero{self.zero}"] * (self.zero > 0)
+        parts += [f"shard{self.dp_shard}"] * (self.dp_shard > 0)  # HSDP
+        parts += ["ep-overlap"] * self.ep_overlap
         if self.pp > 1:
             parts.append(self.pp_schedule + (f"-v{self.pp_chunks}" if self.pp_schedule == "interleaved" else ""))
         parts += [f"mbs{self.micro_batch_size}"] + [f"ga{self.grad_acc}"] * (self.grad_acc > 0)  # 0: no whole number
@@ -515,7 +529,7 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     if recipe not in RECIPES:
         raise ValueError(f"recipe={recipe!r}; use one of {', '.join(RECIPES)}.")
     _check(dtype, layout.recompute)
-    shard = layout.dp * layout.cp  # the ranks ZeRO shards over
+    shard = layout.shard  # the ranks ZeRO shards over (HSDP: one shard group)
     eshard = max(1, shard // layout.ep)
     stages, held0 = chunks_held(layout, 0)
     v = len(held0)
@@ -637,3 +651,29 @@ def async_tp_layer_seconds(mc, tokens, tp, elem, rate, alpha, bw, overlap=True):
     exposed = sum(async_tp_exposed_seconds(t, chunk, mm, alpha, bw) for mm in forward_mm + backward_mm)
     return exposed + (4 * (t - 1) * msg if mc.is_moe else 0.0)  # the MoE feed-forward's blocking pair, both ways
 # ---------------------------------------------------------------------------------------------- end async TP
+
+
+# ================================================================ expert all-to-alls under compute (--ep-overlap)
+def ep_overlap_exposed_seconds(a2a_s, experts_s, shared_s=0.0):
+    """Seconds of one pass (forward, or backward with the backward's compute) of an MoE layer that its all-to-alls
+    leave exposed when the routed rows travel in two parts (picotron.expert_parallel._TwoParts): `a2a_s` one part's
+    all-to-all, `experts_s` one part's experts, `shared_s` the shared expert's compute (DeepSeek-V3, 0 without).
+    One link per rank carries one all-to-all at a time, in issue order; the compute runs one thing at a time:
+
+        dispatch 1 ends at a, dispatch 2 at 2a; the shared expert runs from 0 to s
+        experts 1 start at x1 = max(a, s), end at x1 + c; combine 1 runs from max(2a, x1 + c) for a
+        experts 2 start at x2 = max(2a, x1 + c), end at x2 + c; combine 2 starts when combine 1 and experts 2 end
+        exposed = its end − (s + 2c),  T_exposed = 2a − min(s, a)  when c ≥ a (the first dispatch, less the shared
+        expert under it, and the last combine, which nothing follows; each middle all-to-all hidden under the other
+        part's experts), 4a − 2c − s when a ≥ c ≥ s
+
+    against the blocking exchange's 4a (dispatch and combine of both halves, nothing under them). DeepSeek-V3
+    technical report (arXiv:2412.19437) §3.2.2: the all-to-alls of one micro-batch under another's compute; Megatron-LM
+    --overlap-moe-expert-parallel-comm."""
+    a, c, s = a2a_s, experts_s, shared_s
+    x1 = max(a, s)
+    combine1 = max(2 * a, x1 + c) + a
+    x2 = max(2 * a, x1 + c)
+    end = max(combine1, x2 + c) + a
+    return end - (s + 2 * c)
+# ----------------------------------------------------------------------------------------------- end --ep-overlap

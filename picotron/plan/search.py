@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from picotron.rules import layout_problem
 from picotron.config import Config
 from picotron.plan.hardware import GiB
-from picotron.plan.time_model import step_time
+from picotron.plan.time_model import shard_span, step_time
 from picotron.planner import RECIPES, Layout, memory_per_gpu
 
 def _divisors(n, limit=None):
@@ -81,12 +81,12 @@ SPACE = dict(  # what `candidates` enumerates; a run's `available` narrows it
 )
 
 
-def shard_sizes(dp, cp, span, node):
+def shard_sizes(dp, cp, tp, pp, node):
     """HSDP's dp_shard values the search tries for a ZeRO layout: 0 (ZeRO over all of dp x cp) and each proper divisor
-    of dp whose shard group (span = tp·cp·pp consecutive ranks per dp coordinate, times dp_shard) lies in one node,
-    the point of HSDP: ZeRO's traffic on NVLink, only the replicas' all-reduce on the network. (dp_shard = 1 shards
-    over cp alone, so it needs cp > 1.)"""
-    return [0] + [k for k in _divisors(dp) if k < dp and (k > 1 or cp > 1) and node % (span * k) == 0]
+    of dp whose shard group lies in one node (time_model.shard_span divides it), the point of HSDP: ZeRO's traffic on
+    NVLink, only the replicas' all-reduce on the network. (dp_shard = 1 shards over cp alone: it needs cp > 1.)"""
+    return [0] + [k for k in _divisors(dp) if k < dp and (k > 1 or cp > 1)
+                  and node % shard_span(Layout(dp=dp, cp=cp, tp=tp, pp=pp, dp_shard=k)) == 0]
 
 
 def candidates(mc, gpus, hw, seq_len, global_seqs, space=None):
@@ -107,7 +107,7 @@ def candidates(mc, gpus, hw, seq_len, global_seqs, space=None):
                             continue
                         ga = global_seqs // (dp * mbs)
                         for zero, shard in ((z, k) for z in sp_["zero"] for k in
-                                            (shard_sizes(dp, cp, tp * cp * pp, node) if z and sp_["hsdp"] else [0])):
+                                            (shard_sizes(dp, cp, tp, pp, node) if z and sp_["hsdp"] else [0])):
                             for sp in (sp_["sp"] if tp > 1 else (False,)):
                                 for recompute in sp_["recompute"]:
                                     for sched, v in (sp_["schedules"] if pp > 1 else (("1f1b", 1),)):

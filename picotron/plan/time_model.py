@@ -18,7 +18,8 @@ The time model (every term in one function, `step_time`), for one rank of the bu
             each of a rank's b·(s/cp)·heads·d elements (k, v: its KV heads, repeated until cp divides them), (cp−1)/cp
             of them leaving; not overlapped; full recomputation repeats the forward's 4.
   ep        per MoE layer and micro-batch 4 all-to-alls (dispatch and combine, forward and backward) of the k copies
-            of each token; not overlapped.
+            of each token; not overlapped. With --ep-overlap the rows travel in two parts, each part's all-to-all under
+            the other part's experts (and the shared expert): planner.ep_overlap_exposed_seconds per pass.
   pp        point-to-point: per micro-batch and chunk one activation forward and one gradient backward; the bubble:
             the schedule's idle fraction B (1F1B/AFAB (p−1)/(m+p−1), interleaved (p−1)/(vm+p−1), ZB-H1
             (p−1)/(3m+p−1), ZB-V from the simulator, DualPipe DeepSeek-V3's Table 2: idle (p/2−1)(F&B + B − 3W) =
@@ -30,6 +31,10 @@ The time model (every term in one function, `step_time`), for one rank of the bu
             pp > 1 once per step, the stage keeping them gathered for all its micro-batches, as torchtitan's
             reshard_after_forward=False under a pipeline: ZeRO-2's traffic, hidden as ZeRO-2's). DualPipe's two
             copies of each stage also all-reduce their gradients (2 ranks, once per step). Only the excess counts.
+            HSDP (dp_shard): the same collectives over a shard group of dp_shard x cp ranks, on NVLink when the group
+            (`shard_span` consecutive ranks) lies in a node, then the gradient shard (1/(dp_shard·cp) of the
+            gradients) all-reduced over the dp/dp_shard replicas on the network, as picotron.zero does it: once, after
+            the last reduce-scatter, not overlapped.
 Collectives are rings: all-reduce 2(n−1)·α + 2(n−1)/n·bytes/bw; all-gather, reduce-scatter, all-to-all
 (n−1)·α + (n−1)/n·bytes/bw; a send α + bytes/bw. A group is on NVLink when each of its copies lies in one node
 (grid order dp, pp, cp, tp with tp fastest: tp spans tp ranks, cp tp·cp, pp tp·cp·pp, ep tp·cp·pp·ep, dp all;
@@ -46,6 +51,7 @@ import math
 from picotron.pipeline_schedules import bubble_formula, build, layer_costs, simulate
 from picotron.planner import RECIPES, chunks_held, cp_bytes_per_step, stage_layers
 from picotron.planner import async_tp_layer_seconds
+from picotron.planner import ep_overlap_exposed_seconds
 
 
 def ring_time(kind, n, nbytes, alpha, bw):
@@ -62,6 +68,12 @@ def link(hw, span):
     (span divides the GPUs per node), the network otherwise."""
     inside = span <= hw.gpus_per_node and hw.gpus_per_node % span == 0
     return (hw.intra_alpha, hw.intra_bw) if inside else (hw.inter_alpha, hw.inter_bw)
+
+
+def shard_span(layout):
+    """How many consecutive ranks one HSDP shard group spans (grid order dp, pp, cp, tp): its cp ranks alone (tp·cp)
+    when dp_shard = 1, else dp_shard whole dp coordinates (tp·cp·pp each). On NVLink when that divides a node."""
+    return layout.tp * layout.cp * (layout.pp * layout.dp_shard if layout.dp_shard > 1 else 1)
 
 
 def dualpipe_bubble(p, m, F=1.0, B=2.0, W=1.0):
@@ -117,6 +129,20 @@ def _async_tp_per_layer(mc, layout, tokens, el, rate, alpha, bw):
     return exposed * (1.5 if layout.recompute in ("full", "partitioned") else 1.0)
 
 
+# ------------------------------------------------------------------------------ --ep-overlap (expert all-to-alls)
+def _ep_overlap_per_layer(mc, layout, tokens, el, rate, alpha, bw):
+    """--ep-overlap's exposed all-to-all seconds per MoE layer and micro-batch of `tokens` tokens on one rank, forward
+    and backward (planner.ep_overlap_exposed_seconds): one part's all-to-all carries half of the k copies of each
+    token; one part's experts compute on as many rows as it sent (balanced routing), 2·3·h·i/tp FLOPs a row forward,
+    twice that backward; the shared experts run on every token."""
+    e, t, h, k = layout.ep, layout.tp, mc.hidden_size, mc.num_experts_per_tok
+    a = ring_time("all_to_all", e, tokens * k * h * el / 2, alpha, bw)
+    row = 2 * 3 * h * mc.expert_size / t / rate  # one row through one expert, forward
+    experts, shared = tokens * k / 2 * row, tokens * mc.n_shared_experts * row
+    return ep_overlap_exposed_seconds(a, experts, shared) + ep_overlap_exposed_seconds(a, 2 * experts, 2 * shared)
+# ------------------------------------------------------------------------------------------ end --ep-overlap
+
+
 def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     """Predicted seconds of one optimizer step by part (module docstring), with tokens/s, model FLOP/s per GPU
     (`tflops`: 6N + 12·L·h·s per token, no recomputation), `hardware_tflops` (with the recomputed forward) and MFU
@@ -160,6 +186,8 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     if mc.is_moe and e > 1:
         ep = m * layers * 4 * ring_time("all_to_all", e, local * mc.num_experts_per_tok * h * el,
                                         *link(hw, t * c * p * e))
+        if getattr(layout, "ep_overlap", False):  # --ep-overlap (its own block): two parts, each under the other's
+            ep = m * layers * _ep_overlap_per_layer(mc, layout, local, el, rate, *link(hw, t * c * p * e))
     # pipeline: one activation and one gradient per micro-batch and chunk, then the bubble
     v = 1 if layout.pp_schedule == "dualpipe" else _chunks(layout)  # DualPipe: a micro-batch crosses a rank once
     p_link = link(hw, t * c * p)
@@ -178,6 +206,10 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     grad_bytes = params * (4 if dtype == "fp32" else RECIPES[recipe][1])
     dp_link = link(hw, gpus)
     n = d * c
+    replicas = 0.0  # HSDP: ZeRO's collectives within a shard group, on NVLink where the group lies in a node; then
+    if layout.zero and 0 < layout.dp_shard < d:  # the gradient shard (1/n_s) all-reduced over the replicas on the
+        n, dp_link = layout.shard, link(hw, shard_span(layout))  # network, after the last reduce-scatter
+        replicas = ring_time("all_reduce", d // layout.dp_shard, grad_bytes / n, *link(hw, gpus))  # (not overlapped)
     twins = ring_time("all_reduce", 2, grad_bytes, *p_link) if layout.pp_schedule == "dualpipe" and p > 1 else 0.0
     if layout.zero >= 2:
         gathers = (1 if p > 1 else 2 * m) if layout.zero == 3 else 1
@@ -189,7 +221,7 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     else:
         dp_total = ring_time("all_reduce", n, grad_bytes, *dp_link)
         overlap = (2 / 3) * compute / m
-    dp = max(0.0, dp_total + twins - overlap)
+    dp = max(0.0, dp_total + twins - overlap) + replicas
     total = busy + bubble + dp
     out = {"compute": compute, "tp": tp, "cp": cp, "ep": ep, "pp": pp_p2p, "bubble": bubble, "dp": dp, "total": total}
     out["tokens_per_s"] = tokens / total
