@@ -135,7 +135,9 @@ def _replayed(tmp_path, layout):
     for order in ("per-communicator", "one"):
         verdict = nccl_rules.replay(traces, order=order)
         assert verdict.ok, f"{layout} ({order}): {verdict}"
-    assert any(e["op"] == "all_to_all_single" and e.get("handle") for t in traces for e in t["events"])
+    for trace in traces:  # the overlapped exchange ran: two all-to-alls in flight at once on the ep group
+        tokens = _schedule(trace)
+        assert any(a.startswith("a2a") and b.startswith("a2a") for a, b in zip(tokens, tokens[1:])), tokens[:12]
     results = [out for out, _ in recorded]
     reference = tep._reference(layout)
     assert_matches(results, reference, layout)
@@ -164,3 +166,23 @@ def test_whole_model_matches_one_process_and_replays_clean(tmp_path, layout):
     results, (_, _, ref) = _replayed(tmp_path, layout)
     for rank, (*_, summary) in enumerate(results):
         assert summary["bias"] == {n: ref["bias"][n] for n in summary["bias"]}, f"rank {rank}: routing bias differs"
+
+
+# ------------------------------------------------------------------------------------------ the planner
+def test_exposed_time_formula_and_the_time_model():
+    """planner.ep_overlap_exposed_seconds in its two regimes (compute covers a part's all-to-all: the first dispatch
+    and the last combine, less the shared expert, never less than that last combine; it does not: 4a − 2c − s),
+    nothing to hide under: the blocking 4a;
+    step_time charges it for an ep layout with ep_overlap, and less than the blocking all-to-alls."""
+    from picotron.plan.hardware import GPUS
+    from picotron.plan.time_model import step_time
+    from picotron.planner import Layout, ep_overlap_exposed_seconds as exposed
+
+    assert exposed(1.0, 2.0) == 2.0 and exposed(1.0, 2.0, 0.5) == 1.5 and exposed(1.0, 5.0, 3.0) == 1.0  # the last combine, always
+    assert exposed(2.0, 1.0) == 6.0 and exposed(2.0, 1.0, 0.5) == 5.5
+    assert exposed(1.0, 0.0) == 4.0  # no compute: the four part-all-to-alls back to back, as blocking
+    mc = ModelConfig.from_preset("mixtral-8x7b")
+    blocking, overlapped = (step_time(mc, Layout.parse("dp8,ep8,zero1,mbs1,ga16", ep_overlap=o), 4096, GPUS["h100-80gb"])
+                            for o in (False, True))
+    assert 0 < overlapped["ep"] < blocking["ep"] and overlapped["compute"] == blocking["compute"]
+    assert Layout.parse("dp8,ep8,ep-overlap").ep_overlap and "ep-overlap" in str(Layout(dp=8, ep=8, ep_overlap=True))
