@@ -8,6 +8,9 @@ OUT/<name>.json (`stages` and `parity`: OUT/<name>_dp<N>.json) from rank 0:
     parity       picotron.train --zero 0..3 at dp = world size; with one process, the one-process references
     pipeline     ZeRO-1/2/3 on a pp = 2 pipeline (dp = world size / 2, 1F1B): the bytes of each collective per step
                  on every rank, with ZeRO-3's layers kept gathered over the step or freed after every use
+    hsdp         HSDP at dp = world size: ZeRO-1 and ZeRO-3 with every shard size dp_shard dividing dp, the bytes of each
+                 step on the shard link and on the replicate link counted apart on every rank, with the formula
+                 (planner.hsdp_bytes_per_step), the losses, what each rank keeps, and the NCCL replay of one run
 
     PICOTRON_FAST=1 torchrun --nproc_per_node 2 lessons/04_zero/experiment.py --only stages,timeline
 
@@ -16,6 +19,7 @@ process group, one step of each in turn, a barrier before each; a step's time is
 """
 import dataclasses
 import os
+from contextlib import nullcontext
 import statistics
 import sys
 import time
@@ -29,7 +33,7 @@ from _plots import stacked_bar  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from picotron import data, hooks, link as link_mod, marks, metrics, planner, zero3  # noqa: E402
+from picotron import data, hooks, link as link_mod, marks, metrics, nccl_rules, planner, zero3  # noqa: E402
 from picotron import train as trainer  # noqa: E402
 from picotron.mesh import Axis, Mesh  # noqa: E402
 from picotron.parallelize import build_model, parallelize  # noqa: E402
@@ -49,7 +53,7 @@ def settings(fast, mesh=None):
     st = dict(size="small", seq_len=64, micro_batch_size=2,
               tl_seq_len=128, tl_micro_batch_size=8, steps=3 if fast else 20, tl_steps=5 if fast else 12,
               warmup=1 if fast else 2, fsdp_steps=8 if fast else 60, parity_steps=10 if fast else 20,
-              pp_micro_batches=4 if fast else 8)
+              pp_micro_batches=4 if fast else 8, hsdp_steps=3 if fast else 10)
     return _common.sized("04_zero", st, fast, mesh.device.type if mesh else None)
 
 
@@ -308,7 +312,101 @@ def plot_pipeline(res):
     return fig
 
 
-EXPERIMENTS = ("stages", "timeline", "fsdp", "fsdp_memory", "parity", "pipeline")
+# ------------------------------------------------------------------------------------------------------- HSDP
+HSDP_STAGES = (1, 3)
+SHARD_AXES = {"dp_shard": "shard", "dp_cp": "shard", "dp_replicate": "replicate"}  # (no HSDP: ZeRO's axis is dp_cp)
+
+
+def link_bytes(log, n_shard, n_replicate):
+    """From a Recorder's log of one step [(kind, whole-buffer bytes, axis)]: {"shard" | "replicate": {kind: bytes}}
+    (the buffers, what the formula's "buffers" say) and the bytes a rank SENDS on each link by the ring's share:
+    (n-1)/n of a reduce-scatter's or all-gather's buffer, 2(n-1)/n of an all-reduce's."""
+    buffers, sent = {"shard": {}, "replicate": {}}, {"shard": 0.0, "replicate": 0.0}
+    for kind, nbytes, axis in log:
+        where = SHARD_AXES.get(axis)
+        if where is None:
+            continue
+        n = n_shard if where == "shard" else n_replicate
+        buffers[where][kind] = buffers[where].get(kind, 0) + nbytes
+        sent[where] += (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
+    return buffers, sent
+
+
+def exp_hsdp(mesh, st, out):
+    """HSDP at dp = world size (pp = cp = tp = 1): for ZeRO-1 and ZeRO-3 and every dp_shard dividing dp (1: every rank a
+    group of its own, i.e. data parallelism's all-reduce; dp: one group, plain ZeRO), a mesh with those shard and
+    replicate groups (Mesh.init(dp=..., dp_shard=...)), `hsdp_steps` steps built by `parallelize` with a Recorder on
+    the axes. Per rank: the last step's bytes on each link and the formula's (from its units, padded), the losses,
+    what it keeps. The 2 x 2 ZeRO-3 run is also recorded and replayed under NCCL's rules."""
+    world = mesh.world_size
+    cfg = make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=world,
+                   bucket_mb=BUCKET_MB)
+    loader = data.DataLoader(tokens(), seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, grad_acc=1,
+                             dp_size=world, dp_rank=mesh.dp.rank, seed=cfg.seed)
+    rows, replay = [], None
+    for stage in HSDP_STAGES:
+        for ds in (k for k in range(1, world + 1) if world % k == 0):
+            with Mesh.init(dp=world, dp_shard=ds) as sub:
+                recorder = metrics.Recorder()
+                run = parallelize(dataclasses.replace(cfg, zero=stage, dp_shard=ds), sub, recorder=recorder)
+                traced = stage == 3 and 1 < ds < world and replay is None
+                losses = []
+                with nccl_rules.Recorder() if traced else nullcontext() as rec:
+                    for step in range(st["hsdp_steps"]):
+                        recorder.reset()  # what the last step sent
+                        losses.append(float(run.schedule.run(run.model, loader.micro_batches(step), run.loss_fn)))
+                        marks.clip_grad_norm(run.params, cfg.grad_clip, sub)
+                        mem = run.model.memory()
+                        run.optimizer.step()
+                        run.model.zero_grad(set_to_none=True)
+                if traced:
+                    traces = gather(rec.trace, sub)
+                    replay = dict(dp_shard=ds, stage=stage, per_communicator=str(nccl_rules.replay(
+                        traces, order="per-communicator")), one_order=str(nccl_rules.replay(traces)),
+                        ok=nccl_rules.replay(traces).ok)
+                units = run.model.units
+                psi = sum(u.padded for u in units)
+                root = sum(u.padded for u in units if not u.layer) if stage == 3 else 0
+                formula = planner.hsdp_bytes_per_step(psi, stage, sub.dp_shard.size, sub.dp_replicate.size, root)
+                buffers, sent = link_bytes(recorder.log, sub.dp_shard.size, sub.dp_replicate.size)
+                mine = dict(buffers=buffers, sent=sent, formula=formula, psi=sum(u.numel for u in units),
+                            mem=dict(mem, optimizer=metrics.optimizer_bytes(run.optimizer)),
+                            groups=dict(shard=sub.dp_shard.ranks, replicate=sub.dp_replicate.ranks))
+                rows.append(dict(stage=stage, dp_shard=ds, n_shard=sub.dp_shard.size,
+                                 n_replicate=sub.dp_replicate.size, losses=losses, by_rank=gather(mine, sub)))
+    return dict(dp=world, rows=rows, replay=replay)
+
+
+def plot_hsdp(res):
+    """Per ZeRO stage, against dp_shard: the bytes one rank sends per step on the shard link (within a group: a node)
+    and on the replicate link (across groups: the network), measured on rank 0, in units of the fp32 parameters'
+    4Ψ; the formula (planner.hsdp_bytes_per_step) as black markers."""
+    plt = _plt()
+    stages = sorted({r["stage"] for r in res["rows"]})
+    fig, axes = plt.subplots(1, len(stages), figsize=(5.2 * len(stages), 3.8), sharey=True)
+    colors = {"shard": "#4c72b0", "replicate": "#c44e52"}
+    for ax, stage in zip(axes, stages):
+        rows = [r for r in res["rows"] if r["stage"] == stage]
+        for j, row in enumerate(rows):
+            r = row["by_rank"][0]
+            norm = 4 * r["psi"]
+            for i, where in enumerate(("shard", "replicate")):
+                x = j + (i - 0.5) * 0.36
+                ax.bar(x, r["sent"][where] / norm, 0.34, color=colors[where],
+                       label=(f"{where} link ({'within' if where == 'shard' else 'across'} groups), measured"
+                              if j == 0 else None))
+                ax.plot(x, r["formula"]["dp_" + where] / norm, "k_", ms=22, mew=2.5,
+                        label="formula" if j == 0 and i == 0 else None)
+        ax.set_xticks(range(len(rows)), [f"dp_shard={r['dp_shard']}\n({r['n_replicate']} replica"
+                                         f"{'s' if r['n_replicate'] > 1 else ''})" for r in rows], fontsize=8)
+        ax.set_title(f"ZeRO-{stage} at dp={res['dp']}: bytes per rank per step", fontsize=10)
+        ax.legend(fontsize=7, frameon=False)
+    axes[0].set_ylabel("bytes sent per rank / 4Ψ")
+    fig.tight_layout()
+    return fig
+
+
+EXPERIMENTS = ("stages", "timeline", "fsdp", "fsdp_memory", "parity", "pipeline", "hsdp")
 ONE_PROCESS, ANY_WORLD, PER_DP = ("fsdp_memory",), ("parity",), ("stages", "parity")
 PIPELINE = ("pipeline",)  # on a (world / 2) x 2 mesh of dp x pp
 
