@@ -26,7 +26,8 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", timeout=900, as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 11, out  # shard_range, the puzzle and pp_traffic once, the others on 2 and 3 ranks
+    assert out.count("  ok  ") == 12, out  # shard_range, the puzzle, pp_traffic and hsdp_groups once, the others on
+    # 2 and 3 ranks
     assert "12.52 -> 11.01 MiB all-gathered per step" in out, out  # the last layer: one gather less per micro-batch
     assert "12.52 -> 6.26 MiB all-gathered per step" in out, out  # bf16: half
     assert "64 MiB: ZeRO-1 micro-batch 2, 59.6 MiB measured" in out, out  # the ranks measured what the formulas say
@@ -219,3 +220,19 @@ def test_checker_explains_zero_with_a_pipeline(tmp_path):
     code, out = run_checker("--module", str(roots_too), "pp_traffic")
     assert code == 1, out
     assert "the roots are gathered once per step" in out, out
+
+
+def test_checker_explains_hsdp_groups(tmp_path):
+    """Exercise 8: strided shard groups (ZeRO's blocks confused with its replicas) and shard groups without their cp
+    ranks are each named."""
+    strided = mutate(tmp_path, ("for d in range(b * dp_shard, (b + 1) * dp_shard)",
+                                "for d in range(b, dp, dp // dp_shard)"))
+    code, out = run_checker("--module", str(strided), "hsdp_groups")
+    assert code == 1, out
+    assert "FAIL  hsdp_groups: hsdp_groups(dp=4, dp_shard=2, cp=1) returned" in out, out
+    assert "your shard groups are strided" in out, out
+    no_cp = mutate(tmp_path, ("for d in range(b * dp_shard, (b + 1) * dp_shard) for c in range(cp)]",
+                              "for d in range(b * dp_shard, (b + 1) * dp_shard) for c in range(1)]"))
+    code, out = run_checker("--module", str(no_cp), "hsdp_groups")
+    assert code == 1, out
+    assert "a shard group holds every cp rank" in out, out

@@ -18,7 +18,9 @@ parameters; the second must move half the bytes, gather exactly bf16(the fp32 we
 and stay within BF16_LOSS_TOL of the fp32 losses. plan (the puzzle) is checked against the lesson's formulas
 (`plan_problem`), then each chosen plan trains one step on 2 ranks, whose measured memory must fit. pp_traffic
 (ZeRO with a pipeline: the elements each collective covers per step) is arithmetic, checked in one process
-(`pp_traffic_problem`) against what tests/test_zero.py and the lesson measure.
+(`pp_traffic_problem`) against what tests/test_zero.py and the lesson measure. hsdp_groups (HSDP's shard and
+replicate groups) is checked in one process against picotron.mesh.shard_groups, on grids with and without cp
+(`hsdp_groups_problem`).
 
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
 at module level). It imports YOUR file by path, builds every rank's inputs deterministically (so each child
@@ -46,7 +48,7 @@ TIMEOUT_S = 10.0
 EXERCISES = {"shard_range": "shard_range", "reduce_scatter_gradients": "reduce_scatter_gradients",
              "sharded_adamw": "ShardedAdamW.step", "keep_last_layer": "KeepLastLayer._post_forward",
              "bf16_gather": "Bf16Gather._gather/_wait", "plan": "plan (the puzzle)",
-             "pp_traffic": "pp_zero_traffic"}
+             "pp_traffic": "pp_zero_traffic", "hsdp_groups": "hsdp_groups"}
 WORLD_SIZES = {"shard_range": (1,), "reduce_scatter_gradients": (2, 3), "sharded_adamw": (2, 3),
                "keep_last_layer": (2, 3), "bf16_gather": (2, 3), "plan": (2,)}
 MIN_TIMEOUT_S = {"keep_last_layer": 120, "bf16_gather": 120, "plan": 300}  # they build and train models
@@ -761,10 +763,51 @@ def pp_traffic_problem(fn, path):
     return None
 
 
+# ------------------------------------------------------------------------------- exercise 8: HSDP's groups
+HSDP_CASES = [(4, 2, 1), (8, 4, 1), (8, 2, 1), (6, 3, 1), (4, 2, 2), (4, 1, 2), (8, 4, 2), (4, 4, 1), (2, 2, 3)]
+
+
+def _as_sets(groups):
+    return sorted(sorted(int(r) for r in g) for g in groups)
+
+
+def hsdp_groups_problem(fn, path):
+    """The first grid on which the learner's hsdp_groups differs from picotron.mesh.shard_groups, with what the
+    difference usually means."""
+    from picotron.mesh import shard_groups
+    for dp, ds, cp in HSDP_CASES:
+        want = tuple(_as_sets(g) for g in shard_groups(dict(dp=dp, cp=cp), ds))
+        got = fn(dp, ds, cp)
+        call = f"hsdp_groups(dp={dp}, dp_shard={ds}, cp={cp})"
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            return f"{call} returned {got!r}: return a pair (shard groups, replicate groups)"
+        got = tuple(_as_sets(g) for g in got)
+        if got == want:
+            continue
+        head = f"{call} returned shard {got[0]}, replicate {got[1]}; expected shard {want[0]}, replicate {want[1]}"
+        if got == want[::-1]:
+            return f"{head}: the two are swapped (a shard group is a block of consecutive dp coordinates: a node)"
+        if got[0] == _as_sets(shard_groups(dict(dp=dp, cp=cp), dp // ds)[1]):
+            return (f"{head}: your shard groups are strided (every dp/dp_shard-th rank); HSDP's are blocks of "
+                    f"dp_shard CONSECUTIVE dp coordinates, so that a group sits in one node")
+        if cp > 1 and all(len(g) == ds for g in got[0]):
+            return (f"{head}: a shard group holds every cp rank of its dp coordinates (ZeRO shards over dp x cp): "
+                    f"dp_shard x cp = {ds * cp} ranks")
+        if cp > 1 and any(len({r % cp for r in g}) > 1 for g in got[1]):
+            return f"{head}: replicas share the cp coordinate (they hold the same shard only if they see the same units)"
+        if sorted(r for g in got[0] for r in g) != list(range(dp * cp)):
+            return f"{head}: the shard groups must cover every rank once"
+        return head
+    return None
+
+
 def check_one(name, path, report, timeout_s):
     timeout_s = max(timeout_s, MIN_TIMEOUT_S.get(name, 0))
     if name == "plan":
         return check_plan(path, report, timeout_s)
+    if name == "hsdp_groups":
+        return in_process("hsdp_groups", path, report, hsdp_groups_problem,
+                          f": {len(HSDP_CASES)} grids (dp up to 8, with and without cp)", "ex04hsdp", EXERCISES[name])
     if name == "pp_traffic":
         return in_process("pp_zero_traffic", path, report, pp_traffic_problem,
                           f": {len(PP_CASES)} cases (ZeRO-1/2/3, kept and resharded, m = 1, 4, 8)", "ex04pp",

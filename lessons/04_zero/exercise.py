@@ -3,7 +3,7 @@ marked EXERCISE, then run
     ./run.sh python lessons/04_zero/check.py                      # all exercises
     ./run.sh python lessons/04_zero/check.py keep_last_layer      # just one: shard_range, reduce_scatter_gradients,
                                                                   # sharded_adamw, keep_last_layer, bf16_gather, plan,
-                                                                  # pp_traffic
+                                                                  # pp_traffic, hsdp_groups
 The checker runs shard_range on many sizes, and exercises 2 to 5 on 2 and then 3 real processes (gloo), with
 sizes that n does not divide (so padding matters). It compares what each rank returns or holds with the answer
 computed another way — in one process (the mean gradient; torch.optim.AdamW on the whole vector), or with the
@@ -11,7 +11,7 @@ plain picotron.zero3.Zero3 beside yours, every all-gather counted by a metrics.R
 chunk, element or unit is wrong and what that usually means (forgot to divide by n, wrong chunk offset, chunks
 never all-gathered, the last layer still gathered twice, an fp32 all-gather, ...), and which ranks hang on which
 line of this file. Exercise 6 is checked against the lesson's formulas and by one training step of your plan on 2
-ranks; exercise 7 (ZeRO with a pipeline) on many sizes in one process. The notebook (lessons/04_zero/04_zero.ipynb) reads picotron/zero.py and zero3.py, which do the same at
+ranks; exercise 7 (ZeRO with a pipeline) and exercise 8 (HSDP's groups) on many sizes in one process. The notebook (lessons/04_zero/04_zero.ipynb) reads picotron/zero.py and zero3.py, which do the same at
 scale; the solutions are in solution.py (look after trying).
 
 The flat view (picotron/zero.py's FlatUnit): a unit's tensors, concatenated in order into one vector, padded
@@ -172,4 +172,19 @@ def pp_zero_traffic(stage, root, layers, m, reshard=False):
     parameters after the optimizer step. ZeRO-3 kept (reshard=False): each unit is gathered at its first use in the
     step and kept to its last backward. ZeRO-3 resharded: the roots as kept; each layer is freed after every use,
     so it is gathered again for each F and each B (a split schedule's W reads no weights: gᵀx)."""
+    raise NotImplementedError("not written yet")
+
+
+# --------------------------------------------------------------------------------------- exercise 8: HSDP's groups
+def hsdp_groups(dp, dp_shard, cp=1):
+    """EXERCISE 8 (section 8). A grid of dp x cp ranks (pp = tp = 1), rank = dp_rank * cp + cp_rank (picotron.mesh's
+    order, cp faster). Return (shard groups, replicate groups), each a list of lists of global ranks:
+
+    - a SHARD group: a block of dp_shard CONSECUTIVE dp coordinates (0..dp_shard-1, then dp_shard..2·dp_shard-1, ...),
+      with every cp rank of those coordinates: the ranks ZeRO cuts its units over (a node);
+    - a REPLICATE group: the ranks at the same place in every block (same dp_rank % dp_shard) and the same cp rank:
+      the ranks that hold the same shard and all-reduce its gradient (across nodes).
+
+    dp_shard divides dp. E.g. hsdp_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]]). Any order of the groups
+    and of the ranks inside a group is accepted."""
     raise NotImplementedError("not written yet")

@@ -129,3 +129,14 @@ def pp_zero_traffic(stage, root, layers, m, reshard=False):
     total = root + layers
     gathered = root + 2 * m * layers if stage == 3 and reshard else total
     return {"all_gather": gathered, "reduce_scatter": total}
+
+
+# --------------------------------------------------------------------------------------- exercise 8: HSDP's groups
+def hsdp_groups(dp, dp_shard, cp=1):
+    """EXERCISE 8: blocks of dp_shard consecutive dp coordinates (with their cp ranks); the same place in each block."""
+    def rank(d, c):
+        return d * cp + c
+    shard = [[rank(d, c) for d in range(b * dp_shard, (b + 1) * dp_shard) for c in range(cp)]
+             for b in range(dp // dp_shard)]
+    replicate = [[rank(d, c) for d in range(j, dp, dp_shard)] for j in range(dp_shard) for c in range(cp)]
+    return shard, replicate
