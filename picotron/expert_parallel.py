@@ -160,10 +160,16 @@ class _Pending:
 
 class _Part:
     """One part's plan: rows it sends to each rank (send), receives from each (recv), the regrouping of what it
-    receives (order) and its rows per local expert (local)."""
+    receives, source-major -> expert-major (order) and back (inv), and its rows per local expert (local)."""
 
     def __init__(self, send, recv, order, local):
-        self.send, self.recv, self.order, self.local = send, recv, order, local
+        self.send, self.recv, self.order, self.inv, self.local = send, recv, order, inverse(order), local
+
+
+def inverse(perm):
+    """The permutation that undoes `perm`: x[perm][inverse(perm)] == x. (Rows move by gathers, index_select, only:
+    on a CPU index_copy moves them one by one.)"""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
 
 class _TwoParts:
@@ -207,25 +213,24 @@ class _TwoParts:
         within = torch.arange(self.total, device=counts.device) - begin
         later = within >= torch.repeat_interleave(first, counts, output_size=self.total)
         self.perm = torch.argsort(later.to(torch.int32), stable=True)
-        self.sizes = sizes
+        self.inv, self.sizes = inverse(self.perm), sizes
 
     def forward(self, rows, flat):
         ex = self.exchange
-        parts = rows[self.perm].split(self.sizes)
+        parts = rows.index_select(0, self.perm).split(self.sizes)
         pending = [ex.start(x, p.recv, p.send, "dispatch", f"part {i + 1}")
                    for i, (x, p) in enumerate(zip(parts, self.parts))]
         shared_out = self._shared(flat)  # under both dispatches
         combines, self.saved = [], []
         for i, (wait, part) in enumerate(zip(pending, self.parts)):
             got = wait.wait()  # part i has arrived; the other part is still travelling (or its combine is)
-            leaf = got.detach().requires_grad_(self.grad)
+            leaf = got.index_select(0, part.order).requires_grad_(self.grad)  # expert-major: each local expert's rows contiguous
             with torch.set_grad_enabled(self.grad):
-                out = self.experts(leaf[part.order], part.local)
-                out = torch.empty_like(out).index_copy(0, part.order, out)  # back to source-major
+                out = self.experts(leaf, part.local)
             self.saved.append((leaf, out))
-            combines.append(ex.start(out.detach(), part.send, part.recv, "combine", f"part {i + 1}"))
-        back = torch.cat([c.wait() for c in combines])
-        return torch.empty_like(back).index_copy(0, self.perm, back), shared_out
+            combines.append(ex.start(out.detach().index_select(0, part.inv), part.send, part.recv, "combine", f"part {i + 1}"))
+        back = torch.cat([c.wait() for c in combines])  # part 1's rows, then part 2's
+        return back.index_select(0, self.inv), shared_out
 
     def _shared(self, flat):
         self.shared_in = flat.detach().requires_grad_(self.grad)
@@ -238,7 +243,7 @@ class _TwoParts:
 
     def backward(self, grad_out, grad_shared):
         ex = self.exchange
-        grads = grad_out[self.perm].split(self.sizes)
+        grads = grad_out.index_select(0, self.perm).split(self.sizes)
         pending = [ex.start(g, p.recv, p.send, "combine-backward", f"part {i + 1}")
                    for i, (g, p) in enumerate(zip(grads, self.parts))]
         grad_flat = None
@@ -249,14 +254,14 @@ class _TwoParts:
         for i, (wait, part, (leaf, out)) in enumerate(zip(pending, self.parts, self.saved)):
             # the experts' backward on part i: its rows' gradient and the weights', not yet accumulated (a weight's
             # accumulation hook, which data parallelism counts, must fire once per backward, not once per part)
-            g, *dw = torch.autograd.grad(out, [leaf, *self.weights], wait.wait(), allow_unused=True)
+            g, *dw = torch.autograd.grad(out, [leaf, *self.weights], wait.wait().index_select(0, part.order), allow_unused=True)
             weight_grads = [a if b is None else b if a is None else a + b for a, b in zip(weight_grads, dw)]
             g = g if g is not None else torch.zeros_like(leaf)
-            sends.append(ex.start(g, part.send, part.recv, "dispatch-backward", f"part {i + 1}"))
+            sends.append(ex.start(g.index_select(0, part.inv), part.send, part.recv, "dispatch-backward", f"part {i + 1}"))
         _accumulate_once(self.weights, weight_grads)  # under the last dispatch-backward
         back = torch.cat([s.wait() for s in sends])
         self.saved, self.shared_in, self.shared_out = [], None, None
-        return torch.empty_like(back).index_copy(0, self.perm, back), grad_flat
+        return back.index_select(0, self.inv), grad_flat
 
 
 def _accumulate_once(weights, grads):
