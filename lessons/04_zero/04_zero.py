@@ -22,7 +22,8 @@ edit this file, never the notebook.
 # We build all three (`picotron/zero.py`, stage 3 in `picotron/zero3.py`), measure what each rank keeps and the
 # bytes every collective moves against these formulas, watch ZeRO-3's all-gathers hide behind compute — on this
 # CPU and over an emulated network link — race our ZeRO-3 against torch's FSDP2, and check that every stage trains
-# exactly like one process. The exercises then make ZeRO-3 cheaper and ask you to plan a run under a memory budget.
+# exactly like one process. Then ZeRO under a pipeline, and HSDP: ZeRO within a node, replicated across nodes. The
+# exercises make ZeRO-3 cheaper and ask you to plan a run under a memory budget.
 #
 # The experiments are `lessons/04_zero/experiment.py`, launched with `torchrun` on 1, 2 and 4 processes.
 # `PICOTRON_FAST=1` gives a short run; the default settings are the real lesson.
@@ -563,7 +564,119 @@ checker.check(["pp_traffic"])
 # chunk per step, and ZeRO-3 keeps a chunk's layers gathered through the step — the memory a pipeline stage holds
 # is already $1/p$ of the model, the traffic of resharding would be $2m$ times.
 #
-# ## 8. Exercises
+# ## 8. HSDP: shard within a node, replicate across nodes
+#
+# ZeRO over all $n$ data-parallel ranks runs every one of its collectives over the whole group, so at the speed of the
+# group's slowest link. On a pod that is the network between nodes: on H100 nodes about 50 GB/s per GPU against
+# NVLink's 450. ZeRO-3 there all-gathers **every layer, forward and backward, every micro-batch**, over the slow link.
+# **HSDP**, hybrid sharded data parallelism, shards over a smaller group and replicates that sharded model:
+#
+# * the dp ranks are cut into blocks of $n_s$ = `dp_shard` consecutive ranks (with their cp ranks): a **shard group**,
+#   typically one node. ZeRO (any stage) runs within it: its reduce-scatters and all-gathers stay on NVLink;
+# * the $n_r = n / n_s$ blocks are **replicas** of one another: rank $j$ of every block holds the same shard, and
+#   after the reduce-scatter the replicas **all-reduce that shard**, $\Psi/n_s$ of the gradient, over the network;
+# * memory is divided by $n_s$ instead of $n$: the price of the cheaper network.
+#
+# torchtitan calls the two sizes `data_parallel_shard_degree` and `data_parallel_replicate_degree`; PyTorch FSDP
+# calls it hybrid sharding (Zhao et al. 2023, *PyTorch FSDP*, arXiv:2304.11277, section 3.2); Megatron-LM runs one
+# distributed-optimizer instance per group (`--num-distributed-optimizer-instances`); DeepSpeed's ZeRO++ keeps a
+# second, node-local shard of the parameters for the same reason (hpZ, Wang et al. 2023, arXiv:2306.10209). Here it
+# is `--dp-shard N` with `--zero 1|2|3`; the mesh gets two axes, `dp_shard` and `dp_replicate`
+# (`picotron.mesh.shard_groups`), each with its own process group, so a Recorder counts each link's bytes apart.
+# dp = 8 on two nodes of four GPUs, `--dp-shard 4`:
+
+# %%
+from picotron.mesh import shard_groups
+for dp, ds, cp in ((8, 4, 1), (4, 2, 1), (4, 2, 2)):
+    shard, replicate = shard_groups(dict(dp=dp, cp=cp), ds)
+    print(f"dp={dp} cp={cp} --dp-shard {ds}: shard groups {shard}   replicate groups {replicate}")
+
+# %% [markdown]
+# With cp the shard group holds every cp rank of its dp coordinates (ZeRO already shards over dp × cp), and replicas
+# share the cp coordinate. The bytes each rank **sends** per step (one micro-batch; a ring sends $\frac{n-1}{n}$ of a
+# reduce-scatter's or all-gather's buffer and $\frac{2(n-1)}{n}$ of an all-reduce's; $\Psi$ fp32 parameters):
+#
+# $$\text{shard link: } \frac{n_s-1}{n_s}\,(\underbrace{\Psi}_{\text{RS}} + \underbrace{\Psi \text{ or } 2\Psi-\Psi_{root}}_{\text{AG: ZeRO-1/2 or 3}})\cdot 4
+# \qquad \text{replicate link: } \frac{2(n_r-1)}{n_r}\,\frac{\Psi}{n_s}\cdot 4$$
+#
+# (`planner.hsdp_bytes_per_step`). At $n_s = n$ it is plain ZeRO (nothing crosses the replicate link); at $n_s = 1$ it
+# is data parallelism's all-reduce, all of it on the replicate link. The code is four lines in `ShardedGradSync`:
+# after the last reduce-scatter, each unit's gradient shard is all-reduced over the replicas, the sum divided by all
+# $n$ batch shards (not $n_s$). Every rank starts them in the units' order on one group after the shard group's
+# collectives are done — one order across the two communicators, as NCCL asks (tests/test_hsdp.py replays it):
+
+# %%
+_common.show_source(zero.ShardedGradSync._all_reduce_replicas)
+
+# %% [markdown]
+# The clipping and the checkpoints read the placement of each optimizer piece: under HSDP it is sharded over
+# `("dp_shard", "cp")` — different on the ranks of a block, the same on its replicas — so `marks.counted_here` counts
+# it on the first block only, and a checkpoint written at `--dp-shard 2` loads into plain ZeRO and back
+# (tests/test_hsdp.py).
+#
+# **Run it.** dp = 4 on 4 processes, ZeRO-1 and ZeRO-3, at `dp_shard` = 1, 2 and 4 (1: every rank a group of its own,
+# i.e. data parallelism; 4: plain ZeRO), each built by `parallelize` with a Recorder on the axes: the bytes of the
+# last step on each link, every rank, against the formula from its units (padded); the losses; what a rank keeps.
+
+# %%
+run("hsdp", nproc=4)
+hs = _common.load_json(OUT / "hsdp.json")["results"]
+print(f"dp={hs['dp']}: bytes sent per rank per step / 4Ψ (measured | formula), optimizer state per rank, losses")
+for row in hs["rows"]:
+    r = row["by_rank"][0]
+    norm = 4 * r["psi"]
+    print(f"ZeRO-{row['stage']} dp_shard={row['dp_shard']} (n_s={row['n_shard']}, n_r={row['n_replicate']}): "
+          f"shard link {r['sent']['shard'] / norm:.3f} | {r['formula']['dp_shard'] / norm:.3f}, "
+          f"replicate link {r['sent']['replicate'] / norm:.3f} | {r['formula']['dp_replicate'] / norm:.3f}; "
+          f"optimizer {r['mem']['optimizer'] / MiB:5.2f} MiB; losses {', '.join(f'{x:.5f}' for x in row['losses'])}")
+lesson.plot_hsdp(hs); plt.show()
+for row in hs["rows"]:
+    exact = all(x["buffers"]["shard"] == x["formula"]["buffers"]["dp_shard"]
+                and x["buffers"]["replicate"] == x["formula"]["buffers"]["dp_replicate"] for x in row["by_rank"])
+    _common.check(f"ZeRO-{row['stage']} dp_shard={row['dp_shard']}: each link carries the formula's buffers, every rank",
+                  exact, "; ".join(f"rank {j}: {x['buffers']}" for j, x in enumerate(row["by_rank"])))
+for stage in sorted({row["stage"] for row in hs["rows"]}):
+    rows = [row for row in hs["rows"] if row["stage"] == stage]
+    plain = next(row for row in rows if row["n_replicate"] == 1)
+    worst = max(abs(a - b) / abs(b) for row in rows for a, b in zip(row["losses"], plain["losses"]))
+    _common.check(f"ZeRO-{stage}: every dp_shard trains as plain ZeRO (losses within 1e-5)", worst <= 1e-5,
+                  f"worst relative difference {worst:.1e} over {len(plain['losses'])} steps")
+_common.check("the two communicators replay clean under NCCL's rules (ZeRO-3, dp_shard=2)", hs["replay"]["ok"],
+              f"per communicator: {hs['replay']['per_communicator']}; one order: {hs['replay']['one_order']}")
+
+# %% [markdown]
+# The shard link carries ZeRO's usual $\frac{n_s-1}{n_s}$ share, the replicate link only $\frac{1}{n_s}$ of data
+# parallelism's all-reduce: at dp = 4 = 2 × 2, half a model's bytes cross the "network" per step instead of 1.5 (ZeRO)
+# or 2.2 (ZeRO-3) — and on a real pod $n_s = 8$ makes it an eighth. The optimizer state per rank doubles from
+# `dp_shard` 4 to 2: that is what HSDP pays.
+#
+# **Is it worth it on a pod?** The planner (`python -m picotron.plan`) knows HSDP: its search tries every `dp_shard`
+# whose shard group lies in one node, charges the shard group's collectives at NVLink's bandwidth and the replicas'
+# all-reduce at the network's, and divides ZeRO's states by the shard group. For Llama 3 70B (seq 8192, 16M tokens
+# per step) on H100s: the shard groups of dp ranks that fit in a node cannot hold the model (8 GPUs would hold all
+# $16\Psi$ = 1.1 TB of model states), but a group of a node's **cp ranks** can (`dp_shard` = 1 with tp 2 × cp 4 = one
+# node), and wins — by a little, because the best plain layouts already hide most of their gradient traffic:
+
+# %%
+from picotron import plan
+from picotron.planner import Layout
+mc70 = ModelConfig.from_preset("llama3-70b")
+h100 = plan.usable(plan.GPUS["h100-80gb"])
+for gpus, plain, hybrid in ((256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256", "dp8,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga256"),
+                            (1024, "dp128,tp4,pp2,sp,zero2,interleaved-v2,mbs1,ga16",
+                             "dp32,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga64")):
+    rows = {name: plan.step_time(mc70, Layout.parse(name), 8192, h100) for name in (plain, hybrid)}
+    print(f"{gpus} GPUs: best plain {plain}: {rows[plain]['tokens_per_s']:,.0f} tokens/s (dp {rows[plain]['dp']:.2f} s); "
+          f"HSDP {hybrid}: {rows[hybrid]['tokens_per_s']:,.0f} tokens/s (dp {rows[hybrid]['dp']:.2f} s), "
+          f"{rows[hybrid]['tokens_per_s'] / rows[plain]['tokens_per_s'] - 1:+.1%}")
+
+# %% [markdown]
+# **Takeaway:** HSDP keeps ZeRO's heavy traffic inside a node and sends only $1/n_s$ of the gradient across nodes, for
+# $n_s$-way instead of $n$-way memory savings. It matters most for ZeRO-3 across many nodes (every layer's all-gather
+# would otherwise cross the network) and for models whose shard group fits in a node's memory; for a 70B model with
+# tensor, context and pipeline parallelism already filling the node, the planner's gain is under 1%.
+#
+# ## 9. Exercises
 # Open `lessons/04_zero/exercise.py`. First ZeRO's three moves by hand:
 #
 # 1. `shard_range(numel, n, rank)` — the chunk rank `rank` owns in a unit padded to a multiple of $n$;
@@ -586,12 +699,15 @@ checker.check(["pp_traffic"])
 #    the buffers in flight printed in 4a) are all you need; try 64 MiB by hand first.
 # 7. `pp_zero_traffic(stage, root, layers, m, reshard)` — section 7's formulas: what one pipeline rank's ZeRO
 #    collectives cover per step.
+# 8. `hsdp_groups(dp, dp_shard, cp)` — section 8's groups: the shard groups and the replicate groups of a dp × cp
+#    grid, as lists of ranks.
 #
 # The checker runs exercise 1 on many sizes, 2 to 5 on 2 and then 3 real processes (at 3, padding comes into
 # play), and compares every rank with the answer computed another way: in one process
 # (1–3), or with the plain `Zero3` next to yours, its all-gathers counted by a `metrics.Recorder` (4–5: the same
 # losses exactly; in bf16 within the bound it prints). For 6 it checks your plans against the formulas, then trains
-# each for one step on 2 ranks and compares the memory the ranks measure with your budget. Each failure names the
+# each for one step on 2 ranks and compares the memory the ranks measure with your budget; 7 and 8 on many cases in one
+# process (8 against `picotron.mesh.shard_groups`). Each failure names the
 # mistake (a sum instead of a mean, a chunk at the wrong offset, the last layer still gathered twice, an fp32
 # all-gather, a plan that does not fit or moves more bytes than it must, ...). Until you write them it reports
 # `NotImplementedError: not written yet`.
@@ -604,13 +720,14 @@ import check as checker   # this folder's check.py
 all_passed = checker.check()
 
 # %% [markdown]
-# ## 9. What it costs, when to use it, what comes next
+# ## 10. What it costs, when to use it, what comes next
 #
 # | | per rank | cost |
 # |---|---|---|
 # | ZeRO-1 | optimizer state $/n$ | nothing: the same $2\Psi$ as DP, the optimizer's work $/n$ |
 # | ZeRO-2 | + gradients $/n$ (plus two buckets in flight) | nothing more in bytes; with gradient accumulation a reduce-scatter per micro-batch (DP and ZeRO-1 send once per step; under a pipeline ZeRO-2 too, section 7) |
 # | ZeRO-3 | + parameters $/n$ (plus a few whole units in flight) | $\approx 3\Psi$ per micro-batch: 1.5× DP's traffic, in latency-bound per-layer collectives that must be prefetched to hide |
+# | HSDP | any stage's states $/n_s$ instead of $/n$ | the stage's traffic within the shard group (a node), plus $\frac{2(n_r-1)}{n_r}\Psi/n_s$ across the replicas |
 #
 # **Use it** whenever data parallelism runs out of memory for model states: ZeRO-1 is free and almost always on;
 # ZeRO-2 is free without gradient accumulation; ZeRO-3 (FSDP) lets a model larger than one GPU train with nothing but
