@@ -9,7 +9,7 @@ is exact), and then completes no earlier than the time a ring collective would t
 
     T = latency + traffic / bandwidth,   traffic per rank (ring): all-reduce 2(n-1)/n·B,
                                          all-gather and reduce-scatter (n-1)/n·B (B: the whole buffer),
-                                         broadcast B
+                                         broadcast B; all-to-all: the rows it sends to the others
 
 Messages on one rank share its link: a message starts when the one before it has finished (first in, first
 out). The waiting is a sleep (a timer thread completes the work's future): it costs no core, as waiting for a
@@ -30,7 +30,8 @@ from picotron.compat import collective
 
 # bytes each rank sends for a collective over a buffer of B bytes among n ranks, as a multiple of B (ring)
 TRAFFIC = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_into_tensor": lambda n: (n - 1) / n,
-           "reduce_scatter_tensor": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+           "reduce_scatter_tensor": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+           "all_to_all_single": lambda n: 1.0}  # (given as the bytes this rank sends to the others: splits vary)
 
 
 class EmulatedLink:
@@ -107,6 +108,18 @@ class _LinkOps:
     def broadcast(self, t, src, group=None, async_op=False):
         return self._call("broadcast", _nbytes(t), group, async_op,
                           lambda a: self.real.broadcast(t, src, group=group, async_op=a))
+
+    def all_to_all_single(self, out, t, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        """An all-to-all (expert parallelism's dispatch and combine): the link carries the rows this rank sends to
+        the others (its own block stays home), as one message."""
+        import torch.distributed as dist
+
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        row = _nbytes(t) // t.shape[0] if t.dim() and t.shape[0] else 0
+        home = input_split_sizes[me] * row if input_split_sizes else _nbytes(t) // n
+        return self._call("all_to_all_single", _nbytes(t) - home, group, async_op,
+                          lambda a: self.real.all_to_all_single(out, t, output_split_sizes, input_split_sizes,
+                                                                group=group, async_op=a))
 
 
 def _nbytes(t):
