@@ -120,7 +120,7 @@ def zero_comm_elements(n_params, zero=0, root_params=0):
 
 
 # --- HSDP (issue 43): the bytes on each link of a hybrid-sharded step ------------------------------------------
-def hsdp_bytes_per_step(n_params, zero, n_shard, n_replicate, root_params=0, elem=4):
+def hsdp_bytes_per_step(n_params, zero, n_shard, n_replicate, root_params=0, elem=4, pipeline=False):
     """Bytes one rank SENDS in one optimizer step (one micro-batch) of ZeRO-`zero` under HSDP, per axis:
     {"dp_shard": ..., "dp_replicate": ...}, and the collectives' whole buffers ("buffers", nccl-tests' N, what
     metrics.Recorder counts). ZeRO's collectives run within the shard group of n_s = `n_shard` ranks (a ring sends
@@ -131,10 +131,11 @@ def hsdp_bytes_per_step(n_params, zero, n_shard, n_replicate, root_params=0, ele
         dp_shard      (n_s-1)/n_s · (RS Ψ + AG Ψ | 2Ψ - root) · elem      the fast links (within a node)
         dp_replicate  2(n_r-1)/n_r · Ψ/n_s · elem                         the slow links (across nodes)
 
+    `pipeline`: ZeRO-3 under a pipeline keeps each unit gathered through the step, one all-gather of Ψ (picotron.zero3).
     n_s = dp·cp (n_r = 1) is plain ZeRO; n_s = 1 is plain data parallelism's all-reduce. Ψ as the units hold it
     (each padded to a multiple of n_s) makes it exact. (torchtitan's HSDP, FSDP's hybrid sharding: Zhao et al.
     2023, "PyTorch FSDP", section 3.2.)"""
-    shard = zero_comm_elements(n_params, zero, root_params)
+    shard = zero_comm_elements(n_params, 1 if pipeline else zero, root_params)
     chunk = n_params / n_shard
     buffers = {"dp_shard": {k: v * elem for k, v in shard.items() if n_shard > 1},
                "dp_replicate": {"all_reduce": chunk * elem} if n_replicate > 1 else {}}

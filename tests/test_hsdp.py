@@ -128,7 +128,8 @@ def _bytes_of_one_step(cfg, mesh):
     units = run.model.units
     psi = sum(u.padded for u in units)
     root = sum(u.padded for u in units if not u.layer) if cfg.zero == 3 else 0
-    formula = planner.hsdp_bytes_per_step(psi, cfg.zero, mesh.dp_shard.size, mesh.dp_replicate.size, root)
+    formula = planner.hsdp_bytes_per_step(psi, cfg.zero, mesh.dp_shard.size, mesh.dp_replicate.size, root,
+                                          pipeline=cfg.pp > 1)
     return counted, {k: v for k, v in formula["buffers"].items() if v}
 
 
