@@ -59,6 +59,33 @@ def test_shard_and_replicate_groups():
         shard_groups(dict(dp=4), 3)
 
 
+def _mesh_child():
+    import torch.distributed as dist
+    out = {}
+    for ds in (0, 2):
+        with Mesh.init(dp=4, dp_shard=ds) as mesh:
+            t = torch.tensor([float(dist.get_rank())])
+            sums = {}
+            for name in ("dp_shard", "dp_replicate"):
+                axis = mesh.__dict__[name]
+                x = t.clone()
+                axis.all_reduce(x)
+                sums[name] = (axis.ranks, axis.dims, x.item())
+            out[ds] = dict(sums=sums, same_group=mesh.dp_shard.group is mesh.dp_cp.group)
+    return out
+
+
+def test_mesh_builds_the_shard_and_replicate_groups():
+    """Mesh.init(dp=4, dp_shard=2): each rank's two axes hold its block and its replicas, with groups of their own (an
+    all-reduce of the ranks sums each group); without HSDP the shard axis IS dp x cp's group and the replicas are one."""
+    for rank, out in enumerate(run_on_ranks(_mesh_child, 4, timeout_s=120)):
+        shard, replicate = [g for g in shard_groups(dict(dp=4), 2)[0] if rank in g][0], [rank % 2, rank % 2 + 2]
+        assert out[2]["sums"] == {"dp_shard": (shard, ("dp_shard", "cp"), float(sum(shard))),
+                                  "dp_replicate": (replicate, ("dp",), float(sum(replicate)))}, out
+        assert out[0]["sums"]["dp_shard"] == ([0, 1, 2, 3], ("dp", "cp"), 6.0) and out[0]["same_group"]
+        assert out[0]["sums"]["dp_replicate"] == ([rank], ("dp",), float(rank))
+
+
 def _fake_mesh(dp, dp_shard, cp=1, rank_dp=0, rank_cp=0):
     axis = types.SimpleNamespace
     return types.SimpleNamespace(coords=dict(dp=rank_dp, pp=0, cp=rank_cp, tp=0), sizes=dict(dp=dp, pp=1, cp=cp, tp=1),
