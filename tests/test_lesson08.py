@@ -40,13 +40,13 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 6, out  # four in process, exchange_splits on 2 and 4 ranks
+    assert out.count("  ok  ") == 7, out  # five in process, exchange_splits on 2 and 4 ranks
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
     code, out = run_checker()
     assert code == 1, out
-    for name in ("top_k_route", "dispatch_permutation", "aux_loss", "deepseek_router_step"):
+    for name in ("top_k_route", "dispatch_permutation", "aux_loss", "deepseek_router_step", "two_part_exposed"):
         assert f"FAIL  {name}: NotImplementedError: not written yet" in out, out
     assert re.search(r"FAIL  exchange_splits on 2 ranks: rank \d: NotImplementedError: not written yet", out), out
     assert "exchange_splits on 4 ranks" not in out  # stops after the first world size
@@ -114,6 +114,20 @@ def test_checker_names_deepseek_router_mistakes(tmp_path):
     out = fails_with(tmp_path, "deepseek_router_step", ("gamma * torch.sign(load.mean() - load)",
                                                         "gamma * (load.mean() - load)"))
     assert "the rule moves each bias by exactly ±γ" in out, out
+
+
+def test_checker_names_two_part_schedule_mistakes(tmp_path):
+    out = fails_with(tmp_path, "two_part_exposed", ("    return end - (s + 2 * c)", "    return end"))
+    assert "FAIL  two_part_exposed: a=1, c=2, s=0: returned 6, expected 2: that is when combine 2 ends" in out, out
+    out = fails_with(tmp_path, "two_part_exposed", ("end = max(link, start2 + c) + a", "end = max(link, start2 + c)"))
+    assert "combine 2 is missing" in out, out
+    out = fails_with(tmp_path, "two_part_exposed", ("link = max(2 * a, start1 + c) + a", "link = max(a, start1 + c) + a"),
+                     ("start2 = max(2 * a, start1 + c)", "start2 = max(a, start1 + c)"))
+    assert "your link carried two all-to-alls at once" in out, out
+    out = fails_with(tmp_path, "two_part_exposed", ("    start1 = max(a, s)", "    return 2 * a - s"))
+    assert "a=2, c=1, s=0: returned 4, expected 6: 2a − s holds only when" in out and "c < a" in out, out
+    out = fails_with(tmp_path, "two_part_exposed", ("    start1 = max(a, s)", "    return 4 * a"))
+    assert "that is the blocking exchange's 4a" in out, out
 
 
 def test_bias_replay_is_the_update_rule(lesson):

@@ -10,6 +10,11 @@ logits as weights, the k least probable experts, the softmax over the tokens; an
 token indices instead of pair indices, experts in descending order, an unstable sort; Switch's fraction
 normalised by k, the factor E missing, P averaged over the chosen experts only, a loss that no gradient crosses.
 
+two_part_exposed (in this process): the exposed seconds of --ep-overlap's two-part schedule for a grid of (a, c, s)
+(one part's all-to-all, one part's experts, the shared expert) against picotron.planner.ep_overlap_exposed_seconds; it
+names the blocking 4a, the end of combine 2 instead of the exposure, combine 2 forgotten, a link that carries two
+all-to-alls at once, and the closed form 2a − s used outside its regime.
+
 deepseek_router_step (in this process): random logits and a bias large enough to change choices, for the same
 (tokens, E, k), against picotron.moe.route (sigmoid, with the bias) and the update b + γ·sign(mean load − load);
 it names the bias leaking into the gates, a choice that ignores the bias, a softmax for the sigmoid, gates not
@@ -37,7 +42,8 @@ LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 30.0
 EXERCISES = {"top_k_route": "top_k_route", "dispatch_permutation": "dispatch_permutation", "aux_loss": "aux_loss",
-             "exchange_splits": "exchange_splits", "deepseek_router_step": "deepseek_router_step"}
+             "exchange_splits": "exchange_splits", "deepseek_router_step": "deepseek_router_step",
+             "two_part_exposed": "two_part_exposed"}
 ROUTERS = ((6, 4, 2), (10, 8, 2), (7, 8, 1), (9, 8, 3), (12, 16, 4))  # (tokens, E, k)
 WORLD_SIZES = (2, 4)
 SPLIT_EXPERTS = 8
@@ -254,6 +260,52 @@ def _deepseek_problem(fn, path):
 
 
 # ------------------------------------------------------------------------------------------ exercise 4
+# ------------------------------------------------------------------------------------------ exercise 6
+EXPOSED_CASES = ((1.0, 2.0, 0.0), (1.0, 2.0, 0.5), (2.0, 1.0, 0.0), (2.0, 1.0, 0.5), (1.0, 0.0, 0.0), (1.0, 5.0, 3.0),
+                 (3.0, 2.0, 1.0), (1.0, 1.0, 0.0), (0.5, 3.0, 2.0), (2.0, 1.5, 2.5))  # (a, c, s)
+
+
+def _parallel_link(a, c, s):
+    """The schedule on a link that carries several all-to-alls at once (a mistake): dispatch 2 ends at a."""
+    x1 = max(a, s)
+    x2 = max(a, x1 + c)
+    return max(x1 + c + a, x2 + c) + a - (s + 2 * c)
+
+
+def _exposed_problem(fn, path):
+    from picotron.planner import ep_overlap_exposed_seconds as want_of
+
+    for a, c, sh in EXPOSED_CASES:
+        head = f"a={a:g}, c={c:g}, s={sh:g}"
+        got = fn(a, c, sh)
+        try:
+            got = float(got)
+        except (TypeError, ValueError):
+            return f"{head}: returned {type(got).__name__} {str(got)[:60]!r}; return a number of seconds"
+        want = want_of(a, c, sh)
+        if abs(got - want) < 1e-9:
+            continue
+        close = lambda x: abs(got - x) < 1e-9  # noqa: E731
+        if close(4 * a):
+            hint = ("that is the blocking exchange's 4a: nothing hidden; part 1's experts run while dispatch 2 "
+                    "travels, part 2's while combine 1 does")
+        elif close(want + sh + 2 * c):
+            hint = "that is when combine 2 ends; subtract the compute (s + 2c) to get what was exposed"
+        elif close(2 * a - sh) and (c < a or sh > a):  # (the closed form, outside the regime where it holds)
+            hint = ("2a − s holds only when the experts cover a part's all-to-all (c ≥ a) and the shared expert fits "
+                    "under the first dispatch (s ≤ a); here " + ("c < a: the link is busier than the compute"
+                                                                  if c < a else "s > a: it hides at most a"))
+        elif close(want - a):
+            hint = "combine 2 is missing: nothing runs after it, so its a seconds are always exposed"
+        elif close(_parallel_link(a, c, sh)):
+            hint = ("your link carried two all-to-alls at once; it carries one at a time, in launch order: "
+                    "dispatch 2 arrives at 2a, combine 1 waits for it")
+        else:
+            hint = "follow the timeline event by event: when does each all-to-all start, when each computation?"
+        return f"{head}: returned {got:g}, expected {want:g}: {hint}"
+    return None
+
+
 def _counts(rank, n):
     g = torch.Generator().manual_seed(40 + 10 * n + rank)
     return torch.randint(0, 20, (SPLIT_EXPERTS,), generator=g)
@@ -315,9 +367,11 @@ SUCCESS = {
     "dispatch_permutation": f": order and counts for {CASES} and E=6 with two experts unchosen",
     "aux_loss": f": value and gradient for {CASES}; k at perfect balance",
     "deepseek_router_step": f": DeepSeek-V3's experts, gates and bias update for {CASES}, a bias that changes choices",
+    "two_part_exposed": f": the exposed seconds of the two-part schedule for {len(EXPOSED_CASES)} (a, c, s), against "
+                        f"picotron.planner.ep_overlap_exposed_seconds (both regimes, a shared expert longer than a)",
 }
 PROBLEMS = {"top_k_route": _route_problem, "dispatch_permutation": _dispatch_problem, "aux_loss": _aux_problem,
-            "deepseek_router_step": _deepseek_problem}
+            "deepseek_router_step": _deepseek_problem, "two_part_exposed": _exposed_problem}
 
 
 def check_one(name, path, report, timeout_s):

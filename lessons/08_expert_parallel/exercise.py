@@ -1,11 +1,13 @@
 """Lesson 08 exercises: a mixture-of-experts layer's bookkeeping by hand. Write the pieces marked EXERCISE, then
     ./run.sh python lessons/08_expert_parallel/check.py                  # all exercises
     ./run.sh python lessons/08_expert_parallel/check.py top_k_route      # just one (or dispatch_permutation, aux_loss,
-                                                                         #   exchange_splits, deepseek_router_step)
+                                                                         #   exchange_splits, deepseek_router_step,
+                                                                         #   two_part_exposed)
 Exercises 1-3 are checked in this process against picotron.moe on random routers (several token counts, E and k);
 the checker names the token, expert or value that is wrong and recognises the usual mistakes (weights not
 renormalised, an unstable sort, Switch's fraction normalised by k...). Exercise 4 runs on 2 and 4 real processes
-(gloo): the checker names the rank whose splits are wrong. Exercise 5 (DeepSeek-V3's router) runs in this process. The lesson notebook
+(gloo): the checker names the rank whose splits are wrong. Exercise 5 (DeepSeek-V3's router) runs in this process, and
+exercise 6 (the exposed time of --ep-overlap's two-part schedule) too, against picotron.planner. The lesson notebook
 (lessons/08_expert_parallel/08_expert_parallel.ipynb) reads picotron/moe.py and picotron/expert_parallel.py,
 which do all of this for the whole model; the solutions are in solution.py (look after trying).
 
@@ -58,4 +60,15 @@ def deepseek_router_step(logits, k, bias, gamma):
     (the bias only CHOOSES); weights [n, k] = the chosen sigmoid(logits), without the bias, normalised to sum to 1
     per token; new_bias = bias + gamma · sign(mean load − load_i), load_i = how many of the n tokens chose expert
     i in this batch (an overloaded expert's bias goes down). Any order of the k choices within a token."""
+    raise NotImplementedError("not written yet")
+
+
+def two_part_exposed(a, c, s):
+    """EXERCISE 6: the seconds of one pass of an MoE layer (its forward, say) that --ep-overlap's all-to-alls leave
+    exposed (section 10). The routed rows travel in two parts: dispatch 1 and dispatch 2 are launched at once, the
+    shared expert (s seconds) runs while they travel, part 1's experts (c seconds) run as soon as dispatch 1 has
+    arrived, then combine 1 is launched and part 2's experts run once dispatch 2 has arrived, then combine 2.
+    Each all-to-all takes a seconds on this rank's link, which carries ONE at a time, in launch order (dispatch 2
+    starts when dispatch 1 is done; combine 1 waits for the link too); the compute runs one thing at a time.
+    Return the end of combine 2 minus the compute (s + 2c): the time the layer took beyond its computation."""
     raise NotImplementedError("not written yet")

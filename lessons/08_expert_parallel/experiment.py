@@ -2,7 +2,7 @@
 (`picotron.train`, `parallelize` with a `metrics.Recorder`, the MoE layers' counts and each layer's `Exchange`),
 and the notebook's formulas and plots.
 
-    torchrun --nproc_per_node 2 lessons/08_expert_parallel/experiment.py [--only balance,bytes,scaling,parity,router]
+    torchrun --nproc_per_node 2 lessons/08_expert_parallel/experiment.py [--only balance,bytes,scaling,parity,router,overlap]
     torchrun --nproc_per_node 4 lessons/08_expert_parallel/experiment.py --only bytes,scaling,parity
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
@@ -15,8 +15,13 @@ replicated), 2 (and 4) at the same global batch, one step of each in turn: model
 the formula and tokens/s. parity: picotron.train at ep = W (and dp4 x ep2, ep2 x tp2 on 4 processes) against one
 process with the same global batch, and the trap: expert gradients divided by their own group (edp), not dp x cp.
 router: DeepSeek-V3's router (tiny-deepseek-moe) at dp = ep = W without balancing, with the aux loss and with the
-bias update, every step's loads and loss, and the bias run's final routing biases.
+bias update, every step's loads and loss, and the bias run's final routing biases. overlap: blocking against
+--ep-overlap (tiny-deepseek-moe at dp = ep = W, one step of each in turn, each exchange on its own emulated link):
+step times, the waits for the row all-to-alls (the exposed communication) against planner.ep_overlap_exposed_seconds
+from the measured link times and compute, one step of each on a timeline.
 """
+import copy
+import dataclasses
 import math
 import os
 import statistics
@@ -33,9 +38,10 @@ from _plots import FONT, legend_below, plot_parity_below  # noqa: E402  (figure 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from picotron import expert_parallel, marks, metrics, moe, parallelize as par  # noqa: E402
+from picotron import expert_parallel, marks, metrics, moe, parallelize as par, planner  # noqa: E402
 from picotron.config import Config  # noqa: E402
-from picotron.mesh import Mesh  # noqa: E402
+from picotron.link import EmulatedLink  # noqa: E402
+from picotron.mesh import Axis, Comm, Mesh  # noqa: E402
 from picotron.model import ModelConfig  # noqa: E402
 from picotron.train import load_data, train  # noqa: E402
 
@@ -54,7 +60,9 @@ def settings(fast, device_type=None):
               bytes_steps=2 if fast else 4,
               scale_steps=2 if fast else 6, scale_warmup=1,
               parity_steps=10, parity_seq_len=32, parity_mbs=2, parity_grad_acc=2,
-              router_preset="tiny-deepseek-moe", router_steps=30 if fast else 200, router_aux=0.01, router_gamma=0.01)
+              router_preset="tiny-deepseek-moe", router_steps=30 if fast else 200, router_aux=0.01, router_gamma=0.01,
+              overlap_preset="tiny-deepseek-moe", overlap_seq_len=64, overlap_mbs=8, overlap_steps=4 if fast else 10,
+              overlap_warmup=1, overlap_latency=2e-4, overlap_link_ratio=1.0)
     return _common.sized("08_expert_parallel", st, fast, device_type)
 
 
@@ -423,7 +431,7 @@ def exp_parity(mesh, st, out):
     return result
 
 
-EXPERIMENTS = ("balance", "bytes", "scaling", "parity", "router")
+EXPERIMENTS = ("balance", "bytes", "scaling", "parity", "router", "overlap")
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
@@ -748,6 +756,259 @@ def plot_router(res, window=10):
 
 
 # ------------------------------------------------------------------------------------------------ main
+# ---------------------------------------------------------------- the all-to-alls under compute (--ep-overlap)
+class WaitTimed:
+    """The collectives an Axis calls (torch.distributed's signatures), with every all-to-all's WAIT on `timeline`: a
+    blocking one from its call to its return, an asynchronous one from `wait()` to its return. That is the exposed
+    communication: time this rank's compute stood still for the link ("wait rows"; the int64 counts: "wait counts")."""
+
+    def __init__(self, real, timeline):
+        self.real, self.timeline = real, timeline
+
+    def all_to_all_single(self, out, t, *args, async_op=False, **kw):
+        name = "wait counts" if t.dtype == torch.int64 else "wait rows"
+        start = self.timeline.now()
+        work = self.real.all_to_all_single(out, t, *args, async_op=async_op, **kw)
+        if not async_op:
+            self.timeline.add(name, start, self.timeline.now(), kind="wait")
+            return work
+        return _TimedWait(work, self.timeline, name)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+class _TimedWait:
+    def __init__(self, work, timeline, name):
+        self.work, self.timeline, self.name = work, timeline, name
+
+    def wait(self, timeout=None):
+        start = self.timeline.now()
+        self.work.wait()
+        self.timeline.add(self.name, start, self.timeline.now(), kind="wait")
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def timed_experts(model, timeline):
+    """Hooks that put every routed expert and shared expert, forward and backward, on `timeline` (compute)."""
+    for i, layer in enumerate(model.layers):
+        block = layer.block_sparse_moe
+        named = [("expert", m) for m in block.experts.values()]
+        named += [("shared expert", block.shared_experts)] if block.shared_experts is not None else []
+        for name, m in named:
+            starts = {}
+            m.register_forward_pre_hook(lambda mod, a, s=starts: s.__setitem__("f", timeline.now()))
+            m.register_forward_hook(lambda mod, a, o, s=starts, n=name, i=i: timeline.add(
+                n, s["f"], timeline.now(), kind="compute", layer=i, phase="forward"))
+            m.register_full_backward_pre_hook(lambda mod, g, s=starts: s.__setitem__("b", timeline.now()))
+            m.register_full_backward_hook(lambda mod, gi, go, s=starts, n=name, i=i: timeline.add(
+                n, s["b"], timeline.now(), kind="compute", layer=i, phase="backward"))
+
+
+class OverlapVariant:
+    """One way of exchanging (blocking, or --ep-overlap's two parts) on its own copy of the model, built as picotron
+    builds it (`parallelize`) but with the ep axis's all-to-alls on its own emulated link (picotron.link: the bytes a
+    rank sends to the others take latency + bytes / bandwidth, the waiting costs no core) and their waits timed."""
+
+    def __init__(self, name, overlap, cfg, mesh, link):
+        self.name, self.link = name, EmulatedLink(*link) if link else None
+        self.timeline = metrics.Timeline(mesh.device, mesh.rank, enabled=False)  # on for the timed steps only
+        self.recorder = metrics.Recorder(self.timeline)
+        ep = mesh.ep
+        ops = self.link.ops(ep.comm.ops) if self.link else ep.comm.ops
+        view = copy.copy(mesh)  # the same groups; only the ep axis changes (never destroy the copy)
+        view.ep = Axis(ep.name, ep.ranks, ep.group, ep.rank, ep.dims, Comm(WaitTimed(ops, self.timeline), self.recorder))
+        torch.manual_seed(cfg.seed)
+        self.run = par.parallelize(dataclasses.replace(cfg, ep_overlap=overlap), view)
+        self.run.schedule.phases.listen(self.timeline.record)  # forward, backward and the gradients' wait
+        timed_experts(self.run.raw, self.timeline)
+        self.loader = load_data(cfg, mesh)[1]
+        self.cfg, self.mesh, self.steps = cfg, mesh, []
+
+    def step(self, step, record=True):
+        run, tl = self.run, self.timeline
+        tl.enabled = record
+        tl.events.clear()
+        if self.link:
+            self.link.log.clear()
+        t0 = tl.now()
+        run.schedule.run(run.model, self.loader.micro_batches(step), run.loss_fn)
+        run.optimizer.step()
+        run.model.zero_grad(set_to_none=True)
+        moe.step_stats(run.raw)  # reset the routing counts
+        t1 = tl.now()
+        if record:
+            base = tl.t0
+            link_log = [(kind, nbytes, s - base, e - base) for kind, nbytes, s, e in (self.link.log if self.link else [])]
+            self.steps.append(dict(start=tl.seconds(t0), end=tl.seconds(t1), events=[dict(e) for e in tl.events],
+                                   link=link_log))
+        tl.enabled = False
+
+
+def overlap_terms(step, layers):
+    """From one recorded step of the overlapped variant: per MoE layer and pass (forward, backward) the measured
+    (a, c, s) of planner.ep_overlap_exposed_seconds: one part's all-to-all on the link (the mean of the row
+    messages' link times), one part's experts (half of the layer's expert time in that pass), the shared expert's."""
+    rows = [e - s for kind, nbytes, s, e in step["link"] if kind == "all_to_all_single" and nbytes > 1024]
+    a = statistics.mean(rows) if rows else 0.0
+    out = []
+    for layer in range(layers):
+        for phase in ("forward", "backward"):
+            ev = [e for e in step["events"] if e.get("layer") == layer and e.get("phase") == phase]
+            c = sum(e["end"] - e["start"] for e in ev if e["name"] == "expert") / 2
+            s = sum(e["end"] - e["start"] for e in ev if e["name"] == "shared expert")
+            out.append((a, c, s))
+    return out
+
+
+def exposed(step):
+    """Seconds this rank waited for the row all-to-alls during the step (the exposed communication)."""
+    return sum(e["end"] - e["start"] for e in step["events"] if e["name"] == "wait rows")
+
+
+def choose_ep_link(cfg, mesh, st):
+    """(bandwidth, latency) of an emulated link on which one part's all-to-all takes about as long as one part's
+    experts compute in the forward (measured here, blocking, without a link): where overlapping has the most to hide.
+    Every rank gets the same link (the slowest rank's compute, the mean bytes)."""
+    probe = OverlapVariant("probe", False, cfg, mesh, None)
+    for s in range(2):
+        probe.step(s + 1, record=s == 1)
+    step = probe.steps[-1]
+    layers = cfg.model_config().num_hidden_layers
+    forward = [e["end"] - e["start"] for e in step["events"] if e["name"] == "expert" and e.get("phase") == "forward"]
+    c = sum(forward) / layers / 2  # one part's experts, per layer
+    tokens = cfg.micro_batch_size * cfg.seq_len * cfg.grad_acc
+    mc = cfg.model_config()
+    W = mesh.ep.size
+    part_bytes = tokens * mc.num_experts_per_tok / 2 * (W - 1) / W * mc.hidden_size * 4 / cfg.grad_acc
+    c = max(gather(c, mesh))
+    latency = st["overlap_latency"]
+    bandwidth = part_bytes / max(c * st["overlap_link_ratio"] - latency, 1e-4)
+    return bandwidth, latency
+
+
+def exp_overlap(mesh, st, out):
+    """Blocking against --ep-overlap on the same run (tiny-deepseek-moe at dp = ep = W, one step of each in turn,
+    each on its own emulated link sized so that one part's all-to-all takes about as long as one part's experts):
+    per step and rank the step time, the exposed communication (the waits for the row all-to-alls), and the
+    planner's prediction from the measured link times and compute; one step of each on a timeline."""
+    W = mesh.world_size
+    cfg = make_cfg(st, preset=st["overlap_preset"], dp=W, ep=W, steps=st["overlap_steps"], warmup_steps=1,
+                   seq_len=st["overlap_seq_len"], micro_batch_size=st["overlap_mbs"], aux_loss_coef=0.01,
+                   out=str(Path(out) / f"overlap_ep{W}"))
+    mc = cfg.model_config()
+    with Mesh.init(dp=W, ep=W, device=mesh.device.type) as sub:
+        link = choose_ep_link(cfg, sub, st)
+        variants = [OverlapVariant("blocking", False, cfg, sub, link), OverlapVariant("overlapped", True, cfg, sub, link)]
+        others = run_interleaved(variants, st["overlap_steps"], st["overlap_warmup"], sub.world.group)
+        mine = {v.name: v.steps for v in variants}
+        every = gather(mine, mesh)
+    layers = mc.num_hidden_layers
+    result = dict(ep=W, link=dict(bandwidth=link[0], latency=link[1], label=EmulatedLink(*link).label()),
+                  others_share=others, layers=layers, micro_batches=cfg.grad_acc, ranks=[])
+    for r, runs in enumerate(every):
+        row = {}
+        for name, steps in runs.items():
+            times = [s["end"] - s["start"] for s in steps]
+            waits = [exposed(s) for s in steps]
+            row[name] = dict(step=statistics.median(times), exposed=statistics.median(waits), times=times, waits=waits)
+        predicted = [sum(planner.ep_overlap_exposed_seconds(*t) for t in overlap_terms(s, layers))
+                     for s in runs["overlapped"]]
+        blocking_link = [sum(e - s0 for kind, nbytes, s0, e in s["link"] if kind == "all_to_all_single" and nbytes > 1024)
+                         for s in runs["blocking"]]
+        row["overlapped"]["predicted"] = statistics.median(predicted)
+        row["blocking"]["predicted"] = statistics.median(blocking_link)
+        row["terms"] = overlap_terms(runs["overlapped"][-1], layers)
+        result["ranks"].append(row)
+    result["timeline"] = {name: [dict(events=runs[name][-1]["events"], start=runs[name][-1]["start"],
+                                      end=runs[name][-1]["end"], link=runs[name][-1]["link"]) for runs in every]
+                          for name in ("blocking", "overlapped")}
+    for r, row in enumerate(result["ranks"]):
+        say(mesh, f"rank {r}: step {1e3 * row['blocking']['step']:.1f} ms blocking, {1e3 * row['overlapped']['step']:.1f} "
+                  f"ms overlapped; exposed all-to-all {1e3 * row['blocking']['exposed']:.1f} -> "
+                  f"{1e3 * row['overlapped']['exposed']:.1f} ms (planner: {1e3 * row['blocking']['predicted']:.1f} -> "
+                  f"{1e3 * row['overlapped']['predicted']:.1f} ms)")
+    return result
+
+
+def overlap_checks(res):
+    """The section's checks, as (name, ok, detail, busy) for _common.check: each rank's exposed all-to-all time
+    overlapped against blocking; the planner's formula from the measured a, c, s against the measured exposure, both
+    exchanges (the mean over ranks: a rank's waits also hold its peer's lateness)."""
+    busy = _common.busy_reason(res["others_share"])
+    ranks = res["ranks"]
+    ratio = [r["overlapped"]["exposed"] / r["blocking"]["exposed"] for r in ranks]
+    out = [("--ep-overlap hides the all-to-alls: exposed time at most 3/4 of blocking's on every rank",
+            max(ratio) <= 0.75, "overlapped / blocking per rank " + ", ".join(f"{x:.2f}" for x in ratio), busy)]
+    for name in ("blocking", "overlapped"):
+        measured = statistics.mean(r[name]["exposed"] for r in ranks)
+        predicted = statistics.mean(r[name]["predicted"] for r in ranks)
+        off = abs(measured - predicted)
+        out.append((f"{name}: measured exposed all-to-all time = the planner's "
+                    + ("link time of its all-to-alls" if name == "blocking" else "ep_overlap_exposed_seconds(a, c, s)"),
+                    off <= max(0.35 * predicted, 3e-3),
+                    f"{1e3 * measured:.1f} ms measured, {1e3 * predicted:.1f} ms predicted per step (mean of the ranks; "
+                    f"within 35% or 3 ms)", busy))
+    return out
+
+
+def plot_overlap(res):
+    """Rank 0's last step, blocking above and --ep-overlap below on one time axis (each from its own start): the
+    experts and the shared expert (forward; pale: backward), the all-to-alls on the emulated link, and the waits for
+    them (what is exposed); right: each rank's exposed time per step, measured against the planner's."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colors = {"expert": "#a6d854", "shared expert": "#66a61e", "link": "#fdae61", "wait rows": "#e31a1c",
+              "wait counts": "#fb9a99", "phase": "#eeeeee"}
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw=dict(width_ratios=[3, 1]))
+    names = ("blocking", "overlapped")
+    span = 0.0
+    for row, name in enumerate(names):
+        step = res["timeline"][name][0]
+        t0 = step["start"]
+        span = max(span, step["end"] - t0)
+        for e in step["events"]:
+            x, w = 1e3 * (e["start"] - t0), 1e3 * (e["end"] - e["start"])
+            if e["name"] in ("forward", "backward"):
+                ax.barh(row, w, left=x, height=0.9, color=colors["phase"], lw=0, zorder=0)
+                ax.text(x + 1, row - 0.3, e["name"], fontsize=7, color="#777777", va="center")
+            elif e["name"] in ("expert", "shared expert"):
+                ax.barh(row - 0.05, w, left=x, height=0.3, color=colors[e["name"]], lw=0, zorder=2,
+                        alpha=0.55 if e.get("phase") == "backward" else 1.0)
+            elif e["name"] in ("wait rows", "wait counts"):
+                ax.barh(row + 0.22, w, left=x, height=0.14, color=colors[e["name"]], lw=0, zorder=2)
+        for kind, nbytes, s, e in step["link"]:
+            ax.barh(row + 0.36, 1e3 * (e - s), left=1e3 * (s - t0), height=0.1, color=colors["link"], lw=0.3,
+                    edgecolor="white", zorder=2)
+    ax.set_yticks(range(2), names, fontsize=FONT)
+    ax.set_ylim(1.6, -0.6)
+    ax.set_xlim(0, 1e3 * span)
+    ax.set_xlabel("ms since the step started (rank 0)", fontsize=FONT)
+    ax.set_title(f"one training step at ep = {res['ep']}, each exchange on its own {res['link']['label']}",
+                 fontsize=9, loc="left")
+    handles = [Patch(color=colors["expert"], label="routed experts"), Patch(color=colors["shared expert"],
+               label="shared expert"), Patch(color=colors["link"], label="all-to-all on the link"),
+               Patch(color=colors["wait rows"], label="waiting for rows (exposed)"),
+               Patch(color=colors["wait counts"], label="waiting for counts")]
+    legend_below(ax, handles=handles, ncol=5)
+    W = len(res["ranks"])
+    xs = range(W)
+    for i, name in enumerate(names):
+        bx.bar([x + 0.4 * i - 0.2 for x in xs], [1e3 * r[name]["exposed"] for r in res["ranks"]], width=0.35,
+               color=["#e31a1c", "#4c72b0"][i], label=f"{name}, measured")
+        bx.scatter([x + 0.4 * i - 0.2 for x in xs], [1e3 * r[name]["predicted"] for r in res["ranks"]], color="black",
+                   marker="_", s=300, zorder=3, label="planner" if i else None)
+    bx.set_xticks(list(xs), [f"rank {r}" for r in xs], fontsize=FONT)
+    bx.set_ylabel("exposed all-to-all ms per step", fontsize=FONT)
+    legend_below(bx, ncol=1, dy=-0.16)
+    fig.tight_layout()
+    return fig
+
+
 def main(argv=None):
     args, names, out = _common.cli("08_expert_parallel", EXPERIMENTS, __doc__, argv=argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -41,3 +41,12 @@ def deepseek_router_step(logits, k, bias, gamma):
     weights = scores.gather(-1, experts)
     load = torch.bincount(experts.flatten(), minlength=scores.shape[-1]).float()
     return weights / weights.sum(-1, keepdim=True), experts, bias + gamma * torch.sign(load.mean() - load)
+
+
+def two_part_exposed(a, c, s):
+    """EXERCISE 6: the two-part schedule on one link (picotron.planner.ep_overlap_exposed_seconds is the same)."""
+    start1 = max(a, s)  # dispatch 1 has arrived and the shared expert is done
+    link = max(2 * a, start1 + c) + a  # combine 1: launched after experts 1, on the link after dispatch 2
+    start2 = max(2 * a, start1 + c)  # dispatch 2 has arrived and experts 1 are done
+    end = max(link, start2 + c) + a  # combine 2: after experts 2 and after combine 1 left the link
+    return end - (s + 2 * c)
