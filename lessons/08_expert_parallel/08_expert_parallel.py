@@ -22,6 +22,7 @@ edit this file, never the notebook.
 # | load-balancing loss | $E \sum_e f_e P_e$: $k$ when balanced, larger when a few experts take the tokens | `moe.aux_loss`, `AuxLoss` |
 # | capacity | at most $\lceil \kappa\,s\,k/E \rceil$ tokens per expert and sequence; the rest dropped | `moe.capacity_keep` |
 # | the exchange | counts, then rows, all-to-all over the ep ranks; back again after the experts | `expert_parallel.Exchange` |
+# | the overlap | the rows in two parts, each part's all-to-all under the other's experts (`--ep-overlap`, section 10) | `expert_parallel.OverlappedExchange` |
 # | gradients | dense ones averaged over dp; an expert's summed over its replicas (edp), divided by dp | `marks.sync_axis` |
 #
 # We count what experts buy (parameters against FLOPs); route a few tokens by hand; train the small MoE with and
@@ -38,7 +39,7 @@ import matplotlib.pyplot as plt
 import torch
 sys.path.insert(0, "..")   # lessons/: the helpers every lesson shares
 import _common
-from picotron import expert_parallel, marks, moe
+from picotron import expert_parallel, marks, moe, planner
 from picotron.model import ModelConfig
 
 FAST, OUT = _common.FAST, _common.run_dir("08_expert_parallel")
@@ -325,7 +326,7 @@ for W, res in byt.items():
 # so the all-to-alls also absorb the ranks' differences in speed (the waiting is inside the red bars). Here they
 # are blocking — the experts wait for the dispatch, attention waits for the combine. Production systems overlap
 # them with compute: DeepSeek-V3's DualPipe runs one micro-batch's all-to-all under another's compute, and
-# Megatron-LM and DeepEP split the exchange to pipeline it with the experts.
+# Megatron-LM and DeepEP split the exchange to pipeline it with the experts; section 10 does it with `--ep-overlap`.
 #
 # **Takeaway:** the bytes are the routing's, to the byte; the all-to-alls sit on the critical path unless the
 # schedule hides them.
@@ -552,7 +553,109 @@ checker.check(["deepseek_router_step"])
 # **Takeaway:** DeepSeek-V3 balances its experts with a per-expert bias that only chooses, moved by $\pm\gamma$
 # against the global load each step; the loss keeps only the language-model term.
 #
-# ## 10. Exercises
+# ## 10. The all-to-alls under compute (`--ep-overlap`)
+#
+# Section 5's timeline shows the price of the exchange: the experts wait for the dispatch, the next layer waits for
+# the combine, and nothing runs while the rows travel. The fix production systems use is to give the link and the
+# cores different work at the same time. DeepSeek-V3 (arXiv:2412.19437, §3.2.2) runs one micro-batch's
+# all-to-alls under another micro-batch's compute (DualPipe pairs a forward chunk with a backward chunk for this);
+# Megatron-LM has `--overlap-moe-expert-parallel-comm`. Ours does it inside one micro-batch, with **two parts**:
+#
+# 1. route, apply the capacity and compute the aux loss on the *whole* micro-batch, as before;
+# 2. cut the sorted rows in two: part 1 takes the first half (rounded up) of each expert's rows, part 2 the rest;
+#    both stay sorted by expert, so each is a dispatch of its own (one all-to-all of $2E$ counts for both);
+# 3. launch dispatch 1 and dispatch 2 at once; the shared expert (DeepSeek) runs while they travel; part 1's
+#    experts run as soon as dispatch 1 is in; combine 1 is launched and part 2's experts run under it; combine 2.
+#
+# An expert's output for a row depends on that row alone, so the result is the unsplit layer's, to the rounding of
+# the matmuls (`tests/test_ep_overlap.py` checks the layer and the whole model against one process, and every
+# rank's order of launches and waits). The backward has the same shape: both combine-backwards launched, the shared
+# expert's backward under them, part 1's expert backward under part 2's all-to-all, and so on. One subtlety: data
+# parallelism counts each weight's gradient *hook* to know when a bucket is full, so the two parts' weight
+# gradients are summed first and handed to autograd once (`_accumulate_once`) — accumulated per part, the hook
+# would fire twice and a bucket would be all-reduced half-summed (the parity test caught exactly that).
+#
+# **The formula.** With one part's all-to-all taking $a$ on the link (which carries one message at a time), one
+# part's experts $c$ and the shared expert $s$, the pass ends when combine 2 does; what it adds to the compute
+# $s + 2c$ is exposed (`planner.ep_overlap_exposed_seconds`):
+#
+# $$T_\text{exposed} = 2a - \min(s, a) \quad (c \ge a), \qquad 4a - 2c - s \quad (a \ge c \ge s), \qquad 4a \ \text{blocking}$$
+#
+# — the first dispatch (less the shared expert under it) and the last combine, which nothing follows, stay exposed;
+# each middle all-to-all hides under the other part's experts. The planner's time model charges this per MoE layer
+# and micro-batch for `ep-overlap` layouts (backward: the same with $2c$ and $2s$).
+
+# %%
+_common.show_source(expert_parallel._TwoParts.forward)
+_common.show_source(planner.ep_overlap_exposed_seconds, "a, c, s = a2a_s")
+
+# %% [markdown]
+# **Measured.** Blocking and overlapped on the same run: `tiny-deepseek-moe` (8 fine-grained experts, top-3, one
+# shared expert) at dp = ep = 2, one step of each in turn, each exchange on its **own emulated link**
+# (`picotron.link.EmulatedLink`: every all-to-all still runs for real, then completes no earlier than
+# latency + the bytes this rank sends to the others / bandwidth; the waiting is a sleep, costing no core, as a NIC's
+# would). The link is sized so that one part's all-to-all takes about as long as one part's experts in the forward,
+# where there is most to hide. Every wait for a row all-to-all is timed: that is the exposed communication. The
+# formula is fed the measured $a$ (the link's time per message), $c$ and $s$ (module hooks) of each layer and pass.
+
+# %%
+run("overlap")
+ov = _common.load_json(OUT / "overlap_ep2.json")["results"]
+print(f"link: {ov['link']['label']}; {ov['layers']} MoE layers; per step (median of the timed steps):")
+for r, row in enumerate(ov["ranks"]):
+    print(f"  rank {r}: step {1e3 * row['blocking']['step']:.1f} ms blocking, {1e3 * row['overlapped']['step']:.1f} ms "
+          f"overlapped; exposed all-to-all {1e3 * row['blocking']['exposed']:.1f} -> {1e3 * row['overlapped']['exposed']:.1f}"
+          f" ms (planner {1e3 * row['blocking']['predicted']:.1f} -> {1e3 * row['overlapped']['predicted']:.1f} ms)")
+a, c, s = ov["ranks"][0]["terms"][0]
+print(f"  rank 0, layer 0, forward: a = {1e3 * a:.2f} ms per part on the link, c = {1e3 * c:.2f} ms per part of experts, "
+      f"s = {1e3 * s:.2f} ms shared expert -> exposed {1e3 * planner.ep_overlap_exposed_seconds(a, c, s):.2f} ms "
+      f"against {4e3 * a:.2f} ms blocking")
+lesson.plot_overlap(ov); plt.show()
+for name, ok, detail, busy in lesson.overlap_checks(ov):
+    _common.check(name, ok, detail, busy)
+
+# %% [markdown]
+# The red bars shrink to where the formula puts them: in each layer's forward the first dispatch (partly under the
+# shared expert) and the last combine, in its backward the last dispatch-backward; the middle all-to-alls run under
+# the other part's experts. On this machine the step does not get faster by all the hidden time: on 2 CPU cores the
+# compute, the real transfers (gloo's threads) and the split's bookkeeping (twice the expert calls, twice the
+# launches) share the same cores, and the parts' experts are small matmuls whose fixed costs double.
+# `benchmarks/ep_overlap_bench.py` measures the step time side by side, with and without an emulated link. On a GPU
+# the all-to-all has its own engine (NVLink, RDMA) and the exposed time the formula gives is what the step saves; the
+# planner's time model, for Mixtral-8x7B on one and on two H100 nodes:
+
+# %%
+from picotron.plan.hardware import GPUS
+from picotron.plan.time_model import step_time
+mixtral = ModelConfig.from_preset("mixtral-8x7b")
+for text in ("dp8,ep8,zero1,mbs1,ga16", "dp16,ep8,tp2,sp,zero1,mbs1,ga16"):
+    t = [step_time(mixtral, planner.Layout.parse(text, ep_overlap=o), 4096, GPUS["h100-80gb"]) for o in (False, True)]
+    print(f"{text} (s = 4,096, bf16, H100): all-to-alls exposed {t[0]['ep']:.3f} s -> {t[1]['ep']:.3f} s per step, "
+          f"step {t[0]['total']:.2f} s -> {t[1]['total']:.2f} s, MFU {100 * t[0]['mfu']:.1f}% -> {100 * t[1]['mfu']:.1f}%")
+
+# %% [markdown]
+#
+# **NCCL.** Each layer's ep group sees, on every rank, the same all-to-alls in the same order — counts, dispatch 1,
+# dispatch 2, combine 1, combine 2; backward: combine-backward 1, 2, dispatch-backward 1, 2 — only *when* a rank
+# waits for them moves. Collectives on one communicator run in issue order, so two in flight are legal; and since
+# nothing on another group (dp's bucketed all-reduces, cp's, tp's) is issued between a launch and its wait in an
+# order that differs between ranks, the whole run fits one order across communicators. `tests/test_ep_overlap.py`
+# records every rank's communication on gloo and replays it under both of `picotron.nccl_rules`' models, with cp,
+# tp, pp, ZeRO-1 and full recomputation.
+#
+# **Exercise 6.** `two_part_exposed(a, c, s)` in `exercise.py`: the schedule above, event by event, and what it
+# leaves exposed. The checker compares with the planner on both regimes and names the usual slips (the blocking
+# $4a$, a link that carries two messages at once, combine 2 forgotten, the closed form used outside its regime):
+
+# %%
+import check as checker   # this folder's check.py
+checker.check(["two_part_exposed"])
+
+# %% [markdown]
+# **Takeaway:** split the routed rows in two after routing, and each part's all-to-all hides under the other's
+# experts; only the first dispatch and the last combine stay on the critical path.
+#
+# ## 11. Exercises
 # Open `lessons/08_expert_parallel/exercise.py`:
 #
 # 1. `top_k_route(logits, k)` — Mixtral's router: softmax in fp32, top-$k$, renormalise. The checker compares with
@@ -567,6 +670,7 @@ checker.check(["deepseek_router_step"])
 # 4. `exchange_splits(counts, group)` — on every ep rank: the rows it sends to each rank and receives from each,
 #    after exchanging the counts (one collective). Run on 2 and 4 processes; the checker names the rank and peer.
 # 5. `deepseek_router_step(logits, k, bias, gamma)` — DeepSeek-V3's router and bias update (section 9).
+# 6. `two_part_exposed(a, c, s)` — the exposed seconds of `--ep-overlap`'s two-part schedule (section 10).
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:
 
@@ -578,12 +682,12 @@ all_passed = checker.check()
 # **Takeaway:** the router is three lines; the dispatch is a stable sort; the balance loss is a dot product of a
 # count and a mean; the exchange needs the counts before the rows.
 #
-# ## 11. What it costs, when to use it, what comes next
+# ## 12. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
 # | MoE, experts replicated (ep = 1) | every expert: $3E\,h\,h_\text{ff}$ per layer, states ×16 bytes | gradients all-reduced over dp (all experts) | the experts fit; small models |
-# | expert parallel, ep ranks | $E/ep$ experts per layer + the dense part | per layer and micro-batch: counts, then $4\,n_\text{tok}kh\,(ep-1)/ep$ elements in four all-to-alls (blocking here) | the experts do not fit; ep within a node's fast links, or routing limited to few nodes |
+# | expert parallel, ep ranks | $E/ep$ experts per layer + the dense part | per layer and micro-batch: counts, then $4\,n_\text{tok}kh\,(ep-1)/ep$ elements in four all-to-alls (blocking; with `--ep-overlap` two parts, each under the other's experts) | the experts do not fit; ep within a node's fast links, or routing limited to few nodes |
 # | + capacity factor $\kappa$ | bounded expert work: fixed shapes | the same, bounded | static shapes (TPUs, CUDA graphs); accept some dropped tokens |
 #
 # **Its costs.** The all-to-alls are on the critical path and their sizes change every step (the counts travel
@@ -593,7 +697,8 @@ all_passed = checker.check()
 # GEMM kernels.
 #
 # **What ours lacks** (what Megatron-LM, DeepSpeed-MoE, torchtitan and DeepEP add): grouped GEMM over the local
-# experts, the all-to-all overlapped with compute (DualPipe, chunked dispatch), fp8 dispatch, token dropping
+# experts, DualPipe's overlap of one micro-batch's all-to-alls with another's compute (ours splits one micro-batch
+# in two parts, section 10), fp8 dispatch, token dropping
 # with padding to static shapes, DeepSeek-V3's group-limited routing (each token's experts on at most a few nodes)
 # and its multi-token prediction, expert-choice routing (Zhou et al. 2022, each expert picks its tokens), and
 # hierarchical (node-aware) all-to-alls. With context parallelism the aux loss's statistics are summed over the cp
