@@ -186,3 +186,16 @@ def test_exposed_time_formula_and_the_time_model():
                             for o in (False, True))
     assert 0 < overlapped["ep"] < blocking["ep"] and overlapped["compute"] == blocking["compute"]
     assert Layout.parse("dp8,ep8,ep-overlap").ep_overlap and "ep-overlap" in str(Layout(dp=8, ep=8, ep_overlap=True))
+
+
+@pytest.mark.heavy
+def test_the_benchmark_runs_on_two_ranks():
+    """benchmarks/ep_overlap_bench.py at its --smoke size builds both exchanges, steps them and prints the paired
+    ratio (a smoke test: the ratio of 2 rounds means nothing and is not checked)."""
+    from pathlib import Path
+
+    from picotron.launch import run_torchrun
+
+    root = Path(__file__).resolve().parents[1]
+    out = run_torchrun(root / "benchmarks" / "ep_overlap_bench.py", 2, ["--smoke"], timeout_s=600, cwd=root).stdout
+    assert "overlapped throughput / blocking's: median" in out, out[-2000:]
