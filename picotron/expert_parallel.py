@@ -33,6 +33,21 @@ its own tokens' part and the aux weight is multiplied by cp, like the LM loss's 
 loads are summed over dp x cp by `moe.step_stats`. A finite capacity is refused with cp (`check`): its first-come
 order runs along the whole sequence, which no cp rank sees.
 
+The all-to-alls under compute (--ep-overlap, `OverlappedExchange`). Blocking, nothing runs while the rows travel:
+the experts wait for the dispatch, the next layer for the combine. With the overlap each micro-batch's routed rows
+are cut in two parts AFTER routing, capacity and the aux loss were decided on the whole micro-batch (part 1: the
+first half of each expert's rows; both parts stay sorted by expert), and each part has its own dispatch and combine:
+
+    link     [dispatch 1][dispatch 2]            [combine 1]  [combine 2]
+    compute  [shared expert]  [experts on part 1]  [experts on part 2]
+
+so each middle all-to-all travels under the other part's experts; only the first dispatch (less the shared expert)
+and the last combine stay exposed: planner.ep_overlap_exposed_seconds. The backward mirrors it (_TwoParts). The same
+rows travel, in twice the messages (the bytes above, plus one all-to-all of 2E counts instead of E); an expert's
+output for a row depends on that row alone, so the result is the unsplit layer's. DeepSeek-V3 technical report
+(arXiv:2412.19437) §3.2.2 overlaps the all-to-alls of one micro-batch with another's compute (DualPipe); Megatron-LM's
+--overlap-moe-expert-parallel-comm does the same; here the two parts come from one micro-batch.
+
 Rules (`check`, in picotron.rules): ep divides dp and the number of experts; the model has experts; top_k at most
 the experts; no finite capacity with cp. Which strategies it does not combine with (ZeRO-3; torch's DDP) is
 picotron.rules' table, `combination_problem`.
