@@ -20,6 +20,10 @@ happens, and still uses cores); the lessons print both.
     mesh = mesh.over(link)                                   # the same groups, every axis's collectives emulated
 
 This is a model, labelled as such wherever it is plotted; on a GPU with a real interconnect, use no link.
+
+Point-to-point batches (`Axis.exchange`: async TP's ring steps) take the link's time too when the link is made with
+`messages=True`: latency + the bytes the batch sends / bandwidth, queued on the same link. Off by default, so the
+lessons that emulate only collectives (03, 04) time what they did.
 """
 import threading
 import time
@@ -31,6 +35,7 @@ from picotron.compat import collective
 # bytes each rank sends for a collective over a buffer of B bytes among n ranks, as a multiple of B (ring)
 TRAFFIC = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather_into_tensor": lambda n: (n - 1) / n,
            "reduce_scatter_tensor": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+           "send": lambda n: 1.0,  # a point-to-point batch: the bytes it sends
            "all_to_all_single": lambda n: 1.0}  # (given as the bytes this rank sends to the others: splits vary)
 
 
@@ -39,11 +44,12 @@ class EmulatedLink:
     `ops(real)` gives a torch.distributed-like namespace whose collectives run `real`'s and take the link's time;
     `log` lists (kind, bytes on the wire, start, end) of every message, in the process's perf_counter seconds."""
 
-    def __init__(self, bandwidth, latency=0.0):
+    def __init__(self, bandwidth, latency=0.0, messages=False):
         if not bandwidth > 0 or latency < 0:
             raise ValueError(f"EmulatedLink(bandwidth={bandwidth}, latency={latency}): the bandwidth must be > 0 "
                              f"bytes/s and the latency >= 0 s (e.g. EmulatedLink(100e6, 1e-3): 100 MB/s, 1 ms).")
         self.bandwidth, self.latency = float(bandwidth), float(latency)
+        self.messages = messages  # also hold Axis.exchange's point-to-point batches to the link's time
         self.free_at = 0.0  # when the last message queued on this link is done
         self.log = []
         self._lock = threading.Lock()
@@ -121,6 +127,29 @@ class _LinkOps:
                           lambda a: self.real.all_to_all_single(out, t, output_split_sizes, input_split_sizes,
                                                                 group=group, async_op=a))
 
+    def exchange_batch(self, ops, group=None):
+        """A batch of point-to-point messages (picotron.p2p.exchange's ops), done when the real messages have
+        arrived and the link has carried the bytes this rank sends (with `messages=True`; else untouched)."""
+        from picotron import p2p
+
+        works = p2p.exchange(ops, group)
+        if not self.link.messages or not works:
+            return works
+        _, end = self.link._schedule("send", sum(_nbytes(t) for kind, t, _ in ops if kind == "send"), 2)
+        return [_LinkWork(_AllOf(works), end)]
+
+
+class _AllOf:
+    """Several handles as one: waiting waits for each."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, timeout=None):
+        for w in self.works:
+            w.wait()
+        return True
+
 
 def _nbytes(t):
     return t.numel() * t.element_size()
@@ -133,19 +162,25 @@ class _LinkWork:
     def __init__(self, work, end):
         self.work, self.end = work, end
         self.future = torch.futures.Future()
+        self._lock = threading.Lock()  # the real work is waited for once, by whichever thread comes first: a second
+        # wait from another thread may write the output again (gloo's reduce-scatter) or hang (point-to-point)
         delay = max(0.0, end - time.perf_counter())
         timer = threading.Timer(delay, self._finish)
         timer.daemon = True
         timer.start()
 
+    def _real_wait(self):
+        with self._lock:
+            if self.work is not None:
+                self.work.wait()
+                self.work = None
+
     def _finish(self):
-        if self.work is not None:
-            self.work.wait()
+        self._real_wait()
         self.future.set_result(None)
 
     def wait(self, timeout=None):
-        if self.work is not None:
-            self.work.wait()
+        self._real_wait()
         delay = self.end - time.perf_counter()
         if delay > 0:
             time.sleep(delay)

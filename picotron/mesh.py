@@ -268,10 +268,16 @@ class Axis:
         as one batch (picotron.p2p.exchange); returns the handles to wait on. A recorder counts the bytes of the
         sends, under `label` (what they carry); it does not time them: a message is over when its receiver has
         waited for it, which the algorithm shows as a phase of its own (picotron.hooks)."""
-        works = p2p.exchange(ops, self.group)
-        if self.comm.recorder is not None:
+        # an emulated link (picotron.link, made with messages=True) holds the batch to its time; others post it as is
+        post = getattr(self.comm.ops, "exchange_batch", None) or p2p.exchange
+        recorder = self.comm.recorder
+        start = recorder.now() if recorder is not None else 0.0
+        works = post(ops, self.group)
+        if recorder is not None:
             sent = sum(t.numel() * t.element_size() for kind, t, _ in ops if kind == "send")
-            self.comm.recorder.message(sent, label, axis=self.name)
+            recorder.message(sent, label, axis=self.name)
+            if getattr(recorder, "time_messages", False):  # async TP's lesson: the batch as a timeline event
+                works = recorder.timed_messages(works, label, start, axis=self.name)
         return works
 
     def broadcast(self, t, index=0):

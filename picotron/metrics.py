@@ -396,6 +396,24 @@ class Recorder:
         "send". `label` says what they carry (a subclass may sort by it); they are not timed (see Axis.exchange)."""
         self._count("send", nbytes, axis)
 
+    # --- async TP's lesson: point-to-point batches timed (Axis.exchange asks when `time_messages` is set)
+    time_messages = False
+
+    def timed_messages(self, works, label, start, axis=None):
+        """With a timeline: one batch of messages as a comm event from `start` until the caller has waited for all its
+        handles (a message is over when its receiver has it); returns the handles to wait on instead."""
+        tl = self.timeline
+        if tl is None or not tl.enabled or not works:
+            return works
+        left = [len(works)]
+
+        def one_done():
+            left[0] -= 1
+            if not left[0]:
+                tl.add(label, start, tl.now(), kind="comm", axis=axis, end_observed_at_wait=True)
+        return [_TimedAtWait(w, one_done) for w in works]
+    # --- end async TP
+
     def _count(self, kind, nbytes, axis):
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
         self.calls[kind] = self.calls.get(kind, 0) + 1

@@ -4,6 +4,7 @@ as picotron.train runs it), and the notebook's formulas, puzzle planner and plot
     torchrun --nproc_per_node 2 lessons/05_tensor_parallel/experiment.py [--only comm,memory,scaling,dtensor,parity]
     torchrun --nproc_per_node 4 lessons/05_tensor_parallel/experiment.py --only grid --dp 2    # dp=2 x tp=2, ZeRO-1
     torchrun --nproc_per_node 2 lessons/05_tensor_parallel/experiment.py --only partitioned     # ZeRO-R's Pa
+    torchrun --nproc_per_node 2 lessons/05_tensor_parallel/experiment.py --only asynctp         # the collective matmul
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_tp<t>.json (grid: OUT/grid_dp<d>_tp<t>.json); with one process the references. comm: every
@@ -11,8 +12,11 @@ collective of one step at 2 and at 4 layers (per layer, against `megatron_patter
 and model states against the formulas; scaling: steps of sp off and on, interleaved; dtensor: ours against torch's
 DTensor (benchmarks/tp_vs_dtensor.py); parity: picotron.train at tp = world size; grid: picotron.train on a
 dp x tp grid with ZeRO-1 (its groups, the rows each rank reads, the losses); partitioned: no, full and partitioned
-recomputation (the bytes kept per layer, the all-gathers, the step times). Timed variants share one process
-group, one step of each in turn; a step takes as long as its slowest rank.
+recomputation (the bytes kept per layer, the all-gathers, the step times); asynctp: blocking sp against async TP's
+collective matmul on the same layers, weights and batch (benchmarks/async_tp_bench.py: timelines, exposed
+communication per layer against planner.async_tp_layer_seconds, the throughput ratio, and the two variants' outputs
+and gradients compared). Timed variants share one process group, one step of each in turn; a step takes as long as
+its slowest rank.
 """
 from collections import Counter
 import os
@@ -60,7 +64,7 @@ def settings(fast, device_type=None):
     _common.GPU_SETTINGS["05_tensor_parallel"] on top (device_type: the mesh's, else _common.device())."""
     st = dict(size="small", seq_len=128, micro_batch_size=4, steps=3 if fast else 30, warmup=1 if fast else 3,
               dtensor_steps=4 if fast else 60, parity_steps=10 if fast else 20, parity_seq_len=64,
-              partitioned_steps=3 if fast else 10)
+              partitioned_steps=3 if fast else 10, asynctp_steps=4 if fast else 20, asynctp_link_ratio=2.0)
     return _common.sized("05_tensor_parallel", st, fast, device_type)
 
 
@@ -492,6 +496,28 @@ def exp_partitioned(mesh, st, out, lo=2, hi=4):
                 formula_per_layer=partitioned_formula(mc, s, b, t))
 
 
+def exp_asynctp(mesh, st, out):
+    """Blocking sp against async TP (the collective matmul) on the lesson's layers, one forward + backward of each in
+    turn (benchmarks/async_tp_bench.py), over an emulated link on a CPU (none on GPUs); then both variants' outputs
+    and every gradient on one input, compared."""
+    from benchmarks import async_tp_bench as bench  # the repository root is on sys.path (_common)
+
+    mc = ModelConfig.from_preset("tiny", **SIZES[st["size"]])
+    ratio = st["asynctp_link_ratio"] if mesh.device.type == "cpu" else 0  # GPUs: the real interconnect
+    res = bench.compare(mesh, mc, st["seq_len"], st["micro_batch_size"], st["asynctp_steps"], st["warmup"], ratio)
+    runs = {name: bench.Layers(mc, mesh, name == "overlapped", None, st["seq_len"], st["micro_batch_size"])
+            for name in ("blocking", "overlapped")}
+    results = {name: run.results() for name, run in runs.items()}
+    worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+                for a, b in zip(results["overlapped"], results["blocking"]))
+    res["parity"] = dict(tensors=len(results["blocking"]), worst_relative=max(gather(worst, mesh)))
+    for line in bench.report(res).splitlines():
+        say(mesh, line)
+    say(mesh, f"outputs and gradients, overlapped against blocking: {res['parity']['tensors']} tensors, worst "
+              f"difference {res['parity']['worst_relative']:.1e} of the tensor's largest value")
+    return res
+
+
 def partitioned_formula(mc, seq_len, micro_batch_size, tp):
     """Bytes a rank keeps per layer, fp32: none = activation_parts' layer; full = its input 4sbh; partitioned = 4sbh/t."""
     sbh = seq_len * micro_batch_size * mc.hidden_size
@@ -499,8 +525,8 @@ def partitioned_formula(mc, seq_len, micro_batch_size, tp):
     return {"none": none, "full": 4 * sbh} | ({"partitioned": 4 * sbh / tp} if tp > 1 else {})
 
 
-EXPERIMENTS = ("comm", "memory", "scaling", "dtensor", "parity", "grid", "partitioned")
-NEEDS_TP = ("comm", "dtensor")  # meaningless with one process
+EXPERIMENTS = ("comm", "memory", "scaling", "dtensor", "parity", "grid", "partitioned", "asynctp")
+NEEDS_TP = ("comm", "dtensor", "asynctp")  # meaningless with one process
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
@@ -819,6 +845,74 @@ def plot_grid(sizes, micro_batch_size, grad_acc):
         ax.set_xlabel(notes[axis], fontsize=FONT)
     fig.suptitle(f"dp={dp} x tp={tp}: rank = dp_rank·{tp} + tp_rank; global batch = {micro_batch_size} x {grad_acc} "
                  f"x {dp} = {per * dp} rows", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+ASYNC_COLORS = {"compute": "#8da0cb", "matmul": "#66c2a5", "blocked": "#e41a1c", "message": "#fdb462"}
+
+
+def plot_async_timelines(res, t_max=None):
+    """Rank 0's last forward + backward of the layers, blocking above, overlapped below: what computes, what is in
+    flight on the (emulated) link, and where the compute waits for communication (red: exposed)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(2, 1, figsize=(11, 4.2), sharex=True)
+    for ax, (name, row) in zip(axes, res["runs"].items()):
+        ev = row["events"]
+        step = next(e for e in ev if e["name"] == "step")
+        t0 = step["start"]
+
+        def bar(y, e, color):
+            ax.barh(y, 1e3 * (e["end"] - e["start"]), left=1e3 * (e["start"] - t0), height=0.7, color=color, lw=0)
+
+        bar(2, step, ASYNC_COLORS["compute"])
+        if name == "blocking":
+            for e in ev:
+                if e.get("kind") == "comm" and e["name"] in ("all-gather", "reduce-scatter"):
+                    bar(2, e, ASYNC_COLORS["blocked"])
+                    bar(1, e, ASYNC_COLORS["message"])
+        else:
+            for e in ev:
+                if e["name"] in ("ag-matmul", "rs-matmul"):
+                    bar(2, e, ASYNC_COLORS["matmul"])
+                elif e["name"] == "wait":
+                    bar(2, e, ASYNC_COLORS["blocked"])
+                elif e.get("kind") == "comm" and e["name"].startswith("async-tp"):
+                    bar(1, e, ASYNC_COLORS["message"])
+        exposed = 1e3 * row["exposed_per_layer_s"]
+        ax.set_title(f"{name}: {1e3 * (step['end'] - step['start']):.0f} ms for one forward + backward, exposed "
+                     f"communication {exposed:.1f} ms per layer (median over rounds)", fontsize=FONT)
+        ax.set_yticks([1, 2], ["link", "compute"])
+        ax.set_ylim(0.4, 2.6)
+    axes[-1].set_xlabel("ms since the step began (rank 0)")
+    if t_max:
+        axes[-1].set_xlim(0, t_max)
+    link = res["link"]["label"] if res.get("link") else "the real interconnect"
+    legend_below(axes[-1], ncol=2, dy=-0.45, handles=[Patch(color=ASYNC_COLORS[k], label=lab) for k, lab in (
+        ("compute", "compute (everything else)"), ("matmul", "one chunk's matmul (the collective matmuls)"),
+        ("message", f"a collective or ring step in flight ({link})"), ("blocked", "compute waits: exposed"))])
+    fig.tight_layout()
+    return fig
+
+
+def plot_async_exposed(res):
+    """Exposed tp communication per layer, measured against the planner's model on the same link, for both."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    names = list(res["runs"])
+    measured = [1e3 * res["runs"][n]["exposed_per_layer_s"] for n in names]
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], measured, 0.4, color=ASYNC_COLORS["blocked"], label="measured (median)")
+    if "model" in res:
+        ax.bar([i + 0.2 for i in x], [1e3 * res["model"][n] for n in names], 0.4, color="0.6",
+               label="model: planner.async_tp_layer_seconds")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("ms per layer (forward + backward)")
+    ax.set_title("exposed tensor-parallel communication per layer", fontsize=FONT)
+    ax.legend(fontsize=FONT - 1)
     fig.tight_layout()
     return fig
 
