@@ -25,7 +25,7 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 9, out  # four exercises on 2 and on 4 ranks, and the puzzle
+    assert out.count("  ok  ") == 10, out  # four exercises on 2 and on 4 ranks, the puzzle and the ring order
     assert "tp=4 + sp, micro-batch 2 held 22.77 MiB on its fullest rank (<= 23)" in out, out  # its real step
 
 
@@ -36,7 +36,8 @@ def test_checker_fails_the_stubs_naming_not_implemented():
         assert f"FAIL  {what}: rank " in out, out
     assert "FAIL  plan (the puzzle): NotImplementedError: not written yet" in out, out
     assert "FAIL  keep_my_piece and rebuild_input on 2 ranks: rank " in out, out
-    assert out.count("NotImplementedError: not written yet") == 5, out
+    assert "FAIL  ring_steps (async TP's ring order): NotImplementedError: not written yet" in out, out
+    assert out.count("NotImplementedError: not written yet") == 6, out
     assert "on 4 ranks" not in out  # it stops at the first world size
 
 
@@ -113,6 +114,26 @@ def test_checker_names_the_partitioned_checkpoints_mistakes(tmp_path):
     for k, (bug, message) in enumerate(cases):
         code, out = run_checker("--module", str(mutate(tmp_path, bug, name=f"wrong{k}.py")), "partition")
         assert code == 1 and f"FAIL  keep_my_piece and rebuild_input on 2 ranks: rank 0: " in out, out
+        assert message in out, out
+
+
+def test_checker_names_the_ring_orders_mistakes(tmp_path):
+    """Exercise 6 (async TP): the chunks passed the wrong way, a message too many, a step that starts with another
+    rank's chunk, the wrong neighbour."""
+    chunk = "        chunk = (rank - i) % n"
+    last = "        last = i == n - 1"
+    cases = [((chunk, "        chunk = (rank + i) % n"), "ring_steps(0, 3): at step 1 rank 0 multiplies chunk 1, its "
+                                                         "RIGHT neighbour's"),
+             ((last, "        last = False"), "ring_steps(0, 2): the last step still sends to 1 / receives from 1; "
+                                             "by then every rank has every chunk: 1 messages, not 2"),
+             ((chunk, "        chunk = (rank - i - 1) % n"), "ring_steps(0, 2): at step 0 rank 0 multiplies chunk 1, "
+                                                              "but it holds only its own chunk"),
+             (("    right, left = (rank + 1) % n, (rank - 1) % n", "    right, left = (rank - 1) % n, (rank - 1) % n"),
+              "ring_steps(0, 3): at step 0 rank 0 sends to 2; chunks travel one way around the ring, to the right "
+              "neighbour, 1")]
+    for k, (bug, message) in enumerate(cases):
+        code, out = run_checker("--module", str(mutate(tmp_path, bug, name=f"ring{k}.py")), "ring")
+        assert code == 1 and "FAIL  ring_steps (async TP's ring order): " in out, out
         assert message in out, out
 
 

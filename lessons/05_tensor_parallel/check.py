@@ -18,7 +18,9 @@ your file's CopyToTP and ReduceFromTP are replaced by the reference ones, so it 
 vocab_parallel_cross_entropy (the loss from vocabulary-sharded logits; its backward is the checker's own, from
 the softmax columns you return), partition (keep_my_piece and rebuild_input, ZeRO-R's partitioned checkpoint: the
 piece's dimension, rank, and that it is a copy; rebuild_input is given the right piece, and its output's layout and
-collectives are checked).
+collectives are checked). ring (ring_steps, async TP's all-gather-matmul order: which chunk each rank multiplies at
+each step, whom it sends to and receives from) is checked in this process for 2, 3, 4 and 8 ranks, naming the
+mistake (chunks passed the wrong way, a message too many, another rank's chunk first, the wrong neighbour).
 
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
 at module level). It imports YOUR file by path, builds the full tensors from fixed seeds (so the parent can
@@ -45,7 +47,7 @@ SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 15.0
 EXERCISES = {"f_and_g": "CopyToTP and ReduceFromTP", "parallel_mlp": "parallel_mlp",
              "vocab_parallel_cross_entropy": "vocab_parallel_cross_entropy", "plan": "plan (the puzzle)",
-             "partition": "keep_my_piece and rebuild_input"}
+             "partition": "keep_my_piece and rebuild_input", "ring": "ring_steps (async TP's ring order)"}
 WORLD_SIZES = {"f_and_g": (2, 4), "parallel_mlp": (2, 4), "vocab_parallel_cross_entropy": (2, 4), "partition": (2, 4)}
 # the tensor forms under both names: torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (whichever
 # this torch has are counted; on 2.13 the old name calls the new one, which _Counter counts once, as the outer call)
@@ -767,9 +769,66 @@ def check_plan(path, report, timeout_s):
         f"{b} MiB: {_describe(x)}" for b, x in answers.items()) + "); one real step each: " + "; ".join(measured))
 
 
+# ------------------------------------------------------------------------------------- async TP's ring order
+RING_SIZES = (2, 3, 4, 8)
+
+
+def _ring_problem(got, rank, n):
+    """What is wrong with ring_steps(rank, n) == got (None if it is the all-gather-matmul's order)."""
+    right, left = (rank + 1) % n, (rank - 1) % n
+    call = f"ring_steps({rank}, {n})"
+    if not isinstance(got, (list, tuple)) or len(got) != n or not all(
+            isinstance(t, (list, tuple)) and len(t) == 3 for t in got):
+        return f"{call} returned {got!r}; return {n} tuples (chunk, send_to, recv_from), one per step"
+    chunks = [int(t[0]) for t in got]
+    if chunks[0] != rank:
+        return (f"{call}: at step 0 rank {rank} multiplies chunk {chunks[0]}, but it holds only its own chunk, "
+                f"{rank}, then: the first matmul starts before anything has arrived")
+    if n > 2 and chunks[1] == right:
+        return (f"{call}: at step 1 rank {rank} multiplies chunk {right}, its RIGHT neighbour's; chunks travel to the "
+                f"right, so what arrives comes from the left: chunk {left} (step i: chunk (rank - i) mod n)")
+    if sorted(chunks) != list(range(n)):
+        twice = sorted({c for c in chunks if chunks.count(c) > 1})
+        missing = sorted(set(range(n)) - set(chunks))
+        return f"{call}: rank {rank} multiplies chunk(s) {twice} more than once and never {missing}"
+    for i, (chunk, to, frm) in enumerate(got):
+        if i == n - 1:
+            if to is not None or frm is not None:
+                return (f"{call}: the last step still sends to {to} / receives from {frm}; by then every rank has "
+                        f"every chunk: {n - 1} messages, not {n} (an extra send nobody receives hangs on NCCL)")
+            continue
+        if to != right:
+            return (f"{call}: at step {i} rank {rank} sends to {to}; chunks travel one way around the ring, to the "
+                    f"right neighbour, {right}")
+        if frm != left:
+            return (f"{call}: at step {i} rank {rank} receives from {frm}; its next chunk comes from its left "
+                    f"neighbour, {left}, the rank that sends to it")
+        if chunk != (rank - i) % n:
+            return (f"{call}: at step {i} rank {rank} multiplies chunk {chunk}, but what it holds then is what its "
+                    f"left neighbour held at step {i - 1}: chunk {(rank - i) % n}")
+    return None
+
+
+def check_ring(path, report):
+    what = EXERCISES["ring"]
+    try:
+        fn = load(path, "ex05").ring_steps
+        for n in RING_SIZES:
+            for rank in range(n):
+                problem = _ring_problem(fn(rank, n), rank, n)
+                if problem:
+                    return report.fail(what, problem)
+    except Exception as e:  # noqa: BLE001 - any bug in the learner's code is a failed check
+        return report.fail(what, f"{type(e).__name__}: {e}{where(e, path)}")
+    report.ok(what, f": every rank multiplies its own chunk first, then what its left neighbour passes on, sends "
+                    f"to its right, {'/'.join(map(str, RING_SIZES))} ranks: each chunk once, n - 1 messages")
+
+
 def check_one(name, path, report, timeout_s):
     if name == "plan":
         return check_plan(path, report, timeout_s)
+    if name == "ring":
+        return check_ring(path, report)
     on_ranks(lambda n: f"{EXERCISES[name]} on {n} ranks", WORLD_SIZES[name],
              lambda n: run_on_ranks(_on_rank, n, str(path), name, str(SOLUTIONS), timeout_s=timeout_s),
              lambda n, results: (COMPARE[name](n, results), f": {SUCCESS[name]}"), report, path, timeout_s)

@@ -1,7 +1,8 @@
-"""Lesson 05 exercises: Megatron's tensor parallelism by hand, a puzzle, and ZeRO-R's partitioned checkpoint. Write
+"""Lesson 05 exercises: Megatron's tensor parallelism by hand, a puzzle, ZeRO-R's partitioned checkpoint, and async
+TP's ring order (exercise 6, checked in one process). Write
 the pieces marked EXERCISE, then
     ./run.sh python lessons/05_tensor_parallel/check.py                          # all exercises
-    ./run.sh python lessons/05_tensor_parallel/check.py parallel_mlp             # just one (or f_and_g, vocab_parallel_cross_entropy, plan, partition)
+    ./run.sh python lessons/05_tensor_parallel/check.py parallel_mlp             # just one (or f_and_g, vocab_parallel_cross_entropy, plan, partition, ring)
 The checker runs each exercise on 2 and then 4 real processes (gloo), gives every rank its slice of the same
 full weights or logits, and compares what every rank computes, outputs AND gradients, with the unsharded
 computation done in one process. It says which rank and which tensor is wrong and what that usually means (a
@@ -163,4 +164,18 @@ def rebuild_input(piece, group=None):
     One all-gather. dist.all_gather(parts, piece, group=group) fills the list `parts` (n tensors shaped like
     piece, e.g. [torch.empty_like(piece) for _ in range(n)]) with every rank's piece, in rank order; put them back
     where they came from. (dist.all_gather_into_tensor(out, t, group=group) concatenates along dim 0 instead.)"""
+    raise NotImplementedError("not written yet")
+
+
+# ------------------------------------------------------------------------ exercise 6: async TP's ring order
+def ring_steps(rank, n):
+    """EXERCISE 6: the order of an all-gather-matmul's ring (section 10, picotron/async_tp.py).
+
+    n ranks each hold one chunk of the sequence: rank r holds chunk r. At every step a rank multiplies the chunk it
+    holds while passing that chunk on to its RIGHT neighbour and receiving the next one from its LEFT neighbour
+    (ranks r + 1 and r - 1, around the ring: mod n). After n steps every rank has multiplied every chunk once; the
+    last step passes nothing on (every chunk has arrived: n - 1 messages).
+    Return one tuple per step i = 0 .. n-1: (the chunk rank `rank` multiplies at step i, the rank it sends to, the
+    rank it receives from), the last two None at the last step. E.g. ring_steps(0, 2) == [(0, 1, 1), (1, None, None)].
+    No communication: the order alone."""
     raise NotImplementedError("not written yet")

@@ -114,3 +114,14 @@ def rebuild_input(piece, group=None):
     parts = [torch.empty_like(piece) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, piece.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
+
+
+def ring_steps(rank, n):
+    """EXERCISE 6: the all-gather-matmul's ring order."""
+    right, left = (rank + 1) % n, (rank - 1) % n
+    steps = []
+    for i in range(n):
+        chunk = (rank - i) % n  # what arrived from the left i steps ago: my own chunk at step 0
+        last = i == n - 1  # everything has arrived: nothing left to pass on
+        steps.append((chunk, None if last else right, None if last else left))
+    return steps
