@@ -85,6 +85,7 @@ class Layers:
         """One forward and backward of the layers: (seconds, this rank's timeline events)."""
         tl = self.recorder.timeline
         tl.events = []
+        self.recorder.reset()  # the bytes and calls of this step alone
         x = self.x.clone().requires_grad_()
         metrics.sync(x.device)
         t0 = time.perf_counter()
@@ -143,6 +144,8 @@ def compare(mesh, mc, seq_len, micro_batch_size, rounds, warmup=1, link_ratio=0.
                 rows[name]["times"].append(max(b[0] for b in both))
                 rows[name]["exposed"].append(max(b[1] for b in both))
                 rows[name]["events"] = events
+                rows[name]["bytes"] = dict(runs[name].recorder.bytes)  # the whole buffers; "send": what left
+                rows[name]["calls"] = dict(runs[name].recorder.calls)
     out = dict(tp=tp, tokens=tokens, rate=rate, layers=mc.num_hidden_layers, runs=rows,
                link=None if link is None else dict(bandwidth=link.bandwidth, latency=link.latency, label=link.label(),
                                                     ratio=link_ratio))
