@@ -655,7 +655,7 @@ _common.check("the two communicators replay clean under NCCL's rules (ZeRO-3, dp
 # all-reduce at the network's, and divides ZeRO's states by the shard group. For Llama 3 70B (seq 8192, 16M tokens
 # per step) on H100s: the shard groups of dp ranks that fit in a node cannot hold the model (8 GPUs would hold all
 # $16\Psi$ = 1.1 TB of model states), but a group of a node's **cp ranks** can (`dp_shard` = 1 with tp 2 × cp 4 = one
-# node), and wins — by a little, because the best plain layouts already hide most of their gradient traffic:
+# node), and its ZeRO-2 then reduce-scatters on NVLink. In the planner's model it wins, by under 1%:
 
 # %%
 from picotron import plan
@@ -671,10 +671,16 @@ for gpus, plain, hybrid in ((256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256", "d
           f"{rows[hybrid]['tokens_per_s'] / rows[plain]['tokens_per_s'] - 1:+.1%}")
 
 # %% [markdown]
+# Read the win with care. It comes from the gradient traffic: the model charges ZeRO-2 under a pipeline one
+# reduce-scatter per micro-batch (256 and 64 of them here), which HSDP moves onto NVLink. Our trainer does less: under a
+# pipeline ZeRO-2 reduce-scatters once per step (section 7). Charged that way, plain ZeRO-2 layouts hide all their
+# gradient traffic behind the backward and come out ahead of both rows above (300,159 and 1,185,265 tokens/s), and
+# HSDP, which then has nothing left to save, only costs memory. So for a 70B model with tensor, context and pipeline
+# parallelism already filling the node, HSDP is at best a wash.
+#
 # **Takeaway:** HSDP keeps ZeRO's heavy traffic inside a node and sends only $1/n_s$ of the gradient across nodes, for
-# $n_s$-way instead of $n$-way memory savings. It matters most for ZeRO-3 across many nodes (every layer's all-gather
-# would otherwise cross the network) and for models whose shard group fits in a node's memory; for a 70B model with
-# tensor, context and pipeline parallelism already filling the node, the planner's gain is under 1%.
+# $n_s$-way instead of $n$-way memory savings. It matters when that traffic is exposed: ZeRO-3 across many nodes (every
+# layer's all-gather would otherwise cross the network), few tokens per GPU to hide behind, a slow network.
 #
 # ## 9. Exercises
 # Open `lessons/04_zero/exercise.py`. First ZeRO's three moves by hand:
