@@ -121,7 +121,7 @@ class AllGatherMatmul(torch.autograd.Function):
     of Σ_k dy_k W_k, dW_k = dy_kᵀ x."""
 
     @staticmethod
-    def forward(ctx, x, axis, phases, *weights):
+    def forward(ctx, x, axis, phases, deferred, *weights):
         b, piece, h = x.shape
         n = axis.size
         full = x.new_empty(b, piece * n, h)
@@ -140,6 +140,7 @@ class AllGatherMatmul(torch.autograd.Function):
         ring_all_gather(x.contiguous(), axis, use, phases)
         ctx.save_for_backward(full, *weights)
         ctx.axis, ctx.phases, ctx.piece, ctx.cast = axis, phases, piece, _autocast_state(x)
+        ctx.deferred = deferred
         ctx.set_materialize_grads(False)
         return (full, *ys)
 
@@ -159,9 +160,14 @@ class AllGatherMatmul(torch.autograd.Function):
                     return (p if p is not None else full.new_zeros(full[:, cut].shape)).contiguous()
 
             dx = ring_reduce_scatter(partial, ctx.axis, ctx.phases)
-            dws = [None if g is None else (g.flatten(0, 1).t() @ full.flatten(0, 1).to(g.dtype)).to(w.dtype)
-                   for g, w in zip(grad_ys, weights)]
-        return (dx.to(full.dtype), None, None, *dws)
+            if ctx.deferred is not None:  # a split backward: the weight gradients go to its store (zero_bubble)
+                store, params = ctx.deferred
+                store.take([(p, full.detach(), g.detach()) for p, g in zip(params, grad_ys) if g is not None])
+                dws = [None] * len(weights)
+            else:
+                dws = [None if g is None else (g.flatten(0, 1).t() @ full.flatten(0, 1).to(g.dtype)).to(w.dtype)
+                       for g, w in zip(grad_ys, weights)]
+        return (dx.to(full.dtype), None, None, None, *dws)
 
 
 class MatmulReduceScatter(torch.autograd.Function):
@@ -170,7 +176,7 @@ class MatmulReduceScatter(torch.autograd.Function):
     under the matmuls dx[chunk] = dy_chunk W and dW += dy_chunkᵀ x[chunk]."""
 
     @staticmethod
-    def forward(ctx, x, weight, axis, phases):
+    def forward(ctx, x, weight, axis, phases, deferred):
         n = axis.size
         b, s, _ = x.shape
         if s % n:
@@ -185,6 +191,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         out = ring_reduce_scatter(partial, axis, phases)
         ctx.save_for_backward(x, weight)
         ctx.axis, ctx.phases, ctx.piece, ctx.cast = axis, phases, piece, _autocast_state(x)
+        ctx.deferred = deferred
         return out
 
     @staticmethod
@@ -192,25 +199,39 @@ class MatmulReduceScatter(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         piece, (kind, cast, dtype) = ctx.piece, ctx.cast
         dx, dw = torch.empty_like(x), None
+        gathered = None if ctx.deferred is None else grad.new_empty(x.shape[:2] + grad.shape[2:])
         with torch.autocast(kind, dtype=dtype, enabled=cast):
             def use(j, g, step):
                 nonlocal dw
                 cut = slice(j * piece, (j + 1) * piece)
                 with _phase(ctx.phases, "ag-matmul", step=step):
                     dx[:, cut] = g @ weight.to(g.dtype)
+                    if gathered is not None:  # a split backward: dW later, from the whole dy (zero_bubble)
+                        gathered[:, cut] = g
+                        return
                     term = g.flatten(0, 1).t() @ x[:, cut].flatten(0, 1).to(g.dtype)
                     dw = term.float() if dw is None else dw + term.float()
 
             ring_all_gather(grad.contiguous(), ctx.axis, use, ctx.phases)
-        return dx, dw.to(weight.dtype), None, None
+        if gathered is not None:
+            store, (param,) = ctx.deferred
+            store.take([(param, x.detach(), gathered)])
+            return dx, None, None, None, None
+        return dx, dw.to(weight.dtype), None, None, None
 
 
-def all_gather_matmul(x, axis, weights, phases=None):
-    """(gathered x, [x W_kᵀ for each W_k]) from this rank's tokens x: see AllGatherMatmul."""
-    full, *ys = AllGatherMatmul.apply(x, axis, phases, *weights)
+def all_gather_matmul(x, axis, weights, phases=None, store=None):
+    """(gathered x, [x W_kᵀ for each W_k]) from this rank's tokens x: see AllGatherMatmul. `store`: a zero-bubble
+    WeightGradStore, which then receives the weight gradients (the weights enter detached, as in its own linear)."""
+    if store is None:
+        full, *ys = AllGatherMatmul.apply(x, axis, phases, None, *weights)
+    else:
+        full, *ys = AllGatherMatmul.apply(x, axis, phases, (store, tuple(weights)), *[w.detach() for w in weights])
     return full, ys
 
 
-def matmul_reduce_scatter(x, weight, axis, phases=None):
-    """This rank's tokens of Σ over ranks of x Wᵀ: see MatmulReduceScatter."""
-    return MatmulReduceScatter.apply(x, weight, axis, phases)
+def matmul_reduce_scatter(x, weight, axis, phases=None, store=None):
+    """This rank's tokens of Σ over ranks of x Wᵀ: see MatmulReduceScatter (`store`: as in all_gather_matmul)."""
+    if store is None:
+        return MatmulReduceScatter.apply(x, weight, axis, phases, None)
+    return MatmulReduceScatter.apply(x, weight.detach(), axis, phases, (store, (weight,)))

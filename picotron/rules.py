@@ -260,13 +260,10 @@ def combination_problem(cfg, mc):
          f"dtype='fp8' with pp_schedule={cfg.pp_schedule!r} is not supported (both replace the linears' matmul: the "
          f"split backward would drop FP8); use --pp-schedule 1f1b or interleaved, or --dtype bf16."),
         # --- async TP (picotron/async_tp.py): its collective matmuls multiply with F.linear's arithmetic themselves
+        # (the zero-bubble split backward works: they hand their weight gradients to its store)
         ("async_tp", "dtype=fp8", cfg.async_tp and cfg.dtype == "fp8",
          "--async-tp with dtype='fp8' is not supported yet (the collective matmul multiplies each arriving chunk "
          "itself, in the recipe's autocast precision, not through FP8's matmul); use --dtype bf16, or drop --async-tp."),
-        ("async_tp", "pp zero-bubble", cfg.async_tp and cfg.pp > 1 and cfg.pp_schedule in ("zb-h1", "zb-v", "dualpipe"),
-         f"--async-tp with pp_schedule={cfg.pp_schedule!r} is not supported yet (the collective matmul's backward "
-         f"computes the weight gradients inside its ring, the split backward defers them); use --pp-schedule 1f1b, "
-         f"afab or interleaved, or drop --async-tp."),
         # --- end async TP
         ("dtype=fp16", "experts", cfg.dtype == "fp16" and experts,
          "dtype='fp16' with experts is not supported (the load-balancing loss reaches the router outside the scaled "

@@ -233,9 +233,9 @@ class ColumnParallelLinear(_Sharded):
     def _overlapped(self, x):
         """Async TP: enter=True gathers and multiplies in one ring; enter=False takes the output its block's
         collective matmul computed (`_enter_block_overlapped`) from this very input."""
-        _plain_matmul(self)
+        store = _plain_matmul(self)
         if self.enter:
-            return all_gather_matmul(x, self.axis, [self.weight], self.phases)[1][0]
+            return all_gather_matmul(x, self.axis, [self.weight], self.phases, store)[1][0]
         gathered, y = self.__dict__.pop("pending", (None, None))
         if gathered is not x:
             raise RuntimeError("an async-TP column-parallel layer ran on an input its block's collective matmul did "
@@ -257,17 +257,20 @@ class RowParallelLinear(_Sharded):
 
     def forward(self, x):
         if self.overlap:
-            _plain_matmul(self)
-            return matmul_reduce_scatter(x, self.weight, self.axis, self.phases)
+            return matmul_reduce_scatter(x, self.weight, self.axis, self.phases, _plain_matmul(self))
         y = self.matmul(x, self.weight)
         return leave_tp(y, self.axis, self.sp) if self.leave else y
 
 
 def _plain_matmul(layer):
-    """Async TP multiplies with F.linear's arithmetic inside its ring: refuse a layer whose matmul was replaced."""
-    if "matmul" in layer.__dict__:
-        raise NotImplementedError("async TP's collective matmul cannot use a replaced matmul (FP8, the zero-bubble "
-                                  "split backward); drop --async-tp or that option (picotron.rules refuses both).")
+    """Async TP multiplies with F.linear's arithmetic inside its ring: refuse a layer whose matmul was replaced (FP8),
+    except by the zero-bubble split backward's, whose store then receives the weight gradients; returns that store
+    (picotron.zero_bubble.WeightGradStore) or None."""
+    store = getattr(layer, "weight_grads", None)
+    if "matmul" in layer.__dict__ and store is None:
+        raise NotImplementedError("async TP's collective matmul cannot use a replaced matmul (FP8); drop --async-tp "
+                                  "or --dtype fp8 (picotron.rules refuses the pair).")
+    return store
 
 
 class VocabParallelEmbedding(_Sharded):
@@ -381,7 +384,8 @@ def _enter_block_overlapped(axis, columns, module, args):
     """Async TP's forward pre-hook on an attention or MLP block: one collective matmul gathers the input and
     multiplies it by every column layer's weight (q, k, v or gate, up); each layer then returns its output. The
     block receives the gathered input, as without overlap."""
-    gathered, ys = all_gather_matmul(args[0], axis, [c.weight for c in columns], columns[0].phases)
+    gathered, ys = all_gather_matmul(args[0], axis, [c.weight for c in columns], columns[0].phases,
+                                     _plain_matmul(columns[0]))
     for c, y in zip(columns, ys):
         c.pending = (gathered, y)
     return (gathered,) + tuple(args[1:])

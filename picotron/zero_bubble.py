@@ -33,6 +33,14 @@ class WeightGradStore:
     def linear(self, x, weight):
         return _DeferredLinear.apply(x, weight.detach(), (weight,), self)
 
+    def take(self, items):
+        """Weight gradients [(weight, x, grad_out), ...] computed elsewhere (async TP's collective matmuls, which
+        compute their input gradients in their own rings): stashed during a B, accumulated now otherwise."""
+        if self.deferring:
+            self.stash.extend(items)
+        else:
+            _accumulate(items)
+
     def collect(self, key):
         self.queues[key], self.stash = self.stash, []
 
@@ -96,3 +104,4 @@ def defer_weight_grads(module, store):
             m.forward = partial(lambda mod, x: store.linear(x, mod.weight), m)
         elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m.matmul = store.linear
+            m.weight_grads = store  # async TP's collective matmuls hand their weight gradients to it (`take`)

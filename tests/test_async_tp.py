@@ -3,8 +3,11 @@ the blocking collectives they replace (forward and backward), the whole model ag
 standard, tests/_parity.py) with its communication replayed under NCCL's rules (picotron.nccl_rules: the
 per-communicator model and the one-order-across-communicators model), and the refusals.
 
-Default tier: the pure ring orders, the two functions on 2 and 3 ranks, tp2·sp against one process. Heavy: tp 4,
-dp 2 × tp 2 (ZeRO-1), pp 2 × tp 2, full recompute, the MoE model, bf16, and dp 2 × pp 2 × tp 2 (8 processes)."""
+Default tier: the pure ring orders, the two functions on 2 and 3 ranks, tp2·sp against one process, the planner's
+formula and time model, the refusals. Heavy: tp 4, dp 2 × tp 2 (ZeRO-1, ZeRO-3), pp 2 × tp 2 (1F1B, interleaved),
+full recompute, the MoE model (its attention overlapped, its experts blocking), cp 2 × tp 2, bf16, and
+dp 2 × pp 2 × tp 2 (8 processes), and the split (zero-bubble) schedules ZB-H1, ZB-V and DualPipe, whose weight
+gradients the collective matmuls hand to the schedule's store."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -130,7 +133,11 @@ LAYOUTS = [dict(tp=2),
            pytest.param(dict(tp=2, recompute="full"), marks=pytest.mark.heavy),
            pytest.param(dict(tp=2, preset="tiny-moe"), marks=pytest.mark.heavy),
            pytest.param(dict(dp=2, tp=2, zero=3), marks=pytest.mark.heavy),
-           pytest.param(dict(dp=2, pp=2, tp=2, grad_acc=2, zero=1), marks=pytest.mark.heavy)]
+           pytest.param(dict(dp=2, pp=2, tp=2, grad_acc=2, zero=1), marks=pytest.mark.heavy),
+           pytest.param(dict(cp=2, tp=2), marks=pytest.mark.heavy),
+           pytest.param(dict(pp=2, tp=2, grad_acc=4, pp_schedule="zb-h1"), marks=pytest.mark.heavy),
+           pytest.param(dict(pp=2, tp=2, grad_acc=4, pp_schedule="zb-v"), marks=pytest.mark.heavy),
+           pytest.param(dict(dp=2, pp=2, tp=2, grad_acc=4, pp_schedule="dualpipe"), marks=pytest.mark.heavy)]
 
 
 def _name(layout):
@@ -140,7 +147,7 @@ def _name(layout):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_name)
 def test_async_tp_matches_one_process_and_obeys_nccl_rules(tmp_path, layout):
     full = dict(layout, sp=True, async_tp=True)
-    world = full.get("dp", 1) * full.get("pp", 1) * full["tp"]
+    world = full.get("dp", 1) * full.get("pp", 1) * full.get("cp", 1) * full["tp"]
     ref = _reference(full, tmp_path)
     recorded = run_on_ranks(nccl_rules.run_recorded, world, _model_child, full, str(tmp_path / "run"),
                             timeout_s=120 + 30 * world)
@@ -176,7 +183,6 @@ test_bf16_runs_with_async_tp = pytest.mark.heavy(test_bf16_runs_with_async_tp)
 # ------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("settings,words", [
     (dict(tp=2, sp=True, async_tp=True, dtype="fp8"), "dtype='fp8'"),
-    (dict(tp=2, pp=2, sp=True, async_tp=True, pp_schedule="zb-h1", grad_acc=2), "pp_schedule='zb-h1'"),
     (dict(tp=2, async_tp=True), "add --sp"),
     (dict(async_tp=True), "tp=1"),
 ])
