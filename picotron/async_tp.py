@@ -40,6 +40,11 @@ NCCL. Each ring step is ONE batch (`Axis.exchange`: send right and receive left 
 every rank posts the same steps in the same order, and nothing is posted on another group between a step and its
 wait: the replay of tests/test_async_tp.py checks both NCCL models (picotron.nccl_rules).
 
+Composition. A split (zero-bubble) pipeline schedule defers weight gradients: given its store
+(picotron.zero_bubble.WeightGradStore), the collective matmuls take the weights detached, compute only the input
+gradients in their rings and hand (weight, input, output gradient) to the store for the schedule's W. FP8 replaces
+the matmul itself and is refused (picotron.rules); bf16 autocast applies inside the rings as around F.linear.
+
 The phases `ag-matmul`, `rs-matmul` (one chunk's matmul) and `wait` (time blocked on a ring step's message: the
 EXPOSED communication) go to a `hooks.Phases` the layers hold, so a timeline can show what overlapped.
 """

@@ -756,10 +756,11 @@ _common.show_source(async_tp.AllGatherMatmul.forward, "        def use(j, chunk,
 # together on the tp communicator); every rank posts the same steps in the same order and waits for each before it
 # posts anything on another group, so the steps never cross data parallelism's or the pipeline's traffic.
 # `tests/test_async_tp.py` records every layout's communication (tp 2 and 4, dp × tp with ZeRO-1 and ZeRO-3, pp × tp
-# with 1F1B and interleaved, dp × pp × tp) and replays it under both of NCCL's models — one stream per communicator,
-# and one order across communicators — and trains each against one process (the parity standard). The split
-# (zero-bubble) pipeline schedules and FP8 are refused with one sentence: both replace the linears' matmul, which the
-# collective matmul does itself.
+# with 1F1B, interleaved, ZB-H1, ZB-V and DualPipe, cp × tp, dp × pp × tp) and replays it under both of NCCL's models —
+# one stream per communicator, and one order across communicators — and trains each against one process (the parity
+# standard). Under a split (zero-bubble) schedule the collective matmuls compute the input gradients in their rings
+# and hand the weight gradients to the schedule's store, for its W. FP8 is refused with one sentence: it replaces the
+# linears' matmul, which the collective matmul does itself.
 #
 # **Measured.** `experiment.py --only asynctp` builds the lesson's layers twice on 2 ranks, blocking sp and async TP,
 # same weights, same batch, and times one forward + backward of each in turn. On a CPU the bytes between two
@@ -861,8 +862,8 @@ ring_passed = checker.check(["ring"])
 # pipeline parallelism) across — the grid of section 6. The degree is bounded by the model: $t$ must divide the
 # heads, the KV heads (unless they are replicated), the MLP width and the vocabulary.
 #
-# **What ours lacks** (what Megatron-LM and torchtitan add): async TP for FP8 and for the split (zero-bubble)
-# pipeline schedules, and fused rings on symmetric memory (ours posts one point-to-point batch per step); with sp
+# **What ours lacks** (what Megatron-LM and torchtitan add): async TP with FP8 matmuls, and fused rings on symmetric
+# memory (ours posts one point-to-point batch per step); with sp
 # without async TP, a contiguous gathered input shared by the projections and, better, only the local tokens of each
 # block's input, re-gathered in backward; replicating KV heads to go beyond their number; fused kernels.
 #
