@@ -4,7 +4,8 @@ the least probable experts, raw logits as weights; an unstable sort, token indic
 sort, an expert missing from the counts; Switch's f normalised by k, the factor E missing, a detached loss; send
 and recv confused, the wrong block of experts); the experiment's helpers (the routing by hand, the send matrix and
 the rows and bytes it predicts, the model-state formula against a built model, the binomial drop expectation, the
-load ratio, the widget's numbers and drawing) by hand.
+load ratio, the widget's numbers and drawing; the overlap section's exposure, its formula's terms from a timeline, its
+checks and its figure) by hand; exercise 6's checker names the two-part schedule's usual slips.
 
 No timing is asserted here: the notebook prints its timings but checks none of them.
 """
@@ -221,6 +222,47 @@ def test_widget_numbers_and_drawing(lesson):
     assert n["a2a_bytes"] == 0 and n8["a2a_bytes"] == expert_parallel.bytes_per_step_formula(4096, 2, 4096, 8, 32, 2)
     for preset, E, k, ep in (("tiny-moe", 4, 2, 2), ("mixtral-8x7b", 1, 1, 1), ("llama3-8b", 16, 4, 16)):
         plt.close(lesson.plot_widget(preset, E, k, ep, 1.0))
+
+
+def _overlap_step():
+    """One hand-made recorded step of the overlap experiment: a layer's forward and backward on a timeline (seconds)
+    and the emulated link's log (kind, bytes, start, end)."""
+    ev = [dict(name="expert", start=0.0, end=0.5, layer=0, phase="forward"),
+          dict(name="expert", start=1.0, end=1.5, layer=0, phase="forward"),  # two parts: c = (0.5 + 0.5) / 2
+          dict(name="shared expert", start=2.0, end=2.25, layer=0, phase="forward"),
+          dict(name="expert", start=3.0, end=4.0, layer=0, phase="backward"),
+          dict(name="wait rows", start=5.0, end=5.5, link_end=5.2),  # 0.2 s for the link, 0.3 s for the peer
+          dict(name="wait rows", start=6.0, end=6.1, link_end=5.9),  # the link was done before the wait
+          dict(name="wait counts", start=7.0, end=7.4, link_end=7.1)]
+    link = [("all_to_all_single", 64, 0.0, 0.01), ("all_to_all_single", 100_000, 1.0, 1.25),
+            ("all_to_all_single", 100_000, 2.0, 2.75)]
+    return dict(start=0.0, end=8.0, events=ev, link=link)
+
+
+def test_overlap_exposure_and_terms(lesson):
+    step = _overlap_step()
+    assert lesson.exposed(step) == pytest.approx(0.6)  # both row waits, whole
+    assert lesson.exposed(step, link_only=True) == pytest.approx(0.2)  # cut where the link was done
+    terms = lesson.overlap_terms(step, layers=1)  # the counts' tiny message is not a part's all-to-all
+    assert terms == [pytest.approx((0.5, 0.5, 0.25)), pytest.approx((0.5, 0.5, 0.0))]
+
+
+def test_overlap_checks_and_figure(lesson):
+    import matplotlib.pyplot as plt
+
+    def result(blocking, overlapped, predicted, others=0.0):
+        ranks = [dict(blocking=dict(step=1.0, exposed=blocking + 0.1, link_exposed=blocking, predicted=blocking),
+                      overlapped=dict(step=0.9, exposed=overlapped + 0.1, link_exposed=overlapped, predicted=predicted),
+                      terms=[(0.1, 0.1, 0.0)]) for _ in range(2)]
+        step = _overlap_step()
+        return dict(ep=2, ranks=ranks, others_share=others, link=dict(label="emulated link: 1 MB/s, 0 ms latency"),
+                    timeline={name: [step, step] for name in ("blocking", "overlapped")})
+    marks = [ok for _, ok, _, _ in lesson.overlap_checks(result(0.4, 0.1, 0.11))]
+    assert marks == [True, True, True]
+    hidden, _, formula = lesson.overlap_checks(result(0.4, 0.35, 0.1))  # barely hidden, far from the formula
+    assert not hidden[1] and not formula[1] and hidden[3] is None  # a quiet machine: a miss is a failure
+    assert lesson.overlap_checks(result(0.4, 0.35, 0.1, others=0.5))[0][3]  # busy: the miss is inconclusive
+    plt.close(lesson.plot_overlap(result(0.4, 0.1, 0.11)))
 
 
 # ------------------------------------------------------------------------------------------ the notebook
