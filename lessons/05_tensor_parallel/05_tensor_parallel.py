@@ -808,8 +808,9 @@ check("overlapped: less of the communication is exposed than blocking", ovl["exp
 # on 2 CPU cores shared with other work the two ranks do not compute in step, so a blocking collective also waits for
 # the slower rank (its skew shows up as communication), and a ring step's wait too. The step times move much less than
 # the exposed communication: the chunks' matmuls are $t$ times smaller (less efficient), the ring's bookkeeping
-# runs on the same cores, and the emulated link only sleeps. On this machine the throughput ratio is noise around 1
-# (printed above): **the CPU shows the mechanism, not the speed-up.** A GPU moves the bytes with NVLink's copy engines
+# runs on the same cores, and the emulated link only sleeps. On this machine the throughput ratio (printed above)
+# moved between about 0.9 and 1.3 from one run to the next while we wrote this section, its quartiles wide: **the CPU
+# shows the mechanism, not a speed-up you could quote.** A GPU moves the bytes with NVLink's copy engines
 # while the tensor cores multiply, which is what the model describes. The planner's prediction for an 8-GPU H100 node
 # (NVLink 450 GB/s per direction, the planner's 60% of the bf16 peak; one micro-batch of 4,096 tokens, bf16):
 
