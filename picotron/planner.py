@@ -655,26 +655,29 @@ def async_tp_layer_seconds(mc, tokens, tp, elem, rate, alpha, bw, overlap=True):
 
 
 # ================================================================ expert all-to-alls under compute (--ep-overlap)
-def ep_overlap_exposed_seconds(a2a_s, experts_s, shared_s=0.0):
+def ep_overlap_exposed_seconds(a2a_s, experts_s, shared_s=0.0, tail_s=0.0):
     """Seconds of one pass (forward, or backward with the backward's compute) of an MoE layer that its all-to-alls
     leave exposed when the routed rows travel in two parts (picotron.expert_parallel._TwoParts): `a2a_s` one part's
-    all-to-all, `experts_s` one part's experts, `shared_s` the shared expert's compute (DeepSeek-V3, 0 without).
+    all-to-all, `experts_s` one part's experts, `shared_s` the shared expert's compute (DeepSeek-V3, 0 without),
+    `tail_s` the part of part 2's work done after its combine was launched (0 on a GPU, where a launch is free).
     One link per rank carries one all-to-all at a time, in issue order; the compute runs one thing at a time:
 
         dispatch 1 ends at a, dispatch 2 at 2a; the shared expert runs from 0 to s
         experts 1 start at x1 = max(a, s), end at x1 + c; combine 1 runs from max(2a, x1 + c) for a
-        experts 2 start at x2 = max(2a, x1 + c), end at x2 + c; combine 2 starts when combine 1 and experts 2 end
-        exposed = its end − (s + 2c),  T_exposed = 2a − min(s, a)  when c ≥ a (the first dispatch, less the shared
-        expert under it, and the last combine, which nothing follows; each middle all-to-all hidden under the other
-        part's experts), 4a − 2c − s when a ≥ c ≥ s
+        experts 2 start at x2 = max(2a, x1 + c), end at x2 + c; combine 2 starts when combine 1 has left the link
+        and part 2 has launched it (at x2 + c − tail)
+        exposed = when both combine 2 and the compute are done − (s + 2c)
+        T_exposed = 2a − min(s, a)  when c ≥ a (the first dispatch, less the shared expert under it, and the last
+        combine, which nothing follows; each middle all-to-all hidden under the other part's experts), 4a − 2c − s
+        when a ≥ c ≥ s
 
     against the blocking exchange's 4a (dispatch and combine of both halves, nothing under them). DeepSeek-V3
     technical report (arXiv:2412.19437) §3.2.2: the all-to-alls of one micro-batch under another's compute; Megatron-LM
     --overlap-moe-expert-parallel-comm."""
-    a, c, s = a2a_s, experts_s, shared_s
+    a, c, s, t = a2a_s, experts_s, shared_s, tail_s
     x1 = max(a, s)
     combine1 = max(2 * a, x1 + c) + a
     x2 = max(2 * a, x1 + c)
-    end = max(combine1, x2 + c) + a
-    return end - (s + 2 * c)
+    combine2 = max(combine1, x2 + c - t) + a
+    return max(combine2, x2 + c) - (s + 2 * c)
 # ----------------------------------------------------------------------------------------------- end --ep-overlap

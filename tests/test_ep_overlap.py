@@ -181,6 +181,8 @@ def test_exposed_time_formula_and_the_time_model():
     assert exposed(1.0, 2.0) == 2.0 and exposed(1.0, 2.0, 0.5) == 1.5 and exposed(1.0, 5.0, 3.0) == 1.0  # the last combine, always
     assert exposed(2.0, 1.0) == 6.0 and exposed(2.0, 1.0, 0.5) == 5.5
     assert exposed(1.0, 0.0) == 4.0  # no compute: the four part-all-to-alls back to back, as blocking
+    assert exposed(1.0, 2.0, 0.0, 1.0) == 1.0  # work after combine 2's launch hides part of it
+    assert exposed(2.0, 1.0, 0.0, 0.5) == 6.0  # ... not when the link is the bottleneck
     mc = ModelConfig.from_preset("mixtral-8x7b")
     blocking, overlapped = (step_time(mc, Layout.parse("dp8,ep8,zero1,mbs1,ga16", ep_overlap=o), 4096, GPUS["h100-80gb"])
                             for o in (False, True))

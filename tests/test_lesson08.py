@@ -225,26 +225,30 @@ def test_widget_numbers_and_drawing(lesson):
 
 
 def _overlap_step():
-    """One hand-made recorded step of the overlap experiment: a layer's forward and backward on a timeline (seconds)
-    and the emulated link's log (kind, bytes, start, end)."""
-    ev = [dict(name="expert", start=0.0, end=0.5, layer=0, phase="forward"),
-          dict(name="expert", start=1.0, end=1.5, layer=0, phase="forward"),  # two parts: c = (0.5 + 0.5) / 2
-          dict(name="shared expert", start=2.0, end=2.25, layer=0, phase="forward"),
-          dict(name="expert", start=3.0, end=4.0, layer=0, phase="backward"),
-          dict(name="wait rows", start=5.0, end=5.5, link_end=5.2),  # 0.2 s for the link, 0.3 s for the peer
-          dict(name="wait rows", start=6.0, end=6.1, link_end=5.9),  # the link was done before the wait
-          dict(name="wait counts", start=7.0, end=7.4, link_end=7.1)]
-    link = [("all_to_all_single", 64, 0.0, 0.01), ("all_to_all_single", 100_000, 1.0, 1.25),
-            ("all_to_all_single", 100_000, 2.0, 2.75)]
+    """One hand-made recorded step of the overlap experiment: one pass of a layer (its four part all-to-alls, as the
+    Recorder puts them on the timeline: start = launch), the rank's waits, and the emulated link's log."""
+    def launch(name, start):
+        return dict(name=f"all-to-all {name}", start=start, end=start + 1.0, kind="comm")
+    ev = [launch("dispatch part 1", 0.0), launch("dispatch part 2", 0.5),
+          dict(name="wait rows", start=2.0, end=2.5, link_end=2.2),  # dispatch 1: 0.2 s for the link, 0.3 for the peer
+          launch("combine part 1", 4.0),
+          dict(name="wait rows", start=4.5, end=4.6, link_end=4.4),  # dispatch 2: the link was done before the wait
+          launch("combine part 2", 6.0),
+          dict(name="wait rows", start=6.6, end=6.7, link_end=6.7),
+          dict(name="wait rows", start=6.7, end=7.0, link_end=7.0),
+          dict(name="wait counts", start=7.5, end=7.9, link_end=7.6),
+          dict(name="expert", start=2.5, end=3.5, layer=0, phase="forward")]
+    link = [("all_to_all_single", 64, 0.0, 0.01)] + [("all_to_all_single", 100_000, x, x + 0.5) for x in (0, 1, 4, 6)]
     return dict(start=0.0, end=8.0, events=ev, link=link)
 
 
 def test_overlap_exposure_and_terms(lesson):
     step = _overlap_step()
-    assert lesson.exposed(step) == pytest.approx(0.6)  # both row waits, whole
-    assert lesson.exposed(step, link_only=True) == pytest.approx(0.2)  # cut where the link was done
-    terms = lesson.overlap_terms(step, layers=1)  # the counts' tiny message is not a part's all-to-all
-    assert terms == [pytest.approx((0.5, 0.5, 0.25)), pytest.approx((0.5, 0.5, 0.0))]
+    assert lesson.exposed(step) == pytest.approx(1.0)  # the row waits, whole
+    assert lesson.exposed(step, link_only=True) == pytest.approx(0.2 + 0.1 + 0.3)  # cut where the link was done
+    # a: the four row messages' link time (not the counts'); s: launch of part 1 to its wait; c: mean of arrival to
+    # the next wait (2.5 -> 4.5, 4.6 -> 6.6); t: part 2's combine launched at 6.0, the wait at 6.6
+    assert lesson.overlap_terms(step) == [pytest.approx((0.5, 2.0, 2.0, 0.6))]
 
 
 def test_overlap_checks_and_figure(lesson):
@@ -253,7 +257,7 @@ def test_overlap_checks_and_figure(lesson):
     def result(blocking, overlapped, predicted, others=0.0):
         ranks = [dict(blocking=dict(step=1.0, exposed=blocking + 0.1, link_exposed=blocking, predicted=blocking),
                       overlapped=dict(step=0.9, exposed=overlapped + 0.1, link_exposed=overlapped, predicted=predicted),
-                      terms=[(0.1, 0.1, 0.0)]) for _ in range(2)]
+                      terms=[(0.1, 0.1, 0.0, 0.0)]) for _ in range(2)]
         step = _overlap_step()
         return dict(ep=2, ranks=ranks, others_share=others, link=dict(label="emulated link: 1 MB/s, 0 ms latency"),
                     timeline={name: [step, step] for name in ("blocking", "overlapped")})

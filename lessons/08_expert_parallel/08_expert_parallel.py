@@ -587,7 +587,7 @@ checker.check(["deepseek_router_step"])
 
 # %%
 _common.show_source(expert_parallel._TwoParts.forward)
-_common.show_source(planner.ep_overlap_exposed_seconds, "a, c, s = a2a_s")
+_common.show_source(planner.ep_overlap_exposed_seconds, "a, c, s, t = a2a_s")
 
 # %% [markdown]
 # **Measured.** Blocking and overlapped on the same run: `tiny-deepseek-moe` (8 fine-grained experts, top-3, one
@@ -599,7 +599,10 @@ _common.show_source(planner.ep_overlap_exposed_seconds, "a, c, s = a2a_s")
 # a wait can be for the *peer* (a rank that got there first waits for the other to launch its half: the cost of
 # imbalance, which section 5 saw too), so each wait is also cut at the moment the link had carried its message: the
 # time waited *for the link*, which is what the formula models. The formula is fed the measured $a$ (the link's time
-# per message), $c$ and $s$ (module hooks) of each layer and pass.
+# per message) and the rank's work in each slot of each layer's pass, read off its launches and waits: $s$ from
+# launching dispatch 1 to waiting for it, $c$ from a part's arrival to the next wait, and $t$, what part 2 did after
+# launching its combine (the launch's own cost on a CPU; in the backward, accumulating the weights' gradients, placed
+# there on purpose), which hides part of the last combine (`tail_s`; 0 in the planner's GPU model).
 
 # %%
 run("overlap")
@@ -611,10 +614,10 @@ for r, row in enumerate(ov["ranks"]):
           f" ms, of which for the link {1e3 * row['blocking']['link_exposed']:.1f} -> "
           f"{1e3 * row['overlapped']['link_exposed']:.1f} ms (planner {1e3 * row['blocking']['predicted']:.1f} -> "
           f"{1e3 * row['overlapped']['predicted']:.1f} ms)")
-a, c, s = ov["ranks"][0]["terms"][0]
-print(f"  rank 0, layer 0, forward: a = {1e3 * a:.2f} ms per part on the link, c = {1e3 * c:.2f} ms per part of experts, "
-      f"s = {1e3 * s:.2f} ms shared expert -> exposed {1e3 * planner.ep_overlap_exposed_seconds(a, c, s):.2f} ms "
-      f"against {4e3 * a:.2f} ms blocking")
+a, c, s, t = ov["ranks"][0]["terms"][0]
+print(f"  rank 0, layer 0, forward: a = {1e3 * a:.2f} ms per part on the link, c = {1e3 * c:.2f} ms per part of work, "
+      f"s = {1e3 * s:.2f} ms before the first wait (the shared expert), t = {1e3 * t:.2f} ms after the last launch -> "
+      f"exposed {1e3 * planner.ep_overlap_exposed_seconds(a, c, s, t):.2f} ms against {4e3 * a:.2f} ms blocking")
 lesson.plot_overlap(ov); plt.show()
 for name, ok, detail, busy in lesson.overlap_checks(ov):
     _common.check(name, ok, detail, busy)

@@ -851,19 +851,29 @@ class OverlapVariant:
         tl.enabled = False
 
 
-def overlap_terms(step, layers):
-    """From one recorded step of the overlapped variant: per MoE layer and pass (forward, backward) the measured
-    (a, c, s) of planner.ep_overlap_exposed_seconds: one part's all-to-all on the link (the mean of the row
-    messages' link times), one part's experts (half of the layer's expert time in that pass), the shared expert's."""
-    rows = [e - s for kind, nbytes, s, e in step["link"] if kind == "all_to_all_single" and nbytes > 1024]
-    a = statistics.mean(rows) if rows else 0.0
+def overlap_terms(step, layers=None):
+    """From one recorded step of the overlapped variant: per pass of an MoE layer (forward or backward, in the order
+    they ran) the measured (a, c, s) of planner.ep_overlap_exposed_seconds. a: one part's all-to-all on the link (the
+    mean link time of the pass's four row messages). c and s: the time the rank spent working in the schedule's
+    slots, read off the launches and the waits (a pass launches part 1 and 2, waits for 1, works on 1 and launches
+    its next all-to-all, waits for 2, works on 2 and launches its next, waits for both): s from launching part 1 to
+    waiting for it (the shared expert), c the mean of the two parts' time from their arrival to the next wait (their
+    experts and the launch after them), t (tail) what part 2 did after launching its combine (the launch's own
+    cost; in the backward, accumulating the weights' gradients). The slots hold all the work done there (the
+    regrouping, the launches, the weight gradients), which module hooks on the experts would miss. Returns
+    (a, c, s, t) per pass. `layers`: unused (the passes are counted from the events)."""
+    launches = sorted((e for e in step["events"] if e["name"].startswith("all-to-all") and " part " in e["name"]),
+                      key=lambda e: e["start"])
+    waits = sorted((e for e in step["events"] if e["name"] == "wait rows"), key=lambda e: e["start"])
+    links = [e - s for kind, nbytes, s, e in step["link"] if kind == "all_to_all_single" and nbytes > 1024]
     out = []
-    for layer in range(layers):
-        for phase in ("forward", "backward"):
-            ev = [e for e in step["events"] if e.get("layer") == layer and e.get("phase") == phase]
-            c = sum(e["end"] - e["start"] for e in ev if e["name"] == "expert") / 2
-            s = sum(e["end"] - e["start"] for e in ev if e["name"] == "shared expert")
-            out.append((a, c, s))
+    for k in range(min(len(launches), len(waits)) // 4):
+        L, W = launches[4 * k:4 * k + 4], waits[4 * k:4 * k + 4]
+        a = statistics.mean(links[4 * k:4 * k + 4]) if len(links) >= 4 * k + 4 else 0.0
+        s = max(0.0, W[0]["start"] - L[0]["start"])
+        c = (max(0.0, W[1]["start"] - W[0]["end"]) + max(0.0, W[2]["start"] - W[1]["end"])) / 2
+        t = max(0.0, W[2]["start"] - L[3]["start"])
+        out.append((a, c, s, t))
     return out
 
 
@@ -958,7 +968,7 @@ def overlap_checks(res):
         predicted = statistics.mean(r[name]["predicted"] for r in ranks)
         off = abs(measured - predicted)
         out.append((f"{name}: measured time waited for the link = the planner's "
-                    + ("link time of its all-to-alls" if name == "blocking" else "ep_overlap_exposed_seconds(a, c, s)"),
+                    + ("link time of its all-to-alls" if name == "blocking" else "ep_overlap_exposed_seconds(a, c, s, t)"),
                     off <= max(0.35 * predicted, 3e-3),
                     f"{1e3 * measured:.1f} ms measured, {1e3 * predicted:.1f} ms predicted per step (mean of the ranks; "
                     f"within 35% or 3 ms)", busy))
