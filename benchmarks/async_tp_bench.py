@@ -64,6 +64,7 @@ class Layers:
     recorded by its own Recorder and Timeline (and held to `link`'s time)."""
 
     def __init__(self, mc, mesh, overlap, link, seq_len, micro_batch_size, seed=0):
+        self.link = link
         self.recorder = metrics.Recorder(metrics.Timeline(mesh.device, mesh.rank))
         self.recorder.time_messages = True
         axis = (mesh.tp.over(link) if link is not None else mesh.tp).recorded(self.recorder)
@@ -86,6 +87,8 @@ class Layers:
         tl = self.recorder.timeline
         tl.events = []
         self.recorder.reset()  # the bytes and calls of this step alone
+        if self.link is not None:
+            self.link.log.clear()  # the messages of this step alone
         x = self.x.clone().requires_grad_()
         metrics.sync(x.device)
         t0 = time.perf_counter()
@@ -97,7 +100,8 @@ class Layers:
         metrics.sync(x.device)
         elapsed = time.perf_counter() - t0
         self.model.zero_grad(set_to_none=True)
-        return elapsed, list(tl.events)
+        spans = [] if self.link is None else [(start - tl.t0, end - tl.t0) for _, _, start, end in self.link.log]
+        return elapsed, list(tl.events), spans
 
 
     def results(self):
@@ -112,11 +116,28 @@ class Layers:
         return out
 
 
+def blocked(events, overlap):
+    """[(start, end)] of the times the compute was blocked on the blocks' tp communication in one step's events:
+    the blocking collectives themselves, or the waits on ring steps."""
+    if overlap:
+        return [(e["start"], e["end"]) for e in events if e["name"] == "wait"]
+    return [(e["start"], e["end"]) for e in events if e.get("kind") == "comm" and e["name"] in BLOCK_COLLECTIVES]
+
+
 def exposed_seconds(events, overlap):
     """Seconds the compute was blocked on the blocks' tp communication in one step's events."""
-    if overlap:
-        return sum(e["end"] - e["start"] for e in events if e["name"] == "wait")
-    return sum(e["end"] - e["start"] for e in events if e.get("kind") == "comm" and e["name"] in BLOCK_COLLECTIVES)
+    return sum(b - a for a, b in blocked(events, overlap))
+
+
+def link_bound_seconds(events, overlap, spans):
+    """The part of the blocked time during which the emulated link still carried a message (`spans`: its messages,
+    one after another): the wait for the link, what the planner's formula models; the rest is waiting for the
+    other rank (its skew on a shared machine) and the transfer's own work."""
+    total = 0.0
+    for a, b in blocked(events, overlap):
+        for s, e in spans:
+            total += max(0.0, min(b, e) - max(a, s))
+    return total
 
 
 def compare(mesh, mc, seq_len, micro_batch_size, rounds, warmup=1, link_ratio=0.5, rate=None):
@@ -132,18 +153,21 @@ def compare(mesh, mc, seq_len, micro_batch_size, rounds, warmup=1, link_ratio=0.
     link = choose_link(mc, tokens, tp, rate, link_ratio) if link_ratio else None
     runs = {"blocking": Layers(mc, mesh, False, link, seq_len, micro_batch_size),
             "overlapped": Layers(mc, mesh, True, link, seq_len, micro_batch_size)}
-    rows = {name: dict(times=[], exposed=[], events=None) for name in runs}
+    rows = {name: dict(times=[], exposed=[], link_bound=[], events=None) for name in runs}
     for k in range(rounds + warmup):
         for name in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
             dist.barrier(group=mesh.tp.group)
-            seconds, events = runs[name].step()
+            seconds, events, spans = runs[name].step()
             exposed = exposed_seconds(events, name == "overlapped") / runs[name].layers
+            bound = link_bound_seconds(events, name == "overlapped", spans) / runs[name].layers
             both = [None] * tp
-            dist.all_gather_object(both, (seconds, exposed), group=mesh.tp.group)
+            dist.all_gather_object(both, (seconds, exposed, bound), group=mesh.tp.group)
             if k >= warmup:
                 rows[name]["times"].append(max(b[0] for b in both))
                 rows[name]["exposed"].append(max(b[1] for b in both))
+                rows[name]["link_bound"].append(max(b[2] for b in both))
                 rows[name]["events"] = events
+                rows[name]["link_spans"] = spans  # when the link carried each message (rank's timeline seconds)
                 rows[name]["bytes"] = dict(runs[name].recorder.bytes)  # the whole buffers; "send": what left
                 rows[name]["calls"] = dict(runs[name].recorder.calls)
     out = dict(tp=tp, tokens=tokens, rate=rate, layers=mc.num_hidden_layers, runs=rows,
@@ -159,6 +183,7 @@ def compare(mesh, mc, seq_len, micro_batch_size, rounds, warmup=1, link_ratio=0.
     for name in rows:
         rows[name]["median_s"] = statistics.median(rows[name]["times"])
         rows[name]["exposed_per_layer_s"] = statistics.median(rows[name]["exposed"])
+        rows[name]["link_bound_per_layer_s"] = statistics.median(rows[name]["link_bound"])
     return out
 
 
@@ -167,7 +192,8 @@ def report(res):
     lines = [f"tp={res['tp']}, {res['tokens']} tokens per micro-batch, {res['layers']} layers, matmul rate "
              f"{res['rate'] / 1e9:.1f} GFLOP/s, " + (res["link"]["label"] if res["link"] else "no emulated link")]
     for name, row in runs.items():
-        model = f" (model {1e3 * res['model'][name]:.2f} ms)" if "model" in res else ""
+        model = (f", of which waiting for the link {1e3 * row['link_bound_per_layer_s']:.2f} ms (model "
+                 f"{1e3 * res['model'][name]:.2f} ms)") if "model" in res else ""
         lines.append(f"{name:<11} {1e3 * row['median_s']:8.2f} ms per forward+backward, exposed tp communication "
                      f"{1e3 * row['exposed_per_layer_s']:6.2f} ms per layer{model}")
     r = res["ratio"]
