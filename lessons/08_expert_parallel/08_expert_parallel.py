@@ -625,9 +625,12 @@ for name, ok, detail, busy in lesson.overlap_checks(ov):
 # %% [markdown]
 # The red bars shrink to where the formula puts them: in each layer's forward the first dispatch (partly under the
 # shared expert) and the last combine, in its backward the last dispatch-backward; the middle all-to-alls run under
-# the other part's experts. On this machine the step does not get faster by all the hidden time: on 2 CPU cores the
-# compute, the real transfers (gloo's threads) and the split's bookkeeping (twice the expert calls, twice the
-# launches) share the same cores, and the parts' experts are small matmuls whose fixed costs double.
+# the other part's experts, and the time waited for the link follows the formula. The *step*, though, is not faster by
+# the hidden time on this machine, and can be slower: on 2 CPU cores the compute, the real transfers (gloo's
+# threads, now running while the other rank computes) and the split's bookkeeping (twice the expert calls, twice the
+# launches) share the same cores, so each rank computes more slowly and waits longer for its peer (the pale part
+# of the bars). What the emulated link shows is the schedule; what a step gains needs hardware that moves bytes
+# without the cores.
 # `benchmarks/ep_overlap_bench.py` measures the step time side by side, with and without an emulated link. On a GPU
 # the all-to-all has its own engine (NVLink, RDMA) and the exposed time the formula gives is what the step saves; the
 # planner's time model, for Mixtral-8x7B on one and on two H100 nodes:
