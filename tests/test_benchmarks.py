@@ -41,6 +41,7 @@ def newer(feature, *values):
     newer("dtensor_tp", "tp_vs_dtensor.py", ["--sp"], "our throughput / DTensor's: median"),
     newer("pipelining", "pp_vs_torch.py", [], "our throughput / torch's: median"),
     ("cp_bench.py", [], "ring zigzag throughput / all-gather zigzag's: median"),
+    ("async_tp_bench.py", [], "overlapped throughput / blocking's: median"),
 ])
 def test_benchmark_runs_on_two_ranks(script, args, expect):
     out = run_torchrun(ROOT / "benchmarks" / script, 2, ["--smoke", *args], timeout_s=HANG_GUARD_S, cwd=ROOT).stdout
