@@ -537,10 +537,10 @@ def build_parser():
 DESCRIPTION = """\
 Train a Llama-style model on the embedded Shakespeare (or your text), on one process or many.
 
-Works today: data parallelism (--dp), ZeRO-1/2/3 (--zero), tensor parallelism (--tp) with sequence
-parallelism (--sp), pipeline parallelism (--pp, --pp-schedule; the micro-batches are --grad-acc), context
+Works today: data parallelism (--dp), ZeRO-1/2/3 (--zero) and HSDP (--dp-shard), tensor parallelism (--tp) with
+sequence parallelism (--sp) and async TP (--async-tp), pipeline parallelism (--pp, --pp-schedule; the micro-batches are --grad-acc), context
 parallelism (--cp, --cp-impl, --cp-layout), gradient accumulation, activation recomputation, expert parallelism (--ep, with a mixture-of-experts
-model: --preset tiny-moe or --experts E), checkpoints, precision recipes (--dtype bf16, bf16-params, fp16, fp8).
+model: --preset tiny-moe or --experts E; --ep-overlap), checkpoints, precision recipes (--dtype bf16, bf16-params, fp16, fp8).
 
 Several processes on one machine: `python -m picotron.train --dp 2 --tp 2` starts them itself (with torchrun,
 one per cell of the dp x pp x cp x tp grid); several machines: the same command on each, plus --nnodes N
