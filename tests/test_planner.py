@@ -255,7 +255,9 @@ def test_ulysses_sends_four_all_to_alls_each_way_and_keeps_o_projs_input():
 def test_zero_with_a_pipeline_shards_a_stage_and_zero3_gathers_it_once_per_step():
     """ZeRO over dp of a stage's parameters; ZeRO-3 with pp keeps the gathered stage for all its micro-batches
     (torchtitan's reshard_after_forward=False under a pipeline): one all-gather per step instead of 2m, and the
-    whole stage beside the shard at the peak."""
+    whole stage beside the shard at the peak. With pp, ZeRO-2/3 sum a chunk's gradients over its micro-batches and
+    reduce-scatter them once, at its last backward (the trainer's accumulate=True): ZeRO-1's traffic, hidden as
+    ZeRO-1's behind the last micro-batch's backward only, not a reduce-scatter per micro-batch."""
     hw = dataclasses.replace(plan.GPUS["h100-80gb"], gpus_per_node=2, inter_bw=1e9)
     mc = ModelConfig.from_preset("smollm-135m")
     n, m, s, p = 8, 4, 2048, 2
@@ -268,8 +270,9 @@ def test_zero_with_a_pipeline_shards_a_stage_and_zero3_gathers_it_once_per_step(
     t3 = plan.step_time(mc, Layout(dp=n, pp=p, grad_acc=m, zero=3), s, hw)
     params = mc.num_params() / p
     one = lambda nbytes, k=n: (k - 1) * hw.inter_alpha + (k - 1) / k * nbytes / hw.inter_bw  # noqa: E731
-    assert t2["dp"] == pytest.approx(max(0, m * one(2 * params) + one(2 * params) - 2 / 3 * t2["compute"]))
-    assert t3["dp"] == pytest.approx(t2["dp"]) and t2["dp"] > 0  # ZeRO-2's traffic, hidden as ZeRO-2's
+    assert t2["dp"] == pytest.approx(max(0, one(2 * params) + one(2 * params) - 2 / 3 * t2["compute"] / m))
+    t1 = plan.step_time(mc, Layout(dp=n, pp=p, grad_acc=m, zero=1), s, hw)
+    assert t3["dp"] == pytest.approx(t2["dp"]) == pytest.approx(t1["dp"]) and t2["dp"] > 0  # ZeRO-1's, hidden so
     flat = plan.step_time(mc, Layout(dp=n * p, grad_acc=m, zero=3), s, hw)  # no pipeline: 2m gathers
     k = n * p
     assert flat["dp"] == pytest.approx(max(0, m * one(4 * params, k) + 2 * m * one(4 * params, k) - flat["compute"]))
@@ -575,39 +578,48 @@ def test_hsdp_charges_the_shard_group_on_its_link_and_the_replicas_on_the_networ
     assert shard_sizes(dp=8, cp=4, tp=2, pp=4, node=8) == [0, 1]
 
 
-LLAMA3_70B_HSDP = [  # (GPUs, the best layout without HSDP, the best with it): `python -m picotron.plan --preset
-    # llama3-70b --gpus N --seq-len 8192 --global-batch-tokens 16M`, before and after the search knew HSDP
-    (256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256", "dp8,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga256"),
-    (1024, "dp128,tp4,pp2,sp,zero2,interleaved-v2,mbs1,ga16", "dp32,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga64")]
+LLAMA3_70B_HSDP = [  # (GPUs, the best layout without HSDP, the best HSDP layout, HSDP's tokens/s over plain's):
+    # `python -m picotron.plan --preset llama3-70b --gpus N --seq-len 8192 --global-batch-tokens 16M`
+    (256, "dp16,tp2,pp2,cp4,sp,zero2,interleaved-v2,mbs1,ga128", "dp8,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga256",
+     (0.98, 0.995)),
+    (1024, "dp64,tp2,pp2,cp4,sp,zero2,interleaved-v2,mbs1,ga32", "dp32,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga64",
+     (1.005, 1.02))]
 
 
-@pytest.mark.parametrize("gpus,plain,hsdp", LLAMA3_70B_HSDP, ids=lambda x: str(x))
-def test_llama3_70b_hsdp_over_a_nodes_cp_ranks_beats_the_best_plain_layout_by_a_little(gpus, plain, hsdp):
-    """The planner's answer for Llama 3 70B on H100s: HSDP over dp ranks inside a node cannot hold the model (a node's
+@pytest.mark.parametrize("gpus,plain,hsdp,gain_range", LLAMA3_70B_HSDP, ids=lambda x: str(x))
+def test_llama3_70b_hsdp_loses_on_256_gpus_and_wins_on_1024_by_the_gradients_a_pipeline_cannot_hide(
+        gpus, plain, hsdp, gain_range):
+    """The planner's answer for Llama 3 70B on H100s. HSDP over dp ranks inside a node cannot hold the model (a node's
     8 GPUs would hold all 16Ψ bytes of model states, 1.1 TB > 8 x 80 GB); HSDP whose shard group is a node's cp ranks
-    (tp2 x cp4) can, and its ZeRO-2 traffic moves onto NVLink with a quarter of the gradient left for the network:
-    faster than the best plain layout, by under 1%. (The win is the gradient traffic the model charges plain ZeRO-2
-    under a pipeline, a reduce-scatter per micro-batch, moved onto NVLink; the trainer reduce-scatters once per step
-    there, and charged so, plain ZeRO-2 hides its traffic and HSDP has nothing to save: lesson 04, section 8.)"""
+    (tp2 x cp4) can. Under a pipeline ZeRO-2 sums a chunk's gradients over the micro-batches and reduce-scatters them
+    once per step, at the chunk's last backward, with only that backward to hide under: the best plain layout (half
+    the model per stage) leaves ~1.1 s of dp traffic exposed per step, on 256 GPUs and on 1,024 alike, and HSDP cuts it
+    to ~0.16 s (the shard group on NVLink, a quarter of the gradient all-reduced over the replicas). HSDP's best shape
+    (pp4, 1F1B) costs more bubble than plain's (pp2, interleaved): on 256 GPUs (57 s steps) that costs more than the
+    network saves, HSDP ~1.4% slower; on 1,024 (15 s steps, the same exposed second) HSDP wins by ~1.2%."""
     hw = plan.usable(plan.GPUS["h100-80gb"])
     mc = ModelConfig.from_preset("llama3-70b")
     assert sum(planner.RECIPES["mixed"]) * mc.num_params() / hw.gpus_per_node > hw.memory
     rows = {}
     for text in (plain, hsdp):
         lay = Layout.parse(text)
+        assert lay.gpus == gpus
         mem, why = plan.check_layout(mc, lay, 8192, hw, 2048)
         assert why is None, (text, why)
         rows[text] = plan.step_time(mc, lay, 8192, hw)
     gain = rows[hsdp]["tokens_per_s"] / rows[plain]["tokens_per_s"]
-    assert 1.0 < gain < 1.01, gain
-    assert rows[hsdp]["dp"] < rows[plain]["dp"] or rows[plain]["dp"] == 0
+    assert gain_range[0] < gain < gain_range[1], gain
+    assert 0.9 < rows[plain]["dp"] < 1.3 and rows[hsdp]["dp"] < 0.2, (rows[plain]["dp"], rows[hsdp]["dp"])
+    shape = {k: rows[k]["total"] - rows[k]["dp"] for k in rows}  # everything but the data-parallel traffic
+    assert shape[hsdp] > shape[plain]
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("gpus,plain,hsdp", LLAMA3_70B_HSDP, ids=lambda x: str(x))
-def test_llama3_70b_search_ranks_hsdp_first_and_the_old_best_first_without_it(gpus, plain, hsdp):
+@pytest.mark.parametrize("gpus,plain,hsdp,gain_range", LLAMA3_70B_HSDP, ids=lambda x: str(x))
+def test_llama3_70b_search_ranks_the_faster_of_the_two_first(gpus, plain, hsdp, gain_range):
     hw = plan.usable(plan.GPUS["h100-80gb"])
     mc = ModelConfig.from_preset("llama3-70b")
-    for space, best in (({"hsdp": False}, plain), (None, hsdp)):
-        found = plan.search(mc, gpus, hw, 8192, 2048, space=space)
-        assert str(found.ranked[0][0]) == best, (space, str(found.ranked[0][0]))
+    assert str(plan.search(mc, gpus, hw, 8192, 2048, space={"hsdp": False}).ranked[0][0]) == plain
+    ranked = [str(lay) for lay, *_ in plan.search(mc, gpus, hw, 8192, 2048).ranked]
+    assert ranked[0] == (hsdp if gain_range[0] > 1 else plain), ranked[:3]
+    assert next(text for text in ranked if "shard" in text) == hsdp

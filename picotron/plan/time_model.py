@@ -26,11 +26,13 @@ The time model (every term in one function, `step_time`), for one rank of the bu
             2(p/2−1) with F = W = 1, B = 2, F&B = F + B, against 3m busy) stretches the busy time by 1/(1−B).
   dp        over dp×cp, gradients in the recipe's precision: ZeRO-0/1 one all-reduce (reduce-scatter + all-gather)
             hidden behind the last micro-batch's backward (2/3 of its compute); ZeRO-2/3 keep only a shard of the
-            gradients, so they reduce-scatter every micro-batch's, hidden behind every backward, then all-gather the
-            parameters (ZeRO-3: for every micro-batch's forward and backward, hidden behind all the compute; with
-            pp > 1 once per step, the stage keeping them gathered for all its micro-batches, as torchtitan's
-            reshard_after_forward=False under a pipeline: ZeRO-2's traffic, hidden as ZeRO-2's). DualPipe's two
-            copies of each stage also all-reduce their gradients (2 ranks, once per step). Only the excess counts.
+            gradients, so without pp they reduce-scatter every micro-batch's, hidden behind every backward, then
+            all-gather the parameters (ZeRO-3: for every micro-batch's forward and backward, hidden behind all the
+            compute). With pp > 1 they sum a chunk's gradients over its micro-batches and reduce-scatter them once, at
+            the chunk's last backward (the trainer's accumulate=True), ZeRO-3 gathering the stage once per step
+            (torchtitan's reshard_after_forward=False under a pipeline): ZeRO-1's traffic, hidden as ZeRO-1's, behind
+            the last micro-batch's backward only. DualPipe's two copies of each stage also all-reduce their gradients
+            (2 ranks, once per step). Only the excess counts.
             HSDP (dp_shard): the same collectives over a shard group of dp_shard x cp ranks, on NVLink when the group
             (`shard_span` consecutive ranks) lies in a node, then the gradient shard (1/(dp_shard·cp) of the
             gradients) all-reduced over the dp/dp_shard replicas on the network, as picotron.zero does it: once, after
@@ -196,12 +198,15 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     bubble_fraction = _bubble(layout)
     bubble = busy * bubble_fraction / (1 - bubble_fraction) if bubble_fraction < 1 else math.inf
     # data parallelism over dp x cp, in the recipe's gradient precision: ZeRO-0/1 all-reduce (reduce-scatter +
-    # all-gather) once, overlapped with the last micro-batch's backward; ZeRO-2/3 hold only their shard of the
-    # gradients, so they reduce-scatter every micro-batch's (overlapped with every backward) and all-gather the updated
-    # parameters (ZeRO-3: for every micro-batch's forward and backward instead, overlapped with all the compute; with
-    # pp once per step, the stage keeping them gathered for all its micro-batches: torchtitan's
-    # reshard_after_forward=False under a pipeline). DualPipe holds two stages (2x the parameters) and sums each stage's
-    # gradients between its two ranks too: an all-reduce over 2 on the pp link, hidden like dp's.
+    # all-gather) once, overlapped with the last micro-batch's backward; ZeRO-2/3 without pp hold only their shard of
+    # the gradients, so they reduce-scatter every micro-batch's (overlapped with every backward) and all-gather the
+    # updated parameters (ZeRO-3: for every micro-batch's forward and backward instead, overlapped with all the
+    # compute). With pp, ZeRO-2/3 accumulate as ZeRO-1 does (picotron.zero, zero3: `accumulate=True`): a chunk's
+    # gradients are reduce-scattered once, at its last backward, and ZeRO-3 gathers the stage once per step, keeping it
+    # for all its micro-batches (torchtitan's reshard_after_forward=False under a pipeline). The last backward is the
+    # step's end on the first stage (1F1B's cool-down), so nothing but that backward is there to hide it under.
+    # DualPipe holds two stages (2x the parameters) and sums each stage's gradients between its two ranks too: an
+    # all-reduce over 2 on the pp link, hidden like dp's.
     params = mc.num_params() / (t * p) * (2 if layout.pp_schedule == "dualpipe" and p > 1 else 1)
     grad_bytes = params * (4 if dtype == "fp32" else RECIPES[recipe][1])
     dp_link = link(hw, gpus)
@@ -211,13 +216,19 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
         n, dp_link = layout.shard, link(hw, shard_span(layout))  # network, after the last reduce-scatter
         replicas = ring_time("all_reduce", d // layout.dp_shard, grad_bytes / n, *link(hw, gpus))  # (not overlapped)
     twins = ring_time("all_reduce", 2, grad_bytes, *p_link) if layout.pp_schedule == "dualpipe" and p > 1 else 0.0
-    if layout.zero >= 2:
-        gathers = (1 if p > 1 else 2 * m) if layout.zero == 3 else 1
+    if layout.zero >= 2 and p == 1:  # a reduce-scatter per micro-batch, each under its own backward
+        gathers = 2 * m if layout.zero == 3 else 1
         dp_total = (m * ring_time("reduce_scatter", n, grad_bytes, *dp_link)
                     + gathers * ring_time("all_gather", n, params * el, *dp_link))
-        # ZeRO-3 without pp gathers before every forward and backward: all the compute hides it; with pp its one
-        # gather per step is ZeRO-2's all-gather moved to the step's start: hidden like ZeRO-2's, behind the backwards
-        overlap = compute if layout.zero == 3 and p == 1 else (2 / 3) * compute
+        # ZeRO-3 gathers before every forward and backward: all the compute hides it
+        overlap = compute if layout.zero == 3 else (2 / 3) * compute
+    elif layout.zero >= 2:  # pp > 1: the gradients summed over the micro-batches (accumulate=True), one
+        # reduce-scatter per chunk at its last backward and one all-gather per step: ZeRO-1's traffic at ZeRO-1's time,
+        # hidden as ZeRO-1's, behind the last micro-batch's backward (ZeRO-3's gather, at the first forward, would hide
+        # under that forward instead: not counted, to keep the three stages' pipelines charged alike)
+        dp_total = (ring_time("reduce_scatter", n, grad_bytes, *dp_link)
+                    + ring_time("all_gather", n, params * el, *dp_link))
+        overlap = (2 / 3) * compute / m
     else:
         dp_total = ring_time("all_reduce", n, grad_bytes, *dp_link)
         overlap = (2 / 3) * compute / m
