@@ -18,6 +18,10 @@ HOMES = {  # name: the one file that defines it
     "ulysses_kv_heads": "picotron/planner.py",
     "ulysses_buffer_bytes": "picotron/planner.py",
     "cp_bytes_per_step": "picotron/planner.py",  # the bytes every context-parallel core sends (ring, all-gather, Ulysses)
+    "hsdp_bytes_per_step": "picotron/planner.py",  # HSDP's bytes on the shard and the replicate links (issue 43)
+    "async_tp_exposed_seconds": "picotron/planner.py",  # a collective matmul's exposed ring steps (issue 43)
+    "async_tp_layer_seconds": "picotron/planner.py",
+    "ep_overlap_exposed_seconds": "picotron/planner.py",  # --ep-overlap's exposed all-to-alls (issue 43)
     "bytes_per_step_formula": "picotron/expert_parallel.py",  # context_parallel's is the planner's, imported
     "bubble_formula": "picotron/pipeline_schedules.py",
     "dualpipe_bubble": "picotron/plan/time_model.py",

@@ -655,15 +655,17 @@ _common.check("the two communicators replay clean under NCCL's rules (ZeRO-3, dp
 # all-reduce at the network's, and divides ZeRO's states by the shard group. For Llama 3 70B (seq 8192, 16M tokens
 # per step) on H100s: the shard groups of dp ranks that fit in a node cannot hold the model (8 GPUs would hold all
 # $16\Psi$ = 1.1 TB of model states), but a group of a node's **cp ranks** can (`dp_shard` = 1 with tp 2 × cp 4 = one
-# node), and its ZeRO-2 then reduce-scatters on NVLink. In the planner's model it wins, by under 1%:
+# node), and its ZeRO-2 then reduce-scatters on NVLink. Under a pipeline plain ZeRO-2 reduce-scatters once per step, at
+# a chunk's last backward (section 7), and only that backward can hide it; the planner charges it so:
 
 # %%
 from picotron import plan
 from picotron.planner import Layout
 mc70 = ModelConfig.from_preset("llama3-70b")
 h100 = plan.usable(plan.GPUS["h100-80gb"])
-for gpus, plain, hybrid in ((256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256", "dp8,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga256"),
-                            (1024, "dp128,tp4,pp2,sp,zero2,interleaved-v2,mbs1,ga16",
+for gpus, plain, hybrid in ((256, "dp16,tp2,pp2,cp4,sp,zero2,interleaved-v2,mbs1,ga128",
+                             "dp8,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga256"),
+                            (1024, "dp64,tp2,pp2,cp4,sp,zero2,interleaved-v2,mbs1,ga32",
                              "dp32,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga64")):
     rows = {name: plan.step_time(mc70, Layout.parse(name), 8192, h100) for name in (plain, hybrid)}
     print(f"{gpus} GPUs: best plain {plain}: {rows[plain]['tokens_per_s']:,.0f} tokens/s (dp {rows[plain]['dp']:.2f} s); "
@@ -671,12 +673,10 @@ for gpus, plain, hybrid in ((256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256", "d
           f"{rows[hybrid]['tokens_per_s'] / rows[plain]['tokens_per_s'] - 1:+.1%}")
 
 # %% [markdown]
-# Read the win with care. It comes from the gradient traffic: the model charges ZeRO-2 under a pipeline one
-# reduce-scatter per micro-batch (256 and 64 of them here), which HSDP moves onto NVLink. Our trainer does less: under a
-# pipeline ZeRO-2 reduce-scatters once per step (section 7). Charged that way, plain ZeRO-2 layouts hide all their
-# gradient traffic behind the backward and come out ahead of both rows above (300,159 and 1,185,265 tokens/s), and
-# HSDP, which then has nothing left to save, only costs memory. So for a 70B model with tensor, context and pipeline
-# parallelism already filling the node, HSDP is at best a wash.
+# The best plain layouts leave about 1.1 s of each step's gradient traffic exposed (a rank's 35 GB of bf16 gradients
+# reduce-scattered and its parameters gathered across nodes, behind one backward); HSDP cuts that to 0.15-0.17 s but
+# needs four pipeline stages, a larger bubble. On 256 GPUs (57 s steps) the bubble costs more and HSDP loses, by
+# 1.4%; on 1,024 (15 s steps, the same exposed second) it wins, by 1.2%: the planner's answer there, a small one.
 #
 # **Takeaway:** HSDP keeps ZeRO's heavy traffic inside a node and sends only $1/n_s$ of the gradient across nodes, for
 # $n_s$-way instead of $n$-way memory savings. It matters when that traffic is exposed: ZeRO-3 across many nodes (every
