@@ -562,9 +562,11 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
         z = layout.zero
         units = dense / (shard if z >= 1 else 1) + expert / (eshard if z >= 1 else 1)
         whole = dense + expert
-        # ZeRO-3 with pp: the stage's gathered parameters stay for all its micro-batches, beside this rank's shard
+        # With pp (zero.py, zero3.py: accumulate=True) ZeRO-2/3 hold the stage's whole gradients from its first
+        # backward to its last; the shards appear only as those buffers go, at the last backward (so: whole, as
+        # ZeRO-1). ZeRO-3 with pp keeps the gathered parameters for all its micro-batches, beside this rank's shard.
         row = {"params": P * (units + (whole if layout.pp > 1 else 0) if z >= 3 else whole),
-               "grads": G * (units if z >= 2 else whole),
+               "grads": G * (units if z >= 2 and layout.pp == 1 else whole),
                "optimizer": K * units,
                "activations": acts}
         row = {k: int(round(x)) for k, x in row.items()}

@@ -257,15 +257,21 @@ def test_zero_with_a_pipeline_shards_a_stage_and_zero3_gathers_it_once_per_step(
     (torchtitan's reshard_after_forward=False under a pipeline): one all-gather per step instead of 2m, and the
     whole stage beside the shard at the peak. With pp, ZeRO-2/3 sum a chunk's gradients over its micro-batches and
     reduce-scatter them once, at its last backward (the trainer's accumulate=True): ZeRO-1's traffic, hidden as
-    ZeRO-1's behind the last micro-batch's backward only, not a reduce-scatter per micro-batch."""
+    ZeRO-1's behind the last micro-batch's backward only, not a reduce-scatter per micro-batch; and ZeRO-1's
+    gradient memory, the stage's whole gradients (4Ψ_stage) from its first backward to its last (the shards appear
+    only as those buffers go)."""
     hw = dataclasses.replace(plan.GPUS["h100-80gb"], gpus_per_node=2, inter_bw=1e9)
     mc = ModelConfig.from_preset("smollm-135m")
     n, m, s, p = 8, 4, 2048, 2
     rows = {z: planner.memory_per_stage(TINY, Layout(dp=n, pp=p, grad_acc=m, zero=z), S) for z in (0, 2, 3)}
     for st in range(p):
         whole = rows[0][st]["params"]
-        assert rows[2][st]["grads"] == pytest.approx(whole / n, abs=2) and rows[2][st]["params"] == whole
-        assert rows[3][st]["params"] == pytest.approx(whole + whole / n, abs=2)
+        # the whole gradients held from the stage's first backward to its last (ZeRO-1's), not the shard
+        assert rows[2][st]["grads"] == rows[3][st]["grads"] == rows[0][st]["grads"] == whole
+        assert rows[2][st]["params"] == whole and rows[3][st]["params"] == pytest.approx(whole + whole / n, abs=2)
+        assert rows[2][st]["optimizer"] == rows[3][st]["optimizer"] == pytest.approx(2 * whole / n, abs=2)
+    flat = planner.memory_per_stage(TINY, Layout(dp=n, grad_acc=m, zero=2), S)[0]  # no pipeline: only the shard
+    assert flat["grads"] == pytest.approx(flat["params"] / n, abs=2)
     t2 = plan.step_time(mc, Layout(dp=n, pp=p, grad_acc=m, zero=2), s, hw)
     t3 = plan.step_time(mc, Layout(dp=n, pp=p, grad_acc=m, zero=3), s, hw)
     params = mc.num_params() / p

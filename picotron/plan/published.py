@@ -80,7 +80,9 @@ PUBLISHED = [
               notes="chunks per rank not published: 126 layers = 16 x 8 - 2 suggests 8 with the first and last chunks "
                     "holding only the embedding and the head (as the paper describes); our pipeline needs a layer in "
                     "every chunk, so v = 7; sp assumed; its FSDP as ZeRO-2 with fp32 gradients (weights whole during the "
-                    "step, gradients reduce-scattered in fp32 every micro-batch)"),
+                    "step; §3.3.2's 'FP32 gradient accumulation during backward computation over multiple micro-batches' "
+                    "and fp32 reduce-scatter: a chunk's whole gradients summed in fp32 over its micro-batches, held "
+                    "during the step, reduce-scattered once, at its last backward)"),
 ]
 
 
