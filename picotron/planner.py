@@ -405,6 +405,35 @@ def _replay(schedule, pp, m, v):
 _REPLAYS = {}
 
 
+def _replay_grads(schedule, pp, m, v):
+    """As `_replay`, for ZeRO-2/3 under a pipeline (zero.py, zero3.py: `accumulate=True`): per rank the maximal
+    moments (after each forward and each gradient-producing action: B, or W when split) as (counts, states), states[c]
+    the gradients chunk c holds then: 0 none yet this step, 1 its shard (its last backward is done: reduce-scattered),
+    2 its whole gradients (from its first backward to its last). A moment is dropped only when another has at least
+    as much of everything."""
+    key = ("grads", schedule, pp, m, v)
+    if key not in _REPLAYS:
+        sch = build(schedule, pp, m, v if schedule == "interleaved" else 1)
+        free = "W" if sch.split else "B"
+        out = []
+        for acts in sch.ranks:
+            total = [sum(1 for a in acts if a.kind == free and a.chunk == c) for c in range(sch.v)]
+            n, done, seen = [0] * sch.v, [0] * sch.v, set()
+            for a in acts:
+                if a.kind == "F":
+                    n[a.chunk] += 1
+                elif a.kind == free:
+                    n[a.chunk] -= 1
+                    done[a.chunk] += 1
+                else:
+                    continue
+                seen.add(tuple(n) + tuple(0 if d == 0 else 1 if d == t else 2 for d, t in zip(done, total)))
+            out.append(tuple((x[:sch.v], x[sch.v:]) for x in seen
+                             if not any(y != x and all(q >= r for q, r in zip(y, x)) for y in seen)))
+        _REPLAYS[key] = out
+    return _REPLAYS[key]
+
+
 def alive_at_peak(schedule, pp, m, v):
     """Micro-batch activations (chunks) alive at each rank's peak: AFAB m, 1F1B min(p - i, m), interleaved and
     zero-bubble their own (the same count as `pipeline_schedules.simulate(...).peak_alive`)."""
@@ -551,22 +580,29 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     for rank in range(layout.pp):
         held = chunks_held(layout, rank)[1]  # chunk c of this rank is stage held[c]
         dense = expert = 0
-        chunk_bytes = []
+        chunk_bytes, chunk_params = [], []
         for st in held:
             lo, hi = cuts[st]
             first, last = st == 0, st == stages - 1
             d, e = _params_of_stage(mc, layout, lo, hi, first, last)
             dense, expert = dense + d, expert + e
+            chunk_params.append(d + e)
             chunk_bytes.append((hi - lo) * layer + edge(first, last))
-        acts = max(sum(n * b for n, b in zip(counts, chunk_bytes)) for counts in vectors[rank])
         z = layout.zero
         units = dense / (shard if z >= 1 else 1) + expert / (eshard if z >= 1 else 1)
         whole = dense + expert
-        # With pp (zero.py, zero3.py: accumulate=True) ZeRO-2/3 hold the stage's whole gradients from its first
-        # backward to its last; the shards appear only as those buffers go, at the last backward (so: whole, as
-        # ZeRO-1). ZeRO-3 with pp keeps the gathered parameters for all its micro-batches, beside this rank's shard.
+        acts = max(sum(n * b for n, b in zip(counts, chunk_bytes)) for counts in vectors[rank])
+        grads = G * (units if z >= 2 else whole)
+        if z >= 2 and layout.pp > 1:  # each chunk's whole gradients from its first backward to its last, then its
+            # shard (zero.py, zero3.py: accumulate=True); the peak is the moment of the most activations + gradients
+            acts, grads = max(((sum(n * b for n, b in zip(counts, chunk_bytes)),
+                                sum(0 if q == 0 else G * w * (1 if q == 2 else units / whole)
+                                    for q, w in zip(states, chunk_params)))
+                               for counts, states in _replay_grads(layout.pp_schedule, layout.pp, layout.grad_acc, v)[rank]),
+                              key=sum)
+        # ZeRO-3 with pp keeps the gathered parameters for all its micro-batches, beside this rank's shard
         row = {"params": P * (units + (whole if layout.pp > 1 else 0) if z >= 3 else whole),
-               "grads": G * (units if z >= 2 and layout.pp == 1 else whole),
+               "grads": grads,
                "optimizer": K * units,
                "activations": acts}
         row = {k: int(round(x)) for k, x in row.items()}
