@@ -654,29 +654,32 @@ _common.check("the two communicators replay clean under NCCL's rules (ZeRO-3, dp
 # whose shard group lies in one node, charges the shard group's collectives at NVLink's bandwidth and the replicas'
 # all-reduce at the network's, and divides ZeRO's states by the shard group. For Llama 3 70B (seq 8192, 16M tokens
 # per step) on H100s: the shard groups of dp ranks that fit in a node cannot hold the model (8 GPUs would hold all
-# $16\Psi$ = 1.1 TB of model states), but a group of a node's **cp ranks** can (`dp_shard` = 1 with tp 2 × cp 4 = one
-# node), and its ZeRO-2 then reduce-scatters on NVLink. Under a pipeline plain ZeRO-2 reduce-scatters once per step, at
-# a chunk's last backward (section 7), and only that backward can hide it; the planner charges it so:
+# $16\Psi$ = 1.1 TB of model states), but a group of a node's **cp ranks** can (`dp_shard` = 1 with cp 8 = one node),
+# and its ZeRO then reduce-scatters on NVLink. Under a pipeline ZeRO reduce-scatters once per step, at a chunk's last
+# backward (section 7), and only that backward can hide it; ZeRO-2 and 3 hold the chunk's whole gradients until then,
+# as ZeRO-1 does, so at the step's peak they save nothing over it and the planner's best layouts are ZeRO-1 (ZeRO-2
+# of the same shape ties). The planner charges all that so:
 
 # %%
 from picotron import plan
 from picotron.planner import Layout
 mc70 = ModelConfig.from_preset("llama3-70b")
 h100 = plan.usable(plan.GPUS["h100-80gb"])
-for gpus, plain, hybrid in ((256, "dp16,tp2,pp2,cp4,sp,zero2,interleaved-v2,mbs1,ga128",
-                             "dp8,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga256"),
-                            (1024, "dp64,tp2,pp2,cp4,sp,zero2,interleaved-v2,mbs1,ga32",
-                             "dp32,tp2,pp4,cp4,sp,zero2,shard1,1f1b,mbs1,ga64")):
+for gpus, plain, hybrid in ((256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256",
+                             "dp4,pp8,cp8,zero1,shard1,1f1b,mbs1,ga512"),
+                            (1024, "dp32,tp4,pp2,cp4,sp,zero1,interleaved-v2,mbs2,ga32",
+                             "dp16,pp8,cp8,zero1,shard1,1f1b,mbs1,ga128")):
     rows = {name: plan.step_time(mc70, Layout.parse(name), 8192, h100) for name in (plain, hybrid)}
     print(f"{gpus} GPUs: best plain {plain}: {rows[plain]['tokens_per_s']:,.0f} tokens/s (dp {rows[plain]['dp']:.2f} s); "
           f"HSDP {hybrid}: {rows[hybrid]['tokens_per_s']:,.0f} tokens/s (dp {rows[hybrid]['dp']:.2f} s), "
           f"{rows[hybrid]['tokens_per_s'] / rows[plain]['tokens_per_s'] - 1:+.1%}")
 
 # %% [markdown]
-# The best plain layouts leave about 1.1 s of each step's gradient traffic exposed (a rank's 35 GB of bf16 gradients
-# reduce-scattered and its parameters gathered across nodes, behind one backward); HSDP cuts that to 0.15-0.17 s but
-# needs four pipeline stages, a larger bubble. On 256 GPUs (57 s steps) the bubble costs more and HSDP loses, by
-# 1.4%; on 1,024 (15 s steps, the same exposed second) it wins, by 1.2%: the planner's answer there, a small one.
+# The best plain layouts leave about half a second of each step's gradient traffic exposed (0.54 s on 256 GPUs,
+# 0.42 s on 1,024: a rank's gradients reduce-scattered and its parameters gathered across nodes, behind one
+# backward); HSDP cuts that below 0.1 s but needs eight pipeline stages, a larger bubble. On 256 GPUs (58 s steps)
+# the bubble costs more and HSDP loses, by 1.1%; on 1,024 (15 s steps) it wins, by 0.4%: the planner's answer
+# there, a small one.
 #
 # **Takeaway:** HSDP keeps ZeRO's heavy traffic inside a node and sends only $1/n_s$ of the gradient across nodes, for
 # $n_s$-way instead of $n$-way memory savings. It matters when that traffic is exposed: ZeRO-3 across many nodes (every
