@@ -184,7 +184,7 @@ def _unsynced_child(out):
     """cp = 2, dp = 1 with the gradient averaging over the cp ranks left out (a peer's bug): each rank keeps the
     gradient of its own tokens' loss only."""
     from picotron import data_parallel, parallelize as par
-    par.wrap_for_sync = lambda raw, cfg, axis, axis_of=None: data_parallel.Local(raw)
+    par.wrap_for_sync = lambda raw, cfg, axis, axis_of=None, **_: data_parallel.Local(raw)
     return _model_child(dict(cp=2), out)[0]
 
 

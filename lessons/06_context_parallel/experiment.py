@@ -514,7 +514,7 @@ def not_averaged_over_cp():
     """Inside: parallelize wraps the model for NO gradient sync (`data_parallel.Local`), as a trainer that averages
     over dp only does at dp = 1: each cp rank steps with the gradient of its own tokens' loss."""
     original = par.wrap_for_sync
-    par.wrap_for_sync = lambda raw, cfg, axis, axis_of=None: data_parallel.Local(raw)
+    par.wrap_for_sync = lambda raw, cfg, axis, axis_of=None, **_: data_parallel.Local(raw)
     try:
         yield
     finally:
