@@ -31,7 +31,8 @@ The time model (every term in one function, `step_time`), for one rank of the bu
             compute). With pp > 1 they sum a chunk's gradients over its micro-batches and reduce-scatter them once, at
             the chunk's last backward (the trainer's accumulate=True), ZeRO-3 gathering the stage once per step
             (torchtitan's reshard_after_forward=False under a pipeline): ZeRO-1's traffic, hidden as ZeRO-1's, behind
-            the last micro-batch's backward only. DualPipe's two copies of each stage also all-reduce their gradients
+            the last micro-batch's backward only (and the whole gradients held until then: planner.memory_per_stage
+            counts them at the schedule's peak). DualPipe's two copies of each stage also all-reduce their gradients
             (2 ranks, once per step). Only the excess counts.
             HSDP (dp_shard): the same collectives over a shard group of dp_shard x cp ranks, on NVLink when the group
             (`shard_span` consecutive ranks) lies in a node, then the gradient shard (1/(dp_shard·cp) of the
