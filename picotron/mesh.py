@@ -444,30 +444,25 @@ class Mesh:
                 group = dist.new_group([ranks[a], ranks[b]], timeout=timeout)
                 if rank in (ranks[a], ranks[b]):
                     links[tuple(sorted((ranks[a], ranks[b])))] = group
-        for name, lists in zip(("ep", "edp"), expert_groups(sizes, ep)):  # the experts' axes, carved from dp
-            for ranks in lists:
-                if len(ranks) == world_size:
-                    group, created = dist.group.WORLD, False
-                elif name == "edp" and ep == 1:  # the experts' replicas are all of dp x cp (same groups)
-                    group, created = (groups["dp_cp"][1] if rank in ranks else None), False
-                elif len(ranks) == 1:  # (every group has this size: every rank takes this branch)
-                    group, created = None, False
-                else:
-                    group, created = dist.new_group(ranks, timeout=timeout), True
-                if rank in ranks:
-                    groups[name] = (ranks, group, created)
-        for name, lists in zip(("dp_shard", "dp_replicate"), shard_groups(sizes, dp_shard)):  # HSDP's axes
-            for ranks in lists:
-                if len(ranks) == world_size:
-                    group, created = dist.group.WORLD, False
-                elif name == "dp_shard" and len(ranks) == dp * cp:  # no HSDP: the shard group is dp x cp itself
-                    group, created = (groups["dp_cp"][1] if rank in ranks else None), False
-                elif len(ranks) == 1:  # (every group has this size: every rank takes this branch)
-                    group, created = None, False
-                else:
-                    group, created = dist.new_group(ranks, timeout=timeout), True
-                if rank in ranks:
-                    groups[name] = (ranks, group, created)
+        def carve(names, lists, is_dp_cp):  # axes carved from dp: reuse the world or dp x cp's group where they are it
+            for name, group_lists in zip(names, lists):
+                for ranks in group_lists:
+                    if len(ranks) == world_size:
+                        group, created = dist.group.WORLD, False
+                    elif is_dp_cp(name, ranks):
+                        group, created = (groups["dp_cp"][1] if rank in ranks else None), False
+                    elif len(ranks) == 1:  # (every group has this size: every rank takes this branch)
+                        group, created = None, False
+                    else:
+                        group, created = dist.new_group(ranks, timeout=timeout), True
+                    if rank in ranks:
+                        groups[name] = (ranks, group, created)
+
+        # the experts' axes (at ep = 1 their replicas, edp, are all of dp x cp) and HSDP's (without HSDP the shard
+        # group is dp x cp itself)
+        carve(("ep", "edp"), expert_groups(sizes, ep), lambda name, ranks: name == "edp" and ep == 1)
+        carve(("dp_shard", "dp_replicate"), shard_groups(sizes, dp_shard),
+              lambda name, ranks: name == "dp_shard" and len(ranks) == dp * cp)
         groups["world"] = (list(range(world_size)), dist.group.WORLD, False)
         return cls(rank, world_size, sizes, dev, backend, groups, local_rank, owns_world, collectives, links,
                    place.per_node(world_size))

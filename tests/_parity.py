@@ -6,12 +6,40 @@ import torch
 from picotron import marks
 from picotron.tensor_parallel import gather_from_tp
 
+# a whole model's parity run: 3 steps, a validation at the end (tests/test_parity_matrix.py, tests/test_async_tp.py)
+SMALL = dict(seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, eval_every=3, eval_batches=1,
+             lr=3e-3, warmup_steps=2, steps=3, grad_clip=1.0)
 
-def layout_grads(run, mesh, cfg):
+
+def model_child(layout, out):
+    """In each rank: one step's gradients (gathered whole, `layout_grads`), then the 3-step training run of SMALL +
+    `layout` and its records (rank 0's) and summary: what `assert_matches` compares with one process."""
+    from picotron import train as train_mod
+    from picotron.config import Config
+    from picotron.mesh import Mesh
+    from picotron.metrics import read_metrics
+    from picotron.parallelize import parallelize
+
+    cfg = Config(out=out, **{**SMALL, **layout})
+    degrees = dict(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep)
+    with Mesh.init(**degrees) as mesh:
+        _, loader = train_mod.load_data(cfg, mesh)
+        run = parallelize(cfg, mesh)
+        run.schedule.run(run.model, loader.micro_batches(1), run.loss_fn)
+        grads = layout_grads(run, mesh, cfg)
+        mesh.world.all_reduce(torch.zeros(1))
+    with Mesh.init(**degrees) as mesh:
+        summary = train_mod.train(cfg, mesh)
+        records = read_metrics(out)[0] if mesh.rank == 0 else None
+    return grads, records, summary
+
+
+def layout_grads(run, mesh, cfg, every_replica=False):
     """{name: full gradient} of the parameters this rank holds, after one step of `run` (what `parallelize` built):
     ZeRO's shards gathered over their unit's axis, then tensor-parallel slices gathered over tp (names as in the
     single-process model: a pipeline's chunks keep the layers' own indices). Only the first rank of
-    each group of replicas returns them (the others: {}), so each gradient is compared once per holder."""
+    each group of replicas returns them (the others: {}), so each gradient is compared once per holder;
+    `every_replica`: every rank with tp rank 0 returns them (HSDP: each replica's own copy compared too)."""
     grads = {}
     if cfg.zero:  # each rank holds the mean gradient of its shard of every unit
         names = {p: n for chunk in getattr(run.raw, "chunks", [run.raw]) for n, p in chunk.named_parameters()}
@@ -27,7 +55,7 @@ def layout_grads(run, mesh, cfg):
             for name, p in chunk.named_parameters():
                 if marks.placement(p).copy_of is None:
                     grads[name] = gather_from_tp(p.grad, marks.placement(p).split_dim, mesh.tp)
-    return grads if mesh.edp.rank == 0 and mesh.tp.rank == 0 else {}
+    return grads if mesh.tp.rank == 0 and (every_replica or mesh.edp.rank == 0) else {}
 
 
 def assert_matches(results, reference, label):

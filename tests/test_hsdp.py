@@ -19,7 +19,7 @@ import types
 
 import pytest
 import torch
-from _parity import assert_matches
+from _parity import assert_matches, layout_grads
 from _reference import PARITY, single_process
 
 from picotron import marks, nccl_rules, planner, reshard
@@ -29,7 +29,6 @@ from picotron.launch import run_on_ranks
 from picotron.mesh import Mesh, grid_coords, shard_groups
 from picotron.metrics import Recorder, read_metrics
 from picotron.parallelize import parallelize
-from picotron.tensor_parallel import gather_from_tp
 
 SETTINGS = dict(PARITY, bucket_mb=0.05)  # small buckets: several units in stages 1-2
 
@@ -120,23 +119,6 @@ def test_hsdp_bytes_formula_at_its_limits():
 
 
 # ------------------------------------------------------------------------------------- one run, many checks
-def _grads(run, mesh, cfg):
-    """{name: full gradient} from THIS rank's replica: ZeRO's shards gathered over the unit's (shard) axis, tp
-    slices over tp; on every rank with tp rank 0, so every replica is compared."""
-    if not cfg.zero:
-        return {n: p.grad.clone() for n, p in run.raw.named_parameters()}
-    names = {p: n for chunk in getattr(run.raw, "chunks", [run.raw]) for n, p in chunk.named_parameters()}
-    grads = {}
-    for unit in run.model.units:
-        flat = torch.empty(unit.grad_shard.numel() * unit.axis.size)
-        unit.axis.all_gather_into(flat, unit.grad_shard.contiguous())
-        for p, off in zip(unit.params, unit.offsets):
-            if marks.placement(p).copy_of is None:
-                grads[names[p]] = gather_from_tp(flat[off:off + p.numel()].view(p.shape),
-                                                 marks.placement(p).split_dim, mesh.tp)
-    return grads if mesh.tp.rank == 0 else {}
-
-
 def _bytes_of_one_step(cfg, mesh):
     """One recorded step of one micro-batch: {axis: {kind: buffer bytes}} counted by a metrics.Recorder, and the
     formula's buffers for Ψ as the units hold it (padded), this rank's."""
@@ -167,7 +149,7 @@ def _child(layout, out):
         _, loader = train_mod.load_data(cfg, mesh)
         run = parallelize(cfg, mesh)
         run.schedule.run(run.model, loader.micro_batches(1), run.loss_fn)
-        grads = _grads(run, mesh, cfg)
+        grads = layout_grads(run, mesh, cfg, every_replica=True)  # every replica's copy compared
         sent = _bytes_of_one_step(cfg, mesh) if cfg.zero and layout.get("dp_shard") else None
         mesh.world.all_reduce(torch.zeros(1))
     with Mesh.init(**degrees(cfg)) as mesh:

@@ -43,19 +43,13 @@ import time
 
 import pytest
 import torch
-from _parity import assert_matches, layout_grads
+from _parity import SMALL, assert_matches, model_child
 
 from picotron import nccl_rules
-from picotron import train as train_mod
 from picotron.config import Config, ConfigError
 from picotron.launch import run_on_ranks
-from picotron.mesh import Mesh
-from picotron.metrics import read_metrics
-from picotron.parallelize import parallelize, validate
-from picotron.train import train
+from picotron.parallelize import validate
 
-SMALL = dict(seq_len=32, micro_batch_size=2, sample_tokens=0, log_every=1000, eval_every=3, eval_batches=1,
-             lr=3e-3, warmup_steps=2, steps=3, grad_clip=1.0)
 DIMS = ("dp", "pp", "cp", "tp", "sp", "zero1", "ep")
 
 
@@ -107,20 +101,7 @@ DEFAULT = {"dp2-pp2-cp1-tp2+ep2+sp+zero1", "dp2-pp1-cp2-tp2+sp+zero1", "dp1-pp2-
 
 
 # ------------------------------------------------------------------------------------ one variant's run
-def _model_child(layout, out):
-    """One step's gradients (gathered whole, `layout_grads`), then the 3-step training run's records."""
-    cfg = Config(out=out, **{**SMALL, **layout})
-    degrees = dict(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep)
-    with Mesh.init(**degrees) as mesh:
-        _, loader = train_mod.load_data(cfg, mesh)
-        run = parallelize(cfg, mesh)
-        run.schedule.run(run.model, loader.micro_batches(1), run.loss_fn)
-        grads = layout_grads(run, mesh, cfg)
-        mesh.world.all_reduce(torch.zeros(1))
-    with Mesh.init(**degrees) as mesh:
-        summary = train(cfg, mesh)
-        records = read_metrics(out)[0] if mesh.rank == 0 else None
-    return grads, records, summary
+_model_child = model_child  # tests/_parity.py: one step's gradients, then the 3-step run
 
 
 @pytest.fixture(scope="module")
