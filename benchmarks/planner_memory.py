@@ -54,6 +54,12 @@ LAYOUTS += [lay for lay in ({"cp": 2, "cp_impl": "ulysses"}, {"pp": 4, "grad_acc
 
 
 def _child(layout, out):
+    stage, mem = last_mem(layout, out)
+    return stage, {k: mem[k] for k in PARTS}
+
+
+def last_mem(layout, out):
+    """In each rank: train SETTINGS + `layout`, then (pp stage, this rank's last `mem` record, whole)."""
     from picotron import metrics
     from picotron.mesh import Mesh
     from picotron.train import train
@@ -68,7 +74,7 @@ def _child(layout, out):
     metrics.MetricsLog.write = keep  # every rank's record, not only rank 0's file
     with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep) as mesh:
         train(cfg, mesh)
-        return mesh.pp.rank, {k: records[-1]["mem"][k] for k in PARTS}
+        return mesh.pp.rank, records[-1]["mem"]
 
 
 def measure(layout, folder):

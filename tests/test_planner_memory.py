@@ -26,38 +26,18 @@ def test_predicted_memory_matches_what_every_rank_accounts(tmp_path, layout):
             assert measured[part] == pytest.approx(want[part], rel=1e-3), (stage, part, measured, want)
 
 
-def _zero2_pipeline_child(layout, out):
-    """One step of ZeRO-2 under a pipeline: (stage, the trainer's `mem` record: its gradient shards at the step's end
-    and the peak of the whole gradients it held during the step)."""
-    from picotron import metrics
-    from picotron.config import Config
-    from picotron.mesh import Mesh
-    from picotron.train import train
-    cfg = Config(out=out, **{**bench.SETTINGS, **layout})
-    records = []
-    write = metrics.MetricsLog.write
-
-    def keep(self, record):
-        records.append(record)
-        return write(self, record)
-
-    metrics.MetricsLog.write = keep  # every rank's record, not only rank 0's file
-    with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep) as mesh:
-        train(cfg, mesh)
-        return mesh.pp.rank, records[-1]["mem"]
-
-
 def test_zero2_with_a_pipeline_holds_the_stage_s_whole_gradients_as_predicted(tmp_path):
     """ZeRO-2 under a pipeline (zero.py, accumulate=True) sums a chunk's gradients over its micro-batches in the whole
     buffers and reduce-scatters them once, at its last backward: during the step it holds 4Ψ_stage bytes of
-    gradients, the planner's `grads` for this layout (ZeRO-1's); between steps only the shard, 1/dp of it."""
+    gradients, the planner's `grads` for this layout (ZeRO-1's); between steps only the shard, 1/dp of it. Each rank's
+    `mem` record holds both: its gradient shards at the step's end and the peak of the whole gradients."""
     from picotron import planner
     from picotron.config import Config
     from picotron.launch import run_on_ranks
     layout = {"dp": 2, "pp": 2, "zero": 2, "grad_acc": 4}
     cfg = Config(**{**bench.SETTINGS, **layout})
     predicted = planner.memory_per_stage(cfg.model_config(), planner.Layout.from_config(cfg), cfg.seq_len, cfg.dtype)
-    ranks = run_on_ranks(_zero2_pipeline_child, cfg.world_size, layout, str(tmp_path), timeout_s=600)
+    ranks = run_on_ranks(bench.last_mem, cfg.world_size, layout, str(tmp_path), timeout_s=600)
     for stage, mem in ranks:
         want = predicted[stage]
         assert want["grads"] == want["params"]  # fp32: 4 bytes a parameter each, the whole stage
