@@ -3,8 +3,9 @@
 #
 #   ./run.sh [train flags]   train the tiny Llama on the embedded Shakespeare (no network, no GPU needed)
 #   ./run.sh test [pytest flags]   the default test suite (multi-rank tests run real gloo processes), ~12 min on 2 cores
-#   ./run.sh test quick|lessons|heavy|all   a tier: quick (tests/quick.txt, ~3.5 min), lessons (the notebooks and
-#                            checkers), heavy (more processes), all (default + lessons + heavy); README, "Tests"
+#   ./run.sh test quick|lessons|heavy|load|all   a tier: quick (tests/quick.txt, ~3.5 min), lessons (the notebooks
+#                            and checkers), heavy (more processes), load (timing checks on busy cores), all (the four);
+#                            README, "Tests"
 #   ./run.sh lessons         Jupyter on your copies of the lesson notebooks, runs/notebooks/ (lessons/ stays as
 #                            committed); --fresh: make every copy again; --prepare-only: the copies, no Jupyter
 #   ./run.sh figures         regenerate figures/ from real runs
@@ -62,11 +63,11 @@ setup() {
   echo "== set-up done; later runs skip it"
 }
 
-# ./run.sh test [quick|lessons|heavy|browser|all] [pytest flags]: one tier (tests/conftest.py's TIERS); none: the default.
+# ./run.sh test [quick|lessons|heavy|load|browser|all] [pytest flags]: one tier (tests/conftest.py's TIERS); none: the default.
 run_tests() {
   case "${1:-}" in
     quick) shift; set -- --quick "$@" ;;
-    default|lessons|heavy|browser|all) set -- "--tier=$1" "${@:2}" ;;  # one word: pytest would take lessons for a folder
+    default|lessons|heavy|load|browser|all) set -- "--tier=$1" "${@:2}" ;;  # one word: pytest would take lessons for a folder
   esac
   exec "$PY" -m pytest -q "$@"
 }

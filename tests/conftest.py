@@ -3,8 +3,8 @@
 Multi-rank tests use `picotron.launch.run_on_ranks`; the functions they run on each rank must live at
 module level in a test file (children import them by name), and the children inherit this sys.path.
 
-The tiers (README, "Tests"; `TIERS` below): every test is in one of default, lessons, heavy and browser, and
-`--tier=NAME` (repeatable; `all` = default, lessons and heavy) runs those; no flag, the default tier. `--quick` runs
+The tiers (README, "Tests"; `TIERS` below): every test is in one of default, lessons, heavy, load and browser, and
+`--tier=NAME` (repeatable; `all` = default, lessons, heavy and load) runs those; no flag, the default tier. `--quick` runs
 the list in tests/quick.txt (3.5 minutes on an idle 2-core machine: each strategy's fastest parity test, the
 configuration messages, collectives, a few NCCL replays, no notebook), whatever tier each of its tests is in.
 
@@ -74,9 +74,11 @@ TIERS = {
                "answers, the lessons under load",
     "heavy": "more processes on the default tier's code paths: the whole parity matrix (up to 16 processes), every "
              "schedule at pp = 4, 8-process collectives, more reshard pairs, the benchmarks' smoke runs",
+    "load": "whole lessons 06 and 07 and their timing checks at every cp and schedule with every core kept busy by "
+            "another program: each check holds or says inconclusive, never fails (run before changing a timing check)",
     "browser": "the lessons' widgets in JupyterLab and Notebook 7 in headless Chromium (needs chromium and playwright)",
 }
-ALL = ("default", "lessons", "heavy")  # `--tier all`; the browser tier needs a browser, so it is asked for by name
+ALL = ("default", "lessons", "heavy", "load")  # `--tier all`; the browser tier needs a browser, so it is asked for by name
 
 # The lessons tier, by name, so that a new lesson's tests land in it without a marker: in tests/test_lessonNN.py the
 # notebook executions (test_notebook_*) and the checker runs (test_checker_*); and every
@@ -98,6 +100,8 @@ def tier_of(item):
     path, name = item.nodeid.split("::")[0], item.nodeid.split("::")[-1].split("[")[0]
     if item.get_closest_marker("browser"):
         return "browser"
+    if item.get_closest_marker("load"):
+        return "load"
     if item.get_closest_marker("heavy") or item.get_closest_marker("parity_matrix"):
         return "heavy"
     if item.get_closest_marker("lessons") or path in LESSONS_FILES or LESSON_FILE.search(path) and (
@@ -127,7 +131,7 @@ def _in_quick(nodeid, entry):
 def pytest_addoption(parser):
     parser.addoption("--tier", action="append", choices=sorted(TIERS) + ["all"],
                      help="run this tier (repeatable; default: default). " +
-                          "; ".join(f"{k}: {v}" for k, v in TIERS.items()) + "; all: default, lessons and heavy")
+                          "; ".join(f"{k}: {v}" for k, v in TIERS.items()) + "; all: default, lessons, heavy and load")
     parser.addoption(QUICK_FLAG, action="store_true", default=False,
                      help="run only the quick tier, the tests listed in tests/quick.txt (3.5 minutes on 2 idle cores)")
     for flag, tier in ADD_FLAGS.items():
@@ -138,6 +142,7 @@ def pytest_configure(config):
     for marker in ("heavy", "parity_matrix"):
         config.addinivalue_line("markers", f"{marker}: in the heavy tier ({TIERS['heavy']}); --tier heavy")
     config.addinivalue_line("markers", f"lessons: in the lessons tier ({TIERS['lessons']}); --tier lessons")
+    config.addinivalue_line("markers", f"load: in the load tier ({TIERS['load']}); --tier load")
     config.addinivalue_line("markers", f"browser: in the browser tier ({TIERS['browser']}); --tier browser")
     config.addinivalue_line("markers", f"quick: in the quick list (tests/quick.txt, {QUICK_FLAG}); set by conftest")
     _own_the_signals()

@@ -5,7 +5,7 @@ whatever else runs). The third mark is counted apart from ✓ and ✗ (`_common.
 given only when the measurement itself saw the load (`_common.LoadWindow`, `others_share`).
 
 The default test runs lesson 06's balance (cp = 2) and lesson 07's bubble (1F1B) in FAST mode under the load and
-executes the notebooks' own check cells on their results; `--heavy` also runs both notebooks whole under the load.
+executes the notebooks' own check cells on their results; the load tier (`./run.sh test load`) runs every cp and schedule, and both notebooks whole, under the load.
 """
 import contextlib
 import io
@@ -145,14 +145,14 @@ def test_timing_checks_of_06_and_07_hold_or_say_busy_under_load(tmp_path):
     assert max(r["busy"] for r in rows) > _common.BUSY_SHARE, [r["busy"] for r in rows]
 
 
-@pytest.mark.heavy
+@pytest.mark.load
 def test_timing_checks_of_06_and_07_at_every_cp_and_schedule_under_load(tmp_path):
     six, seven, _, rows = _balance_and_bubble(tmp_path, (2, 4), ("afab", "1f1b", "interleaved", "zb-h1", "zb-v"))
     assert_no_fail(six, 7)
     assert_no_fail(seven, 15)
 
 
-@pytest.mark.heavy
+@pytest.mark.load
 @pytest.mark.parametrize("lesson", ["06_context_parallel", "07_pipeline_parallel"])
 def test_notebook_in_fast_mode_under_load_has_no_fail(lesson, run_notebook):
     with background_load():

@@ -1,8 +1,9 @@
 """The suite's tiers and its stop button.
 
-Tiers (tests/conftest.py's TIERS, README "Tests"): every test is in exactly one of default, lessons, heavy and browser.
-`./run.sh test` runs the default tier (12 minutes on 2 idle cores), `./run.sh test lessons` the notebooks and the
-checkers' runs on wrong answers, `./run.sh test heavy` the runs with more processes, `./run.sh test all` the three;
+Tiers (tests/conftest.py's TIERS, README "Tests"): every test is in exactly one of default, lessons, heavy, load and
+browser. `./run.sh test` runs the default tier (12 minutes on 2 idle cores), `./run.sh test lessons` the notebooks and
+the checkers' runs on wrong answers, `./run.sh test heavy` the runs with more processes, `./run.sh test load` lessons 06
+and 07 under a competing load (not in CI), `./run.sh test all` the four;
 `./run.sh test quick` runs tests/quick.txt's list (3.5 minutes). The quick list cannot go stale: every entry must name
 a test that collects. The tests below read the tiers off one real collection, so a tier cannot lose what it promises.
 
@@ -69,7 +70,7 @@ def test_the_tiers_hold_what_they_promise(tiers):
     by_tier = {}
     for node, (tier, _) in tiers.items():
         by_tier.setdefault(tier, []).append(node)
-    assert set(by_tier) == {"default", "lessons", "heavy", "browser"}
+    assert set(by_tier) == {"default", "lessons", "heavy", "load", "browser"}
     default, lessons, heavy = (set(by_tier[t]) for t in ("default", "lessons", "heavy"))
     # the eleven notebooks' executions, and the checkers' runs on wrong answers, are the lessons tier's
     notebooks = [n for n in tiers if n.endswith("::test_notebook_runs_in_fast_mode")]
@@ -77,6 +78,9 @@ def test_the_tiers_hold_what_they_promise(tiers):
     assert not [n for n in default if "::test_checker_" in n]
     for nn in range(1, 12):  # every lesson's checker on its solutions, in the lessons tier
         assert f"tests/test_lesson{nn:02d}.py::test_checker_passes_the_solutions" in lessons, nn
+    # the load tier: lessons 06 and 07 whole under a competing load (left out of CI), nothing else
+    assert {n.split("::")[0] for n in by_tier["load"]} == {"tests/test_lesson_load.py"}
+    assert [n for n in by_tier["load"] if "test_notebook_in_fast_mode_under_load" in n]
     # no 16-process run by default: the matrix's four-degree variants are heavy
     assert [n for n in heavy if "dp2-pp2-cp2-tp2" in n] and not [n for n in default if "dp2-pp2-cp2-tp2" in n]
     # the same coverage: every test file with a test outside the lessons and browser tiers keeps one by default
