@@ -36,3 +36,18 @@ def test_cpu_smoke_runs_ours_and_the_transformers_loop(tmp_path):
     assert rows["bf16"]["vs_bf16"] == 1.0 and rows["hf"]["vs_bf16"] > 0
     assert "transformers Llama, same loop" in out.stdout and "vs bf16" in out.stdout
     assert run("--only", "nope", "--cpu-smoke").returncode == 2  # an unknown row is refused by argparse
+
+
+def test_each_target_is_held_to_its_own_base_row():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import mfu_table
+
+    recs = [dict(key=k, tokens_per_s=v) for k, v in
+            dict(bf16=100.0, **{"hf-compile": 80.0, "compile": 120.0, "bf16-params": 101.0, "fp8": 105.0}).items()]
+    lines = mfu_table.target_lines("smollm-1.7b", recs)
+    assert "bf16-params / bf16 >= 1.0: 1.01 pass" in lines[0]
+    assert "fp8 / bf16 >= 1.1: 1.05 MISS" in lines[1]
+    assert "fp8-block / bf16 >= 1.1: no ratio" in lines[2]  # the row did not run: said, not passed
+    assert "compile / hf-compile >= 1.3: 1.50 pass" in lines[3]
+    assert len(mfu_table.target_lines("smollm-360m", recs)) == 2  # the FP8 targets are the 1.7B shape's
+    assert {r[0] for r in mfu_table.rows("tiny", mfu_table.SMOKE, "cpu")} >= {t[0] for t in mfu_table.TARGETS}
