@@ -51,6 +51,7 @@ from picotron.model_config import PRESETS, ModelConfig
 
 # The values a setting may take, defined once: the command line, the checks and the strategies read them here.
 DTYPES = ("fp32", "bf16", "bf16-params", "fp16", "fp8")  # picotron.precision: what each keeps in which dtype
+FP8_RECIPES = ("tensor", "blockwise")  # --dtype fp8's scales: picotron.fp8 (per tensor), picotron.fp8_blockwise
 DP_IMPLS = ("naive", "overlap", "bucket", "ddp")
 ATTN_IMPLS = ("sdpa", "eager", "flash")
 KERNELS = ("plain", "compile", "triton", "auto")
@@ -133,7 +134,11 @@ class Config:
     dtype: str = option("fp32", "precision recipe: fp32; bf16 (autocast for the matmuls, parameters and optimizer "
                                 "state stay fp32); bf16-params (bf16 parameters and gradients, fp32 master weights "
                                 "and moments in the optimizer); fp16 (the same in fp16, with loss scaling); fp8 "
-                                "(the decoder's matmuls in FP8 with per-tensor scales, simulated on CPU)", DTYPES)
+                                "(the decoder's matmuls in FP8, per-tensor or blockwise scales: --fp8-recipe, "
+                                "simulated on CPU)", DTYPES)
+    fp8_recipe: str = option("tensor", "with --dtype fp8, the scales: tensor (one per tensor, E4M3 forward, E5M2 "
+                                       "gradients) or blockwise (DeepSeek-V3: one per 1x128 tile of activations and "
+                                       "gradients, per 128x128 block of weights, E4M3 everywhere)", FP8_RECIPES)
     loss_scale: str = option("dynamic", "fp16's loss scaling: dynamic (halve on overflow and skip the step, double "
                                         "after 2000 clean steps), none, or a number (a static scale)")
     kernels: str = option("plain", "RMSNorm and SwiGLU: plain (PyTorch ops), compile (torch.compile fuses each), "

@@ -36,7 +36,7 @@ same way: torchao deleted delayed scaling in 2025 for lack of users next to the 
 (https://docs.nvidia.com/deeplearning/transformer-engine/user-guide/examples/fp8_primer.html). One scale per
 tensor is the coarsest choice: a single outlier makes every other element use fewer binades. DeepSeek-V3
 (https://arxiv.org/abs/2412.19437, section 3.3) scales 1×128 tiles of activations and 128×128 blocks of weights
-instead, and Blackwell's MXFP8 one scale per 32 elements.
+instead (--fp8-recipe blockwise: picotron/fp8_blockwise.py), and Blackwell's MXFP8 one scale per 32 elements.
 
 The three matmuls of a linear layer y = x Wᵀ (x [M, K], W [N, K]), as real FP8 training does them:
 
@@ -82,8 +82,9 @@ The API:
     dequantize(t_fp8, scale, dtype=fp32) -> t_fp8 / scale
     fp8_linear(x, weight, bias=None)     F.linear's signature, result shape and dtype (autocast's under autocast,
                                          x's otherwise), computed as above
-    apply(module)                        in place, returns module: every linear layer of every DecoderLayer
+    apply(module, recipe="tensor")       in place, returns module: every linear layer of every DecoderLayer
                                          inside `module` (a Llama, a pipeline stage) computes through fp8_linear
+                                         (recipe="blockwise": picotron.fp8_blockwise's 1×128 / 128×128 scales)
 
 `apply` changes no parameter and no name (the state dict and checkpoints are unchanged; it only sets an attribute
 the forward reads: tensor parallelism's `matmul`, nn.Linear's `forward`). Call it after every module swap
@@ -120,8 +121,13 @@ def _quantize(t, fmt, scale=None):
     """The readable definition (and the CPU path): amax, scale, multiply, clamp, cast, each its own operation."""
     if scale is None:
         scale = current_scale(t, fmt)
+    return saturate(t.detach().float() * scale, fmt), scale
+
+
+def saturate(t, fmt):
+    """t (fp32, already scaled) clamped to ±fmax and cast to fmt: round to nearest even, no overflow to NaN."""
     fmax = torch.finfo(fmt).max
-    return (t.detach().float() * scale).clamp(-fmax, fmax).to(fmt), scale
+    return t.clamp(-fmax, fmax).to(fmt)
 
 
 @lru_cache(maxsize=None)
@@ -215,18 +221,22 @@ def fp8_linear(x, weight, bias=None):
 
 
 # ------------------------------------------------------------------------------------------------- apply
-def _linear_forward(module, x):
-    return fp8_linear(x, module.weight, module.bias)
+def _linear_forward(module, linear, x):
+    return linear(x, module.weight, module.bias)
 
 
-def apply(module):
+def apply(module, recipe="tensor"):
     """Route every linear layer of every DecoderLayer in `module` through fp8_linear, in place; return module.
-    The MoE router stays in high precision, and so does everything outside the decoder layers."""
+    The MoE router stays in high precision, and so does everything outside the decoder layers. recipe="blockwise":
+    through picotron.fp8_blockwise.fp8_linear_blockwise instead (DeepSeek-V3's 1×128 / 128×128 scales)."""
+    linear = fp8_linear
+    if recipe == "blockwise":
+        from picotron.fp8_blockwise import fp8_linear_blockwise as linear
     for layer in [m for m in module.modules() if isinstance(m, DecoderLayer)]:
         routers = {id(m.gate) for m in layer.modules() if isinstance(m, MoE)}
         for m in layer.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-                m.matmul = fp8_linear
+                m.matmul = linear
             elif type(m) is nn.Linear and id(m) not in routers:
-                m.forward = partial(_linear_forward, m)
+                m.forward = partial(_linear_forward, m, linear)
     return module

@@ -101,7 +101,7 @@ def build_model(cfg, mesh, store=None):
     if cfg.kernels != "plain":  # fused RMSNorm and SwiGLU (picotron.kernels)
         use_kernels(model, cfg.kernels)
     if precision.recipe(cfg).fp8:  # the decoder layers' linears through FP8 matmuls (picotron.fp8)
-        fp8.apply(model)
+        fp8.apply(model, cfg.fp8_recipe)
     marks.materialize(model, mesh.device)  # to_empty; the placements are kept by name on the modules
     if plan is not None:
         pipeline_parallel.mark_stage(model, plan, mesh.pp)

@@ -375,11 +375,11 @@ def test_tensor_parallel_mlp_in_fp8_keeps_its_collectives():
 
 
 # ---------------------------------------------------------------------------------------------- training
-def train_losses(use_fp8, steps=20, b=8, s=64, lr=1e-3, seed=0):
+def train_losses(use_fp8, steps=20, b=8, s=64, lr=1e-3, seed=0, recipe="tensor"):
     tokens = get_tokenizer("byte").encode_tensor(load_text()[:200_000])
     model = Llama(ModelConfig.from_preset("tiny")).init_weights(seed)
     if use_fp8:
-        fp8.apply(model)
+        fp8.apply(model, recipe)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen, losses = torch.Generator().manual_seed(seed + 1), []
     for _ in range(steps):
