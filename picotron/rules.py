@@ -261,6 +261,11 @@ def combination_problem(cfg, mc):
          f"split backward would drop FP8); use --pp-schedule 1f1b or interleaved, or --dtype bf16."),
         # --- async TP (picotron/async_tp.py): its collective matmuls multiply with F.linear's arithmetic themselves
         # (the zero-bubble split backward works: they hand their weight gradients to its store)
+        # --- fine-grained FP8 (picotron/fp8_blockwise.py)
+        ("fp8_recipe", "needs dtype=fp8", cfg.fp8_recipe != "tensor" and cfg.dtype != "fp8",
+         f"--fp8-recipe {cfg.fp8_recipe} with dtype={cfg.dtype!r} does nothing (the recipe chooses FP8's scales); add "
+         f"--dtype fp8, or drop --fp8-recipe."),
+        # --- end fine-grained FP8
         ("async_tp", "dtype=fp8", cfg.async_tp and cfg.dtype == "fp8",
          "--async-tp with dtype='fp8' is not supported yet (the collective matmul multiplies each arriving chunk "
          "itself, in the recipe's autocast precision, not through FP8's matmul); use --dtype bf16, or drop --async-tp."),
@@ -287,11 +292,6 @@ def layout_problem(cfg, mc, trainer=True):
 
 def validate(cfg, world_size=None, any_world_size=False, per_node=None):
     """Raise ConfigError for the first broken rule, in one sentence, before any process group exists.
-        # --- fine-grained FP8 (picotron/fp8_blockwise.py)
-        ("fp8_recipe", "needs dtype=fp8", cfg.fp8_recipe != "tensor" and cfg.dtype != "fp8",
-         f"--fp8-recipe {cfg.fp8_recipe} with dtype={cfg.dtype!r} does nothing (the recipe chooses FP8's scales); add "
-         f"--dtype fp8, or drop --fp8-recipe."),
-        # --- end fine-grained FP8
     `world_size`: the processes the launcher started (default 1: a process on its own); `per_node`: those on this
     machine (default: all of them). any_world_size=True: the processes are not started yet, the caller will start
     cfg.world_size of them, cfg.nnodes machines' worth. The caller reads the launcher's numbers (launch.place) and
