@@ -203,6 +203,13 @@ class Config:
                                  "an error that names --device cpu), cpu + gloo when it sees none", DEVICES)
     timeout_s: int = option(300, "seconds any collective may wait before the job stops with an error (a dead rank "
                                  "cannot hang it)")
+    # --- traces (picotron/trace.py)
+    profile: Optional[str] = option(None, "profile optimizer steps A to B, both included (A:B, or A for one step) "
+                                          "with torch.profiler: OUT/traces/rank{R}.json per rank with picotron's "
+                                          "phases and collectives as named ranges, merged.json with every rank on "
+                                          "one clock (open in ui.perfetto.dev) and, on CUDA, memory_rank{R}.pickle "
+                                          "(pytorch.org/memory_viz)")
+    # --- end traces
     # several machines (the launcher's: `python -m picotron.train --dp 16 --nnodes 2 ...` on every node)
     nnodes: int = option(1, "machines the job runs on; each runs the same command (dp*pp*cp*tp / nnodes processes "
                             "each), torchrun's rendezvous at --rdzv-endpoint joins them")

@@ -188,6 +188,32 @@ RULES = (tensor_parallel_rule, context_parallel_rule, pipeline_parallel_rule, ex
          kernels_rule)
 
 
+# ================================================================================================ traces
+def profile_steps(text):
+    """--profile's optimizer steps: "A:B" -> (A, B), "A" -> (A, A), both included; None if it is neither."""
+    parts = str(text).split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        return None
+    first, last = int(parts[0]), int(parts[-1])
+    return first, last
+
+
+def profile_rule(cfg, model_config):
+    """--profile (picotron.trace): a range of steps the run takes, first <= last."""
+    if cfg.profile is None:
+        return None
+    steps = profile_steps(cfg.profile)
+    if steps is None or not 1 <= steps[0] <= steps[1] <= cfg.steps:
+        a, b = (2, 3) if cfg.steps >= 3 else (1, cfg.steps)
+        return (f"profile={cfg.profile!r} is not a range of this run's optimizer steps (A:B, both included, with 1 <= "
+                f"A <= B <= steps={cfg.steps}; or one step A); pass e.g. --profile {a}:{b} (step 1 pays for warm-up).")
+    return None
+
+
+RULES += (profile_rule,)
+# --- end traces
+
+
 def padded_tp_rule(cfg, model_config):
     """Tensor parallelism's rule for another trainer, which pads the MLP columns and the vocabulary: whole heads."""
     return tp_shape_problem(model_config, cfg.tp, padded=True)

@@ -68,7 +68,7 @@ if __name__ == "__main__":  # `python -m picotron.train ...`: --help, --version 
 
 import torch  # noqa: E402
 
-from picotron import data, faults, metrics, moe, precision, resume  # noqa: E402
+from picotron import data, faults, metrics, moe, precision, resume, trace  # noqa: E402
 from picotron.checkpoint import step_dir  # noqa: E402
 from picotron.checkpoint_local import local_of  # noqa: E402
 from picotron.config import Config  # noqa: E402
@@ -150,6 +150,7 @@ class Job:
     argv: list = None       # the command line, for the commands messages hand back; None: built from cfg
     history: list = field(default_factory=list)  # the records of this start's steps
     warned: bool = False    # the loss-climbs warning was printed (once per start)
+    trace: object = trace.Off()  # --profile: torch.profiler over a range of steps (picotron.trace)
 
     @property
     def says(self):
@@ -164,7 +165,9 @@ def setup(cfg, mesh, argv=None, attempt=0):
                          "picotron.runs)")
     torch.manual_seed(cfg.seed)
     tokenizer, loader = load_data(cfg, mesh)
-    run = parallelize(cfg, mesh)
+    tracer = trace.for_run(cfg, mesh)  # --profile: its recorder times the collectives; else Off, nothing installed
+    run = parallelize(cfg, mesh, recorder=tracer.recorder)
+    tracer.watch(run)  # the phases as the trace's named ranges
     activations = run.schedule.phases.listen(metrics.ActivationPeak(run.model))  # the step's peak (picotron.hooks)
     local = local_of(cfg, mesh)  # level 1's places (--local-save-every), or None
     injector = faults.Injector(cfg.faults, mesh.rank, mesh.world_size,  # --faults: deaths and NaNs on purpose
@@ -175,7 +178,7 @@ def setup(cfg, mesh, argv=None, attempt=0):
     if mesh.rank == 0:
         for line in startup_lines(cfg, mesh, run, speed, torch.get_num_threads(), lr_at(cfg.steps, cfg)):
             print(line, flush=True)
-    return Job(cfg, mesh, run, tokenizer, loader, injector, speed, activations, saver, start, log, argv)
+    return Job(cfg, mesh, run, tokenizer, loader, injector, speed, activations, saver, start, log, argv, trace=tracer)
 
 
 def train(cfg, mesh, return_model=False, argv=None, attempt=0):
@@ -189,7 +192,8 @@ def train(cfg, mesh, return_model=False, argv=None, attempt=0):
         with interruptible(announce=job.says) as stop_asked:  # Ctrl-C: stop after this step, with a checkpoint
             for step in range(job.start, cfg.steps + 1):
                 try:
-                    record = one_step(step, job)
+                    with job.trace.step(step):  # --profile: the profiler starts and stops at its steps
+                        record = one_step(step, job)
                     if cfg.eval_every and (step % cfg.eval_every == 0 or step in (job.start, cfg.steps)):
                         record["val_loss"] = job.run.schedule.evaluate(
                             job.run.raw, job.loader.val_batches(cfg.eval_batches), job.run.loss_fn)
@@ -221,13 +225,15 @@ def one_step(step, job):
         group["lr"] = lr
     loss = run.schedule.run(model, job.loader.micro_batches(step), job.injector.loss_fn(step, run.loss_fn))
     scale = run.scaler.scale  # fp16: the gradients are S times the gradient (S = 1 otherwise)
-    grad_norm = clip_grad_norm(run.grad_params, cfg.grad_clip, mesh, grad_scale=scale)
+    with job.trace.range("clip grad norm"):
+        grad_norm = clip_grad_norm(run.grad_params, cfg.grad_clip, mesh, grad_scale=scale)
     mem = model.memory()  # gradients still alive here
     loss_value = float(loss)  # .item(): waits for the device
     job.injector.maybe_kill("kill", step)  # mid-step: gradients computed, the update not yet applied
     finite, overflow = judge(step, loss_value, grad_norm, job)
     if finite:
-        optimizer.step()
+        with job.trace.range("optimizer step"):
+            optimizer.step()
     model.zero_grad(set_to_none=True)
     metrics.sync(device)
     dt = time.perf_counter() - t0
