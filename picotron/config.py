@@ -63,6 +63,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 DEVICES = ("auto", "cpu", "cuda")
 COLLECTIVES = ("torch", "ours")
 ON_NONFINITE = ("stop", "skip")
+OPTIMIZERS = ("adamw", "muon")  # picotron.muon: Newton–Schulz-orthogonalised momentum for the hidden matrices
+MUON_IMPLS = ("gather", "owner")  # picotron.muon.Exchange: how a sharded matrix meets for Newton–Schulz
 MAX_LR = 1.0  # Adam's step is about lr per weight: beyond 1, every weight moves more than its own scale
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings")
@@ -190,6 +192,13 @@ class Config:
     weight_decay: float = option(0.1, "AdamW weight decay, on matrices only")
     beta1: float = option(0.9, "AdamW beta1, in [0, 1)")
     beta2: float = option(0.95, "AdamW beta2, in [0, 1)")
+    optimizer: str = option("adamw", "adamw, or muon: the decoder layers' matrices by Newton–Schulz-orthogonalised "
+                                     "momentum scaled to AdamW's update size (same --lr), the rest by AdamW "
+                                     "(picotron.muon)", OPTIMIZERS)
+    muon_momentum: float = option(0.95, "Muon's Nesterov momentum, in [0, 1)")
+    muon_impl: str = option("gather", "how a sharded matrix meets for Newton–Schulz: gather (every rank all-gathers "
+                                      "it and orthogonalises it) or owner (one rank per matrix: all-to-all to it and "
+                                      "back)", MUON_IMPLS)
     grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 = no clipping)")
     # logging, evaluation, data, runtime
     log_every: int = option(10, "print a progress line every K steps")
@@ -410,6 +419,8 @@ def _check_positive(cfg):
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must lie in [0, 1); pass --{name} 0.9 or 0.95.")
+    if not 0 <= cfg.muon_momentum < 1:
+        raise ConfigError(f"muon_momentum={cfg.muon_momentum} must lie in [0, 1); pass --muon-momentum 0.95.")
     for name in ("weight_decay", "grad_clip", "bucket_mb", "capacity_factor", "aux_loss_coef", "bias_update_speed"):
         if (getattr(cfg, name) or 0) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} must not be negative; pass --{name.replace('_', '-')} 0 "

@@ -40,6 +40,7 @@ import torch
 
 from picotron import (config, context_parallel, data_parallel, expert_parallel, fp8, marks, pipeline_parallel,
                       pipeline_schedules, precision, schedule, tensor_parallel, zero, zero3, zero_bubble)
+from picotron import muon
 from picotron.config import ConfigError
 from picotron.model import DecoderLayer, Llama, loss_fn, use_kernels
 from picotron.moe import MoE
@@ -122,10 +123,14 @@ def build_model(cfg, mesh, store=None):
 
 def build_optimizer(groups, cfg, device, scaler=None):
     """AdamW over (decay, no_decay) parameter lists: weight decay on matrices only (not on norm gains); under
-    bf16-params and fp16, over fp32 master copies of the parameters (precision.MasterWeights)."""
+    bf16-params and fp16, over fp32 master copies of the parameters (precision.MasterWeights).
+    --optimizer muon: picotron.muon.Muon instead (AdamW for what is not a hidden matrix), `exchange` its
+    muon.Exchange (where each matrix's pieces are, from the placements)."""
     decay, no_decay = groups
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     adamw = partial(torch.optim.AdamW, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    if cfg.optimizer == "muon":
+        adamw = muon.maker(exchange, cfg)
     return precision.MasterWeights(groups, adamw, scaler) if precision.recipe(cfg).master else adamw(groups)
 
 
@@ -171,7 +176,8 @@ def parallelize(cfg, mesh, recorder=None):
                           partial(marks.sync_axis, mesh=mesh) if mesh.ep.size > 1 else None,
                           replicate=mesh.dp_replicate if hsdp else None)
     scaler = precision.loss_scaler(cfg)
-    optimizer = build_optimizer(model.optimizer_groups(), cfg, mesh.device, scaler)
+    exchange = muon.Exchange(raw, model, mesh.tp, cfg.muon_impl) if cfg.optimizer == "muon" else None
+    optimizer = build_optimizer(model.optimizer_groups(), cfg, mesh.device, scaler, exchange)
     masters_of = optimizer.model_params if precision.recipe(cfg).master else None  # precision.MasterWeights
     if cfg.zero in (1, 2):  # the step updates this rank's chunk, then all-gathers every chunk
         optimizer = zero.ShardedOptimizer(optimizer, model)

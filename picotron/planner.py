@@ -119,6 +119,79 @@ def zero_comm_elements(n_params, zero=0, root_params=0):
     return {"all_gather": n_params, "reduce_scatter": n_params}
 
 
+# --- Muon, distributed (issue 44): what a sharded matrix costs to orthogonalise (picotron.muon) ----------------
+def owner_of(sizes, n):
+    """Muon's owner impl: the rank (0..n-1) that orthogonalises each matrix, given their `sizes` (elements).
+    Largest first, each to the least-loaded rank so far (ties: the lowest rank): the longest-processing-time rule,
+    so every rank's Newton–Schulz work is about 1/n of the whole. The same answer on every rank: no message."""
+    load, owner = [0] * n, [0] * len(sizes)
+    for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        owner[k], load[r] = r, load[r] + sizes[k]
+    return owner
+
+
+def muon_ns_flops(shape, steps=5):
+    """FLOPs of Newton–Schulz on one A x B matrix (m = min, k = max): per iteration X X^T (2m²k), S² (2m³) and
+    (bS + cS²) X (2m²k), the additions left out: steps · (4m²k + 2m³)."""
+    m, k = min(shape), max(shape)
+    return steps * (4 * m * m * k + 2 * m ** 3)
+
+
+def muon_bytes_per_step(impl, units, n=1, tp=1, rank=0, elem=4):
+    """Bytes of Muon's exchange in one optimizer step, per rank: {"buffers": {kind: whole buffers, what
+    metrics.Recorder counts}, "sent": bytes this rank sends}. (picotron.muon.Exchange; Liu et al. 2025, section 2.3.)
+
+    `units`: ZeRO's units in order (ZeRO-1/2's buckets, ZeRO-3's layers), each a list of (elements of this rank's
+    local tensor, is a Muon matrix, is cut over tp) per parameter; without ZeRO one unit of them all and n = 1.
+    `n`: ZeRO's group; `tp`: the tp degree; `rank`: this rank's index on the axis the matrices are cut over.
+
+        gather  ZeRO: all-gather each unit holding a Muon matrix, padded to a multiple of n (U):  buffer U, sends (n-1)/n U
+                tp: all-gather each matrix cut over tp, of full size M:                          buffer M, sends (tp-1)/tp M
+        owner   one axis (ZeRO's n, or tp): all-to-all this rank's pieces to their owners (buffer: all its pieces
+                of Muon matrices, ~Ψ_muon/n), then all-to-all the owner's results back (buffer: the matrices it owns,
+                ~Ψ_muon/n): ~2Ψ_muon/n, against gather's ~Ψ. Owners from `owner_of` by size.
+    """
+    buffers, sent = {}, 0.0
+
+    def add(kind, buffer, out):
+        nonlocal sent
+        buffers[kind] = buffers.get(kind, 0) + buffer * elem
+        sent += out * elem
+    if impl == "gather":
+        for unit in units:
+            if n > 1 and any(muon for _, muon, _ in unit):
+                padded = max(1, math.ceil(sum(e for e, _, _ in unit) / n)) * n
+                add("all_gather", padded, (n - 1) / n * padded)
+        for unit in units:
+            for e, muon, cut in unit:
+                if muon and cut and tp > 1:
+                    add("all_gather", e * tp, (tp - 1) * e)
+        return {"buffers": buffers, "sent": sent}
+    if impl != "owner":
+        raise ValueError(f"impl={impl!r}; use 'gather' or 'owner'.")
+    if n > 1:  # pieces of ZeRO's flat units: rank r holds [r·chunk, (r+1)·chunk) of each unit
+        mine, full = [], []
+        for unit in units:
+            chunk, off = max(1, math.ceil(sum(e for e, _, _ in unit) / n)), 0
+            for e, muon, _ in unit:
+                if muon:
+                    mine.append(max(0, min((rank + 1) * chunk, off + e) - max(rank * chunk, off)))
+                    full.append(e)
+                off += e
+    elif tp > 1:  # tp slices: equal pieces of every cut matrix
+        mine = [e for unit in units for e, muon, cut in unit if muon and cut]
+        full = [e * tp for e in mine]
+    else:
+        return {"buffers": buffers, "sent": sent}
+    owner = owner_of(full, n if n > 1 else tp)
+    if full:
+        add("all_to_all", sum(mine), sum(m for m, o in zip(mine, owner) if o != rank))
+        owned = [(m, f) for m, f, o in zip(mine, full, owner) if o == rank]
+        add("all_to_all", sum(f for _, f in owned), sum(f - m for m, f in owned))
+    return {"buffers": buffers, "sent": sent}
+
+
 # --- HSDP (issue 43): the bytes on each link of a hybrid-sharded step ------------------------------------------
 def hsdp_bytes_per_step(n_params, zero, n_shard, n_replicate, root_params=0, elem=4, pipeline=False):
     """Bytes one rank SENDS in one optimizer step (one micro-batch) of ZeRO-`zero` under HSDP, per axis:

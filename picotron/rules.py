@@ -296,6 +296,18 @@ def combination_problem(cfg, mc):
          "--async-tp with dtype='fp8' is not supported yet (the collective matmul multiplies each arriving chunk "
          "itself, in the recipe's autocast precision, not through FP8's matmul); use --dtype bf16, or drop --async-tp."),
         # --- end async TP
+        # --- Muon (picotron/muon.py): how a sharded matrix meets for Newton–Schulz
+        ("muon_impl=owner", "needs muon", cfg.muon_impl == "owner" and cfg.optimizer != "muon",
+         "--muon-impl owner says how Muon's sharded matrices meet, but the optimizer is "
+         f"{cfg.optimizer!r}; add --optimizer muon, or drop --muon-impl."),
+        ("muon_impl=owner", "zero and tp", cfg.optimizer == "muon" and cfg.muon_impl == "owner" and cfg.zero
+         and cfg.tp > 1,
+         f"--muon-impl owner with zero={cfg.zero} and tp={cfg.tp} is not supported (the owner reassembles a matrix "
+         f"over one axis, but these matrices are cut over tp and ZeRO both); use --muon-impl gather."),
+        ("optimizer=muon", "dp_shard", cfg.optimizer == "muon" and cfg.dp_shard,
+         f"--optimizer muon with dp_shard={cfg.dp_shard} is not supported yet (HSDP's shard groups have no Muon "
+         f"parity test); drop --dp-shard, or use --optimizer adamw."),
+        # --- end Muon
         ("dtype=fp16", "experts", cfg.dtype == "fp16" and experts,
          "dtype='fp16' with experts is not supported (the load-balancing loss reaches the router outside the scaled "
          "loss, so its gradient would miss the loss scale); use --dtype bf16-params or bf16."),
