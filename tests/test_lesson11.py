@@ -33,13 +33,13 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 3, out
+    assert out.count("  ok  ") == 4, out
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
     code, out = run_checker()
     assert code == 1, out
-    for name in ("online_softmax_attention", "update", "quantize_e4m3"):
+    for name in ("online_softmax_attention", "update", "quantize_e4m3", "quantize_tiles"):
         assert f"FAIL  {name}: NotImplementedError: not written yet" in out, out
 
 
@@ -85,6 +85,23 @@ def test_checker_names_quantize_mistakes(tmp_path):
     assert "FAIL  quantize_e4m3: all zeros [16]: scale = inf: floor amax at 1e-12" in out, out
     out = fails_with(tmp_path, ex, (".to(torch.float8_e4m3fn), scale", ".to(torch.float8_e5m2), scale"))
     assert "t_fp8 has dtype torch.float8_e5m2; cast to torch.float8_e4m3fn" in out, out
+
+
+def test_checker_names_tile_mistakes(tmp_path):
+    ex, head = "quantize_tiles", "FAIL  quantize_tiles: randn [8, 300] (tiles of 128, 128 and 44): "
+    out = fails_with(tmp_path, ex, ("d = part.abs().amax(dim=1).clamp(min=1e-12) / fmax",
+                                    "d = fmax / part.abs().amax(dim=1).clamp(min=1e-12)"))
+    assert head + "row 0, tile 0 (columns 0..127)" in out and "the scale is upside down" in out, out
+    out = fails_with(tmp_path, ex, ("n = -(-cols // tile)", "n = cols // tile"))
+    assert head + "scales have shape (8, 2), expected (8, 3)" in out and "a shorter tile of their own" in out, out
+    out = fails_with(tmp_path, ex, ("d = part.abs().amax(dim=1).clamp(min=1e-12) / fmax",
+                                    "d = x.abs().amax(dim=1).clamp(min=1e-12) / fmax"))
+    assert "the amax of the whole row (or tensor)" in out, out
+    out = fails_with(tmp_path, ex, (".clamp(min=1e-12) / fmax", " / fmax"))
+    assert "FAIL  quantize_tiles: randn [4, 200] with a zero tile: row 1, tile 1 (columns 128..199): scale 0" in out \
+        and "floor amax at 1e-12" in out, out
+    out = fails_with(tmp_path, ex, ("fmax = torch.finfo(torch.float8_e4m3fn).max", "fmax = torch.finfo(torch.float8_e5m2).max"))
+    assert "57344 is E5M2's largest number" in out, out
 
 
 def test_format_numbers_by_hand(lesson):

@@ -15,6 +15,11 @@ skip decision inverted.
 quantize_e4m3: small, large, outlier, all-zero and 3-D tensors against picotron.fp8.quantize; names the tensor and
 the first wrong element, and recognises a scale upside down, E5M2's maximum instead of E4M3's, an all-zero tensor
 whose scale is not finite, and a result not in float8_e4m3fn.
+quantize_tiles: ragged and whole tiles, an outlier token, a zero tile, tile sizes 128 and 32, against
+picotron.fp8_blockwise.quantize_tiles; names the tensor and the first wrong scale or element, and recognises scales of
+the wrong shape (tiles along the wrong axis, the ragged tail dropped), a scale upside down (448 / amax: that is the
+per-tensor multiplier, not the dequantizing factor), a scale of the whole row or tensor instead of the tile,
+E5M2's maximum, and an all-zero tile whose scale is not finite.
 """
 import math
 import sys
@@ -26,14 +31,14 @@ from _checker import entry_points, in_process  # noqa: E402
 
 import torch  # noqa: E402
 
-from picotron import fp8, precision  # noqa: E402
+from picotron import fp8, fp8_blockwise, precision  # noqa: E402
 
 
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 30.0
 EXERCISES = {"online_softmax_attention": "online_softmax_attention", "update": "update",
-             "quantize_e4m3": "quantize_e4m3"}
+             "quantize_e4m3": "quantize_e4m3", "quantize_tiles": "quantize_tiles"}
 
 
 # ------------------------------------------------------------------------------------------ exercise 1
@@ -224,14 +229,79 @@ def _quantize_problem(fn, path):
     return None
 
 
+# ------------------------------------------------------------------------------------------ exercise 4
+def _tile_tensors():
+    g = torch.Generator().manual_seed(1)
+    outlier = torch.randn(6, 256, generator=g)
+    outlier[2] *= 1e5  # a 'massive activation': one token far above the others
+    zeros = torch.randn(4, 200, generator=g)
+    zeros[1, 128:] = 0  # an all-zero tile (the ragged one)
+    return (("randn [8, 300] (tiles of 128, 128 and 44)", torch.randn(8, 300, generator=g), 128),
+            ("an outlier token × 1e5 in randn [6, 256]", outlier, 128),
+            ("randn [4, 200] with a zero tile", zeros, 128),
+            ("randn × 1e-3 [5, 96], tile 32", torch.randn(5, 96, generator=g) * 1e-3, 32))
+
+
+def _tiles_problem(fn, path):
+    fmax4, fmax5 = torch.finfo(fp8.E4M3).max, torch.finfo(fp8.E5M2).max
+    for label, x, tile in _tile_tensors():
+        want_q, want_d = fp8_blockwise.quantize_tiles(x, tile)
+        got = fn(x.clone(), tile=tile)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(torch.is_tensor(t) for t in got)):
+            return f"{label}: returned {type(got).__name__}; return (x_fp8, scales), two tensors"
+        q, d = got
+        rows, cols = x.shape
+        if tuple(d.shape) != tuple(want_d.shape):
+            hint = ""
+            if tuple(d.shape) == (-(-rows // tile), cols):
+                hint = ": the tiles run along the rows' axis; a 1 × tile tile is one row's `tile` consecutive columns"
+            elif tuple(d.shape) == (rows, cols // tile):
+                hint = f": the last {cols % tile} columns form a shorter tile of their own: ⌈C / tile⌉, not C // tile"
+            elif d.numel() in (1, rows):
+                hint = ": one scale per tile, not per tensor or per row"
+            return f"{label}: scales have shape {tuple(d.shape)}, expected {tuple(want_d.shape)} (rows, ⌈C / tile⌉){hint}"
+        d = d.float()
+        if not torch.isfinite(d).all():
+            return f"{label}: a scale is {float(d[~torch.isfinite(d)][0])}: floor amax at 1e-12 before dividing"
+        bad = ~torch.isclose(d, want_d, rtol=1e-6, atol=0)
+        if bad.any():
+            r, j = (int(v) for v in bad.nonzero()[0])
+            part = x[r, j * tile:(j + 1) * tile]
+            amax, got_d, hint = float(part.abs().max()), float(d[r, j]), ""
+            if amax == 0 and got_d == 0:
+                hint = ": this tile is all zeros; floor amax at 1e-12 before dividing, or x / d is 0 / 0 = NaN"
+            elif amax > 0 and math.isclose(got_d, fmax4 / amax, rel_tol=1e-6):
+                hint = (": the scale is upside down: d = amax / 448 is the dequantizing factor (x ≈ x_fp8 · d), "
+                        "448 / amax the per-tensor multiplier of exercise 3")
+            elif amax > 0 and math.isclose(got_d, amax / fmax5, rel_tol=1e-6):
+                hint = f": {fmax5:g} is E5M2's largest number; E4M3's is {fmax4:g}"
+            elif math.isclose(got_d, float(x[r].abs().max()) / fmax4, rel_tol=1e-6) or math.isclose(
+                    got_d, float(x.abs().max()) / fmax4, rel_tol=1e-6):
+                hint = ": that is the amax of the whole row (or tensor); each tile takes the amax of its own elements"
+            return (f"{label}: row {r}, tile {j} (columns {j * tile}..{min((j + 1) * tile, cols) - 1}): scale "
+                    f"{got_d:.6g}, expected amax / 448 = {float(want_d[r, j]):.6g}{hint}")
+        if q.dtype != fp8.E4M3:
+            return f"{label}: x_fp8 has dtype {q.dtype}; cast to torch.float8_e4m3fn"
+        if tuple(q.shape) != tuple(x.shape):
+            return f"{label}: x_fp8 has shape {tuple(q.shape)}, expected {tuple(x.shape)}"
+        a, b = q.float(), want_q.float()
+        if not torch.equal(a, b):
+            r, c = (int(v) for v in (a != b).nonzero()[0])
+            return (f"{label}: element ({r}, {c}) (x = {x[r, c].item():.6g}) quantized to {a[r, c].item():g}, "
+                    f"expected {b[r, c].item():g} (x / d = {x[r, c].item() / float(want_d[r, c // tile]):.6g})")
+    return None
+
+
 SUCCESS = {
     "online_softmax_attention": f": {sum(len(c[4]) for c in ATTENTION_CASES)} block sizes over "
                                 f"{len(ATTENTION_CASES)} cases (scores up to ±1000) equal softmax(q kᵀ/√d) v and logsumexp",
     "update": f": {sum(len(s[3]) for s in SEQUENCES):,} steps of {len(SEQUENCES)} sequences equal LossScaler's",
     "quantize_e4m3": f": {len(_tensors())} tensors equal picotron.fp8.quantize's, bit for bit",
+    "quantize_tiles": f": {len(_tile_tensors())} tensors' tiles and scales equal picotron.fp8_blockwise.quantize_tiles's, "
+                      f"bit for bit",
 }
 PROBLEMS = {"online_softmax_attention": _attention_problem, "update": _update_problem,
-            "quantize_e4m3": _quantize_problem}
+            "quantize_e4m3": _quantize_problem, "quantize_tiles": _tiles_problem}
 
 
 def check_one(name, path, report, timeout_s):

@@ -1,7 +1,7 @@
-"""Lesson 11 exercises: the online softmax at the heart of flash attention, fp16's loss-scale rule, and FP8's
-per-tensor scaling. Write the pieces marked EXERCISE, then
+"""Lesson 11 exercises: the online softmax at the heart of flash attention, fp16's loss-scale rule, FP8's
+per-tensor scaling, and DeepSeek-V3's 1×128 tiles. Write the pieces marked EXERCISE, then
     ./run.sh python lessons/11_precision_and_kernels/check.py                            # all exercises
-    ./run.sh python lessons/11_precision_and_kernels/check.py online_softmax_attention   # just one (or update, quantize_e4m3)
+    ./run.sh python lessons/11_precision_and_kernels/check.py online_softmax_attention   # just one (or update, quantize_e4m3, quantize_tiles)
 Everything is checked in this process against torch.softmax, picotron.precision.LossScaler and picotron.fp8: the
 checker names the row, the step or the element that is wrong, and recognises the usual mistakes (an accumulator not
 rescaled when the running max grows, exp of unshifted scores overflowing, a count of clean steps that an overflow
@@ -9,7 +9,7 @@ does not reset, a scale upside down...). The solutions are in solution.py (look 
 """
 import torch
 
-E4M3 = torch.float8_e4m3fn  # exercise 3's format
+E4M3 = torch.float8_e4m3fn  # exercises 3 and 4's format
 
 
 def online_softmax_attention(q, k, v, block):
@@ -36,4 +36,12 @@ def quantize_e4m3(t):
     """EXERCISE 3: per-tensor current scaling into FP8 E4M3 (torch.float8_e4m3fn): scale = fmax / amax with
     fmax = torch.finfo(E4M3).max = 448 and amax = max |t| floored at 1e-12 (so an all-zero tensor gets a finite scale);
     return (t·scale computed in float32, clamped to ±fmax, cast to E4M3, scale) with scale a float32 tensor."""
+    raise NotImplementedError("not written yet")
+
+
+def quantize_tiles(x, tile=128):
+    """EXERCISE 4: fine-grained FP8 as DeepSeek-V3 scales activations (picotron/fp8_blockwise.py): x [R, C] cut into
+    1 × tile tiles along its LAST axis (per row, `tile` consecutive elements; the last tile shorter when tile does not
+    divide C). Each tile gets its own dequantizing scale d = amax(tile) / 448 in float32 (amax floored at 1e-12), and
+    its elements become (x / d) clamped to ±448 and cast to E4M3. Return (x_fp8 [R, C], scales [R, ⌈C / tile⌉])."""
     raise NotImplementedError("not written yet")

@@ -34,3 +34,17 @@ def quantize_e4m3(t):
     amax = t.detach().abs().amax().float().clamp(min=1e-12)
     scale = fmax / amax
     return (t.detach().float() * scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn), scale
+
+
+def quantize_tiles(x, tile=128):
+    rows, cols = x.shape
+    n = -(-cols // tile)  # ⌈cols / tile⌉ tiles per row, the last one possibly shorter
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(rows, n, dtype=torch.float32)
+    for j in range(n):
+        part = x[:, j * tile:(j + 1) * tile].detach().float()
+        d = part.abs().amax(dim=1).clamp(min=1e-12) / fmax  # one scale per row of this tile
+        q[:, j * tile:(j + 1) * tile] = (part / d[:, None]).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+        scales[:, j] = d
+    return q, scales
