@@ -93,7 +93,8 @@ def label(name, info):
 
 class TraceRecorder(metrics.Recorder):
     """The axes' recorder while profiling: a metrics.Recorder (collectives timed on a timeline, with their axis and
-    bytes) whose point-to-point batches are timed too, their waits named as ranges ("wait p2p")."""
+    bytes) whose point-to-point batches are timed too (from posting to the end of the wait, with the bytes they send;
+    0 for a batch of receives), their waits named as ranges ("wait p2p")."""
     time_messages = True
 
     def collective(self, kind, nbytes, work, label, start, axis=None, **info):
@@ -117,8 +118,8 @@ class TraceRecorder(metrics.Recorder):
         def one_done():
             left[0] -= 1
             if not left[0]:
-                tl.add(f"p2p {label}", start, tl.now(), kind="comm", axis_name=axis, bytes=nbytes, collective="p2p",
-                       end_observed_at_wait=True)
+                tl.add(f"p2p {label}" if nbytes else "p2p receive", start, tl.now(), kind="comm", axis_name=axis,
+                       bytes_sent=nbytes, collective="p2p", end_observed_at_wait=True)
         return [_NamedWait(w, one_done) for w in works]
 
 

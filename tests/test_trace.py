@@ -152,8 +152,10 @@ def test_four_ranks_dp2_pp2_trace_every_rank_in_one_merged_view_with_unchanged_l
             for kind in ("forward", "backward"):
                 assert sum(n.startswith(f"{kind} mb={mb} ") for n, _ in mine) == 2, (r, kind, mb)
         axes = {a.get("axis_name") for _, a in mine if "axis_name" in a}
-        assert "dp" in axes and any(str(a).startswith("pp") for a in axes), (r, axes)
-        assert all(a["bytes"] > 0 for _, a in mine if "bytes" in a)
+        kinds = {a.get("collective") for _, a in mine if "collective" in a}
+        assert {"dp_cp", "pp"} <= axes and {"all_reduce", "p2p"} <= kinds, (r, axes, kinds)
+        assert all(a["bytes"] > 0 for _, a in mine if a.get("collective", "p2p") != "p2p")
+        assert any(a["bytes_sent"] > 0 for _, a in mine if a.get("collective") == "p2p")
     first = [s for pid, n, s, *_ in rows if n == "step 2"]
     assert len(first) == 4 and max(first) - min(first) < 50e3  # µs: every rank's step 2 starts within 50 ms
     offsets = merged["picotron"]["clock_offsets_us"].values()  # one machine, one clock: the barrier's skew only
