@@ -80,8 +80,9 @@ def muon_update(u, steps=5):
 
 
 def is_hidden_matrix(name, p):
-    """Muon's matrices: 2-D parameters inside the decoder layers (not the embedding, the LM head, the norms)."""
-    return name.startswith("layers.") and marks.placement(p).shape is not None and len(marks.placement(p).shape) == 2
+    """Muon's matrices: 2-D parameters inside the decoder layers (not the embedding, the LM head, the norms). A
+    pipeline stage names them "chunks.0.layers.3....": a "layers" part anywhere in the name."""
+    return "layers" in name.split(".") and len(marks.placement(p).shape) == 2
 
 
 def source(t):
@@ -184,9 +185,9 @@ class Exchange:
 
     def _gather_tp(self, p, u):
         """A tp slice's update -> the whole matrix's: all-gather over tp, the slices joined along split_dim."""
-        parts = torch.empty((self.tp.size, *u.shape), dtype=torch.float32, device=u.device)
+        parts = torch.empty(self.tp.size * u.numel(), dtype=torch.float32, device=u.device)
         self.tp.all_gather_into(parts, u.float().contiguous(), label="muon all-gather tp")
-        return torch.cat(parts.unbind(0), dim=marks.placement(p).split_dim)
+        return torch.cat(parts.view(self.tp.size, *u.shape).unbind(0), dim=marks.placement(p).split_dim)
 
     # -- owner: one all-to-all to the owners, Newton–Schulz there, one all-to-all back -------------------------
     def _axes(self):

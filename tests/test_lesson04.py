@@ -26,7 +26,7 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", timeout=900, as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 12, out  # shard_range, the puzzle, pp_traffic and hsdp_groups once, the others on
+    assert out.count("  ok  ") == 13, out  # shard_range, the puzzle, pp_traffic, hsdp_groups, owner_of once, the others on
     # 2 and 3 ranks
     assert "12.52 -> 11.01 MiB all-gathered per step" in out, out  # the last layer: one gather less per micro-batch
     assert "12.52 -> 6.26 MiB all-gathered per step" in out, out  # bf16: half
@@ -42,7 +42,8 @@ def test_checker_fails_the_stubs_naming_not_implemented():
     assert "FAIL  plan (the puzzle): NotImplementedError: not written yet" in out, out
     assert "FAIL  pp_zero_traffic: NotImplementedError: not written yet" in out, out
     assert "FAIL  hsdp_groups: NotImplementedError: not written yet" in out, out
-    assert out.count("NotImplementedError: not written yet") == 8, out
+    assert "FAIL  owner_of: NotImplementedError: not written yet" in out, out
+    assert out.count("NotImplementedError: not written yet") == 9, out
     assert "on 3 ranks" not in out  # it stops at the first world size
 
 
@@ -237,3 +238,18 @@ def test_checker_explains_hsdp_groups(tmp_path):
     code, out = run_checker("--module", str(no_cp), "hsdp_groups")
     assert code == 1, out
     assert "a shard group holds every cp rank" in out, out
+
+
+def test_checker_explains_owner_of(tmp_path):
+    """Exercise 9: owners dealt out in turn (round-robin by position) and every matrix on one rank are each named."""
+    turns = mutate(tmp_path, ("for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):\n"
+                              "        r = min(range(n), key=lambda r: (load[r], r))",
+                              "for k in range(len(sizes)):\n        r = k % n"))
+    code, out = run_checker("--module", str(turns), "owner_of")
+    assert code == 1, out
+    assert "FAIL  owner_of: owner_of([1, 5, 3, 3], 2) returned [0, 1, 0, 1]" in out, out
+    assert "round-robin by position" in out, out
+    one = mutate(tmp_path, ("        r = min(range(n), key=lambda r: (load[r], r))", "        r = 0"))
+    code, out = run_checker("--module", str(one), "owner_of")
+    assert code == 1, out
+    assert "every matrix went to rank 0" in out, out

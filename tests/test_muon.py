@@ -113,12 +113,15 @@ def test_one_process_muon_is_the_plain_reference():
 
 # ------------------------------------------------------------------------------- parity with one process
 def _full_params(run, mesh, cfg):
-    """{name: the whole parameter} after training (ZeRO-3 gathered, tp slices joined), on tp rank 0 of the first
-    replica; {} elsewhere."""
-    split = {n: w.split_dim for n, w in marks.records(run.raw).items()}
-    held = run.model.full_parameters() if cfg.zero == 3 else \
-        {n: p.detach().clone() for n, p in run.raw.named_parameters()}
-    full = {n: gather_from_tp(p.float(), split[n], mesh.tp) for n, p in held.items()}
+    """{name: the whole parameter} after training (ZeRO-3 gathered, tp slices joined; a pipeline's chunks under the
+    layers' own names, a tied copy left to stage 0), on tp rank 0 of the first replica; {} elsewhere."""
+    if cfg.zero == 3:
+        split = {n: w.split_dim for n, w in marks.records(run.raw).items()}
+        held = {n: (p, split[n]) for n, p in run.model.full_parameters().items()}
+    else:
+        held = {n: (p.detach(), marks.placement(p).split_dim) for chunk in getattr(run.raw, "chunks", [run.raw])
+                for n, p in chunk.named_parameters() if marks.placement(p).copy_of is None}
+    full = {n: gather_from_tp(p.float(), dim, mesh.tp) for n, (p, dim) in held.items()}
     return full if mesh.tp.rank == 0 and mesh.dp.rank == 0 else {}
 
 
@@ -143,7 +146,9 @@ def _assert_parity(layout):
     seen = set()
     for _, params in results:
         for name, p in params.items():
-            torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{layout} {name}: {m}")
+            # atol 1e-5: AdamW's step is ~lr per element whatever the gradient's size, so an element whose gradient is
+            # ~0 (an unused vocabulary row) moves by the rounding of its sum's order; 1e-5 is 1/2000 of one step
+            torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{layout} {name}: {m}")
             seen.add(name)
     assert seen == set(ref_params), f"{layout}: parameters not compared: {sorted(set(ref_params) - seen)}"
 
@@ -240,7 +245,7 @@ def test_muon_exchange_obeys_nccl_rules(tmp_path, layout):
 # ------------------------------------------------------------------------------------------------ resume
 def _resume_child(layout, out, steps, save_every=0, resume=False):
     from picotron.train import train
-    cfg = Config(out=out, steps=steps, save_every=save_every, resume=resume, **{**MUON, **layout})
+    cfg = Config(out=out, **{**MUON, **layout, "steps": steps, "save_every": save_every, "resume": resume})
     with Mesh.init(dp=cfg.dp, tp=cfg.tp) as mesh:
         train(cfg, mesh)
         return read_metrics(out)[0] if mesh.rank == 0 else None

@@ -685,7 +685,100 @@ for gpus, plain, hybrid in ((256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256",
 # $n_s$-way instead of $n$-way memory savings. It matters when that traffic is exposed: ZeRO-3 across many nodes (every
 # layer's all-gather would otherwise cross the network), few tokens per GPU to hide behind, a slow network.
 #
-# ## 9. Exercises
+# ## 9. Muon: an optimizer that needs the whole matrix
+#
+# Everything ZeRO does rests on one fact: AdamW is **elementwise**. Each element's update needs its own gradient and
+# moments only, so a flat chunk may cut a matrix anywhere. **Muon** (Jordan et al. 2024, *Muon: An optimizer for
+# hidden layers in neural networks*, kellerjordan.github.io/posts/muon) breaks that fact on purpose. For each hidden
+# matrix $W$ ($A \times B$) it keeps SGD momentum with Nesterov, $M_t = \mu M_{t-1} + G_t$, $U_t = G_t + \mu M_t$
+# ($\mu = 0.95$), and steps along the orthogonal matrix nearest to $U_t$, $O_t = UV^\top$ for $U_t = U\Sigma V^\top$,
+# computed by five Newton–Schulz iterations of a quintic from $X_0 = U_t/\lVert U_t\rVert_F$:
+#
+# $$X_{k+1} = aX_k + (bA_k + cA_k^2)X_k,\quad A_k = X_kX_k^\top,\quad (a, b, c) = (3.4445, -4.7750, 2.0315)$$
+#
+# then scales it so that its RMS matches AdamW's and the same learning rate works (Liu et al. 2025, *Muon is Scalable
+# for LLM Training*, arXiv:2502.16982, §2.2): $W \leftarrow W - \eta\,(0.2\sqrt{\max(A,B)}\,O_t + \lambda W)$.
+# The embedding, the LM head and the norms stay with AdamW. (The blog runs the iteration in bf16 on a GPU; ours
+# runs in fp32 so that a sharded run can be checked against one process.) `picotron/muon.py`, `--optimizer muon`.
+#
+# $X_kX_k^\top$ mixes every element of the matrix with every other: **Newton–Schulz needs the whole matrix**. The
+# momentum is elementwise and stays in ZeRO's pieces, but before the iteration the pieces must meet. Two designs:
+#
+# * **gather** (Liu et al.'s *Distributed Muon*, §2.3): every rank all-gathers the update of each unit that holds a
+#   Muon matrix, runs Newton–Schulz on every matrix, redundantly, and keeps its own piece. Bytes per rank: one more
+#   all-gather of those units, $\approx\frac{n-1}{n}\Psi$ — as much as ZeRO's own parameter all-gather. Compute: all of it,
+#   on every rank.
+# * **owner**: each whole matrix gets one owner rank, largest first to the least-loaded rank (`planner.owner_of`). One
+#   all-to-all sends every piece to its matrix's owner, the owner orthogonalises, a second all-to-all sends the pieces
+#   back. Bytes per rank: its pieces ($\approx\Psi_{muon}/n$) out and its owned matrices ($\approx\Psi_{muon}/n$) back,
+#   about $2\Psi_{muon}/n$; compute: $\approx 1/n$ of it. The layer-wise distributed Muon of torchtitan and Megatron, and
+#   Dion, assign whole matrices to ranks the same way.
+#
+# Under tensor parallelism the same holds for tp's slices (gather: all-gather each matrix over tp). Newton–Schulz
+# costs $5\,(4m^2k + 2m^3)$ FLOPs for an $m \times k$ matrix, $m \le k$ (`planner.muon_ns_flops`); the bytes of both
+# designs, exact for our units, are `planner.muon_bytes_per_step`. The owner's exchange:
+
+# %%
+from picotron import muon
+_common.show_source(muon.Exchange._owner)
+
+# %% [markdown]
+# **Run it.** dp = 4 on 4 processes, ZeRO-1 (4 MiB buckets), AdamW, Muon with gather and Muon with owner, on the same
+# batches and learning rate. Each optimizer step is timed apart from ZeRO's own all-gather, with the time inside
+# Newton–Schulz summed; a Recorder counts the exchange's collectives on every rank.
+
+# %%
+import statistics
+run("muon", nproc=4)
+mu = _common.load_json(OUT / "muon.json")["results"]
+print(f"dp={mu['dp']}, ZeRO-1: Muon's exchange per rank per step, buffers in MiB (measured | formula), "
+      f"Newton–Schulz GFLOP per rank, the optimizer step's time (rank 0, median)")
+for row in mu["rows"]:
+    steps0 = row["by_rank"][0]["steps"]
+    opt_ms = statistics.median(s["optimizer_s"] for s in steps0) * 1e3
+    ns_ms = statistics.median(s["ns_s"] for s in steps0) * 1e3
+    name = row["optimizer"] + (f" ({row['impl']})" if row["optimizer"] == "muon" else "")
+    if row["optimizer"] == "muon":
+        per = "; ".join(f"rank {k}: {sum(r['steps'][-1]['bytes'].values()) / MiB:.2f} | "
+                        f"{sum(r['formula']['buffers'].values()) / MiB:.2f}, {r['steps'][-1]['ns_flops'] / 1e9:.2f}"
+                        for k, r in enumerate(row["by_rank"]))
+        print(f"{name:15s} {per}")
+    print(f"{'':15s} step {opt_ms:6.1f} ms, of which Newton–Schulz {ns_ms:6.1f} ms; losses "
+          f"{', '.join(f'{x:.4f}' for x in row['losses'])}")
+lesson.plot_muon(mu); plt.show()
+gathered, owned = (next(r for r in mu["rows"] if r["impl"] == i and r["optimizer"] == "muon") for i in ("gather", "owner"))
+for row in (gathered, owned):
+    _common.check(f"Muon ({row['impl']}): every rank's exchange is the formula's buffers, every step",
+                  all(s["bytes"] == r["formula"]["buffers"] for r in row["by_rank"] for s in r["steps"]),
+                  "; ".join(f"rank {k}: {r['steps'][-1]['bytes']} vs {r['formula']['buffers']}"
+                            for k, r in enumerate(row["by_rank"])))
+    _common.check(f"Muon ({row['impl']}): the Newton–Schulz FLOPs each rank ran are the formula's",
+                  all(s["ns_flops"] == r["ns_flops_formula"] for r in row["by_rank"] for s in r["steps"]),
+                  "; ".join(f"rank {k}: {r['steps'][-1]['ns_flops']} vs {r['ns_flops_formula']}"
+                            for k, r in enumerate(row["by_rank"])))
+_common.check("owner sends fewer bytes than gather on every rank, and runs ~1/n of the Newton–Schulz work",
+              all(sum(o["formula"]["buffers"].values()) < sum(g["formula"]["buffers"].values())
+                  and o["ns_flops_formula"] < g["ns_flops_formula"] for o, g in zip(owned["by_rank"], gathered["by_rank"])),
+              f"owner {[sum(r['formula']['buffers'].values()) for r in owned['by_rank']]} vs gather "
+              f"{[sum(r['formula']['buffers'].values()) for r in gathered['by_rank']]}")
+worst = max(abs(a - b) / abs(b) for a, b in zip(owned["losses"], gathered["losses"]))
+_common.check("gather and owner train alike (the same update, computed elsewhere): losses within 1e-5", worst <= 1e-5,
+              f"worst relative difference {worst:.1e}")
+
+# %% [markdown]
+# Read the bars with the formula: gather all-gathers every bucket that holds a hidden matrix, which at this size is
+# nearly the whole model (the embedding shares buckets with the layers), on every rank, and every rank runs all the
+# Newton–Schulz FLOPs; owner sends each rank's pieces and its owned matrices, about half of the hidden matrices' bytes
+# at n = 4, and each rank runs about a quarter of the FLOPs. On this CPU the Newton–Schulz time is most of Muon's step,
+# so dividing it is what owner buys; on a GPU in bf16 the iteration is fast and the bytes matter more (unmeasured
+# here). The losses are those of one process (tests/test_muon.py: dp, ZeRO-1/2/3, tp, pp, both designs, 1e-5); the
+# tests also replay both exchanges under NCCL's rules: the same collectives, in the same order and sizes, on every rank.
+#
+# **Takeaway:** a matrix optimizer undoes ZeRO's "cut anywhere": each matrix must meet once per step, either on every
+# rank (gather: ZeRO's all-gather once more, all the compute everywhere) or on one owner (two all-to-alls of about
+# $\Psi_{muon}/n$ each, $1/n$ of the compute) — exercise 9 assigns the owners.
+#
+# ## 10. Exercises
 # Open `lessons/04_zero/exercise.py`. First ZeRO's three moves by hand:
 #
 # 1. `shard_range(numel, n, rank)` — the chunk rank `rank` owns in a unit padded to a multiple of $n$;
@@ -710,13 +803,15 @@ for gpus, plain, hybrid in ((256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256",
 #    collectives cover per step.
 # 8. `hsdp_groups(dp, dp_shard, cp)` — section 8's groups: the shard groups and the replicate groups of a dp × cp
 #    grid, as lists of ranks.
+# 9. `owner_of(sizes, n)` — section 9's owners: give each matrix (its size in elements) to one of $n$ ranks so that
+#    the largest load, the Newton–Schulz work of the slowest rank, is as small as the largest-first rule makes it.
 #
 # The checker runs exercise 1 on many sizes, 2 to 5 on 2 and then 3 real processes (at 3, padding comes into
 # play), and compares every rank with the answer computed another way: in one process
 # (1–3), or with the plain `Zero3` next to yours, its all-gathers counted by a `metrics.Recorder` (4–5: the same
 # losses exactly; in bf16 within the bound it prints). For 6 it checks your plans against the formulas, then trains
-# each for one step on 2 ranks and compares the memory the ranks measure with your budget; 7 and 8 on many cases in one
-# process (8 against `picotron.mesh.shard_groups`). Each failure names the
+# each for one step on 2 ranks and compares the memory the ranks measure with your budget; 7, 8 and 9 on many cases in
+# one process (8 against `picotron.mesh.shard_groups`, 9 against the largest load of `planner.owner_of`). Each failure names the
 # mistake (a sum instead of a mean, a chunk at the wrong offset, the last layer still gathered twice, an fp32
 # all-gather, a plan that does not fit or moves more bytes than it must, ...). Until you write them it reports
 # `NotImplementedError: not written yet`.
@@ -729,7 +824,7 @@ import check as checker   # this folder's check.py
 all_passed = checker.check()
 
 # %% [markdown]
-# ## 10. What it costs, when to use it, what comes next
+# ## 11. What it costs, when to use it, what comes next
 #
 # | | per rank | cost |
 # |---|---|---|
@@ -737,6 +832,7 @@ all_passed = checker.check()
 # | ZeRO-2 | + gradients $/n$ (plus two buckets in flight) | nothing more in bytes; with gradient accumulation a reduce-scatter per micro-batch (DP and ZeRO-1 send once per step; under a pipeline ZeRO-2 too, section 7) |
 # | ZeRO-3 | + parameters $/n$ (plus a few whole units in flight) | $\approx 3\Psi$ per micro-batch: 1.5× DP's traffic, in latency-bound per-layer collectives that must be prefetched to hide |
 # | HSDP | any stage's states $/n_s$ instead of $/n$ | the stage's traffic within the shard group (a node), plus $\frac{2(n_r-1)}{n_r}\Psi/n_s$ across the replicas |
+# | Muon on ZeRO | nothing more in memory (one momentum instead of two moments: less) | each hidden matrix must meet: gather $\approx\frac{n-1}{n}\Psi$ more per step and all of Newton–Schulz on every rank, or owner $\approx 2\Psi_{muon}/n$ and $1/n$ of it |
 #
 # **Use it** whenever data parallelism runs out of memory for model states: ZeRO-1 is free and almost always on;
 # ZeRO-2 is free without gradient accumulation; ZeRO-3 (FSDP) lets a model larger than one GPU train with nothing but

@@ -20,7 +20,8 @@ and stay within BF16_LOSS_TOL of the fp32 losses. plan (the puzzle) is checked a
 (ZeRO with a pipeline: the elements each collective covers per step) is arithmetic, checked in one process
 (`pp_traffic_problem`) against what tests/test_zero.py and the lesson measure. hsdp_groups (HSDP's shard and
 replicate groups) is checked in one process against picotron.mesh.shard_groups, on grids with and without cp
-(`hsdp_groups_problem`).
+(`hsdp_groups_problem`). owner_of (Muon's owners) is checked in one process on many lists of sizes: a rank for
+every matrix, in range, and the largest load no more than picotron.planner.owner_of's (`owner_of_problem`).
 
 How it works: run_on_ranks pickles the function it runs by reference, so the children run `_on_rank` (below,
 at module level). It imports YOUR file by path, builds every rank's inputs deterministically (so each child
@@ -48,7 +49,7 @@ TIMEOUT_S = 10.0
 EXERCISES = {"shard_range": "shard_range", "reduce_scatter_gradients": "reduce_scatter_gradients",
              "sharded_adamw": "ShardedAdamW.step", "keep_last_layer": "KeepLastLayer._post_forward",
              "bf16_gather": "Bf16Gather._gather/_wait", "plan": "plan (the puzzle)",
-             "pp_traffic": "pp_zero_traffic", "hsdp_groups": "hsdp_groups"}
+             "pp_traffic": "pp_zero_traffic", "hsdp_groups": "hsdp_groups", "owner_of": "owner_of"}
 WORLD_SIZES = {"shard_range": (1,), "reduce_scatter_gradients": (2, 3), "sharded_adamw": (2, 3),
                "keep_last_layer": (2, 3), "bf16_gather": (2, 3), "plan": (2,)}
 MIN_TIMEOUT_S = {"keep_last_layer": 120, "bf16_gather": 120, "plan": 300}  # they build and train models
@@ -801,8 +802,41 @@ def hsdp_groups_problem(fn, path):
     return None
 
 
+# ------------------------------------------------------------------------------------ exercise 9: Muon's owners
+OWNER_CASES = [([1, 5, 3, 3], 2), ([4, 4, 4, 4], 4), ([10], 3), ([7, 7, 6, 6, 5, 5, 4, 4, 1], 3),
+               ([3, 3, 2, 2, 2], 2), ([1, 1, 1, 9], 2), ([2, 8, 2, 8, 2, 8, 1], 4), ([16384, 16384, 4096, 4096, 49152,
+                                                                                   49152, 49152], 4)]
+
+
+def owner_of_problem(fn, path):
+    """The first list of sizes on which the learner's owner_of is wrong, with what that usually means."""
+    from picotron.planner import owner_of
+    for sizes, n in OWNER_CASES:
+        call = f"owner_of({sizes}, {n})"
+        got = fn(list(sizes), n)
+        if not (isinstance(got, (list, tuple)) and len(got) == len(sizes)):
+            return f"{call} returned {got!r}: return one rank per matrix ({len(sizes)} of them)"
+        if any(not isinstance(r, int) or not 0 <= r < n for r in got):
+            return f"{call} returned {list(got)}: every owner is a rank in 0..{n - 1}"
+        loads = [sum(s for s, r in zip(sizes, got) if r == k) for k in range(n)]
+        best = max(sum(s for s, r in zip(sizes, owner_of(sizes, n)) if r == k) for k in range(n))
+        if max(loads) <= best:
+            continue
+        head = f"{call} returned {list(got)}: loads {loads}, the largest {max(loads)}; the largest-first rule gives {best}"
+        if list(got) == [k % n for k in range(len(sizes))]:
+            return f"{head}: you dealt the matrices out in turn (round-robin by position); take them by size, largest first"
+        if len(set(got)) == 1:
+            return f"{head}: every matrix went to rank {got[0]}; give each to the least-loaded rank so far"
+        return (f"{head}: take the matrices largest first (a large one placed last unbalances the ranks), each to the "
+                f"rank with the least load so far")
+    return None
+
+
 def check_one(name, path, report, timeout_s):
     timeout_s = max(timeout_s, MIN_TIMEOUT_S.get(name, 0))
+    if name == "owner_of":
+        return in_process("owner_of", path, report, owner_of_problem,
+                          f": {len(OWNER_CASES)} lists of sizes (n = 2 to 4)", "ex04owner", EXERCISES[name])
     if name == "plan":
         return check_plan(path, report, timeout_s)
     if name == "hsdp_groups":

@@ -3,7 +3,7 @@ marked EXERCISE, then run
     ./run.sh python lessons/04_zero/check.py                      # all exercises
     ./run.sh python lessons/04_zero/check.py keep_last_layer      # just one: shard_range, reduce_scatter_gradients,
                                                                   # sharded_adamw, keep_last_layer, bf16_gather, plan,
-                                                                  # pp_traffic, hsdp_groups
+                                                                  # pp_traffic, hsdp_groups, owner_of
 The checker runs shard_range on many sizes, and exercises 2 to 5 on 2 and then 3 real processes (gloo), with
 sizes that n does not divide (so padding matters). It compares what each rank returns or holds with the answer
 computed another way — in one process (the mean gradient; torch.optim.AdamW on the whole vector), or with the
@@ -187,4 +187,16 @@ def hsdp_groups(dp, dp_shard, cp=1):
 
     dp_shard divides dp. E.g. hsdp_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]]). Any order of the groups
     and of the ranks inside a group is accepted."""
+    raise NotImplementedError("not written yet")
+
+
+# ------------------------------------------------------------------------------------ exercise 9: Muon's owners
+def owner_of(sizes, n):
+    """EXERCISE 9 (section 9). Muon's owner design gives each whole matrix to one rank, which runs its Newton–Schulz.
+    `sizes`: each matrix's number of elements, in the model's order; `n`: the ranks. Return a list with one rank
+    (0..n-1) per matrix, so that the largest load (the sum of the sizes a rank owns: the slowest rank's work) is as
+    small as the LARGEST-FIRST rule makes it: take the matrices from the largest to the smallest and give each to the
+    rank with the least load so far. E.g. owner_of([1, 5, 3, 3], 2) gives the 5 to one rank and 3 + 3 to the other,
+    with the 1 on the lighter: largest load 6. (Every rank must compute the same answer from the same sizes: no
+    message is sent; any answer with the same largest load is accepted.)"""
     raise NotImplementedError("not written yet")

@@ -11,6 +11,9 @@ OUT/<name>.json (`stages` and `parity`: OUT/<name>_dp<N>.json) from rank 0:
     hsdp         HSDP at dp = world size: ZeRO-1 and ZeRO-3 with every shard size dp_shard dividing dp, the bytes of each
                  step on the shard link and on the replicate link counted apart on every rank, with the formula
                  (planner.hsdp_bytes_per_step), the losses, what each rank keeps, and the NCCL replay of one run
+    muon         ZeRO-1 at dp = world size with --optimizer muon (gather and owner) and AdamW: the bytes of Muon's
+                 exchange per rank against planner.muon_bytes_per_step, the optimizer step's time split into
+                 Newton–Schulz and the rest, and the losses
 
     PICOTRON_FAST=1 torchrun --nproc_per_node 2 lessons/04_zero/experiment.py --only stages,timeline
 
@@ -53,7 +56,8 @@ def settings(fast, mesh=None):
     st = dict(size="small", seq_len=64, micro_batch_size=2,
               tl_seq_len=128, tl_micro_batch_size=8, steps=3 if fast else 20, tl_steps=5 if fast else 12,
               warmup=1 if fast else 2, fsdp_steps=8 if fast else 60, parity_steps=10 if fast else 20,
-              pp_micro_batches=4 if fast else 8, hsdp_steps=3 if fast else 10)
+              pp_micro_batches=4 if fast else 8, hsdp_steps=3 if fast else 10,
+              muon_steps=3 if fast else 12)
     return _common.sized("04_zero", st, fast, mesh.device.type if mesh else None)
 
 
@@ -406,7 +410,115 @@ def plot_hsdp(res):
     return fig
 
 
-EXPERIMENTS = ("stages", "timeline", "fsdp", "fsdp_memory", "parity", "pipeline", "hsdp")
+# ------------------------------------------------------------------------------------ Muon on ZeRO's pieces
+MUON_RUNS = (("adamw", "gather"), ("muon", "gather"), ("muon", "owner"))
+
+
+def muon_units(run):
+    """The formula's inputs from a built run: each ZeRO unit's (elements, a Muon matrix?, cut over tp?) per parameter."""
+    ex = run.optimizer.optimizer.exchange
+    return [[(p.numel(), id(p) in ex.muon_ids, ex._tp_cut(p)) for p in u.params] for u in run.model.units]
+
+
+def exp_muon(mesh, st, out):
+    """ZeRO-1 at dp = world size, `muon_steps` steps each of AdamW, Muon (gather) and Muon (owner), on the same batches.
+    Each Muon step: the inner optimizer's step (momentum, the exchange, Newton–Schulz, the update) timed apart from
+    ZeRO's own all-gather of the updated chunks, with the time inside Newton–Schulz summed (muon.muon_update wrapped);
+    a Recorder counts the exchange's collectives. Per rank: bytes, the formula's, the Newton–Schulz FLOPs it ran."""
+    from picotron import muon
+    world = mesh.world_size
+    loader = data.DataLoader(tokens(), seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], grad_acc=1,
+                             dp_size=world, dp_rank=mesh.dp.rank, seed=0)
+    plain, ns = muon.muon_update, {"s": 0.0, "flops": 0}
+
+    def timed(u, steps=5):
+        t = time.perf_counter()
+        o = plain(u, steps)
+        ns["s"] += time.perf_counter() - t
+        ns["flops"] += planner.muon_ns_flops(u.shape, steps)
+        return o
+    rows = []
+    muon.muon_update = timed
+    try:
+        for optimizer, impl in MUON_RUNS:
+            cfg = make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=world,
+                           zero=1, bucket_mb=BUCKET_MB, optimizer=optimizer, muon_impl=impl, lr=3e-3, warmup_steps=0)
+            recorder = metrics.Recorder()
+            run = parallelize(cfg, mesh, recorder=recorder)
+            losses, steps = [], []
+            for step in range(st["muon_steps"]):
+                losses.append(float(run.schedule.run(run.model, loader.micro_batches(step), run.loss_fn)))
+                marks.clip_grad_norm(run.params, cfg.grad_clip, mesh)
+                recorder.reset()
+                ns.update(s=0.0, flops=0)
+                dist.barrier()
+                t0 = time.perf_counter()
+                run.optimizer.optimizer.step()  # Muon (or AdamW) on this rank's chunk: the exchange is in here
+                t1 = time.perf_counter()
+                exchanged = dict(recorder.bytes)
+                run.optimizer.zero.gather_updated_params()  # ZeRO-1's own all-gather of the updated chunks
+                t2 = time.perf_counter()
+                run.model.zero_grad(set_to_none=True)
+                steps.append(dict(optimizer_s=t1 - t0, ns_s=ns["s"], gather_s=t2 - t1, ns_flops=ns["flops"],
+                                  bytes=exchanged))
+            mine = dict(steps=steps)
+            if optimizer == "muon":
+                rank = run.model.units[0].axis.rank
+                mine["formula"] = planner.muon_bytes_per_step(impl, muon_units(run), n=world, rank=rank)
+                ex = run.optimizer.optimizer.exchange
+                sizes = [p.numel() for p in ex.matrices]
+                owner = planner.owner_of(sizes, world)
+                every = sum(planner.muon_ns_flops(p.shape) for p in ex.matrices)
+                mine["ns_flops_formula"] = every if impl == "gather" else \
+                    sum(planner.muon_ns_flops(p.shape) for p, o in zip(ex.matrices, owner) if o == rank)
+                mine["psi_muon"] = sum(sizes)
+                mine["psi"] = sum(u.numel for u in run.model.units)
+            rows.append(dict(optimizer=optimizer, impl=impl, losses=losses, by_rank=gather(mine, mesh)))
+    finally:
+        muon.muon_update = plain
+    return dict(dp=world, rows=rows)
+
+
+def plot_muon(res):
+    """Left: the bytes of Muon's exchange per rank per step (measured, each rank; the formula as black markers), gather
+    against owner. Middle: the optimizer step's time (median over the steps, rank 0) split into Newton–Schulz and the
+    rest (collectives, copies, elementwise). Right: the losses of AdamW and Muon on the same batches."""
+    plt = _plt()
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 3.8))
+    muons = [r for r in res["rows"] if r["optimizer"] == "muon"]
+    for j, row in enumerate(muons):
+        for k, r in enumerate(row["by_rank"]):
+            x = j + (k - (len(row["by_rank"]) - 1) / 2) * 0.18
+            a1.bar(x, sum(r["steps"][-1]["bytes"].values()) / MiB, 0.16, color=f"C{k}", label=f"rank {k}" if j == 0 else None)
+            a1.plot(x, sum(r["formula"]["buffers"].values()) / MiB, "k_", ms=12, mew=2,
+                    label="formula" if j == 0 and k == 0 else None)
+    a1.set_xticks(range(len(muons)), [r["impl"] for r in muons])
+    a1.set_ylabel("MiB per rank per step (buffers)")
+    a1.set_title(f"Muon's exchange at dp={res['dp']}, ZeRO-1", fontsize=10)
+    a1.legend(fontsize=7, frameon=False)
+    for j, row in enumerate(res["rows"]):
+        st = row["by_rank"][0]["steps"]
+        opt = statistics.median(s["optimizer_s"] for s in st) * 1e3
+        nsm = statistics.median(s["ns_s"] for s in st) * 1e3
+        a2.bar(j, nsm, 0.6, color="#c44e52", label="Newton–Schulz" if j == 0 else None)
+        a2.bar(j, max(opt - nsm, 0.0), 0.6, bottom=nsm, color="#8c8c8c", label="the rest" if j == 0 else None)
+    a2.set_xticks(range(len(res["rows"])), [f"{r['optimizer']}\n{r['impl'] if r['optimizer'] == 'muon' else ''}"
+                                            for r in res["rows"]])
+    a2.set_ylabel("ms (rank 0, median step)")
+    a2.set_title("the optimizer step's time", fontsize=10)
+    a2.legend(fontsize=7, frameon=False)
+    for row in res["rows"]:
+        a3.plot(range(1, len(row["losses"]) + 1), row["losses"], marker="o", ms=3,
+                label=row["optimizer"] + (f" ({row['impl']})" if row["optimizer"] == "muon" else ""))
+    a3.set_xlabel("step")
+    a3.set_ylabel("training loss")
+    a3.set_title("same batches, same lr", fontsize=10)
+    a3.legend(fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+EXPERIMENTS = ("stages", "timeline", "fsdp", "fsdp_memory", "parity", "pipeline", "hsdp", "muon")
 ONE_PROCESS, ANY_WORLD, PER_DP = ("fsdp_memory",), ("parity",), ("stages", "parity")
 PIPELINE = ("pipeline",)  # on a (world / 2) x 2 mesh of dp x pp
 

@@ -140,3 +140,13 @@ def hsdp_groups(dp, dp_shard, cp=1):
              for b in range(dp // dp_shard)]
     replicate = [[rank(d, c) for d in range(j, dp, dp_shard)] for j in range(dp_shard) for c in range(cp)]
     return shard, replicate
+
+
+# ------------------------------------------------------------------------------------ exercise 9: Muon's owners
+def owner_of(sizes, n):
+    """EXERCISE 9: largest first, each to the least-loaded rank so far (ties: the lowest rank)."""
+    load, owner = [0] * n, [0] * len(sizes)
+    for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        owner[k], load[r] = r, load[r] + sizes[k]
+    return owner
