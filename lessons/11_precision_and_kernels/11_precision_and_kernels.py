@@ -18,11 +18,12 @@ lessons/_notebook.py): edit this file, never the notebook.
 # This lesson measures both, on the model and on real tensors: the five formats' range and rounding (cast, not
 # quoted); fp16 failing — most gradient elements flushed to zero, a loss curve that lags behind — and loss scaling
 # repairing it exactly; what each `--dtype` recipe keeps in memory and sends over the network; FP8's per-tensor
-# scales, and why the gradients get the format with more range; attention's bytes counted, its arithmetic
+# scales, and why the gradients get the format with more range; DeepSeek-V3's scales per 1 × 128 tile, against
+# outliers, and its promotion of partial sums; attention's bytes counted, its arithmetic
 # intensity against a machine's balance, and the tiled online softmax that removes the $s^2$ traffic; fused
 # RMSNorm and SwiGLU and `torch.compile`; a profile of one training step. The code is `picotron/precision.py`,
-# `picotron/fp8.py` and `picotron/kernels.py`; the measurements are `experiment.py` in this folder; the formulas and
-# their sources are in [the reference](../../docs/reference.md#precision-and-kernels), its symbols in the course's
+# `picotron/fp8.py`, `picotron/fp8_blockwise.py` and `picotron/kernels.py`; the measurements are `experiment.py` in
+# this folder; the formulas and their sources are in [the reference](../../docs/reference.md#precision-and-kernels), its symbols in the course's
 # [notation](../../docs/reference.md#notation). `PICOTRON_FAST=1` gives a short
 # run. Everything runs on this CPU; where a GPU would show something different, the text says what to expect.
 
@@ -33,7 +34,7 @@ import matplotlib.pyplot as plt
 import torch
 sys.path.insert(0, "..")   # lessons/: the helpers every lesson shares
 import _common
-from picotron import fp8, kernels, metrics, precision
+from picotron import fp8, fp8_blockwise, kernels, metrics, precision
 
 FAST, OUT = _common.FAST, _common.run_dir("11_precision_and_kernels")
 import experiment as lesson   # this folder's experiment.py: its measurements, formulas and plots
@@ -402,14 +403,142 @@ check("FP8 training follows fp32", dev["fp8"] < 3e-2 and curves["fp8"]["loss"][-
 
 # %% [markdown]
 # On this CPU the FP8 run is slower, not faster: the simulation casts and multiplies in fp32. On an H100 the
-# decoder's matmuls would run at up to twice the bf16 rate; a whole step gains less — the casts, the amax
+# decoder's matmuls would run at up to twice the bf16 rate (the datasheet's ratio: not measured here, no GPU was lent
+# for this edition); a whole step gains less — the casts, the amax
 # reductions and everything kept in bf16 do not speed up — and the gain grows with the model, whose time the
 # large matmuls dominate more and more.
 #
 # **Takeaway:** FP8 works because each tensor gets its own scale; E4M3 where precision matters, E5M2 where the
 # range must absorb a stale scale; the rest of the model stays in higher precision.
+
+# %% [markdown]
+# ## 5. Fine-grained FP8: a scale per 1 × 128 tile (DeepSeek-V3)
 #
-# ## 5. Why attention is memory-bound, and how tiling fixes it
+# One scale per tensor lets the largest element decide where every other one lands. LLM activations have outliers:
+# a few feature channels tens to hundreds of times larger than the rest (Dettmers et al. 2022, "LLM.int8()"; Xiao et
+# al. 2023, "SmoothQuant"), and single tokens — often the first — with "massive activations" thousands of times
+# larger (Sun et al. 2024). DeepSeek-V3 (section 3.3.2, "Fine-Grained Quantization") gives each **1 × 128 tile** of
+# an activation or gradient (one token, 128 consecutive channels) and each **128 × 128 block** of a weight its own
+# scale, computed from that tile alone:
+#
+# $$d = \frac{\max_{\text{tile}} |t|}{448}, \qquad t_q = \text{E4M3}\big(t / d\big), \qquad
+# x W^\top \approx \sum_{j=1}^{\lceil K/128 \rceil} \big(x_{q,j}\, W_{q,j}^\top\big) \cdot d_{x,j}\, d_{W,j}$$
+#
+# ($d$ is the *dequantizing* factor, $t \approx t_q\,d$: the reciprocal of section 4's $\sigma$.) The sum runs over
+# the slices $j$ of 128 along the contraction axis $K$: since the scales change every 128 elements of $K$, the product
+# is assembled slice by slice, each slice's partial sum multiplied by its two scales and added to an fp32
+# accumulator. That is also DeepSeek's fix for a hardware limit ("Increasing Accumulation Precision"): Hopper's FP8
+# tensor cores keep only about 14 bits of their running sum (measured on H800), so DeepSeek's kernel copies the
+# partial sum to fp32 registers on the CUDA cores every $N_C = 128$ products — the **promotion interval**. With a
+# window per tile, E4M3's finer rounding serves every tensor, gradients included: "we adopt the E4M3 format on all
+# tensors for higher precision". The backward needs tiles along whatever axis it contracts: dgrad ($g\,W$, over the
+# output channels) takes $g$ in 1 × 128 tiles; wgrad ($g^\top x$, over the tokens) takes $g$ and $x$ in **128 × 1**
+# tiles — 128 tokens of one channel — and DeepSeek obtains $x$'s by dequantizing the saved 1 × 128 tiles, transposing
+# and re-quantizing them (section 3.5.2). `picotron/fp8_blockwise.py` does exactly this; `--dtype fp8 --fp8-recipe
+# blockwise` trains with it. MINI's widths (64, 192) are not multiples of 128: the last tile of a row is shorter and
+# is scaled on its own.
+#
+# First, the lesson's own tensors of section 4, and the same activation with one outlier added — a token or a
+# channel multiplied by 10 to 10⁶ — quantized with one scale per tensor and per tile (the error is over the *other*
+# elements: what the outlier does to its neighbours):
+
+# %%
+_common.show_source(fp8_blockwise.quantize_tiles)
+real = {name: lesson.quant_errors(t.reshape(-1, t.shape[-1])) for name, t in tensors.items()}
+print(f"{'tensor':<11} " + " ".join(f"{k:>12}" for k in real["activation"]))
+for name, e in real.items():
+    print(f"{name:<11} " + " ".join(f"{v:12.4f}" for v in e.values()))
+x_act, w_act = tensors["activation"].reshape(-1, tensors["activation"].shape[-1]), tensors["weight"]
+sweep = lesson.outlier_sweep(x_act, w_act)
+acc = lesson.accumulation_sweep()
+lesson.plot_blockwise(sweep, acc); plt.show()
+print(f"{'outlier':<18} {'per tensor E4M3':>15} {'per tensor E5M2':>15} {'tiles E4M3':>11}   x·Wᵀ: {'per tensor':>10} "
+      f"{'tiles':>7}")
+for r in sweep:
+    print(f"{r['kind']:<8} × {r['magnitude']:<7.0e} {r['tensor E4M3']:15.4f} {r['tensor E5M2']:15.4f} "
+          f"{r['tiles E4M3']:11.4f}   {r['out_tensor']:17.4f} {r['out_tiles']:7.4f}")
+print("K:" + "".join(f"{r['k']:>9}" for r in acc))
+for key in ("never", "promoted", "fp32"):
+    print(f"{key:<9}" + "".join(f"{r[key]:9.1e}" for r in acc))
+
+# %%
+tok = {r["magnitude"]: r for r in sweep if r["kind"] == "token"}
+chan = {r["magnitude"]: r for r in sweep if r["kind"] == "channel"}
+E4u = E4["u"]
+check("tiles keep E4M3's error on the lesson's tensors", all(
+    e["tiles E4M3"] <= 1.05 * e["tensor E4M3"] and e["blocks E4M3"] <= 1.05 * e["tensor E4M3"] and e["tiles E4M3"] < E4u
+    for e in real.values()),
+      "; ".join(f"{k}: tiles {e['tiles E4M3']:.4f}, blocks {e['blocks E4M3']:.4f}, per tensor {e['tensor E4M3']:.4f}"
+                for k, e in real.items()) + " (no outliers here: little to win)")
+check("a 100× or 1000× outlier costs per-tensor E4M3 nothing measurable", all(
+    r["tensor E4M3"] < 1.15 * r["tiles E4M3"] for m in (1e2, 1e3) for r in (tok[m], chan[m])),
+      "other elements' error " + ", ".join(f"{r['kind']} ×{m:.0e}: {r['tensor E4M3']:.4f} (tiles {r['tiles E4M3']:.4f})"
+                                           for m in (1e2, 1e3) for r in (tok[m], chan[m]))
+      + ": a float format shifts them down a few binades, it does not round them to a coarse grid as INT8 would")
+check("a massive token (× 1e5) flushes the others per tensor, not per tile", tok[1e5]["tensor E4M3"] > 10 * tok[1e5][
+    "tiles E4M3"] and tok[1e5]["out_tensor"] > 5 * tok[1e5]["out_tiles"],
+      f"other elements' error {tok[1e5]['tensor E4M3']:.3f} per tensor against {tok[1e5]['tiles E4M3']:.4f} per tile "
+      f"({tok[1e5]['tensor E4M3'] / tok[1e5]['tiles E4M3']:.0f}×); the other tokens' x·Wᵀ {tok[1e5]['out_tensor']:.3f} "
+      f"against {tok[1e5]['out_tiles']:.4f}; per-tensor E5M2 holds ({tok[1e5]['tensor E5M2']:.3f}) at twice E4M3's error")
+check("an outlier channel shares its tiles: tiles help less", chan[1e6]["tiles E4M3"] > 1.5 * tok[1e6]["tiles E4M3"],
+      f"channel × 1e6: tiles {chan[1e6]['tiles E4M3']:.3f} (per tensor {chan[1e6]['tensor E4M3']:.3f}); token × 1e6: "
+      f"tiles {tok[1e6]['tiles E4M3']:.4f} (per tensor {tok[1e6]['tensor E4M3']:.2f})")
+check("promotion every 128 products bounds the limited accumulator", acc[-1]["never"] > 10 * acc[-1]["promoted"] and
+      max(r["promoted"] for r in acc) < 1.5 * min(r["promoted"] for r in acc),
+      f"K = {acc[-1]['k']}: {acc[-1]['never']:.1e} never promoted, {acc[-1]['promoted']:.1e} promoted (flat in K: "
+      f"{min(r['promoted'] for r in acc):.1e} to {max(r['promoted'] for r in acc):.1e}); fp32 {acc[-1]['fp32']:.1e}")
+
+# %% [markdown]
+# Three things to read off. A float format is forgiving: up to about $10^3$–$10^4$ the outlier only pushes the
+# other elements down the window, and they keep their 3 mantissa bits — unlike INT8's uniform grid, where a 100×
+# outlier leaves the others with a bit or two (the case LLM.int8() and SmoothQuant were written for). Past E4M3's
+# span (448 down to $2^{-9}$: 17.8 binades) one scale per tensor flushes the rest, and per-tensor E5M2 survives only
+# by trading precision for range; 1 × 128 tiles keep E4M3's error for the other tokens because a token outlier is
+# alone in its tiles. A channel outlier is not: it sits in one tile of *every* token, and only the other tiles of each
+# row are spared (SmoothQuant's migration of the scale into the weight is the remedy for that). Right panel: a
+# 14-bit accumulator (modelled: it chops what it cannot hold, with positive products, the worst case) drifts in
+# proportion to $K$; restarted every 128 products and summed in fp32, its error stays at the level of one slice
+# whatever $K$ is. DeepSeek reports about 2% for $K = 4096$ on H800 without promotion; the model is not their
+# hardware, only its mechanism.
+#
+# What tiles cost: one fp32 scale per 128 one-byte elements, $4/128 = 3.1\%$ more activation bytes ($4\lceil K/128
+# \rceil / K$ with a ragged tail), and $4/128^2$ for the weights. And the training curves, same seed, same batches:
+
+# %%
+curves["fp8-blockwise"] = lesson.train_curve(st["fp8_steps"], dtype="fp8", fp8_recipe="blockwise")
+lesson.plot_fp8_curves(curves); plt.show()
+dev = {k: max(abs(a - b) / b for a, b in zip(r["loss"], curves["fp32"]["loss"])) for k, r in curves.items()}
+for k, r in curves.items():
+    print(f"  {k:<13} final loss {r['loss'][-1]:.4f}, worst per-step relative difference to fp32 {dev[k]:.1e}, "
+          f"{r['seconds']:.1f} s")
+xq, xd = fp8_blockwise.quantize_tiles(x_act)
+k_in = x_act.shape[1]
+measured = xd.numel() * xd.element_size() / (xq.numel() * xq.element_size())
+check("blockwise FP8 training follows fp32", dev["fp8-blockwise"] < 3e-2 and
+      curves["fp8-blockwise"]["loss"][-1] < 0.75 * curves["fp8-blockwise"]["loss"][0],
+      f"every step within {dev['fp8-blockwise']:.1e} relative of fp32 (per-tensor fp8: {dev['fp8']:.1e}, bf16: "
+      f"{dev['bf16']:.1e}); it learns ({curves['fp8-blockwise']['loss'][0]:.2f} → "
+      f"{curves['fp8-blockwise']['loss'][-1]:.3f})")
+check("the scales cost 4·⌈K/128⌉/K bytes per element", measured == 4 * math.ceil(k_in / 128) / k_in,
+      f"down_proj's input, K = {k_in}: {xd.numel()} fp32 scales for {xq.numel():,} E4M3 bytes = {100 * measured:.2f}% "
+      f"(a multiple of 128: 3.12%)")
+
+# %% [markdown]
+# On this small model, without outliers, the two recipes are equally close to fp32: tiles buy nothing when one scale
+# fits (the tensors' spread is a few binades, section 4). They pay where outliers live, in large models and over long
+# runs: DeepSeek validated the recipe against bf16 on two smaller MoE models over about 10¹² tokens (relative loss
+# difference below 0.25%, section 3.3 and appendix B.1), then trained DeepSeek-V3 (671 B parameters) with it. On a
+# Hopper GPU `torch.nn.functional.scaled_mm` computes the blockwise product (scales `BlockWise1x128` and
+# `BlockWise128x128`) when the shapes are multiples of 128; picotron calls it for the bf16 forward there — code that
+# no GPU has run yet, so neither its correctness on the device nor any speed is measured (`./run.sh gpu-check` on a
+# pod compares it with the simulation).
+#
+# **Takeaway:** a scale per 1 × 128 tile confines an outlier to its own tile, which lets E4M3 serve every tensor;
+# the scales change along $K$, so the product is summed slice by slice — and promoting each slice to fp32 is also what
+# rescues the tensor cores' short accumulator.
+
+# %% [markdown]
+# ## 6. Why attention is memory-bound, and how tiling fixes it
 #
 # Written as three kernels — $S = QK^\top/\sqrt d$, $P = \text{softmax}(S)$, $O = PV$ — attention writes the $s \times s$
 # scores to memory, reads them, writes the probabilities, reads them again. Per forward, with $b$ sequences, $a$
@@ -511,7 +640,7 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 # **Takeaway:** count bytes, not FLOPs: an operation whose FLOPs per byte fall below the machine's balance runs at
 # memory speed. Tiling keeps the $s^2$ intermediates on chip; the online softmax makes the tiles mergeable.
 #
-# ## 6. Fused kernels: RMSNorm and SwiGLU
+# ## 7. Fused kernels: RMSNorm and SwiGLU
 #
 # RMSNorm ($y = x/\sqrt{\text{mean}(x^2) + \epsilon} \cdot w$) and SwiGLU ($\text{silu}(g) \cdot u$) do a few FLOPs per
 # element; written in PyTorch each op is a kernel that reads its inputs from memory and writes its output back. The
@@ -587,7 +716,7 @@ check("--compile trains the same model", rel < 1e-5 and len(compiled[True][0]["l
 # **Takeaway:** fuse what is memory-bound; let the compiler do it where it can, write the kernel (Triton, CUDA)
 # where it cannot — attention was the case that needed a new algorithm, not just fusion.
 #
-# ## 7. Where a step's time goes: a profile
+# ## 8. Where a step's time goes: a profile
 #
 # `torch.profiler` records every operator a step runs, with its time excluding its children ("self" time) and, for
 # matmuls, the FLOPs it did. One training step of picotron's tiny preset (8 × 128 tokens), after one step of warm-up:
@@ -619,7 +748,7 @@ check("self times partition the step", total <= 1.05 * prof["wall"],
 # is exactly what fusion and FP8's fewer bytes go after. Open `prof.export_chrome_trace(...)` in Perfetto to see the
 # step as a timeline.
 #
-# ## 8. Explore: a format, a tensor, a scale
+# ## 9. Explore: a format, a tensor, a scale
 #
 # Pick a format, one of the model's tensors, and a scale $2^j$ it is multiplied by before the cast (the loss scale
 # for gradients, the per-tensor scale for FP8): its values' histogram over the format's window, and what the cast
@@ -655,7 +784,7 @@ check("the widget's default = section 2's measurement", abs(default_view["zero"]
       f"({100 * bands['subnormal']:.2f}%)")
 
 # %% [markdown]
-# ## 9. Exercises
+# ## 10. Exercises
 # Open `lessons/11_precision_and_kernels/exercise.py`:
 #
 # 1. `online_softmax_attention(q, k, v, block)` — attention over blocks of keys with a running max, a running sum
@@ -668,6 +797,10 @@ check("the widget's default = section 2's measurement", abs(default_view["zero"]
 #    overflow does not reset, growth one step late or early, and an overflowing step not skipped.
 # 3. `quantize_e4m3(t)` — per-tensor current scaling into E4M3, checked bit for bit against `fp8.quantize`; the
 #    checker recognises a scale upside down, E5M2's maximum, and an all-zero tensor with an infinite scale.
+# 4. `quantize_tiles(x, tile=128)` — section 5's 1 × 128 tiles: one dequantizing scale amax / 448 per tile, the last
+#    tile shorter, checked bit for bit against `fp8_blockwise.quantize_tiles`; the checker recognises scales of the
+#    wrong shape (tiles along the wrong axis, the ragged tail dropped), a scale upside down, the row's amax instead of
+#    the tile's, E5M2's maximum, and an all-zero tile.
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:
 
@@ -676,7 +809,7 @@ import check as checker   # this folder's check.py
 all_passed = checker.check()
 
 # %% [markdown]
-# ## 10. What it costs, when to use it, what comes next
+# ## 11. What it costs, when to use it, what comes next
 #
 # | | model states per parameter | what it buys | what it costs |
 # |---|---|---|---|
@@ -685,6 +818,7 @@ all_passed = checker.check()
 # | bf16 params (`bf16-params`) | 2 + 2 + 12 | half the bytes in every gather and all-reduce | a master copy in the optimizer |
 # | fp16 (`fp16`) | 2 + 2 + 12 | the same on hardware without bf16 | loss scaling, skipped steps |
 # | FP8 (`fp8`) | 4 + 4 + 8 here | up to 2× matmul rate (Hopper, Ada, Blackwell); 1-byte saved matmul inputs, bf16 outputs: fewer activation bytes than bf16 autocast (section 3) | per-tensor scales, casts; care with outliers |
+# | FP8 blockwise (`fp8 --fp8-recipe blockwise`) | 4 + 4 + 8 here | E4M3 for every tensor, an outlier confined to its 1 × 128 tile (section 5) | a scale per 128 elements (+3.1% activation bytes), the product summed per 128-slice |
 # | tiled attention | — | no $s^2$ memory or traffic | a hand-written kernel (FlashAttention) |
 # | fused norms and activations | — | fewer round trips to memory | a compiler, or a kernel to write |
 #
@@ -703,12 +837,14 @@ all_passed = checker.check()
 # saved for backward; `--attn-impl flash` 0.011× — our plain-PyTorch tiles launch a handful of small kernels per tile.
 # Each cause is now addressed in the code: the master copy is updated with a few foreach kernels over all tensors,
 # FP8's linears return bf16 and use `torch._scaled_mm` on sm89+, and `--attn-impl flash` runs a Triton kernel
-# (`picotron/flash_triton.py`: the tiles of section 9 in on-chip memory) on a GPU. None of this has run on a GPU yet
+# (`picotron/flash_triton.py`: the tiles of section 10 in on-chip memory) on a GPU. None of this has run on a GPU yet
 # for this edition: `python benchmarks/mfu_table.py` measures every row again at the SmolLM-360M and 1.7B shapes,
 # beside transformers' Llama, with MFU of both the measured and the datasheet peak, in one command.
 #
-# **What ours lacks.** Our FP8 is simulated on CPUs and uses `torch._scaled_mm` only on sm89+ GPUs; it scales per
-# tensor, not per block (DeepSeek-V3) or per 32 elements (Blackwell's MXFP8), and keeps no amax history. Our Triton
+# **What ours lacks.** Our FP8 is simulated on CPUs and uses `torch._scaled_mm` only on sm89+ GPUs (the blockwise
+# recipe `scaled_mm`'s blockwise scales on sm90, for the bf16 forward only, never run on a GPU yet); it scales per
+# tensor or per DeepSeek-V3's tiles and blocks, not per 32 elements (Blackwell's MXFP8), keeps no amax history, and
+# does not keep DeepSeek's other FP8 savings (FP8 activations cached between layers, FP8 dispatch in the all-to-all). Our Triton
 # flash attention follows FlashAttention-2's structure but not FlashAttention-3's Hopper features (warp
 # specialisation, asynchronous copies, FP8 attention), and its speed on a GPU is still to be measured. Production
 # stacks also fuse the cross-entropy with the LM head (so the logits never exist), RoPE, and the optimizer step.
@@ -716,7 +852,9 @@ all_passed = checker.check()
 # **Sources.** IEEE 754-2019; Goldberg 1991, "What Every Computer Scientist Should Know About Floating-Point
 # Arithmetic"; Micikevicius et al. 2017, "Mixed Precision Training" (loss scaling, master weights); Micikevicius et
 # al. 2022, "FP8 Formats for Deep Learning"; Rajbhandari et al. 2019, "ZeRO", section 3.1 (2 + 2 + 12 bytes);
-# DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 3.3 (FP8 training, fine-grained scaling); Milakov and
+# DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sections 3.3 and 3.5.2 (FP8 training, fine-grained scaling,
+# promotion, 128 × 1 tiles for wgrad); Dettmers et al. 2022, "LLM.int8()"; Xiao et al. 2023, "SmoothQuant"; Sun et al.
+# 2024, "Massive Activations in Large Language Models"; Milakov and
 # Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al. 2022, "FlashAttention"; Dao 2023,
 # "FlashAttention-2", section 4.1; Hsu et al. 2024, "Liger Kernel" (fused RMSNorm, SwiGLU); NVIDIA's H100 datasheet
 # and Transformer Engine FP8 primer; PyTorch's `torch.amp.GradScaler`; the Triton tutorials (fused softmax, layer

@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-from picotron import fp8, kernels, metrics, precision  # noqa: E402
+from picotron import fp8, fp8_blockwise, kernels, metrics, precision  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.marks import clip_grad_norm  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
@@ -48,8 +48,8 @@ MINI = dict(preset="tiny", hidden_size=64, intermediate_size=192, num_hidden_lay
 # LLM step), whose mean loss gives each token a 1/V smaller share of every gradient.
 V = 4096
 COLORS = {"fp32": "#4c72b0", "bf16": "#55a868", "bf16-params": "#8c8c8c", "fp16": "#dd8452", "fp8": "#c44e52",
-          "E4M3": "#c44e52", "E5M2": "#8172b2"}
-# H100 SXM datasheet (dense bf16 tensor-core peak; HBM3 bandwidth): the balance point of section 5.
+          "fp8-blockwise": "#937860", "E4M3": "#c44e52", "E5M2": "#8172b2"}
+# H100 SXM datasheet (dense bf16 tensor-core peak; HBM3 bandwidth): the balance point of section 6.
 H100 = dict(flops=989e12, bandwidth=3.35e12)
 
 
@@ -595,7 +595,99 @@ def plot_fp8_curves(curves):
     return fig
 
 
-# ============================================================================================== 5. attention
+# ======================================================================================= 5. fine-grained FP8
+def quant_errors(t, others=None):
+    """Relative error ‖t̂ − t‖/‖t‖ of t (2-D: the last axis is the channels) quantized per tensor (E4M3 and E5M2),
+    per 1×128 tile and per 128×128 block (E4M3), over the elements `others` (a boolean mask; all by default)."""
+    t2 = t.reshape(-1, t.shape[-1]).float()
+    m = torch.ones_like(t2, dtype=torch.bool) if others is None else others.reshape(t2.shape)
+    err = lambda back: float((back - t2)[m].norm() / t2[m].norm())  # noqa: E731
+    tiles = fp8_blockwise.dequantize_tiles(*fp8_blockwise.quantize_tiles(t2))
+    return {"tensor E4M3": err(fp8.dequantize(*fp8.quantize(t2, fp8.E4M3))),
+            "tensor E5M2": err(fp8.dequantize(*fp8.quantize(t2, fp8.E5M2))), "tiles E4M3": err(tiles),
+            "blocks E4M3": err(fp8_blockwise.dequantize_blocks(*fp8_blockwise.quantize_blocks(t2)))}
+
+
+def with_outlier(x, kind, magnitude, index=3):
+    """x [b, s, K] with one token (kind "token": a 'massive activation') or one channel ("channel": an outlier
+    feature) multiplied by `magnitude`; and the mask of the other elements."""
+    x2 = x.reshape(-1, x.shape[-1]).clone()
+    others = torch.ones_like(x2, dtype=torch.bool)
+    if kind == "token":
+        x2[index] *= magnitude
+        others[index] = False
+    else:
+        x2[:, index] *= magnitude
+        others[:, index] = False
+    return x2, others
+
+
+def outlier_sweep(x, w, magnitudes=(1, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6)):
+    """For each kind of outlier and magnitude: the other elements' quantization error (per tensor, per tile), and
+    the relative error of x·Wᵀ on the other tokens' rows, per-tensor fp8_linear against the blockwise one."""
+    rows = []
+    for kind in ("token", "channel"):
+        for mag in magnitudes:
+            x2, others = with_outlier(x, kind, mag)
+            exact = x2 @ w.t()
+            keep = others.all(1) if kind == "token" else torch.ones(len(x2), dtype=torch.bool)  # tokens without it
+            out = lambda fn: float((fn(x2, w) - exact)[keep].norm() / exact[keep].norm())  # noqa: E731
+            rows.append(dict(kind=kind, magnitude=mag, **quant_errors(x2, others),
+                             out_tensor=out(fp8.fp8_linear), out_tiles=out(fp8_blockwise.fp8_linear_blockwise)))
+    return rows
+
+
+def accumulation_sweep(ks=(128, 256, 512, 1024, 2048, 4096), bits=14, m=8, n=8, seed=0):
+    """The largest relative error of a·bᵀ (FP8 operands quantized per tile, positive products: the worst case for an
+    accumulator that chops) summed in a `bits`-bit accumulator, never promoted and promoted every 128 products,
+    against the exact sum (float64); and fp32's own accumulation, for scale."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for k in ks:
+        a, b = (torch.rand(r, k, generator=gen) for r in (m, n))
+        a = fp8_blockwise.dequantize_tiles(*fp8_blockwise.quantize_tiles(a)).double()
+        b = fp8_blockwise.dequantize_tiles(*fp8_blockwise.quantize_tiles(b)).double()
+        exact = a @ b.t()
+        err = lambda y: float(((y.double() - exact).abs() / exact).max())  # noqa: E731
+        rows.append(dict(k=k, never=err(fp8_blockwise.limited_matmul(a, b, bits, None)),
+                         promoted=err(fp8_blockwise.limited_matmul(a, b, bits, fp8_blockwise.TILE)),
+                         fp32=err(fp8_blockwise.limited_matmul(a, b, 24, None))))
+    return rows
+
+
+def plot_blockwise(sweep, acc, bits=14):
+    """Left: the ordinary elements' error against the outlier's magnitude, one scale per tensor or per tile.
+    Right: the accumulation error against K, never promoted or promoted every 128 products."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.3))
+    for kind, ls in (("token", "-"), ("channel", "--")):
+        rs = [r for r in sweep if r["kind"] == kind]
+        mags = [r["magnitude"] for r in rs]
+        ax.loglog(mags, [r["tensor E4M3"] for r in rs], ls, color=COLORS["fp8"], marker="o", ms=3,
+                  label=f"one scale per tensor, {kind} outlier")
+        ax.loglog(mags, [r["tiles E4M3"] for r in rs], ls, color=COLORS["fp8-blockwise"], marker="s", ms=3,
+                  label=f"one scale per 1×128 tile, {kind} outlier")
+    ax.set_xlabel("outlier magnitude (× the others)", fontsize=FONT)
+    ax.set_ylabel("relative error of the other elements", fontsize=FONT)
+    ax.set_title("E4M3 quantization of layer 1's down_proj input, one outlier added", fontsize=9)
+    ks = [r["k"] for r in acc]
+    for key, label, c in (("never", f"{bits}-bit accumulator, never promoted", COLORS["fp8"]),
+                          ("promoted", f"{bits}-bit, promoted to fp32 every 128", COLORS["fp8-blockwise"]),
+                          ("fp32", "fp32 accumulator (24 bits)", COLORS["fp32"])):
+        bx.loglog(ks, [max(r[key], 1e-9) for r in acc], "-", marker="o", ms=3, color=c, label=label)
+    bx.set_xscale("log", base=2)
+    bx.set_xlabel("K (products summed)", fontsize=FONT)
+    bx.set_ylabel("largest relative error of a·bᵀ", fontsize=FONT)
+    bx.set_title("the accumulator (a chopping model, not a measurement of H800)", fontsize=9)
+    for a in (ax, bx):
+        a.legend(fontsize=6.5)
+        a.tick_params(labelsize=FONT)
+    fig.tight_layout()
+    return fig
+
+
+# ============================================================================================== 6. attention
 def attention_flops(b, a, s, d, impl="naive", block_q=64, block_k=64, causal=True):
     """FLOPs of one attention forward as each implementation computes it: naive forms the whole s×s (2·s²·d for
     q kᵀ and again for P v, per head); tiled computes only the tiles a causal mask does not skip."""
@@ -771,7 +863,7 @@ def plot_attention(rows, times, saved, balance, cfg):
     return fig
 
 
-# ========================================================================================= 6. fused kernels
+# ========================================================================================= 7. fused kernels
 def rms_norm_plain_bytes(rows, h, elem=4):
     """Bytes the op-by-op RMSNorm forward (kernels.rms_norm_plain, fp32) moves, N = rows·h: x² (read N, write N),
     its mean (read N, write rows), + eps (rows, rows), rsqrt (rows, rows), x·rstd (read N + rows, write N),
@@ -885,7 +977,7 @@ def plot_fused(rows, times):
     return fig
 
 
-# ================================================================================================ 7. profile
+# ================================================================================================ 8. profile
 GROUPS = (("loss", ("logsoftmax", "nllloss", "crossentropy")),
           ("matmul", ("mm", "addmm", "bmm", "matmul", "linear")),
           ("attention", ("scaleddotproduct", "flashattention", "softmax")),
@@ -972,7 +1064,7 @@ def plot_profile(prof, top=14):
     return fig, totals
 
 
-# ================================================================================================= 8. widget
+# ================================================================================================= 9. widget
 def view_stats(t, name, log2_scale):
     """t times 2^log2_scale stored in format `name`, then divided back: the relative error ‖t̂ − t‖/‖t‖ and the
     shares of t's nonzero elements flushed to zero, kept as subnormals, and beyond the largest number."""
