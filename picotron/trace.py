@@ -24,16 +24,18 @@ metrics.Timeline); the trace's are the profiler's clock (microseconds of the Uni
 baseTimeNanoseconds). The start marker below is in both: its perf_counter time is taken as it is opened, so
     trace time = marker's trace time + (perf_counter time - marker's perf_counter time) x 1e6.
 
-Merging (rank 0, after every rank has written its file; a world barrier says they have). Each rank's clock is its
-machine's: on one machine the same, across machines off by NTP's error (milliseconds), more than a pipeline step's
-phases. So at the start of the range every rank meets at a world barrier (a one-element all-reduce, as
-`Mesh.agree`) and opens the marker "picotron: profile start" right after it: the ranks leave a barrier together
-(within its release skew, microseconds on NVLink, ~0.1 ms on gloo over loopback), so the marker is one instant of the
-job seen by every rank. The merge shifts every rank's events so that its marker is at 0:
-    merged time(rank r) = trace time(rank r) - marker's trace time(rank r)
-and writes each rank's events under pid r, named "rank r (dp d, pp p, cp c, tp t)". The offsets removed (each
-rank's marker against rank 0's, on their own clocks) are in the file's "picotron" entry: on one machine they are
-the barrier's skew, across machines the clocks' disagreement too. Event ids (flows from an operator to its kernel)
+Merging (rank 0, after every rank has written its file; a world barrier says they have). The ranks of one machine
+share its clock, and their traces line up as they are. Machines' clocks disagree by NTP's error (milliseconds, more
+than a pipeline step's phases), so at the start of the range every rank meets at a world barrier (a one-element
+all-reduce, as `Mesh.agree`) and opens the marker "picotron: profile start" right after it: the barrier releases
+every rank at one instant of the job, and the first rank of a machine to leave it is the closest to that instant
+(the others were late to get a core back, or to see the release). So each machine's events are shifted together:
+    merged time = trace time - (earliest marker among the machine's ranks, on the machine's clock)
+which puts one machine's ranks on their common clock, exactly, and the machines on one another within the barrier's
+release skew (microseconds on NVLink and InfiniBand). The merged file's "picotron" entry keeps what was removed
+(`clock_offsets_us`: each machine's instant against the first's, on their clocks) and each rank's own lag in leaving
+the barrier (`barrier_skew_us`: milliseconds on an oversubscribed CPU, where a rank waits for a core). Each rank's
+events go under pid r, named "rank r (dp d, pp p, cp c, tp t)"; event ids (flows from an operator to its kernel)
 are prefixed with the rank, thread ids renumbered per rank, so nothing of two ranks collides.
 
 Cost: off by default, and then nothing here runs (the trainer holds `Off`: no recorder on the axes, no listener on
@@ -48,6 +50,7 @@ is unmeasured here: no GPU was lent when this was written.
 """
 import json
 import os
+import socket
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -206,7 +209,7 @@ class Tracer:
 def about(mesh):
     """This rank's place in the grid, for the file and the merged view's row name."""
     return {"rank": mesh.rank, "dp": mesh.dp.rank, "pp": mesh.pp.rank, "cp": mesh.cp.rank, "tp": mesh.tp.rank,
-            "device": str(mesh.device)}
+            "device": str(mesh.device), "host": socket.gethostname()}
 
 
 def add_collectives(path, events, mark, where):
@@ -245,27 +248,29 @@ def row_name(where):
 
 
 def merge(folder, world_size, name="merged.json"):
-    """Every rank's trace in `folder` (rank{R}.json) in one file, one process row per rank, each on the clock of its
-    start marker (the module docstring); returns the ranks whose file is missing (left out)."""
-    events, places, offsets, missing = [], {}, {}, []
-    zero = None
+    """Every rank's trace in `folder` (rank{R}.json) in one file, one process row per rank, on one clock (the module
+    docstring: each machine's ranks keep their common clock, the machines are aligned on their first rank to leave
+    the start barrier); returns the ranks whose file is missing (left out)."""
+    traces, missing = {}, []
     for r in range(world_size):
         try:
             with open(os.path.join(folder, f"rank{r}.json")) as f:
-                trace = json.load(f)
+                traces[r] = json.load(f)
         except (OSError, ValueError):
             missing.append(r)
-            continue
-        marker = start_marker(trace)
-        absolute = marker["ts"] + trace.get("baseTimeNanoseconds", 0) / 1e3  # µs of this rank's clock
-        zero = absolute if zero is None else zero
-        offsets[r] = absolute - zero
-        where = trace.get("picotron", {"rank": r, "dp": "?", "pp": "?", "cp": "?", "tp": "?"})
-        places[r] = where
-        events += rank_events(trace, r, marker["ts"], row_name(where))
+    marks = {r: start_marker(t)["ts"] + t.get("baseTimeNanoseconds", 0) / 1e3 for r, t in traces.items()}  # µs
+    hosts = {r: t.get("picotron", {}).get("host", t.get("host_name", f"rank {r}")) for r, t in traces.items()}
+    zero = {h: min(marks[r] for r in marks if hosts[r] == h) for h in set(hosts.values())}  # each machine's instant
+    events, places = [], {}
+    for r, t in traces.items():
+        places[r] = t.get("picotron", {"rank": r, "dp": "?", "pp": "?", "cp": "?", "tp": "?"})
+        t0 = zero[hosts[r]] - t.get("baseTimeNanoseconds", 0) / 1e3  # the machine's instant on this file's clock
+        events += rank_events(t, r, t0, row_name(places[r]))
+    first = min(marks) if marks else None
     merged = {"traceEvents": events, "displayTimeUnit": "ms",
               "picotron": {"ranks": places, "missing": missing, "aligned_on": START,
-                           "clock_offsets_us": offsets}}
+                           "barrier_skew_us": {r: marks[r] - zero[hosts[r]] for r in marks},
+                           "clock_offsets_us": {r: zero[hosts[r]] - zero[hosts[first]] for r in marks}}}
     with open(os.path.join(folder, name), "w") as f:
         json.dump(merged, f)
     return missing

@@ -36,13 +36,13 @@ def test_checker_passes_the_solutions():
     code, out = run_checker("--solutions", as_learner=True)
     assert code == 0, out
     assert "all checks passed" in out and "FAIL" not in out
-    assert out.count("  ok  ") == 4, out
+    assert out.count("  ok  ") == 5, out
 
 
 def test_checker_fails_the_stubs_naming_not_implemented():
     code, out = run_checker()
     assert code == 1, out
-    for name in ("place", "step_batch", "memory_by_part", "choose"):
+    for name in ("place", "step_batch", "memory_by_part", "choose", "clock_shifts"):
         assert f"FAIL  {name}: NotImplementedError: not written yet" in out, out
 
 
@@ -115,6 +115,19 @@ def test_checker_names_choice_mistakes(tmp_path):
     out = fails_with(tmp_path, "choose", ("memory_gib(layout) > budget_gib", "memory_gib(layout) > 80"))
     assert re.search(r"on 16 GPUs of 71.7 GiB.*you kept dp16,zero1,mbs1,ga16 \([\d.]+ GiB, 256 sequences per step\): "
                      r"it needs 73.6 GiB > 71.7", out), out
+
+
+def test_checker_names_clock_mistakes(tmp_path):
+    out = fails_with(tmp_path, "clock_shifts", ("return {rank: first[hosts[rank]] for rank in markers}",
+                                                "return dict(markers)"))
+    assert "4 ranks on 1 machine(s), rank 1: shift 1300.0 µs, expected 1000.0: you shifted every rank by its own " \
+           "marker, which adds its lag in leaving the barrier (300 µs)" in out, out
+    out = fails_with(tmp_path, "clock_shifts", ("return {rank: first[hosts[rank]] for rank in markers}",
+                                                "return {rank: min(markers.values()) for rank in markers}"))
+    assert "4 ranks on 2 machine(s), rank 2: shift 1000.0 µs, expected 5001900.0: one shift for every rank keeps " \
+           "the machines' clocks apart" in out, out
+    out = fails_with(tmp_path, "clock_shifts", ("min(t, first.get(hosts[rank], t))", "max(t, first.get(hosts[rank], t))"))
+    assert "that is the machine's LAST rank to leave the barrier" in out, out
 
 
 # ------------------------------------------------------------------------------------- the experiment's helpers
@@ -191,6 +204,30 @@ def test_plots_draw(lesson):
     plt.close(lesson.plot_grid4d(dict(dp=2, pp=2, cp=2, tp=2), 4))
     plt.close(lesson.plot_grid4d(dict(dp=3, pp=1, cp=1, tp=4), 8))
     plt.close(lesson.plot_matrix(json.loads((ROOT / "figures" / "09_parity_matrix.json").read_text())))
+
+
+def test_trace_rows_and_messages_from_a_merged_trace(lesson, tmp_path):
+    """Section 2b's helpers on a hand-made merged trace of pp2 (tp1): the rows by class, and the receive's wait
+    inside stage 1's forward ending after stage 0's forward of that micro-batch (and not, when stage 1's clock is
+    shifted 5 ms early)."""
+    def x(pid, name, ts, dur, **args):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "pid": pid, "tid": 1, "ts": ts, "dur": dur,
+                "args": args}
+    events = [x(0, "step 3", 0, 900), x(0, "forward mb=0 chunk=0 stage=0", 10, 100),
+              x(1, "step 3", 0, 900), x(1, "forward mb=0 chunk=0 stage=1", 20, 200), x(1, "wait p2p", 25, 90),
+              dict(x(1, "all-reduce", 300, 50, axis_name="dp_cp", collective="all_reduce", bytes=8),
+                   cat="picotron collective"),
+              dict(x(1, "p2p activation", 5, 100, axis_name="pp", collective="p2p", bytes_sent=0),
+                   cat="picotron collective")]
+    events += [{"ph": "M", "name": "process_name", "pid": r, "tid": 0,
+                "args": {"name": f"rank {r} (dp 0, pp {r}, cp 0, tp 0)"}} for r in (0, 1)]
+    rows, steps, names = lesson.trace_rows({"traceEvents": events})
+    assert [c for c, *_ in rows[1]] == ["F", "pp", "dp_cp"] and steps[0] == (0.0, 0.9)
+    assert lesson.messages_after_sends(rows, names) == [(1, "mb=0", "F", pytest.approx(0.005))]
+    early = {r: [(c, s - (0.01 if r == 1 else 0), e - (0.01 if r == 1 else 0), n) for c, s, e, n in v]
+             for r, v in rows.items()}
+    assert lesson.messages_after_sends(early, names)[0][3] < 0
+    assert lesson.trace_args("runs/x", "cpu")[:4] == ["--preset", "tiny", "--tp", "2"]
 
 
 # ------------------------------------------------------------------------------------------ the notebook

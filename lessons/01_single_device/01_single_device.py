@@ -470,6 +470,48 @@ lesson.plot_trace(trace); plt.show()
 # **Takeaway:** a trace says which operators to make faster; on one device, for these models, that is mostly the
 # matmuls of forward and backward.
 #
+# ### (h) The trainer's own trace: `--profile`, opened in Perfetto
+# Every run of `picotron.train` can write such a trace of the steps you choose: `--profile 2:3` profiles optimizer
+# steps 2 and 3 (both included; step 1 pays for warm-up) and writes `OUT/traces/rank0.json`, with picotron's phases
+# as named ranges around torch's operators: `step N`, each micro-batch's `forward mb=i` and `backward mb=i`, the
+# gradient sync's `wait`, `clip grad norm` and `optimizer step` (and, in a parallel run, every collective with its
+# axis and bytes on rows of its own: lesson 09). The command line is
+#
+#     python -m picotron.train --preset tiny --steps 3 --grad-acc 2 --profile 2:3 --out runs/profiled
+#
+# The experiment runs the same through `picotron.train` on the `small` model and reads the file back: the time of
+# each phase, summed over the two steps, next to the steps' time that `metrics.jsonl` measured on its own.
+
+# %%
+_common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "profile"], quiet=True)
+prof = _common.load_json(OUT / "profile.json")["results"]
+print(f"trace: {prof['trace']} ({prof['trace_mb']:.1f} MB); open it at https://ui.perfetto.dev (drag the file in)")
+print(f"{'phase':<16}{'ms (2 steps)':>14}{'share of the steps':>20}")
+steps_ms = sum(prof["step_ms"].values())
+for name, ms in sorted(prof["phases"].items(), key=lambda kv: -kv[1]):
+    print(f"{name:<16}{ms:14.1f}{ms / steps_ms:19.1%}")
+for step in prof["steps"]:
+    print(f"step {step}: its phases {prof['phases_by_step'][str(step)]:.1f} ms, its step_time in metrics.jsonl "
+          f"{prof['metrics_step_ms'][str(step)]:.1f} ms, its range in the trace {prof['step_ms'][str(step)]:.1f} ms")
+print(f"CUDA memory snapshot: {prof['snapshot'] or 'not written (a CPU run: it records the CUDA allocator)'}")
+lesson.plot_profile(prof); plt.show()
+
+# %% [markdown]
+# Two clocks, one story: the phases the profiler timed make up nearly all of the `step_time` that `metrics.jsonl`
+# measured with `perf_counter` (the rest is fetching the batch, the loss's `.item()`, zeroing the gradients). A
+# step's range in the trace can be longer than its `step_time`: it also covers the bookkeeping after the clock
+# stops (the memory counts, and the matmul peak measured again when a step ran faster than it, section 4f). In Perfetto, press W/S to zoom and A/D to pan; click a range to see its
+# duration and, under it, the operators it ran; select a stretch of the timeline to get a table of what ran in it,
+# summed by name. Forward and backward dominate here as they did in (g); `optimizer step` and `clip grad norm`
+# are thin slices, and the `wait` (the gradient sync's end) is nothing on one device.
+#
+# **On a GPU**, the run also writes `OUT/traces/memory_rank0.pickle`: the CUDA caching allocator's history over the
+# profiled steps (`torch.cuda.memory._record_memory_history`, every allocation and free with the Python stack
+# that made it). Drag it into https://pytorch.org/memory_viz: the *Active Memory Timeline* shows each tensor
+# alive over time as a band, so the saw-tooth of (b) appears with names: the activations piling up over the
+# forward, released by the backward, the gradients, AdamW's moments created at the first step. On this CPU run it
+# is not written (it records CUDA's allocator only), and on a GPU it is unmeasured: no GPU was lent when this was written.
+#
 # ## 5. Check it
 # The lesson's claims about memory and gradients, as numbers:
 
@@ -504,6 +546,13 @@ check(f"counted saved tensors drop by m={accumulate[-1]['grad_acc']}", drop > 0.
 check("bf16 loss follows fp32", max(val_gaps.values()) < 0.1,
       f"validation loss within 0.1 of fp32's at all {len(val_gaps)} evaluations: max |Δ| {max(val_gaps.values()):.4f} "
       f"(single training batches: max |Δ| {max(step_gaps):.4f}, median {sorted(step_gaps)[len(step_gaps) // 2]:.4f}; section 4e)")
+inside = sum(prof["phases"].values())
+check("--profile: the phases' ranges fit inside their steps'", inside <= steps_ms,
+      f"{inside:.0f} ms of phases in {steps_ms:.0f} ms of steps {prof['steps'][0]}-{prof['steps'][-1]} (section 4h)")
+cover = {s: prof["phases_by_step"][str(s)] / prof["metrics_step_ms"][str(s)] for s in prof["steps"]}
+check("--profile: the trace's phases are most of metrics.jsonl's step_time, never more", all(0.8 <= c <= 1.01 for c in cover.values()),
+      "; ".join(f"step {s}: {prof['phases_by_step'][str(s)]:.1f} of {prof['metrics_step_ms'][str(s)]:.1f} ms ({c:.0%})"
+                for s, c in cover.items()) + " (two clocks: the profiler's and perf_counter; tolerance 80% to 101%)")
 
 # %% [markdown]
 # **Takeaway:** every memory and gradient claim of the lesson holds as a number, against a formula or another

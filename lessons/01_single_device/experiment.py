@@ -19,6 +19,9 @@ Each experiment writes OUT/<name>.json, which the notebook plots:
     throughput  tokens/s and MFU against the measured matmul peak for a few model sizes (picotron.train)
     trace       one steady training step under torch.profiler: OUT/trace_step.json (a Chrome/Perfetto trace)
                 and each operator's self time by phase
+    profile     the trainer's own --profile 2:3 (picotron.trace): OUT/profile_run/traces/rank0.json, each phase's
+                time read back from it, the steps' time from metrics.jsonl beside it (on CUDA also the memory
+                snapshot, memory_rank0.pickle)
 The notebook imports `saved_tensors_table`, `peak_bound` and the plot_* functions; check.py uses `step_memory`.
 """
 import bisect
@@ -354,7 +357,8 @@ def settings(fast, device_type=None):
               throughput_sizes=("tiny", "small") if fast else ("tiny", "small", "medium"),
               throughput_seq_len=128 if fast else 256, throughput_micro_batch_size=8, throughput_steps=4 if fast else 10,
               throughput_dtype="fp32",  # CPUs without bf16 units emulate it (see the precision experiment)
-              trace_seq_len=256 if fast else 512, trace_micro_batch_size=4 if fast else 8)
+              trace_seq_len=256 if fast else 512, trace_micro_batch_size=4 if fast else 8,
+              profile_seq_len=128 if fast else 256, profile_micro_batch_size=4)
     return _common.sized("01_single_device", st, fast, device_type)
 
 
@@ -474,6 +478,34 @@ def exp_trace(mesh, fast, out):
         print(f"trace  {name:<10} {p['wall_ms']:8.1f} ms | " + ", ".join(f"{n} {ms:.1f}" for n, ms in p["top"][:3]), flush=True)
     return dict(trace=str(path), trace_mb=path.stat().st_size / 1e6, size="small", seq_len=seq, micro_batch_size=b,
                 time="device" if device.type == "cuda" else "cpu", phases=phases)
+
+
+def exp_profile(mesh, fast, out):
+    """`--profile 2:3` of a 3-step run of the small model, 2 micro-batches a step: what the trainer writes, read back."""
+    from picotron import trace
+
+    st = settings(fast, mesh.device.type)
+    folder = Path(out) / "profile_run"
+    cfg = make_cfg("small", steps=3, seq_len=st["profile_seq_len"], micro_batch_size=st["profile_micro_batch_size"],
+                   grad_acc=2, eval_every=0, log_every=3, warmup_steps=1, profile="2:3", out=str(folder))
+    trainer.train(cfg, mesh)
+    path = folder / "traces" / "rank0.json"
+    rows = trace.phases(_common.load_json(path))
+    step_ms = {int(name.split()[1]): (end - start) / 1e3 for _, name, start, end, _ in rows if name.startswith("step ")}
+    spans = {int(name.split()[1]): (start, end) for _, name, start, end, _ in rows if name.startswith("step ")}
+    phases, by_step = {}, {s: 0.0 for s in spans}  # kind -> total ms over the profiled steps; step -> its phases' ms
+    for _, name, start, end, _ in rows:
+        kind = name.split(" mb=")[0] if " mb=" in name else name
+        if not name.startswith(("step ", trace.START)):
+            phases[kind] = phases.get(kind, 0.0) + (end - start) / 1e3
+            step = next(s for s, (a, b) in spans.items() if a <= start <= b)
+            by_step[step] += (end - start) / 1e3
+    records = {r["step"]: r["step_time"] * 1e3 for r in metrics.read_metrics(str(folder))[0]}
+    snapshot = folder / "traces" / "memory_rank0.pickle"
+    return dict(trace=str(path), trace_mb=path.stat().st_size / 1e6, steps=sorted(step_ms), step_ms=step_ms,
+                metrics_step_ms={s: records[s] for s in step_ms}, phases=phases, phases_by_step=by_step,
+                snapshot=str(snapshot) if snapshot.exists() else None, device=mesh.device.type,
+                seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, grad_acc=cfg.grad_acc)
 
 
 # ------------------------------------------------------------------------ plots (for the notebook)
@@ -671,6 +703,24 @@ def plot_trace(result):
     return fig
 
 
+def plot_profile(result):
+    """The profiled steps' phases (from the trainer's trace), summed over both steps, against the steps' time."""
+    import matplotlib.pyplot as plt
+
+    phases = result["phases"]
+    names = sorted(phases, key=phases.get, reverse=True)
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
+    ax.barh(names, [phases[n] for n in names], color=[PHASE_COLORS.get(n.split()[0], "#8172b2") for n in names])
+    total = sum(result["step_ms"].values())
+    ax.axvline(total, color="k", ls="--", lw=1, label=f"steps {result['steps'][0]}-{result['steps'][-1]}: {total:.0f} ms")
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (summed over the profiled steps and their micro-batches)")
+    ax.set_title("picotron's phases, read from OUT/traces/rank0.json (--profile 2:3)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
 def plot_estimate(estimates, limit_gb=80, title=""):
     """Horizontal stacked bars of planner estimates {label: breakdown} in GB, with a device-memory line."""
     import matplotlib.pyplot as plt
@@ -693,7 +743,7 @@ def plot_estimate(estimates, limit_gb=80, title=""):
     return fig
 
 
-EXPERIMENTS = ("memory", "allocator", "recompute", "accumulate", "precision", "throughput", "trace")
+EXPERIMENTS = ("memory", "allocator", "recompute", "accumulate", "precision", "throughput", "trace", "profile")
 
 
 def main(argv=None):

@@ -195,6 +195,63 @@ check(f"every rank's bytes per step, on every axis, are the formula's, to the by
 # **Takeaway:** every strategy keeps its own traffic on its own axis; one timeline shows them nested — tp and cp
 # inside every pipeline action, pp between them, dp at the end.
 #
+# ### 2b. The same view from the trainer's own trace, in Perfetto
+#
+# The timeline above comes from the lesson's recorder. Any run of `picotron.train` can write the same, as a trace
+# for https://ui.perfetto.dev: `--profile A:B` profiles optimizer steps A to B (both included) with torch.profiler,
+# picotron's phases (each micro-batch's F and B, `wait p2p` where a stage waits for its neighbour, the clip and the
+# optimizer step) as named ranges around torch's operators, and every collective on rows of its own with its axis
+# and bytes. Each rank writes `OUT/traces/rank{R}.json`; rank 0 then merges them into `OUT/traces/merged.json`, one
+# row per rank named by its place in the grid. The ranks' clocks: one machine's ranks share one; machines disagree by
+# milliseconds, so every rank leaves a barrier at the start of the range and marks the instant, and each machine's
+# events are shifted together onto its first rank's mark (`picotron/trace.py`; [traces](../../docs/reference.md#traces)).
+# A small run here, tp2 × pp2 on 4 processes, step 3 of 3 profiled:
+#
+#     python -m picotron.train --preset tiny --tp 2 --pp 2 --grad-acc 4 --steps 3 --profile 3 --out runs/traced
+#
+# Open `merged.json` in Perfetto (drag it in): four process rows, each with its Python thread (the phases, and
+# under them every operator) and its "picotron collectives" rows. Below, the same file drawn in this lesson's style.
+
+# %%
+import shutil
+from picotron import trace
+from picotron.launch import run_torchrun
+traced = OUT / "traced"
+shutil.rmtree(traced, ignore_errors=True)   # a run folder must be new
+run_torchrun("picotron.train", 4, lesson.trace_args(traced.relative_to(_common.ROOT), _common.device()), module=True,
+             cwd=_common.ROOT, timeout_s=1200)
+merged = _common.load_json(traced / "traces" / "merged.json")
+rows, steps, names = lesson.trace_rows(merged)
+print(f"{traced.relative_to(_common.ROOT)}/traces: " + ", ".join(sorted(p.name for p in (traced / "traces").iterdir())))
+for r in sorted(names):
+    kinds = [c for c, *_ in rows.get(r, [])]
+    print(f"{names[r]}: step {steps[r][1] - steps[r][0]:.0f} ms, {kinds.count('F')} F, {kinds.count('B')} B, "
+          f"{sum(k in lesson.COMM_CLASSES for k in kinds)} collectives and waits")
+info = merged["picotron"]
+print(f"clock offsets between machines removed (µs): {info['clock_offsets_us']}; each rank's lag leaving the "
+      f"start barrier (µs): " + ", ".join(f"{r}: {v:.0f}" for r, v in info["barrier_skew_us"].items()))
+lesson.plot_trace_timeline(merged); plt.show()
+
+# %%
+every = sorted(names) == list(range(4)) and not info["missing"]
+full = all(sum(c == k and n.startswith(f"{'forward' if k == 'F' else 'backward'} mb={i} ") for c, _, _, n in rows[r]) == 1
+           for r in range(4) for k in ("F", "B") for i in range(4))
+check("merged.json holds every rank's row, each with the F and B of every micro-batch", every and full,
+      f"{len(names)} rows: " + "; ".join(names[r] for r in sorted(names)))
+gaps = lesson.messages_after_sends(rows, names)
+check("on the merged clock every pipeline message is received after its sender's action ended", gaps and
+      min(g for *_, g in gaps) >= 0, f"{len(gaps)} messages, the receive's wait ends {min(g for *_, g in gaps):.2f} to "
+      f"{max(g for *_, g in gaps):.1f} ms after the sending action" if gaps else "no message found")
+check("one machine, one clock: the merge shifted no rank", set(info["clock_offsets_us"].values()) == {0.0},
+      f"offsets {info['clock_offsets_us']}")
+
+# %% [markdown]
+# The messages check is what a wrong clock breaks first: shift one rank by the milliseconds two machines' clocks
+# disagree by and its receives would end before their sends. In Perfetto, click a collective to read its axis and
+# bytes; select a stretch across the four rows to sum what each rank did in it. On a GPU each rank also writes
+# `memory_rank{R}.pickle` for https://pytorch.org/memory_viz (lesson 01, section 4h; unmeasured: no GPU was lent
+# when this was written).
+#
 # ## 3. Check it: the 4-D run trains like one process
 #
 # The same seed, the same global batch (the one process accumulates dp × grad_acc micro-batches), fp32: the
@@ -541,6 +598,10 @@ check("the widget's default: Llama 3 70B on 256 GPUs, the same plan as section 5
 #    with 35.6 GiB (an A100 40GB's 39.6 GiB less 10%). The checker names a layout kept that does not fit or does not
 #    run the batch, the wrong step for one that fails both, and a best chosen by memory or by a short step that does
 #    less work.
+# 5. `clock_shifts(markers, hosts)` — the merged trace's one clock (section 2b): each rank's shift from the times its
+#    ranks left the start barrier and the machines they run on. The checker recognises every rank shifted by its
+#    own mark (which adds its lag in leaving the barrier), one shift for all machines, and a machine's last barrier
+#    leaver taken for its first.
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:
 

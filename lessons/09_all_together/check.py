@@ -11,6 +11,8 @@ step_batch: the global-batch arithmetic of several layouts; names the field, and
 over dp x cp or over every rank (cp cuts sequences, tp and pp cut the model: neither reads more of them), the
 micro-batch size forgotten, the tokens per micro-batch not divided by cp, the bubble of the wrong formula, and an
 impossible batch accepted.
+clock_shifts: the merged trace's clocks (picotron.trace.merge); recognises every rank shifted by its own marker,
+one shift for every machine, and the machine's last barrier leaver taken for its first.
 """
 import sys
 from pathlib import Path
@@ -25,7 +27,8 @@ from picotron.mesh import ORDER, grid_coords, group_ranks  # noqa: E402
 LEARNER = HERE / "exercise.py"
 SOLUTIONS = HERE / "solution.py"
 TIMEOUT_S = 30.0
-EXERCISES = {"place": "place", "step_batch": "step_batch", "memory_by_part": "memory_by_part", "choose": "choose"}
+EXERCISES = {"place": "place", "step_batch": "step_batch", "memory_by_part": "memory_by_part", "choose": "choose",
+             "clock_shifts": "clock_shifts"}
 
 GRIDS = (dict(dp=2, pp=2, cp=2, tp=2), dict(dp=2, pp=1, cp=1, tp=4), dict(dp=3, pp=2, cp=2, tp=4),
          dict(dp=1, pp=4, cp=1, tp=2), dict(dp=4, pp=1, cp=2, tp=1))
@@ -296,6 +299,42 @@ def _choose_problem(fn, path):
     return None
 
 
+# ---------------------------------------------------------------------------- clock_shifts (section 2b)
+# (markers µs, hosts): one machine whose ranks left the barrier 0.3-7 ms apart (gloo on busy cores); two machines
+# whose clocks disagree by 5 s; two machines of four ranks, their lists in no particular order
+CLOCKS = (({0: 1000.0, 1: 1300.0, 2: 8000.0, 3: 1100.0}, {0: "a", 1: "a", 2: "a", 3: "a"}),
+          ({0: 1000.0, 1: 1250.0, 2: 5_002_000.0, 3: 5_001_900.0}, {0: "a", 1: "a", 2: "b", 3: "b"}),
+          ({3: 7e12 + 40.0, 0: 7e12 + 900.0, 1: 7e12 + 10.0, 2: 3e12 + 5.0, 4: 3e12 + 77.0, 5: 7e12 + 3.0,
+            6: 3e12 + 1.0, 7: 3e12},
+           {3: "n0", 0: "n0", 1: "n0", 5: "n0", 2: "n1", 4: "n1", 6: "n1", 7: "n1"}))
+
+
+def _clock_problem(fn, path):
+    for markers, hosts in CLOCKS:
+        want = {r: min(markers[q] for q in markers if hosts[q] == hosts[r]) for r in markers}
+        got = fn(dict(markers), dict(hosts))
+        if not isinstance(got, dict) or set(got) != set(markers):
+            return f"return {{rank: shift}} for the ranks {sorted(markers)}, got {str(got)[:60]!r}"
+        bad = [r for r in sorted(markers) if abs(got[r] - want[r]) > 1e-6]
+        if not bad:
+            continue
+        r, machines = bad[0], len(set(hosts.values()))
+        head = f"{len(markers)} ranks on {machines} machine(s), rank {r}: shift {got[r]:.1f} µs, expected {want[r]:.1f}"
+        if all(abs(got[q] - markers[q]) < 1e-6 for q in markers):
+            return (f"{head}: you shifted every rank by its own marker, which adds its lag in leaving the barrier "
+                    f"({markers[r] - want[r]:.0f} µs) to all its times; the ranks of one machine share its clock: "
+                    f"shift them together")
+        if all(abs(got[q] - markers[0]) < 1e-6 for q in markers) or all(abs(got[q] - min(markers.values())) < 1e-6
+                                                                        for q in markers):
+            return (f"{head}: one shift for every rank keeps the machines' clocks apart ({machines} machines, whose "
+                    f"clocks disagree); each machine needs its own")
+        if abs(got[r] - max(markers[q] for q in markers if hosts[q] == hosts[r])) < 1e-6:
+            return (f"{head}: that is the machine's LAST rank to leave the barrier; the first is the closest to the "
+                    f"instant it released everyone")
+        return head
+    return None
+
+
 def _in_process(name, path, report, problem_of, success):
     return in_process(name, path, report, problem_of, success, "ex09")
 
@@ -310,7 +349,8 @@ SUCCESS = {
               f"and with 35.6 GiB (an A100 40GB's 90%)",
 }
 PROBLEMS = {"place": _place_problem, "step_batch": _batch_problem, "memory_by_part": _memory_problem,
-            "choose": _choose_problem}
+            "choose": _choose_problem, "clock_shifts": _clock_problem}
+SUCCESS["clock_shifts"] = f": {len(CLOCKS)} jobs of 4 to 8 ranks on 1 or 2 machines, one clock per machine"
 
 
 def check_one(name, path, report, timeout_s):

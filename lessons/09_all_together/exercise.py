@@ -52,3 +52,12 @@ def choose(candidates, memory_gib, step_seconds, budget_gib, global_seqs):
     first step that fails. Step 3: of the rest, the one with the most tokens per second. Return (best or None,
     [(layout, "memory" | "batch"), ...] in the candidates' order)."""
     raise NotImplementedError("not written yet")
+
+
+def clock_shifts(markers, hosts):
+    """EXERCISE 5: one clock for every rank of a merged trace (section 2b). `markers`: {rank: the time, in µs on its
+    machine's clock, at which the rank left the barrier at the start of the profiled range}; `hosts`: {rank: its
+    machine's name}. Ranks of one machine share that machine's clock; machines' clocks disagree. Return {rank: shift}
+    (µs) such that merged time = a rank's own time - its shift puts every machine's earliest barrier leaver at 0
+    and keeps the ranks of one machine on their common clock (picotron.trace.merge's rule)."""
+    raise NotImplementedError("not written yet")

@@ -470,6 +470,108 @@ def plot_timeline4d(res):
     return fig
 
 
+# ------------------------------------------------------------------ the trainer's own trace (--profile, section 2b)
+TRACE_LAYOUT = dict(tp=2, pp=2)
+
+
+def trace_args(folder, device):
+    """`picotron.train`'s flags for section 2b: tp2 x pp2 on 4 processes, 3 steps of 4 micro-batches, step 3 profiled."""
+    flags = dict(preset="tiny", tp=2, pp=2, grad_acc=4, micro_batch_size=2, seq_len=64, steps=3, profile="3",
+                 eval_every=0, sample_tokens=0, log_every=3, device=device, out=folder)
+    return [a for k, v in flags.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def trace_class(name, args):
+    """What a range or collective of a picotron trace is, in the classes of `event_class` (None: not drawn: the
+    messages' own events, from posting to their wait, and the ranges around the step)."""
+    first = name.split()[0]
+    if first in ("forward", "backward", "weight"):
+        return {"forward": "F", "backward": "B", "weight": "W"}[first]
+    if name in ("clip grad norm", "optimizer step"):
+        return name.split()[0]
+    if name.startswith("wait p2p"):
+        return "pp"
+    if name == "wait":
+        return "cp"
+    if args.get("collective") not in (None, "p2p") and args.get("axis_name") in COMM_CLASSES:
+        return args["axis_name"]
+    return None
+
+
+def trace_rows(merged):
+    """{rank: [(class, start ms, end ms, name)]} of a merged trace (picotron.trace.merge), each rank's step range
+    ({rank: (start ms, end ms)}) and the rows' names ({rank: "rank r (dp d, pp p, cp c, tp t)"})."""
+    from picotron import trace
+
+    rows, steps = {}, {}
+    for pid, name, start, end, args in trace.phases(merged):
+        if name.startswith("step "):
+            steps[pid] = (start / 1e3, end / 1e3)
+        c = trace_class(name, args)
+        if c is not None:
+            rows.setdefault(pid, []).append((c, start / 1e3, end / 1e3, name))
+    names = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"}
+    return rows, steps, names
+
+
+def messages_after_sends(rows, names):
+    """Every pipeline message received after it was sent, on the merged clock: for each micro-batch, the receiving
+    stage's wait inside its forward (backward) ends after the sending stage's forward (backward) of that micro-batch
+    ends (its send is posted after it). [(receiver, micro-batch, kind, wait end - send's action end, ms)]."""
+    import re
+
+    stage = {r: int(re.search(r"pp (\d+)", n).group(1)) for r, n in names.items()}
+    tp = {r: int(re.search(r"tp (\d+)", n).group(1)) for r, n in names.items()}
+    out = []
+    for r, events in rows.items():
+        for c, start, end, name in events:
+            if c not in ("F", "B"):
+                continue
+            src_stage = stage[r] - 1 if c == "F" else stage[r] + 1
+            sender = [q for q in rows if stage[q] == src_stage and tp[q] == tp[r]]
+            if not sender:
+                continue  # the first stage's forwards and the last stage's backwards receive nothing
+            waits = [e for k, s_, e, _ in events if k == "pp" and start <= s_ <= end]
+            sent = [e for k, _, e, n in rows[sender[0]] if k == c and n.split()[1] == name.split()[1]]
+            if waits and sent:
+                out.append((r, name.split()[1], c, max(waits) - sent[0]))
+    return out
+
+
+def plot_trace_timeline(merged):
+    """The profiled step of every rank, read from OUT/traces/merged.json: one band per rank (rank 0 on top), the upper
+    lane its work (F, B, clipping, the optimizer step), the lower lane its communication and waits, in section 2's
+    colours."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows, steps, names = trace_rows(merged)
+    ranks = sorted(rows)
+    t0 = min(s for s, _ in steps.values())
+    span = max(e for _, e in steps.values()) - t0
+    fig, ax = plt.subplots(figsize=(13, 0.6 * len(ranks) + 1.8))
+    for y in ranks:
+        for c, start, end, name in rows[y]:
+            upper = c in ("F", "B", "W", "clip", "optimizer")
+            ax.barh(y - 0.17 if upper else y + 0.2, end - start, left=start - t0, height=0.4 if upper else 0.3,
+                    color=GANTT_COLORS[c], lw=0)
+            if c in ("F", "B") and end - start > span / 50:
+                ax.text((start + end) / 2 - t0, y - 0.17, f"{c}{name.split()[1][3:]}", fontsize=6, ha="center",
+                        va="center")
+    ax.set_yticks(ranks, [names[r] for r in ranks], fontsize=7)
+    ax.set_ylim(len(ranks) - 0.5, -0.6)
+    ax.set_xlim(0, span)
+    ax.set_xlabel("ms since the first rank left the start barrier (merged.json: one clock)", fontsize=FONT)
+    ax.set_title("the profiled step of tp2 x pp2, drawn from picotron's trace (OUT/traces/merged.json): upper lane "
+                 "work, lower lane communication", fontsize=9, loc="left")
+    ax.tick_params(axis="x", labelsize=FONT)
+    shown = {c for r in ranks for c, *_ in rows[r]}
+    handles = [Patch(color=GANTT_COLORS[k], label=v) for k, v in GANTT_LABELS.items() if k in shown]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=FONT, frameon=False)
+    fig.tight_layout(rect=(0, 1.1 / (0.6 * len(ranks) + 1.8), 1, 1))
+    return fig
+
+
 def plot_shares(res):
     """Per rank: where its step went (compute, each communication class, idle), stacked, in ms."""
     import matplotlib.pyplot as plt

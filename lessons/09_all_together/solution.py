@@ -61,3 +61,12 @@ def choose(candidates, memory_gib, step_seconds, budget_gib, global_seqs):
             kept.append(layout)
     best = min(kept, key=step_seconds) if kept else None
     return best, rejected
+
+
+def clock_shifts(markers, hosts):
+    """EXERCISE 5: each machine's ranks shifted together, by the earliest of its ranks' barrier marks: the first to
+    leave the barrier is the closest to the instant it released everyone; the others were late for a core."""
+    first = {}
+    for rank, t in markers.items():
+        first[hosts[rank]] = min(t, first.get(hosts[rank], t))
+    return {rank: first[hosts[rank]] for rank in markers}
