@@ -6,7 +6,8 @@
     python benchmarks/gpu_check.py --only main,bf16,tests
 
 Each row is one fresh process with its own time limit: `python -m picotron.train` for a few steps (the main job
-as ./run.sh starts it; then the larger model in every precision recipe --dtype fp32, bf16, bf16-params, fp16, fp8;
+as ./run.sh starts it; then the larger model in every precision recipe --dtype fp32, bf16, bf16-params, fp16, fp8,
+and fp8 with --fp8-recipe blockwise;
 bf16 with --kernels triton, --attn-impl flash and --compile; bf16 under torchrun at world size 1, i.e. an NCCL process
 group), and pytest on the tests whose code takes a CUDA path when torch sees a GPU (found by reading tests/: a test
 function that calls torch.cuda.is_available(), or a skipif on cuda / a cuda or gpu marker). The numbers come from
@@ -56,6 +57,8 @@ def rows(st, device):
     backend = "nccl" if device == "cuda" else "gloo"
     return ([("main", "main job (./run.sh's tiny model)", "train", short)]
             + [(dtype, f"--dtype {dtype}", "train", model + short + ["--dtype", dtype]) for dtype in PRECISIONS]
+            + [("fp8-blockwise", "--dtype fp8 --fp8-recipe blockwise", "train",  # picotron/fp8_blockwise.py
+                model + short + ["--dtype", "fp8", "--fp8-recipe", "blockwise"])]
             + [("triton", "bf16 --kernels triton", "train", bf16 + ["--kernels", "triton"]),
                ("flash", "bf16 --attn-impl flash", "train", bf16 + ["--attn-impl", "flash"]),
                ("nccl", f"bf16, torchrun world 1 ({backend})", "torchrun", bf16),
@@ -214,6 +217,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "runs" / "gpu_check"), help="folder for the runs and gpu_check.json")
     p.add_argument("--cpu-smoke", action="store_true", help="run the table on the CPU with tiny settings")
     p.add_argument("--only", default="", help="comma-separated subset of: main, fp32, bf16, bf16-params, fp16, fp8, "
+                                              "fp8-blockwise, "
                                               "triton, flash, nccl, tests, compile")
     p.add_argument("--preset", help="model of the precision/kernel rows (GPU default smollm-360m, smoke tiny)")
     p.add_argument("--seq-len", type=int)

@@ -51,11 +51,13 @@ without it.
 Memory of the scales: one fp32 per 128 elements of an activation or gradient, 4/128 = 3.1 % on top of its 1-byte
 data; one per 16,384 weight elements (0.02 %).
 
-On a GPU (unmeasured: no GPU has run this code yet). Hopper (sm90) with CUDA ≥ 12.9 has blockwise scaled GEMMs in
-cuBLASLt, exposed by torch.nn.functional.scaled_mm with ScalingType.BlockWise1x128 / BlockWise128x128 (scales
-given as dequantizing factors, in an outer-dimension-major layout; the 128×128 ones with the K-block count padded
-to a multiple of 4). `_gpu_matmul` calls it when the shapes are multiples of 128 and the result is wanted in bf16
-(the forward under autocast); everything else, on the GPU too, runs the simulation. `benchmarks/gpu_check.py`'s
+On a GPU (unmeasured: no GPU has run this code yet). Hopper (sm90) with cuBLASLt ≥ 12.9 has blockwise scaled GEMMs
+(DeepSeek's pairs: 1×128 with 128×128, 1×128 with 1×128), exposed by torch.nn.functional.scaled_mm with
+ScalingType.BlockWise1x128 / BlockWise128x128; the scales are dequantizing factors, the 1×128 ones [rows, K/128]
+stored outer-dimension-major, the 128×128 ones [K/128 padded to a multiple of 4, N/128] (torch's
+_scaled_block1x128_block128x128 states these layouts). `_gpu_matmul` calls it for all three GEMMs when the
+contraction and the output columns are multiples of 128 and the result is wanted in bf16 or fp32; anything else, on
+the GPU too, runs the simulation (correct, and slow: fp32 matmuls, one per K-slice). `benchmarks/gpu_check.py`'s
 fp8-blockwise row trains with it, and tests/test_fp8_blockwise.py's CUDA test compares it with the simulation.
 Tensor parallelism: each rank tiles its own shard (as picotron/fp8.py scales its shard); with shard widths that
 are multiples of 128 the tiles are the same as tp = 1's.
@@ -159,9 +161,9 @@ def limited_matmul(a, b, bits=14, interval=TILE):
 # ------------------------------------------------------------------------------------------ the GPU path
 def _gpu_ready(a_q, b_q, out_dtype):
     """Whether torch's blockwise scaled GEMM can compute this product: an NVIDIA Hopper GPU (sm90), a torch with
-    torch.nn.functional.scaled_mm, K and N multiples of 128, a bf16 result. Never true on the CPU."""
+    torch.nn.functional.scaled_mm, K and N multiples of 128, a bf16 or fp32 result. Never true on the CPU."""
     return (a_q.is_cuda and torch.version.hip is None and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
-            and _capability(a_q.device.index)[0] == 9 and out_dtype == torch.bfloat16
+            and _capability(a_q.device.index)[0] == 9 and out_dtype in (torch.bfloat16, torch.float32)
             and a_q.shape[1] % TILE == 0 and b_q.shape[0] % TILE == 0)
 
 
@@ -170,18 +172,26 @@ def _outer_major(d):
     return d.t().contiguous().t()
 
 
-def _gpu_matmul(a_q, d_a, b_q, d_b, b_blocks, out_dtype):
-    """a · bᵀ by torch.nn.functional.scaled_mm on a Hopper GPU (UNMEASURED, and its layouts untested here: no GPU
-    has run it; benchmarks/gpu_check.py compares it with blockwise_matmul). a_q [M, K] 1×128 tiles, d_a [M, K/128];
-    b_q [N, K] with d_b [N/128, K/128] (b_blocks) or [N, K/128]. mat_b is bᵀ [K, N], column-major."""
-    st = F.ScalingType
-    if b_blocks:  # [N/128, L4] contiguous, viewed [L4, N/128]: K-blocks padded to a multiple of 4
+def scaled_mm_operands(a_q, d_a, b_q, d_b, b_blocks):
+    """(mat_a, mat_b, scale_a, scale_b) as torch.nn.functional.scaled_mm takes them for a · bᵀ: a_q [M, K] row-major
+    with d_a [M, K/128] (strides 1, M); mat_b = bᵀ [K, N] column-major, with d_b [N/128, K/128] (b_blocks) as
+    [L4, N/128] (strides 1, L4; L4 = K/128 rounded up to a multiple of 4, the padding 1.0) or d_b [N, K/128] as
+    [N, K/128] (strides 1, N). Pure layout: tests/test_fp8_blockwise.py checks it on the CPU."""
+    if b_blocks:
         kb = d_b.shape[1]
-        scale_b, recipe_b = F.pad(d_b, (0, -(-kb // 4) * 4 - kb), value=1.0).contiguous().t(), st.BlockWise128x128
+        scale_b = F.pad(d_b, (0, -(-kb // 4) * 4 - kb), value=1.0).contiguous().t()
     else:
-        scale_b, recipe_b = _outer_major(d_b), st.BlockWise1x128
-    return F.scaled_mm(a_q.contiguous(), b_q.contiguous().t(), _outer_major(d_a), st.BlockWise1x128,
-                       scale_b, recipe_b, output_dtype=out_dtype)
+        scale_b = _outer_major(d_b)
+    return a_q.contiguous(), b_q.contiguous().t(), _outer_major(d_a), scale_b
+
+
+def _gpu_matmul(a_q, d_a, b_q, d_b, b_blocks, out_dtype):
+    """a · bᵀ by torch.nn.functional.scaled_mm on a Hopper GPU (UNMEASURED: no GPU has run it; the CUDA test in
+    tests/test_fp8_blockwise.py, which ./run.sh gpu-check runs, compares it with the simulation)."""
+    st = F.ScalingType
+    mat_a, mat_b, scale_a, scale_b = scaled_mm_operands(a_q, d_a, b_q, d_b, b_blocks)
+    return F.scaled_mm(mat_a, mat_b, scale_a, st.BlockWise1x128, scale_b,
+                       st.BlockWise128x128 if b_blocks else st.BlockWise1x128, output_dtype=out_dtype)
 
 
 def _matmul(a_q, d_a, b_q, d_b, b_blocks, out_dtype):

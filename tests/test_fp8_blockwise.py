@@ -139,21 +139,56 @@ def test_promotion_every_128_products_bounds_the_limited_accumulator():
     assert err(fb.limited_matmul(a, b, 53, None)) < 1e-12
 
 
+def test_scaled_mm_operands_have_the_layouts_torch_checks():
+    """The layouts torch's CUDA code requires of DeepSeek-style scales (aten/src/ATen/native/cuda/ScaledBlas.cpp,
+    _scaled_block1x128_block128x128 and _scaled_block1x128_block1x128), checked here on the CPU: mat_a row-major,
+    mat_b column-major; scale_a [M, ⌈K/128⌉] strides (1, M); 128×128 scale_b [round_up(⌈K/128⌉, 4), ⌈N/128⌉]
+    strides (1, round_up(⌈K/128⌉, 4)); 1×128 scale_b [N, ⌈K/128⌉] strides (1, N). And the values are the scales."""
+    m, k, n = 256, 384, 256  # K/128 = 3, padded to 4
+    a_q, d_a = fb.quantize_tiles(rand(m, k, seed=18))
+    w_q, d_w = fb.quantize_blocks(rand(n, k, seed=19))
+    b_q, d_b = fb.quantize_tiles(rand(n, k, seed=19))
+    mat_a, mat_b, s_a, s_b = fb.scaled_mm_operands(a_q, d_a, w_q, d_w, True)
+    assert mat_a.shape == (m, k) and mat_a.stride() == (k, 1) and mat_b.shape == (k, n) and mat_b.stride() == (1, k)
+    assert s_a.shape == (m, 3) and s_a.stride() == (1, m) and torch.equal(s_a, d_a)
+    assert s_b.shape == (4, 2) and s_b.stride() == (1, 4) and torch.equal(s_b[:3], d_w.t()) and (s_b[3] == 1).all()
+    _, mat_b, _, s_b = fb.scaled_mm_operands(a_q, d_a, b_q, d_b, False)
+    assert mat_b.stride() == (1, k) and s_b.shape == (n, 3) and s_b.stride() == (1, n) and torch.equal(s_b, d_b)
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
                          and hasattr(torch.nn.functional, "scaled_mm")),
                     reason="needs a Hopper GPU (sm90) and torch.nn.functional.scaled_mm")
 def test_gpu_blockwise_scaled_mm_matches_the_simulation():
-    """On Hopper: torch.nn.functional.scaled_mm with 1×128 and 128×128 scales equals blockwise_matmul run on the CPU
-    to a bf16 rounding (2^-8 relative) plus the tensor cores' limited accumulator within each 128-slice."""
-    a, w = rand(256, 512, seed=13), rand(384, 512, seed=14, scale=0.05)
-    a_q, d_a = fb.quantize_tiles(a)
-    w_q, d_w = fb.quantize_blocks(w)
-    cpu = fb._matmul(a_q, d_a, w_q, d_w, True, torch.float32)
-    qs = [t.cuda() for t in (a_q, d_a, w_q, d_w)]
-    assert fb._gpu_ready(qs[0], qs[2], torch.bfloat16)
-    gpu = fb._matmul(*qs, True, torch.bfloat16)
-    assert gpu.dtype == torch.bfloat16
-    torch.testing.assert_close(gpu.cpu().float(), cpu, rtol=2.0 ** -7, atol=2.0 ** -9 * cpu.abs().max().item())
+    """On Hopper: torch.nn.functional.scaled_mm with 1×128 / 128×128 scales (forward, dgrad) and 1×128 / 1×128 (wgrad)
+    equals the simulation run on the CPU, in bf16 and fp32, to a bf16 rounding plus the tensor cores' accumulator
+    within each 128-slice (2^-7 relative, 2^-9 of the largest). K = 384: the 128×128 scales' K-blocks padded 3 -> 4."""
+    for m, k, n in ((256, 512, 384), (128, 384, 256)):
+        a, w = rand(m, k, seed=13), rand(n, k, seed=14, scale=0.05)
+        a_q, d_a = fb.quantize_tiles(a)
+        w_q, d_w = fb.quantize_blocks(w)
+        b_q, d_b = fb.quantize_tiles(w)
+        cases = {"1x128 · 128x128": (a_q, d_a, w_q, d_w, True), "1x128 · 1x128": (a_q, d_a, b_q, d_b, False)}
+        for name, (aq, da, bq, db, blocks) in cases.items():
+            cpu = fb._matmul(aq, da, bq, db, blocks, torch.float32)
+            for dtype in (torch.bfloat16, torch.float32):
+                qs = [t.cuda() for t in (aq, da, bq, db)]
+                assert fb._gpu_ready(qs[0], qs[2], dtype)
+                gpu = fb._matmul(*qs, blocks, dtype)
+                assert gpu.dtype == dtype
+                torch.testing.assert_close(gpu.cpu().float(), cpu, rtol=2.0 ** -7,
+                                           atol=2.0 ** -9 * cpu.abs().max().item(), msg=f"{name} {dtype} {m, k, n}")
+    # the layer on the GPU (all three GEMMs by scaled_mm) against the layer on the CPU
+    x, w, gy = rand(256, 512, seed=15), rand(384, 512, seed=16, scale=0.05), rand(256, 384, seed=17)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        xr, wr = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            y = fb.fp8_linear_blockwise(xr, wr)
+        y.backward(gy.to(dev).to(y.dtype))
+        outs.append([t.detach().cpu().float() for t in (y, xr.grad, wr.grad)])
+    for name, g, c in zip(("y", "grad_x", "grad_w"), outs[1], outs[0]):
+        torch.testing.assert_close(g, c, rtol=2.0 ** -7, atol=2.0 ** -9 * c.abs().max().item(), msg=name)
 
 
 # ------------------------------------------------------------------------------------------ the settings

@@ -44,8 +44,10 @@ def test_without_a_gpu_it_says_so_and_exits_0():
 
 def test_rows_cover_every_recipe_and_kernel_and_find_the_cuda_tests():
     keys = [r[0] for r in gpu_check.rows(gpu_check.GPU, "cuda")]
-    assert keys == ["main", "fp32", "bf16", "bf16-params", "fp16", "fp8", "triton", "flash", "nccl", "tests", "compile"]
+    assert keys == ["main", "fp32", "bf16", "bf16-params", "fp16", "fp8", "fp8-blockwise", "triton", "flash", "nccl",
+                    "tests", "compile"]
     tests = gpu_check.cuda_tests()
+    assert "tests/test_fp8_blockwise.py::test_gpu_blockwise_scaled_mm_matches_the_simulation" in tests
     assert "tests/test_mesh.py::test_pick_device" in tests and "tests/test_kernels.py::test_triton_matches_plain" in tests
 
 
