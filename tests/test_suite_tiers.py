@@ -56,7 +56,7 @@ def test_every_quick_entry_names_a_test_and_every_strategy_has_one(tiers):
     assert len(entries) == len(set(entries)), "tests/quick.txt lists a test twice"
     for module in ("collectives", "config", "first_hour", "data_parallel", "zero", "tensor_parallel",
                    "pipeline_parallel", "context_parallel", "expert_parallel", "nccl_rules", "checkpoint", "train",
-                   "model", "parallelize", "hsdp", "async_tp", "ep_overlap"):
+                   "model", "parallelize", "hsdp", "async_tp", "ep_overlap", "trace"):
         assert any(e.startswith(f"tests/test_{module}.py") for e in entries), f"the quick tier has no test_{module}"
     assert not any("notebook_runs" in e for e in entries), "a notebook takes a minute: not in the quick tier"
     for entry in entries:  # a renamed or removed test would shrink the list without anyone noticing
