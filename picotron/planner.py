@@ -302,6 +302,13 @@ def memory_estimate(model_config, seq_len, micro_batch_size, dtype="fp32", recom
     return out
 
 
+def fp8_scale_bytes(rows, cols, tile=128, block=False):
+    """Bytes of the fp32 scales of a [rows, cols] tensor in fine-grained FP8 (picotron/fp8_blockwise.py, DeepSeek-V3
+    §3.3.2): one per 1×tile tile along the last axis, 4·rows·⌈cols/tile⌉ (3.1 % of the 1-byte data when tile = 128
+    divides cols), or with block one per tile×tile block, 4·⌈rows/tile⌉·⌈cols/tile⌉."""
+    return 4 * (-(-rows // tile) if block else rows) * -(-cols // tile)
+
+
 # ======================================================================================= any layout
 # Everything above is one device. Below: the same bytes for one rank of a dp x pp x cp x tp (x ep) layout,
 # by dividing each term by the degree that splits it. The rules, each from the strategy's own module:

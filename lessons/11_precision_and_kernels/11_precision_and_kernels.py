@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt
 import torch
 sys.path.insert(0, "..")   # lessons/: the helpers every lesson shares
 import _common
-from picotron import fp8, fp8_blockwise, kernels, metrics, precision
+from picotron import fp8, fp8_blockwise, kernels, metrics, planner, precision
 
 FAST, OUT = _common.FAST, _common.run_dir("11_precision_and_kernels")
 import experiment as lesson   # this folder's experiment.py: its measurements, formulas and plots
@@ -512,16 +512,20 @@ for k, r in curves.items():
     print(f"  {k:<13} final loss {r['loss'][-1]:.4f}, worst per-step relative difference to fp32 {dev[k]:.1e}, "
           f"{r['seconds']:.1f} s")
 xq, xd = fp8_blockwise.quantize_tiles(x_act)
+wq, wd = fp8_blockwise.quantize_blocks(w_act)
 k_in = x_act.shape[1]
 measured = xd.numel() * xd.element_size() / (xq.numel() * xq.element_size())
+planned = planner.fp8_scale_bytes(*x_act.shape) / x_act.numel()
 check("blockwise FP8 training follows fp32", dev["fp8-blockwise"] < 3e-2 and
       curves["fp8-blockwise"]["loss"][-1] < 0.75 * curves["fp8-blockwise"]["loss"][0],
       f"every step within {dev['fp8-blockwise']:.1e} relative of fp32 (per-tensor fp8: {dev['fp8']:.1e}, bf16: "
       f"{dev['bf16']:.1e}); it learns ({curves['fp8-blockwise']['loss'][0]:.2f} → "
       f"{curves['fp8-blockwise']['loss'][-1]:.3f})")
-check("the scales cost 4·⌈K/128⌉/K bytes per element", measured == 4 * math.ceil(k_in / 128) / k_in,
+check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_bytes)", measured == planned and
+      wd.numel() * wd.element_size() == planner.fp8_scale_bytes(*w_act.shape, block=True),
       f"down_proj's input, K = {k_in}: {xd.numel()} fp32 scales for {xq.numel():,} E4M3 bytes = {100 * measured:.2f}% "
-      f"(a multiple of 128: 3.12%)")
+      f"(a multiple of 128: 3.12%); its weight {tuple(w_act.shape)}: {wd.numel()} block scales, "
+      f"{wd.numel() * wd.element_size()} bytes")
 
 # %% [markdown]
 # On this small model, without outliers, the two recipes are equally close to fp32: tiles buy nothing when one scale
