@@ -19,8 +19,8 @@ HOMES = {  # name: the one file that defines it
     "ulysses_buffer_bytes": "picotron/planner.py",
     "cp_bytes_per_step": "picotron/planner.py",  # the bytes every context-parallel core sends (ring, all-gather, Ulysses)
     "hsdp_bytes_per_step": "picotron/planner.py",  # HSDP's bytes on the shard and the replicate links (issue 43)
-    "muon_bytes_per_step": "picotron/planner.py",
-    "fp8_scale_bytes": "picotron/planner.py",  # fine-grained FP8's scales (issue 44)  # Muon's exchange, gather or owner (issue 44)
+    "muon_bytes_per_step": "picotron/planner.py",  # Muon's exchange, gather or owner (issue 44)
+    "fp8_scale_bytes": "picotron/planner.py",  # fine-grained FP8's scales (issue 44)
     "async_tp_exposed_seconds": "picotron/planner.py",  # a collective matmul's exposed ring steps (issue 43)
     "async_tp_layer_seconds": "picotron/planner.py",
     "ep_overlap_exposed_seconds": "picotron/planner.py",  # --ep-overlap's exposed all-to-alls (issue 43)
