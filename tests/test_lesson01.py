@@ -127,7 +127,8 @@ def test_checker_passes_the_solutions():
 def test_checker_fails_the_stubs_naming_not_implemented():
     code, out = run_checker()
     assert code == 1, out
-    for name in ("count_parameters", "model_state_bytes", "activation_bytes_per_layer", "accumulate_gradients", "plan_step"):
+    for name in ("count_parameters", "model_state_bytes", "activation_bytes_per_layer", "accumulate_gradients", "plan_step",
+                 "phase_ms"):
         assert f"FAIL  {name}(" in out, out
     assert "NotImplementedError: not written yet" in out
 
@@ -160,6 +161,32 @@ def test_checker_reports_wrong_values(tmp_path):
     assert "did you count lm_head although tie_word_embeddings=True?" in out
     assert "ok    count_parameters(tiny) = 853,120" in out  # untied: the same function is right
     assert "the gradients are 4.00× the reference: divide each micro-batch's loss by k" in out, out
+
+
+WRONG_TRACES = {
+    "microseconds": ("def phase_ms(trace):\n    out = {}\n    for e in trace['traceEvents']:\n"
+                     "        if e.get('ph') == 'X' and e.get('cat') == 'user_annotation' and not "
+                     "e['name'].startswith(('step ', 'picotron:')):\n"
+                     "            p = e['name'].split(' mb=')[0]\n            out[p] = out.get(p, 0.0) + e['dur']\n"
+                     "    return out\n", "a trace's ts and dur are microseconds: divide by 1000"),
+    "operators": ("def phase_ms(trace):\n    out = {}\n    for e in trace['traceEvents']:\n"
+                  "        if e.get('ph') == 'X' and not e['name'].startswith(('step ', 'picotron:')):\n"
+                  "            p = e['name'].split(' mb=')[0]\n            out[p] = out.get(p, 0.0) + e['dur'] / 1e3\n"
+                  "    return out\n", "aten::mm is torch's operator inside the phase"),
+    "steps": ("def phase_ms(trace):\n    out = {}\n    for e in trace['traceEvents']:\n"
+              "        if e.get('ph') == 'X' and e.get('cat') == 'user_annotation':\n"
+              "            p = e['name'].split(' mb=')[0]\n            out[p] = out.get(p, 0.0) + e['dur'] / 1e3\n"
+              "    return out\n", "leave out the step ranges and the start marker"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(WRONG_TRACES))
+def test_checker_names_trace_mistakes(tmp_path, mistake):
+    code, why = WRONG_TRACES[mistake]
+    wrong = tmp_path / f"wrong_{mistake}.py"
+    wrong.write_text(code)
+    status, out = run_checker("--module", str(wrong), "phase_ms")
+    assert status == 1 and "FAIL  phase_ms(a --profile 2:3 trace)" in out and why in out, out
 
 
 WRONG_PLAN = '''

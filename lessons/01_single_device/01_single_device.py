@@ -610,6 +610,9 @@ _common.interactive(draw, lambda w: dict(
 #    (the docstring gives the rules: the global batch stays, `peak_bound` ≤ budget, the least repeated work wins).
 #    The checker tries it on the puzzles below, then runs your choice for real on the CPU: the allocator's peak
 #    must fit too, and it measures tokens/s beside the reference choice.
+# 6. `phase_ms(trace)` — read a trace that `--profile` wrote (section 4h): each phase's milliseconds, summed over
+#    the micro-batches and the profiled steps. The checker gives it a trace with torch's operators inside the phases,
+#    metadata and the step ranges, and names the usual slips (microseconds, operators counted, steps counted).
 #
 # Then run the checker (here, or `./run.sh python lessons/01_single_device/check.py [name]`). Until you write them it reports
 # `NotImplementedError: not written yet`; a wrong answer comes with the expected value and, where it can tell, the

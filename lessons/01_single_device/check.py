@@ -331,9 +331,69 @@ def check_plan_step(mod, ref, report):
                           f"percent: the rule decides, not this one measurement)")
 
 
+def made_trace(seed=0):
+    """A trace as `--profile 2:3` writes it (picotron.trace), of two steps of two micro-batches: torch's operators
+    inside the phases, metadata, a flow, the step ranges and the start marker; and its phases' ms by hand."""
+    import random
+    rng = random.Random(seed)
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "python"}},
+              {"ph": "X", "cat": "user_annotation", "name": "picotron: profile start", "pid": 1, "tid": 1, "ts": 0.0,
+               "dur": 180.0}]
+    want, t = {}, 1000.0
+    for step in (2, 3):
+        start = t
+        for name in ("forward mb=0", "forward mb=1", "wait", "backward mb=0", "backward mb=1", "clip grad norm",
+                     "optimizer step"):
+            dur = rng.uniform(200.0, 90000.0)
+            events.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": 1, "tid": 1, "ts": t, "dur": dur})
+            events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": t + 1,
+                           "dur": dur / 2})
+            events.append({"ph": "f", "cat": "ac2g", "name": "flow", "id": len(events), "pid": 1, "tid": 1, "ts": t})
+            phase = name.split(" mb=")[0]
+            want[phase] = want.get(phase, 0.0) + dur / 1e3
+            t += dur + 50.0
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"step {step}", "pid": 1, "tid": 1, "ts": start,
+                       "dur": t - start})
+    return {"traceEvents": events, "baseTimeNanoseconds": 1790000000000000000}, want
+
+
+def check_phase_ms(mod, ref, report):
+    what = "phase_ms(a --profile 2:3 trace)"
+    for seed in (0, 1):
+        trace, want = made_trace(seed)
+        done, got = call(report, what, mod.phase_ms, trace)
+        if not done:
+            return
+        if not isinstance(got, dict):
+            report.fail(what, f"return a dict {{phase: ms}}, got {type(got).__name__}")
+            return
+        extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+        if extra or missing:
+            hints = []
+            if any(k.startswith("step ") or k.startswith("picotron:") for k in extra):
+                hints.append("leave out the step ranges and the start marker: they hold the phases")
+            if any(" mb=" in k for k in extra):
+                hints.append("a phase is the name up to its \" mb=\": every micro-batch's forward is \"forward\"")
+            if any(k.startswith("aten::") or k in ("process_name", "flow") for k in extra):
+                hints.append("count only complete events (ph X) of category user_annotation: aten::mm is torch's "
+                             "operator inside the phase, process_name is metadata")
+            report.fail(what, f"phases {sorted(got)}, expected {sorted(want)}" + (" — " + "; ".join(hints) if hints
+                                                                                  else ""))
+            return
+        for phase, ms in want.items():
+            if abs(got[phase] - ms) > 1e-6 * max(1.0, ms):
+                ratio = got[phase] / ms if ms else float("inf")
+                hint = (" — a trace's ts and dur are microseconds: divide by 1000" if abs(ratio - 1000) < 1e-3 else
+                        " — count only user_annotation events: torch's operators inside the phase add their time"
+                        if abs(ratio - 1.5) < 1e-3 else "")
+                report.fail(what, f"{phase}: {got[phase]:.3f} ms, expected {ms:.3f}{hint}")
+                return
+    report.ok(what, f": {', '.join(f'{k} {v:.1f} ms' for k, v in want.items())}")
+
+
 CHECKS = {"count_parameters": check_count_parameters, "model_state_bytes": check_model_state_bytes,
           "activation_bytes_per_layer": check_activation_bytes_per_layer,
-          "accumulate_gradients": check_accumulate_gradients, "plan_step": check_plan_step}
+          "accumulate_gradients": check_accumulate_gradients, "plan_step": check_plan_step, "phase_ms": check_phase_ms}
 
 
 def check_one(name, path, report):

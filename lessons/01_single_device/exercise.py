@@ -62,3 +62,13 @@ def plan_step(model_config, seq_len, global_batch, budget_bytes) -> dict:
     Precision is not part of the choice: on a CPU bf16 may be slower than fp32 (section 4e).
     Return None if nothing fits."""
     raise NotImplementedError("not written yet")
+
+
+def phase_ms(trace) -> dict:
+    """Read a trace that `picotron.train --profile A:B` wrote (section 4h): `trace` is the dict json.load gives for
+    OUT/traces/rank0.json. Return {phase: milliseconds} of picotron's phases summed over the profiled steps, a phase
+    being a range's name up to its " mb=" (so "forward mb=0" and "forward mb=1" both count as "forward"): "forward",
+    "backward", "wait", "clip grad norm", "optimizer step". Only complete events ("ph" == "X") that are ranges
+    someone named ("cat" == "user_annotation": torch's own operators have other categories) count; leave out the
+    "step N" ranges and the marker "picotron: profile start". Times in a trace ("ts", "dur") are microseconds."""
+    raise NotImplementedError("not written yet")

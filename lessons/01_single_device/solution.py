@@ -64,3 +64,17 @@ def plan_step(model_config, seq_len, global_batch, budget_bytes) -> dict:
             if peak_bound(model_config, seq_len, b, "fp32", recompute) <= budget_bytes:
                 return {"micro_batch_size": b, "grad_acc": global_batch // b, "recompute": recompute}
     return None                                          # not even micro-batch 1 with full recomputation
+
+
+def phase_ms(trace) -> dict:
+    """The named ranges of the trace, by phase, in ms (a trace counts microseconds)."""
+    out = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X" or e.get("cat") != "user_annotation":
+            continue  # metadata, flows, and torch's operators (cpu_op, kernel, ...)
+        name = e["name"]
+        if name.startswith("step ") or name == "picotron: profile start":
+            continue
+        phase = name.split(" mb=")[0]
+        out[phase] = out.get(phase, 0.0) + e["dur"] / 1e3
+    return out
