@@ -5,7 +5,8 @@
     bf16          fp32        fp32       fp32 moments                        bf16     4 + 4 + 8  = 16 Ψ   (autocast)
     bf16-params   bf16        bf16       fp32 master copy + fp32 moments     bf16     2 + 2 + 12 = 16 Ψ
     fp16          fp16        fp16       fp32 master copy + fp32 moments     fp16     2 + 2 + 12 = 16 Ψ   + loss scaling
-    fp8           fp32        fp32       fp32 moments                        fp8      4 + 4 + 8  = 16 Ψ   (picotron.fp8)
+    fp8           fp32        fp32       fp32 moments                        fp8      4 + 4 + 8  = 16 Ψ   (picotron.fp8;
+                                                                                       --fp8-recipe blockwise: fp8_blockwise)
 
 (Ψ parameters; the ZeRO paper's "2 + 2 + K" with K = 12 for Adam's master copy and two moments. ZeRO divides
 the optimizer's share, then the gradients', then the parameters' by the data-parallel ranks; with bf16
