@@ -107,9 +107,13 @@ def test_collectives_are_packed_on_lanes_in_the_trace_clock(tmp_path):
 # ------------------------------------------------------------------------------------------ real runs
 def test_one_process_profile_writes_a_trace_with_the_phases(tmp_path):
     """One process, steps 2 to 3: rank0.json parses and holds both steps, each micro-batch's forward and backward,
-    the clip and the optimizer step inside their step; merged.json holds the one rank."""
+    the clip and the optimizer step inside their step; merged.json holds the one rank. The same run without
+    --profile writes no traces and has the same losses, to the bit."""
     out = str(tmp_path / "run")
-    run_on_ranks(_train_child, 1, dict(profile="2:3", grad_acc=2), out, timeout_s=300)
+    profiled = run_on_ranks(_train_child, 1, dict(profile="2:3", grad_acc=2), out, timeout_s=300)[0]
+    plain = run_on_ranks(_train_child, 1, dict(grad_acc=2), str(tmp_path / "plain"), timeout_s=300)[0]
+    assert profiled == plain and len(plain) == 3
+    assert not os.path.exists(tmp_path / "plain" / "traces")
     rows = trace.phases(_load(os.path.join(out, "traces", "rank0.json")))
     names = [name for _, name, *_ in rows]
     assert [n for n in names if n.startswith("step ")] == ["step 2", "step 3"]
