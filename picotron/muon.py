@@ -37,8 +37,8 @@ pieces must meet. `Exchange` does it from the placements (picotron.marks), two w
     owner   each whole matrix gets one owner rank on the axis its pieces are cut over (round-robin by size,
             `planner.owner_of`): one all-to-all sends every piece to its matrix's owner, the owner runs Newton–Schulz,
             a second all-to-all sends the pieces of the result back. Each rank orthogonalises ~1/n of the matrices
-            and sends ~2/n of what gather sends (torchtitan's and Megatron's layer-wise distributed Muon and Dion's
-            implementations assign whole matrices to ranks the same way). One sharding axis only: ZeRO's or tp's.
+            and sends ~2/n of what gather sends (Jordan's modded-nanogpt already shares the matrices out so, each rank
+            orthogonalising every n-th one and all-gathering the results). One sharding axis only: ZeRO's or tp's.
 
 The bytes of both, per rank: picotron.planner.muon_bytes_per_step. A matrix whole on every rank (plain data
 parallelism) needs no communication: every rank runs Newton–Schulz on it (what gather does; owner too).
@@ -186,7 +186,7 @@ class Exchange:
     def _gather_tp(self, p, u):
         """A tp slice's update -> the whole matrix's: all-gather over tp, the slices joined along split_dim."""
         parts = torch.empty(self.tp.size * u.numel(), dtype=torch.float32, device=u.device)
-        self.tp.all_gather_into(parts, u.float().contiguous(), label="muon all-gather tp")
+        self.tp.all_gather_into(parts, u.float().reshape(-1).contiguous(), label="muon all-gather tp")
         return torch.cat(parts.view(self.tp.size, *u.shape).unbind(0), dim=marks.placement(p).split_dim)
 
     # -- owner: one all-to-all to the owners, Newton–Schulz there, one all-to-all back -------------------------

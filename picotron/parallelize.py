@@ -121,7 +121,7 @@ def build_model(cfg, mesh, store=None):
     return marks.check(model)  # every parameter carries its placement record: clipping, ZeRO, checkpoints read it
 
 
-def build_optimizer(groups, cfg, device, scaler=None):
+def build_optimizer(groups, cfg, device, scaler=None, exchange=None):
     """AdamW over (decay, no_decay) parameter lists: weight decay on matrices only (not on norm gains); under
     bf16-params and fp16, over fp32 master copies of the parameters (precision.MasterWeights).
     --optimizer muon: picotron.muon.Muon instead (AdamW for what is not a hidden matrix), `exchange` its
