@@ -449,6 +449,10 @@ print(f"{'tensor':<11} " + " ".join(f"{k:>12}" for k in real["activation"]))
 for name, e in real.items():
     print(f"{name:<11} " + " ".join(f"{v:12.4f}" for v in e.values()))
 x_act, w_act = tensors["activation"].reshape(-1, tensors["activation"].shape[-1]), tensors["weight"]
+gemms = {"per tensor": lesson.gemm_errors(x2, tensors["weight"], g2, fp8.fp8_linear),
+         "blockwise": lesson.gemm_errors(x2, tensors["weight"], g2, fp8_blockwise.fp8_linear_blockwise)}
+for k, e in gemms.items():
+    print(f"  {k:<10} fp8 linear, relative error against fp32: y {e[0]:.4f}, grad_x {e[1]:.4f}, grad_w {e[2]:.4f}")
 sweep = lesson.outlier_sweep(x_act, w_act)
 acc = lesson.accumulation_sweep()
 lesson.plot_blockwise(sweep, acc); plt.show()
@@ -470,6 +474,11 @@ check("tiles keep E4M3's error on the lesson's tensors", all(
     for e in real.values()),
       "; ".join(f"{k}: tiles {e['tiles E4M3']:.4f}, blocks {e['blocks E4M3']:.4f}, per tensor {e['tensor E4M3']:.4f}"
                 for k, e in real.items()) + " (no outliers here: little to win)")
+check("blockwise's three GEMMs are more accurate than per-tensor's", gemms["blockwise"][0] <= 1.05 * gemms[
+    "per tensor"][0] and all(b < 0.8 * t for b, t in zip(gemms["blockwise"][1:], gemms["per tensor"][1:])),
+      f"grad_x {gemms['blockwise'][1]:.4f} against {gemms['per tensor'][1]:.4f}, grad_w {gemms['blockwise'][2]:.4f} "
+      f"against {gemms['per tensor'][2]:.4f} (E4M3 gradients instead of E5M2, a scale per tile), y "
+      f"{gemms['blockwise'][0]:.4f} against {gemms['per tensor'][0]:.4f}")
 check("a 100× or 1000× outlier costs per-tensor E4M3 nothing measurable", all(
     r["tensor E4M3"] < 1.15 * r["tiles E4M3"] for m in (1e2, 1e3) for r in (tok[m], chan[m])),
       "other elements' error " + ", ".join(f"{r['kind']} ×{m:.0e}: {r['tensor E4M3']:.4f} (tiles {r['tiles E4M3']:.4f})"
@@ -507,20 +516,24 @@ check("promotion every 128 products bounds the limited accumulator", acc[-1]["ne
 # %%
 curves["fp8-blockwise"] = lesson.train_curve(st["fp8_steps"], dtype="fp8", fp8_recipe="blockwise")
 lesson.plot_fp8_curves(curves); plt.show()
-dev = {k: max(abs(a - b) / b for a, b in zip(r["loss"], curves["fp32"]["loss"])) for k, r in curves.items()}
+rel = {k: [abs(a - b) / b for a, b in zip(r["loss"], curves["fp32"]["loss"])] for k, r in curves.items()}
+dev, mean_dev = {k: max(v) for k, v in rel.items()}, {k: sum(v) / len(v) for k, v in rel.items()}
 for k, r in curves.items():
-    print(f"  {k:<13} final loss {r['loss'][-1]:.4f}, worst per-step relative difference to fp32 {dev[k]:.1e}, "
-          f"{r['seconds']:.1f} s")
+    print(f"  {k:<13} final loss {r['loss'][-1]:.4f}, relative difference to fp32: mean {mean_dev[k]:.1e}, worst "
+          f"{dev[k]:.1e} (step {1 + rel[k].index(dev[k])}), {r['seconds']:.1f} s")
 xq, xd = fp8_blockwise.quantize_tiles(x_act)
 wq, wd = fp8_blockwise.quantize_blocks(w_act)
 k_in = x_act.shape[1]
 measured = xd.numel() * xd.element_size() / (xq.numel() * xq.element_size())
 planned = planner.fp8_scale_bytes(*x_act.shape) / x_act.numel()
-check("blockwise FP8 training follows fp32", dev["fp8-blockwise"] < 3e-2 and
+fin = {k: abs(r["loss"][-1] - curves["fp32"]["loss"][-1]) / curves["fp32"]["loss"][-1] for k, r in curves.items()}
+check("blockwise FP8 training follows fp32 as closely as per-tensor FP8", mean_dev["fp8-blockwise"] < 1.5e-2 and
+      fin["fp8-blockwise"] < 3e-2 and mean_dev["fp8-blockwise"] < 3 * max(mean_dev["fp8"], 1e-4) and
       curves["fp8-blockwise"]["loss"][-1] < 0.75 * curves["fp8-blockwise"]["loss"][0],
-      f"every step within {dev['fp8-blockwise']:.1e} relative of fp32 (per-tensor fp8: {dev['fp8']:.1e}, bf16: "
-      f"{dev['bf16']:.1e}); it learns ({curves['fp8-blockwise']['loss'][0]:.2f} → "
-      f"{curves['fp8-blockwise']['loss'][-1]:.3f})")
+      f"mean per-step difference {mean_dev['fp8-blockwise']:.1e} (per-tensor fp8 {mean_dev['fp8']:.1e}, bf16 "
+      f"{mean_dev['bf16']:.1e}), final loss {fin['fp8-blockwise']:.1e} off (per-tensor {fin['fp8']:.1e}); worst "
+      f"step {dev['fp8-blockwise']:.1e} (per-tensor {dev['fp8']:.1e}); it learns "
+      f"({curves['fp8-blockwise']['loss'][0]:.2f} → {curves['fp8-blockwise']['loss'][-1]:.3f})")
 check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_bytes)", measured == planned and
       wd.numel() * wd.element_size() == planner.fp8_scale_bytes(*w_act.shape, block=True),
       f"down_proj's input, K = {k_in}: {xd.numel()} fp32 scales for {xq.numel():,} E4M3 bytes = {100 * measured:.2f}% "
@@ -528,9 +541,12 @@ check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_byt
       f"{wd.numel() * wd.element_size()} bytes")
 
 # %% [markdown]
-# On this small model, without outliers, the two recipes are equally close to fp32: tiles buy nothing when one scale
-# fits (the tensors' spread is a few binades, section 4). They pay where outliers live, in large models and over long
-# runs: DeepSeek validated the recipe against bf16 on two smaller MoE models over about 10¹² tokens (relative loss
+# Per matmul the fine-grained recipe is the more accurate one on these tensors (the gradients' errors above: E4M3
+# instead of E5M2, and a scale per tile), even after wgrad's dequantize-and-requantize of $x$. In training the two
+# FP8 recipes drift from fp32 by about the same, a percent or so, most at a loss spike where any perturbation is
+# amplified (the worst step printed): a 0.13 M-parameter model on one seed cannot rank them, and without outliers
+# (the tensors' spread is a few binades, section 4) one scale per tensor already fits. Tiles pay where outliers live,
+# in large models and over long runs: DeepSeek validated the recipe against bf16 on two smaller MoE models over about 10¹² tokens (relative loss
 # difference below 0.25%, section 3.3 and appendix B.1), then trained DeepSeek-V3 (671 B parameters) with it. On a
 # Hopper GPU `torch.nn.functional.scaled_mm` computes the blockwise product (scales `BlockWise1x128` and
 # `BlockWise128x128`) when the shapes are multiples of 128; picotron calls it for the bf16 forward there — code that

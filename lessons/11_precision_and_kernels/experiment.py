@@ -608,6 +608,17 @@ def quant_errors(t, others=None):
             "blocks E4M3": err(fp8_blockwise.dequantize_blocks(*fp8_blockwise.quantize_blocks(t2)))}
 
 
+def gemm_errors(x, w, g, linear):
+    """Relative errors of y, grad_x and grad_w of `linear(x, w)` (backward with g) against fp32 F.linear."""
+    def run(fn):
+        xx, ww = (t.detach().clone().requires_grad_() for t in (x, w))
+        y = fn(xx, ww)
+        y.backward(g)
+        return y.detach(), xx.grad, ww.grad
+
+    return [float((a - b).norm() / b.norm()) for a, b in zip(run(linear), run(F.linear))]
+
+
 def with_outlier(x, kind, magnitude, index=3):
     """x [b, s, K] with one token (kind "token": a 'massive activation') or one channel ("channel": an outlier
     feature) multiplied by `magnitude`; and the mask of the other elements."""
