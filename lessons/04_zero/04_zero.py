@@ -711,8 +711,8 @@ for gpus, plain, hybrid in ((256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256",
 # * **owner**: each whole matrix gets one owner rank, largest first to the least-loaded rank (`planner.owner_of`). One
 #   all-to-all sends every piece to its matrix's owner, the owner orthogonalises, a second all-to-all sends the pieces
 #   back. Bytes per rank: its pieces ($\approx\Psi_{muon}/n$) out and its owned matrices ($\approx\Psi_{muon}/n$) back,
-#   about $2\Psi_{muon}/n$; compute: $\approx 1/n$ of it. The layer-wise distributed Muon of torchtitan and Megatron, and
-#   Dion, assign whole matrices to ranks the same way.
+#   about $2\Psi_{muon}/n$; compute: $\approx 1/n$ of it. Jordan's modded-nanogpt shares matrices out the same way
+#   (each rank orthogonalises every $n$-th one, then the results are all-gathered).
 #
 # Under tensor parallelism the same holds for tp's slices (gather: all-gather each matrix over tp). Newton–Schulz
 # costs $5\,(4m^2k + 2m^3)$ FLOPs for an $m \times k$ matrix, $m \le k$ (`planner.muon_ns_flops`); the bytes of both
@@ -743,7 +743,8 @@ for row in mu["rows"]:
                         f"{sum(r['formula']['buffers'].values()) / MiB:.2f}, {r['steps'][-1]['ns_flops'] / 1e9:.2f}"
                         for k, r in enumerate(row["by_rank"]))
         print(f"{name:15s} {per}")
-    print(f"{'':15s} step {opt_ms:6.1f} ms, of which Newton–Schulz {ns_ms:6.1f} ms; losses "
+    print(f"{'' if row['optimizer'] == 'muon' else name:15s} step {opt_ms:6.1f} ms, of which Newton–Schulz "
+          f"{ns_ms:6.1f} ms; losses "
           f"{', '.join(f'{x:.4f}' for x in row['losses'])}")
 lesson.plot_muon(mu); plt.show()
 gathered, owned = (next(r for r in mu["rows"] if r["impl"] == i and r["optimizer"] == "muon") for i in ("gather", "owner"))
