@@ -293,6 +293,38 @@ def test_muon_resume_is_bit_for_bit(tmp_path):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in ref]
 
 
+def _reshard_child(layout, src, out):
+    """Build `layout` with Muon, load the checkpoint `src` (written at another layout), save it again here."""
+    from picotron import checkpoint, reshard
+    cfg = Config(out=out, **{**MUON, **layout})
+    with Mesh.init(dp=cfg.dp, tp=cfg.tp) as mesh:
+        run = parallelize(cfg, mesh)
+        step = reshard.load(src, run, mesh)
+        saver = checkpoint.Saver(out, cfg, mesh)
+        saver.save(step, run)
+        saver.close()
+
+
+@pytest.mark.heavy
+def test_muon_state_reshards_like_adams(tmp_path):
+    """Written at dp2 + ZeRO-2 (flat pieces), loaded at tp=2 (slices) and saved again: the consolidated model, the
+    momentum of every Muon matrix and AdamW's moments are the same tensors."""
+    from picotron import checkpoint, reshard
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run_on_ranks(_resume_child, 2, dict(dp=2, zero=2), a, 2, 2, timeout_s=240)
+    run_on_ranks(_reshard_child, 2, dict(tp=2), checkpoint.latest(a), b, timeout_s=240)
+    x, y = reshard.consolidate(checkpoint.latest(a)), reshard.consolidate(checkpoint.latest(b))
+    assert set(x["optimizer"]["layers.0.self_attn.q_proj.weight"]) == {"momentum_buffer"}
+    assert {"exp_avg", "exp_avg_sq", "step"} <= set(x["optimizer"]["embed_tokens.weight"])
+    assert set(x["params"]) == set(y["params"]) and set(x["optimizer"]) == set(y["optimizer"])
+    for name, value in x["params"].items():
+        assert torch.equal(value, y["params"][name]), name
+    for name, kinds in x["optimizer"].items():
+        assert set(kinds) == set(y["optimizer"][name]), name
+        for k, v in kinds.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(y["optimizer"][name][k])), (name, k)
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("settings, says", [
     (dict(optimizer="muon", muon_impl="owner", dp=2, tp=2, zero=1), "cut over tp and ZeRO both"),
