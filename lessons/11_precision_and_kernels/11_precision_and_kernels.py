@@ -23,9 +23,9 @@ lessons/_notebook.py): edit this file, never the notebook.
 # intensity against a machine's balance, and the tiled online softmax that removes the $s^2$ traffic; fused
 # RMSNorm and SwiGLU and `torch.compile`; a profile of one training step. The code is `picotron/precision.py`,
 # `picotron/fp8.py`, `picotron/fp8_blockwise.py` and `picotron/kernels.py`; the measurements are `experiment.py` in
-# this folder; the formulas and their sources are in [the reference](../../docs/reference.md#precision-and-kernels), its symbols in the course's
-# [notation](../../docs/reference.md#notation). `PICOTRON_FAST=1` gives a short
-# run. Everything runs on this CPU; where a GPU would show something different, the text says what to expect.
+# this folder; the formulas and their sources are in [the reference](../../docs/reference.md#precision-and-kernels),
+# its symbols in the course's [notation](../../docs/reference.md#notation). `PICOTRON_FAST=1` gives a short run.
+# Everything runs on this CPU; where a GPU would show something different, the text says what to expect.
 
 # %%
 import math
@@ -527,7 +527,8 @@ k_in = x_act.shape[1]
 measured = xd.numel() * xd.element_size() / (xq.numel() * xq.element_size())
 planned = planner.fp8_scale_bytes(*x_act.shape) / x_act.numel()
 fin = {k: abs(r["loss"][-1] - curves["fp32"]["loss"][-1]) / curves["fp32"]["loss"][-1] for k, r in curves.items()}
-check("blockwise FP8 training follows fp32 as closely as per-tensor FP8", mean_dev["fp8-blockwise"] < 1.5e-2 and
+check("blockwise FP8 training follows fp32, drifting within 3× per-tensor FP8's",
+      mean_dev["fp8-blockwise"] < 1.5e-2 and
       fin["fp8-blockwise"] < 3e-2 and mean_dev["fp8-blockwise"] < 3 * max(mean_dev["fp8"], 1e-4) and
       curves["fp8-blockwise"]["loss"][-1] < 0.75 * curves["fp8-blockwise"]["loss"][0],
       f"mean per-step difference {mean_dev['fp8-blockwise']:.1e} (per-tensor fp8 {mean_dev['fp8']:.1e}, bf16 "
@@ -543,15 +544,15 @@ check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_byt
 # %% [markdown]
 # Per matmul the fine-grained recipe is the more accurate one on these tensors (the gradients' errors above: E4M3
 # instead of E5M2, and a scale per tile), even after wgrad's dequantize-and-requantize of $x$. In training the two
-# FP8 recipes drift from fp32 by about the same, a percent or so, most at a loss spike where any perturbation is
-# amplified (the worst step printed): a 0.13 M-parameter model on one seed cannot rank them, and without outliers
-# (the tensors' spread is a few binades, section 4) one scale per tensor already fits. Tiles pay where outliers live,
-# in large models and over long runs: DeepSeek validated the recipe against bf16 on two smaller MoE models over about 10¹² tokens (relative loss
-# difference below 0.25%, section 3.3 and appendix B.1), then trained DeepSeek-V3 (671 B parameters) with it. On a
-# Hopper GPU `torch.nn.functional.scaled_mm` computes the blockwise product (scales `BlockWise1x128` and
-# `BlockWise128x128`) when the shapes are multiples of 128; picotron calls it for the bf16 forward there — code that
-# no GPU has run yet, so neither its correctness on the device nor any speed is measured (`./run.sh gpu-check` on a
-# pod compares it with the simulation).
+# FP8 recipes drift from fp32 by amounts of the same order, a percent or so, most at a loss spike where any
+# perturbation is amplified (the worst step printed): a 0.13 M-parameter model on one seed cannot rank them, and
+# without outliers (the tensors' spread is a few binades, section 4) one scale per tensor already fits. Tiles pay
+# where outliers live, in large models and over long runs: DeepSeek validated the recipe against bf16 on two smaller
+# MoE models over about 10¹² tokens (relative loss difference below 0.25%, section 3.3 and appendix B.1), then trained
+# DeepSeek-V3 (671 B parameters) with it. On a Hopper GPU `torch.nn.functional.scaled_mm` computes blockwise products
+# (scales `BlockWise1x128` and `BlockWise128x128`); picotron calls it for the three GEMMs when the shapes are
+# multiples of 128 — code that no GPU has run yet, so neither its correctness on the device nor any speed is
+# measured (`./run.sh gpu-check` on a pod compares it with the simulation).
 #
 # **Takeaway:** a scale per 1 × 128 tile confines an outlier to its own tile, which lets E4M3 serve every tensor;
 # the scales change along $K$, so the product is summed slice by slice — and promoting each slice to fp32 is also what
@@ -862,12 +863,12 @@ all_passed = checker.check()
 # beside transformers' Llama, with MFU of both the measured and the datasheet peak, in one command.
 #
 # **What ours lacks.** Our FP8 is simulated on CPUs and uses `torch._scaled_mm` only on sm89+ GPUs (the blockwise
-# recipe `scaled_mm`'s blockwise scales on sm90, for the bf16 forward only, never run on a GPU yet); it scales per
-# tensor or per DeepSeek-V3's tiles and blocks, not per 32 elements (Blackwell's MXFP8), keeps no amax history, and
-# does not keep DeepSeek's other FP8 savings (FP8 activations cached between layers, FP8 dispatch in the all-to-all). Our Triton
-# flash attention follows FlashAttention-2's structure but not FlashAttention-3's Hopper features (warp
-# specialisation, asynchronous copies, FP8 attention), and its speed on a GPU is still to be measured. Production
-# stacks also fuse the cross-entropy with the LM head (so the logits never exist), RoPE, and the optimizer step.
+# recipe `scaled_mm`'s blockwise scales on sm90 for shapes that are multiples of 128, never run on a GPU yet); it
+# scales per tensor or per DeepSeek-V3's tiles and blocks, not per 32 elements (Blackwell's MXFP8), keeps no amax
+# history, and does not have DeepSeek's other FP8 savings (FP8 activations cached between layers, FP8 dispatch in
+# the all-to-all). Our Triton flash attention follows FlashAttention-2's structure but not FlashAttention-3's Hopper
+# features (warp specialisation, asynchronous copies, FP8 attention), and its speed on a GPU is still to be measured.
+# Production stacks also fuse the cross-entropy with the LM head (so the logits never exist), RoPE, and the optimizer step.
 #
 # **Sources.** IEEE 754-2019; Goldberg 1991, "What Every Computer Scientist Should Know About Floating-Point
 # Arithmetic"; Micikevicius et al. 2017, "Mixed Precision Training" (loss scaling, master weights); Micikevicius et
