@@ -2,7 +2,8 @@
 the solutions, fails the stubs naming NotImplementedError, and names typical mistakes (an accumulator or a running sum
 not rescaled when the max grows, exp of unshifted scores, a missing division, lse without its max; a count of clean
 steps not reset, growth one step late, an overflow not skipped; a scale upside down, E5M2's maximum, an all-zero
-tensor's infinite scale, the wrong dtype); the experiment's formulas and counters by hand (the formats' numbers, fp16's
+tensor's infinite scale, the wrong dtype; for 1×128 tiles a scale upside down, the ragged tail dropped, the row's amax
+instead of the tile's, a zero tile's scale of 0, E5M2's maximum); the experiment's formulas and counters by hand (the formats' numbers, fp16's
 bands, attention's FLOPs and bytes, the plain RMSNorm's bytes, the fused kernels' bytes, the widget's shares, the
 profiler's groups) and its training loop's loss-scale bookkeeping.
 
