@@ -286,34 +286,27 @@ class Muon(torch.optim.Optimizer):
 
         Muon(groups, exchange, lr=, betas=, weight_decay=, momentum=0.95)
 
-    `groups`: [{"params": [...], "weight_decay": ...}, ...] as the trainer builds them for AdamW; each is split into
-    its Muon tensors (`exchange.is_muon`) and the rest, so param_groups holds up to twice as many groups, each with
-    "muon": True or False. The learning rate the trainer sets on every group is both kinds' η."""
+    `groups`: [{"params": [...], "weight_decay": ...}, ...] as the trainer builds them for AdamW, kept as they are (in
+    their order: precision.MasterWeights pairs its masters with the parameters by position); each tensor is Muon's
+    (`exchange.is_muon`: a hidden matrix) or AdamW's. The learning rate the trainer sets on every group is both kinds'
+    η, and a group's weight decay both kinds' λ."""
 
     def __init__(self, groups, exchange, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, momentum=0.95,
                  nesterov=True):
-        split = []
-        for g in groups:
-            params = list(g["params"])
-            for muon in (True, False):
-                mine = [p for p in params if exchange.is_muon(p) == muon]
-                if mine:
-                    split.append({**g, "params": mine, "muon": muon})
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        muon=False)
-        super().__init__(split, defaults)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
+        super().__init__(groups, defaults)
         self.exchange = exchange
 
     @torch.no_grad()
     def step(self, closure=None):
-        updates, muon_groups = {}, []
+        updates, muons = {}, []
         for group in self.param_groups:
-            if not group["muon"]:
-                self._adamw(group)
-                continue
-            muon_groups.append(group)
             mu = group["momentum"]
             for p in group["params"]:
+                if not self.exchange.is_muon(p):
+                    self._adamw(group, p)
+                    continue
+                muons.append((group, p))
                 if p.grad is None:  # no gradient: no update, but the collectives run the same on every rank
                     updates[p] = torch.zeros_like(p, dtype=torch.float32)
                     continue
@@ -325,34 +318,31 @@ class Muon(torch.optim.Optimizer):
         if not updates:
             return
         ortho = self.exchange.orthogonalize(updates)
-        for group in muon_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                p.mul_(1 - lr * wd)
-                p.add_(ortho[p].to(p.dtype), alpha=-lr)
-
-    def _adamw(self, group):
-        """torch.optim.AdamW's update (the single-tensor one), same state names: checkpoints read them alike."""
-        (b1, b2), lr, wd, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
-        for p in group["params"]:
+        for group, p in muons:
             if p.grad is None:
                 continue
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            t = state["step"].item()
-            g = p.grad
-            p.mul_(1 - lr * wd)
-            state["exp_avg"].lerp_(g, 1 - b1)
-            state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            bias1, bias2 = 1 - b1 ** t, 1 - b2 ** t
-            denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(eps)
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(ortho[p].to(p.dtype), alpha=-group["lr"])
+
+    def _adamw(self, group, p):
+        """torch.optim.AdamW's update (the single-tensor one), same state names: checkpoints read them alike."""
+        (b1, b2), lr, wd, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
+        if p.grad is None:
+            return
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
+        t = state["step"].item()
+        g = p.grad
+        p.mul_(1 - lr * wd)
+        state["exp_avg"].lerp_(g, 1 - b1)
+        state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        bias1, bias2 = 1 - b1 ** t, 1 - b2 ** t
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(eps)
+        p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
 
 
 def maker(exchange, cfg):
