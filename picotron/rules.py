@@ -304,9 +304,6 @@ def combination_problem(cfg, mc):
          and cfg.tp > 1,
          f"--muon-impl owner with zero={cfg.zero} and tp={cfg.tp} is not supported (the owner reassembles a matrix "
          f"over one axis, but these matrices are cut over tp and ZeRO both); use --muon-impl gather."),
-        ("optimizer=muon", "dp_shard", cfg.optimizer == "muon" and cfg.dp_shard,
-         f"--optimizer muon with dp_shard={cfg.dp_shard} is not supported yet (HSDP's shard groups have no Muon "
-         f"parity test); drop --dp-shard, or use --optimizer adamw."),
         # --- end Muon
         ("dtype=fp16", "experts", cfg.dtype == "fp16" and experts,
          "dtype='fp16' with experts is not supported (the load-balancing loss reaches the router outside the scaled "

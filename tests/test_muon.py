@@ -128,7 +128,7 @@ def _full_params(run, mesh, cfg):
 def _parity_child(layout, out):
     from picotron.train import train
     cfg = Config(out=out, **{**MUON, **layout})
-    with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep) as mesh:
+    with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, dp_shard=cfg.dp_shard) as mesh:
         _, run = train(cfg, mesh, return_model=True)
         params = _full_params(run, mesh, cfg)
         return (read_metrics(out)[0] if mesh.rank == 0 else None), params
@@ -170,7 +170,8 @@ def test_zero1_muon_matches_one_process():
                                     dict(tp=2, muon_impl="owner"), dict(tp=2, sp=True, muon_impl="owner"),
                                     dict(dp=2, tp=2, zero=1), dict(dp=2, pp=2, grad_acc=2, zero=1),
                                     dict(preset="tiny-moe", dp=2, ep=2, zero=1),
-                                    dict(preset="tiny-moe", dp=2, ep=2, zero=1, muon_impl="owner")],
+                                    dict(preset="tiny-moe", dp=2, ep=2, zero=1, muon_impl="owner"),
+                                    dict(dp=4, dp_shard=2, zero=1), dict(dp=4, dp_shard=2, zero=3, muon_impl="owner")],
                          ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
 def test_muon_matches_one_process(layout):
     _assert_parity(layout)
@@ -200,7 +201,7 @@ def _bytes_child(layout):
     """One step with a recorder; the bytes of Muon's exchange alone (the inner optimizer's step) and the formula's
     inputs read from the layout: each unit's (local elements, Muon?, cut over tp?)."""
     cfg = Config(**{**MUON, **layout})
-    with Mesh.init(dp=cfg.dp, tp=cfg.tp) as mesh:
+    with Mesh.init(dp=cfg.dp, tp=cfg.tp, dp_shard=cfg.dp_shard) as mesh:
         from picotron import train as train_mod
         _, loader = train_mod.load_data(cfg, mesh)
         recorder = Recorder()
@@ -222,7 +223,7 @@ def _bytes_child(layout):
 @pytest.mark.heavy
 @pytest.mark.parametrize("layout", [dict(dp=2, zero=1), dict(dp=2, zero=1, muon_impl="owner"),
                                     dict(dp=2, zero=3, muon_impl="owner"), dict(tp=2), dict(tp=2, muon_impl="owner"),
-                                    dict(dp=2, tp=2, zero=1)],
+                                    dict(dp=2, tp=2, zero=1), dict(dp=4, dp_shard=2, zero=1, muon_impl="owner")],
                          ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
 def test_exchange_bytes_equal_the_formula(layout):
     world = layout.get("dp", 1) * layout.get("tp", 1)
@@ -247,7 +248,7 @@ def test_formula_gather_and_owner_on_a_small_case():
 def _train_child(layout, out):
     from picotron.train import train
     cfg = Config(out=out, **{**MUON, **layout})
-    with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep) as mesh:
+    with Mesh.init(dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep, dp_shard=cfg.dp_shard) as mesh:
         train(cfg, mesh)
 
 
@@ -263,7 +264,8 @@ def _replayed(tmp_path, layout, world):
 @pytest.mark.parametrize("layout", [dict(dp=2, zero=1), dict(dp=2, zero=1, muon_impl="owner"),
                                     dict(dp=2, tp=2, zero=1), dict(dp=2, tp=2, muon_impl="owner"),
                                     dict(dp=2, zero=3, muon_impl="owner"),
-                                    dict(preset="tiny-moe", dp=4, ep=2, zero=1, muon_impl="owner")],
+                                    dict(preset="tiny-moe", dp=4, ep=2, zero=1, muon_impl="owner"),
+                                    dict(dp=4, dp_shard=2, zero=1, muon_impl="owner")],
                          ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
 def test_muon_exchange_obeys_nccl_rules(tmp_path, layout):
     _replayed(tmp_path, layout, layout.get("dp", 1) * layout.get("tp", 1))
@@ -327,7 +329,6 @@ def test_muon_state_reshards_like_adams(tmp_path):
 # ---------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("settings, says", [
     (dict(optimizer="muon", muon_impl="owner", dp=2, tp=2, zero=1), "cut over tp and ZeRO both"),
-    (dict(optimizer="muon", dp=4, zero=1, dp_shard=2), "with dp_shard=2 is not supported yet"),
     (dict(muon_impl="owner"), "but the optimizer is 'adamw'; add --optimizer muon"),
     (dict(optimizer="muon", muon_momentum=1.0), "muon_momentum=1.0 must lie in [0, 1)"),
 ])
