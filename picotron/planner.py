@@ -144,7 +144,8 @@ def muon_bytes_per_step(impl, units, n=1, tp=1, rank=0, elem=4):
 
     `units`: ZeRO's units in order (ZeRO-1/2's buckets, ZeRO-3's layers), each a list of (elements of this rank's
     local tensor, is a Muon matrix, is cut over tp) per parameter; without ZeRO one unit of them all and n = 1.
-    `n`: ZeRO's group; `tp`: the tp degree; `rank`: this rank's index on the axis the matrices are cut over.
+    `n`: ZeRO's group; `tp`: the tp degree; `rank`: this rank's index on the axis the matrices are cut over. One ZeRO
+    axis: with experts (ep) their units are cut over edp, another group, which this formula does not model apart.
 
         gather  ZeRO: all-gather each unit holding a Muon matrix, padded to a multiple of n (U):  buffer U, sends (n-1)/n U
                 tp: all-gather each matrix cut over tp, of full size M:                          buffer M, sends (tp-1)/tp M
