@@ -11,7 +11,7 @@
 override only what they name (`--resume --steps 1200` trains the same model, same layout, on to step 1200; add
 `--dp 4` and it is resharded). Which run, without `--out`: among runs/main*, the newest with a checkpoint that was
 started with the flags given now, apart from those a continuation may change (CONTINUATION: --steps, --out,
-checkpoints, logging, faults, nodes); if none was, the only run with a checkpoint; if there are several, it refuses
+checkpoints, logging, faults, nodes, --profile); if none was, the only run with a checkpoint; if there are several, it refuses
 with one sentence naming each, what it was started with, and the `--out` to pass. So after `./run.sh` and then
 `./run.sh --preset tiny-moe` (runs/main-2), `./run.sh --resume --steps 1200` continues runs/main.
 
@@ -56,9 +56,10 @@ CLAIM = "run.json"
 CONTINUATION = ("resume", "resume_from", "out", "steps", "faults", "max_restarts", "save_every", "save_final",
                 "keep_checkpoints", "async_save", "local_save_every", "local_dir", "ranks_per_node", "eval_every",
                 "eval_batches", "log_every", "sample_tokens", "timeout_s", "nnodes", "node_rank", "rdzv_endpoint",
-                "rdzv_id")
+                "rdzv_id", "profile")
 # A checkpoint's settings --resume does not take over: where this run writes and what it was asked to inject.
-NOT_INHERITED = ("out", "resume", "resume_from", "faults", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
+NOT_INHERITED = ("out", "resume", "resume_from", "faults", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id",
+                 "profile")
 
 
 class RunFolderError(ValueError):
