@@ -249,8 +249,8 @@ def combination_problem(cfg, mc):
          f"that each hold one sharded copy); pick dp_shard in "
          f"{{{', '.join(str(d) for d in range(1, cfg.dp + 1) if cfg.dp % d == 0)}}}."),
         ("dp_shard", "something to shard", cfg.dp_shard == 1 and cfg.cp == 1 and cfg.zero,
-         f"dp_shard=1 with cp=1 leaves ZeRO one rank per group, nothing to shard (every rank a full replica: plain "
-         f"data parallelism); pick dp_shard of 2 or more, or drop --zero and --dp-shard."),
+         "dp_shard=1 with cp=1 leaves ZeRO one rank per group, nothing to shard (every rank a full replica: plain "
+         "data parallelism); pick dp_shard of 2 or more, or drop --zero and --dp-shard."),
         ("dp_shard", "ep", cfg.dp_shard and cfg.ep > 1,
          f"dp_shard={cfg.dp_shard} with ep={cfg.ep} is not supported yet (the experts' replicas, the edp axis, are not "
          f"cut into shard and replicate groups); drop --dp-shard or use --ep 1."),

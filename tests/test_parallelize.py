@@ -42,8 +42,8 @@ def test_every_strategy_owns_its_rules():
     from picotron import config, context_parallel, expert_parallel, pipeline_parallel, precision, rules, tensor_parallel
     strategies = (tensor_parallel, context_parallel, pipeline_parallel, expert_parallel, precision)
     # each module's check is its rule, and validate runs it; the kernels' rule asks picotron.kernels (which would
-    # close a circle if it imported its rule back)
-    assert [s.check for s in strategies] + [rules.kernels_rule] == list(rules.RULES)
+    # close a circle if it imported its rule back); --profile's (picotron.trace) is the trainer's, not a strategy's
+    assert [s.check for s in strategies] + [rules.kernels_rule, rules.profile_rule] == list(rules.RULES)
     mc = ModelConfig.from_preset("tiny")
     assert tensor_parallel.check(Config(tp=3), mc).startswith("tp=3 does not divide num_attention_heads=8")
     assert par_mod.combination_problem(Config(zero=1), mc).startswith("zero=1 with dp=1 has nothing to shard over")
