@@ -127,6 +127,7 @@ def test_a_model_given_by_overrides_is_named_after_what_it_is(capsys):
     assert out.startswith("smollm-135m (0.13 B parameters)"), out
 
 
+@pytest.mark.heavy  # two 70B searches on 256 GPUs (25 s): the heavy tier
 def test_the_default_headroom_keeps_ten_percent_free_and_says_so(capsys):
     assert plan.HEADROOM == 0.1
     job = ["--preset", "llama3-70b", "--gpus", "256", "--seq-len", "8192", "--global-batch-tokens", "4M", "--top", "5"]
