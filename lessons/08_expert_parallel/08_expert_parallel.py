@@ -170,7 +170,8 @@ _common.show_source(moe.MoE.forward, "flat = x.reshape", "y = torch.zeros_like")
 #
 # **Measured.** `picotron.train` on tiny-moe at dp = ep = 2 (two processes, each two experts), the same seed and
 # data, without ($\alpha = 0$) and with the auxiliary loss ($\alpha = 0.01$, tiny-moe's default). For comparison,
-# the Mixtral paper (Jiang et al. 2024) does not state its $\alpha$; the released model's `config.json`
+# the Mixtral paper (Jiang et al. 2024, §2.1) gives the gating and notes that expert parallelism makes load
+# balancing matter, but names no auxiliary loss and no $\alpha$; the released model's `config.json`
 # (mistralai/Mixtral-8x7B-v0.1 on Hugging Face) sets `router_aux_loss_coef` to 0.02, while the `transformers`
 # library's `MixtralConfig` defaults to 0.001. Every step's record holds `record["moe"]["tokens_per_expert"]` (per
 # layer, summed over the dp ranks). The same launch also runs sections 4-6's measurements on two processes.
@@ -495,7 +496,11 @@ check("the widget's numbers: Mixtral-8x7B's states, ep = 1 against ep = 8",
 # * **shared and fine-grained experts** (DeepSeekMoE, arXiv:2401.06066): $N_s$ shared experts that every token
 #   passes through, and more, smaller routed experts. `tiny-deepseek-moe` has 8 routed experts of $h_\text{ff} = 96$,
 #   top-3, and $N_s = 1$ shared:
-#   the same active width ($4 \times 96$) as `tiny-moe`'s $2 \times 192$.
+#   the same active width ($4 \times 96$) as `tiny-moe`'s $2 \times 192$;
+# * **a small sequence-wise balance loss** beside it: "mainly" auxiliary-loss-free, the report still adds the
+#   aux loss's form computed over each sequence's tokens, with an "extremely small" $\alpha$ (0.0001 in its
+#   pre-training, §4.2), to prevent extreme imbalance inside one sequence. picotron does not build this term:
+#   its bias run below has no balance term in the loss at all.
 #
 # | piece | where |
 # |---|---|
@@ -551,7 +556,7 @@ checker.check(["deepseek_router_step"])
 
 # %% [markdown]
 # **Takeaway:** DeepSeek-V3 balances its experts with a per-expert bias that only chooses, moved by $\pm\gamma$
-# against the global load each step; the loss keeps only the language-model term.
+# against the global load each step; its loss adds only a tiny sequence-wise balance term (our bias run adds none).
 #
 # ## 10. The all-to-alls under compute (`--ep-overlap`)
 #

@@ -453,8 +453,10 @@ check("the predicted throughput is within 25% of each published one", all(0.75 <
 # 0` to fill the card). Why that much: PyTorch's caching allocator keeps freed blocks reserved for reuse, so a
 # process holds more than its tensors and can fail to find one contiguous block while enough memory is free in
 # pieces (PyTorch documentation, "CUDA semantics", section "Memory management"); NCCL allocates its own buffers
-# outside PyTorch's allocator, 4 MiB per channel and peer by default (NCCL documentation, "Environment variables",
-# `NCCL_BUFFSIZE`), for every communicator a rank belongs to, and a 4-D layout gives each rank several; **(2)** reject what does not run exactly the global batch (dp × micro-batch × accumulation
+# outside PyTorch's allocator: `NCCL_BUFFSIZE`, "the buffer used by NCCL when communicating data between pairs of
+# GPUs", is 4 MiB by default (NCCL documentation, "Environment variables"), and a rank holds such buffers in every
+# communicator it belongs to — a 4-D layout gives each rank several; **(2)** reject what does not run exactly the
+# global batch (dp × micro-batch × accumulation
 # sequences); **(3)** rank the rest by predicted tokens/s. The jobs: H100 80 GB (8 per node), each model at its
 # training context (SmolLM 2,048 tokens, Llama 3 8,192), 4M tokens per step. The MFU printed is the model's, and
 # its ceiling is the assumed efficiency: MFU = `plan.EFFICIENCY` × the share of the step spent computing (less with

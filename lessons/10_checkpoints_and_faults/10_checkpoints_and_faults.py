@@ -445,9 +445,10 @@ check("both faulty runs end on the same losses, bit for bit",
 
 # %% [markdown]
 # The steps redone follow the level that survived: with the peer's copy, never more than $K_1$; without it, up to
-# $K_2$. The seconds hardly follow them here: a step of this model takes a few tenths of a second and a restart
-# (starting the processes, building the model, measuring the matmul peak, on a busy machine) tens of seconds, so
-# $R$ dominates — the hatched share is the work redone. On a cluster a step takes seconds and an interval minutes,
+# $K_2$. The seconds hardly follow them here: compare the printed median step with the printed seconds from a kill
+# to the killed step done again. A restart (starting the processes, building the model, measuring the matmul peak,
+# on a busy machine) lasts as long as many steps of this small model, so $R$ dominates — the hatched share is the
+# work redone. On a cluster a step takes seconds and an interval minutes,
 # the other way round, and level 1 turns $(K_2+1)/2$ steps of work lost per lost node into $(K_1+1)/2$.
 #
 # And what each level costs to write (the trainer's `summary` line in `metrics.jsonl` keeps, per level, the mean
