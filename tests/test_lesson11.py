@@ -137,6 +137,19 @@ def test_attention_flops_and_bytes(lesson):
         assert lesson.counted_flash_bytes(*shape, block=32) == kernels.attention_bytes(*shape, 2, 32, 32, impl="tiled")
 
 
+def test_tiled_intensity_limits_depend_on_who_loads_k_and_v(lesson):
+    """Section 6: K/V loaded once per KV head (flash_attention) tends to 2aB_q/(a_kv·elem); once per query head
+    (the Triton kernel, FlashAttention-2: kv_heads = a in the count) to 2B_q/elem, below an H100's ~295 at B_q = 128."""
+    from picotron import kernels
+
+    a, kv, s, d, bq, elem = 32, 8, 2**15, 128, 128, 2
+    flops = lesson.attention_flops(1, a, s, d, "tiled", bq, bq)
+    per_kv_head = flops / kernels.attention_bytes(1, a, kv, s, d, elem, bq, bq, impl="tiled")
+    per_q_head = flops / kernels.attention_bytes(1, a, a, s, d, elem, bq, bq, impl="tiled")
+    assert abs(per_kv_head / (2 * a * bq / (kv * elem)) - 1) < 0.05 and per_kv_head < 2 * a * bq / (kv * elem)
+    assert abs(per_q_head / (2 * bq / elem) - 1) < 0.02 and per_q_head < 2 * bq / elem < 295
+
+
 def test_fused_and_plain_bytes(lesson):
     fwd, bwd = lesson.count_plain("rms_norm", 8, 16)
     assert fwd.total == lesson.rms_norm_plain_bytes(8, 16) == 4 * (7 * 128 + 6 * 8 + 16)

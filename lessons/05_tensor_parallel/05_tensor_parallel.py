@@ -83,8 +83,9 @@ print(f"(ZeRO-3 over 8 GPUs instead: model states {16 * llama.num_params() / 8 /
 # **Column, then row.** A linear layer computes $Y = XA$ (PyTorch's `F.linear(x, W)`, $A = W^\top$). Cut $A$ by
 # **columns**, $A = [A_1 \mid A_2]$: rank $r$ computes $Y_r = X A_r$, its slice of the output features, from the whole
 # $X$ — no communication. An elementwise function (SwiGLU's $\mathrm{silu}(\text{gate}) \cdot \text{up}$) of a slice is
-# the slice of the function, so each rank goes on alone. The next layer $Z = YB$ has $B$ cut by **rows**, the rows
-# that read each rank's slice: $Z = Y_1B_1 + Y_2B_2$. Each rank computes one term; **one all-reduce** sums them.
+# the slice of the function, so each rank goes on alone. The next layer $Z = YB$ (Megatron's letters: here $A$ and
+# $B$ are weight matrices, not the course's batch) has $B$ cut by **rows**, the rows that read each rank's slice:
+# $Z = Y_1B_1 + Y_2B_2$. Each rank computes one term; **one all-reduce** sums them.
 #
 # ```
 #           x (whole, on every rank)
