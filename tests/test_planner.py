@@ -491,7 +491,6 @@ def test_published_runs_fit_and_their_throughput_is_predicted_within_15_percent(
     assert {run.name for run in plan.PUBLISHED} >= {"BLOOM-176B", "Megatron GPT 1T", "Llama 3 405B"}
 
 
-@pytest.mark.heavy  # a whole search of BLOOM's 384 GPUs (18 s): the heavy tier
 def test_bloom_is_ranked_among_the_candidates_with_the_reasons_above_it():
     bloom = next(r for r in plan.PUBLISHED if r.name == "BLOOM-176B")
     r = plan.evaluate_published(bloom)
