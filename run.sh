@@ -5,7 +5,7 @@
 #   ./run.sh test [pytest flags]   the default test suite (multi-rank tests run real gloo processes), ~12 min on 2 cores
 #   ./run.sh test quick|lessons|heavy|load|all   a tier: quick (tests/quick.txt, ~3.5 min), lessons (the notebooks
 #                            and checkers), heavy (more processes), load (timing checks on busy cores), all (the four);
-#                            README, "Tests"
+#                            docs/tests.md
 #   ./run.sh lessons         Jupyter on your copies of the lesson notebooks, runs/notebooks/ (lessons/ stays as
 #                            committed); --fresh: make every copy again; --prepare-only: the copies, no Jupyter
 #   ./run.sh figures         regenerate figures/ from real runs

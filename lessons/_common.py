@@ -21,7 +21,7 @@
     summary() / tally(text)         the lesson's count of ✓, ? and ✗ (printed / read back from its output)
     LoadWindow, others_share(...)   the share of the machine's cores other programs used while something was timed
 
-Where the lessons run, one setting read here and nowhere else (see "Lessons on a GPU pod" in the README):
+Where the lessons run, one setting read here and nowhere else (see "Lessons on a GPU pod" in docs/gpu_pods.md):
     PICOTRON_DEVICE   auto (default) | cpu | cuda. auto: cuda when torch sees a GPU, else cpu. launch() hands the
                       choice to every process it starts: cuda + nccl with one GPU per process, or cpu + gloo.
     PICOTRON_NPROC    the processes of a lesson's main run where the lesson lets you choose (LESSONS[..]["choose"]:
@@ -59,7 +59,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 DEVICES = ("auto", "cpu", "cuda")
 
 # What each lesson launches (its notebook's torchrun process counts, the same on CPU and GPUs: they are part of the
-# lesson) and, where the count is the learner's choice, what PICOTRON_NPROC picks (README: "Lessons on a GPU pod").
+# lesson) and, where the count is the learner's choice, what PICOTRON_NPROC picks (docs/gpu_pods.md: "Lessons on a GPU pod").
 LESSONS = {
     "01_single_device": dict(nproc=(1,)),
     "02_collectives": dict(nproc=(2, 3, 4)),
@@ -165,7 +165,7 @@ def does_not_fit(lesson, processes, gpus):
     choose = {n: name for n, name in LESSONS.get(lesson, {}).get("choose", {}).items() if n <= gpus}
     smaller = "".join(f", PICOTRON_NPROC={n} for its {n}-process layout ({name})" for n, name in sorted(choose.items()))
     if processes > 8 and gpus and processes % gpus == 0:  # more than a node holds: torchrun on several nodes
-        elsewhere = f"run its experiment on {processes // gpus} nodes (README: Lessons on a GPU pod)"
+        elsewhere = f"run its experiment on {processes // gpus} nodes (docs/gpu_pods.md: Lessons on a GPU pod)"
     else:
         elsewhere = f"run it on a machine with at least {processes} GPUs"
     return (f"lesson {lesson[:2]} runs {processes} processes; this machine has {gpus} GPU{'s' if gpus != 1 else ''}: "

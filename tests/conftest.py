@@ -3,7 +3,7 @@
 Multi-rank tests use `picotron.launch.run_on_ranks`; the functions they run on each rank must live at
 module level in a test file (children import them by name), and the children inherit this sys.path.
 
-The tiers (README, "Tests"; `TIERS` below): every test is in one of default, lessons, heavy, load and browser, and
+The tiers (docs/tests.md; `TIERS` below): every test is in one of default, lessons, heavy, load and browser, and
 `--tier=NAME` (repeatable; `all` = default, lessons, heavy and load) runs those; no flag, the default tier. `--quick` runs
 the list in tests/quick.txt (3.5 minutes on an idle 2-core machine: each strategy's fastest parity test, the
 configuration messages, collectives, a few NCCL replays, no notebook), whatever tier each of its tests is in.
@@ -64,7 +64,7 @@ def run_notebook(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------ the tiers
-# Every test belongs to exactly one tier (README, "Tests"); `./run.sh test NAME` runs one, `./run.sh test all` every
+# Every test belongs to exactly one tier (docs/tests.md); `./run.sh test NAME` runs one, `./run.sh test all` every
 # one but the browser's. A test outside the tiers asked for is skipped, with the command that runs it, or, when the
 # default tier is not asked for either, left out of the run.
 TIERS = {

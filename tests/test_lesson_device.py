@@ -75,7 +75,7 @@ def test_more_processes_than_gpus_is_refused_in_one_sentence(gpus, monkeypatch):
         _common.fits("09_all_together", 16)
     assert str(e.value) == ("lesson 09 runs 16 processes; this machine has 8 GPUs: set PICOTRON_DEVICE=cpu to run it "
                             "on CPU, PICOTRON_NPROC=8 for its 8-process layout (dp1-pp2-cp2-tp2), or run its "
-                            "experiment on 2 nodes (README: Lessons on a GPU pod).")
+                            "experiment on 2 nodes (docs/gpu_pods.md: Lessons on a GPU pod).")
     gpus(1)
     with pytest.raises(_common.DoesNotFit, match=r"^lesson 03 runs 4 processes; this machine has 1 GPU: set "
                                                  r"PICOTRON_DEVICE=cpu to run it on CPU, or run it on a machine with "

@@ -1,6 +1,6 @@
 """The suite's tiers and its stop button.
 
-Tiers (tests/conftest.py's TIERS, README "Tests"): every test is in exactly one of default, lessons, heavy, load and
+Tiers (tests/conftest.py's TIERS, docs/tests.md): every test is in exactly one of default, lessons, heavy, load and
 browser. `./run.sh test` runs the default tier (12 minutes on 2 idle cores), `./run.sh test lessons` the notebooks and
 the checkers' runs on wrong answers, `./run.sh test heavy` the runs with more processes, `./run.sh test load` lessons 06
 and 07 under a competing load (not in CI), `./run.sh test all` the four;

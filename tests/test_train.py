@@ -29,7 +29,7 @@ def mesh():
 
 
 def test_main_job_writes_the_metrics_contract_and_learns(tmp_path):
-    """The metrics contract (README: Training), through the real command line."""
+    """The metrics contract (docs/training.md), through the real command line."""
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "picotron.train", "--preset", "tiny", "--steps", "30",
                            "--out", str(out), "--eval-every", "15", "--sample-tokens", "20"],
