@@ -339,14 +339,17 @@ lesson.plot_recompute(recompute); plt.show()
 # **Full** recomputation keeps one tensor per layer and runs each layer's forward twice: forward+backward FLOPs go
 # from $6N$ to $8N$ per token, so expect a step up to about a third longer (the optimizer and the work outside the
 # layers dilute it; the `step time x` column is this run's, and a busy machine can stretch any one step far beyond
-# that). **Selective** drops only the attention core's saves and re-runs only the core. With eager attention that is
+# that).
+#
+# **Selective** drops only the attention core's saves and re-runs only the core. With eager attention that is
 # the $s^2$ part, a memory win that grows with $s$ (the percentages above), and its time cost is the core's share of
 # the layer, which grows with $s/h$: at long sequences in a small model the core is most of the layer and selective
-# costs nearly what full does. With flash-style sdpa,
-# selective saves almost nothing: the kernel already recomputes the scores — flash attention *is* selective
-# recomputation. Timings on a shared CPU are noisy; the memory numbers are exact. (`--recompute` has a fourth mode,
-# `partitioned`: full recomputation whose kept layer inputs are split over the tensor-parallel ranks, ZeRO-R's
-# partitioned checkpoints; lesson 05, section 9.)
+# costs nearly what full does. With flash-style sdpa, selective saves almost nothing: the kernel already recomputes
+# the scores — flash attention *is* selective recomputation. Timings on a shared CPU are noisy; the memory numbers
+# are exact.
+#
+# (`--recompute` has a fourth mode, `partitioned`: full recomputation whose kept layer inputs are split over the
+# tensor-parallel ranks, ZeRO-R's partitioned checkpoints; lesson 05, section 9.)
 #
 # **Takeaway:** recomputation trades memory for FLOPs without changing a single gradient; recompute the part whose
 # memory is largest per FLOP (the $s^2$ scores), or everything when nothing else fits.
@@ -399,10 +402,11 @@ lesson.plot_precision(runs); plt.show()
 # The loss curves lie on top of each other: bf16 keeps fp32's exponent range, so no loss scaling is needed, and the
 # master weights stay fp32. Single steps can differ more: the two runs round differently, so after a few steps their
 # weights differ a little, and a small model at its peak learning rate has loss spikes that can hit one run and not
-# the other (a gradient norm far above its neighbours', pulled back by gradient clipping on the next step). The line
-# above gives this run's largest single-batch gap, where it was and the two gradient norms there; expect a few
-# hundredths typically, occasionally a few tenths on one batch, more often with short runs at a high learning rate.
-# So the check in section 5 compares the **validation loss** (the mean over held-out batches, measured every
+# the other (a gradient norm far above its neighbours', pulled back by gradient clipping on the next step).
+#
+# The line above gives this run's largest single-batch gap, where it was and the two gradient norms there; expect a
+# few hundredths typically, occasionally a few tenths on one batch, more often with short runs at a high learning
+# rate. So the check in section 5 compares the **validation loss** (the mean over held-out batches, measured every
 # quarter of the run), and the lines above show the single-batch differences next to it.
 #
 # Speed depends on the hardware: a GPU's tensor cores run bf16 matmuls several times faster than fp32, while a CPU
@@ -512,6 +516,9 @@ lesson.plot_profile(prof); plt.show()
 # forward, released by the backward, the gradients, AdamW's moments created at the first step. On this CPU run it
 # is not written (it records CUDA's allocator only), and on a GPU it is unmeasured: no GPU was lent when this was written.
 #
+# **Takeaway:** `--profile A:B` gives any training run a trace whose phases add up to the measured `step_time`; read
+# it in Perfetto to see which phase, and which operator inside it, to make faster.
+#
 # ## 5. Check it
 # The lesson's claims about memory and gradients, as numbers:
 
@@ -605,6 +612,7 @@ _common.interactive(draw, lambda w: dict(
 # 3. `activation_bytes_per_layer(cfg, seq_len, micro_batch_size)` — fp32, sdpa or eager; the checker compares it
 #    with the saved-tensor count of a real layer;
 # 4. `accumulate_gradients(model, input_ids, targets, k)` — gradients equal to the big batch's;
+#
 # 5. the puzzle, `plan_step(model_config, seq_len, global_batch, budget_bytes)`: one step must fit a memory budget
 #    at the highest throughput. Choose the micro-batch size, the gradient accumulation and the recomputation
 #    (the docstring gives the rules: the global batch stays, `peak_bound` ≤ budget, the least repeated work wins).
