@@ -337,8 +337,9 @@ print(f"measured: the tree is faster than our ring at {len(ring_r['bytes']) - le
 # $$M^* = \frac{2\alpha\,(n-1-\lceil\log_2 n\rceil)}{\beta\,\bigl(2\lceil\log_2 n\rceil - 2\frac{n-1}{n}\bigr)}.$$
 #
 # Below $M^*$ the tree wins. With 4 ranks the latency gap is small (6 steps against 4); with 512 it is 1022 against
-# 18, and the tree wins up to much larger messages. Compare $M^*$ for 4 ranks with the sizes above where the ring
-# won: on this CPU they need not agree. The model gives every rank a link of its own; here four processes share two
+# 18, and the tree wins up to much larger messages.
+#
+# Compare $M^*$ for 4 ranks with the sizes above where the ring won: on this CPU they need not agree. The model gives every rank a link of its own; here four processes share two
 # cores and one memory bus, so what costs is the total of bytes copied — and both all-reduces copy the same total,
 # $2(n-1)M$ (the ring spreads it evenly over the ranks, the tree does not). And a tree hop needs two processes
 # scheduled, a ring step all of them (the cell's last line compares the two fits' α). So expect the measured tree
@@ -392,26 +393,31 @@ except NotImplementedError:
 # * **It detects the topology** (NVLink, NVSwitch, PCIe switches, NICs; `NCCL_TOPO_DUMP_FILE` writes what it
 #   found) and searches for **rings and trees** over it. On an 8-GPU NVSwitch node (DGX/HGX H100) every GPU reaches
 #   every other at full NVLink speed, so any ring order works; across nodes the rings and trees run over the NICs.
+#
 # * **Channels.** NCCL runs several rings/trees in parallel, each a *channel* driven by its own CUDA thread block
 #   (on its own SM), each taking a slice of the buffer, so that all links and enough memory bandwidth are used.
 #   More channels cost more SMs taken from compute.
+#
 # * **Algorithms.** Ring and Tree (a pipelined *double binary tree* since NCCL 2.4, used mostly across nodes),
 #   CollNet (reductions inside InfiniBand switches, SHARP), and on H100-class systems with third-generation
 #   NVSwitch, **NVLS** (NVLink SHARP, NCCL ≥ 2.17): the switch itself adds the data of all GPUs and multicasts the
 #   result, which takes arithmetic off the GPUs and frees SMs for all-reduce; for all-gather and reduce-scatter it
 #   moves fewer bytes in total but promises no speed-up (NVIDIA/nccl issues #807, #1506). NVLSTree combines it
 #   with trees across nodes.
+#
 # * **Protocols.** *Simple* moves large chunks and uses memory fences to signal completion: full bandwidth,
 #   highest latency. *LL* (low latency) writes 8-byte words of 4 bytes data + 4 bytes flag, so the receiver polls
 #   the flag instead of waiting for a fence: lowest latency, at most half the bandwidth. *LL128* uses 128-byte lines
 #   of 120 bytes data + 8 bytes flag (about 94% of the bandwidth), which is only safe where 128-byte stores arrive in
 #   order, so NCCL enables it only on platforms it has verified, e.g. NVLink (NVIDIA/nccl #281, #786).
+#
 # * **Tuning.** For every call NCCL's internal cost model — per algorithm and protocol, a latency plus a bandwidth
 #   term, like our α–β — picks the combination from the message size, the number of ranks per node and of nodes,
 #   and the measured link speeds: typically LL for small messages, Simple for large ones, LL128 in between where it
 #   is enabled, and tree or ring depending on size and topology — there is no fixed rule (NVIDIA/nccl #754).
 #   `NCCL_ALGO` and `NCCL_PROTO` force a choice (for debugging); `NCCL_DEBUG=INFO` prints the rings, trees and
 #   channels it built.
+#
 # * **Measuring.** `nccl-tests` (`all_reduce_perf -b 1K -e 1G -f 2 -g 8`) reports `algbw` and `busbw` exactly as
 #   this lesson does; compare busbw with the NVLink or NIC speed. On 2 nodes Tree can show a busbw above the
 #   network's speed (the formula assumes ring traffic); force `NCCL_ALGO=Ring` to benchmark the network itself.
@@ -424,10 +430,14 @@ except NotImplementedError:
 # `isend`/`irecv` between two ranks share one communicator and one CUDA stream, both directions mixed, run in the
 # order posted; a receive holds the stream until its send arrives, and a send its receive (NCCL may buffer a small
 # one; the replay below never counts on it). And the first message between two ranks *creates* their
-# communicator, which blocks the host until the peer posts its own first message to us. Section 4's ring posts
+# communicator, which blocks the host until the peer posts its own first message to us.
+#
+# Section 4's ring posts
 # "send right, receive left" as two single messages: at $n = 2$ both ranks' streams start with a send to the
 # other, and at $n = 3$ every rank's first message (to its right) waits for its right neighbour, which waits for
-# its own right neighbour: a circle. `picotron.collectives` posts each step's send and receive as **one batch**
+# its own right neighbour: a circle.
+#
+# `picotron.collectives` posts each step's send and receive as **one batch**
 # (`batch_isend_irecv`, `picotron/p2p.py`), in the same order on every rank: a batch runs on the group's own
 # communicator, made with the group, and meets the neighbours' batches whole.
 #
@@ -452,6 +462,9 @@ print(f"{'✓' if ok else '✗'} NCCL's rules: the dozen-line ring hangs at n = 
       f"replayed from gloo recordings ({verdicts['ours'].ops} operations matched)")
 
 # %% [markdown]
+# **Takeaway:** on NCCL the order in which ranks post their messages is part of correctness: post each step's send
+# and receive as one batch, in the same order on every rank. `nccl_rules` replays a gloo recording to show it.
+#
 # ## 8. Check it
 # Every claim, as a measured fact (timings are shown above, never asserted):
 
@@ -489,6 +502,9 @@ check("the exercise checker passes the reference solutions", solutions_pass,
       "on 2, 3 and 4 processes; the puzzle against the model and a real run" if solutions_pass else log.getvalue())
 
 # %% [markdown]
+# **Takeaway:** our collectives equal the built-in bit for bit on integers (on floats they differ only by the order
+# of the additions), and each sends exactly the bytes its formula says: for the ring, the lower bound.
+#
 # ## 9. Explore: ring or tree?
 # Choose the number of devices, the latency of one message and the bandwidth of one link; the α–β model redraws
 # both all-reduces' time against message size. Try GPU-like values (a few µs of latency, tens to hundreds of GB/s
@@ -523,7 +539,9 @@ _common.interactive(draw_model, lambda w: dict(n=w.SelectionSlider(options=[2, 4
 # The checker runs 1–3 on 2, 3 and 4 real processes and names exactly what is wrong: *"rank 2: element 0 is 618,
 # expected 1024 — rank 3's contribution is missing"*, *"rank 0 sent a message to rank 2: in a ring every rank sends
 # only to its right neighbour"*, or, when ranks wait for each other forever, *"hang: ranks 0, 1 are still waiting
-# after 10 s"* with the line each one waits on. For 4 it compares your formulas with the model on many cases and
+# after 10 s"* with the line each one waits on.
+#
+# For 4 it compares your formulas with the model on many cases and
 # names the usual slips (*"that is one tree (a reduce or a broadcast); the naive all-reduce runs two"*), then runs
 # picotron's ring and tree on 4 processes over an emulated link — 20 ms per message, 20 MB/s, slow enough that this
 # busy CPU's own costs are small next to it — and checks your predicted times against the measured ones (within
@@ -535,6 +553,9 @@ _common.interactive(draw_model, lambda w: dict(n=w.SelectionSlider(options=[2, 4
 all_passed = checker.check()
 
 # %% [markdown]
+# **Takeaway:** a collective is a schedule of sends and receives; writing one, the usual mistakes are a missing
+# contribution, a message to the wrong neighbour and two ranks waiting for each other — the checker names each.
+#
 # ## 11. What it costs, when to use it, what comes next
 # | collective | bytes per rank (busiest) | used by |
 # |---|---|---|
@@ -553,3 +574,6 @@ all_passed = checker.check()
 #
 # Next, **lesson 03** uses `all_reduce` for data parallelism: $n$ replicas, one gradient sum per step, bucketed and
 # overlapped with backward — and checks that $n$ replicas train like one big batch.
+#
+# **Takeaway:** every later parallelism is one of these collectives on some group of ranks, costing about $\alpha$ per
+# step plus its bytes per rank times $\beta$: large messages, few steps and overlap are what the next lessons work for.
