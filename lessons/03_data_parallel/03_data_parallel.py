@@ -593,6 +593,9 @@ import check as checker   # this folder's check.py
 all_passed = checker.check()
 
 # %% [markdown]
+# **Takeaway:** a data-parallel wrapper is a hook per gradient, a bucket count and a wait before the step; it is right
+# when every rank ends with the mean gradient, and fast when its all-reduces run during backward.
+#
 # ## 8. What it costs, when to use it, what comes next
 #
 # | | per rank | cost |
@@ -613,3 +616,6 @@ all_passed = checker.check()
 # of the optimizer state (replace the all-reduce by a reduce-scatter of the gradients, update your shard, all-gather
 # the parameters — the same $2\Psi$ of traffic), ZeRO-2 also shards the gradients, ZeRO-3 the parameters too, for
 # ≈ $3\Psi$.
+#
+# **Takeaway:** data parallelism multiplies throughput for one gradient all-reduce per step, hidden behind backward,
+# but saves no memory: every rank still holds all the model states.
