@@ -504,16 +504,20 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
 #
 # * **ZeRO-1** as before: whole gradients add up; one reduce-scatter at the chunk's last backward, one all-gather
 #   after the optimizer step. $\Psi_s + \Psi_s$ per step.
+#
 # * **ZeRO-2** holds the chunk's whole gradients during the step (from its first backward to its last, $4\Psi_s$
 #   bytes here) and reduce-scatters them once: $\Psi_s + \Psi_s$. Without a pipeline it reduce-scatters after every
 #   micro-batch and keeps no whole gradient; with one, that would send $m\Psi_s$, and $m$ is 4–8 $p$ in practice.
 #   torch's own pipeline stages do the same with FSDP (`torch.distributed.pipelining`, `set_requires_gradient_sync(False)`
 #   on all but the last backward).
+#
 # * **ZeRO-3** gathers a unit for each $F$ and $B$ that uses it (the $W$ of a split schedule reads no weight: $g^T x$).
 #   Either it **keeps** each unit gathered from its first use in the step to the chunk's last backward — all-gather
 #   $\Psi_s$ per step, but the stage's whole parameters *and* gradients held during the step — or it **reshards**:
 #   each layer freed after every use and gathered again, all-gather $\Psi_{root} + 2m\Psi_{layers}$ per step, to
-#   hold only a few layers' parameters beside the whole gradients. picotron keeps them, as torchtitan does by default
+#   hold only a few layers' parameters beside the whole gradients.
+#
+# picotron keeps them, as torchtitan does by default
 #   with pp (`reshard_after_forward=False`, "to avoid per-microbatch all-gathers"): $2m$ times the traffic to save at
 #   most half of the step's peak is a bad trade, and between steps both hold only shards.
 #
@@ -655,7 +659,9 @@ _common.check("the two communicators replay clean under NCCL's rules (ZeRO-3, dp
 # all-reduce at the network's, and divides ZeRO's states by the shard group. For Llama 3 70B (seq 8192, 16M tokens
 # per step) on H100s: the shard groups of dp ranks that fit in a node cannot hold the model (8 GPUs would hold all
 # $16\Psi$ = 1.1 TB of model states), but a group of a node's **cp ranks** can (`dp_shard` = 1 with cp 8 = one node),
-# and its ZeRO then reduce-scatters on NVLink. Under a pipeline ZeRO reduce-scatters once per step, at a chunk's last
+# and its ZeRO then reduce-scatters on NVLink.
+#
+# Under a pipeline ZeRO reduce-scatters once per step, at a chunk's last
 # backward (section 7), and only that backward can hide it; ZeRO-2 and 3 hold the chunk's whole gradients until then,
 # as ZeRO-1 does, so at the step's peak they save nothing over it and the planner's best layouts are ZeRO-1 (ZeRO-2
 # of the same shape ties). The planner charges all that so:
@@ -810,7 +816,9 @@ _common.check("gather and owner train alike (the same update, computed elsewhere
 # The checker runs exercise 1 on many sizes, 2 to 5 on 2 and then 3 real processes (at 3, padding comes into
 # play), and compares every rank with the answer computed another way: in one process
 # (1–3), or with the plain `Zero3` next to yours, its all-gathers counted by a `metrics.Recorder` (4–5: the same
-# losses exactly; in bf16 within the bound it prints). For 6 it checks your plans against the formulas, then trains
+# losses exactly; in bf16 within the bound it prints).
+#
+# For 6 it checks your plans against the formulas, then trains
 # each for one step on 2 ranks and compares the memory the ranks measure with your budget; 7, 8 and 9 on many cases in
 # one process (8 against `picotron.mesh.shard_groups`, 9 against the largest load of `planner.owner_of`). Each failure names the
 # mistake (a sum instead of a mean, a chunk at the wrong offset, the last layer still gathered twice, an fp32
@@ -838,7 +846,9 @@ all_passed = checker.check()
 # **Use it** whenever data parallelism runs out of memory for model states: ZeRO-1 is free and almost always on;
 # ZeRO-2 is free without gradient accumulation; ZeRO-3 (FSDP) lets a model larger than one GPU train with nothing but
 # data parallelism, as long as each layer's all-gather hides behind a layer's compute — which needs enough tokens per
-# GPU, and fast links. **Its limits:** activations are untouched; every forward becomes collective; across slow links
+# GPU, and fast links.
+#
+# **Its limits:** activations are untouched; every forward becomes collective; across slow links
 # the $3\Psi$ per step (every step, not once per run) can dominate.
 #
 # **What ours lacks** (what FSDP2 and DeepSpeed add): bf16 all-gathers under mixed precision and a last layer kept
