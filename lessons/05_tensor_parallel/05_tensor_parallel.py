@@ -275,10 +275,14 @@ print(f"kept whole on every rank without sp: {R / MiB:.2f} MiB per layer, the fl
 # **What sequence parallelism did here, measured.** It divides the norms by $t$, as promised. But it does not divide
 # each block's input: the all-gathered $[b, s, h]$ tensor that q, k, v (and gate, up) multiply is kept for their weight
 # gradients — and our all-gather hands it over as a *transposed view*, so each of the five projections keeps its own
-# contiguous copy (`SP_INPUT_COPIES`: 3 in attention, 2 in the MLP, against 1 and 1 without sp). The per-layer totals
+# contiguous copy (`SP_INPUT_COPIES`: 3 in attention, 2 in the MLP, against 1 and 1 without sp).
+#
+# The per-layer totals
 # printed above show the result: at tp=2 a layer keeps *more* with sp than without (the norms shrink by less than the
 # three extra copies add); at tp=4 a layer keeps the same either way, and the whole model a little less with sp
-# (the final norm is cut too, section 5 checks it); a layer would save only beyond tp=4. Making the gathered input
+# (the final norm is cut too, section 5 checks it); a layer would save only beyond tp=4.
+#
+# Making the gathered input
 # contiguous once (or keeping activations as $[s, b, h]$, as Megatron does) would fix it; Megatron goes further and
 # keeps only the rank's own $s/t$ tokens of each block's input, gathering them **again in backward** — that is what
 # takes Korthikanti's sequence-parallel formula to $34\,sbh/t$. The parity test passes either way: only measuring
@@ -320,7 +324,9 @@ lesson.plot_scaling(scaling); plt.show()
 # machine one process with two threads is fastest and tp=2 reaches a fraction of it; sequence parallelism is slower
 # again, and tp=4 (four processes on two cores) slowest. Runs differ by 10% or more with the machine's load, FAST
 # ones more; when other programs keep the cores busy, the single process's two threads suffer most (a parallel
-# region waits for its slowest thread) and the order can change. The right-hand plot says where the time goes: at tp=2 the part outside
+# region waits for its slowest thread) and the order can change.
+#
+# The right-hand plot says where the time goes: at tp=2 the part outside
 # collectives is about what one process needs — the same arithmetic, split over two processes instead of two
 # threads — and on top come the activation-sized all-reduces (their number per step and time per call are printed by
 # the experiment above). None of them can hide behind computation: each one's result is what the next layer reads.
@@ -756,6 +762,7 @@ _common.show_source(async_tp.AllGatherMatmul.forward, "        def use(j, chunk,
 # **NCCL.** Each ring step is one batch (`Axis.exchange`: the send to the right and the receive from the left posted
 # together on the tp communicator); every rank posts the same steps in the same order and waits for each before it
 # posts anything on another group, so the steps never cross data parallelism's or the pipeline's traffic.
+#
 # `tests/test_async_tp.py` records every layout's communication (tp 2 and 4, dp × tp with ZeRO-1 and ZeRO-3, pp × tp
 # with 1F1B, interleaved, ZB-H1, ZB-V and DualPipe, cp × tp, dp × pp × tp) and replays it under both of NCCL's models —
 # one stream per communicator, and one order across communicators — and trains each against one process (the parity
@@ -765,7 +772,9 @@ _common.show_source(async_tp.AllGatherMatmul.forward, "        def use(j, chunk,
 #
 # **Measured.** `experiment.py --only asynctp` builds the lesson's layers twice on 2 ranks, blocking sp and async TP,
 # same weights, same batch, and times one forward + backward of each in turn. On a CPU the bytes between two
-# processes move through the very cores that multiply, and a local transfer is nearly free: nothing to hide. So every
+# processes move through the very cores that multiply, and a local transfer is nearly free: nothing to hide.
+#
+# So every
 # collective and every ring step is held to an **emulated link** (`picotron.link`, as in lessons 03 and 04), chosen
 # so that one ring step's message takes twice one chunk's q/k/v matmul at the measured matmul rate: a model of a
 # link, labelled as such. The recorder times the blocking collectives, the ring steps and the `wait` phases (the
@@ -817,13 +826,19 @@ check("overlapped: less of the communication is exposed than blocking",
 # **What was measured, and what not.** The same results, the same bytes; the blocking run waits for the link exactly
 # as long as the formula says, and the overlapped run waits for it far less: the chunks' matmuls hid most of each
 # message, more than the formula promises, because the chunk matmuls on this CPU run below the measured peak rate (a
-# longer matmul hides more). The time blocked in all is much larger than the wait for the link, in both runs: on 2 CPU
+# longer matmul hides more).
+#
+# The time blocked in all is much larger than the wait for the link, in both runs: on 2 CPU
 # cores shared with other work the two ranks do not compute in step, so a collective or a ring step also waits for
-# the slower rank (its skew shows up as communication), and gloo's transfer itself runs on these cores. The step times move much less than
+# the slower rank (its skew shows up as communication), and gloo's transfer itself runs on these cores.
+#
+# The step times move much less than
 # the exposed communication: the chunks' matmuls are $t$ times smaller (less efficient), the ring's bookkeeping
 # runs on the same cores, and the emulated link only sleeps. On this machine the throughput ratio (printed above)
 # moved between about 0.9 and 1.3 from one run to the next while we wrote this section, its quartiles wide: **the CPU
-# shows the mechanism, not a speed-up you could quote.** A GPU moves the bytes with NVLink's copy engines
+# shows the mechanism, not a speed-up you could quote.**
+#
+# A GPU moves the bytes with NVLink's copy engines
 # while the tensor cores multiply, which is what the model describes. The planner's prediction for an 8-GPU H100 node
 # (NVLink 450 GB/s per direction, the planner's 60% of the bf16 peak; one micro-batch of 4,096 tokens, bf16):
 
@@ -866,9 +881,14 @@ ring_passed = checker.check(["ring"])
 # | | per rank | communication | use it when |
 # |---|---|---|---|
 # | tensor parallel, degree $t$ | $\frac1t$ of every matrix and of its gradient and optimizer state; activations inside the blocks $/t$ | 4 all-reduces of $b\cdot s\cdot h$ per layer per step, blocking | the model (or one layer's activations) does not fit, **within a node** (NVLink), $t \le 8$ |
-# | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes as all-gathers and reduce-scatters (twice the calls) | with tp, when activations limit the micro-batch or sequence. Megatron's version saves memory at any $t$ for no extra bytes. Ours keeps extra copies of the gathered input: at tp=2 on this CPU it kept *more* memory and ran slower (sections 4b, 4c); at tp=4 it saved a little, enough for the puzzle's 23 MiB budget |
+# | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes as all-gathers and reduce-scatters (twice the calls) | with tp, when activations limit the micro-batch or sequence (ours: see below the table) |
 # | + partitioned checkpoints (ZeRO-R $P_a$, full recomputation, no sp) | each layer's checkpointed input $/t$ | + 1 all-gather of $b\cdot s\cdot h$ per layer in backward | with full recomputation when sp is not available; with sp the inputs are split already (section 9) |
-# | + async TP (the collective matmul, with sp) | the same | the same bytes in $t-1$ ring steps per collective, each under one chunk's matmul | when tp's collectives show in the step (tp = 8, short sequences): the model's 1.1–1.3× on an H100 node is its bound, torchtitan measures 1.04–1.16× (section 10) |
+# | + async TP (the collective matmul, with sp) | the same | the same bytes in $t-1$ ring steps per collective, each under one chunk's matmul | when tp's collectives show in the step (tp = 8, short sequences; section 10) |
+#
+# Megatron's sequence parallelism saves memory at any $t$ for no extra bytes. Ours keeps extra copies of the gathered
+# input: at tp=2 on this CPU it kept *more* memory and ran slower (sections 4b, 4c); at tp=4 it saved a little, enough
+# for the puzzle's 23 MiB budget. For async TP, the model's 1.1–1.3× on an H100 node is its bound; torchtitan measures
+# 1.04–1.16×.
 #
 # **Its costs.** The collectives carry activations, so they grow with the tokens per micro-batch, not with the model;
 # they cannot overlap the layer that needs their result; and each rank's matmuls get $t$ times thinner, which makes
