@@ -517,9 +517,9 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
 #   each layer freed after every use and gathered again, all-gather $\Psi_{root} + 2m\Psi_{layers}$ per step, to
 #   hold only a few layers' parameters beside the whole gradients.
 #
-# picotron keeps them, as torchtitan does by default
-#   with pp (`reshard_after_forward=False`, "to avoid per-microbatch all-gathers"): $2m$ times the traffic to save at
-#   most half of the step's peak is a bad trade, and between steps both hold only shards.
+# picotron's ZeRO-3 keeps them, as torchtitan does by default with pp (`reshard_after_forward=False`, "to avoid
+# per-microbatch all-gathers"): $2m$ times the traffic to save at most half of the step's peak is a bad trade, and
+# between steps both hold only shards.
 #
 # The experiment trains the small model with 8 layers on 2 × 2 ranks (dp 2, pp 2, 1F1B) under each variant (ZeRO-3
 # resharded by switching the wrapper's `reshard_after_forward` on) and counts every collective with a Recorder; the
