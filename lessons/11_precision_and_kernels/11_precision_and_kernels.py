@@ -559,7 +559,7 @@ check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_byt
 # rescues the tensor cores' short accumulator.
 
 # %% [markdown]
-# ## 6. Why attention is memory-bound, and how tiling fixes it
+# ## 6. Why attention is memory-bound, and how tiling cuts its traffic
 #
 # Written as three kernels — $S = QK^\top/\sqrt d$, $P = \text{softmax}(S)$, $O = PV$ — attention writes the $s \times s$
 # scores to memory, reads them, writes the probabilities, reads them again. Per forward, with $b$ sequences, $a$
@@ -578,13 +578,19 @@ check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_byt
 _common.show_source(kernels._flash_forward, "for q0 in range", "lse[..., q0:q1]")
 
 # %% [markdown]
-# Each query tile reads its $Q$ once, the K/V tiles it sees, and writes $O$ and one log-sum-exp per row: the traffic
-# grows as $s^2/B_q$ instead of $s^2$. The experiment: `attention_bytes` for a Llama-3-8B-like layer (32 query heads,
-# 8 KV heads, $d = 128$, bf16, tiles of 128) against $s$; the same count *measured* on `kernels.flash_attention`
-# by a dispatch mode that watches which tiles it loads (a cast of a slice of $Q$, $K$ or $V$) and what it writes back
-# (a tile of $O$, a slice of lse); the arithmetic intensity against this CPU's balance (its measured matmul peak over
-# its measured copy bandwidth) and the H100's; then our three implementations timed and their saved activations
-# counted.
+# This is FlashAttention-2's loop order (Dao 2023): each query tile reads its $Q$ once, the K/V tiles it sees, and
+# writes $O$ and one log-sum-exp per row, so the traffic grows as $s^2/B_q$ instead of $s^2$. (FlashAttention-1, Dao
+# et al. 2022, Algorithm 1, loops over K/V tiles outside and reads and rewrites each $O$ tile once per K/V tile.)
+# With grouped-query attention it also matters who loads a K/V tile: `flash_attention` handles the $a/a_\text{kv}$
+# query heads of a group together, once per KV head; the Triton kernel (`picotron/flash_triton.py`), like
+# FlashAttention-2, runs one program per (query tile, query head), each loading its own copy.
+#
+# The experiment: `attention_bytes` for a Llama-3-8B-like layer (32 query heads, 8 KV heads, $d = 128$, bf16, tiles
+# of 128) against $s$; the same count *measured* on `kernels.flash_attention` by a dispatch mode that watches which
+# tiles it loads (a cast of a slice of $Q$, $K$ or $V$) and what it writes back (a tile of $O$, a slice of lse); the
+# arithmetic intensity, K/V loaded per KV head and per query head, against this CPU's balance (its measured matmul
+# peak over its measured copy bandwidth) and the H100's; then our three implementations timed and their saved
+# activations counted.
 
 # %%
 cfg = dict(b=1, a=32, kv=8, d=128, elem=2, block=128, label="32 heads, 8 KV heads, d = 128, bf16")
@@ -592,9 +598,11 @@ rows = []
 for s in [2**i for i in range(8, 17)]:
     naive = kernels.attention_bytes(1, 32, 8, s, 128, 2, impl="naive")
     tiled = kernels.attention_bytes(1, 32, 8, s, 128, 2, 128, 128, impl="tiled")
+    per_q_head = kernels.attention_bytes(1, 32, 32, s, 128, 2, 128, 128, impl="tiled")  # K/V loaded per query head
     rows.append(dict(s=s, naive=naive, tiled=tiled, io=2 * (2 * 32 * s * 128 + 2 * 8 * s * 128),
                      naive_intensity=lesson.attention_flops(1, 32, s, 128, "naive") / naive,
-                     tiled_intensity=lesson.attention_flops(1, 32, s, 128, "tiled", 128, 128) / tiled))
+                     tiled_intensity=lesson.attention_flops(1, 32, s, 128, "tiled", 128, 128) / tiled,
+                     per_q_head_intensity=lesson.attention_flops(1, 32, s, 128, "tiled", 128, 128) / per_q_head))
 peak = metrics.measured_matmul_peak(torch.device("cpu"))
 bandwidth = lesson.memory_bandwidth()
 balance = {f"this CPU: {peak / 1e9:.0f} GFLOP/s / {bandwidth / 1e9:.0f} GB/s = {peak / bandwidth:.1f}": peak / bandwidth,
@@ -607,7 +615,7 @@ print(f"  this CPU: matmul peak {peak / 1e9:.0f} GFLOP/s (fp32, metrics.measured
 for r in rows[::2]:
     print(f"  s = {r['s']:>6}: naive {metrics.human_bytes(r['naive']):>10}, tiled {metrics.human_bytes(r['tiled']):>10} "
           f"({r['naive'] / r['tiled']:5.1f}x less); intensity naive {r['naive_intensity']:5.1f}, tiled "
-          f"{r['tiled_intensity']:6.1f} FLOP/byte")
+          f"{r['tiled_intensity']:6.1f} (K/V per KV head) or {r['per_q_head_intensity']:6.1f} (per query head) FLOP/byte")
 for s in st["attn_seqs"]:
     print(f"  s = {s:>5}: forward + backward " + ", ".join(f"{i} {1e3 * times[i][s]:6.1f} ms" for i in times)
           + " | saved for backward " + ", ".join(f"{i} {saved[i][s] / MiB:5.1f} MiB" for i in saved))
@@ -623,10 +631,13 @@ check("the naive count is the reference's formula", kernels.attention_bytes(b_, 
       == 2 * (2 * b_ * a_ * s_ * d_ + 2 * b_ * k_ * s_ * d_ + 4 * b_ * a_ * s_ * s_),
       "elem·(2basd + 2b·a_kv·sd + 4bas²) at s = 4096")
 top = rows[-1]
-check("naive attention is memory-bound on an H100, tiled is not", abs(top["naive_intensity"] - 128 / 2) / 64 < 0.05
-      and top["naive_intensity"] < 295 < top["tiled_intensity"],
-      f"at s = {top['s']}: naive {top['naive_intensity']:.1f} FLOP/byte (→ d/elem = 64), tiled "
-      f"{top['tiled_intensity']:.0f}, the H100's balance ~295")
+limits = dict(naive_intensity=128 / 2, per_q_head_intensity=2 * 128 / 2, tiled_intensity=2 * 32 * 128 / (8 * 2))
+check("intensities reach their limits: naive and per-query-head tiled below the H100's ~295, per-KV-head above",
+      all(abs(top[k] - v) / v < 0.05 for k, v in limits.items())
+      and top["naive_intensity"] < top["per_q_head_intensity"] < 295 < top["tiled_intensity"],
+      f"at s = {top['s']}: naive {top['naive_intensity']:.1f} FLOP/byte (→ d/elem = 64); tiled, K/V per query head "
+      f"(Triton, FlashAttention-2) {top['per_q_head_intensity']:.1f} (→ 2B_q/elem = 128), K/V per KV head "
+      f"(flash_attention) {top['tiled_intensity']:.0f} (→ 2aB_q/(a_kv·elem) = 512)")
 errs = lesson.flash_against_sdpa()
 check("tiled attention = SDPA (float64)", max(errs) < 1e-10,
       f"causal, GQA, s = 200 in tiles of 64: largest difference out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, "
@@ -642,11 +653,16 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 # %% [markdown]
 # The tiled kernel moves far fewer bytes. At long $s$ both counts are dominated by their $s^2$ terms: the naive
 # $4bas^2$ elements against the tiled $2ba_\text{kv}d \cdot s^2/(2B_q)$ (causal: each query tile reads half the keys on
-# average), a ratio of $4aB_q/(a_\text{kv}d)$ = 16 for this layer, where the printed ratios level off. The intensity follows:
-# the naive form's tends to $d/\text{elem}$ = 64, the tiled one's to $2aB_q/(a_\text{kv}\cdot\text{elem})$ = 512 — above the H100's
-# ~295, so the tiled kernel is compute-bound; larger tiles raise it further (on-chip memory is the limit). The bytes
-# are not only an estimate: the count of the tiles `flash_attention` loads and the outputs it writes, watched op by
-# op, equals `attention_bytes` to the byte.
+# average), a ratio of $4aB_q/(a_\text{kv}d)$ = 16 for this layer, where the printed ratios level off. The bytes are
+# not only an estimate: the tiles `flash_attention` loads and the outputs it writes, watched op by op, equal
+# `attention_bytes` to the byte.
+#
+# The intensity of the naive form tends to $d/\text{elem}$ = 64. The tiled one's depends on who loads K and V: once
+# per KV head it tends to $2aB_q/(a_\text{kv}\cdot\text{elem})$ = 512, once per query head (the Triton kernel,
+# FlashAttention-2) to $2B_q/\text{elem}$ = 128 — below the H100's ~295. Counted against main memory, a kernel with
+# one program per query head and $B_q = 128$ is still memory-bound in bf16. Larger query tiles raise the bound
+# (on-chip memory is the limit); K/V tiles that the GPU's cache serves to several programs of a group move it towards
+# the per-KV-head count (how far: unmeasured here).
 #
 # What the times show on this CPU, and what they would show on a GPU. A CPU core's balance point is low (a few FLOPs
 # per byte: its matmul peak is modest, its caches large), so here even the naive form is not starved by memory.
@@ -659,7 +675,8 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 # probabilities in backward.
 #
 # **Takeaway:** count bytes, not FLOPs: an operation whose FLOPs per byte fall below the machine's balance runs at
-# memory speed. Tiling keeps the $s^2$ intermediates on chip; the online softmax makes the tiles mergeable.
+# memory speed. Tiling keeps the $s^2$ intermediates on chip; the online softmax makes the tiles mergeable. Whether
+# the tiled kernel then crosses the balance depends on its query tile and on how often it loads each K/V tile.
 #
 # ## 7. Fused kernels: RMSNorm and SwiGLU
 #

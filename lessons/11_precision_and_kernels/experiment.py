@@ -825,7 +825,9 @@ def memory_bandwidth(mib=256, repeats=5):
 
 
 def plot_attention(rows, times, saved, balance, cfg):
-    """(a) bytes per forward against s, naive and tiled; (b) arithmetic intensity against the balance points;
+    """(a) bytes per forward against s, naive and tiled; (b) arithmetic intensity against the balance points
+    (tiled twice: K/V tiles loaded once per KV head, as flash_attention does, or once per query head, as the
+    Triton kernel and FlashAttention-2 do);
     (c) measured time; (d) bytes saved for backward."""
     import matplotlib.pyplot as plt
 
@@ -833,14 +835,16 @@ def plot_attention(rows, times, saved, balance, cfg):
     (ax, bx), (cx, dx) = axes
     s = [r["s"] for r in rows]
     ax.loglog(s, [r["naive"] for r in rows], "o-", color="#c44e52", label="naive: 3 kernels, s² written and read")
-    ax.loglog(s, [r["tiled"] for r in rows], "o-", color="#55a868", label=f"tiled, B = {cfg['block']}")
+    ax.loglog(s, [r["tiled"] for r in rows], "o-", color="#55a868", label=f"tiled, B_q = {cfg['block']}, K/V per KV head")
     ax.loglog(s, [r["io"] for r in rows], "k:", label="q, k, v read + out written once")
     ax.set_xlabel("sequence length s", fontsize=FONT)
     ax.set_ylabel("bytes per forward (bf16)", fontsize=FONT)
     ax.set_title(f"attention's memory traffic, {cfg['label']}", fontsize=9)
     ax.legend(fontsize=7)
     bx.semilogx(s, [r["naive_intensity"] for r in rows], "o-", color="#c44e52", label="naive")
-    bx.semilogx(s, [r["tiled_intensity"] for r in rows], "o-", color="#55a868", label="tiled")
+    bx.semilogx(s, [r["tiled_intensity"] for r in rows], "o-", color="#55a868", label="tiled, K/V per KV head")
+    bx.semilogx(s, [r["per_q_head_intensity"] for r in rows], "s--", color="#8172b2",
+                label="tiled, K/V per query head (Triton, FA-2)")
     for (label, value), c in zip(balance.items(), ("#4c72b0", "k")):
         bx.axhline(value, color=c, ls="--", lw=1)
         bx.text(s[0], value * 1.08, label, fontsize=7, color=c)
@@ -848,7 +852,7 @@ def plot_attention(rows, times, saved, balance, cfg):
     bx.set_xlabel("sequence length s", fontsize=FONT)
     bx.set_ylabel("FLOPs per byte moved", fontsize=FONT)
     bx.set_title("arithmetic intensity against machine balance (peak / bandwidth)", fontsize=9)
-    bx.legend(fontsize=7, loc="center right")
+    bx.legend(fontsize=7, loc="lower right")
     colors = {"sdpa": "#4c72b0", "eager": "#c44e52", "flash": "#55a868"}
     for impl, t in times.items():
         cx.loglog(list(t), [1e3 * x for x in t.values()], "o-", color=colors[impl], label=impl)
