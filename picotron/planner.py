@@ -362,6 +362,9 @@ class Layout:
     async_tp: bool = False  # the collective matmul (picotron.async_tp; needs sp): 'async-tp' in the text form
     dp_shard: int = 0  # HSDP: ZeRO within groups of dp_shard dp ranks (x cp), replicated across them; 0 = all of dp
     ep_overlap: bool = False  # expert all-to-alls under compute (two parts; needs ep > 1): 'ep-overlap' in the text
+    bare_ends: bool = False  # Llama 3's cut (§3.3.2): the first chunk holds only the embedding, the last only the
+    # final norm, head and loss; the layers go to the chunks between: 'bare-ends' in the text. Other software's: picotron's
+    # pipeline puts a layer in every chunk (plan.search.trainer_problem refuses it), so only --published and --layout use it
 
     @property
     def shard(self) -> int:
@@ -398,6 +401,8 @@ class Layout:
                 values["async_tp"] = True
             elif item == "ep-overlap":
                 values["ep_overlap"] = True
+            elif item == "bare-ends":
+                values["bare_ends"] = True
             elif item in PP_SCHEDULES:
                 values["pp_schedule"] = item
             elif item in CP_IMPLS:
@@ -408,7 +413,7 @@ class Layout:
                 values["recompute"] = item[10:]
             else:
                 raise ValueError(f"layout item {item!r} in {text!r} is not one of dp/tp/pp/cp/ep/zero/mbs/ga/v/shard followed by a "
-                                 f"number, 'sp', 'async-tp', 'ep-overlap', 'recompute-none|selective|full', a schedule ({', '.join(PP_SCHEDULES)}), "
+                                 f"number, 'sp', 'async-tp', 'ep-overlap', 'bare-ends', 'recompute-none|selective|full', a schedule ({', '.join(PP_SCHEDULES)}), "
                                  f"'interleaved-v<chunks>' or a cp_impl ({', '.join(CP_IMPLS)}); e.g. 'tp8,pp16,dp128'.")
         return cls(**{**values, **overrides})
 
@@ -428,14 +433,25 @@ class Layout:
         parts += ["ep-overlap"] * self.ep_overlap
         if self.pp > 1:
             parts.append(self.pp_schedule + (f"-v{self.pp_chunks}" if self.pp_schedule == "interleaved" else ""))
+        parts += ["bare-ends"] * self.bare_ends
         parts += [f"mbs{self.micro_batch_size}"] + [f"ga{self.grad_acc}"] * (self.grad_acc > 0)  # 0: no whole number
         return ",".join(parts + [f"recompute-{self.recompute}"] * (self.recompute != "none"))
 
 
-def stage_layers(mc, pp, seq_len):
-    """Layers per pipeline stage, [(lo, hi), ...] as the pipeline cuts them (balanced by FLOPs)."""
+def stage_layers(mc, pp, seq_len, bare_ends=False):
+    """Layers per pipeline stage, [(lo, hi), ...] as the pipeline cuts them (balanced by FLOPs). bare_ends (Llama 3's
+    cut, its paper's §3.3.2: one layer fewer on the first and the last stage, to balance them): stage 0 holds
+    only the embedding and stage pp-1 only the final norm and head, (0, 0) and (L, L); the L layers are spread evenly
+    over the pp-2 stages between (126 layers in 16 x 8 - 2 chunks: one each)."""
+    L = mc.num_hidden_layers
+    if bare_ends:
+        k = pp - 2
+        if not 1 <= k <= L:
+            raise ValueError(f"bare-ends needs between 3 and {L + 2} pipeline chunks in all (the embedding's, the "
+                             f"head's and at least one layer each between), not {pp}.")
+        return [(0, 0)] + [(i * L // k, (i + 1) * L // k) for i in range(k)] + [(L, L)]
     if pp == 1:
-        return [(0, mc.num_hidden_layers)]
+        return [(0, L)]
     key = (repr(mc), pp, seq_len)
     if key not in _SPLITS:
         _SPLITS[key] = split_layers(mc, pp, seq_len)
@@ -583,7 +599,7 @@ def cp_bytes_per_step(cp, b, seq_len, kv_heads, head_dim, layers, elem=4, impl="
 
     A block is one rank's K and V: 2·b·kh·(s/cp)·d elements. ring: cp-1 blocks forward, cp-1 again in backward
     (the ring is walked again rather than keeping every block), and cp dK/dV blocks, accumulated in fp32 (the
-    last one goes home): 3cp - 2 messages per layer; allgather: cp-1 blocks out in the gather and cp-1 gradient
+    last one goes home): 3cp - 2 messages per layer (`cp_messages_per_layer`); allgather: cp-1 blocks out in the gather and cp-1 gradient
     blocks in the reduce-scatter. ulysses (needs `heads`, the query heads): four all-to-alls forward, of q, k, v
     and the output (`ulysses_buffer_bytes`), of which (cp-1)/cp leave the rank; backward sends as much again."""
     if impl == "ulysses":
@@ -595,6 +611,16 @@ def cp_bytes_per_step(cp, b, seq_len, kv_heads, head_dim, layers, elem=4, impl="
     else:
         per_layer = block * 2 * (cp - 1) * elem
     return layers * micro_batches * per_layer
+
+
+def cp_messages_per_layer(cp, impl="ring"):
+    """Messages (ring or all-to-all steps) one rank sends per layer and micro-batch under cp, forward and backward: the
+    α count beside `cp_bytes_per_step`'s bytes. ring 3cp - 2 (cp-1 K/V blocks forward, cp-1 again in backward, cp
+    dK/dV blocks); allgather 2(cp-1) (the gather's steps and the reduce-scatter's); ulysses 8(cp-1) (eight all-to-alls of
+    cp-1 steps; full recomputation repeats the forward's four)."""
+    if cp <= 1:
+        return 0
+    return {"ring": 3 * cp - 2, "allgather": 2 * (cp - 1), "ulysses": 8 * (cp - 1)}[impl]
 
 
 def ulysses_extra_bytes(mc, layout, seq_len, elem):
@@ -644,7 +670,7 @@ def memory_per_stage(mc, layout, seq_len, dtype="fp32", recipe="ours"):
     eshard = max(1, shard // layout.ep)
     stages, held0 = chunks_held(layout, 0)
     v = len(held0)
-    cuts = stage_layers(mc, stages, seq_len)
+    cuts = stage_layers(mc, stages, seq_len, layout.bare_ends)
     if layout.pp == 1:
         vectors = [((1,),)]
     else:  # DualPipe too: our schedule's own counts (pipeline_schedules.dualpipe), not Table 2's p + 1

@@ -18,6 +18,7 @@ HOMES = {  # name: the one file that defines it
     "ulysses_kv_heads": "picotron/planner.py",
     "ulysses_buffer_bytes": "picotron/planner.py",
     "cp_bytes_per_step": "picotron/planner.py",  # the bytes every context-parallel core sends (ring, all-gather, Ulysses)
+    "cp_messages_per_layer": "picotron/planner.py",  # their messages (the α term): 3c-2, 2(c-1), 8(c-1) (issue 45)
     "hsdp_bytes_per_step": "picotron/planner.py",  # HSDP's bytes on the shard and the replicate links (issue 43)
     "muon_bytes_per_step": "picotron/planner.py",  # Muon's exchange, gather or owner (issue 44)
     "fp8_scale_bytes": "picotron/planner.py",  # fine-grained FP8's scales (issue 44)

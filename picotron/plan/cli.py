@@ -62,7 +62,7 @@ def build_parser():
                    help=f"fraction of each GPU's memory a layout may not use, for what the memory model does not count "
                         f"(the CUDA context, NCCL's buffers, the allocator's fragmentation); default {HEADROOM:g} "
                         f"({100 * HEADROOM:g}%%); --headroom 0 plans to the last byte. --published judges the "
-                        f"published runs against the whole card")
+                        f"published runs by the same rule and prints each one's margin")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch-tokens", default="1M", help="tokens per optimizer step: 4M, 512K (K = 1024) or a number")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="element size of activations and messages")
@@ -150,15 +150,30 @@ def _describe(job, seq_len, headroom):
             f"{hw.gpus_per_node} per node), seq {seq_len}, {seqs} sequences ({seqs * seq_len:,} tokens) per step")
 
 
-def print_published(runs=None, rank=True, out=print):
-    """The published runs against the model: fits, predicted vs published throughput, rank and why others rank higher."""
+def margin(total, usable, card, headroom):
+    """How a layout's memory stands against the usable part of the card: '88.8% of the 79.6 GiB card, 1.0 GiB under the
+    71.7 GiB usable (10% kept free)', or '... over ...'."""
+    kept = f" ({100 * headroom:g}% kept free)" if headroom else ""
+    side = "under" if total <= usable else "over"
+    return (f"{100 * total / card:.1f}% of the {card / GiB:.1f} GiB card, {abs(usable - total) / GiB:.2f} GiB {side} the "
+            f"{usable / GiB:.1f} GiB usable{kept}")
+
+
+def print_published(runs=None, rank=True, out=print, headroom=HEADROOM):
+    """The published runs against the model, judged by the headroom every search keeps: fits (or by how much it does
+    not: the model over-counts a run that trained), its margin, predicted vs published throughput, rank and why others
+    rank higher."""
     for run in runs or PUBLISHED:
-        r = evaluate_published(run, rank=rank)
+        r = evaluate_published(run, rank=rank, headroom=headroom)
         mem = r["memory"]
-        shown = f"{mem['total'] / GiB:.1f} GiB per GPU" + (f" (published {run.memory_gb:.0f} GB)" if run.memory_gb else "")
+        if mem is None:  # refused before its memory means anything (a shape)
+            out(f"{run.name}: {run.gpus:,} x {run.hardware.name}, {run.layout}: REJECTED: {r['why']}")
+            continue
+        shown = (f"{mem['total'] / GiB:.1f} GiB per GPU" + (f" (published {run.memory_gb:.0f} GB)" if run.memory_gb else "")
+                 + ": " + margin(mem["total"], r["usable"], r["card"], headroom))
         out(f"{run.name}: {run.gpus:,} x {run.hardware.name}, {run.layout}: "
-            f"{'fits, ' + shown if r['fits'] else 'REJECTED: ' + r['why']}; predicted {r['predicted_tflops']:.0f} "
-            f"TFLOP/s per GPU vs published {run.tflops:.0f} ({r['ratio']:.2f}x)")
+            f"{'fits, ' if r['fits'] else 'DOES NOT FIT (the model over-counts a run that trained), '}{shown}; predicted "
+            f"{r['predicted_tflops']:.0f} TFLOP/s per GPU vs published {run.tflops:.0f} ({r['ratio']:.2f}x)")
         if r.get("rank"):
             best, _, t = r["best"]
             out(f"    rank {r['rank']} of {r['of']}; of the {r['above']} above it {r['above_less_recompute']} recompute "
@@ -198,7 +213,8 @@ def main(argv=None):
     ns = build_parser().parse_args(argv)
     try:
         if ns.published:
-            print_published()
+            usable(GPUS["h100-80gb"], ns.headroom)  # (one sentence for a headroom out of range)
+            print_published(headroom=ns.headroom)
             return 0
         job = _job(ns)
         mc, hw, gpus, seqs = job["mc"], job["hw"], job["gpus"], job["seqs"]

@@ -5,7 +5,7 @@ Headroom: a layout may fill only 1 − HEADROOM (0.9) of each GPU's memory by de
 keeps 20% free, `--headroom 0` none): the memory model (picotron.planner) counts the parameters, gradients, optimizer
 state and what autograd keeps, not the CUDA context, NCCL's buffers, the allocator's fragmentation or the
 temporaries, which take several GiB of an 80 GB card. The header of every answer says how much is usable.
-`--published` judges the published runs against the whole card (they ran).
+`--published` judges the published runs by the same rule and prints each one's margin (plan.published).
 """
 from dataclasses import dataclass, replace
 

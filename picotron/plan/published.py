@@ -1,11 +1,14 @@
 """Large runs whose layout and throughput were published (`PUBLISHED`, each with its source and what we assumed),
 evaluated by the same memory and time model and ranked among every layout of their job (`evaluate_published`). They
-ran on other software: only each strategy's own rules and the memory judge them, not picotron's trainer.
+ran on other software: only each strategy's own rules and the memory judge them, not picotron's trainer. The memory
+rule is every search's: a layout may fill 1 − headroom of the card (plan.HEADROOM, 0.9 by default), and each run's
+margin is printed; a run that trained but would not fit says the model over-counts it (Llama 3 405B did, by 0.01 GiB,
+until its own cut, bare-ends, was modelled: 0.99 GiB less at its busiest rank).
 """
 from dataclasses import dataclass, field, replace
 
 from picotron.model_config import PRESETS, ModelConfig
-from picotron.plan.hardware import GPUS, Hardware
+from picotron.plan.hardware import GPUS, HEADROOM, Hardware, usable
 from picotron.plan.search import SPACE, Plan, check_layout, rank_of, search, why_faster
 from picotron.plan.time_model import step_time
 from picotron.planner import Layout
@@ -70,41 +73,46 @@ PUBLISHED = [
               "163 TFLOP/s per GPU (52% of peak)", available=MEGATRON_2021,
               notes="micro-batch 1, 2 chunks per rank and full recomputation assumed"),
     Published("Llama 3 405B", _preset("llama3-405b"), 16384, GPUS["h100-80gb"],
-              Layout(dp=128, tp=8, pp=16, sp=True, zero=2, pp_schedule="interleaved", pp_chunks=7, micro_batch_size=1,
-                     grad_acc=16, recompute="none"), 8192, 2048, 400,
+              Layout(dp=128, tp=8, pp=16, sp=True, zero=2, pp_schedule="interleaved", pp_chunks=8, micro_batch_size=1,
+                     grad_acc=16, recompute="none", bare_ends=True), 8192, 2048, 400,
               "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Table 4: 16,384 H100, tp 8, cp 1, pp 16, dp 128, "
               "seq 8192, 16M tokens per batch, 400 TFLOP/s per GPU, 41% BF16 MFU; §3.3.2: an interleaved schedule, "
               "FSDP sharding optimizer states and gradients (weights kept after the forward), 'pre-train Llama 3 on "
               "sequences of 8K tokens without activation checkpointing'",
               counts_recompute=False, recipe="mixed-fp32-grads",
               notes="chunks per rank not published: 126 layers = 16 x 8 - 2 suggests 8 with the first and last chunks "
-                    "holding only the embedding and the head (as the paper describes); our pipeline needs a layer in "
-                    "every chunk, so v = 7; sp assumed; its FSDP as ZeRO-2 with fp32 gradients (weights whole during the "
+                    "holding only the embedding and the head (§3.3.2 takes one layer off the first and the last stage "
+                    "to balance them), modelled as such (bare-ends; picotron's own pipeline needs a layer "
+                    "in every chunk); sp assumed; its FSDP as ZeRO-2 with fp32 gradients (weights whole during the "
                     "step; §3.3.2's 'FP32 gradient accumulation during backward computation over multiple micro-batches' "
                     "and fp32 reduce-scatter: a chunk's whole gradients summed in fp32 over its micro-batches, held "
                     "during the step, reduce-scattered once, at its last backward)"),
 ]
 
 
-def evaluate_published(run, rank=True):
-    """For one published run: {fits, why, memory, time, predicted_tflops (counted as published: with the recomputed
-    forward where it was), ratio (predicted / published)}; with rank: its place among every layout of the job
-    (rank, of, best, why_best) and among those its software offered (rank_available, of_available, best_available,
-    why_available), plus above / above_less_recompute / above_fewer_stages (the layouts ranked above it)."""
+def evaluate_published(run, rank=True, headroom=HEADROOM):
+    """For one published run: {fits, why, memory, usable, card, time, predicted_tflops (counted as published: with the
+    recomputed forward where it was), ratio (predicted / published)}, judged as every search judges a layout: against
+    the card less `headroom` (`usable` bytes; `card`: the whole); with rank: its place among every layout of the job
+    that fits so (rank, of, best, why_best) and among those its software offered (rank_available, of_available,
+    best_available, why_available), plus above / above_less_recompute / above_fewer_stages (the layouts ranked above
+    it). A run outside the searched space (Llama 3's bare-ends) is placed by its tokens/s and counted in `of`."""
     mc = ModelConfig(**run.model)
-    mem, why = check_layout(mc, run.layout, run.seq_len, run.hardware, run.global_seqs, recipe=run.recipe, rules=False)
-    time = step_time(mc, run.layout, run.seq_len, run.hardware, recipe=run.recipe)
+    hw = usable(run.hardware, headroom)
+    mem, why = check_layout(mc, run.layout, run.seq_len, hw, run.global_seqs, recipe=run.recipe, rules=False)
+    time = step_time(mc, run.layout, run.seq_len, hw, recipe=run.recipe)
     predicted = time["hardware_tflops" if run.counts_recompute else "tflops"]
-    out = dict(fits=why is None, why=why, memory=mem, time=time, predicted_tflops=predicted, ratio=predicted / run.tflops)
+    out = dict(fits=why is None, why=why, memory=mem, usable=hw.memory, card=run.hardware.memory, time=time,
+               predicted_tflops=predicted, ratio=predicted / run.tflops)
     if rank:
         # the full space plus the run's own schedule (so that its layout is a candidate)
         own = {"schedules": tuple(dict.fromkeys(SPACE["schedules"] + ((run.layout.pp_schedule, run.layout.pp_chunks),))),
                "micro_batches": tuple(sorted(set(SPACE["micro_batches"]) | {run.layout.micro_batch_size}))}
-        plan = search(mc, run.gpus, run.hardware, run.seq_len, run.global_seqs, recipe=run.recipe, space=own,
+        plan = search(mc, run.gpus, hw, run.seq_len, run.global_seqs, recipe=run.recipe, space=own,
                       rules=False)  # its own software ran it, not picotron: only the model's shapes and memory
-        k = rank_of(plan, run.layout)
+        k, of = _place(plan, run.layout, time, out["fits"])
         above = [lay for lay, _, _ in plan.ranked[:(k or 1) - 1]]
-        out.update(rank=k, of=len(plan.ranked), best=plan.ranked[0] if plan.ranked else None,
+        out.update(rank=k, of=of, best=plan.ranked[0] if plan.ranked else None,
                    above=len(above),
                    above_less_recompute=sum(RECOMPUTE_ORDER[a.recompute] < RECOMPUTE_ORDER[run.layout.recompute]
                                             for a in above),
@@ -114,11 +122,20 @@ def evaluate_published(run, rank=True):
                   "micro_batches": own["micro_batches"]}
         narrow["schedules"] = tuple(sch for sch in narrow["schedules"])
         kept = Plan([r for r in plan.ranked if _within(r[0], narrow)], [])
-        k2 = rank_of(kept, run.layout)
-        out.update(rank_available=k2, of_available=len(kept.ranked),
+        k2, of2 = _place(kept, run.layout, time, out["fits"])
+        out.update(rank_available=k2, of_available=of2,
                    best_available=kept.ranked[0] if kept.ranked else None,
                    why_available=why_faster(time, kept.ranked[0][2]) if kept.ranked else "")
     return out
+
+
+def _place(plan, layout, time, fits):
+    """(rank, of): the layout's 1-based rank among the plan's ranked layouts; one the search did not try (a cut of other
+    software's) goes in by its tokens/s, and counts. (None, len) when it does not fit."""
+    k = rank_of(plan, layout)
+    if k is not None or not fits:
+        return k, len(plan.ranked)
+    return 1 + sum(t["tokens_per_s"] > time["tokens_per_s"] for _, _, t in plan.ranked), len(plan.ranked) + 1
 
 
 def _within(layout, space):

@@ -8,7 +8,7 @@ picotron.rules.layout_problem, each strategy's rule and `combination_problem`; n
 (rules=False) meet only what the strategies' shapes need (rules.SHAPE_RULES).
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from picotron.rules import layout_problem
 from picotron.config import Config
@@ -23,8 +23,13 @@ def _divisors(n, limit=None):
 def trainer_problem(mc, layout, seq_len, dtype="bf16"):
     """The sentence with which picotron's trainer refuses this layout, or None: the rules its `validate` applies
     before any process group exists (picotron.rules.layout_problem: each strategy's rule, then
-    `combination_problem`), so the planner keeps no copy of them."""
-    return layout_problem(_config(layout, seq_len, dtype), mc)
+    `combination_problem`), so the planner keeps no copy of them; and Llama 3's bare-ends cut, which no training
+    setting of picotron's names (its pipeline puts a layer in every chunk)."""
+    return BARE_ENDS if layout.bare_ends else layout_problem(_config(layout, seq_len, dtype), mc)
+
+
+BARE_ENDS = ("bare-ends (the first chunk only the embedding, the last only the head: Llama 3's cut) is not picotron's: "
+             "its pipeline puts at least one layer in every chunk; drop bare-ends.")
 
 
 def _config(layout, seq_len, dtype):
@@ -46,9 +51,14 @@ def check_layout(mc, layout, seq_len, hw, global_seqs, dtype="bf16", recipe="mix
     if global_seqs % (layout.dp * layout.micro_batch_size):
         return None, _indivisible(global_seqs, layout)
     cfg = _config(layout, seq_len, dtype)
-    problem = layout_problem(cfg, mc, trainer=rules)
+    shape = replace(mc, num_hidden_layers=mc.num_hidden_layers + 2) if layout.bare_ends else mc  # (its bare chunks
+    # take the place of a layer each in the rule that every chunk has one)
+    problem = layout_problem(cfg, shape, trainer=rules) or (BARE_ENDS if rules and layout.bare_ends else None)
     if problem:
         return None, problem
+    if layout.bare_ends and not 3 <= layout.pp * layout.pp_chunks <= mc.num_hidden_layers + 2:
+        return None, (f"bare-ends needs between 3 and {mc.num_hidden_layers + 2} pipeline chunks in all (the embedding's, "
+                      f"the head's and at least one layer each between), not {layout.pp * layout.pp_chunks}.")
     if (layout.tp > hw.gpus_per_node or hw.gpus_per_node % layout.tp) and not cross_node_tp:
         return None, (f"tp={layout.tp} crosses nodes of {hw.gpus_per_node} GPUs (its 4 all-reduces per layer would run "
                       f"on the network)")

@@ -52,7 +52,7 @@ runs with their sources.
 import math
 
 from picotron.pipeline_schedules import bubble_formula, build, layer_costs, simulate
-from picotron.planner import RECIPES, chunks_held, cp_bytes_per_step, stage_layers
+from picotron.planner import RECIPES, chunks_held, cp_bytes_per_step, cp_messages_per_layer, stage_layers
 from picotron.planner import async_tp_layer_seconds
 from picotron.planner import ep_overlap_exposed_seconds
 
@@ -112,7 +112,7 @@ def busiest_share(mc, layout, seq_len):
     if layout.pp == 1:
         return 1.0, mc.num_hidden_layers
     costs = layer_costs(mc, seq_len)
-    cuts = stage_layers(mc, chunks_held(layout, 0)[0], seq_len)
+    cuts = stage_layers(mc, chunks_held(layout, 0)[0], seq_len, layout.bare_ends)
     # DualPipe: each micro-batch passes one of a rank's two stages (half from each end): the mean of the two
     runs = 2 if layout.pp_schedule == "dualpipe" else 1
     best = (0.0, 0)
@@ -169,9 +169,9 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
     if layout.recompute == "partitioned":  # + the all-gather of each layer's checkpoint before its recompute
         tp += m * layers * ring_time("all_gather", t, local * h * 4, *link(hw, t))
     # context parallelism: the bytes a rank's attention sends per layer and micro-batch (planner.cp_bytes_per_step,
-    # what context_parallel sends) over the link of its group, plus α per message. The ring's 3cp − 2 messages (the
-    # all-gather's 2(cp − 1) steps) hide under the attention core's compute where it is longer; Ulysses' 8
-    # all-to-alls of cp − 1 steps are not overlapped (full recomputation repeats the forward's 4)
+    # what context_parallel sends) over the link of its group, plus α per message (planner.cp_messages_per_layer: the
+    # ring's 3cp − 2, the all-gather's 2(cp − 1)) hide under the attention core's compute where it is longer; Ulysses'
+    # 8 all-to-alls of cp − 1 steps are not overlapped (full recomputation repeats the forward's 4)
     cp = 0.0
     if c > 1:
         a_link = link(hw, t * c)
@@ -179,9 +179,9 @@ def step_time(mc, layout, seq_len, hw, dtype="bf16", recipe="mixed"):
                                    impl=layout.cp_impl, heads=mc.num_attention_heads // t)
         if layout.cp_impl == "ulysses":
             again = 1.5 if layout.recompute in ("full", "partitioned") else 1.0
-            cp = m * layers * again * (8 * (c - 1) * a_link[0] + nbytes / a_link[1])
+            cp = m * layers * again * (cp_messages_per_layer(c, "ulysses") * a_link[0] + nbytes / a_link[1])
         else:
-            steps = 3 * c - 2 if layout.cp_impl == "ring" else 2 * (c - 1)
+            steps = cp_messages_per_layer(c, layout.cp_impl)
             attn_compute = 12 * h * s * local / t / rate  # forward + backward, this rank's heads
             cp = m * layers * max(0.0, steps * a_link[0] + nbytes / a_link[1] - attn_compute)
     # expert parallelism: 4 all-to-alls of the k copies of each token per MoE layer and micro-batch
