@@ -1,5 +1,6 @@
-"""The README's examples come from the code as it is: the planner's block is its output line for line, the main
-job's example has the lines and fields a run prints now, and the corpus is the size the README says."""
+"""The README's examples come from the code as it is: the planner's block (docs/planner.md, where the README sends a
+reader) is its output line for line, the main job's example has the lines and fields a run prints now, and the corpus
+is the size the README says."""
 import io
 import os
 import re
@@ -10,12 +11,13 @@ from contextlib import redirect_stdout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
+PLANNER_DOC = open(os.path.join(ROOT, "docs", "planner.md")).read()
 
 
-def block_after(command_prefix):
-    """The fenced block whose first line starts with `$ command_prefix`: (command, the lines after it)."""
+def block_after(command_prefix, text=README):
+    """The fenced block of `text` whose first line starts with `$ command_prefix`: (command, the lines after it)."""
     blocks, inside = [], None
-    for line in README.splitlines():
+    for line in text.splitlines():
         if line.startswith("```"):
             inside = [] if inside is None else blocks.append(inside)
         elif inside is not None:
@@ -23,13 +25,13 @@ def block_after(command_prefix):
     for lines in blocks:
         if lines and lines[0].startswith("$ " + command_prefix):
             return lines[0][2:], lines[1:]
-    raise AssertionError(f"no README block starts with '$ {command_prefix}'")
+    raise AssertionError(f"no block starts with '$ {command_prefix}'")
 
 
 def test_the_planner_block_is_its_output():
     from picotron import plan
 
-    command, shown = block_after("./run.sh python -m picotron.plan")
+    command, shown = block_after("./run.sh python -m picotron.plan", PLANNER_DOC)
     buf = io.StringIO()
     with redirect_stdout(buf):
         words = shlex.split(command)
