@@ -119,8 +119,9 @@ for name in ("afab", "1f1b"):
 #
 # **Two ways to shrink the bubble further.** *Interleaving* (Megatron-LM): give each rank $v$ smaller chunks (rank
 # $r$ holds stages $r, r+p, \dots$); a micro-batch then crosses a rank in $t_F/v$, the pipeline fills $v$ times
-# faster, and the bubble is $\frac{p-1}{v\,m+p-1}$ — for $\frac{pv-1}{p-1}$ times the messages ($pv-1$ stage
-# boundaries instead of $p-1$, Narayanan et al. 2021a §2.2.2; close to $v$ only for large $p$). *Splitting the
+# faster, and the bubble is $\frac{p-1}{v\,m+p-1}$ — for more messages: Narayanan et al. 2021a §2.2.2 say the
+# communication "increases by $v$"; counting stage boundaries, $pv-1$ instead of $p-1$, gives this lesson's exact
+# factor $\frac{pv-1}{p-1}$, close to $v$ only for large $p$. *Splitting the
 # backward* (Zero Bubble): the backward of a linear layer is two matmuls, one for the input's gradient ($B$, which
 # the previous stage is waiting for) and one for the weight's ($W$, which nobody waits for). Run $B$ at once and
 # hold $W$ back to fill the slots where the rank would idle: with $t_F = t_B = t_W$ ZB-H1's bubble is $\frac{p-1}{3m+p-1}$ at
@@ -379,7 +380,7 @@ for name in ("interleaved", "zb-h1", "zb-v"):
 inter = [(r, next(o for o in rows if o["name"] == "1f1b" and o["m"] == r["m"])) for r in rows if r["name"] == "interleaved"]
 p_, v_ = inter[0][0]["p"], inter[0][0]["v"]
 ratios = [r["p2p"][-1] / one["p2p"][-1] for r, one in inter]
-check(f"interleaved, v={v_}: bytes sent per step = (pv-1)/(p-1) times 1F1B's (Narayanan et al. 2021a, 2.2.2), every m",
+check(f"interleaved, v={v_}: bytes sent per step = (pv-1)/(p-1) times 1F1B's (stage boundaries counted), every m",
       all(abs(x - (p_ * v_ - 1) / (p_ - 1)) < 1e-9 for x in ratios),
       f"measured {', '.join(f'{x:.3f}' for x in ratios)} vs ({p_}*{v_} - 1)/({p_} - 1) = {(p_ * v_ - 1) / (p_ - 1):.3f}, "
       f"not v = {v_}")
@@ -387,7 +388,8 @@ check(f"interleaved, v={v_}: bytes sent per step = (pv-1)/(p-1) times 1F1B's (Na
 # %% [markdown]
 # Interleaving halves the filling and draining ($v = 2$) and pays with more messages: every micro-batch now crosses
 # $pv - 1 = 3$ stage boundaries instead of $p - 1 = 1$, so $\frac{pv-1}{p-1}$ times 1F1B's bytes — the check's 3 here,
-# not $v = 2$: the factor tends to $v$ only for large $p$ (Narayanan et al. 2021a §2.2.2; section (d)). Splitting the
+# not $v = 2$: the factor tends to $v$ only for large $p$ (section (d)). This count is the lesson's own refinement:
+# Narayanan et al. 2021a (§2.2.2) state only that the amount of communication "increases by $v$". Splitting the
 # backward costs no extra bytes and no extra FLOPs — the two matmuls of a linear layer's backward are done once each,
 # at different times — but keeps each layer's input and output gradient alive from $B$ until $W$ (section (c)). ZB-V
 # combines both: two chunks per rank in a V, so rank 0 has work at both ends of the step, and the $W$'s fill what is
