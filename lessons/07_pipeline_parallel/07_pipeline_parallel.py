@@ -123,7 +123,9 @@ for name in ("afab", "1f1b"):
 # communication "increases by $v$"; counting stage boundaries, $pv-1$ instead of $p-1$, gives this lesson's exact
 # factor $\frac{pv-1}{p-1}$, close to $v$ only for large $p$. *Splitting the
 # backward* (Zero Bubble): the backward of a linear layer is two matmuls, one for the input's gradient ($B$, which
-# the previous stage is waiting for) and one for the weight's ($W$, which nobody waits for). Run $B$ at once and
+# the previous stage is waiting for) and one for the weight's ($W$, which nobody waits for).
+#
+# Run $B$ at once and
 # hold $W$ back to fill the slots where the rank would idle: with $t_F = t_B = t_W$ ZB-H1's bubble is $\frac{p-1}{3m+p-1}$ at
 # 1F1B's memory. Every schedule against the closed forms, $p = 4$, unit costs:
 
@@ -193,7 +195,9 @@ _common.show_source(pp.Pipeline._backward)
 # it; NCCL does neither. There a send or a receive blocks its stream until the partner's call runs. The single
 # `isend`/`irecv` between two ranks share one communicator and one CUDA stream, both directions mixed, executed in
 # the order they were posted. The first version of this executor posted each action's *next* receive before this
-# action's send, as single messages. At $p = 2$, 1F1B, $m = 2$ — rank 0 runs F0 F1 B0 B1, rank 1 runs F0 B0 F1 B1 —
+# action's send, as single messages.
+#
+# At $p = 2$, 1F1B, $m = 2$ — rank 0 runs F0 F1 B0 B1, rank 1 runs F0 B0 F1 B1 —
 # rank 0's stream to rank 1 held [send F0, receive B0 (posted early), send F1] and rank 1's held [receive F0,
 # receive F1 (posted early), send B0]: after F0, each rank waits at the head of its stream for a message the other
 # can only send from behind its own head. gloo ran it without a word; a pod hangs until the watchdog kills the job.
@@ -202,7 +206,9 @@ _common.show_source(pp.Pipeline._backward)
 # message one batch on it. Per communicator, each stream now carries one direction in the order both ends post
 # it, and nothing crosses. But NCCL promises nothing about two communicators running side by side: its kernels
 # block while they wait for data, any CUDA call (a caching allocator's `cudaFree`, a `.item()`) may synchronise the
-# whole device, and a busy GPU may not fit two NCCL kernels at once. Its user guide ("Using multiple NCCL
+# whole device, and a busy GPU may not fit two NCCL kernels at once.
+#
+# Its user guide ("Using multiple NCCL
 # communicators concurrently") asks that "operations are submitted in the same order across ranks", and says
 # streams running at once "might work ... but could break at any time". Seen as ONE queue per GPU, the same toy
 # order is the same deadlock: rank 0 posts *send F0* (0 → 1), *receive B0* (1 → 0, ahead), *send F1* (0 → 1);
@@ -215,7 +221,9 @@ _common.show_source(pp.Pipeline._backward)
 # theirs — naming each rank's first stuck operation. Below: the two versions on a toy model (`nccl_order.py` in
 # this folder), then picotron's executor. Its fix makes the messages data: `ps.with_messages` (printed above) runs
 # the schedule on the ideal machine, where each message happens at one instant — the end of the action that makes
-# it — and gives every rank its sends and receives in the order of those instants. Every rank's list is then a
+# it — and gives every rank its sends and receives in the order of those instants.
+#
+# Every rank's list is then a
 # piece of one global order, so at each message both ends are at the head of their queues. Only the messages'
 # order matters, not where the computations fall between them, so each receive then moves up to just after the
 # rank's previous message (rank 1 above posts R F0 and R F1 before computing anything): the activation arrives
@@ -269,14 +277,18 @@ _common.show_source(pp.sync_tied)
 # model has 8 layers, 4 per stage (2 per chunk interleaved): the LM head over 256 byte tokens costs 8% of one layer,
 # so the stages cost nearly the same — what the closed forms assume. Each schedule is built as `picotron.train`
 # builds it (`parallelize` with `pp_schedule=...`) and its executor gets a `Timeline`: every action is an event on
-# its rank. A forward that waits for its message waits *inside* its event, so the experiment also times each wait
+# its rank.
+#
+# A forward that waits for its message waits *inside* its event, so the experiment also times each wait
 # and leaves it out of the busy time: **measured bubble = 1 − (sum over ranks of the compute time) / (ranks × the
 # step's length)**, from the first action's start to the last one's end. On a shared machine another program
 # sometimes takes a core (the rank is runnable but gets no CPU time: the experiment reads each action's CPU time) or
 # slows one down without taking it (the same action suddenly takes longer). Our stages cost the same, so on a quiet
 # machine every forward of a step takes about as long as every other; a step's *disturbance* (rank-time without a
 # core) plus its *spread* (the relative standard deviation of each kind of action's times) says how far it is from
-# that. Neither shows a message that arrives late because gloo's threads, which move it, waited for a core; so the
+# that.
+#
+# Neither shows a message that arrives late because gloo's threads, which move it, waited for a core; so the
 # experiment also reads how much of the machine's cores *other programs* used during the step (`_common.LoadWindow`:
 # the cores' busy time from `/proc/stat` minus our processes' CPU time). It steps on, up to a limit, until a step
 # scores under 0.15 (disturbance + spread + that share), and keeps the shortest of those (a message that arrives late
@@ -326,13 +338,17 @@ lesson.plot_bubbles(rows); plt.show()
 # How to read it. The closed forms assume equal stages, instant messages and — for ZB-H1 — $t_F = t_B = t_W$. For
 # AFAB, 1F1B and interleaving the ratio $t_B/t_F$ does not matter (the idle time and the work both scale with
 # $t_F + t_B$), so on equal stages the measurement should land on the formula; the printed disturbance and spread
-# say how quiet the kept step was. The simulator with the
+# say how quiet the kept step was.
+#
+# The simulator with the
 # measured costs accounts for part of what remains: a stage a few percent slower (the last one runs the LM head and
 # the loss), and for ZB-H1 a $W$ cheaper than $F$ (attention's and the norms' backward are all in $B$; only the
 # linear layers' weight gradients are in $W$), which leaves less to fill the bubble with than the formula counts; and
 # when another program slowed one rank for a whole run, the measured costs carry that too. What it does not know is
 # the time between actions and the messages' delivery: gloo moves a message with its own threads, which need a core
-# while both ranks compute on our two, so a message sometimes arrives milliseconds after it was sent. That costs most
+# while both ranks compute on our two, so a message sometimes arrives milliseconds after it was sent.
+#
+# That costs most
 # where actions are short and messages many — interleaving and ZB-V, whose measured bubble sits a point or two above
 # the simulated one. (`experiment.latency_of` measures the median delay of the messages a rank waited for, and the
 # row keeps the simulation with it as `sim_measured_latency`; applied to every message it overshoots, since most
@@ -389,7 +405,9 @@ check(f"interleaved, v={v_}: bytes sent per step = (pv-1)/(p-1) times 1F1B's (st
 # Interleaving halves the filling and draining ($v = 2$) and pays with more messages: every micro-batch now crosses
 # $pv - 1 = 3$ stage boundaries instead of $p - 1 = 1$, so $\frac{pv-1}{p-1}$ times 1F1B's bytes — the check's 3 here,
 # not $v = 2$: the factor tends to $v$ only for large $p$ (section (d)). This count is the lesson's own refinement:
-# Narayanan et al. 2021a (§2.2.2) state only that the amount of communication "increases by $v$". Splitting the
+# Narayanan et al. 2021a (§2.2.2) state only that the amount of communication "increases by $v$".
+#
+# Splitting the
 # backward costs no extra bytes and no extra FLOPs — the two matmuls of a linear layer's backward are done once each,
 # at different times — but keeps each layer's input and output gradient alive from $B$ until $W$ (section (c)). ZB-V
 # combines both: two chunks per rank in a V, so rank 0 has work at both ends of the step, and the $W$'s fill what is
@@ -417,7 +435,9 @@ lesson.plot_memory(mem); plt.show()
 # AFAB holds all $m$ micro-batches on both stages; 1F1B holds $p - r$: 2 on rank 0, 1 on rank 1 — $2/m$ and $1/m$
 # of AFAB's, for the same bubble. Interleaving holds more than 1F1B on rank 0: its warm-up is $2(p-r-1) + (v-1)p$
 # chunk-forwards, and the first stage holds $p\left(1+\frac{p-1}{pv}\right)$ whole-stage micro-batches
-# (Korthikanti et al. 2022 §4.2.3, who write $m$ for our $v$), $2.5$ at $p = v = 2$. The executor's own count (`metrics.ActivationPeak` on
+# (Korthikanti et al. 2022 §4.2.3, who write $m$ for our $v$), $2.5$ at $p = v = 2$.
+#
+# The executor's own count (`metrics.ActivationPeak` on
 # its phases, what `picotron.train` logs) is a third, independent reading: it follows the actions as they ran and
 # counts a micro-batch whole from F to its B (split schedules: its W). On the split schedules it shows what it
 # does not know: from $B$ to $W$ a micro-batch keeps its linear layers' inputs *and* their output gradients, not
@@ -556,7 +576,9 @@ _common.interactive(draw, lambda w: dict(schedule=w.Dropdown(options=list(ps.SCH
 # DeepSeek-V3 trains with **DualPipe** (DeepSeek-V3 technical report, §3.2.1, Figure 5 and Table 2; the Ultra-Scale
 # Playbook, "Zero Bubble and DualPipe"). The model is cut into $p$ stages as usual, but every rank holds **two**:
 # rank $r$ runs stage $r$ (chunk 0) and a copy of stage $p-1-r$ (chunk 1). Half the micro-batches enter at rank 0
-# and go down through the chunks 0; the other half enter at rank $p-1$ and go back up through the copies. Both ends
+# and go down through the chunks 0; the other half enter at rank $p-1$ and go back up through the copies.
+#
+# Both ends
 # of the pipeline start working at once, so the warm-up of one direction is the other's cool-down. The backward is
 # split into $B$ and $W$ as in zero bubble, and a forward of one direction is paired with a backward of the other
 # — **F&B** — which on a GPU run overlapped (one's all-to-all hides behind the other's compute); here they run back
@@ -631,7 +653,9 @@ lesson.plot_dualpipe(dual["rows"], p=4, m=8); plt.show()
 # the two directions fill each other's gaps. What the measurement adds is this machine: the messages' delivery, and
 # ranks slowed unequally by other programs (then the simulator with the *measured* costs is no longer 0 either: the
 # kept step's costs differ between the two ranks). On a quiet step we measured about 1%; a step taken while other
-# programs held most of the cores measures far more, and the check prints ? rather than ✗. DualPipe's stages are
+# programs held most of the cores measures far more, and the check prints ? rather than ✗.
+#
+# DualPipe's stages are
 # twice ZB-V's chunks (one stage per direction per rank instead of two half-stages), so its actions are longer and
 # fewer. What it pays is in the other two checks: twice the parameter bytes, and every step the copies'
 # gradients cross between mirror ranks — here many times the activations' traffic, since our micro-batches are
