@@ -318,7 +318,9 @@ _common.show_source(cpm.bytes_per_step_formula, "block = ")
 # The attention core alone (the small model's: 8 query heads over 4 KV heads, $d = 32$), forward and backward, on a
 # sequence of 2048 tokens, each layout in turn, several repeats; each ring step's compute is an event on a timeline
 # listening to the core's phases. This machine has 2 cores: at $c = 2$ each rank has one; at $c = 4$ four processes
-# share two, so a rank spends part of each step waiting for a core. The events therefore also carry the **CPU time**
+# share two, so a rank spends part of each step waiting for a core.
+#
+# The events therefore also carry the **CPU time**
 # the rank's thread used, which waiting does not inflate, and each rank's time is the least over the repeats (the
 # quietest).
 # Prediction: the block counts of section 2(c) weighted by what a whole and a causal block cost, read off
@@ -361,7 +363,9 @@ for c, res in bal.items():
 # one has 2 cores shared with whatever else runs, and even CPU time is not immune (a rank that shares a core's
 # caches with another process computes more slowly), so a run's contiguous ratio moves by a few tenths around the
 # prediction, and at $c = 4$, four processes on two cores, by more (zig-zag's ranks, equal in work, can differ by a
-# third there). The order of the ranks and the size of the imbalance do not move. When other programs keep the
+# third there).
+#
+# The order of the ranks and the size of the imbalance do not move. When other programs keep the
 # cores busy even the least of the repeats can be off: the experiment reads how much of the machine's cores other
 # programs used during each call (`_common.LoadWindow`: the cores' busy time from `/proc/stat` minus our processes'
 # CPU time), and a timing check that misses while they held more than 10% prints **?** — inconclusive, rerun —
@@ -455,7 +459,9 @@ lesson.plot_throughput([trn[2], trn[4]]); plt.show()
 # computes each block with plain matmuls and an explicit score matrix, in Python, block by block — a handicap of
 # this implementation, not of the ring. The ring's advantage is memory: it never holds more than two K/V blocks,
 # where the all-gather holds all $c$ (and, here, an $s/c \times s$ mask), which is what lets context parallelism
-# reach sequences the all-gather cannot hold. Zig-zag against contiguous: a training step also runs everything
+# reach sequences the all-gather cannot hold.
+#
+# Zig-zag against contiguous: a training step also runs everything
 # else, which cp divides evenly, so the balance of (a) shows less in a whole step than in the attention alone, and
 # at these lengths less than the noise; section (a)'s per-rank time is the clean measure. At $c = 4$ four processes
 # share two cores: those times are not a scaling result. On GPUs, with a flash-attention kernel per block and
@@ -620,7 +626,9 @@ check("same tokens per rank, cp 2 -> 4: the ring's bytes per rank grow by (3·4-
 # less than half the ring's, and the gap widens with every doubling. Activation memory is the same: both keep q, k,
 # v and the output of attention, and the ring's $s/c$ tokens of $a$ heads are as many numbers as Ulysses' $s$ tokens
 # of $a/c$ heads (Ulysses also holds the whole sequence of its heads' K/V for the attention, the ring two blocks at a
-# time — a transient, not kept for backward). Step times on this shared 2-core machine (the load is printed; four
+# time — a transient, not kept for backward).
+#
+# Step times on this shared 2-core machine (the load is printed; four
 # processes share two cores) say little: Ulysses calls PyTorch's fused attention once where our ring
 # computes block by block in Python, so it tends to win here for that reason, not for its bytes. On GPUs the choice
 # is the bandwidth and the heads: Ulysses when the all-to-all runs over a fast, fully connected link (NVLink inside
