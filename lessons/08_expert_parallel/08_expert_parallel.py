@@ -378,14 +378,18 @@ for W, res in sca.items():
 # ranks: summed over edp) and ep = 2 × tp = 2 (each expert itself cut like an MLP) on four, against one process
 # with the same global batch (grad_acc × dp), fp32, same seed: per-step loss within $10^{-5}$ relative over 10
 # steps, the [parity standard](../../docs/reference.md#parity-standard). Unlike the dense lessons, both modes train
-# exactly 10 steps and we do not report a drift bound after them: the router is **discrete**. A rounding
+# exactly 10 steps and we do not report a drift bound after them: the router is **discrete**.
+#
+# A rounding
 # difference in the last digit of a router logit can flip one token's second choice between two nearly equal
 # experts, and that token's output then changes by a finite amount. In a 20-step run (a longer cosine schedule,
 # hence larger early learning rates) ep2 × tp2 left the standard at step 9 ($2.9 \times 10^{-5}$, then
 # $4 \times 10^{-4}$ at step 10 and up to $3 \times 10^{-3}$ by step 17), and dp4 × ep2's gradient norm jumped by
 # $7 \times 10^{-2}$ at step 20, while the dense layers' rounding alone stays near $10^{-7}$: such jumps are
 # routing flips, not a wrong gradient (the first steps, and every gradient in `tests/test_expert_parallel.py`,
-# agree to $10^{-5}$). The gradient
+# agree to $10^{-5}$).
+#
+# The gradient
 # norm is global (every gradient of the model, each counted once), so it checks the gradients too; it is a sum of
 # squares whose order tensor parallelism changes, and after a few steps of AdamW it differs by more than the loss
 # does (ep2 × tp2 reached $1.6 \times 10^{-5}$ in one run), so we hold it to $10^{-4}$ — a hundred times below
@@ -541,6 +545,7 @@ check("each bias moved by ±γ by the sign of its load error, every step", torch
 # 1.13, the bias update to 1.09 — as well, without a term in the loss: the gates, and so the gradients, are those of
 # an unbalanced router; only the choice moves. The update is the sign of the error, not its size, so each bias
 # walks by $\pm\gamma$ and hovers where its expert's load crosses the mean (here within $\pm 0.34$ after 200 steps).
+#
 # The three losses stay within about 1% of each other (2.21, 2.20, 2.23 over the last 10 steps): at this size and
 # length balance neither helps nor costs much; the quality gain that Wang et al. and the DeepSeek-V3 report claim
 # for the bias over the aux loss was measured on models of billions of parameters. What the bias buys here is the
@@ -600,7 +605,9 @@ _common.show_source(planner.ep_overlap_exposed_seconds, "a, c, s, t = a2a_s")
 # (`picotron.link.EmulatedLink`: every all-to-all still runs for real, then completes no earlier than
 # latency + the bytes this rank sends to the others / bandwidth; the waiting is a sleep, costing no core, as a NIC's
 # would). The link is sized so that one part's all-to-all takes about as long as one part's experts in the forward,
-# where there is most to hide. Every wait for a row all-to-all is timed: that is the exposed communication. Part of
+# where there is most to hide. Every wait for a row all-to-all is timed: that is the exposed communication.
+#
+# Part of
 # a wait can be for the *peer* (a rank that got there first waits for the other to launch its half: the cost of
 # imbalance, which section 5 saw too), so each wait is also cut at the moment the link had carried its message: the
 # time waited *for the link*, which is what the formula models. The formula is fed the measured $a$ (the link's time
@@ -634,7 +641,9 @@ for name, ok, detail, busy in lesson.overlap_checks(ov):
 # the hidden time on this machine, and can be slower: on 2 CPU cores the compute, the real transfers (gloo's
 # threads, now running while the other rank computes) and the split's bookkeeping (twice the expert calls, twice the
 # launches) share the same cores, so each rank computes more slowly and waits longer for its peer (the pale part
-# of the bars). What the emulated link shows is the schedule; what a step gains needs hardware that moves bytes
+# of the bars).
+#
+# What the emulated link shows is the schedule; what a step gains needs hardware that moves bytes
 # without the cores.
 # `benchmarks/ep_overlap_bench.py` measures the step time side by side, with and without an emulated link. On a GPU
 # the all-to-all has its own engine (NVLink, RDMA) and the exposed time the formula gives is what the step saves; the
