@@ -201,7 +201,9 @@ check(f"every rank's bytes per step, on every axis, are the formula's, to the by
 # for https://ui.perfetto.dev: `--profile A:B` profiles optimizer steps A to B (both included) with torch.profiler,
 # picotron's phases (each micro-batch's F and B, `wait p2p` where a stage waits for its neighbour, the clip and the
 # optimizer step) as named ranges around torch's operators, and every collective on rows of its own with its axis
-# and bytes. Each rank writes `OUT/traces/rank{R}.json`; rank 0 then merges them into `OUT/traces/merged.json`, one
+# and bytes.
+#
+# Each rank writes `OUT/traces/rank{R}.json`; rank 0 then merges them into `OUT/traces/merged.json`, one
 # row per rank named by its place in the grid. The ranks' clocks: one machine's ranks share one; machines disagree by
 # milliseconds, so every rank leaves a barrier at the start of the range and marks the instant, and each machine's
 # events are shifted together onto its first rank's mark (`picotron/trace.py`; [traces](../../docs/reference.md#traces)).
@@ -457,7 +459,9 @@ check("the predicted throughput is within 25% of each published one", all(0.75 <
 # GPUs", is 4 MiB by default (NCCL documentation, "Environment variables"), and a rank holds such buffers in every
 # communicator it belongs to — a 4-D layout gives each rank several; **(2)** reject what does not run exactly the
 # global batch (dp × micro-batch × accumulation
-# sequences); **(3)** rank the rest by predicted tokens/s. The jobs: H100 80 GB (8 per node), each model at its
+# sequences); **(3)** rank the rest by predicted tokens/s.
+#
+# The jobs: H100 80 GB (8 per node), each model at its
 # training context (SmolLM 2,048 tokens, Llama 3 8,192), 4M tokens per step. The MFU printed is the model's, and
 # its ceiling is the assumed efficiency: MFU = `plan.EFFICIENCY` × the share of the step spent computing (less with
 # recomputation's extra forward or unbalanced stages), so a layout with no exposed communication and no bubble shows
@@ -523,7 +527,9 @@ print(f"SmolLM-1.7B on 1,024 GPUs: the fastest pure-dp layout, {pure[0]}, {pure[
 # the GPUs — at 1,024 GPUs and 2,048 sequences a replica would get two, too little backward to hide the gradients'
 # all-reduce across nodes behind (the line above), and tensor parallelism inside the node takes over: fewer, larger
 # replicas. Llama 3 8B's model states need sharding or model parallelism from the start, and a 70B model's do not
-# fit 8 GPUs at all (the model states per model are printed below). The headroom is not a detail: the fastest
+# fit 8 GPUs at all (the model states per model are printed below).
+#
+# The headroom is not a detail: the fastest
 # layouts of Llama 3 70B on 256 GPUs fill the card to within a few hundred MiB, which a real run would not survive,
 # and keeping 10% free moves the answer to a pipelined layout a few percent slower. MFU falls as the GPUs grow for
 # a fixed global batch: fewer micro-batches per replica, so a larger bubble and less backward to hide the gradients
