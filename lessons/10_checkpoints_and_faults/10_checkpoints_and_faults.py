@@ -255,7 +255,9 @@ print(f"saving added {cost_sync:.2f} s to the run synchronously (its pauses: {st
 # asynchronous one stops it only to copy the tensors to host memory, and a thread writes them while training goes
 # on; the next save (and the end of training) waits for it first — never two writes at once. The writer
 # coordinates over a process group of its own (gloo), so its barriers never interleave with the training's
-# collectives. On a GPU the copy is a device-to-host transfer and the write then costs the GPUs nothing. On this
+# collectives. On a GPU the copy is a device-to-host transfer and the write then costs the GPUs nothing.
+#
+# On this
 # machine it is not free (the last line above says how much of the synchronous cost it hid): the two training
 # processes already keep both cores busy, so the writer thread runs only by taking a core from a trainer. The write
 # takes longer beside the training than alone (compare the two write times printed), and the steps it overlaps
