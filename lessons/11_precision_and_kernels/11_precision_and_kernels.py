@@ -21,7 +21,9 @@ lessons/_notebook.py): edit this file, never the notebook.
 # scales, and why the gradients get the format with more range; DeepSeek-V3's scales per 1 × 128 tile, against
 # outliers, and its promotion of partial sums; attention's bytes counted, its arithmetic
 # intensity against a machine's balance, and the tiled online softmax that removes the $s^2$ traffic; fused
-# RMSNorm and SwiGLU and `torch.compile`; a profile of one training step. The code is `picotron/precision.py`,
+# RMSNorm and SwiGLU and `torch.compile`; a profile of one training step.
+#
+# The code is `picotron/precision.py`,
 # `picotron/fp8.py`, `picotron/fp8_blockwise.py` and `picotron/kernels.py`; the measurements are `experiment.py` in
 # this folder; the formulas and their sources are in [the reference](../../docs/reference.md#precision-and-kernels),
 # its symbols in the course's [notation](../../docs/reference.md#notation). `PICOTRON_FAST=1` gives a short run.
@@ -296,7 +298,9 @@ check("and data parallelism all-reduces bf16 gradients in half, bf16 autocast's 
 # where bf16 autocast saves a bf16 input and a bf16 weight copy; and `fp8_linear` returns its output in autocast's
 # dtype, bf16, as autocast's own matmuls do, so everything after a linear (attention's inputs, SwiGLU's product) is
 # saved in bf16 exactly as under bf16 autocast, and the fp32 tensors (the norms' inputs, the residual stream, the
-# loss) are the same in both (plus a 4-byte scale per saved FP8 operand). The "by dtype" line above counts it on the
+# loss) are the same in both (plus a 4-byte scale per saved FP8 operand).
+#
+# The "by dtype" line above counts it on the
 # same step: the bf16 bytes that were matmul inputs become about half as many one-byte ones (the check above holds
 # it). Had `fp8_linear` returned its *input's* dtype — fp32 here, from the norm or the residual stream — every tensor
 # after a linear would be saved in fp32, and FP8 would save more than bf16 autocast, not less.
@@ -359,7 +363,9 @@ check("gradients spread over more binades than activations", spread["gradient"] 
 # Within one tensor, after scaling, the spread of values is small here (the "binades" column): E4M3's 18 binades
 # hold all three tensors, and at twice E5M2's precision. So why E5M2 for gradients? Because of the right panel:
 # across layers and over training, the gradients' scale moves over many more binades than the activations' — a
-# gradient tensor's amax can fall by orders of magnitude within a few steps (and jump, as at the spike above). The
+# gradient tensor's amax can fall by orders of magnitude within a few steps (and jump, as at the spike above).
+#
+# The
 # original FP8 recipes (Micikevicius et al. 2022; Transformer Engine's "HYBRID" format) used *delayed* scaling,
 # a scale taken from the amaxes of past steps: a tensor whose amax fell since then sits lower in the window than
 # the scale expects, and E5M2's 14 extra binades are the margin that keeps it from underflowing. With *current*
@@ -429,7 +435,9 @@ check("FP8 training follows fp32", dev["fp8"] < 3e-2 and curves["fp8"]["loss"][-
 # is assembled slice by slice, each slice's partial sum multiplied by its two scales and added to an fp32
 # accumulator. That is also DeepSeek's fix for a hardware limit ("Increasing Accumulation Precision"): Hopper's FP8
 # tensor cores keep only about 14 bits of their running sum (measured on H800), so DeepSeek's kernel copies the
-# partial sum to fp32 registers on the CUDA cores every $N_C = 128$ products — the **promotion interval**. With a
+# partial sum to fp32 registers on the CUDA cores every $N_C = 128$ products — the **promotion interval**.
+#
+# With a
 # window per tile, E4M3's finer rounding serves every tensor, gradients included: "we adopt the E4M3 format on all
 # tensors for higher precision". The backward needs tiles along whatever axis it contracts: dgrad ($g\,W$, over the
 # output channels) takes $g$ in 1 × 128 tiles; wgrad ($g^\top x$, over the tokens) takes $g$ and $x$ in **128 × 1**
@@ -503,7 +511,9 @@ check("promotion every 128 products bounds the limited accumulator", acc[-1]["ne
 # outlier leaves the others with a bit or two (the case LLM.int8() and SmoothQuant were written for). Past E4M3's
 # span (448 down to $2^{-9}$: 17.8 binades) one scale per tensor flushes the rest, and per-tensor E5M2 survives only
 # by trading precision for range; 1 × 128 tiles keep E4M3's error for the other tokens because a token outlier is
-# alone in its tiles. A channel outlier is not: it sits in one tile of *every* token, and only the other tiles of each
+# alone in its tiles.
+#
+# A channel outlier is not: it sits in one tile of *every* token, and only the other tiles of each
 # row are spared (SmoothQuant's migration of the scale into the weight is the remedy for that). Right panel: a
 # 14-bit accumulator (modelled: it chops what it cannot hold, with positive products, the worst case) drifts in
 # proportion to $K$; restarted every 128 products and summed in fp32, its error stays at the level of one slice
@@ -546,7 +556,9 @@ check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_byt
 # instead of E5M2, and a scale per tile), even after wgrad's dequantize-and-requantize of $x$. In training the two
 # FP8 recipes drift from fp32 by amounts of the same order, a percent or so, most at a loss spike where any
 # perturbation is amplified (the worst step printed): a 0.13 M-parameter model on one seed cannot rank them, and
-# without outliers (the tensors' spread is a few binades, section 4) one scale per tensor already fits. Tiles pay
+# without outliers (the tensors' spread is a few binades, section 4) one scale per tensor already fits.
+#
+# Tiles pay
 # where outliers live, in large models and over long runs: DeepSeek validated the recipe against bf16 on two smaller
 # MoE models over about 10¹² tokens (relative loss difference below 0.25%, section 3.3 and appendix B.1), then trained
 # DeepSeek-V3 (671 B parameters) with it. On a Hopper GPU `torch.nn.functional.scaled_mm` computes blockwise products
@@ -668,7 +680,9 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 # per byte: its matmul peak is modest, its caches large), so here even the naive form is not starved by memory.
 # Expect `sdpa` (PyTorch's fused CPU kernel) to be the fastest, `eager` to fall behind as $s$ grows (it writes and
 # reads the $s^2$ scores, in fp32), and our `flash` — a readable loop over tiles in Python, each tile a handful of
-# small PyTorch ops — to pay per tile instead. On a GPU the same tiling in one kernel is what wins: FlashAttention-2
+# small PyTorch ops — to pay per tile instead.
+#
+# On a GPU the same tiling in one kernel is what wins: FlashAttention-2
 # runs 3–10× faster than a standard PyTorch attention and reaches up to 73% of an A100's peak (Dao 2023, section
 # 4.1). What holds everywhere is the memory: `eager` saves the $s\times s$ probabilities for backward (quadrupling
 # when $s$ doubles), `flash` and `sdpa` only $Q, K, V$, the output and one log-sum-exp per row, and recompute the
@@ -873,6 +887,7 @@ all_passed = checker.check()
 # a time, one optimizer call each, so hundreds of small launches per step ate what half the bytes saved; `--dtype fp8`
 # 0.44× — per-tensor scales computed, casts and fp32 matmul outputs moved as separate kernels, the fp32 outputs then
 # saved for backward; `--attn-impl flash` 0.011× — our plain-PyTorch tiles launch a handful of small kernels per tile.
+#
 # Each cause is now addressed in the code: the master copy is updated with a few foreach kernels over all tensors,
 # FP8's linears return bf16 and use `torch._scaled_mm` on sm89+, and `--attn-impl flash` runs a Triton kernel
 # (`picotron/flash_triton.py`: the tiles of section 10 in on-chip memory) on a GPU. None of this has run on a GPU yet
