@@ -448,18 +448,23 @@ check("the predicted throughput is within 25% of each published one", all(0.75 <
 #
 # The Ultra-Scale Playbook's three steps, as a search (`plan.search`): every (dp, tp, pp, cp, ZeRO, sp,
 # micro-batch, recomputation, schedule) of the job that picotron's trainer runs (what it refuses, the search refuses
-# with the trainer's own sentence), tp at most a node; **(1)** reject what does not fit the GPU's
+# with the trainer's own sentence), tp at most a node.
+#
+# **(1)** Reject what does not fit the GPU's
 # memory (bf16 mixed precision) less a headroom: the model counts the model states and the activations, not the CUDA
 # context, NCCL's buffers or the allocator's fragmentation, which take several GiB of a real card, so the plan keeps
 # `plan.HEADROOM` = 10% of it free (71.7 of an H100's 79.6 GiB; `python -m picotron.plan` does the same, `--headroom
-# 0` to fill the card). Why that much: PyTorch's caching allocator keeps freed blocks reserved for reuse, so a
+# 0` to fill the card).
+#
+# Why that much: PyTorch's caching allocator keeps freed blocks reserved for reuse, so a
 # process holds more than its tensors and can fail to find one contiguous block while enough memory is free in
 # pieces (PyTorch documentation, "CUDA semantics", section "Memory management"); NCCL allocates its own buffers
 # outside PyTorch's allocator: `NCCL_BUFFSIZE`, "the buffer used by NCCL when communicating data between pairs of
 # GPUs", is 4 MiB by default (NCCL documentation, "Environment variables"), and a rank holds such buffers in every
-# communicator it belongs to — a 4-D layout gives each rank several; **(2)** reject what does not run exactly the
-# global batch (dp × micro-batch × accumulation
-# sequences); **(3)** rank the rest by predicted tokens/s.
+# communicator it belongs to — a 4-D layout gives each rank several.
+#
+# **(2)** Reject what does not run exactly the global batch (dp × micro-batch × accumulation sequences).
+# **(3)** Rank the rest by predicted tokens/s.
 #
 # The jobs: H100 80 GB (8 per node), each model at its
 # training context (SmolLM 2,048 tokens, Llama 3 8,192), 4M tokens per step. The MFU printed is the model's, and
@@ -587,6 +592,9 @@ check("the widget's default: Llama 3 70B on 256 GPUs, the same plan as section 5
       f"best {jw['plan'].ranked[0][0]}, {len(jw['plan'].ranked)} layouts fit")
 
 # %% [markdown]
+# **Takeaway:** the best layout is not fixed by the model alone: the GPU count, the memory per GPU and the sequence
+# length each move it, and the planner ranks every layout again for each (its default here is section 5's plan).
+#
 # ## 7. Exercises
 # Open `lessons/09_all_together/exercise.py`:
 #
@@ -632,13 +640,18 @@ all_passed = checker.check()
 # | ep | experts by the ep degree | two all-to-alls per MoE layer; with `--ep-overlap` one half of the tokens travels while the other half computes (lesson 08) | inside a node, or routing limited to few nodes |
 #
 # **What ours lacks** against the published runs (Megatron-LM, torchtitan, DeepSpeed, Llama 3's own stack):
-# overlap that runs on the GPU's own schedule (ours overlaps tp's ring steps and the experts' all-to-alls from
+#
+# - overlap that runs on the GPU's own schedule (ours overlaps tp's ring steps and the experts' all-to-alls from
 # Python, lessons 05 and 08, and is measured on CPUs only: Megatron and torchtitan fuse them into kernels and streams);
-# topology-aware collectives (NCCL's trees and NVLS, hierarchical all-reduce across nodes); a planner calibrated on
+# - topology-aware collectives (NCCL's trees and NVLS, hierarchical all-reduce across nodes);
+# - a planner calibrated on
 # the hardware it plans for (ours uses datasheet bandwidths and one assumed efficiency, and no layout of it has run
-# on a GPU); heterogeneous stages (embedding-heavy first or last stages); FP8 as the large runs use it (lesson 11's
+# on a GPU);
+# - heterogeneous stages (embedding-heavy first or last stages);
+# - FP8 as the large runs use it (lesson 11's
 # FP8 scales whole tensors, is simulated on CPUs, and hands back fp32 outputs, so the activations around it come
-# out larger than bf16's; DeepSeek-V3 scales tiles and blocks and caches activations in FP8); and recovery that
+# out larger than bf16's; DeepSeek-V3 scales tiles and blocks and caches activations in FP8);
+# - and recovery that
 # replaces a failed machine (lesson 10 checkpoints, resumes exactly and survives a lost node from its peer's copy,
 # but torchrun restarts every rank on the same machines, with no spare to swap in; automation handled all but three
 # of Llama 3 405B's 419 unexpected interruptions: Dubey et al. 2024, §3.3.4).
