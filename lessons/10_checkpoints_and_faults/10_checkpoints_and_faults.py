@@ -121,6 +121,9 @@ _common.show_source(checkpoint.Slice.cut)
 # with plain data parallelism rank 0 writes everything and the others nothing; with ZeRO each writes its $1/n$;
 # with tp each writes its slice, and rank 0 the replicated norms too.
 #
+# **Takeaway:** each rank writes only what it alone holds, addressed by a global name and a box, so the ranks write
+# in parallel, nothing is written twice, and the files do not depend on the layout that wrote them.
+#
 # ## 3. Resharding: a checkpoint of one layout loads into any other
 #
 # Loading (`picotron.reshard`) does not care who wrote what. Each rank of the new layout computes the same (name, offsets, box, flat)
