@@ -800,6 +800,10 @@ check("self times partition the step", total <= 1.05 * prof["wall"],
 # is exactly what fusion and FP8's fewer bytes go after. Open `prof.export_chrome_trace(...)` in Perfetto to see the
 # step as a timeline.
 #
+# **Takeaway:** a profile, not a guess, says where a step's time goes: here the matmuls (whose FLOPs the profiler
+# counts as exactly 6 × linear parameters × tokens), then attention and the elementwise ops; on a GPU the
+# memory-bound kernels' share grows, and that share is what fusion and FP8's fewer bytes go after.
+#
 # ## 9. Explore: a format, a tensor, a scale
 #
 # Pick a format, one of the model's tensors, and a scale $2^j$ it is multiplied by before the cast (the loss scale
@@ -836,6 +840,9 @@ check("the widget's default = section 2's measurement", abs(default_view["zero"]
       f"({100 * bands['subnormal']:.2f}%)")
 
 # %% [markdown]
+# **Takeaway:** what a cast does to a tensor depends on where its values sit in the format's window, and a scale
+# $2^j$ moves them there: the loss scale for fp16's gradients, $f_{\max}/\text{amax}$ for FP8.
+#
 # ## 10. Exercises
 # Open `lessons/11_precision_and_kernels/exercise.py`:
 #
