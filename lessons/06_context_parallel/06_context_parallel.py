@@ -647,12 +647,15 @@ check("same tokens per rank, cp 2 -> 4: the ring's bytes per rank grow by (3·4-
 #    max of the lse's, the weights swapped) and the first wrong value, feeds it scores near 1000 in fp32 (where
 #    forming $e^{\ell}$ overflows), then runs picotron's real ring on 2 and 3 processes with your merge and names
 #    the rank whose output differs from full causal attention.
+#
 # 2. `zigzag_positions(seq_len, cp, rank)` — the zig-zag index map: the positions a rank holds, which RoPE is
 #    given. The checker names the rank and position, and recognises the contiguous layout and chunks in the wrong
 #    order.
+#
 # 3. `step_blocks(rank, step, cp)` — which (query chunk, key chunk) blocks a rank computes at a ring step, and
 #    how (whole or causal). The checker names the rank, step and block, the ring turning the wrong way, a
 #    diagonal block computed whole, a block from the future.
+#
 # 4. `heads_send_buffer(x, cp)` — Ulysses' all-to-all, the send side (section 7): this rank's tokens of all heads
 #    cut into one head group per destination rank. The checker plays the all-to-all between simulated ranks and
 #    names the usual mistakes: the rank axis not first, a reshape straight to the buffer's shape (no transpose: it

@@ -673,12 +673,15 @@ lesson.plot_dualpipe(dual["rows"], p=4, m=8); plt.show()
 #    with the reference lists of the other stages in the simulator, for several $(p, m)$, and prints the simulator's
 #    sentence for the first problem (a deadlock naming who waits for what, a B before its F, a micro-batch missing or
 #    twice), then checks 1F1B's memory ($\le p - r$ micro-batches) and step time.
+#
 # 2. `forward_step(stage, x, prev, next, shape)` — one forward of a stage with its messages: receive the activation
 #    from the previous rank, compute, send the output on. Checked on 2 and 3 real processes: the checker names the
 #    rank that received the wrong tensor (or used its buffer before the message arrived) and the rank that hangs,
 #    with its line.
+#
 # 3. `sync_tied_grads(embedding, head, group)` — make the gradients of the first and last stage's copies of a tied
 #    matrix equal to their sum. Checked on 1, 2 and 3 processes.
+#
 # 4. `dualpipe_place(stage, mb, p, m)` — DualPipe's (rank, chunk) for a stage of a micro-batch. Checked against the
 #    schedule for several $(p, m)$; the checker says what a wrong place mixes up (the direction, the halves, the mirror).
 #

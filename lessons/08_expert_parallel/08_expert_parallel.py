@@ -490,17 +490,21 @@ check("the widget's numbers: Mixtral-8x7B's states, ep = 1 against ep = 8",
 #   expert scored on its own (no softmax over the experts); the gates are the chosen affinities normalised,
 #   $g_e = \pi_e / \sum_{e' \in \text{top-}k} \pi_{e'}$ (times `routed_scaling_factor`, 2.5 in the released config;
 #   1 here);
+#
 # * **a bias for the choice only**: the top-$k$ is taken over $\pi_e + \mathrm{bias}_e$, but $\mathrm{bias}_e$ never
 #   enters the gates, so the loss, and hence every gradient, never sees it;
+#
 # * **the bias update** after each optimizer step: $\mathrm{bias}_e \mathrel{+}= \gamma \cdot
 #   \mathrm{sign}(\overline{\mathrm{load}} - \mathrm{load}_e)$, $\mathrm{load}_e$ the tokens that chose expert $e$ in
 #   the step, $\overline{\mathrm{load}}$ their mean over the experts: an overloaded expert becomes a little less
 #   attractive, an idle one a little more. The loads are counted over the **global** batch (summed over every
 #   data-parallel, cp and ep rank by `moe.step_stats`), so every replica's bias stays the same;
+#
 # * **shared and fine-grained experts** (DeepSeekMoE, arXiv:2401.06066): $N_s$ shared experts that every token
 #   passes through, and more, smaller routed experts. `tiny-deepseek-moe` has 8 routed experts of $h_\text{ff} = 96$,
 #   top-3, and $N_s = 1$ shared:
 #   the same active width ($4 \times 96$) as `tiny-moe`'s $2 \times 192$;
+#
 # * **a small sequence-wise balance loss** beside it: "mainly" auxiliary-loss-free, the report still adds the
 #   aux loss's form computed over each sequence's tokens, with an "extremely small" $\alpha$ (0.0001 in its
 #   pre-training, §4.2), to prevent extreme imbalance inside one sequence. picotron does not build this term:
@@ -686,15 +690,20 @@ checker.check(["two_part_exposed"])
 # 1. `top_k_route(logits, k)` — Mixtral's router: softmax in fp32, top-$k$, renormalise. The checker compares with
 #    `moe.route` for several $(n_\text{tok}, E, k)$, names the token and expert, and recognises weights not
 #    renormalised, raw logits as weights, the least probable experts, and a softmax over the wrong dimension.
+#
 # 2. `dispatch_permutation(experts, E)` — the order of the (token, choice) pairs sorted by expert, stable, and the
 #    counts. The checker names an expert whose pairs are out of token order (an unstable sort), token indices
 #    in place of pair indices, a descending sort, an expert missing from the counts.
+#
 # 3. `aux_loss(probs, experts, E)` — $E \sum_e f_e P_e$, value and gradient. The checker recognises Switch's $f$
 #    normalised by $k$ (balance would give 1), the missing factor $E$, $P$ averaged over the chosen experts
 #    only, and a loss no gradient crosses.
+#
 # 4. `exchange_splits(counts, group)` — on every ep rank: the rows it sends to each rank and receives from each,
 #    after exchanging the counts (one collective). Run on 2 and 4 processes; the checker names the rank and peer.
+#
 # 5. `deepseek_router_step(logits, k, bias, gamma)` — DeepSeek-V3's router and bias update (section 9).
+#
 # 6. `two_part_exposed(a, c, s)` — the exposed seconds of `--ep-overlap`'s two-part schedule (section 10).
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:

@@ -601,19 +601,23 @@ check("the widget's default: Llama 3 70B on 256 GPUs, the same plan as section 5
 # 1. `place(rank, sizes)` — a rank's coordinates on a 4-D grid and its four groups. The checker compares every rank
 #    of five grids (up to 48 ranks) with `picotron.mesh`, names the rank, the axis and the group, and recognises dp
 #    numbered fastest, a group along the wrong axis and a group out of order.
+#
 # 2. `step_batch(global_batch_tokens, seq_len, micro_batch_size, sizes)` — sequences per step, micro-batches per
 #    replica, the tokens one rank holds of a micro-batch, and the 1F1B bubble; an impossible batch refused. The
 #    checker recognises the sequences divided over dp × cp or over every rank, the micro-batch forgotten, cp
 #    forgotten, and the bubble relative to the useful time.
+#
 # 3. `memory_by_part(params, layout, activations, stage)` — one GPU's bytes by part in bf16 mixed precision, with
 #    ZeRO and 1F1B's micro-batches alive. Checked against `planner.memory_per_stage` on every stage of five layouts;
 #    the checker recognises the master copy forgotten, ZeRO over dp instead of dp × cp, a ZeRO stage that shards too
 #    much, and AFAB's or an uncapped count of micro-batches alive.
+#
 # 4. `choose(candidates, memory_gib, step_seconds, budget_gib, global_seqs)` — the decision procedure on ten layouts
 #    of Llama 3 8B on 16 GPUs, with 71.7 GiB per GPU (an H100's 79.6 GiB less the 10% headroom of section 5) and
 #    with 35.6 GiB (an A100 40GB's 39.6 GiB less 10%). The checker names a layout kept that does not fit or does not
 #    run the batch, the wrong step for one that fails both, and a best chosen by memory or by a short step that does
 #    less work.
+#
 # 5. `clock_shifts(markers, hosts)` — the merged trace's one clock (section 2b): each rank's shift from the times its
 #    ranks left the start barrier and the machines they run on. The checker recognises every rank shifted by its
 #    own mark (which adds its lag in leaving the barrier), one shift for all machines, and a machine's last barrier
@@ -643,14 +647,19 @@ all_passed = checker.check()
 #
 # - overlap that runs on the GPU's own schedule (ours overlaps tp's ring steps and the experts' all-to-alls from
 # Python, lessons 05 and 08, and is measured on CPUs only: Megatron and torchtitan fuse them into kernels and streams);
+#
 # - topology-aware collectives (NCCL's trees and NVLS, hierarchical all-reduce across nodes);
+#
 # - a planner calibrated on
 # the hardware it plans for (ours uses datasheet bandwidths and one assumed efficiency, and no layout of it has run
 # on a GPU);
+#
 # - heterogeneous stages (embedding-heavy first or last stages);
+#
 # - FP8 as the large runs use it (lesson 11's
 # FP8 scales whole tensors, is simulated on CPUs, and hands back fp32 outputs, so the activations around it come
 # out larger than bf16's; DeepSeek-V3 scales tiles and blocks and caches activations in FP8);
+#
 # - and recovery that
 # replaces a failed machine (lesson 10 checkpoints, resumes exactly and survives a lost node from its peer's copy,
 # but torchrun restarts every rank on the same machines, with no spare to swap in; automation handled all but three

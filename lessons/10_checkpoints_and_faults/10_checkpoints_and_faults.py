@@ -489,11 +489,14 @@ if not FAST:  # larger models: a level-1 save (own folder + the peer's copy) aga
 # 1. `cut(full, offsets, box, flat)` — a rank's values from a full tensor and its index entry. The checker uses
 #    the entries of real layouts (tp boxes along either dimension, ZeRO ranges inside them), names the entry and
 #    element, and recognises a flat range taken from the whole tensor instead of the box.
+#
 # 2. `assemble(shape, pieces)` — the full tensor from the pieces, in any order; a missing piece must raise
 #    ValueError naming an element, not load as zeros. The checker recognises a box written through a strided view
 #    that never reached the tensor.
+#
 # 3. `interval(cost, mtbf)` — Young's and Daly's intervals; the checker recognises $\sqrt{CM}$ (no factor 2) and
 #    Daly without its $-C$.
+#
 # 4. `resume_point(held, world_size, per_node, level2_step)` — given which level-1 shards survive on which node,
 #    the level and step a restart resumes from (section 7's rule). The checker recognises a level-1 step taken with
 #    a missing shard, a complete one passed over because a shard survives only on the next node, and a level-1

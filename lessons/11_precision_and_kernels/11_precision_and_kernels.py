@@ -851,11 +851,14 @@ check("the widget's default = section 2's measurement", abs(default_view["zero"]
 #    computed whole, for block sizes from 1 to more than the keys and for scores around ±1000; it names the block
 #    size and row, and recognises an accumulator (or sum) not rescaled when the max grows, a missing final division,
 #    lse without its max, and exp of unshifted scores overflowing.
+#
 # 2. `update(scale, clean_steps, overflow, ...)` — one step of dynamic loss scaling. The checker runs sequences of
 #    steps against `precision.LossScaler`, names the first wrong step, and recognises a count of clean steps an
 #    overflow does not reset, growth one step late or early, and an overflowing step not skipped.
+#
 # 3. `quantize_e4m3(t)` — per-tensor current scaling into E4M3, checked bit for bit against `fp8.quantize`; the
 #    checker recognises a scale upside down, E5M2's maximum, and an all-zero tensor with an infinite scale.
+#
 # 4. `quantize_tiles(x, tile=128)` — section 5's 1 × 128 tiles: one dequantizing scale amax / 448 per tile, the last
 #    tile shorter, checked bit for bit against `fp8_blockwise.quantize_tiles`; the checker recognises scales of the
 #    wrong shape (tiles along the wrong axis, the ragged tail dropped), a scale upside down, the row's amax instead of
