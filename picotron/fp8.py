@@ -215,9 +215,14 @@ def fp8_linear(x, weight, bias=None):
     The result's dtype is F.linear's: autocast's dtype (bf16) under autocast, x's dtype otherwise. Under the fp8
     recipe (bf16 autocast) the linears thus return bf16, and everything after them (attention, SwiGLU, the
     residual's next norm) runs and is saved for backward as in the bf16 recipe; only the matmuls differ."""
+    return _FP8Linear.apply(x, weight, bias, linear_out_dtype(x))
+
+
+def linear_out_dtype(x):
+    """The dtype F.linear would return for input x: autocast's under autocast, x's otherwise (both recipes)."""
     kind = x.device.type
     autocast = torch.is_autocast_enabled(kind) and x.is_floating_point()
-    return _FP8Linear.apply(x, weight, bias, torch.get_autocast_dtype(kind) if autocast else x.dtype)
+    return torch.get_autocast_dtype(kind) if autocast else x.dtype
 
 
 # ------------------------------------------------------------------------------------------------- apply

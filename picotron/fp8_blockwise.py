@@ -74,7 +74,7 @@ The API:
 import torch
 import torch.nn.functional as F
 
-from picotron.fp8 import AMAX_FLOOR, E4M3, _capability, saturate
+from picotron.fp8 import AMAX_FLOOR, E4M3, _capability, linear_out_dtype, saturate
 
 TILE = 128  # DeepSeek-V3's tile (1×128), block (128×128) and promotion interval N_C
 FMAX = torch.finfo(E4M3).max  # 448
@@ -241,6 +241,4 @@ class _BlockwiseFP8Linear(torch.autograd.Function):
 def fp8_linear_blockwise(x, weight, bias=None):
     """F.linear(x, weight, bias) with E4M3 operands in all three GEMMs, scaled per 1×128 tile and 128×128 block
     (module docstring). The result's dtype is F.linear's: autocast's under autocast, x's otherwise."""
-    kind = x.device.type
-    autocast = torch.is_autocast_enabled(kind) and x.is_floating_point()
-    return _BlockwiseFP8Linear.apply(x, weight, bias, torch.get_autocast_dtype(kind) if autocast else x.dtype)
+    return _BlockwiseFP8Linear.apply(x, weight, bias, linear_out_dtype(x))

@@ -148,9 +148,9 @@ class Exchange:
             u = local.get(id(p))
             if u is None:  # a matrix this rank holds nothing of (another pipeline stage)
                 continue
-            full = self._gather_tp(p, u) if self._tp_cut(p) else u
-            o = muon_update(full, self.ns_steps)
-            if self._tp_cut(p):
+            cut = self._tp_cut(p)
+            o = muon_update(self._gather_tp(p, u) if cut else u, self.ns_steps)
+            if cut:
                 o = marks.placement(p).take(o, p.shape)
             t = by_source.get(id(p))
             if t is not None:
@@ -213,11 +213,7 @@ class Exchange:
             return [self._piece_range(self.unit_of[p], p, r)[1] for r in range(axis.size)]
         return [p.numel()] * axis.size  # a tp slice: every rank holds one of equal size
 
-    def _mine(self, p, u):
-        """This rank's piece of p's update as a flat vector (a ZeRO piece's elements; a tp slice flattened)."""
-        return u.reshape(-1).float()
-
-    def _join(self, axis, p, parts):
+    def _join(self, p, parts):
         """The owner's whole matrix from the pieces of every rank (rank order)."""
         if self.zero:
             return torch.cat(parts).view(p.shape)
@@ -242,7 +238,8 @@ class Exchange:
 
             def held(p):
                 t = by_source.get(id(p))
-                return self._mine(p, updates[t]) if t is not None else torch.zeros(0, device=device)
+                # this rank's piece as a flat vector (a ZeRO piece's elements; a tp slice flattened)
+                return updates[t].reshape(-1).float() if t is not None else torch.zeros(0, device=device)
             # to the owners: rank j receives, for each matrix it owns, every rank's piece
             send = [held(p) for j in range(n) for p, o in zip(ms, owner) if o == j]
             in_splits = [sum(lengths[id(p)][me] for p, o in zip(ms, owner) if o == j) for j in range(n)]
@@ -258,7 +255,7 @@ class Exchange:
                 for i in range(n):
                     before = sum(lengths[id(q)][i] for q in mine[:k])
                     parts.append(per_rank[i][before:before + lengths[id(p)][i]])
-                o = muon_update(self._join(axis, p, parts), self.ns_steps)
+                o = muon_update(self._join(p, parts), self.ns_steps)
                 results.append(self._split(axis, p, o))
             # back: rank i receives, from each owner, its pieces of that owner's matrices
             back = [results[k][i] for i in range(n) for k in range(len(mine))]
