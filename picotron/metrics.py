@@ -405,13 +405,21 @@ class Recorder:
         tl = self.timeline
         if tl is None or not tl.enabled or not works:
             return works
-        left = [len(works)]
+        name, info, left = *self._message_event(label, axis), [len(works)]
 
         def one_done():
             left[0] -= 1
             if not left[0]:
-                tl.add(label, start, tl.now(), kind="comm", axis=axis, end_observed_at_wait=True)
-        return [_TimedAtWait(w, one_done) for w in works]
+                tl.add(name, start, tl.now(), kind="comm", end_observed_at_wait=True, **info)
+        return [self._wait_handle(w, one_done) for w in works]
+
+    def _message_event(self, label, axis):
+        """(name, fields) of a timed batch's event (a subclass adds what its reader wants: picotron.trace)."""
+        return label, dict(axis=axis)
+
+    def _wait_handle(self, work, on_done):
+        """The handle a caller waits on instead of `work` (a subclass may name the wait: picotron.trace)."""
+        return _TimedAtWait(work, on_done)
     # --- end async TP
 
     def _count(self, kind, nbytes, axis):

@@ -112,18 +112,13 @@ class TraceRecorder(metrics.Recorder):
         if self.timeline.enabled:
             super()._count(kind, nbytes, axis)
 
-    def timed_messages(self, works, label, start, axis=None):
-        tl = self.timeline
-        if tl is None or not tl.enabled or not works:
-            return works
-        nbytes, left = getattr(self, "_last_message", 0), [len(works)]
+    def _wait_handle(self, work, on_done):
+        return _NamedWait(work, on_done)
 
-        def one_done():
-            left[0] -= 1
-            if not left[0]:
-                tl.add(f"p2p {label}" if nbytes else "p2p receive", start, tl.now(), kind="comm", axis_name=axis,
-                       bytes_sent=nbytes, collective="p2p", end_observed_at_wait=True)
-        return [_NamedWait(w, one_done) for w in works]
+    def _message_event(self, label, axis):  # a batch of receives sends 0 bytes
+        nbytes = getattr(self, "_last_message", 0)
+        return (f"p2p {label}" if nbytes else "p2p receive",
+                dict(axis_name=axis, bytes_sent=nbytes, collective="p2p"))
 
 
 class _NamedWait(metrics._TimedAtWait):
