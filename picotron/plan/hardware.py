@@ -67,3 +67,16 @@ def cpu_hardware(peak, alpha, bw, cores, memory=16 * GiB, efficiency=1.0):
     the gloo link's α (s) and bandwidth (bytes/s) measured between two processes, one 'GPU' per core."""
     return Hardware("this CPU", peak, memory, cores, alpha, bw, alpha, bw, efficiency, source="measured")
 
+
+
+# fp32 matmuls without TF32 (torch's default, float32_matmul_precision "highest") run on the CUDA cores, not the tensor
+# cores: datasheet dense FP32 FLOP/s. The lessons' GPU runs train in fp32 unless a row of their GPU_SETTINGS says bf16.
+FP32_PEAK = {"a100-40gb": 19.5e12, "a100-80gb": 19.5e12, "h100-80gb": 66.9e12, "h200": 66.9e12}  # A100, H100 SXM datasheets
+
+
+def at_dtype(key, dtype="bf16"):
+    """GPUS[key] as it computes in `dtype`: bf16 its tensor-core peak; fp32 (no TF32) its FP32_PEAK."""
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}; use 'bf16' or 'fp32'.")
+    hw = GPUS[key]
+    return hw if dtype == "bf16" else replace(hw, peak=FP32_PEAK[key])
