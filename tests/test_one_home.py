@@ -28,6 +28,10 @@ HOMES = {  # name: the one file that defines it
     "bytes_per_step_formula": "picotron/expert_parallel.py",  # context_parallel's is the planner's, imported
     "bubble_formula": "picotron/pipeline_schedules.py",
     "dualpipe_bubble": "picotron/plan/time_model.py",
+    "ridge": "picotron/plan/hardware.py",  # the roofline of lesson 00 (issue 45): ridge, roof, FLOPs and bytes of an op
+    "roofline": "picotron/plan/hardware.py",
+    "op_cost": "picotron/plan/hardware.py",
+    "HBM_BANDWIDTH": "picotron/plan/hardware.py",
     "flops_per_token": "picotron/model_config.py",
     "step_time": "picotron/plan/time_model.py",
     "combination_problem": "picotron/rules.py",

@@ -80,3 +80,51 @@ def at_dtype(key, dtype="bf16"):
         raise ValueError(f"dtype={dtype!r}; use 'bf16' or 'fp32'.")
     hw = GPUS[key]
     return hw if dtype == "bf16" else replace(hw, peak=FP32_PEAK[key])
+
+
+# ------------------------------------------------------------------------------- the roofline (lesson 00)
+# Main-memory (HBM) bandwidth, bytes/s: NVIDIA A100 datasheet (40GB SXM: 1,555 GB/s HBM2; 80GB SXM: 2,039 GB/s HBM2e),
+# H100 datasheet (SXM: 3.35 TB/s HBM3), H200 datasheet (SXM: 4.8 TB/s HBM3e).
+HBM_BANDWIDTH = {"a100-40gb": 1.555e12, "a100-80gb": 2.039e12, "h100-80gb": 3.35e12, "h200": 4.8e12}
+
+
+def ridge(peak, bandwidth):
+    """The roofline's ridge point, FLOP per byte: the arithmetic intensity at which moving an operation's bytes takes
+    as long as computing its FLOPs, peak / bandwidth. An operation with fewer FLOPs per byte is memory-bound (it cannot
+    reach the peak, whatever its kernel), one with more can be compute-bound (Williams, Waterman & Patterson 2009,
+    "Roofline", CACM 52(4), section 2). H100 SXM, bf16: 989.5e12 / 3.35e12 ≈ 295."""
+    return peak / bandwidth
+
+
+def roofline(peak, bandwidth, intensity):
+    """The most FLOP/s an operation of `intensity` FLOP/byte can attain: min(peak, bandwidth × intensity)
+    (Williams et al. 2009, section 2): the bandwidth's slope below the ridge, the flat peak above it."""
+    return min(peak, bandwidth * intensity)
+
+
+def op_cost(kind, shape, elem):
+    """(FLOPs, bytes moved to and from main memory) of one operation, each tensor read or written once, `elem` bytes
+    an element: the counts the roofline puts on its x axis (intensity = FLOPs / bytes).
+        "matmul" (m, n, k): C[m, n] = A[m, k] @ B[k, n]: 2mnk FLOPs (a multiply and an add per term); A, B read, C
+                            written: elem·(mk + kn + mn) bytes
+        "rmsnorm" (r, h):   y = x / sqrt(mean(x²) + eps) · w over r rows of h: 4 FLOPs an element (square, sum,
+                            scale, weight; the per-row root left out); x read, y written, w read: elem·(2rh + h)
+        "add" (n,):         z = x + y: n FLOPs; x, y read, z written: 3n·elem
+        "copy" (n,):        no FLOPs; n·elem read, n·elem written"""
+    if kind == "matmul":
+        m, n, k = shape
+        return 2 * m * n * k, elem * (m * k + k * n + m * n)
+    if kind == "rmsnorm":
+        r, h = shape
+        return 4 * r * h, elem * (2 * r * h + h)
+    if kind == "add":
+        return shape[0], 3 * shape[0] * elem
+    if kind == "copy":
+        return 0, 2 * shape[0] * elem
+    raise ValueError(f"op_cost: kind {kind!r} is not one of matmul, rmsnorm, add, copy; pick one of them.")
+
+
+def intensity(kind, shape, elem):
+    """Arithmetic intensity, FLOPs per byte moved, of op_cost(kind, shape, elem)."""
+    flops, moved = op_cost(kind, shape, elem)
+    return flops / moved
