@@ -349,7 +349,7 @@ lesson.plot_recompute(recompute); plt.show()
 # are exact.
 #
 # (`--recompute` has a fourth mode, `partitioned`: full recomputation whose kept layer inputs are split over the
-# tensor-parallel ranks, ZeRO-R's partitioned checkpoints; lesson 05, section 9.)
+# tensor-parallel ranks, ZeRO-R's partitioned checkpoints; lesson 05, section 10.)
 #
 # **Takeaway:** recomputation trades memory for FLOPs without changing a single gradient; recompute the part whose
 # memory is largest per FLOP (the $s^2$ scores), or everything when nothing else fits.
@@ -604,7 +604,21 @@ _common.interactive(draw, lambda w: dict(
     attn=w.ToggleButtons(options=["sdpa", "eager"], description="attention")))
 
 # %% [markdown]
-# ## 7. Exercises
+# ## 7. On an 8-GPU node you should see
+# This lesson needs one GPU of the node. There the throughput run of 4(f) trains in bf16 at $s$ = 1,024, with the
+# SmolLM models added, and the tensor cores set the pace. The planner's time model predicts tokens/s at one kernel
+# efficiency (0.6 of the datasheet peak; its MFU is against that peak, not 4(f)'s measured one). The tiny and small
+# models it does not predict: their step is kernel launches, which it does not count.
+
+# %%
+import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node
+_node.show("01_single_device")
+
+# %% [markdown]
+# **Takeaway:** the memory model of this lesson holds on a GPU unchanged; speed is the FLOPs over 0.6 of the peak,
+# once the model is big enough to keep the GPU busy.
+#
+# ## 8. Exercises
 # Open `lessons/01_single_device/exercise.py` and write:
 #
 # 1. `count_parameters(cfg)` — the exact parameter count from the shapes (GQA, SwiGLU, tied or untied `lm_head`);
@@ -638,7 +652,7 @@ all_passed = checker.check()
 # **Takeaway:** "does it fit, and at what speed?" is a search over micro-batch, accumulation and recomputation that
 # the planner answers in milliseconds and one real step confirms.
 #
-# ## 8. What it costs, when to use it, what comes next
+# ## 9. What it costs, when to use it, what comes next
 # | tool | saves | costs | use when |
 # |---|---|---|---|
 # | gradient accumulation ($m$) | activations ÷ $m$ (same global batch) | $m$ smaller, less efficient matmuls; one fp32 gradient buffer | the batch you want does not fit: always the first tool |

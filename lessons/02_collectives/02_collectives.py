@@ -371,7 +371,7 @@ lesson.plot_model((4, 8, 64, 512), a, b); plt.show()
 # With the α and β just measured on this machine, before computing anything: (a) 4 ranks all-reduce 64 KiB —
 # ring or tree, and by how much? (b) 64 ranks and 16 MiB? (c) 1024 ranks and 1 MiB? Then write `allreduce_time`
 # and `ring_or_tree` in `exercise.py`; this cell prints your function's answers (rerun it after editing), and
-# the checker (section 10) tests them against the model and against a real run of both algorithms.
+# the checker (section 11) tests them against the model and against a real run of both algorithms.
 
 # %%
 mine = checker.load(checker.LEARNER, "ex02")   # exercise.py, freshly imported
@@ -525,7 +525,21 @@ _common.interactive(draw_model, lambda w: dict(n=w.SelectionSlider(options=[2, 4
 # link moves it to larger messages.
 
 # %% [markdown]
-# ## 10. Exercises
+# ## 10. On an 8-GPU node you should see
+# On eight H100s the same code measures NCCL over NVLink (450 GB/s each way per GPU) instead of gloo over loopback
+# sockets, and `PICOTRON_NPROC=8` runs the collectives of sections 2, 4 and 5 on all 8 ranks. The α–β model
+# predicts a 256 MiB all-reduce near the link's bus bandwidth, and a 1 KiB one that is all latency: $2(n-1)$ steps
+# of α. NCCL also switches to trees for small messages, which the planner's rings do not model.
+
+# %%
+import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node
+_node.show("02_collectives")
+
+# %% [markdown]
+# **Takeaway:** on NVLink, large messages reach the link's bandwidth and small ones pay α per step; the command
+# above measures both.
+#
+# ## 11. Exercises
 # Open `lessons/02_collectives/exercise.py` and write, with only `send`/`recv`/`isend`/`irecv`:
 #
 # 1. `ring_all_gather(tensor)` — every rank's tensor, concatenated in rank order, on every rank;
@@ -556,7 +570,7 @@ all_passed = checker.check()
 # **Takeaway:** a collective is a schedule of sends and receives; writing one, the usual mistakes are a missing
 # contribution, a message to the wrong neighbour and two ranks waiting for each other — the checker names each.
 #
-# ## 11. What it costs, when to use it, what comes next
+# ## 12. What it costs, when to use it, what comes next
 # | collective | bytes per rank (busiest) | used by |
 # |---|---|---|
 # | all-reduce | $2\frac{n-1}{n}M$ (ring) | data parallelism: gradients (lesson 03); tensor parallelism: activations |

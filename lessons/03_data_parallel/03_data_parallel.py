@@ -569,7 +569,21 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=["small (this 
 # %% [markdown]
 # **Takeaway: the exposed time is the last bucket plus whatever the link could not finish during backward.**
 #
-# ## 7. Exercises
+# ## 7. On an 8-GPU node you should see
+# With 8 GPUs every rank brings its own device, so weak scaling should keep the step time flat while tokens/s grow
+# n times. For the medium model at 8 × 512 tokens per rank the time model predicts the gradient all-reduce (over
+# NVLink) hidden under the backward at every dp up to 8. `PICOTRON_NPROC=8` adds dp = 8 to the scaling runs of 4(f)
+# and to the parity check of section 5.
+
+# %%
+import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node
+_node.show("03_data_parallel")
+
+# %% [markdown]
+# **Takeaway:** on a node, data parallelism multiplies tokens/s by about n; the bucketed all-reduce hides under
+# the backward.
+#
+# ## 8. Exercises
 # Open `lessons/03_data_parallel/exercise.py` and write:
 #
 # 1. `NaiveDP.average_gradient(p)` — the hook of the naive wrapper: average `p.grad` over the ranks, in place;
@@ -596,7 +610,7 @@ all_passed = checker.check()
 # **Takeaway:** a data-parallel wrapper is a hook per gradient, a bucket count and a wait before the step; it is right
 # when every rank ends with the mean gradient, and fast when its all-reduces run during backward.
 #
-# ## 8. What it costs, when to use it, what comes next
+# ## 9. What it costs, when to use it, what comes next
 #
 # | | per rank | cost |
 # |---|---|---|

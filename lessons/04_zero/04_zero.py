@@ -785,7 +785,21 @@ _common.check("gather and owner train alike (the same update, computed elsewhere
 # rank (gather: ZeRO's all-gather once more, all the compute everywhere) or on one owner (two all-to-alls of about
 # $\Psi_{muon}/n$ each, $1/n$ of the compute) — exercise 9 assigns the owners.
 #
-# ## 10. Exercises
+# ## 10. On an 8-GPU node you should see
+# Over 8 GPUs the model states per GPU shrink towards $16\Psi/8$ as the stages rise, while the activations stay:
+# for the medium model at 8 × 512 tokens they are most of each GPU's memory, so ZeRO saves little there. ZeRO-3 sends
+# 1.5× ZeRO-0's bytes; the time model hides them all under compute on NVLink. `PICOTRON_NPROC=8` adds dp = 8 to the
+# stage comparison of 4(a) and to the parity runs of section 5.
+
+# %%
+import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node
+_node.show("04_zero")
+
+# %% [markdown]
+# **Takeaway:** ZeRO pays where model states dominate; on one node its extra traffic is cheap, and for a small model
+# the activations set the memory.
+#
+# ## 11. Exercises
 # Open `lessons/04_zero/exercise.py`. First ZeRO's three moves by hand:
 #
 # 1. `shard_range(numel, n, rank)` — the chunk rank `rank` owns in a unit padded to a multiple of $n$;
@@ -833,7 +847,7 @@ import check as checker   # this folder's check.py
 all_passed = checker.check()
 
 # %% [markdown]
-# ## 11. What it costs, when to use it, what comes next
+# ## 12. What it costs, when to use it, what comes next
 #
 # | | per rank | cost |
 # |---|---|---|

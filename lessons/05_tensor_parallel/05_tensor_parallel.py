@@ -585,7 +585,21 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
 # **Takeaway:** the degree is bounded by the model (heads, KV heads, vocabulary), and the memory it buys is a formula
 # you can evaluate before renting a GPU.
 #
-# ## 8. Exercises
+# ## 8. On an 8-GPU node you should see
+# tp's four all-reduces per layer sit on the critical path: nothing hides them, NVLink or not. For the medium model
+# at 8 × 1,024 tokens the time model predicts the step falling with tp but the all-reduces' share rising towards
+# half of it at tp = 8. tp = 8 needs a whole KV head per rank, so `PICOTRON_NPROC=8` trains the medium model with
+# 8 KV heads, at tp = 1, 2, 4 and 8, in 4(a)'s runs.
+
+# %%
+import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node
+_node.show("05_tensor_parallel")
+
+# %% [markdown]
+# **Takeaway:** tensor parallelism cuts memory and compute per GPU, but its communication grows in share with $t$:
+# keep it inside a node, and at 8 expect a large part of the step in all-reduces.
+#
+# ## 9. Exercises
 # Open `lessons/05_tensor_parallel/exercise.py`. Megatron's pieces by hand:
 #
 # 1. `CopyToTP` and `ReduceFromTP` — $f$ and $g$ as autograd Functions, forward and backward;
@@ -614,13 +628,13 @@ lesson.plot_puzzle(); plt.show()
 
 # %%
 import check as checker   # this folder's check.py
-all_passed = checker.check(["f_and_g", "parallel_mlp", "vocab_parallel_cross_entropy", "plan"])  # exercise 5: section 9
+all_passed = checker.check(["f_and_g", "parallel_mlp", "vocab_parallel_cross_entropy", "plan"])  # exercise 5: section 10
 
 # %% [markdown]
 # **Takeaway:** memory decides which layouts are possible; throughput decides among them, and the cheapest lever
 # (a smaller micro-batch) comes before the expensive ones (more tp ranks).
 #
-# ## 9. Partitioned checkpoints: ZeRO-R inside the tp group
+# ## 10. Partitioned checkpoints: ZeRO-R inside the tp group
 #
 # Full recomputation (lesson 01, section 4c) keeps only each layer's input, $b\cdot s\cdot h$ numbers, and redoes the
 # layer in backward. Under tensor parallelism without sp that input is the same on every rank of the group: $t$
@@ -715,7 +729,7 @@ partition_passed = checker.check(["partition"])
 # **Takeaway:** where tp leaves copies, ZeRO-R removes them for one all-gather each; sequence parallelism removes the
 # same copies with no extra collective, which is why Megatron uses it instead whenever it can.
 #
-# ## 10. Async TP: the collective matmul
+# ## 11. Async TP: the collective matmul
 #
 # Every tp collective so far blocks: with sp, each block starts with an all-gather of its input along the sequence and
 # ends with a reduce-scatter of its output, and the matmuls wait for the first and make the second wait. But a matmul
@@ -876,14 +890,14 @@ ring_passed = checker.check(["ring"])
 # where a chunk's matmul is at least as long as a chunk's message: large hidden sizes, long sequences, few tp ranks, a
 # fast link.
 #
-# ## 11. What it costs, when to use it, what comes next
+# ## 12. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
 # | tensor parallel, degree $t$ | $\frac1t$ of every matrix and of its gradient and optimizer state; activations inside the blocks $/t$ | 4 all-reduces of $b\cdot s\cdot h$ per layer per step, blocking | the model (or one layer's activations) does not fit, **within a node** (NVLink), $t \le 8$ |
 # | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes as all-gathers and reduce-scatters (twice the calls) | with tp, when activations limit the micro-batch or sequence (ours: see below the table) |
-# | + partitioned checkpoints (ZeRO-R $P_a$, full recomputation, no sp) | each layer's checkpointed input $/t$ | + 1 all-gather of $b\cdot s\cdot h$ per layer in backward | with full recomputation when sp is not available; with sp the inputs are split already (section 9) |
-# | + async TP (the collective matmul, with sp) | the same | the same bytes in $t-1$ ring steps per collective, each under one chunk's matmul | when tp's collectives show in the step (tp = 8, short sequences; section 10) |
+# | + partitioned checkpoints (ZeRO-R $P_a$, full recomputation, no sp) | each layer's checkpointed input $/t$ | + 1 all-gather of $b\cdot s\cdot h$ per layer in backward | with full recomputation when sp is not available; with sp the inputs are split already (section 10) |
+# | + async TP (the collective matmul, with sp) | the same | the same bytes in $t-1$ ring steps per collective, each under one chunk's matmul | when tp's collectives show in the step (tp = 8, short sequences; section 11) |
 #
 # Megatron's sequence parallelism saves memory at any $t$ for no extra bytes. Ours keeps extra copies of the gathered
 # input: at tp=2 on this CPU it kept *more* memory and ran slower (sections 4b, 4c); at tp=4 it saved a little, enough

@@ -149,7 +149,7 @@ def plan(budget_mib):
 
 # ------------------------------------------------------------------------ exercise 5: partitioned checkpoints
 def keep_my_piece(x, group=None):
-    """EXERCISE 5a: ZeRO-R's partitioned checkpoint, the forward half (section 9).
+    """EXERCISE 5a: ZeRO-R's partitioned checkpoint, the forward half (section 10).
 
     x: [b, s, h], a layer's input, the same on every rank of the tp group. Return this rank's piece: the columns
     [r·h/n, (r+1)·h/n) of the LAST (hidden) dimension, r = dist.get_rank(group), n = dist.get_world_size(group).
@@ -169,7 +169,7 @@ def rebuild_input(piece, group=None):
 
 # ------------------------------------------------------------------------ exercise 6: async TP's ring order
 def ring_steps(rank, n):
-    """EXERCISE 6: the order of an all-gather-matmul's ring (section 10, picotron/async_tp.py).
+    """EXERCISE 6: the order of an all-gather-matmul's ring (section 11, picotron/async_tp.py).
 
     n ranks each hold one chunk of the sequence: rank r holds chunk r. At every step a rank multiplies the chunk it
     holds while passing that chunk on to its RIGHT neighbour and receiving the next one from its LEFT neighbour
