@@ -521,13 +521,21 @@ def not_averaged_over_cp():
         par.wrap_for_sync = original
 
 
+def parity_runs(world):
+    """(label, the Config's degrees) of the parity runs on `world` processes: 2: cp = 2 zig-zag, contiguous and
+    all-gather; more (4, or 8 with PICOTRON_NPROC=8): cp = world and cp = world/2 x dp = 2."""
+    if world == 2:
+        return [(f"cp={world}", dict(cp=world)), (f"cp={world}, contiguous", dict(cp=world, cp_layout="contiguous")),
+                (f"cp={world}, all-gather", dict(cp=world, cp_impl="allgather"))]
+    return [(f"cp={world}", dict(cp=world)), (f"cp={world // 2} x dp=2", dict(cp=world // 2, dp=2))]
+
+
 def exp_parity(mesh, st, out):
-    """2 processes: cp = 2 (zig-zag, contiguous, all-gather) and the trap (not averaged over cp); 4 processes: cp = 4
-    and cp = 2 x dp = 2. References (cp = 1, the same global batch) trained by rank 0 alone."""
+    """2 processes: cp = 2 (zig-zag, contiguous, all-gather) and the trap (not averaged over cp); 4 (or 8)
+    processes: cp = 4 and cp = 2 x dp = 2 (parity_runs). References (cp = 1, the same global batch) trained by rank 0
+    alone."""
     world, result = mesh.world_size, dict(losses={}, reference={}, spread={})
-    runs = ([(f"cp={world}", dict(cp=world)), (f"cp={world}, contiguous", dict(cp=world, cp_layout="contiguous")),
-             (f"cp={world}, all-gather", dict(cp=world, cp_impl="allgather"))] if world == 2 else
-            [(f"cp={world}", dict(cp=world)), ("cp=2 x dp=2", dict(cp=2, dp=2))])
+    runs = parity_runs(world)
     for label, kw in runs:
         sub = Mesh.init(dp=kw.get("dp", 1), cp=kw["cp"])
         try:
@@ -544,7 +552,7 @@ def exp_parity(mesh, st, out):
     if mesh.rank == 0:
         local = Mesh.local(mesh.device)
         result["reference"]["dp=1"] = _trained(local, st, out, "parity_reference")[0]
-        if world == 4:
+        if world > 2:
             result["reference"]["dp=2"] = _trained(local, st, out, "parity_reference_dp2",
                                                    grad_acc=2 * st["parity_grad_acc"])[0]
     dist.barrier()
@@ -552,6 +560,21 @@ def exp_parity(mesh, st, out):
 
 
 EXPERIMENTS = ("memory", "balance", "train", "parity", "ulysses")
+
+
+def configs_at(nproc, fast=False):
+    """The Configs the main run (balance, train, parity; the notebook's `run("balance,train,parity", nproc=...)`)
+    trains on `nproc` processes, at GPU size (GPU_SETTINGS on top: the 8-process mode is for a node of GPUs): train's
+    three variants at cp = nproc, then the parity runs (parity_runs). PICOTRON_NPROC=8 runs them at cp = 8."""
+    st = settings(fast, "cuda")
+    s, b = st["train_seq"], st["train_b"]
+    out = [make_cfg(st["size"], seq_len=s, micro_batch_size=b, cp=nproc, cp_impl=impl, cp_layout=layout,
+                    max_position_embeddings=max(1024, s)) for impl, layout in VARIANTS]
+    for _, kw in parity_runs(nproc):
+        out.append(make_cfg(st["size"], num_hidden_layers=st["parity_layers"], steps=st["parity_steps"],
+                            seq_len=st["parity_seq_len"], micro_batch_size=2, grad_acc=st["parity_grad_acc"],
+                            warmup_steps=2, lr=3e-3, **kw))
+    return out
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)

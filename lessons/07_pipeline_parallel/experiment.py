@@ -54,6 +54,15 @@ def settings(fast, device_type=None):
     return _common.sized("07_pipeline_parallel", st, fast, device_type)
 
 
+def at_world(st, p):
+    """The settings on p stages: every schedule needs a layer per chunk (interleaved v = 2, ZB-V and DualPipe: 2p
+    chunks), interleaved a multiple of p micro-batches and DualPipe at least 2p; at p = 2 (the lesson's) they change
+    nothing, at p = 8 (PICOTRON_NPROC=8) the model has 16 layers."""
+    ga = -(-st["parity_grad_acc"] // p) * p  # the next multiple of p
+    return dict(st, layers=max(st["layers"], 2 * p), parity_layers=max(st["parity_layers"], 2 * p), parity_grad_acc=ga,
+                dual_m=max(st["dual_m"], 2 * p))
+
+
 def cfg_for(st, name, m, p, **kw):
     """The experiments' Config for schedule `name` over m micro-batches on p stages."""
     return make_cfg(st["size"], num_hidden_layers=st["layers"], seq_len=st["seq_len"],
@@ -574,6 +583,20 @@ def exp_dualpipe(mesh, st, out):
 EXPERIMENTS = ("bubble", "memory", "parity", "dualpipe")
 
 
+def configs_at(nproc, fast=False):
+    """The Configs the main run (bubble and memory: the notebook's `run("bubble,memory", nproc=...)`) and the parity
+    run train on `nproc` processes (pp = nproc), at GPU size (GPU_SETTINGS on top: the 8-process mode is for a node of
+    GPUs): every schedule at every m exp_bubble runs, then _trained's parity runs."""
+    st = at_world(settings(fast, "cuda"), nproc)
+    out = [cfg_for(st, name, m, nproc) for name in SCHEDULES
+           for m in (st["ms"] if name != "zb-v" else st["ms"][-1:]) if not (name == "interleaved" and m % nproc)]
+    for name in SCHEDULES:
+        out.append(make_cfg(st["size"], num_hidden_layers=st["parity_layers"], steps=st["parity_steps"],
+                            seq_len=st["parity_seq_len"], micro_batch_size=2, grad_acc=st["parity_grad_acc"],
+                            pp=nproc, pp_schedule=name, pp_chunks=2 if name == "interleaved" else 1))
+    return out
+
+
 # ----------------------------------------------------------------------------- plots (for the notebook)
 def draw_gantt(ax, bars, p, title="", span=None, labels=True):
     """bars: [(rank, kind, mb, chunk, start, end)]: one row per rank (rank 0 on top), F blue, B orange, W green;
@@ -787,7 +810,7 @@ def main(argv=None):
         sys.exit("run it on 2 or more processes: torchrun --nproc_per_node 2 lessons/07_pipeline_parallel/experiment.py")
     mesh = Mesh.init(pp=world, device=_common.experiment_device("07_pipeline_parallel"))
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
-        st = dict(settings(args.fast, mesh.device.type), schedules=schedules)
+        st = dict(at_world(settings(args.fast, mesh.device.type), world), schedules=schedules)
         _common.run_experiments(names, lambda name: globals()[f"exp_{name}"](mesh, st, out),
                                 lambda name: out / f"{name}_pp{world}.json", _common.environment(mesh, pp=world, settings=st),
                                 mesh.rank)

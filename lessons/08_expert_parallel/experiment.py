@@ -66,10 +66,18 @@ def settings(fast, device_type=None):
     return _common.sized("08_expert_parallel", st, fast, device_type)
 
 
+def at_world(st, W):
+    """The settings on W processes: ep = W needs W to divide the experts; tiny-moe's 4 do for W = 2 and 4, and for
+    W = 8 (PICOTRON_NPROC=8) every MoE model of the lesson gets 8 (tiny-deepseek-moe has 8 already)."""
+    return dict(st, experts=None if 4 % W == 0 else W)
+
+
 def make_cfg(st, **kw):
-    """A picotron Config of the lesson's MoE model (no sampling, no evaluation), with `kw` on top."""
+    """A picotron Config of the lesson's MoE model (no sampling, no evaluation), with `kw` on top (and the experts
+    at_world set, if any)."""
+    experts = {"experts": st["experts"]} if st.get("experts") else {}
     return Config(**{"preset": st["preset"], "seq_len": st["seq_len"], "micro_batch_size": st["micro_batch_size"],
-                     "sample_tokens": 0, "eval_every": 0, "log_every": 10**6, **kw})
+                     "sample_tokens": 0, "eval_every": 0, "log_every": 10**6, **experts, **kw})
 
 
 def model_config(st=None, **kw):
@@ -220,7 +228,7 @@ def exp_balance(mesh, st, out):
                        f"{recs[0]['moe']['aux']:.3f} -> {recs[-1]['moe']['aux']:.3f}; load max/mean per layer over the "
                        f"last {last} steps " + " ".join(f"{x:.2f}" for x in window_ratio(recs, last))
                        + "; dropped at c = " + ", ".join(f"{c:g}: {d:.3f}" for c, d in zip(st["capacities"], dropped)))
-    mc = model_config(st)
+    mc = model_config(st, **({"num_local_experts": st["experts"]} if st.get("experts") else {}))
     result["uniform"] = [expected_dropped(mc.num_local_experts, mc.num_experts_per_tok, c, st["seq_len"])
                          for c in st["capacities"]]
     return result
@@ -405,13 +413,20 @@ def _trained(mesh, st, out, name, **kw):
     return ([r["loss"] for r in recs], [r["grad_norm"] for r in recs]) if recs else (None, None)
 
 
+def parity_runs(W):
+    """(label, degrees, reference) of the parity runs on W processes: 2: ep = 2 (dp = 2); more (4, or 8 with
+    PICOTRON_NPROC=8): ep = W, dp = W x ep = 2, ep = 2 x tp = 2 (dp = W/2)."""
+    if W == 2:
+        return [("ep=2", dict(dp=2, ep=2), "dp=2")]
+    return [(f"ep={W}", dict(dp=W, ep=W), f"dp={W}"), (f"dp={W} x ep=2", dict(dp=W, ep=2), f"dp={W}"),
+            ("ep=2 x tp=2", dict(dp=W // 2, ep=2, tp=2), f"dp={W // 2}")]
+
+
 def exp_parity(mesh, st, out):
-    """2 processes: ep = 2 (dp = 2) and the trap; 4 processes: ep = 4, dp = 4 x ep = 2, ep = 2 x tp = 2. References
-    (one process, grad_acc x dp: the same global batch) trained by rank 0 alone."""
+    """2 processes: ep = 2 (dp = 2) and the trap; 4 (or 8) processes: ep = W, dp = W x ep = 2, ep = 2 x tp = 2
+    (parity_runs). References (one process, grad_acc x dp: the same global batch) trained by rank 0 alone."""
     W, result = mesh.world_size, dict(losses={}, grad_norms={}, reference={}, ref_of={})
-    runs = ([("ep=2", dict(dp=2, ep=2), "dp=2")] if W == 2 else
-            [("ep=4", dict(dp=4, ep=4), "dp=4"), ("dp=4 x ep=2", dict(dp=4, ep=2), "dp=4"),
-             ("ep=2 x tp=2", dict(dp=2, ep=2, tp=2), "dp=2")])
+    runs = parity_runs(W)
     for label, kw, ref in runs:
         with Mesh.init(dp=kw["dp"], ep=kw["ep"], tp=kw.get("tp", 1)) as sub:
             losses, norms = _trained(sub, st, out, "parity_" + label.replace(" ", ""), **kw)
@@ -432,6 +447,20 @@ def exp_parity(mesh, st, out):
 
 
 EXPERIMENTS = ("balance", "bytes", "scaling", "parity", "router", "overlap")
+
+
+def configs_at(nproc, fast=False):
+    """The Configs the main run (bytes, scaling, parity: the notebook's `run("bytes,scaling,parity", nproc=...)`)
+    trains on `nproc` processes, at GPU size (GPU_SETTINGS on top: the 8-process mode is for a node of GPUs): bytes at
+    dp = ep = nproc, scaling at every ep dividing nproc, the parity runs (parity_runs)."""
+    st = at_world(settings(fast, "cuda"), nproc)
+    out = [make_cfg(st, dp=nproc, ep=nproc, steps=st["bytes_steps"], warmup_steps=1)]
+    out += [make_cfg(st, dp=nproc, ep=e) for e in (1, 2, 4, 8) if e <= nproc and nproc % e == 0]
+    for _, kw, _ in parity_runs(nproc):
+        out.append(make_cfg(st, **{**dict(steps=st["parity_steps"], seq_len=st["parity_seq_len"],
+                                          micro_batch_size=st["parity_mbs"], grad_acc=st["parity_grad_acc"],
+                                          warmup_steps=2, lr=3e-3), **kw}))
+    return out
 
 
 # ----------------------------------------------------------------------------- plots (for the notebook)
@@ -1039,7 +1068,7 @@ def main(argv=None):
         sys.exit("run it on 2 or 4 processes: torchrun --nproc_per_node 2 lessons/08_expert_parallel/experiment.py")
     mesh = Mesh.init(dp=world, device=_common.experiment_device("08_expert_parallel"))
     with mesh:  # on success every rank meets at a barrier before the groups go (Mesh.destroy)
-        st = settings(args.fast, mesh.device.type)
+        st = at_world(settings(args.fast, mesh.device.type), world)
         _common.run_experiments(names, lambda name: globals()[f"exp_{name}"](mesh, st, out),
                                 lambda name: out / f"{name}_ep{world}.json", _common.environment(mesh, settings=st),
                                 mesh.rank)

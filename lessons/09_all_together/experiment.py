@@ -43,15 +43,25 @@ WHAT_TRAVELS = {"tp": "activations: all-reduces inside every layer, forward and 
                 "dp": "gradients, once per step (under the backward); with cp: over dp x cp"}
 
 
+LAYOUTS = {16: dict(dp=2, pp=2, cp=2, tp=2), 8: dict(dp=1, pp=2, cp=2, tp=2)}  # the run's layout by process count
+
+
 def settings(fast, device_type=None):
     """The 4-D run: the tiny model (h = 128, 4 layers), 128-token sequences, 4 micro-batches of 4 per step and dp
     rank (1F1B over the pp = 2 stages). Full: dp2 x pp2 x cp2 x tp2, 16 processes; FAST: pp2 x cp2 x tp2, 8
     (PICOTRON_NPROC=8 or 16 picks one; on GPUs _common.GPU_SETTINGS["09_all_together"] on top)."""
     n = _common.nproc("09_all_together", 8 if fast else 16)
-    layout = dict(dp=1, pp=2, cp=2, tp=2) if n == 8 else dict(dp=2, pp=2, cp=2, tp=2)
+    layout = dict(LAYOUTS[n])
     st = dict(preset="tiny", layout=layout, seq_len=128, micro_batch_size=4, grad_acc=4,
               steps=10 if fast else 20, warmup_steps=5, timed_steps=2, gpus_per_node=4)
     return _common.sized("09_all_together", st, fast, device_type)
+
+
+def configs_at(nproc, fast=False):
+    """The Configs the main run (run4d) trains on `nproc` processes (8 or 16), at GPU size (GPU_SETTINGS on top):
+    the 4-D layout of LAYOUTS (its one-process reference, on rank 0, is not an nproc-process run)."""
+    st = dict(settings(fast, "cuda"), layout=LAYOUTS[nproc])
+    return [make_cfg(st, **st["layout"])]
 
 
 def layout_name(layout):

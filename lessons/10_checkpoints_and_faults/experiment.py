@@ -53,6 +53,15 @@ MiB = 2**20
 FONT = 8
 LAYOUTS = {"dp2": dict(dp=2), "dp2+zero1": dict(dp=2, zero=1), "dp2+zero3": dict(dp=2, zero=3), "tp2": dict(tp=2),
            "pp2": dict(pp=2, grad_acc=2)}
+
+
+def layouts(W):
+    """cost's layouts on W processes: LAYOUTS at W = 2; on more (8 with PICOTRON_NPROC=8) the same five with the
+    rest of the ranks data parallel: dpW, dpW+zero1, dpW+zero3, tp2+dp(W/2), pp2+dp(W/2)."""
+    if W == 2:
+        return dict(LAYOUTS)
+    return {f"dp{W}": dict(dp=W), f"dp{W}+zero1": dict(dp=W, zero=1), f"dp{W}+zero3": dict(dp=W, zero=3),
+            f"tp2+dp{W // 2}": dict(tp=2, dp=W // 2), f"pp2+dp{W // 2}": dict(pp=2, dp=W // 2, grad_acc=2)}
 # Llama 3 405B's pre-training (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4): 466 interruptions in
 # a 54-day snapshot on up to 16,384 H100 GPUs, 47 planned and 419 unexpected (about 78% of these hardware).
 LLAMA3 = dict(gpus=16384, days=54, unexpected=419, planned=47)
@@ -107,7 +116,7 @@ def exp_cost(mesh, st, out):
     """Per size and layout: bytes each rank writes, snapshot + write seconds, load seconds (median of rounds)."""
     rows = []
     for size in st["cost_sizes"]:
-        for name, layout in LAYOUTS.items():
+        for name, layout in layouts(mesh.world_size).items():
             if mesh.world_size != math.prod(layout.get(d, 1) for d in ("dp", "tp", "pp", "cp")):
                 continue
             cfg = make_cfg(size, seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], **layout)
@@ -147,15 +156,15 @@ def exp_cost(mesh, st, out):
 
 # ------------------------------------------------------------------------------------------------ async
 def exp_async(mesh, st, out):
-    """dp2 + ZeRO-1: the same steps with no checkpoint, synchronous ones and asynchronous ones; each step's start
-    and end and each save's intervals (times relative to the run's start, rank by rank)."""
-    runs = {}
-    cfg = make_cfg(st["async_size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=2, zero=1)
+    """dp2 (dp = the world size) + ZeRO-1: the same steps with no checkpoint, synchronous ones and asynchronous ones;
+    each step's start and end and each save's intervals (times relative to the run's start, rank by rank)."""
+    runs, W = {}, mesh.world_size
+    cfg = make_cfg(st["async_size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=W, zero=1)
     modes = ("none", "sync", "async")
     # rounds in opposite orders; each mode keeps its quicker round, so a disturbance of the machine during one
     # round (another program on the cores) does not decide the comparison
     for mode in [m for r in range(st["async_rounds"]) for m in (modes if r % 2 == 0 else modes[::-1])]:
-        with Mesh.init(dp=2) as sub:
+        with Mesh.init(dp=W) as sub:
             trainer = Trainer(cfg, sub)
             folder = out / "async" / mode
             saver = checkpoint.Saver(str(folder), cfg, sub, keep=2, asynchronous=mode == "async")
@@ -200,6 +209,11 @@ def dcp_state(run, mesh):
     return state
 
 
+def dcp_layouts(W):
+    """dcp's two layouts on W processes: replicated (dp W) and split over tp 2 (the rest data parallel)."""
+    return ((f"dp{W}", dict(dp=W)), ("tp2" if W == 2 else f"tp2+dp{W // 2}", dict(tp=2, dp=W // 2)))
+
+
 def exp_dcp(mesh, st, out):
     """Ours and DCP in turn on the same state, rounds alternating the order: save and load seconds (slowest
     rank), bytes on disk."""
@@ -207,7 +221,7 @@ def exp_dcp(mesh, st, out):
 
     rows = []
     for size in st["dcp_sizes"]:
-        for name, layout in (("dp2", dict(dp=2)), ("tp2", dict(tp=2))):
+        for name, layout in dcp_layouts(mesh.world_size):
             cfg = make_cfg(size, seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], **layout)
             with Mesh.init(**layout) as sub:
                 trainer = Trainer(cfg, sub)
@@ -728,11 +742,23 @@ def plot_resume(demo):
 
 
 # ------------------------------------------------------------------------------------------------ main
+def configs_at(nproc, fast=False):
+    """The Configs the main run (cost, async, dcp: the notebook's launch in section 5) trains and saves on `nproc`
+    processes (GPU_SETTINGS on top: the 8-process mode is for a node of GPUs): every size in every layout of
+    `layouts`, the async run, DCP's layouts."""
+    st = _common.sized("10_checkpoints_and_faults", settings(fast), fast, "cuda")
+    kw = dict(seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"])
+    out = [make_cfg(size, **kw, **layout) for size in st["cost_sizes"] for layout in layouts(nproc).values()]
+    out.append(make_cfg(st["async_size"], **kw, dp=nproc, zero=1))
+    return out + [make_cfg(size, **kw, **layout) for size in st["dcp_sizes"] for _, layout in dcp_layouts(nproc)]
+
+
 def main(argv=None):
     args, names, out = _common.cli("10_checkpoints_and_faults", EXPERIMENTS, __doc__, default=DEFAULT, argv=argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != 2:
-        sys.exit("run on 2 processes: torchrun --nproc_per_node 2 lessons/10_checkpoints_and_faults/experiment.py")
+    if world % 2 or ("levels" in names and world != 2):
+        sys.exit("run on 2 processes (or 8, without levels: PICOTRON_NPROC=8): torchrun --nproc_per_node 2 "
+                 "lessons/10_checkpoints_and_faults/experiment.py")
     st = _common.sized("10_checkpoints_and_faults", settings(args.fast), args.fast)
     with Mesh.init(dp=world, device=_common.experiment_device("10_checkpoints_and_faults")) as mesh:  # the world; each experiment makes its layouts' groups inside it
         _common.run_experiments(names, lambda name: globals()[f"exp_{name}"](mesh, st, out),
