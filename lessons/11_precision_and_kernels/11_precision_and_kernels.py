@@ -7,27 +7,21 @@ lessons/_notebook.py): edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 11 — Precision and kernels: fewer bits per number, fewer trips to memory
 #
-# An H100 multiplies bf16 matrices at about 989 TFLOP/s and FP8 ones at about 1,979 (dense), plain fp32 at about 67;
-# and it moves 3.35 TB/s to and from its memory, so it does ~300 bf16 FLOPs in the time one byte arrives (NVIDIA H100
-# SXM datasheet). Two consequences shape every large training run.
-# Numbers are stored and multiplied in 16 or 8 bits, and something must keep training from noticing: fp32 master
-# weights, loss scaling, per-tensor scales. And an operation that does only a few FLOPs per byte it moves runs at
-# the speed of memory, not of arithmetic: attention written out op by op, and the small layers between the
-# matmuls, must be tiled and fused so their intermediates never make the trip to memory.
+# An H100 multiplies bf16 matrices at about 989 TFLOP/s, FP8 at about 1,979 (dense), fp32 at about 67, and moves
+# 3.35 TB/s to and from its memory: ~300 bf16 FLOPs per byte that arrives (NVIDIA H100 SXM datasheet). Hence two
+# things every large run does. Numbers are stored and multiplied in 16 or 8 bits, with fp32 master weights, loss
+# scaling and per-tensor scales so that training does not notice. And an operation with few FLOPs per byte runs at
+# memory speed, so attention and the small layers between the matmuls are tiled and fused to keep their
+# intermediates on chip.
 #
-# This lesson measures both, on the model and on real tensors: the five formats' range and rounding (cast, not
-# quoted); fp16 failing — most gradient elements flushed to zero, a loss curve that lags behind — and loss scaling
-# repairing it exactly; what each `--dtype` recipe keeps in memory and sends over the network; FP8's per-tensor
-# scales, and why the gradients get the format with more range; DeepSeek-V3's scales per 1 × 128 tile, against
-# outliers, and its promotion of partial sums; attention's bytes counted, its arithmetic
-# intensity against a machine's balance, and the tiled online softmax that removes the $s^2$ traffic; fused
-# RMSNorm and SwiGLU and `torch.compile`; a profile of one training step.
+# Measured here: the formats' range and rounding; fp16 failing and loss scaling repairing it; what each `--dtype`
+# recipe keeps and sends; FP8's per-tensor scales and DeepSeek-V3's per-tile ones; attention's bytes against a
+# machine's balance, and the tiled online softmax; fused RMSNorm, SwiGLU and `torch.compile`; a profile of one step.
 #
-# The code is `picotron/precision.py`,
-# `picotron/fp8.py`, `picotron/fp8_blockwise.py` and `picotron/kernels.py`; the measurements are `experiment.py` in
-# this folder; the formulas and their sources are in [the reference](../../docs/reference.md#precision-and-kernels),
-# its symbols in the course's [notation](../../docs/reference.md#notation). `PICOTRON_FAST=1` gives a short run.
-# Everything runs on this CPU; where a GPU would show something different, the text says what to expect.
+# Code: `picotron/precision.py`, `fp8.py`, `fp8_blockwise.py`, `kernels.py`; measurements: `experiment.py` here;
+# formulas and sources: [the reference](../../docs/reference.md#precision-and-kernels); symbols: the
+# [notation](../../docs/reference.md#notation). `PICOTRON_FAST=1` gives a short run. Everything runs on this CPU;
+# where a GPU differs, the text says so.
 
 # %%
 import math
@@ -57,13 +51,13 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; torch {torch.__
 # to the largest, $(2 - 2^{-w_m})\,2^{2^{w_e} - 2 - \text{bias}}$ (the top exponent is kept for inf and NaN); below the
 # smallest normal the *subnormals* $0.f \times 2^{1-\text{bias}}$ reach down to $2^{1-\text{bias}-w_m}$ with fewer and
 # fewer significant bits. Its **precision**: rounding to nearest moves any number inside the normal range by at most
-# $u = 2^{-(w_m+1)}$ of itself (the unit roundoff, half the gap between 1 and the next number). FP8's E4M3 (torch's
-# `float8_e4m3fn`, "finite") has no infinities and only one NaN pattern, so its top exponent holds numbers too, up
-# to $1.75 \cdot 2^8 = 448$ (IEEE 754-2019; Goldberg 1991; Micikevicius et al. 2022 for FP8).
+# $u = 2^{-(w_m+1)}$ of itself (the unit roundoff). FP8's E4M3 (torch's `float8_e4m3fn`, "finite") has no infinities
+# and one NaN pattern, so its top exponent holds numbers too, up to $1.75 \cdot 2^8 = 448$ (IEEE 754-2019; Goldberg
+# 1991; Micikevicius et al. 2022 for FP8).
 #
-# The experiment: each format's numbers from these formulas, against `torch.finfo`; then a sweep of values spread
-# evenly in $\log_2$ over the whole range and beyond, each cast into the format and back: the smallest positive
-# value that comes back, the worst relative error inside the normal range, and what happens below and above.
+# The experiment: these formulas against `torch.finfo`; then values spread evenly in $\log_2$ over the range and
+# beyond, cast into the format and back: the smallest positive survivor, the worst relative error inside the normal
+# range, and what happens below and above.
 
 # %%
 print(f"{'format':<6} {'e':>2} {'m':>3} {'largest':>11} {'smallest normal':>16} {'smallest subnormal':>19} "
@@ -87,33 +81,28 @@ for name, (dtype, e, m, _) in lesson.FORMATS.items():
           f"below half the smallest subnormal: 0; above the largest: {got['above_max']}")
 
 # %% [markdown]
-# The right panel is the whole story of low precision in one picture. Inside its normal range every format keeps
-# the same *relative* error whatever the magnitude — $2^{-24}$ for fp32, $2^{-8}$ for bf16 (0.4%), $2^{-11}$ for fp16,
-# 6% and 12% for the FP8 formats — and outside it the error climbs to 100% (a value flushed to 0) or to infinity.
-# bf16 is fp32 with 16 mantissa bits cut off: the same 8 exponent bits, the same range ($10^{\pm 38}$), about 2.4
-# significant decimal digits instead of 7.2. fp16 spends more bits on precision and has a range of only 40 binades, from $6 \cdot 10^{-8}$ to
-# 65,504. E4M3 spans 18 binades, E5M2 32. (torch's cast to `float8_e4m3fn` saturates at 448 on this build — there
-# is no infinity to round to — while fp16 and E5M2 overflow to inf.)
+# Right panel: inside its normal range every format keeps the same *relative* error whatever the magnitude —
+# $2^{-24}$ for fp32, $2^{-8}$ for bf16 (0.4%), $2^{-11}$ for fp16, 6% and 12% for the FP8 formats — and outside it
+# the error climbs to 100% (flushed to 0) or to infinity. bf16 is fp32 with 16 mantissa bits cut off: the same range
+# ($10^{\pm 38}$), about 2.4 significant decimal digits instead of 7.2. fp16 spans only 40 binades, $6 \cdot 10^{-8}$
+# to 65,504; E4M3 18, E5M2 32. (torch's cast to `float8_e4m3fn` saturates at 448 on this build; fp16 and E5M2
+# overflow to inf.)
 #
-# **Takeaway:** a format is a window of binades with a fixed relative precision inside. What goes wrong in low
-# precision is a value outside its window (too small: flushed to zero; too large: inf), or an update smaller than
-# half a step of the number it is added to.
+# **Takeaway:** a format is a window of binades with a fixed relative precision inside. Low precision fails on a
+# value outside the window (flushed to zero, or inf), or an update smaller than half a step of its number.
 #
 # ## 2. fp16: gradients below the window, and loss scaling
 #
-# The gradient of a mean loss over $n_\text{tok}$ tokens gives each token a $1/n_\text{tok}$ share of every gradient. A step of a real
-# LLM holds $10^5$ to $10^7$ tokens (Llama 3 405B started at 4 M), so each token's contribution to an activation's
-# gradient is tiny; where it falls below fp16's smallest normal ($2^{-14} \approx 6 \cdot 10^{-5}$) it loses bits, below half its
-# smallest subnormal ($2^{-25}$) it becomes zero, and zero gradients propagate backwards as zeros. Micikevicius et al.
-# (2017, section 3.2) found this in real networks; the fix is to multiply the loss by $S$ before the backward pass,
-# which moves every gradient up by $\log_2 S$ binades, and to divide by $S$ in fp32 before the update.
+# A mean loss over $n_\text{tok}$ tokens gives each token a $1/n_\text{tok}$ share of every gradient. A real LLM step
+# holds $10^5$ to $10^7$ tokens (Llama 3 405B started at 4 M), so below fp16's smallest normal ($2^{-14} \approx 6
+# \cdot 10^{-5}$) a contribution loses bits, below half its smallest subnormal ($2^{-25}$) it becomes zero, and zeros
+# propagate backwards. The fix (Micikevicius et al. 2017, section 3.2): multiply the loss by $S$ before backward,
+# moving every gradient up $\log_2 S$ binades, and divide by $S$ in fp32 before the update.
 #
-# Our model is small, our steps are small. To see what fp16 sees in a real run we train MINI (picotron's tiny
-# preset cut to 2 layers of width 64, 0.13 M parameters) on micro-batches of 256 tokens and divide each one's mean
-# loss by $V = 4096$: the gradient is then exactly that of **one micro-batch of a step of $V$ times more tokens**
-# (~$10^6$, a realistic step), as fp16 sees it. First the activation gradients themselves: every decoder submodule's
-# output gradient, one backward pass, captured by hooks — in fp32 (the true values), and then in two real fp16
-# backward passes, without scaling and with $S = 2^{16}$ (the dynamic scaler's starting value).
+# To see what fp16 sees in a real run we train MINI (the tiny preset cut to 2 layers of width 64, 0.13 M parameters)
+# on micro-batches of 256 tokens and divide each mean loss by $V = 4096$: the gradient is exactly that of **one
+# micro-batch of a step of $V$ times more tokens** (~$10^6$). First every decoder submodule's output gradient, captured
+# by hooks: in fp32 (the true values), then in fp16 without scaling and with $S = 2^{16}$ (the scaler's start).
 
 # %%
 g32 = lesson.activation_grads("fp32")
@@ -138,10 +127,10 @@ check("S = 2^16 moves them into the window", bands_s["zero"] < 0.01 and bands_s[
       f"scaled fp16 backward")
 
 # %% [markdown]
-# Now training. The same steps as `picotron.train`'s (the lr schedule, `schedule.run`, the global gradient norm,
-# the loss scale's update, `optimizer.step()` unless the gradients overflowed), with the loss divided by $V$, in
-# fp32, in fp16 without loss scaling (`--loss-scale none`) and in fp16 with dynamic loss scaling (the default).
-# fp16 here is the whole recipe: fp16 parameters and gradients, fp32 master weights and moments (section 3).
+# Now training, with `picotron.train`'s steps (lr schedule, global gradient norm, loss-scale update, no
+# `optimizer.step()` on overflow) and the loss divided by $V$: fp32, fp16 without loss scaling (`--loss-scale none`)
+# and fp16 with dynamic loss scaling (the default). fp16 is the whole recipe: fp16 parameters and gradients, fp32
+# master weights and moments (section 3).
 
 # %%
 runs = {"fp32": lesson.train_curve(st["fp16_steps"], v=lesson.V),
@@ -165,17 +154,14 @@ check("fp16 with dynamic loss scaling trains like fp32", worst < 5e-3 and not an
       f"to 2^-11), final {dyn['loss'][-1]:.3f} vs {ref['loss'][-1]:.3f}; no overflow at S = {dyn['final_scale']:g}")
 
 # %% [markdown]
-# Without scaling the run does not diverge: it learns from the gradients that survive, and the curve lags behind
-# fp32's for as long as it runs. With $S = 2^{16}$ the fp16 run is fp32's to within fp16's rounding. Note what the
-# fp32 master weights do here: the update is computed from the fp16 gradient divided by $S$ *in fp32*, so the
-# division cannot underflow.
+# Without scaling the run does not diverge: it learns from the gradients that survive, and lags behind fp32
+# throughout. With $S = 2^{16}$ it is fp32's to within fp16's rounding: the division by $S$ happens *in fp32*, on the
+# master weights' side, so it cannot underflow.
 #
-# **Dynamic loss scaling.** The right $S$ depends on the model and changes during training; too small loses
-# gradients, too large overflows (65,504 is fp16's largest number). So $S$ is found by trial: every step whose
-# gradients hold an inf or NaN is skipped (no update) and halves $S$; after `growth_interval` steps in a row without
-# one, $S$ doubles (torch's `GradScaler` and picotron's `LossScaler`: start at $2^{16}$, growth after 2,000 steps).
-# Here the rule at work from a deliberately absurd $S = 2^{30}$, on MINI's plain loss (no $V$), with a growth interval
-# of 10 steps so that growth shows within 40 steps:
+# **Dynamic loss scaling.** Too small an $S$ loses gradients, too large overflows (fp16's largest number is 65,504),
+# and the right one drifts, so $S$ is found by trial: a step whose gradients hold an inf or NaN is skipped and halves
+# $S$; `growth_interval` clean steps in a row double it (torch's `GradScaler`, picotron's `LossScaler`: start $2^{16}$,
+# growth after 2,000). Here from an absurd $S = 2^{30}$, on MINI's plain loss, with a growth interval of 10:
 
 # %%
 _common.show_source(precision.LossScaler.update)
@@ -199,13 +185,11 @@ check("S halves on every skipped step and doubles after 10 clean ones", S == rul
       f"after each of the {sum(sk)} skipped steps, doubled before step{'s' if len(grew) != 1 else ''} {grew}")
 
 # %% [markdown]
-# The first steps overflow one after the other, each halving $S$, until the gradients fit; from then on $S$
-# hovers below the largest value that fits, probing upwards every `growth_interval` steps and paying one skipped
-# step when it goes too far. With the default interval of 2,000 steps that costs about one step in 2,000.
+# The first steps overflow, each halving $S$, until the gradients fit; then $S$ hovers below the largest value that
+# fits, probing upwards every `growth_interval` steps at the cost of one skipped step (one in 2,000 by default).
 #
-# **Takeaway:** fp16 needs loss scaling because the gradients of a large-batch mean loss live below its window;
-# multiply the loss by $S$, divide in fp32, skip and halve on overflow. bf16, with fp32's exponent range, needs none —
-# which is why it replaced fp16 for LLM training wherever the hardware has it.
+# **Takeaway:** a large-batch mean loss's gradients live below fp16's window: multiply the loss by $S$, divide in
+# fp32, skip and halve on overflow. bf16, with fp32's exponent range, needs none, which is why it replaced fp16.
 #
 # ## 3. What each recipe keeps in memory, and sends
 #
@@ -218,8 +202,8 @@ check("S halves on every skipped step and doubles after 10 clean ones", S == rul
 # | bf16-params, fp16 | 2 | 2 | 4 (fp32 master) + 8 | 16 |
 #
 # Low-precision parameters do not shrink the model states: the optimizer needs an fp32 copy to add small updates
-# to. Why, in one line: the neighbours of 1.0 in bf16 are $1 - 2^{-8}$ and $1 + 2^{-7}$, so adding an update of
-# $3 \cdot 10^{-4}$ (a learning rate times Adam's ~unit step) to a bf16 weight of 1.0 changes nothing:
+# to. bf16's neighbours of 1.0 are $1 - 2^{-8}$ and $1 + 2^{-7}$, so an update of $3 \cdot 10^{-4}$ (a learning rate
+# times Adam's ~unit step) to a bf16 weight of 1.0 changes nothing:
 
 # %%
 w = torch.tensor(1.0, dtype=torch.bfloat16)
@@ -230,13 +214,11 @@ _common.show_source(precision.MasterWeights.step)
 
 # %% [markdown]
 # `MasterWeights` casts every gradient to fp32, steps the fp32 masters and rounds them into the bf16 (or fp16)
-# parameters, each a single call over all the tensors (`torch._foreach_*`: on a GPU a few fused kernels, not
-# hundreds of small ones); the fp32 gradients live only during the step. What low-precision parameters do buy: half the bytes wherever
-# parameters or gradients travel — ZeRO-3's gathers, the data-parallel all-reduce — and smaller activations.
-# The experiment: one step of each recipe on picotron's tiny preset (0.85 M parameters, 8 × 128 tokens), every
-# category of bytes measured (`run.model.memory()`, `metrics.optimizer_bytes`, the saved tensors the step engine
-# counts); then, on 2 processes, one step at dp = 2 with bucketed all-reduce and with ZeRO-3, each collective's
-# bytes counted by a `metrics.Recorder`.
+# parameters, each one `torch._foreach_*` call over all tensors (on a GPU a few fused kernels, not hundreds); the fp32
+# gradients live only during the step. What low-precision parameters buy: half the bytes wherever parameters or
+# gradients travel (ZeRO-3's gathers, the all-reduce), and smaller activations. The experiment: one step of each
+# recipe on the tiny preset (0.85 M parameters, 8 × 128 tokens), every category of bytes measured; then one step on
+# 2 processes at dp = 2, bucketed all-reduce and ZeRO-3, each collective's bytes counted by a `metrics.Recorder`.
 
 # %%
 mem = lesson.recipe_memory()
@@ -288,39 +270,30 @@ check("and data parallelism all-reduces bf16 gradients in half, bf16 autocast's 
       f"{half['dp2']['all_reduce']:,} bytes (bf16-params) vs {full['dp2']['all_reduce']:,} (fp32 and bf16 autocast)")
 
 # %% [markdown]
-# Every recipe holds 16 bytes per parameter of model states, split 4 + 4 + 8 or 2 + 2 + 12. What differs is the
-# activations — bf16 autocast keeps its matmuls' inputs in bf16 (plus a bf16 copy of each weight, lesson 01), bf16
-# parameters make those copies unnecessary — and the traffic: bf16 autocast moves fp32 parameters and gradients
-# through every collective, bf16-params half as many bytes.
+# Every recipe holds 16 bytes per parameter of model states, 4 + 4 + 8 or 2 + 2 + 12. What differs is the
+# activations (bf16 autocast keeps its matmuls' inputs in bf16, plus a bf16 copy of each weight, lesson 01; bf16
+# parameters need no copies) and the traffic: bf16 autocast moves fp32 through every collective, bf16-params half.
 #
-# FP8 saves fewer activation bytes than bf16 autocast over the same fp32 parameters. Its linears save what backward
-# needs in one byte (the E4M3 input and an E4M3 copy of the weight, `ctx.save_for_backward` in `picotron/fp8.py`),
-# where bf16 autocast saves a bf16 input and a bf16 weight copy; and `fp8_linear` returns its output in autocast's
-# dtype, bf16, as autocast's own matmuls do, so everything after a linear (attention's inputs, SwiGLU's product) is
-# saved in bf16 exactly as under bf16 autocast, and the fp32 tensors (the norms' inputs, the residual stream, the
-# loss) are the same in both (plus a 4-byte scale per saved FP8 operand).
-#
-# The "by dtype" line above counts it on the
-# same step: the bf16 bytes that were matmul inputs become about half as many one-byte ones (the check above holds
-# it). Had `fp8_linear` returned its *input's* dtype — fp32 here, from the norm or the residual stream — every tensor
-# after a linear would be saved in fp32, and FP8 would save more than bf16 autocast, not less.
+# FP8 saves fewer activation bytes than bf16 autocast: its linears save the E4M3 input and weight copy
+# (`ctx.save_for_backward` in `picotron/fp8.py`), one byte where autocast saves two, plus a 4-byte scale each, and
+# return bf16 as autocast does, so everything else is saved as under autocast. The "by dtype" line shows the bf16
+# matmul inputs become about half as many one-byte ones. Had `fp8_linear` returned its *input's* dtype (fp32 here),
+# every tensor after a linear would be saved in fp32, and FP8 would save more than autocast, not less.
 #
 # **Takeaway:** mixed precision is about speed, activations and bandwidth; the model states stay at 16 bytes per
 # parameter, and only sharding (ZeRO) divides them.
 #
 # ## 4. FP8: per-tensor scales, E4M3 forward, E5M2 backward
 #
-# FP8's window is narrow: 18 binades for E4M3, 32 for E5M2, at 6% and 12% precision. No fixed window fits every
-# tensor, so each operand of an FP8 matmul is multiplied by its own scale before the cast, and the product divided
-# by both scales afterwards (`picotron/fp8.py`, current scaling):
+# FP8's windows are narrow (section 1), so each operand of an FP8 matmul is multiplied by its own scale before the
+# cast, and the product divided by both scales afterwards (`picotron/fp8.py`, current scaling):
 #
 # $$\sigma = \frac{f_{\max}}{\max|t|}, \qquad t_q = \text{fp8}\big(\text{clamp}(t \cdot \sigma, \pm f_{\max})\big), \qquad
 # x\,w^\top \approx \frac{x_q\, w_q^\top}{\sigma_x\, \sigma_w}$$
 #
-# so the largest element lands on the format's largest number (448 or 57,344) and the rest use the binades below it.
-# Three real tensors of MINI after 10 training steps — the input of layer 1's `down_proj` (an activation: the
-# SwiGLU product), its weight, and the gradient arriving at its output — quantized with and without the scale, in
-# each format:
+# so the largest element lands on the format's largest number (448 or 57,344). Three tensors of MINI after 10 steps
+# (layer 1's `down_proj` input, the SwiGLU product; its weight; the gradient at its output), quantized with and
+# without the scale, in each format:
 
 # %%
 _common.show_source(fp8.quantize)
@@ -360,23 +333,17 @@ check("gradients spread over more binades than activations", spread["gradient"] 
       f"{E4['binades']:.0f}, E5M2's: {E5['binades']:.0f})")
 
 # %% [markdown]
-# Within one tensor, after scaling, the spread of values is small here (the "binades" column): E4M3's 18 binades
-# hold all three tensors, and at twice E5M2's precision. So why E5M2 for gradients? Because of the right panel:
-# across layers and over training, the gradients' scale moves over many more binades than the activations' — a
-# gradient tensor's amax can fall by orders of magnitude within a few steps (and jump, as at the spike above).
+# After scaling, E4M3's 18 binades hold all three tensors (the "binades" column), at twice E5M2's precision. Why
+# E5M2 for gradients, then? The right panel: over layers and steps the gradients' scale moves over many more binades
+# than the activations'. The original FP8 recipes (Micikevicius et al. 2022; Transformer Engine's "HYBRID") used
+# *delayed* scaling, from past steps' amaxes, and E5M2's 14 extra binades keep a tensor whose amax fell since from
+# underflowing. With *current* scaling (ours: each tensor's own, each call) the margin matters less: DeepSeek-V3
+# (section 3.3) uses E4M3 everywhere (section 5). Unscaled, the gradient (amax below $2^{-10}$, half E4M3's smallest
+# subnormal) falls out of E4M3.
 #
-# The
-# original FP8 recipes (Micikevicius et al. 2022; Transformer Engine's "HYBRID" format) used *delayed* scaling,
-# a scale taken from the amaxes of past steps: a tensor whose amax fell since then sits lower in the window than
-# the scale expects, and E5M2's 14 extra binades are the margin that keeps it from underflowing. With *current*
-# scaling (ours: the scale of this very tensor, each call) the margin matters less — DeepSeek-V3 (section 3.3)
-# uses E4M3 for every tensor, with one scale per 1 × 128 tile of activations and per 128 × 128 block of weights.
-# And without any scale (the "no scale" columns) the gradient, whose amax (printed) lies below half E4M3's smallest
-# subnormal, $2^{-10}$, falls out of E4M3's window altogether.
-#
-# The FP8 linear layer: the three matmuls of $y = x W^\top$ with E4M3 operands forward and an E5M2 gradient
-# backward. On this CPU the matmul is simulated, exactly: the FP8 operands are cast back to fp32 and multiplied
-# (a product of two FP8 numbers is exact in fp32); on an H100 `torch._scaled_mm` runs it on the FP8 tensor cores.
+# The FP8 linear layer: the three matmuls of $y = x W^\top$, E4M3 operands forward, an E5M2 gradient backward. On
+# this CPU they are simulated exactly (FP8 operands cast back to fp32: a product of two FP8 numbers is exact in fp32);
+# on an H100 `torch._scaled_mm` runs them on the FP8 tensor cores.
 
 # %%
 x2, g2 = tensors["activation"].flatten(0, 1), tensors["gradient"].flatten(0, 1)
@@ -391,9 +358,8 @@ check("fp8_linear's error is FP8's", all(e < 0.15 for e in errs["fp8"]) and all(
       f"{E4['u']:.4f} / u_E5M2 = {E5['u']:.3f}, far above bf16's {max(errs['bf16']):.4f}")
 
 # %% [markdown]
-# A per-matmul error of a few percent sounds alarming; it is noise with no bias, and training averages it away.
-# `--dtype fp8` on MINI (the decoder layers' seven linears in FP8; embedding, head, norms and attention in higher
-# precision, as DeepSeek-V3 keeps them) against bf16 autocast and fp32:
+# A few percent per matmul is unbiased noise that training averages away. `--dtype fp8` on MINI (the decoder's seven
+# linears in FP8; embedding, head, norms and attention in higher precision, as in DeepSeek-V3) against bf16 and fp32:
 
 # %%
 curves = {"fp32": fp32_run, "bf16": lesson.train_curve(st["fp8_steps"], dtype="bf16"),
@@ -408,11 +374,9 @@ check("FP8 training follows fp32", dev["fp8"] < 3e-2 and curves["fp8"]["loss"][-
       f"({curves['fp8']['loss'][0]:.2f} → {curves['fp8']['loss'][-1]:.3f})")
 
 # %% [markdown]
-# On this CPU the FP8 run is slower, not faster: the simulation casts and multiplies in fp32. On an H100 the
-# decoder's matmuls would run at up to twice the bf16 rate (the datasheet's ratio: not measured here, no GPU was lent
-# for this edition); a whole step gains less — the casts, the amax
-# reductions and everything kept in bf16 do not speed up — and the gain grows with the model, whose time the
-# large matmuls dominate more and more.
+# Here FP8 is slower (the simulation works in fp32). On an H100 the decoder's matmuls would run at up to twice the
+# bf16 rate (datasheet ratio, unmeasured); a step gains less (casts, amax reductions and the bf16 parts do not speed
+# up), and more as the model grows and its large matmuls dominate.
 #
 # **Takeaway:** FP8 works because each tensor gets its own scale; E4M3 where precision matters, E5M2 where the
 # range must absorb a stale scale; the rest of the model stays in higher precision.
@@ -420,35 +384,29 @@ check("FP8 training follows fp32", dev["fp8"] < 3e-2 and curves["fp8"]["loss"][-
 # %% [markdown]
 # ## 5. Fine-grained FP8: a scale per 1 × 128 tile (DeepSeek-V3)
 #
-# One scale per tensor lets the largest element decide where every other one lands. LLM activations have outliers:
-# a few feature channels tens to hundreds of times larger than the rest (Dettmers et al. 2022, "LLM.int8()"; Xiao et
-# al. 2023, "SmoothQuant"), and single tokens — often the first — with "massive activations" thousands of times
-# larger (Sun et al. 2024). DeepSeek-V3 (section 3.3.2, "Fine-Grained Quantization") gives each **1 × 128 tile** of
-# an activation or gradient (one token, 128 consecutive channels) and each **128 × 128 block** of a weight its own
-# scale, computed from that tile alone:
+# One scale per tensor lets the largest element decide where all others land, and LLM activations have outliers: a
+# few channels tens to hundreds of times larger than the rest (Dettmers et al. 2022, "LLM.int8()"; Xiao et al. 2023,
+# "SmoothQuant"), single tokens, often the first, thousands of times larger (Sun et al. 2024). DeepSeek-V3 (section
+# 3.3.2) gives each **1 × 128 tile** of an activation or gradient (one token, 128 channels) and each **128 × 128
+# block** of a weight its own scale:
 #
 # $$d = \frac{\max_{\text{tile}} |t|}{448}, \qquad t_q = \text{E4M3}\big(t / d\big), \qquad
 # x W^\top \approx \sum_{j=1}^{\lceil K/128 \rceil} \big(x_{q,j}\, W_{q,j}^\top\big) \cdot d_{x,j}\, d_{W,j}$$
 #
-# ($d$ is the *dequantizing* factor, $t \approx t_q\,d$: the reciprocal of section 4's $\sigma$.) The sum runs over
-# the slices $j$ of 128 along the contraction axis $K$: since the scales change every 128 elements of $K$, the product
-# is assembled slice by slice, each slice's partial sum multiplied by its two scales and added to an fp32
-# accumulator. That is also DeepSeek's fix for a hardware limit ("Increasing Accumulation Precision"): Hopper's FP8
-# tensor cores keep only about 14 bits of their running sum (measured on H800), so DeepSeek's kernel copies the
-# partial sum to fp32 registers on the CUDA cores every $N_C = 128$ products — the **promotion interval**.
+# ($d$ is the *dequantizing* factor, $t \approx t_q\,d$, the reciprocal of section 4's $\sigma$.) The scales change
+# every 128 elements of the contraction axis $K$, so the product is assembled slice by slice, each partial sum times
+# its two scales, added to an fp32 accumulator. That also fixes a hardware limit ("Increasing Accumulation
+# Precision"): Hopper's FP8 tensor cores keep about 14 bits of their running sum (measured on H800), so DeepSeek's
+# kernel copies it to fp32 registers every $N_C = 128$ products, the **promotion interval**.
 #
-# With a
-# window per tile, E4M3's finer rounding serves every tensor, gradients included: "we adopt the E4M3 format on all
-# tensors for higher precision". The backward needs tiles along whatever axis it contracts: dgrad ($g\,W$, over the
-# output channels) takes $g$ in 1 × 128 tiles; wgrad ($g^\top x$, over the tokens) takes $g$ and $x$ in **128 × 1**
-# tiles — 128 tokens of one channel — and DeepSeek obtains $x$'s by dequantizing the saved 1 × 128 tiles, transposing
-# and re-quantizing them (section 3.5.2). `picotron/fp8_blockwise.py` does exactly this; `--dtype fp8 --fp8-recipe
-# blockwise` trains with it. MINI's widths (64, 192) are not multiples of 128: the last tile of a row is shorter and
-# is scaled on its own.
+# With a window per tile, E4M3 serves every tensor, gradients included ("we adopt the E4M3 format on all tensors").
+# Backward tiles along the axis it contracts: dgrad ($g\,W$) takes $g$ in 1 × 128 tiles; wgrad ($g^\top x$, over the
+# tokens) takes $g$ and $x$ in **128 × 1** tiles, $x$'s obtained by dequantizing the saved 1 × 128 tiles, transposing
+# and re-quantizing (section 3.5.2). `picotron/fp8_blockwise.py` does this; `--dtype fp8 --fp8-recipe blockwise`
+# trains with it. MINI's widths (64, 192) are not multiples of 128: a row's last tile is shorter, scaled on its own.
 #
-# First, the lesson's own tensors of section 4, and the same activation with one outlier added — a token or a
-# channel multiplied by 10 to 10⁶ — quantized with one scale per tensor and per tile (the error is over the *other*
-# elements: what the outlier does to its neighbours):
+# First, section 4's tensors, and the activation with one outlier added (a token or a channel times 10 to 10⁶),
+# quantized with one scale per tensor and per tile; the error is over the *other* elements:
 
 # %%
 _common.show_source(fp8_blockwise.quantize_tiles)
@@ -506,22 +464,20 @@ check("promotion every 128 products bounds the limited accumulator", acc[-1]["ne
       f"{min(r['promoted'] for r in acc):.1e} to {max(r['promoted'] for r in acc):.1e}); fp32 {acc[-1]['fp32']:.1e}")
 
 # %% [markdown]
-# Three things to read off. A float format is forgiving: up to about $10^3$–$10^4$ the outlier only pushes the
-# other elements down the window, and they keep their 3 mantissa bits — unlike INT8's uniform grid, where a 100×
-# outlier leaves the others with a bit or two (the case LLM.int8() and SmoothQuant were written for). Past E4M3's
-# span (448 down to $2^{-9}$: 17.8 binades) one scale per tensor flushes the rest, and per-tensor E5M2 survives only
-# by trading precision for range; 1 × 128 tiles keep E4M3's error for the other tokens because a token outlier is
-# alone in its tiles.
+# A float format is forgiving: up to about $10^3$–$10^4$ the outlier only pushes the other elements down the window,
+# and they keep their 3 mantissa bits (INT8's uniform grid would leave them a bit or two: the case LLM.int8() and
+# SmoothQuant address). Past E4M3's span (448 down to $2^{-9}$: 17.8 binades) one scale per tensor flushes the rest,
+# and per-tensor E5M2 survives only by trading precision for range; 1 × 128 tiles keep E4M3's error for the other
+# tokens because a token outlier is alone in its tiles. A channel outlier sits in one tile of *every* token, and only
+# each row's other tiles are spared (SmoothQuant moves such scales into the weight).
 #
-# A channel outlier is not: it sits in one tile of *every* token, and only the other tiles of each
-# row are spared (SmoothQuant's migration of the scale into the weight is the remedy for that). Right panel: a
-# 14-bit accumulator (modelled: it chops what it cannot hold, with positive products, the worst case) drifts in
-# proportion to $K$; restarted every 128 products and summed in fp32, its error stays at the level of one slice
-# whatever $K$ is. DeepSeek reports about 2% for $K = 4096$ on H800 without promotion; the model is not their
-# hardware, only its mechanism.
+# Right panel: a 14-bit accumulator (modelled: it chops what it cannot hold; positive products, the worst case)
+# drifts in proportion to $K$; restarted every 128 products and summed in fp32, its error stays at one slice's,
+# whatever $K$. DeepSeek reports about 2% at $K = 4096$ on H800 without promotion; the model shows the mechanism,
+# not their hardware.
 #
-# What tiles cost: one fp32 scale per 128 one-byte elements, $4/128 = 3.1\%$ more activation bytes ($4\lceil K/128
-# \rceil / K$ with a ragged tail), and $4/128^2$ for the weights. And the training curves, same seed, same batches:
+# Tiles cost one fp32 scale per 128 one-byte elements, $4/128 = 3.1\%$ more activation bytes ($4\lceil K/128 \rceil
+# / K$ with a ragged tail), $4/128^2$ for weights. The training curves, same seed, same batches:
 
 # %%
 curves["fp8-blockwise"] = lesson.train_curve(st["fp8_steps"], dtype="fp8", fp8_recipe="blockwise")
@@ -552,23 +508,19 @@ check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_byt
       f"{wd.numel() * wd.element_size()} bytes")
 
 # %% [markdown]
-# Per matmul the fine-grained recipe is the more accurate one on these tensors (the gradients' errors above: E4M3
-# instead of E5M2, and a scale per tile), even after wgrad's dequantize-and-requantize of $x$. In training the two
-# FP8 recipes drift from fp32 by amounts of the same order, a percent or so, most at a loss spike where any
-# perturbation is amplified (the worst step printed): a 0.13 M-parameter model on one seed cannot rank them, and
-# without outliers (the tensors' spread is a few binades, section 4) one scale per tensor already fits.
+# Per matmul the fine-grained recipe is the more accurate on these tensors (E4M3 gradients, a scale per tile), even
+# after wgrad's requantized $x$. In training both FP8 recipes drift from fp32 by a percent or so, most at a loss spike
+# (the worst step printed): a 0.13 M-parameter model on one seed cannot rank them, and without outliers one scale per
+# tensor already fits. Tiles pay where outliers live, in large models over long runs: DeepSeek validated the recipe
+# against bf16 on two smaller MoE models over about 10¹² tokens (relative loss difference below 0.25%, section 3.3,
+# appendix B.1), then trained DeepSeek-V3 (671 B parameters) with it.
 #
-# Tiles pay
-# where outliers live, in large models and over long runs: DeepSeek validated the recipe against bf16 on two smaller
-# MoE models over about 10¹² tokens (relative loss difference below 0.25%, section 3.3 and appendix B.1), then trained
-# DeepSeek-V3 (671 B parameters) with it. On a Hopper GPU `torch.nn.functional.scaled_mm` computes blockwise products
-# (scales `BlockWise1x128` and `BlockWise128x128`); picotron calls it for the three GEMMs when the shapes are
-# multiples of 128 — code that no GPU has run yet, so neither its correctness on the device nor any speed is
-# measured (`./run.sh gpu-check` on a pod compares it with the simulation).
+# On Hopper, `torch.nn.functional.scaled_mm` computes blockwise products (`BlockWise1x128`, `BlockWise128x128`);
+# picotron calls it for the three GEMMs when shapes are multiples of 128. No GPU has run that code yet: correctness
+# and speed unmeasured (`./run.sh gpu-check` on a pod compares it with the simulation).
 #
-# **Takeaway:** a scale per 1 × 128 tile confines an outlier to its own tile, which lets E4M3 serve every tensor;
-# the scales change along $K$, so the product is summed slice by slice — and promoting each slice to fp32 is also what
-# rescues the tensor cores' short accumulator.
+# **Takeaway:** a scale per 1 × 128 tile confines an outlier to its tile, so E4M3 serves every tensor; the product
+# is summed slice by slice along $K$, and promoting each slice to fp32 also rescues the tensor cores' short accumulator.
 
 # %% [markdown]
 # ## 6. Why attention is memory-bound, and how tiling cuts its traffic
@@ -580,29 +532,28 @@ check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_byt
 # $$\text{naive} = \text{elem}\,(2basd + 2ba_\text{kv}sd + 4bas^2), \qquad \text{FLOPs} = 4bas^2d
 # \;\Rightarrow\; \text{intensity} \to \frac{d}{\text{elem}} \text{ FLOP/byte}.$$
 #
-# At $d = 128$ in bf16 that is 64 FLOPs per byte, against the ~295 an H100 needs to keep its tensor cores busy
-# (989 TFLOP/s / 3.35 TB/s): memory-bound, whatever $s$. FlashAttention (Dao et al. 2022; Dao 2023) never writes $S$:
-# one tile of $B_q$ queries stays in fast on-chip memory while the key and value tiles stream past, merged by the
-# **online softmax** (Milakov and Gimelshein 2018): keep a running max $\mu$, a running sum $l$ and an unnormalised
-# output, and rescale both by $e^{\mu - \mu'}$ whenever a new tile raises the max:
+# At $d = 128$ in bf16 that is 64 FLOPs per byte, against the ~295 an H100 needs (989 TFLOP/s / 3.35 TB/s):
+# memory-bound, whatever $s$. FlashAttention (Dao et al. 2022; Dao 2023) never writes $S$: a tile of $B_q$ queries
+# stays on chip while the key and value tiles stream past, merged by the **online softmax** (Milakov and Gimelshein
+# 2018): keep a running max $\mu$, a running sum $l$ and an unnormalised output, and rescale both by $e^{\mu - \mu'}$
+# whenever a new tile raises the max:
 
 # %%
 _common.show_source(kernels._flash_forward, "for q0 in range", "lse[..., q0:q1]")
 
 # %% [markdown]
-# This is FlashAttention-2's loop order (Dao 2023): each query tile reads its $Q$ once, the K/V tiles it sees, and
-# writes $O$ and one log-sum-exp per row, so the traffic grows as $s^2/B_q$ instead of $s^2$. (FlashAttention-1, Dao
-# et al. 2022, Algorithm 1, loops over K/V tiles outside and reads and rewrites each $O$ tile once per K/V tile.)
-# With grouped-query attention it also matters who loads a K/V tile: `flash_attention` handles the $a/a_\text{kv}$
-# query heads of a group together, once per KV head; the Triton kernel (`picotron/flash_triton.py`), like
-# FlashAttention-2, runs one program per (query tile, query head), each loading its own copy.
+# This is FlashAttention-2's loop order (Dao 2023): each query tile reads its $Q$ once and the K/V tiles it sees,
+# and writes $O$ and one log-sum-exp per row, so traffic grows as $s^2/B_q$, not $s^2$. (FlashAttention-1, Dao et al.
+# 2022, Algorithm 1, loops over K/V tiles outside, rewriting each $O$ tile once per K/V tile.) With grouped-query
+# attention, who loads a K/V tile matters: `flash_attention` handles a group's $a/a_\text{kv}$ query heads together,
+# once per KV head; the Triton kernel (`picotron/flash_triton.py`), like FlashAttention-2, runs one program per
+# (query tile, query head), each loading its own copy.
 #
 # The experiment: `attention_bytes` for a Llama-3-8B-like layer (32 query heads, 8 KV heads, $d = 128$, bf16, tiles
-# of 128) against $s$; the same count *measured* on `kernels.flash_attention` by a dispatch mode that watches which
-# tiles it loads (a cast of a slice of $Q$, $K$ or $V$) and what it writes back (a tile of $O$, a slice of lse); the
-# arithmetic intensity, K/V loaded per KV head and per query head, against this CPU's balance (its measured matmul
-# peak over its measured copy bandwidth) and the H100's; then our three implementations timed and their saved
-# activations counted.
+# of 128) against $s$; the same count *measured* on `kernels.flash_attention` by a dispatch mode that watches the
+# tiles it loads and writes; the intensity (K/V per KV head and per query head) against this CPU's balance (measured
+# matmul peak over copy bandwidth) and the H100's; then our three implementations timed, their saved activations
+# counted.
 
 # %%
 cfg = dict(b=1, a=32, kv=8, d=128, elem=2, block=128, label="32 heads, 8 KV heads, d = 128, bf16")
@@ -663,34 +614,27 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
       f"{', '.join(f'{r:.2f}x' for r in lin)}")
 
 # %% [markdown]
-# The tiled kernel moves far fewer bytes. At long $s$ both counts are dominated by their $s^2$ terms: the naive
-# $4bas^2$ elements against the tiled $2ba_\text{kv}d \cdot s^2/(2B_q)$ (causal: each query tile reads half the keys on
-# average), a ratio of $4aB_q/(a_\text{kv}d)$ = 16 for this layer, where the printed ratios level off. The bytes are
-# not only an estimate: the tiles `flash_attention` loads and the outputs it writes, watched op by op, equal
-# `attention_bytes` to the byte.
+# At long $s$ both counts are dominated by their $s^2$ terms: naive $4bas^2$ elements against tiled
+# $2ba_\text{kv}d \cdot s^2/(2B_q)$ (causal: each query tile reads half the keys on average), a ratio of
+# $4aB_q/(a_\text{kv}d)$ = 16 for this layer, where the printed ratios level off. The tiles `flash_attention` loads
+# and writes, watched op by op, equal `attention_bytes` to the byte.
 #
-# The intensity of the naive form tends to $d/\text{elem}$ = 64. The tiled one's depends on who loads K and V: once
-# per KV head it tends to $2aB_q/(a_\text{kv}\cdot\text{elem})$ = 512, once per query head (the Triton kernel,
-# FlashAttention-2) to $2B_q/\text{elem}$ = 128 — below the H100's ~295. Counted against main memory, a kernel with
-# one program per query head and $B_q = 128$ is still memory-bound in bf16. Larger query tiles raise the bound
-# (on-chip memory is the limit); K/V tiles that the GPU's cache serves to several programs of a group move it towards
-# the per-KV-head count (how far: unmeasured here).
+# The naive intensity tends to $d/\text{elem}$ = 64. The tiled one's depends on who loads K and V: once per KV head
+# it tends to $2aB_q/(a_\text{kv}\cdot\text{elem})$ = 512, once per query head (the Triton kernel, FlashAttention-2)
+# to $2B_q/\text{elem}$ = 128, below the H100's ~295: against main memory, one program per query head with
+# $B_q = 128$ is still memory-bound in bf16. Larger query tiles raise the bound (on-chip memory limits them); K/V
+# tiles the GPU's cache serves to several programs of a group move it towards the per-KV-head count (unmeasured).
 #
-# What the times show on this CPU, and what they would show on a GPU. A CPU core's balance point is low (a few FLOPs
-# per byte: its matmul peak is modest, its caches large), so here even the naive form is not starved by memory.
-# Expect `sdpa` (PyTorch's fused CPU kernel) to be the fastest, `eager` to fall behind as $s$ grows (it writes and
-# reads the $s^2$ scores, in fp32), and our `flash` — a readable loop over tiles in Python, each tile a handful of
-# small PyTorch ops — to pay per tile instead.
+# Times: a CPU core's balance is a few FLOPs per byte, so even the naive form is not starved here: `sdpa` (PyTorch's
+# fused kernel) is fastest, `eager` falls behind as $s$ grows ($s^2$ fp32 scores), and our `flash`, a Python loop of
+# small ops, pays per tile. On a GPU tiling in one kernel wins: FlashAttention-2 runs 3–10× faster than standard
+# PyTorch attention, up to 73% of an A100's peak (Dao 2023, section 4.1). Memory holds everywhere: `eager` saves the
+# $s\times s$ probabilities (×4 when $s$ doubles); `flash` and `sdpa` save $Q, K, V$, the output and one log-sum-exp
+# per row, and recompute them.
 #
-# On a GPU the same tiling in one kernel is what wins: FlashAttention-2
-# runs 3–10× faster than a standard PyTorch attention and reaches up to 73% of an A100's peak (Dao 2023, section
-# 4.1). What holds everywhere is the memory: `eager` saves the $s\times s$ probabilities for backward (quadrupling
-# when $s$ doubles), `flash` and `sdpa` only $Q, K, V$, the output and one log-sum-exp per row, and recompute the
-# probabilities in backward.
-#
-# **Takeaway:** count bytes, not FLOPs: an operation whose FLOPs per byte fall below the machine's balance runs at
-# memory speed. Tiling keeps the $s^2$ intermediates on chip; the online softmax makes the tiles mergeable. Whether
-# the tiled kernel then crosses the balance depends on its query tile and on how often it loads each K/V tile.
+# **Takeaway:** count bytes, not FLOPs: below the machine's balance an operation runs at memory speed. Tiling keeps
+# the $s^2$ intermediates on chip, the online softmax makes tiles mergeable; whether the kernel then crosses the
+# balance depends on its query tile and how often it loads each K/V tile.
 #
 # ## 7. Fused kernels: RMSNorm and SwiGLU
 #
@@ -698,10 +642,9 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 # element; written in PyTorch each op is a kernel that reads its inputs from memory and writes its output back. The
 # op-by-op RMSNorm forward moves $7Rh + 6R + h$ elements ($R$ rows of $h$): $x^2$ (read $Rh$, write $Rh$), its
 # mean ($Rh$ in, $R$ out), $+\epsilon$ and rsqrt ($2R$ each), $x \cdot \text{rstd}$ ($Rh + R$ in, $Rh$ out), $\cdot\, w$
-# ($Rh + h$ in, $Rh$ out). A fused kernel reads $x$ and $w$ and writes $y$ (and one rstd per row for backward):
-# $2Rh + h$. The experiment counts the plain ops' bytes with a dispatch mode, forward and backward, against what
-# the fused kernels in `picotron/kernels.py` read and write; checks `torch.compile`'s fused version against the
-# plain one; and times both.
+# ($Rh + h$ in, $Rh$ out). A fused kernel reads $x$ and $w$ and writes $y$ (and one rstd per row): $2Rh + h$. The
+# experiment counts the plain ops' bytes (dispatch mode, forward and backward) against `picotron/kernels.py`'s fused
+# kernels, checks `torch.compile`'s version against the plain one, and times both.
 
 # %%
 R = st["fused_rows"]
@@ -732,13 +675,12 @@ check("the plain RMSNorm's bytes are the formula's", traffic["rms_norm forward"]
       f"{traffic['rms_norm forward']['plain']:,} bytes counted op by op = 4·(7Rh + 6R + h), R = {R} rows, h = 1024")
 
 # %% [markdown]
-# Fusing cuts the RMSNorm forward's traffic about 3.5× and its backward's more (autograd's op-by-op backward
-# re-reads and re-writes every intermediate); SwiGLU, already two ops, gains less. These are memory-bound
-# operations, so on a GPU their time follows their bytes, and a fused kernel gains about what it saves in traffic
-# (Liger Kernel, Hsu et al. 2024, ships such kernels for LLM training). `torch.compile` writes fused kernels itself
-# — C++ loops here, Triton kernels on a GPU; the times above are this CPU's (the first call, not timed, compiles).
+# Fusing cuts the RMSNorm forward's traffic about 3.5× and its backward's more (autograd re-reads and re-writes
+# every intermediate); SwiGLU, already two ops, gains less. On a GPU a memory-bound op's time follows its bytes, so
+# a fused kernel gains about what it saves (Liger Kernel, Hsu et al. 2024, ships such kernels). `torch.compile`
+# writes fused kernels itself: C++ loops here, Triton on a GPU (the untimed first call compiles).
 #
-# `--compile` compiles every decoder layer of a training run. The same 2-layer MINI, with and without it:
+# `--compile` compiles every decoder layer of a training run. MINI with and without it:
 
 # %%
 compiled = {False: [], True: []}
@@ -760,10 +702,9 @@ check("--compile trains the same model", rel < 1e-5 and len(compiled[True][0]["l
       f"rounds in another order); the two compiled runs equal to the bit")
 
 # %% [markdown]
-# On a model this small a compiled step is not much faster: its time is Python and dispatch overhead, which
-# compiling trims, and the matmuls, which it does not change. On a GPU, where every small op between the matmuls
-# costs a kernel launch and a round trip through memory, compiling pays more; the first step pays the compilation
-# (seconds to minutes).
+# On a model this small a compiled step is not much faster: its time is dispatch overhead, which compiling trims,
+# and matmuls, which it does not change. On a GPU, where every small op costs a launch and a round trip to memory,
+# compiling pays more; the first step pays the compilation (seconds to minutes).
 #
 # **Takeaway:** fuse what is memory-bound; let the compiler do it where it can, write the kernel (Triton, CUDA)
 # where it cannot — attention was the case that needed a new algorithm, not just fusion.
@@ -792,26 +733,22 @@ check("self times partition the step", total <= 1.05 * prof["wall"],
       f"{1e3 * total:.0f} ms of self time within the {1e3 * prof['wall']:.0f} ms the profiled step took")
 
 # %% [markdown]
-# In the run above the matmuls dominate, as they should on a CPU, and attention (SDPA's fused CPU kernels, forward
-# and backward) and the elementwise ops and norms share most of the rest; the optimizer (its own ops, and the
-# `mul_`, `lerp_`, `addcdiv_` it calls, grouped here by name) is small for a model this size. On a GPU
-# the same profile (`ProfilerActivity.CUDA`) shows kernels on the device's timeline instead: the matmuls shrink
-# (tensor cores), so the memory-bound kernels — norms, activations, casts, the optimizer — take a larger share, which
-# is exactly what fusion and FP8's fewer bytes go after. Open `prof.export_chrome_trace(...)` in Perfetto to see the
-# step as a timeline.
+# The matmuls dominate, as they should on a CPU; attention (SDPA's fused kernels) and the elementwise ops and norms
+# share most of the rest; the optimizer (its ops and the `mul_`, `lerp_`, `addcdiv_` it calls, grouped by name) is
+# small at this size. On a GPU (`ProfilerActivity.CUDA`) the matmuls shrink (tensor cores), so the memory-bound
+# kernels (norms, activations, casts, the optimizer) take a larger share. `prof.export_chrome_trace(...)` opens in
+# Perfetto as a timeline.
 #
 # **Takeaway:** a profile, not a guess, says where a step's time goes: here the matmuls (whose FLOPs the profiler
-# counts as exactly 6 × linear parameters × tokens), then attention and the elementwise ops; on a GPU the
-# memory-bound kernels' share grows, and that share is what fusion and FP8's fewer bytes go after.
+# counts as exactly 6 × linear parameters × tokens); on a GPU the memory-bound kernels' share grows, and that share is
+# what fusion and FP8's fewer bytes go after.
 #
 # ## 9. Explore: a format, a tensor, a scale
 #
-# Pick a format, one of the model's tensors, and a scale $2^j$ it is multiplied by before the cast (the loss scale
-# for gradients, the per-tensor scale for FP8): its values' histogram over the format's window, and what the cast
-# does to them. Questions: what loss scale puts all of the section-2 gradients (loss / V) into fp16's normal range,
-# and what scale makes them overflow? Which tensors fit E4M3 with no scale at all? For the FP8 formats, what is the
-# error at the per-tensor scale $f_{\max}/\text{amax}$ (printed), and at half and twice it? (Widgets need a live
-# kernel; a static viewer shows the default only.)
+# Pick a format, one of the model's tensors, and a scale $2^j$ applied before the cast: its values' histogram over
+# the format's window, and what the cast does to them. What loss scale puts all section-2 gradients (loss / V) into
+# fp16's normal range, and what scale makes them overflow? Which tensors fit E4M3 unscaled? For FP8, what is the error
+# at the per-tensor scale $f_{\max}/\text{amax}$ (printed), and at half and twice it? (Widgets need a live kernel.)
 
 # %%
 VIEW = {"activation gradients (loss / V)": g32, "activation (down_proj input)": tensors["activation"],
@@ -846,23 +783,21 @@ check("the widget's default = section 2's measurement", abs(default_view["zero"]
 # ## 10. Exercises
 # Open `lessons/11_precision_and_kernels/exercise.py`:
 #
-# 1. `online_softmax_attention(q, k, v, block)` — attention over blocks of keys with a running max, a running sum
-#    and a rescaled accumulator, returning the output and the log-sum-exp. The checker compares with the softmax
-#    computed whole, for block sizes from 1 to more than the keys and for scores around ±1000; it names the block
-#    size and row, and recognises an accumulator (or sum) not rescaled when the max grows, a missing final division,
-#    lse without its max, and exp of unshifted scores overflowing.
+# 1. `online_softmax_attention(q, k, v, block)`: attention over blocks of keys with a running max, a running sum
+#    and a rescaled accumulator, returning the output and the log-sum-exp. Checked against the whole softmax for
+#    blocks from 1 to more than the keys and scores around ±1000; the checker names the block size and row, and
+#    recognises an accumulator (or sum) not rescaled, a missing final division, lse without its max, and overflow.
 #
-# 2. `update(scale, clean_steps, overflow, ...)` — one step of dynamic loss scaling. The checker runs sequences of
-#    steps against `precision.LossScaler`, names the first wrong step, and recognises a count of clean steps an
-#    overflow does not reset, growth one step late or early, and an overflowing step not skipped.
+# 2. `update(scale, clean_steps, overflow, ...)`: one step of dynamic loss scaling, run in sequences against
+#    `precision.LossScaler`; the checker names the first wrong step and recognises a clean-step count an overflow
+#    does not reset, growth one step late or early, and an overflowing step not skipped.
 #
-# 3. `quantize_e4m3(t)` — per-tensor current scaling into E4M3, checked bit for bit against `fp8.quantize`; the
-#    checker recognises a scale upside down, E5M2's maximum, and an all-zero tensor with an infinite scale.
+# 3. `quantize_e4m3(t)`: per-tensor current scaling into E4M3, bit for bit against `fp8.quantize`; the checker
+#    recognises a scale upside down, E5M2's maximum, and an all-zero tensor with an infinite scale.
 #
-# 4. `quantize_tiles(x, tile=128)` — section 5's 1 × 128 tiles: one dequantizing scale amax / 448 per tile, the last
-#    tile shorter, checked bit for bit against `fp8_blockwise.quantize_tiles`; the checker recognises scales of the
-#    wrong shape (tiles along the wrong axis, the ragged tail dropped), a scale upside down, the row's amax instead of
-#    the tile's, E5M2's maximum, and an all-zero tile.
+# 4. `quantize_tiles(x, tile=128)`: section 5's tiles, one dequantizing scale amax / 448 per tile, the last one
+#    shorter, bit for bit against `fp8_blockwise.quantize_tiles`; the checker recognises scales of the wrong shape
+#    (wrong axis, ragged tail dropped), upside down, from the row's amax, E5M2's maximum, and an all-zero tile.
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:
 
@@ -875,42 +810,39 @@ all_passed = checker.check()
 #
 # | | model states per parameter | what it buys | what it costs |
 # |---|---|---|---|
-# | fp32 | 4 + 4 + 8 | exactness, the reference | the slowest matmuls (an H100: 67 TFLOP/s, not 989), double the bytes on the wire |
-# | bf16 autocast (`--dtype bf16`) | 4 + 4 + 8 | bf16 matmuls; smaller activations | a bf16 copy of each weight; fp32 traffic |
-# | bf16 params (`bf16-params`) | 2 + 2 + 12 | half the bytes in every gather and all-reduce | a master copy in the optimizer |
-# | fp16 (`fp16`) | 2 + 2 + 12 | the same on hardware without bf16 | loss scaling, skipped steps |
-# | FP8 (`fp8`) | 4 + 4 + 8 here | up to 2× matmul rate (Hopper, Ada, Blackwell); 1-byte saved matmul inputs, bf16 outputs: fewer activation bytes than bf16 autocast (section 3) | per-tensor scales, casts; care with outliers |
-# | FP8 blockwise (`fp8 --fp8-recipe blockwise`) | 4 + 4 + 8 here | E4M3 for every tensor, an outlier confined to its 1 × 128 tile (section 5) | a scale per 128 elements (+3.1% activation bytes), the product summed per 128-slice |
-# | tiled attention | — | no $s^2$ memory or traffic | a hand-written kernel (FlashAttention) |
+# | fp32 | 4 + 4 + 8 | exactness, the reference | the slowest matmuls (H100: 67 TFLOP/s, not 989), twice the bytes on the wire |
+# | bf16 autocast (`--dtype bf16`) | 4 + 4 + 8 | bf16 matmuls, smaller activations | a bf16 copy of each weight; fp32 traffic |
+# | bf16 params (`bf16-params`) | 2 + 2 + 12 | half the bytes in every collective | a master copy |
+# | fp16 (`fp16`) | 2 + 2 + 12 | the same without bf16 hardware | loss scaling, skipped steps |
+# | FP8 (`fp8`) | 4 + 4 + 8 here | up to 2× matmul rate (Hopper, Ada, Blackwell); fewer activation bytes than bf16 (§3) | scales, casts; outliers |
+# | FP8 blockwise (`fp8 --fp8-recipe blockwise`) | 4 + 4 + 8 here | E4M3 everywhere, an outlier confined to its tile (§5) | +3.1% activation bytes, a sum per 128-slice |
+# | tiled attention | — | no $s^2$ memory or traffic | a hand-written kernel |
 # | fused norms and activations | — | fewer round trips to memory | a compiler, or a kernel to write |
 #
-# **When.** bf16 with fp32 master weights is the default for LLM training wherever the hardware has it; fp16 with
-# dynamic loss scaling where it does not (V100 and older). FP8 pays on Hopper and later at scale, where the matmuls
-# dominate and the casts hide behind them, with scales per tensor (or per block). Flash attention and fused kernels
-# are always on in practice (PyTorch's SDPA picks a flash kernel by itself on a GPU; `torch.compile` fuses the rest).
+# **When.** bf16 with fp32 master weights is the default wherever the hardware has it; fp16 with dynamic loss
+# scaling where it does not (V100 and older). FP8 pays on Hopper and later at scale, where the matmuls dominate and
+# the casts hide behind them. Flash attention and fused kernels are always on in practice (SDPA picks a flash kernel
+# on a GPU; `torch.compile` fuses the rest).
 #
-# **On a GPU: what each path costs, and why.** Measured on one H200 (torch 2.11, CUDA 13) with SmolLM-360M at
-# $s = 2048$, micro-batch 4, *before* this lesson's GPU paths were rewritten: `--dtype bf16` ran at 69,800 tokens/s
-# (25.9% of the measured matmul peak), level with transformers' Llama in the same loop (70,100); `--compile` 98,100
-# (1.41×: the elementwise ops between the matmuls fused, fewer launches and round trips); `--kernels triton` 1.08×
-# (two of those fusions, written by hand); `--dtype bf16-params` 0.89× — its fp32 master copy was updated one tensor at
-# a time, one optimizer call each, so hundreds of small launches per step ate what half the bytes saved; `--dtype fp8`
-# 0.44× — per-tensor scales computed, casts and fp32 matmul outputs moved as separate kernels, the fp32 outputs then
-# saved for backward; `--attn-impl flash` 0.011× — our plain-PyTorch tiles launch a handful of small kernels per tile.
+# **On a GPU: what each path cost, and why.** One H200 (torch 2.11, CUDA 13), SmolLM-360M at $s = 2048$,
+# micro-batch 4, *before* this lesson's GPU paths were rewritten: `--dtype bf16` 69,800 tokens/s (25.9% of the
+# measured matmul peak), level with transformers' Llama (70,100); `--compile` 98,100 (1.41×: the elementwise ops
+# fused); `--kernels triton` 1.08× (two of those fusions by hand); `--dtype bf16-params` 0.89× (the fp32 master copy
+# updated one tensor at a time: hundreds of small launches ate what half the bytes saved); `--dtype fp8` 0.44× (scales,
+# casts and fp32 outputs as separate kernels, the fp32 outputs saved for backward); `--attn-impl flash` 0.011× (a
+# handful of small kernels per tile).
 #
-# Each cause is now addressed in the code: the master copy is updated with a few foreach kernels over all tensors,
-# FP8's linears return bf16 and use `torch._scaled_mm` on sm89+, and `--attn-impl flash` runs a Triton kernel
-# (`picotron/flash_triton.py`: the tiles of section 10 in on-chip memory) on a GPU. None of this has run on a GPU yet
-# for this edition: `python benchmarks/mfu_table.py` measures every row again at the SmolLM-360M and 1.7B shapes,
-# beside transformers' Llama, with MFU of both the measured and the datasheet peak, in one command.
+# Each cause is now addressed (foreach kernels for the master copy; FP8 linears that return bf16 and use
+# `torch._scaled_mm` on sm89+; a Triton kernel, `picotron/flash_triton.py`, for `--attn-impl flash`), but unmeasured
+# on a GPU: `python benchmarks/mfu_table.py` measures every row again at the SmolLM-360M and 1.7B shapes, beside
+# transformers' Llama, with MFU of the measured and the datasheet peak.
 #
-# **What ours lacks.** Our FP8 is simulated on CPUs and uses `torch._scaled_mm` only on sm89+ GPUs (the blockwise
-# recipe `scaled_mm`'s blockwise scales on sm90 for shapes that are multiples of 128, never run on a GPU yet); it
-# scales per tensor or per DeepSeek-V3's tiles and blocks, not per 32 elements (Blackwell's MXFP8), keeps no amax
-# history, and does not have DeepSeek's other FP8 savings (FP8 activations cached between layers, FP8 dispatch in
-# the all-to-all). Our Triton flash attention follows FlashAttention-2's structure but not FlashAttention-3's Hopper
-# features (warp specialisation, asynchronous copies, FP8 attention), and its speed on a GPU is still to be measured.
-# Production stacks also fuse the cross-entropy with the LM head (so the logits never exist), RoPE, and the optimizer step.
+# **What ours lacks.** FP8 is simulated on CPUs and uses `torch._scaled_mm` only on sm89+ (the blockwise recipe's
+# sm90 path, for shapes that are multiples of 128, never run on a GPU); no per-32-element scales (Blackwell's MXFP8),
+# no amax history, none of DeepSeek's other FP8 savings (FP8 activations cached between layers, FP8 all-to-all
+# dispatch). The Triton flash attention follows FlashAttention-2, not FlashAttention-3's Hopper features (warp
+# specialisation, asynchronous copies, FP8), and its GPU speed is unmeasured. Production stacks also fuse the
+# cross-entropy with the LM head (the logits never exist), RoPE, and the optimizer step.
 #
 # **Sources.** IEEE 754-2019; Goldberg 1991, "What Every Computer Scientist Should Know About Floating-Point
 # Arithmetic"; Micikevicius et al. 2017, "Mixed Precision Training" (loss scaling, master weights); Micikevicius et
@@ -923,12 +855,10 @@ all_passed = checker.check()
 # and Transformer Engine FP8 primer; PyTorch's `torch.amp.GradScaler`; the Triton tutorials (fused softmax, layer
 # norm). Formulas and links: [the reference](../../docs/reference.md#precision-and-kernels).
 #
-# **Next:** on a GPU, `python benchmarks/kernels_bench.py` times the same kernels and recipes against what you would
-# pick instead (paired rounds, ratios with quartiles; `--gpu-attention-only`: our Triton flash attention against
-# SDPA's), `python benchmarks/mfu_table.py` gives the MFU table above anew, and `--dtype`, `--attn-impl flash` and `--kernels` /
-# `--compile` switch them on in any training run; [the reference](../../docs/reference.md#precision-and-kernels)
-# collects the formulas checked here.
+# **Next:** on a GPU, `python benchmarks/kernels_bench.py` times these kernels and recipes against the alternatives
+# (paired rounds, ratios with quartiles; `--gpu-attention-only`: our Triton flash attention against SDPA's),
+# `python benchmarks/mfu_table.py` redoes the MFU table, and `--dtype`, `--attn-impl flash`, `--kernels` /
+# `--compile` switch them on in any training run.
 #
-# **Takeaway:** spend bits where the numbers need them — fp32 for the optimizer, bf16 or FP8 for the matmuls, a
-# scale to keep each tensor in its window — and spend trips to memory only where the data must go: tile, fuse, and
-# measure bytes as carefully as FLOPs.
+# **Takeaway:** spend bits where the numbers need them (fp32 for the optimizer, bf16 or FP8 for the matmuls, a scale
+# per tensor) and trips to memory only where data must go: tile, fuse, and measure bytes as carefully as FLOPs.
