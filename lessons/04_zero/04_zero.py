@@ -7,10 +7,9 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 04 — ZeRO: stop keeping n copies
 #
-# Lesson 03 ended on a bar chart: with data parallelism every rank keeps **all** the parameters, **all** the
-# gradients and **all** of AdamW's state — $n$ identical copies of $16\Psi$ bytes. ZeRO (Rajbhandari et al., 2020)
-# removes the redundancy in three stages, each sharding one more of the three over the $n$ ranks (symbols: the
-# course's [notation](../../docs/reference.md#notation)):
+# With data parallelism every rank keeps **all** the parameters, gradients and AdamW state: $n$ identical copies of
+# $16\Psi$ bytes (lesson 03's last chart). ZeRO (Rajbhandari et al., 2020) shards one more of the three over the
+# $n$ ranks at each of three stages ([notation](../../docs/reference.md#notation)):
 #
 # | stage | each rank keeps | bytes per rank (our fp32 recipe) | traffic per step |
 # |---|---|---|---|
@@ -19,14 +18,12 @@ edit this file, never the notebook.
 # | ZeRO-2 | also $\frac1n$ of the gradients | $4\Psi + (4\Psi + 8\Psi)/n$ | the same ≈ $2\Psi$ |
 # | ZeRO-3 | also $\frac1n$ of the parameters | $(4\Psi + 4\Psi + 8\Psi)/n$ | two all-gathers + a reduce-scatter ≈ $3\Psi$ |
 #
-# We build all three (`picotron/zero.py`, stage 3 in `picotron/zero3.py`), measure what each rank keeps and the
-# bytes every collective moves against these formulas, watch ZeRO-3's all-gathers hide behind compute — on this
-# CPU and over an emulated network link — race our ZeRO-3 against torch's FSDP2, and check that every stage trains
-# exactly like one process. Then ZeRO under a pipeline, and HSDP: ZeRO within a node, replicated across nodes. The
-# exercises make ZeRO-3 cheaper and ask you to plan a run under a memory budget.
+# We build all three (`picotron/zero.py`, `picotron/zero3.py`), measure memory and bytes against these formulas,
+# watch ZeRO-3's all-gathers hide behind compute (on this CPU and over an emulated link), race ZeRO-3 against
+# torch's FSDP2, and check that every stage trains like one process. Then ZeRO under a pipeline, HSDP, and Muon.
 #
-# The experiments are `lessons/04_zero/experiment.py`, launched with `torchrun` on 1, 2 and 4 processes.
-# `PICOTRON_FAST=1` gives a short run; the default settings are the real lesson.
+# The experiments are `lessons/04_zero/experiment.py`, launched with `torchrun` on 1, 2 and 4 processes
+# (`PICOTRON_FAST=1`: a short run).
 
 # %%
 import sys
@@ -53,9 +50,8 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': 
 # %% [markdown]
 # ## 1. The problem: model states do not fit
 #
-# Lesson 01 counted the model states of real models; here they are under each stage, per GPU, with the textbook
-# [mixed-precision recipe](../../docs/reference.md#model-states) (bf16 parameters and gradients, fp32 master weights
-# and Adam moments: $2\Psi + 2\Psi + 12\Psi$), on 8 and 64 GPUs:
+# Lesson 01's model states of real models, per GPU under each stage, with the
+# [mixed-precision recipe](../../docs/reference.md#model-states) ($2\Psi + 2\Psi + 12\Psi$), on 8 and 64 GPUs:
 
 # %%
 # Llama-3-70B is not a preset of ours (it would never be trained here); its shape, for the arithmetic:
@@ -70,22 +66,20 @@ for name, p in SIZES.items():
               "  ".join(f"{lesson.STAGE_NAMES[s]} {per[s]['total'] / 1e9:7.1f} GB" for s in range(4)))
 
 # %% [markdown]
-# Plain data parallelism needs Llama-3-8B's full 128 GB of model states on every GPU, however many GPUs there are:
-# no 80 GB GPU holds that. ZeRO-3 over 8 GPUs needs 16 GB on each (the lines above).
+# Plain data parallelism needs Llama-3-8B's 128 GB of model states on every GPU, however many there are; ZeRO-3
+# over 8 GPUs needs 16 GB on each.
 #
-# **Takeaway:** data parallelism's memory per GPU does not fall as GPUs are added; ZeRO's does. It pays in
-# communication, and most of this lesson is about why that price is small.
+# **Takeaway:** data parallelism's memory per GPU does not fall as GPUs are added; ZeRO's does, for some
+# communication — and this lesson shows why that price is small.
 #
 # ## 2. The idea
 #
-# **ZeRO-1.** After the all-reduce every rank holds the same gradient and takes the same AdamW step on the same
-# parameters: $n$ ranks do identical work on identical state. Instead, cut every parameter vector into $n$ chunks;
-# rank $r$ keeps Adam's moments only for chunk $r$, updates only chunk $r$, and then everybody exchanges the updated
-# chunks. AdamW is **elementwise**, so updating a chunk needs only that chunk's parameters, gradients and
-# moments — the result is exactly data parallelism's.
+# **ZeRO-1.** After the all-reduce, $n$ ranks take the same AdamW step on identical state. Instead, cut every
+# parameter vector into $n$ chunks; rank $r$ keeps Adam's moments for chunk $r$ only, updates it, and everybody
+# exchanges the updated chunks. AdamW is **elementwise**, so the result is exactly data parallelism's.
 #
-# The all-reduce was already a **reduce-scatter followed by an all-gather** (lesson 02). ZeRO-1 moves the
-# optimizer step *between* the two halves:
+# The all-reduce is a **reduce-scatter followed by an all-gather** (lesson 02); ZeRO-1 puts the optimizer step
+# *between* the two halves:
 #
 # ```
 # DP:      grads ──reduce-scatter──> chunk r summed ──all-gather──> full grads ──AdamW on all Ψ──> params
@@ -94,25 +88,23 @@ for name, p in SIZES.items():
 #
 # Same bytes ($\approx 2\Psi$ per rank), $\frac1n$ of the optimizer state and of the optimizer's arithmetic.
 #
-# **ZeRO-2.** After the reduce-scatter a rank only reads its own chunk of the gradient, so it need not keep the
-# rest: reduce-scatter each bucket as soon as backward has filled it, keep the chunk, drop the bucket.
+# **ZeRO-2.** A rank reads only its own chunk of the gradient: reduce-scatter each bucket as soon as backward
+# fills it, keep the chunk, drop the bucket.
 #
-# **ZeRO-3.** Between two uses, the parameters too are only needed as chunks. Keep $\frac1n$ of them; just before a
-# layer computes, **all-gather** its parameters, compute, and free them again. Backward needs them once more: a
-# second all-gather per layer. Hence $\approx 3\Psi$: two all-gathers of the parameters and one reduce-scatter of
-# the gradients. To hide the all-gathers, start the **next** layer's while the current one computes (prefetch).
+# **ZeRO-3.** Keep $\frac1n$ of the parameters too; **all-gather** a layer's parameters just before it computes,
+# then free them. Backward gathers them again: $\approx 3\Psi$ (two all-gathers, one reduce-scatter). To hide
+# them, gather the **next** layer while the current one computes (prefetch).
 #
-# **The flat view** (`FlatUnit`). Each unit (a bucket in stages 1–2, a transformer layer in stage 3) is one flat
-# vector: its tensors concatenated, padded with zeros to a multiple of $n$, cut into $n$ equal chunks. Chunks cut
-# across tensors, which is fine: AdamW does not care, and weight decay is decided per tensor piece.
+# **The flat view** (`FlatUnit`). Each unit (a bucket in stages 1–2, a layer in stage 3) is one flat vector: its
+# tensors concatenated, zero-padded to a multiple of $n$, cut into $n$ equal chunks. Chunks cut across tensors:
+# AdamW does not care, and weight decay is decided per tensor piece.
 
 # %%
 _common.show_source(zero.FlatUnit)
 
 # %% [markdown]
-# Our small model's ZeRO-3 units at dp = 3, cut by the `FlatUnit` above (built in this process: cutting runs no
-# collective). Three does not divide a layer's size, so each layer gets padding — a single element, invisible at
-# the scale of a whole unit, hence the zoom below it on the last positions of a layer:
+# Our small model's ZeRO-3 units at dp = 3 (cutting runs no collective). Three does not divide a layer's size, so
+# each layer gets one element of padding, hence the zoom on a layer's last positions:
 
 # %%
 layout = lesson.flat_layout(3)
@@ -126,10 +118,9 @@ for u in layout:
 #
 # ## 3. Read the code
 #
-# **Stages 1 and 2** (`ZeroDataParallel`): the buckets of lesson 03 (filled in backward order, each parameter a view of
-# its bucket), but when a bucket is complete the hook launches a **reduce-scatter** instead of an all-reduce. In stage
-# 1 the full gradient buffer stays (so gradient accumulation can add into it under `no_sync`); in stage 2 only the
-# chunk is kept, and every micro-batch reduce-scatters into it:
+# **Stages 1 and 2** (`ZeroDataParallel`): lesson 03's buckets, but a complete bucket launches a
+# **reduce-scatter** instead of an all-reduce. Stage 1 keeps the full gradient buffer (gradient accumulation adds
+# into it under `no_sync`); stage 2 keeps only the chunk, and every micro-batch reduce-scatters into it:
 
 # %%
 _common.show_source(zero.ZeroDataParallel._grad_ready)
@@ -138,10 +129,8 @@ _common.show_source(zero.ShardedGradSync._send_gradients)
 
 # %% [markdown]
 # The optimizer never sees a full tensor: `optimizer_groups()` hands AdamW 1-D views of this rank's chunk (one piece
-# per tensor it touches), with their gradients as views of the gradient chunk. The optimizer is a
-# `ShardedOptimizer`: its `step()` runs AdamW on those pieces and then all-gathers the updated chunks to everyone, in
-# place, into the buffers the model's parameters are views of — so the training loop calls the same
-# `optimizer.step()` as with data parallelism:
+# per tensor it touches). `ShardedOptimizer.step()` runs AdamW on those pieces, then all-gathers the updated chunks
+# in place into the buffers the parameters are views of — the training loop is unchanged:
 
 # %%
 _common.show_source(zero.ShardedGradSync.optimizer_groups)
@@ -151,12 +140,11 @@ print()
 _common.show_source(zero.ZeroDataParallel.gather_updated_params)
 
 # %% [markdown]
-# **Gradient clipping** needs the norm of the *whole* gradient, but each rank holds a chunk: sum the squared norms of
-# the chunks over the ranks (one all-reduce of one number), then scale every chunk — a classic source of silently
-# wrong training when forgotten ([reference](../../docs/reference.md#gradient-clipping-when-gradients-are-sharded)).
-# ZeRO does not clip by itself: it **marks** each of the optimizer's pieces as sharded over dp × cp, and the one
-# `marks.clip_grad_norm` every layout uses reads the marks — a marked gradient is summed over the ranks, an unmarked
-# (replicated) one counted on one rank only:
+# **Gradient clipping** needs the *whole* gradient's norm: all-reduce the chunks' squared norms (one number), then
+# scale every chunk; forgetting it trains silently wrong
+# ([reference](../../docs/reference.md#gradient-clipping-when-gradients-are-sharded)). ZeRO **marks** its pieces as
+# sharded over dp × cp; `marks.clip_grad_norm` sums a marked gradient over the ranks and counts an unmarked one on
+# one rank only:
 
 # %%
 _common.show_source(zero.ShardedGradSync._make_pieces)
@@ -164,12 +152,11 @@ print()
 _common.show_source(marks.clip_grad_norm)
 
 # %% [markdown]
-# **Stage 3** (`zero3.Zero3`): one unit per transformer layer plus a *root* unit (embedding, final norm, LM head). A
-# unit's flat buffer is freed by resizing its storage to 0 bytes and refilled by an all-gather; the parameters stay
-# views of it, so everything autograd saved keeps pointing at the right memory. Four hooks drive it: before a layer's
-# forward (gather it, prefetch the next), after it (free it; register a hook on its output's gradient), when the
-# gradient reaches the layer in backward (gather it again, prefetch the previous one), and when its last parameter
-# gradient is accumulated (reduce-scatter, free):
+# **Stage 3** (`zero3.Zero3`): one unit per layer plus a *root* unit (embedding, final norm, LM head). A unit's flat
+# buffer is freed by resizing its storage to 0 bytes and refilled by an all-gather; the parameters stay views of it,
+# so what autograd saved stays valid. Four hooks: before a layer's forward (gather, prefetch the next), after it
+# (free; hook its output's gradient), when backward reaches it (gather again, prefetch the previous), and after its
+# last parameter gradient (reduce-scatter, free):
 
 # %%
 _common.show_source(zero3.Zero3._use)
@@ -179,18 +166,15 @@ for hook in (zero3.Zero3._post_forward, zero3.Zero3._pre_backward, zero3.Zero3._
     print()
 
 # %% [markdown]
-# The root unit stays gathered from the start of the forward to the end of the backward (the LM head is the last
-# thing the forward uses and the first the backward needs — FSDP2 keeps its root the same way), so stage 3 all-gathers
-# $2\Psi - \Psi_\text{root}$ and reduce-scatters $\Psi$. The last *layer* gets no such favour: `_post_forward` frees
-# it, and the backward gathers it again at once (exercise 4 fixes that). Under ZeRO-3 **every forward is
-# collective**: evaluation and text generation must run on every rank, or the ranks that run them wait forever.
+# The root stays gathered from the forward's start to the backward's end (the LM head is used last in forward and
+# first in backward; FSDP2 does the same), so stage 3 all-gathers $2\Psi - \Psi_\text{root}$ and reduce-scatters
+# $\Psi$. The last *layer* is freed by `_post_forward` and gathered again at once (exercise 4 fixes that). Under
+# ZeRO-3 **every forward is collective**: evaluation and generation must run on every rank, or the others hang.
 #
-# **Who counts the bytes.** None of the code above counts or times anything. Every collective goes through the dp × cp
-# `Axis` the wrapper was given, and the experiments hand it `mesh.dp_cp.recorded(recorder)`: the same axis, with a
-# `metrics.Recorder` that adds up the bytes of every collective by kind (the whole buffer: an all-gather's output, a
-# reduce-scatter's input) and, given a timeline, records when each ran. `_use` and the hooks only name each layer's
-# forward and backward (`self.phases`, picotron.hooks); the timeline shows them where a listener is installed
-# (`hooks.watch(model, listener=recorder.phase)`):
+# **Who counts the bytes.** Every collective goes through the dp × cp `Axis`; the experiments pass
+# `mesh.dp_cp.recorded(recorder)`, whose `metrics.Recorder` sums each collective's whole buffer by kind and, given
+# a timeline, records when each ran. The hooks name each layer's forward and backward (`self.phases`), shown where
+# a listener is installed (`hooks.watch(model, listener=recorder.phase)`):
 
 # %%
 _common.show_source(Axis.reduce_scatter_into)
@@ -198,9 +182,8 @@ print()
 _common.show_source(metrics.Recorder.collective, "def collective", "self.log.append")
 
 # %% [markdown]
-# Each variant of the experiments is built as `picotron.train` builds a run, `parallelize(cfg, mesh,
-# recorder=...)`, and takes its steps the same way: forward, backward and the gradient sync, then clipping, the
-# optimizer step (ZeRO-1/2: with its all-gather) and `zero_grad`:
+# Each variant is built as `picotron.train` builds a run, `parallelize(cfg, mesh, recorder=...)`, and steps the same
+# way: forward, backward, gradient sync, clipping, optimizer step (ZeRO-1/2: with its all-gather), `zero_grad`:
 
 # %%
 _common.show_source(lesson.Variant.step, "batches =", "self.model.zero_grad")
@@ -212,10 +195,9 @@ _common.show_source(lesson.Variant.step, "batches =", "self.model.zero_grad")
 # ## 4. Run it
 #
 # ### (a) What every rank keeps, at dp = 2 and 4
-# Every stage (stage 0 is lesson 03's bucketed `DataParallel`) on its own copy of the model, one step of each in
-# turn. Each rank reports the bytes of parameters, gradients and optimizer state it holds (the wrappers' own
-# accounting, after the gradient sync), next to `planner.zero_model_state_bytes` (the formulas above). The same run
-# counts the bytes on the wire, in (b):
+# Every stage (stage 0: lesson 03's `DataParallel`) on its own copy of the model, one step each in turn. Each rank
+# reports the parameter, gradient and optimizer bytes it holds after the gradient sync, next to
+# `planner.zero_model_state_bytes`. The same run counts the bytes on the wire, in (b):
 
 # %%
 run("stages", nproc=2)
@@ -233,13 +215,11 @@ for n, res in stages.items():
 print("each cell: rank 0 measured (formula, worst relative difference over all ranks)")
 
 # %% [markdown]
-# Each measured bar matches its formula to within the worst difference printed in the table: what is left is
-# Adam's 4-byte step counters (and, where $n$ does not divide a unit, padding).
+# Each bar matches its formula within the worst difference printed: Adam's 4-byte step counters, and padding.
 #
-# Two things the formula leaves out. First, the **buffers in flight**, which do not shrink with $n$: ZeRO-2
-# reduce-scatters each gradient bucket from a flat copy and keeps up to two such copies in flight; ZeRO-3 holds whole
-# gathered layers while they compute (and, with prefetch, the next one), plus a layer's gradient buffer; the root
-# stays gathered throughout:
+# The formula leaves out two things. First, the **buffers in flight**, which do not shrink with $n$: ZeRO-2 keeps up
+# to two flat gradient buckets in flight; ZeRO-3 holds whole gathered layers while they compute (plus the prefetched
+# one) and a layer's gradient buffer; the root stays gathered throughout:
 
 # %%
 for n, res in stages.items():
@@ -253,19 +233,17 @@ for n, res in stages.items():
           f"{z3['mem_by_rank'][0]['params'] / MiB:.2f} MiB of parameter shards")
 
 # %% [markdown]
-# ZeRO-3's peak is three layers and twice the root: in backward, the layer computing, the one prefetched and the
-# layer's gradient buffer, and the root with its gradient buffer. Our model has only 4 layers, so three of them are
-# most of the model and ZeRO-3 looks its least impressive here; with 32 or 80 layers the same three are a small
-# fraction. Second, **activations** are not model states at all: ZeRO does not touch them (lesson 01's
-# recomputation and the next lessons' tensor, sequence and context parallelism do).
+# ZeRO-3's peak is three layers and twice the root: in backward, the layer computing, the one prefetched and a
+# gradient buffer, plus the root and its gradient. With our 4 layers that is most of the model; with 32 or 80 it
+# is a small fraction. Second, **activations**: ZeRO does not touch them (recomputation, lesson 01, and
+# tensor, sequence and context parallelism, lessons 05–06, do).
 #
-# **Takeaway:** the model states fall exactly as the formula says; what ZeRO adds is a few whole units in flight,
-# a constant that matters only when the model has few units.
+# **Takeaway:** the model states fall exactly as the formula says; ZeRO adds a few whole units in flight, which
+# matters only when the model has few units.
 #
 # ### (b) The bytes on the wire
-# The Recorder on each variant's axis counted the bytes of the buffers its collectives cover per step (DP's
-# all-reduce counted as the reduce-scatter plus all-gather a ring does), against `planner.zero_comm_elements`
-# (black lines):
+# The bytes each variant's collectives cover per step (DP's all-reduce counted as a ring's reduce-scatter plus
+# all-gather), against `planner.zero_comm_elements` (black lines):
 
 # %%
 lesson.plot_comm(stages); plt.show()
@@ -277,19 +255,17 @@ for n, res in stages.items():
               f"step {1e3 * row['median']:6.1f} ms (median)")
 
 # %% [markdown]
-# Stages 1 and 2 move exactly what data parallelism moves; stage 3 one more all-gather of every layer (the root
-# once). A ring sends $\frac{n-1}{n}$ of each buffer per rank, so the bytes per rank hardly depend on $n$.
+# Stages 1 and 2 move exactly what data parallelism moves; stage 3 one more all-gather of every layer. A ring sends
+# $\frac{n-1}{n}$ of each buffer per rank, so the bytes per rank hardly depend on $n$.
 #
-# **Takeaway:** ZeRO-1 and ZeRO-2 are free in bytes; ZeRO-3 costs about 1.5× data parallelism's traffic, and only
-# hiding it behind compute makes it cheap in time.
+# **Takeaway:** ZeRO-1 and ZeRO-2 are free in bytes; ZeRO-3 costs about 1.5× data parallelism's traffic, cheap in
+# time only if hidden behind compute.
 #
 # ### (c) ZeRO-3's timeline: prefetch on and off
 # Every rank records, for ZeRO-3 with and without prefetch (steps alternating), each layer's forward and backward
-# and each all-gather and reduce-scatter from launch to completion (the Recorder on the axis, listening to ZeRO-3's
-# phases on the same timeline). Without prefetch a layer's all-gather starts only when the layer is needed, and the
-# layer waits for it; with prefetch it was launched while the previous layer computed. Each rank computes more
-# tokens per step than in (a) (the first line printed), so that a layer computes for longer than its parameters take
-# to arrive. First on gloo alone:
+# and each collective from launch to completion. Without prefetch a layer waits for its all-gather; with prefetch
+# it was launched while the previous layer computed. Each rank computes more tokens than in (a) (first line
+# printed), so that a layer computes longer than its parameters take to arrive. First on gloo alone:
 
 # %%
 run("timeline")
@@ -314,30 +290,25 @@ gloo_gain = show_prefetch(tl["rows"], "gloo")
 lesson.plot_timeline(tl["rows"], title="ZeRO-3 on gloo, 2 processes on this CPU: one step of rank 0 (the last timed)"); plt.show()
 
 # %% [markdown]
-# How to read it: with prefetch the all-gather of layer $j+1$ (orange) sits under the forward of layer $j$ (blue),
-# and in backward the gather of layer $j-1$ under the backward of layer $j$ (green); the reduce-scatter of a layer's
-# gradients (red) runs under the next layer's backward. Without prefetch the orange bars sit *between* the compute
-# bars: every layer waits for its parameters. (gloo's reduce-scatter offers no completion callback, so its end is
-# only seen when we wait for it: those bars are paler and longer than the transfer.)
+# With prefetch the all-gather of layer $j+1$ (orange) sits under the forward of layer $j$ (blue), in backward the
+# gather of layer $j-1$ under the backward of layer $j$ (green), and a layer's reduce-scatter (red) under the next
+# layer's backward. Without prefetch the orange bars sit *between* the compute bars. (gloo's reduce-scatter has no
+# completion callback: its end is seen only when we wait, so those bars are paler and too long.)
 #
-# Now compare the two numbers in the last line printed: the gathering prefetch hid, and what the step gained — as
-# the difference between each variant's fastest step, the one the rest of this shared machine disturbed least (the
-# quartiles show how noisy a step is; the paired median is a second opinion). On this CPU expect the gain to be much
-# smaller than what was hidden, often nothing or less; the steps are noisy, so a single run can also show a gain by
-# chance (then the two estimates tend to disagree). The reason: gloo moves the bytes with the same two cores that
-# compute, so a hidden all-gather still slows the layer beside it. On a GPU the transfer has its own engine and
-# links, and the hidden time is saved.
+# The last line printed compares the gathering prefetch hid with what the step gained, between each variant's
+# fastest step (the least disturbed; the quartiles show the noise, the paired median is a second opinion). On this
+# CPU expect a much smaller gain than what was hidden, often none; a noisy run can show a gain by chance (then the
+# two estimates disagree). gloo moves the bytes with the same two cores that compute, so a hidden all-gather still
+# slows the layer beside it. On a GPU the transfer has its own engine and links, and the hidden time is saved.
 #
-# **Takeaway:** prefetch does hide the all-gathers on this CPU, but hiding is not saving when the transfer
-# competes with the compute for the same cores.
+# **Takeaway:** prefetch hides the all-gathers on this CPU, but hiding is not saving when the transfer competes
+# with the compute for the same cores.
 #
 # ### (c′) The same timeline over an emulated link
-# To see what a GPU would show, the same run again over an **emulated link** (`picotron/link.py`): every collective
-# still runs on gloo (the results are exact), but completes no earlier than a ring collective would on a link of the
-# given bandwidth and latency, and the waiting is a sleep that leaves the cores to the computation. The bandwidth is
-# chosen so that one layer's all-gather takes four fifths of the layer's forward, as measured in the gloo run above
-# (the first line below): short enough to hide behind the previous layer, slow enough that the real local transfer
-# is a small part of it:
+# The same run over an **emulated link** (`picotron/link.py`): every collective still runs on gloo (exact results)
+# but completes no earlier than a ring would on a link of the given bandwidth and latency, waiting in a sleep that
+# leaves the cores to compute. The bandwidth makes a layer's all-gather take four fifths of its forward as measured
+# above (first line below): short enough to hide, slow enough that the real local transfer is a small part:
 
 # %%
 link = tl["link"]
@@ -348,22 +319,19 @@ lesson.plot_timeline(tl["link_rows"], title=f"ZeRO-3 over an {link['label']} (co
                                            f"link's time): one step of rank 0"); plt.show()
 
 # %% [markdown]
-# Over the emulated link the picture is the textbook one. Without prefetch each layer stands idle for its whole
-# all-gather, forward and backward; with prefetch the all-gathers run under the previous layer's compute, and the
-# fastest step gains a large part of the gathering it hid (the last line printed; section 5 checks for at least a
-# quarter; on a busy machine both numbers are noisy, and the gain can even come out above what was hidden) —
-# compare that with the gloo run's line. Two gathers stay exposed even with prefetch: the first layer's at the
-# start of the forward (nothing computes before it) and the last layer's at the start of the backward, right after
-# its forward had freed it.
+# Here the picture is the textbook one: without prefetch each layer idles through its all-gather; with prefetch the
+# gathers run under the previous layer's compute and the fastest step gains a large part of what was hidden (last
+# line; section 5 checks for at least a quarter; on a busy machine the gain can even exceed it). Two gathers stay
+# exposed: the first layer's at the forward's start, and the last layer's at the backward's start, right after its
+# forward freed it.
 #
 # **Takeaway:** prefetch turns ZeRO-3's extra all-gathers into hidden work when the transfer does not compete with
 # compute — true on GPUs, emulated here; the last layer's re-gather is waste that exercise 4 removes.
 #
 # ### (d) Against torch's FSDP2
-# `torch.distributed.fsdp.fully_shard` is torch's ZeRO-3: one call per transformer layer and one on the model, the
-# same units as ours. Same model, same batches, one step of ours and one of FSDP2 alternately
-# (`benchmarks/zero_vs_fsdp.py`); the ratio of each round's step times is kept. Then each alone on two fresh ranks,
-# for the peak memory above the baseline (one process launches both runs):
+# `torch.distributed.fsdp.fully_shard` is torch's ZeRO-3, with our units (one call per layer, one on the model).
+# Same model and batches, one step of each alternately (`benchmarks/zero_vs_fsdp.py`), keeping each round's ratio;
+# then each alone on two fresh ranks, for the peak memory above the baseline:
 
 # %%
 run("fsdp")
@@ -380,28 +348,24 @@ for name in ("ours", "fsdp2"):
 lesson.plot_fsdp(fsdp, fmem); plt.show()
 
 # %% [markdown]
-# The model states are identical, byte for byte (the last lines). The peaks above the baseline are a few times the
-# model states (the ratios printed): activations, the logits and their gradient, autograd's temporaries and the
-# allocator's slack.
+# The model states are identical, byte for byte. The peaks are a few times the model states (ratios printed):
+# activations, the logits and their gradient, autograd's temporaries, the allocator's slack.
 #
-# The throughput ratio varies with the load on this shared machine — run `python benchmarks/repeat.py --runs 5
-# zero_vs_fsdp.py` on a quiet one before quoting it. Both run the same collectives on the same units. Where ours is
-# faster, the reason is overhead, not communication: FSDP2 is built for GPUs; it copies every parameter chunk into and
-# out of a separate all-gather buffer and runs its pre- and post-backward logic through more Python and autograd
-# machinery, all of it on the two cores that also compute. Ours all-gathers straight into the buffer the parameters
-# are views of and lets autograd accumulate straight into the buffer the reduce-scatter sends.
+# The throughput ratio varies with this machine's load: run `python benchmarks/repeat.py --runs 5 zero_vs_fsdp.py`
+# on a quiet one before quoting it. Both run the same collectives. Where ours is faster, it is overhead: FSDP2,
+# built for GPUs, copies every chunk into and out of a separate all-gather buffer and runs more Python and autograd
+# machinery around the backward, on the two cores that also compute; ours gathers straight into the parameters'
+# buffer and lets autograd accumulate straight into the buffer the reduce-scatter sends.
 #
 # **Takeaway:** the same algorithm, the same memory; on a CPU the bookkeeping around the collectives decides the
 # speed.
 #
 # ## 5. Check it: the same training as one process
 #
-# `picotron.train --zero 0|1|2|3` at dp = 2 and 4 with 2 micro-batches per step, against one process with the same
-# global batch (`grad_acc` = 2·dp), fp32, same seed: per-step losses within $10^{-5}$ relative over the first 10
-# steps, the [parity standard](../../docs/reference.md#parity-standard). The full settings train 20 steps; the steps after
-# the window are reported as drift against a looser bound of $10^{-3}$ (lesson 03, section 5: the float additions
-# happen in another order, and AdamW amplifies the difference step after step). (The test suite, `tests/test_zero.py`,
-# checks the gradients and the parameters after several steps too, at dp = 2, 3 and 4.)
+# `picotron.train --zero 0|1|2|3` at dp = 2 and 4, 2 micro-batches per step, against one process with the same
+# global batch (`grad_acc` = 2·dp), fp32, same seed: losses within $10^{-5}$ relative over the first 10 steps, the
+# [parity standard](../../docs/reference.md#parity-standard). The full settings train 20 steps; later steps are
+# drift, bounded by $10^{-3}$ (lesson 03 §5). `tests/test_zero.py` also checks gradients and parameters at dp = 2, 3, 4.
 
 # %%
 run("parity", nproc=1)
@@ -419,13 +383,11 @@ for label, (got, ref) in pairs.items():
 lesson.plot_parity(pairs); plt.show()
 
 # %% [markdown]
-# Every claim of this lesson that is not a timing as a number, and the timing claims with wide margins: prefetch
-# must put at least 30 points more of the layer all-gathers' time under compute than no prefetch, and over the
-# emulated link the fastest step must be faster by at least a quarter of the gathering prefetch took off the
-# critical path (the link's wait is a sleep, but the real gloo transfer underneath still takes some core time
-# beside the layer it hides under; a quarter leaves room for that and for a busy machine). If one of these two misses
-# while other programs held more than 10% of the cores during the timed steps (measured, `_common.LoadWindow`), it
-# prints **?** (inconclusive: the machine was busy, rerun) instead of ✗.
+# Every claim of this lesson that is not a timing, as a number, and the timing claims with wide margins: prefetch
+# must put at least 30 points more of the layer all-gathers' time under compute, and over the emulated link the
+# fastest step must gain at least a quarter of the gathering prefetch hid (the real gloo transfer under the sleep
+# still takes some core time; a quarter leaves room for that and a busy machine). If one of these misses while other
+# programs held over 10% of the cores (`_common.LoadWindow`), it prints **?** (inconclusive: rerun) instead of ✗.
 
 # %%
 check = _common.check   # prints ✓ or ✗ (or ?, only for a timing check on a machine measured busy) and counts it
@@ -461,12 +423,10 @@ check("ours and FSDP2 keep the same model states", same,
 #
 # ## 6. Explore: how many GPUs for a model?
 #
-# `lesson.memory_per_gpu` is the formula table of the introduction as code (`planner.zero_model_state_bytes`). Pick a
-# model, a number of data-parallel ranks, a stage and a recipe ("ours": fp32 everything, "mixed": bf16 params and
-# grads with fp32 master and moments). Questions: at which $n$ does ZeRO-1 stop helping (the parameters and gradients
-# alone exceed the GPU)? Why does ZeRO-3's curve keep falling while the others flatten? How many 80 GB GPUs does
-# Llama-3-70B need for its model states alone, with each stage? (Widgets need a live kernel; a static viewer shows the
-# default only.)
+# `lesson.memory_per_gpu` is the introduction's table as code (`planner.zero_model_state_bytes`). Pick a model,
+# $n$, a stage and a recipe ("ours": fp32; "mixed": bf16 params and grads, fp32 master and moments). At which $n$
+# does ZeRO-1 stop helping? Why does ZeRO-3's curve keep falling while the others flatten? How many 80 GB GPUs does
+# Llama-3-70B need for its model states with each stage? (Widgets need a live kernel.)
 
 # %%
 PRESETS = {"small (this lesson)": psi, "smollm-135m": ModelConfig.from_preset("smollm-135m").num_params(), **SIZES}
@@ -491,39 +451,35 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
 #
 # ## 7. ZeRO with a pipeline
 #
-# Pipeline parallelism (lesson 07) cuts the model by depth, data parallelism copies each stage, and ZeRO shards the
-# copies of each stage. That is how Llama 3 405B was trained: FSDP, i.e. ZeRO-3, as the data-parallel dimension of a
-# tp · cp · pp · dp layout, keeping the weights gathered after the forward so the backward needs no second
-# all-gather (Dubey et al. 2024, *The Llama 3 Herd of Models*, arXiv:2407.21783, §3.3.2). What the pipeline changes is
-# *when* things happen: a step runs $m \ge p$ micro-batches through each chunk, interleaved with other chunks'.
+# Pipeline parallelism (lesson 07) cuts the model by depth, data parallelism copies each stage, ZeRO shards the
+# copies. Llama 3 405B trained so: FSDP (ZeRO-3) as the dp dimension of a tp · cp · pp · dp layout, keeping the
+# weights gathered after the forward so the backward needs no second all-gather (Dubey et al. 2024, *The Llama 3
+# Herd of Models*, arXiv:2407.21783, §3.3.2). The pipeline changes *when*: a step runs $m \ge p$ micro-batches
+# through each chunk, interleaved with other chunks'.
 #
-# The contract is the one data parallelism already has: the executor (`Pipeline.run`) knows, for each chunk, the
-# action after which its parameters have their whole gradient (`Pipeline.final`: its last $B$, or $W$ in a split
-# schedule) and runs every other backward under `no_sync()`. ZeRO follows it ($\Psi_s$: one pipeline rank's
-# parameters):
+# The contract is data parallelism's: the executor (`Pipeline.run`) knows the action after which a chunk's
+# gradients are whole (`Pipeline.final`: its last $B$, or $W$ in a split schedule) and runs every other backward
+# under `no_sync()`. ZeRO follows it ($\Psi_s$: one pipeline rank's parameters):
 #
-# * **ZeRO-1** as before: whole gradients add up; one reduce-scatter at the chunk's last backward, one all-gather
-#   after the optimizer step. $\Psi_s + \Psi_s$ per step.
+# * **ZeRO-1** as before: one reduce-scatter at the chunk's last backward, one all-gather after the optimizer
+#   step. $\Psi_s + \Psi_s$ per step.
 #
-# * **ZeRO-2** holds the chunk's whole gradients during the step (from its first backward to its last, $4\Psi_s$
-#   bytes here) and reduce-scatters them once: $\Psi_s + \Psi_s$. Without a pipeline it reduce-scatters after every
-#   micro-batch and keeps no whole gradient; with one, that would send $m\Psi_s$, and $m$ is 4–8 $p$ in practice.
-#   torch's own pipeline stages do the same with FSDP (`torch.distributed.pipelining`, `set_requires_gradient_sync(False)`
-#   on all but the last backward).
+# * **ZeRO-2** holds the chunk's whole gradients through the step ($4\Psi_s$ bytes here) and reduce-scatters them
+#   once: $\Psi_s + \Psi_s$. Reduce-scattering every micro-batch, as without a pipeline, would send $m\Psi_s$, and
+#   $m$ is 4–8 $p$ in practice. torch's pipeline stages do the same with FSDP (`torch.distributed.pipelining`,
+#   `set_requires_gradient_sync(False)` on all but the last backward).
 #
-# * **ZeRO-3** gathers a unit for each $F$ and $B$ that uses it (the $W$ of a split schedule reads no weight: $g^T x$).
-#   Either it **keeps** each unit gathered from its first use in the step to the chunk's last backward — all-gather
-#   $\Psi_s$ per step, but the stage's whole parameters *and* gradients held during the step — or it **reshards**:
-#   each layer freed after every use and gathered again, all-gather $\Psi_{root} + 2m\Psi_{layers}$ per step, to
-#   hold only a few layers' parameters beside the whole gradients.
+# * **ZeRO-3** gathers a unit for each $F$ and $B$ that uses it (a split schedule's $W$ reads no weight: $g^T x$).
+#   Either it **keeps** each unit gathered from its first use to the chunk's last backward (all-gather $\Psi_s$ per
+#   step, holding the stage's whole parameters *and* gradients), or it **reshards** after every use (all-gather
+#   $\Psi_{root} + 2m\Psi_{layers}$, holding a few layers' parameters beside the whole gradients).
 #
-# picotron's ZeRO-3 keeps them, as torchtitan does by default with pp (`reshard_after_forward=False`, "to avoid
-# per-microbatch all-gathers"): $2m$ times the traffic to save at most half of the step's peak is a bad trade, and
-# between steps both hold only shards.
+# picotron keeps them, as torchtitan does with pp (`reshard_after_forward=False`, "to avoid per-microbatch
+# all-gathers"): $2m$ times the traffic to save at most half of the step's peak is a bad trade.
 #
-# The experiment trains the small model with 8 layers on 2 × 2 ranks (dp 2, pp 2, 1F1B) under each variant (ZeRO-3
-# resharded by switching the wrapper's `reshard_after_forward` on) and counts every collective with a Recorder; the
-# formula comes from each rank's units (their padded sizes), `lesson.pp_zero_elements`.
+# The experiment: the small model with 8 layers on 2 × 2 ranks (dp 2, pp 2, 1F1B) under each variant (ZeRO-3
+# resharded via `reshard_after_forward`), every collective counted by a Recorder, against the formula from each
+# rank's padded units, `lesson.pp_zero_elements`.
 
 # %%
 run("pipeline", nproc=4)
@@ -554,10 +510,9 @@ _common.check("ZeRO-3 kept holds the stage's whole parameters and gradients at i
                         f"{resharded[i]['mem']['zero_transient_peak'] / MiB:.1f} MiB" for i in kept))
 
 # %% [markdown]
-# The reduce-scatters are exactly $\Psi_s$ for every variant: once per chunk per step, whatever $m$. ZeRO-3 kept moves
-# what ZeRO-1/2 move; resharded, its all-gathers grow with $m$ while the memory it saves stops at the parameters
-# (the gradients stay whole until the last backward in every variant but ZeRO-1's, which keeps them whole always).
-# Exercise 7 asks for these formulas; its checker:
+# The reduce-scatters are exactly $\Psi_s$ for every variant, whatever $m$. ZeRO-3 kept moves what ZeRO-1/2 move;
+# resharded, its all-gathers grow with $m$ while it saves only parameters (the gradients stay whole until the last
+# backward; ZeRO-1's always). Exercise 7 asks for these formulas; its checker:
 
 # %%
 import check as checker   # this folder's check.py
@@ -565,29 +520,27 @@ checker.check(["pp_traffic"])
 
 # %% [markdown]
 # **Takeaway:** with a pipeline the sharded stages follow the schedule's last backward: one reduce-scatter per
-# chunk per step, and ZeRO-3 keeps a chunk's layers gathered through the step — the memory a pipeline stage holds
-# is already $1/p$ of the model, the traffic of resharding would be $2m$ times.
+# chunk per step, and ZeRO-3 keeps a chunk's layers gathered through the step (resharding would cost $2m$ times
+# the traffic).
 #
 # ## 8. HSDP: shard within a node, replicate across nodes
 #
-# ZeRO over all $n$ data-parallel ranks runs every one of its collectives over the whole group, so at the speed of the
-# group's slowest link. On a pod that is the network between nodes: on H100 nodes about 50 GB/s per GPU against
-# NVLink's 450. ZeRO-3 there all-gathers **every layer, forward and backward, every micro-batch**, over the slow link.
-# **HSDP**, hybrid sharded data parallelism, shards over a smaller group and replicates that sharded model:
+# ZeRO over all $n$ dp ranks runs at the speed of the group's slowest link: on a pod, the network between nodes
+# (about 50 GB/s per H100 against NVLink's 450). ZeRO-3 there all-gathers **every layer, forward and backward,
+# every micro-batch**, over the slow link. **HSDP** (hybrid sharded data parallelism) shards over a smaller group
+# and replicates that sharded model:
 #
 # * the dp ranks are cut into blocks of $n_s$ = `dp_shard` consecutive ranks (with their cp ranks): a **shard group**,
-#   typically one node. ZeRO (any stage) runs within it: its reduce-scatters and all-gathers stay on NVLink;
-# * the $n_r = n / n_s$ blocks are **replicas** of one another: rank $j$ of every block holds the same shard, and
-#   after the reduce-scatter the replicas **all-reduce that shard**, $\Psi/n_s$ of the gradient, over the network;
+#   typically one node. ZeRO (any stage) runs within it, on NVLink;
+# * the $n_r = n / n_s$ blocks are **replicas**: rank $j$ of every block holds the same shard, and after the
+#   reduce-scatter the replicas **all-reduce that shard**, $\Psi/n_s$ of the gradient, over the network;
 # * memory is divided by $n_s$ instead of $n$: the price of the cheaper network.
 #
-# torchtitan calls the two sizes `data_parallel_shard_degree` and `data_parallel_replicate_degree`; PyTorch FSDP
-# calls it hybrid sharding (Zhao et al. 2023, *PyTorch FSDP*, arXiv:2304.11277, section 3.2); Megatron-LM runs one
-# distributed-optimizer instance per group (`--num-distributed-optimizer-instances`); DeepSpeed's ZeRO++ keeps a
-# second, node-local shard of the parameters for the same reason (hpZ, Wang et al. 2023, arXiv:2306.10209). Here it
-# is `--dp-shard N` with `--zero 1|2|3`; the mesh gets two axes, `dp_shard` and `dp_replicate`
-# (`picotron.mesh.shard_groups`), each with its own process group, so a Recorder counts each link's bytes apart.
-# dp = 8 on two nodes of four GPUs, `--dp-shard 4`:
+# PyTorch FSDP calls it hybrid sharding (Zhao et al. 2023, *PyTorch FSDP*, arXiv:2304.11277, section 3.2; its other
+# names, in torchtitan, Megatron-LM and ZeRO++, Wang et al. 2023, arXiv:2306.10209, in the
+# [reference](../../docs/reference.md#zero-memory-and-communication-per-rank)). Here: `--dp-shard N` with `--zero 1|2|3`; the mesh gets
+# axes `dp_shard` and `dp_replicate` (`picotron.mesh.shard_groups`), each its own process group, so a Recorder
+# counts each link's bytes apart. dp = 8 on two nodes of four GPUs, `--dp-shard 4`:
 
 # %%
 from picotron.mesh import shard_groups
@@ -603,24 +556,23 @@ for dp, ds, cp in ((8, 4, 1), (4, 2, 1), (4, 2, 2)):
 # $$\text{shard link: } \frac{n_s-1}{n_s}\,(\underbrace{\Psi}_{\text{RS}} + \underbrace{\Psi \text{ or } 2\Psi-\Psi_{root}}_{\text{AG: ZeRO-1/2 or 3}})\cdot 4
 # \qquad \text{replicate link: } \frac{2(n_r-1)}{n_r}\,\frac{\Psi}{n_s}\cdot 4$$
 #
-# (`planner.hsdp_bytes_per_step`). At $n_s = n$ it is plain ZeRO (nothing crosses the replicate link); at $n_s = 1$ it
-# is data parallelism's all-reduce, all of it on the replicate link. The code is four lines in `ShardedGradSync`:
-# after the last reduce-scatter, each unit's gradient shard is all-reduced over the replicas, the sum divided by all
-# $n$ batch shards (not $n_s$). Every rank starts them in the units' order on one group after the shard group's
-# collectives are done — one order across the two communicators, as NCCL asks (tests/test_hsdp.py replays it):
+# (`planner.hsdp_bytes_per_step`). At $n_s = n$ it is plain ZeRO; at $n_s = 1$, data parallelism's all-reduce, all
+# on the replicate link. The code is four lines in `ShardedGradSync`: after the last reduce-scatter, each unit's
+# gradient shard is all-reduced over the replicas and divided by all $n$ batch shards (not $n_s$). Every rank starts
+# them in the units' order after the shard group's collectives are done: one order across the two communicators, as
+# NCCL asks (tests/test_hsdp.py replays it):
 
 # %%
 _common.show_source(zero.ShardedGradSync._all_reduce_replicas)
 
 # %% [markdown]
-# The clipping and the checkpoints read the placement of each optimizer piece: under HSDP it is sharded over
-# `("dp_shard", "cp")` — different on the ranks of a block, the same on its replicas — so `marks.counted_here` counts
-# it on the first block only, and a checkpoint written at `--dp-shard 2` loads into plain ZeRO and back
-# (tests/test_hsdp.py).
+# Clipping and checkpoints read each optimizer piece's placement: under HSDP, sharded over `("dp_shard", "cp")`
+# (different within a block, the same on its replicas), so `marks.counted_here` counts it on the first block only,
+# and a checkpoint written at `--dp-shard 2` loads into plain ZeRO and back (tests/test_hsdp.py).
 #
-# **Run it.** dp = 4 on 4 processes, ZeRO-1 and ZeRO-3, at `dp_shard` = 1, 2 and 4 (1: every rank a group of its own,
-# i.e. data parallelism; 4: plain ZeRO), each built by `parallelize` with a Recorder on the axes: the bytes of the
-# last step on each link, every rank, against the formula from its units (padded); the losses; what a rank keeps.
+# **Run it.** dp = 4 on 4 processes, ZeRO-1 and ZeRO-3, at `dp_shard` = 1, 2 and 4 (1: data parallelism; 4: plain
+# ZeRO): the last step's bytes on each link, every rank, against the formula from its padded units; the losses;
+# what a rank keeps.
 
 # %%
 run("hsdp", nproc=4)
@@ -649,22 +601,20 @@ _common.check("the two communicators replay clean under NCCL's rules (ZeRO-3, dp
               f"per communicator: {hs['replay']['per_communicator']}; one order: {hs['replay']['one_order']}")
 
 # %% [markdown]
-# The shard link carries ZeRO's usual $\frac{n_s-1}{n_s}$ share, the replicate link only $\frac{1}{n_s}$ of data
-# parallelism's all-reduce: at dp = 4 = 2 × 2, half a model's bytes cross the "network" per step instead of 1.5 (ZeRO)
-# or 2.2 (ZeRO-3) — and on a real pod $n_s = 8$ makes it an eighth. The optimizer state per rank doubles from
-# `dp_shard` 4 to 2: that is what HSDP pays.
+# The shard link carries ZeRO's usual $\frac{n_s-1}{n_s}$ share, the replicate link $\frac{1}{n_s}$ of data
+# parallelism's all-reduce: at dp = 4 = 2 × 2, half a model's bytes cross the "network" per step instead of 1.5
+# (ZeRO) or 2.2 (ZeRO-3); on a pod $n_s = 8$ makes it an eighth. The optimizer state per rank doubles from
+# `dp_shard` 4 to 2: that is HSDP's price.
 #
-# **Is it worth it on a pod?** The planner (`python -m picotron.plan`) knows HSDP: its search tries every `dp_shard`
-# whose shard group lies in one node, charges the shard group's collectives at NVLink's bandwidth and the replicas'
-# all-reduce at the network's, and divides ZeRO's states by the shard group. For Llama 3 70B (seq 8192, 16M tokens
-# per step) on H100s: the shard groups of dp ranks that fit in a node cannot hold the model (8 GPUs would hold all
-# $16\Psi$ = 1.1 TB of model states), but a group of a node's **cp ranks** can (`dp_shard` = 1 with cp 8 = one node),
-# and its ZeRO then reduce-scatters on NVLink.
+# **Is it worth it on a pod?** The planner (`python -m picotron.plan`) tries every `dp_shard` whose shard group lies
+# in one node, charges the shard group's collectives at NVLink's bandwidth and the replicas' all-reduce at the
+# network's, and divides ZeRO's states by the shard group. For Llama 3 70B (seq 8192, 16M tokens per step) on H100s,
+# a node's dp ranks cannot hold the model ($16\Psi$ = 1.1 TB), but a node's **cp ranks** can (`dp_shard` = 1 with
+# cp 8), and its ZeRO then reduce-scatters on NVLink.
 #
-# Under a pipeline ZeRO reduce-scatters once per step, at a chunk's last
-# backward (section 7), and only that backward can hide it; ZeRO-2 and 3 hold the chunk's whole gradients until then,
-# as ZeRO-1 does, so at the step's peak they save nothing over it and the planner's best layouts are ZeRO-1 (ZeRO-2
-# of the same shape ties). The planner charges all that so:
+# Under a pipeline ZeRO reduce-scatters once per step (section 7), hidden only by the chunk's last backward;
+# ZeRO-2 and 3 hold the whole gradients until then, as ZeRO-1 does, so at the step's peak they save nothing over it:
+# the planner's best layouts are ZeRO-1 (ZeRO-2 ties). The planner:
 
 # %%
 from picotron import plan
@@ -681,22 +631,20 @@ for gpus, plain, hybrid in ((256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256",
           f"{rows[hybrid]['tokens_per_s'] / rows[plain]['tokens_per_s'] - 1:+.1%}")
 
 # %% [markdown]
-# The best plain layouts leave about half a second of each step's gradient traffic exposed (0.54 s on 256 GPUs,
-# 0.42 s on 1,024: a rank's gradients reduce-scattered and its parameters gathered across nodes, behind one
-# backward); HSDP cuts that below 0.1 s but needs eight pipeline stages, a larger bubble. On 256 GPUs (58 s steps)
-# the bubble costs more and HSDP loses, by 1.1%; on 1,024 (15 s steps) it wins, by 0.4%: the planner's answer
-# there, a small one.
+# The best plain layouts leave about half a second of gradient traffic exposed per step (0.54 s on 256 GPUs, 0.42 s
+# on 1,024: reduce-scatter and all-gather across nodes, behind one backward); HSDP cuts that below 0.1 s but needs
+# eight pipeline stages, a larger bubble. On 256 GPUs (58 s steps) HSDP loses by 1.1%; on 1,024 (15 s steps) it
+# wins by 0.4%: the planner's answer there, a small one.
 #
-# **Takeaway:** HSDP keeps ZeRO's heavy traffic inside a node and sends only $1/n_s$ of the gradient across nodes, for
-# $n_s$-way instead of $n$-way memory savings. It matters when that traffic is exposed: ZeRO-3 across many nodes (every
-# layer's all-gather would otherwise cross the network), few tokens per GPU to hide behind, a slow network.
+# **Takeaway:** HSDP keeps ZeRO's heavy traffic inside a node and sends $1/n_s$ of the gradient across nodes, for
+# $n_s$-way instead of $n$-way memory savings. It matters when that traffic is exposed: ZeRO-3 across many nodes,
+# few tokens per GPU, a slow network.
 #
 # ## 9. Muon: an optimizer that needs the whole matrix
 #
-# Everything ZeRO does rests on one fact: AdamW is **elementwise**. Each element's update needs its own gradient and
-# moments only, so a flat chunk may cut a matrix anywhere. **Muon** (Jordan et al. 2024, *Muon: An optimizer for
-# hidden layers in neural networks*, kellerjordan.github.io/posts/muon) breaks that fact on purpose. For each hidden
-# matrix $W$ ($A \times B$) it keeps SGD momentum with Nesterov, $M_t = \mu M_{t-1} + G_t$, $U_t = G_t + \mu M_t$
+# ZeRO rests on AdamW being **elementwise**, so a flat chunk may cut a matrix anywhere. **Muon** (Jordan et al. 2024,
+# *Muon: An optimizer for hidden layers in neural networks*, kellerjordan.github.io/posts/muon) breaks that on
+# purpose. For each hidden matrix $W$ ($A \times B$) it keeps SGD momentum with Nesterov, $M_t = \mu M_{t-1} + G_t$, $U_t = G_t + \mu M_t$
 # ($\mu = 0.95$), and steps along the orthogonal matrix nearest to $U_t$, $O_t = UV^\top$ for $U_t = U\Sigma V^\top$,
 # computed by five Newton–Schulz iterations of a quintic from $X_0 = U_t/\lVert U_t\rVert_F$:
 #
@@ -704,34 +652,32 @@ for gpus, plain, hybrid in ((256, "dp8,tp2,pp4,cp4,sp,zero1,1f1b,mbs1,ga256",
 #
 # then scales it so that its RMS matches AdamW's and the same learning rate works (Liu et al. 2025, *Muon is Scalable
 # for LLM Training*, arXiv:2502.16982, §2.2): $W \leftarrow W - \eta\,(0.2\sqrt{\max(A,B)}\,O_t + \lambda W)$.
-# The embedding, the LM head and the norms stay with AdamW. (The blog runs the iteration in bf16 on a GPU; ours
-# runs in fp32 so that a sharded run can be checked against one process.) `picotron/muon.py`, `--optimizer muon`.
+# Embedding, LM head and norms stay with AdamW. (The blog iterates in bf16 on a GPU; ours in fp32, so a sharded run
+# can be checked against one process.) `picotron/muon.py`, `--optimizer muon`.
 #
-# $X_kX_k^\top$ mixes every element of the matrix with every other: **Newton–Schulz needs the whole matrix**. The
-# momentum is elementwise and stays in ZeRO's pieces, but before the iteration the pieces must meet. Two designs:
+# $X_kX_k^\top$ mixes every element with every other: **Newton–Schulz needs the whole matrix**. The momentum stays
+# in ZeRO's pieces, but before the iteration the pieces must meet. Two designs:
 #
-# * **gather** (Liu et al.'s *Distributed Muon*, §2.3): every rank all-gathers the update of each unit that holds a
-#   Muon matrix, runs Newton–Schulz on every matrix, redundantly, and keeps its own piece. Bytes per rank: one more
-#   all-gather of those units, $\approx\frac{n-1}{n}\Psi$ — as much as ZeRO's own parameter all-gather. Compute: all of it,
-#   on every rank.
-# * **owner**: each whole matrix gets one owner rank, largest first to the least-loaded rank (`planner.owner_of`). One
-#   all-to-all sends every piece to its matrix's owner, the owner orthogonalises, a second all-to-all sends the pieces
-#   back. Bytes per rank: its pieces ($\approx\Psi_{muon}/n$) out and its owned matrices ($\approx\Psi_{muon}/n$) back,
-#   about $2\Psi_{muon}/n$; compute: $\approx 1/n$ of it. Jordan's modded-nanogpt shares matrices out the same way
+# * **gather** (Liu et al.'s *Distributed Muon*, §2.3): every rank all-gathers the update of each unit holding a Muon
+#   matrix, runs Newton–Schulz on every matrix, redundantly, and keeps its piece. Bytes per rank: one more
+#   all-gather, $\approx\frac{n-1}{n}\Psi$; compute: all of it, on every rank.
+# * **owner**: each matrix gets one owner, largest first to the least-loaded rank (`planner.owner_of`). One
+#   all-to-all sends every piece to its owner, the owner orthogonalises, a second sends the pieces back: about
+#   $2\Psi_{muon}/n$ per rank, $\approx 1/n$ of the compute. Jordan's modded-nanogpt shares matrices out likewise
 #   (each rank orthogonalises every $n$-th one, then the results are all-gathered).
 #
-# Under tensor parallelism the same holds for tp's slices (gather: all-gather each matrix over tp). Newton–Schulz
-# costs $5\,(4m^2k + 2m^3)$ FLOPs for an $m \times k$ matrix, $m \le k$ (`planner.muon_ns_flops`); the bytes of both
-# designs, exact for our units, are `planner.muon_bytes_per_step`. The owner's exchange:
+# Under tensor parallelism the same holds for tp's slices. Newton–Schulz costs $5\,(4m^2k + 2m^3)$ FLOPs for an
+# $m \times k$ matrix, $m \le k$ (`planner.muon_ns_flops`); both designs' bytes, exact for our units, are
+# `planner.muon_bytes_per_step`. The owner's exchange:
 
 # %%
 from picotron import muon
 _common.show_source(muon.Exchange._owner)
 
 # %% [markdown]
-# **Run it.** dp = 4 on 4 processes, ZeRO-1 (4 MiB buckets), AdamW, Muon with gather and Muon with owner, on the same
-# batches and learning rate. Each optimizer step is timed apart from ZeRO's own all-gather, with the time inside
-# Newton–Schulz summed; a Recorder counts the exchange's collectives on every rank.
+# **Run it.** dp = 4, ZeRO-1 (4 MiB buckets): AdamW, Muon-gather and Muon-owner on the same batches and learning
+# rate. Each optimizer step is timed apart from ZeRO's all-gather, Newton–Schulz's time summed; a Recorder counts
+# the exchange's collectives.
 
 # %%
 import statistics
@@ -773,17 +719,16 @@ _common.check("gather and owner train alike (the same update, computed elsewhere
               f"worst relative difference {worst:.1e}")
 
 # %% [markdown]
-# Read the bars with the formula: gather all-gathers every bucket that holds a hidden matrix, which at this size is
-# nearly the whole model (the embedding shares buckets with the layers), on every rank, and every rank runs all the
-# Newton–Schulz FLOPs; owner sends each rank's pieces and its owned matrices, about half of the hidden matrices' bytes
-# at n = 4, and each rank runs about a quarter of the FLOPs. On this CPU the Newton–Schulz time is most of Muon's step,
-# so dividing it is what owner buys; on a GPU in bf16 the iteration is fast and the bytes matter more (unmeasured
-# here). The losses are those of one process (tests/test_muon.py: dp, ZeRO-1/2/3, tp, pp, both designs, 1e-5); the
-# tests also replay both exchanges under NCCL's rules: the same collectives, in the same order and sizes, on every rank.
+# Gather all-gathers every bucket holding a hidden matrix (here nearly the whole model: the embedding shares buckets
+# with the layers), and every rank runs all the Newton–Schulz FLOPs; owner sends about half of the hidden matrices'
+# bytes at n = 4, and each rank runs about a quarter of the FLOPs. On this CPU Newton–Schulz is most of Muon's step,
+# so dividing it is what owner buys; on a GPU in bf16 the bytes matter more (unmeasured here). The losses are one
+# process's (tests/test_muon.py: dp, ZeRO-1/2/3, tp, pp, both designs, 1e-5), and the tests replay both exchanges
+# under NCCL's rules (same collectives, order and sizes on every rank).
 #
-# **Takeaway:** a matrix optimizer undoes ZeRO's "cut anywhere": each matrix must meet once per step, either on every
-# rank (gather: ZeRO's all-gather once more, all the compute everywhere) or on one owner (two all-to-alls of about
-# $\Psi_{muon}/n$ each, $1/n$ of the compute) — exercise 9 assigns the owners.
+# **Takeaway:** a matrix optimizer undoes ZeRO's "cut anywhere": each matrix must meet once per step, on every
+# rank (gather) or on one owner (two all-to-alls of about $\Psi_{muon}/n$, $1/n$ of the compute); exercise 9
+# assigns the owners.
 #
 # ## 10. On an 8-GPU node you should see
 # Over 8 GPUs the model states per GPU shrink towards $16\Psi/8$ as the stages rise, while the activations stay:
@@ -827,20 +772,18 @@ _node.show("04_zero")
 # 9. `owner_of(sizes, n)` — section 9's owners: give each matrix (its size in elements) to one of $n$ ranks so that
 #    the largest load, the Newton–Schulz work of the slowest rank, is as small as the largest-first rule makes it.
 #
-# The checker runs exercise 1 on many sizes, 2 to 5 on 2 and then 3 real processes (at 3, padding comes into
-# play), and compares every rank with the answer computed another way: in one process
-# (1–3), or with the plain `Zero3` next to yours, its all-gathers counted by a `metrics.Recorder` (4–5: the same
-# losses exactly; in bf16 within the bound it prints).
+# The checker runs exercise 1 on many sizes, 2 to 5 on 2 and then 3 real processes (3 brings padding), comparing
+# every rank with an answer computed another way: in one process (1–3), or against the plain `Zero3`, all-gathers
+# counted by a `metrics.Recorder` (4–5: the same losses exactly; bf16 within the bound it prints).
 #
-# For 6 it checks your plans against the formulas, then trains
-# each for one step on 2 ranks and compares the memory the ranks measure with your budget; 7, 8 and 9 on many cases in
-# one process (8 against `picotron.mesh.shard_groups`, 9 against the largest load of `planner.owner_of`). Each failure names the
-# mistake (a sum instead of a mean, a chunk at the wrong offset, the last layer still gathered twice, an fp32
-# all-gather, a plan that does not fit or moves more bytes than it must, ...). Until you write them it reports
-# `NotImplementedError: not written yet`.
+# For 6 it checks your plans against the formulas, then trains each for one step on 2 ranks and compares the
+# measured memory with your budget; 7, 8 and 9 on many cases in one process (8 against `picotron.mesh.shard_groups`,
+# 9 against `planner.owner_of`'s largest load). Each failure names the mistake (a sum instead of a mean, a chunk at
+# the wrong offset, the last layer gathered twice, an fp32 all-gather, a plan that does not fit or moves more bytes
+# than it must, ...). Until you write them it reports `NotImplementedError: not written yet`.
 #
-# **Takeaway:** what FSDP2 adds over plain ZeRO-3 is a few lines each; what makes them right is checking the bytes
-# and the numbers on real ranks.
+# **Takeaway:** what FSDP2 adds over plain ZeRO-3 is a few lines each; checking bytes and numbers on real ranks is
+# what makes them right.
 
 # %%
 import check as checker   # this folder's check.py
@@ -852,26 +795,23 @@ all_passed = checker.check()
 # | | per rank | cost |
 # |---|---|---|
 # | ZeRO-1 | optimizer state $/n$ | nothing: the same $2\Psi$ as DP, the optimizer's work $/n$ |
-# | ZeRO-2 | + gradients $/n$ (plus two buckets in flight) | nothing more in bytes; with gradient accumulation a reduce-scatter per micro-batch (DP and ZeRO-1 send once per step; under a pipeline ZeRO-2 too, section 7) |
+# | ZeRO-2 | + gradients $/n$ (plus two buckets in flight) | nothing more in bytes; with gradient accumulation a reduce-scatter per micro-batch where DP and ZeRO-1 send once per step (under a pipeline ZeRO-2 too, section 7) |
 # | ZeRO-3 | + parameters $/n$ (plus a few whole units in flight) | $\approx 3\Psi$ per micro-batch: 1.5× DP's traffic, in latency-bound per-layer collectives that must be prefetched to hide |
 # | HSDP | any stage's states $/n_s$ instead of $/n$ | the stage's traffic within the shard group (a node), plus $\frac{2(n_r-1)}{n_r}\Psi/n_s$ across the replicas |
-# | Muon on ZeRO | nothing more in memory (one momentum instead of two moments: less) | each hidden matrix must meet: gather $\approx\frac{n-1}{n}\Psi$ more per step and all of Newton–Schulz on every rank, or owner $\approx 2\Psi_{muon}/n$ and $1/n$ of it |
+# | Muon on ZeRO | less (one momentum instead of two moments) | gather: $\approx\frac{n-1}{n}\Psi$ more per step, all of Newton–Schulz everywhere; owner: $\approx 2\Psi_{muon}/n$, $1/n$ of it |
 #
-# **Use it** whenever data parallelism runs out of memory for model states: ZeRO-1 is free and almost always on;
-# ZeRO-2 is free without gradient accumulation; ZeRO-3 (FSDP) lets a model larger than one GPU train with nothing but
-# data parallelism, as long as each layer's all-gather hides behind a layer's compute — which needs enough tokens per
-# GPU, and fast links.
+# **Use it** when data parallelism runs out of memory for model states: ZeRO-1 is free and almost always on; ZeRO-2
+# is free without gradient accumulation; ZeRO-3 (FSDP) trains a model larger than one GPU with data parallelism
+# alone, if each layer's all-gather hides behind a layer's compute (enough tokens per GPU, fast links).
 #
-# **Its limits:** activations are untouched; every forward becomes collective; across slow links
-# the $3\Psi$ per step (every step, not once per run) can dominate.
+# **Its limits:** activations are untouched; every forward becomes collective; across slow links the $3\Psi$ per
+# step can dominate.
 #
-# **What ours lacks** (what FSDP2 and DeepSpeed add): bf16 all-gathers under mixed precision and a last layer kept
-# gathered (exercises 5 and 4 add them), re-sharding a checkpoint to another number of ranks (ours saves each rank's
-# shard), offloading states to CPU memory, and units other than a model's `layers`.
+# **What ours lacks** (FSDP2 and DeepSpeed have it): bf16 all-gathers and a last layer kept gathered (exercises 5
+# and 4), re-sharding a checkpoint to another number of ranks, offloading to CPU memory, units other than `layers`.
 #
 # **Takeaway:** shard the optimizer state always, the gradients when it is free, the parameters when the model
-# must fit — and then make sure the extra all-gathers hide.
+# must fit — then make sure the extra all-gathers hide.
 #
-# **Next — lesson 05, tensor parallelism:** ZeRO-3 still computes every layer whole on every rank, so one layer's
-# activations and its gathered weights must fit. Tensor parallelism cuts the layers' matrices themselves across
-# ranks, computing with the shards instead of gathering them.
+# **Next — lesson 05, tensor parallelism:** ZeRO-3 still computes every layer whole on every rank. Tensor
+# parallelism cuts the layers' matrices across ranks and computes with the shards instead of gathering them.
