@@ -66,11 +66,11 @@ LESSONS = {
     "03_data_parallel": dict(nproc=(1, 2, 4)),
     "04_zero": dict(nproc=(1, 2, 4)),
     "05_tensor_parallel": dict(nproc=(1, 2, 4)),
-    "06_context_parallel": dict(nproc=(2, 4)),
-    "07_pipeline_parallel": dict(nproc=(2,)),
-    "08_expert_parallel": dict(nproc=(2, 4)),
+    "06_context_parallel": dict(nproc=(2, 4), choose={8: "cp8"}),
+    "07_pipeline_parallel": dict(nproc=(2,), choose={8: "pp8, 16 layers"}),
+    "08_expert_parallel": dict(nproc=(2, 4), choose={8: "dp8-ep8, 8 experts"}),
     "09_all_together": dict(nproc=(8, 16), choose={16: "dp2-pp2-cp2-tp2", 8: "dp1-pp2-cp2-tp2"}),
-    "10_checkpoints_and_faults": dict(nproc=(2,)),
+    "10_checkpoints_and_faults": dict(nproc=(2,), choose={8: "dp8, tp2-dp4, pp2-dp4"}),
     "11_precision_and_kernels": dict(nproc=(2,)),
 }
 
