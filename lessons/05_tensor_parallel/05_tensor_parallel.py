@@ -38,9 +38,11 @@ FAST, OUT = _common.FAST, _common.run_dir("05_tensor_parallel")
 import experiment as lesson   # this folder's experiment.py: its formulas, shard shapes and plots
 MiB, GB = 2**20, 1e9
 
-def run(only, nproc=2, dp=1):
+def run(only, nproc=2, dp=1, hide=()):
     # torchrun --nproc_per_node nproc lessons/05_tensor_parallel/experiment.py --out OUT --only <only> --dp dp
-    _common.run_experiment("05_tensor_parallel", only, nproc, "--dp", dp)
+    # prints what it printed, less the training chatter and the lines that start with one of `hide` (rows that the
+    # notebook prints itself, with the formula beside them, from the JSON)
+    _common.run_experiment("05_tensor_parallel", only, nproc, "--dp", dp, hide=_common.TRAINING_CHATTER + hide)
 
 def check(name, ok, detail):
     print(f"{'✓' if ok else '✗'} {name}: {detail}")
@@ -678,7 +680,7 @@ _common.show_source(tensor_parallel.HiddenSlices, "    def keep")
 # %%
 TPS = (2,) if FAST else (1, 2, 4)  # FAST: one tp degree for the checks
 for t in TPS:
-    run("partitioned", nproc=t)
+    run("partitioned", nproc=t, hide=(f"tp={t} ",))  # the experiment's rows: printed below, with the formula
 part = {t: _common.load_json(OUT / f"partitioned_tp{t}.json")["results"] for t in TPS}
 for t, res in part.items():
     full_ms = next(r["median"] for r in res["rows"] if r["mode"] == "full")

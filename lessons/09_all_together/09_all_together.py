@@ -216,7 +216,6 @@ check(f"every rank's bytes per step, on every axis, are the formula's, to the by
 
 # %%
 import shutil
-from picotron import trace
 from picotron.launch import run_torchrun
 traced = OUT / "traced"
 shutil.rmtree(traced, ignore_errors=True)   # a run folder must be new
