@@ -7,30 +7,27 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 08 — Expert parallelism: many experts, few per token
 #
-# Every strategy so far cut the *same* computation into pieces. A **mixture of experts** (MoE) changes the model
-# instead: each layer's MLP becomes $E$ expert MLPs and a small **router** that sends every token to $k$ of them
-# (Shazeer et al. 2017 revived the idea for language models; GShard, Lepikhin et al. 2020, and Switch
-# Transformers, Fedus et al. 2022, scaled it; Mixtral, Jiang et al. 2024, uses $E = 8$, $k = 2$). The parameters
-# grow with $E$, the work per token only with $k$. **Expert parallelism** then places different experts on
-# different ranks and moves the *tokens* to them: one all-to-all to send each token where its experts live, one to
-# bring the results back.
+# Every strategy so far cut the *same* computation into pieces. A **mixture of experts** (MoE) changes the model:
+# each layer's MLP becomes $E$ expert MLPs and a **router** that sends every token to $k$ of them (Shazeer et al. 2017;
+# GShard, Lepikhin et al. 2020; Switch Transformers, Fedus et al. 2022; Mixtral, Jiang et al. 2024: $E = 8$, $k = 2$).
+# Parameters grow with $E$, work per token only with $k$. **Expert parallelism** places experts on different ranks
+# and moves the *tokens*: one all-to-all to send each token to its experts, one to bring the results back.
 #
 # | piece | what it does | where |
 # |---|---|---|
-# | router | softmax over $E$ logits, top-$k$, renormalise (Mixtral); or DeepSeek-V3's sigmoid + bias (section 9) | `moe.route` |
-# | dispatch permutation | one stable sort of the (token, choice) pairs by expert: each expert's rows contiguous | `MoE.forward` |
-# | load-balancing loss | $E \sum_e f_e P_e$: $k$ when balanced, larger when a few experts take the tokens | `moe.aux_loss`, `AuxLoss` |
+# | router | softmax, top-$k$, renormalise (Mixtral); or DeepSeek-V3's sigmoid + bias (§9) | `moe.route` |
+# | dispatch permutation | a stable sort of the (token, choice) pairs by expert | `MoE.forward` |
+# | load-balancing loss | $E \sum_e f_e P_e$: $k$ when balanced, larger when concentrated | `moe.aux_loss`, `AuxLoss` |
 # | capacity | at most $\lceil \kappa\,s\,k/E \rceil$ tokens per expert and sequence; the rest dropped | `moe.capacity_keep` |
-# | the exchange | counts, then rows, all-to-all over the ep ranks; back again after the experts | `expert_parallel.Exchange` |
-# | the overlap | the rows in two parts, each part's all-to-all under the other's experts (`--ep-overlap`, section 10) | `expert_parallel.OverlappedExchange` |
-# | gradients | dense ones averaged over dp; an expert's summed over its replicas (edp), divided by dp | `marks.sync_axis` |
+# | the exchange | counts, then rows, all-to-all over ep; back after the experts | `expert_parallel.Exchange` |
+# | the overlap | two parts, each one's all-to-all under the other's experts (`--ep-overlap`, §10) | `expert_parallel.OverlappedExchange` |
+# | gradients | dense: averaged over dp; experts: summed over edp, divided by dp | `marks.sync_axis` |
 #
-# We count what experts buy (parameters against FLOPs); route a few tokens by hand; train the small MoE with and
-# without the auxiliary loss and watch the experts' loads; count every byte the all-to-alls send against the
-# formula and put them on a timeline; measure memory and throughput per rank against ep; check that expert
-# parallelism trains exactly like one process — and catch the trap of dividing expert gradients by the wrong
-# group; finally, DeepSeek-V3's router, which balances the experts with a bias instead of a loss. The experiments are `experiment.py` in this folder, launched with `torchrun`; `PICOTRON_FAST=1` gives a
-# short run.
+# We count what experts buy; route tokens by hand; train with and without the balancing loss; count the
+# all-to-alls' bytes against the formula and put them on a timeline; measure memory and throughput against ep; check
+# parity with one process, and the trap of the wrong gradient divisor; then DeepSeek-V3's bias router, and the
+# all-to-alls hidden under compute. The experiments are `experiment.py` here, launched with `torchrun`;
+# `PICOTRON_FAST=1` gives a short run.
 
 # %%
 import statistics
@@ -66,9 +63,9 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model: '{st['pr
 # A dense layer's MLP of width $h_\text{ff}$ holds $3\,h\,h_\text{ff}$ parameters and every token multiplies by all of
 # them ([notation](../../docs/reference.md#notation)). With $E$ experts of the same shape and $k$ per token, the
 # layer holds $3E\,h\,h_\text{ff}$ (plus the router, $E h$) but a token passes through $3k\,h\,h_\text{ff}$: the
-# **active** parameters. Training FLOPs per token are $6 N_\text{active}$ plus attention. So an
-# MoE with $E/k = 4$ holds four times the MLP parameters of a dense model of the same cost per token — more to
-# learn with, at the same compute. Mixtral-8x7B is the published example (46.7 B parameters, 12.9 B active).
+# **active** parameters. Training FLOPs per token are $6 N_\text{active}$ plus attention, so with $E/k = 4$ an MoE
+# holds four times the MLP parameters of a dense model of the same cost per token. Mixtral-8x7B: 46.7 B parameters,
+# 12.9 B active.
 
 # %%
 dense_of = lambda m: ModelConfig.from_preset("tiny", **{f: getattr(m, f) for f in ("vocab_size", "hidden_size",
@@ -104,19 +101,17 @@ print(f"dense (h_ff = {2 * mc.intermediate_size}): {1e3 * t_dense:.0f} ms; tiny-
       f"for {mc.num_params() / dense_of(mc).num_params():.2f}x the parameters")
 
 # %% [markdown]
-# The FLOPs are the same, the time is not quite: the MoE pays for the bookkeeping — a sort, a gather of the rows,
-# four small matmuls instead of one large one, and an `index_add` back — which on a CPU with matrices this small is
-# a visible share. At Mixtral's size the matmuls dominate and the overhead is a few percent; the price that
-# remains is **memory**: every expert's weights, gradients and optimizer state must live somewhere, though each
-# token uses a quarter of them. Expert parallelism is how that memory is spread.
+# Same FLOPs, not quite the same time: the MoE pays for bookkeeping (a sort, a gather, four small matmuls instead of
+# one, an `index_add` back), visible at this size; at Mixtral's size it is a few percent. The price that remains is
+# **memory**: every expert's states must live somewhere, though each token uses a quarter of them. Expert
+# parallelism spreads that memory.
 #
-# **Takeaway:** parameters scale with $E$, FLOPs with $k$; an MoE is a big model with a small model's cost per
-# token, and a big model's memory.
+# **Takeaway:** parameters scale with $E$, FLOPs with $k$: a big model's memory at a small model's cost per token.
 #
 # ## 2. Routing, and the dispatch permutation
 #
-# The router is one linear layer, $h \to E$. Mixtral takes the softmax over the $E$ logits (in fp32), keeps the
-# $k$ largest probabilities $\pi_e$ and renormalises them to sum to 1; the layer's output for token $\tau$ is
+# The router is one linear layer, $h \to E$. Mixtral takes the softmax over the $E$ logits (fp32), keeps the $k$
+# largest probabilities $\pi_e$ and renormalises them to sum to 1; the output for token $\tau$ is
 # $y_\tau = \sum_{j=1}^{k} w_{\tau j}\,\text{Expert}_{e_{\tau j}}(x_\tau)$, $e_{\tau j}$ its $j$-th expert and
 # $w_{\tau j}$ that expert's renormalised probability. (Switch uses $k = 1$ and no renormalisation; GShard $k = 2$.)
 # Five tokens, four experts, by hand:
@@ -132,12 +127,12 @@ check("by hand = picotron's moe.route (weights and experts)", torch.equal(e_lib,
       "softmax -> top-2 -> renormalise")
 
 # %% [markdown]
-# Then the bookkeeping. The $n_\text{tok} \cdot k$ (token, choice) pairs of a rank's $n_\text{tok}$ tokens are
-# flattened token-major and sorted by expert with a **stable** sort: each expert's pairs become contiguous and stay in
-# token order. `rows = x[order // k]` gathers the inputs; each expert runs on its slice (`counts[e]` rows);
-# `index_add(order // k, out · w[order])` puts the weighted outputs back. Stable matters twice: capacity is "first
-# come, first served" in token order, and the sum is reproducible. With expert parallelism the same sort makes each
-# *rank's* rows contiguous too (its experts are consecutive), so the exchange only needs the counts.
+# The bookkeeping: the $n_\text{tok} \cdot k$ (token, choice) pairs, flattened token-major, are sorted by expert
+# with a **stable** sort, so each expert's pairs are contiguous and in token order. `rows = x[order // k]` gathers the
+# inputs; each expert runs on its slice (`counts[e]` rows); `index_add(order // k, out · w[order])` puts the weighted
+# outputs back. Stable matters twice: capacity is first come, first served in token order, and the sum is
+# reproducible. Each *rank's* rows are contiguous too (its experts are consecutive), so the exchange needs only the
+# counts.
 
 # %%
 order = torch.argsort(chosen.flatten(), stable=True)
@@ -153,28 +148,25 @@ _common.show_source(moe.MoE.forward, "flat = x.reshape", "y = torch.zeros_like")
 #
 # ## 3. Load balance
 #
-# Nothing in the language-model loss keeps the router fair: an expert that gets more tokens early learns faster,
-# becomes more attractive and gets even more. Experts that receive nothing are wasted parameters, and with expert
-# parallelism the rank holding the popular experts sets everyone's pace (and with a capacity, drops tokens). The
-# **auxiliary loss** of Switch (eq. 4), in Hugging Face Mixtral's form, per layer:
+# Nothing in the language-model loss keeps the router fair: an expert that gets more tokens early learns faster and
+# attracts even more. Idle experts are wasted parameters, and the rank holding the popular ones sets everyone's pace
+# (and, with a capacity, drops tokens). The **auxiliary loss** of Switch (eq. 4), in Hugging Face Mixtral's form,
+# per layer:
 #
 # $$\text{aux} = E \sum_{e=0}^{E-1} f_e P_e,\qquad f_e = \frac{\#\{\text{choices of expert } e\}}{n_\text{tok}},\quad
 # P_e = \frac{1}{n_\text{tok}}\sum_\tau \pi_{\tau,e},$$
 #
-# over the $n_\text{tok}$ tokens $\tau$ of the batch, $\pi_{\tau,e}$ token $\tau$'s router probability for expert $e$.
-# $\sum_e f_e = k$ and $\sum_e P_e = 1$; when both are uniform ($f_e = k/E$, $P_e = 1/E$) aux $= k$, and it grows
-# as the routing concentrates. $f$ is a count (no gradient); the gradient flows through $P$ and pushes probability
-# away from the experts that are chosen most. picotron adds $\alpha \cdot \text{aux}$ (mean over layers) to the
-# loss through `AuxLoss`, an identity in forward whose backward also feeds $\alpha$ to the aux — so the model's
-# `forward` still returns only logits.
+# over the batch's $n_\text{tok}$ tokens $\tau$, $\pi_{\tau,e}$ token $\tau$'s router probability for expert $e$.
+# $\sum_e f_e = k$ and $\sum_e P_e = 1$; uniform routing ($f_e = k/E$, $P_e = 1/E$) gives aux $= k$, and it grows as
+# routing concentrates. $f$ is a count (no gradient); the gradient flows through $P$, away from the most chosen
+# experts. picotron adds $\alpha \cdot \text{aux}$ (mean over layers) through `AuxLoss`, an identity in forward whose
+# backward also feeds $\alpha$ to the aux, so `forward` still returns only logits.
 #
-# **Measured.** `picotron.train` on tiny-moe at dp = ep = 2 (two processes, each two experts), the same seed and
-# data, without ($\alpha = 0$) and with the auxiliary loss ($\alpha = 0.01$, tiny-moe's default). For comparison,
-# the Mixtral paper (Jiang et al. 2024, §2.1) gives the gating and notes that expert parallelism makes load
-# balancing matter, but names no auxiliary loss and no $\alpha$; the released model's `config.json`
-# (mistralai/Mixtral-8x7B-v0.1 on Hugging Face) sets `router_aux_loss_coef` to 0.02, while the `transformers`
-# library's `MixtralConfig` defaults to 0.001. Every step's record holds `record["moe"]["tokens_per_expert"]` (per
-# layer, summed over the dp ranks). The same launch also runs sections 4-6's measurements on two processes.
+# **Measured.** `picotron.train` on tiny-moe at dp = ep = 2 (two processes, two experts each), same seed and data,
+# with $\alpha = 0$ and $\alpha = 0.01$ (tiny-moe's default). For comparison: the Mixtral paper (Jiang et al. 2024,
+# §2.1) names no auxiliary loss and no $\alpha$; the released `config.json` (mistralai/Mixtral-8x7B-v0.1) sets
+# `router_aux_loss_coef` to 0.02, `transformers`' `MixtralConfig` defaults to 0.001. Each step's record holds
+# `record["moe"]["tokens_per_expert"]` (per layer, summed over dp). The same launch runs sections 4-6's measurements.
 
 # %%
 run("balance,bytes,scaling,parity", nproc=2)
@@ -205,16 +197,14 @@ check("balance costs (almost) nothing in loss", abs(aux_run["loss"][-1] - free["
 
 # %% [markdown]
 # Without the auxiliary loss the deeper layers collapse within tens of steps: two of the four experts take nearly
-# every choice (a ratio of 2 is the most possible with $k = 2$ of $E = 4$: both choices of every token on the
-# same two experts), the others idle. With $\alpha = 0.01$ the heat maps stay even and the aux sits at $k$; the
-# loss is the same to a few percent — at this scale balance is free. (The first layer balances itself better:
-# its input is the embedding of bytes, which varies more than the deeper layers' inputs.)
+# every choice (ratio 2, the most possible with $k = 2$ of $E = 4$), the others idle. With $\alpha = 0.01$ the maps
+# stay even, the aux sits at $k$, and the loss is the same to a few percent: at this scale balance is free. (The first
+# layer balances itself better: its input, the byte embeddings, varies more.)
 #
-# **Capacity.** GShard and Switch bound each expert's work, so that a step's shapes are fixed and one hot expert
-# cannot stall the rest: expert $e$ takes at most $\lceil \kappa\,s\,k/E \rceil$ of a sequence's choices, first come
-# first served; the others are **dropped** (the token keeps its residual, its weight for that expert is lost).
-# Both trained models, one batch, the dropped fraction against the capacity factor $\kappa$; the dashed line is what
-# uniformly random routing would drop (each expert's load Binomial($s$, $k/E$), `lesson.expected_dropped`):
+# **Capacity.** GShard and Switch bound each expert's work, fixing a step's shapes so one hot expert cannot stall
+# the rest: expert $e$ takes at most $\lceil \kappa\,s\,k/E \rceil$ of a sequence's choices, first come first served;
+# the rest are **dropped** (the token keeps its residual). Both trained models, one batch, dropped fraction against
+# $\kappa$; dashed: uniformly random routing (each load Binomial($s$, $k/E$), `lesson.expected_dropped`):
 
 # %%
 for coef, r in bal["runs"].items():
@@ -229,41 +219,38 @@ check("at κ = 1 the collapsed router drops far more than the balanced one", fre
       f"{free['dropped'][i1]:.3f} against {aux_run['dropped'][i1]:.3f} of the choices")
 
 # %% [markdown]
-# At $\kappa = 1$ the collapsed router loses a large part of its choices: the load balance is what makes a capacity
-# affordable. Real routers are not uniform even when balanced on average (a sequence's tokens are alike), so
-# they drop more than the binomial line; $\kappa = 1.25$ (Switch's default for training) to 2 keeps the loss small.
-# picotron's default is $\kappa = 0$, no limit (Mixtral's choice, possible because ours has no fixed shapes).
+# At $\kappa = 1$ the collapsed router loses much of its choices: balance makes a capacity affordable. Real routers
+# drop more than the binomial line even when balanced on average (a sequence's tokens are alike); $\kappa = 1.25$
+# (Switch's training default) to 2 keeps drops small. picotron's default is $\kappa = 0$, no limit (Mixtral's choice).
 #
 # **Takeaway:** without a balancing term the router collapses; $E\sum_e f_e P_e$ keeps it even at no visible cost;
 # capacity trades dropped tokens for bounded work.
 #
 # ## 4. Read the code: the exchange
 #
-# `picotron/expert_parallel.py`. The ep ranks (carved out of dp: they see different data) each keep $E/ep$
-# experts. In a layer, a rank's rows are sorted by expert, so the rows for rank $r$'s experts are one contiguous
-# block: the splits of the all-to-all are sums of `counts`. But the receiver does not know how many rows each
-# sender has for it, so the counts go first (an all-to-all of $E$ numbers), then the rows; the rows arrive
-# grouped by *source*, and are regrouped by *expert* before the experts run:
+# `picotron/expert_parallel.py`. The ep ranks (carved out of dp: they see different data) each keep $E/ep$ experts.
+# A rank's rows for rank $r$'s experts are one contiguous block, so the all-to-all's splits are sums of `counts`. The
+# receiver does not know how many rows each sender has for it, so the counts go first (an all-to-all of $E$
+# numbers), then the rows, which arrive grouped by *source* and are regrouped by *expert*:
 
 # %%
 _common.show_source(expert_parallel.Exchange.dispatch)
 _common.show_source(expert_parallel.Exchange.combine)
 
 # %% [markdown]
-# `AllToAll` is an autograd function: backward sends the gradients back the way the rows came (the splits
-# swapped). So per layer and micro-batch there are four all-to-alls of rows — dispatch, combine, and their two
-# backwards — and `Exchange.rows` counts the rows each sent to *other* ranks. With balanced routing a rank's
-# $n_\text{tok}$ tokens make $n_\text{tok} k$ rows of which $(ep-1)/ep$ leave:
+# `AllToAll` is an autograd function: backward sends gradients back the way the rows came (splits swapped). So per
+# layer and micro-batch there are four all-to-alls of rows (dispatch, combine, their backwards); `Exchange.rows`
+# counts those sent to *other* ranks. Balanced, a rank's $n_\text{tok} k$ rows leave in proportion $(ep-1)/ep$:
 
 # %%
 _common.show_source(expert_parallel.bytes_per_step_formula, "return")
 _common.show_source(marks.sync_axis)
 
 # %% [markdown]
-# The second function is the gradient rule. Dense parameters are replicated over dp: averaged as always. An expert
-# lives on one rank of each ep group and is replicated only over `edp` (dp / ep ranks); its gradient already holds
-# the tokens of its whole ep group — the all-to-all brought them — so it is **summed over edp and divided by
-# dp** (not by edp): then it is the gradient of the global batch's mean loss, like every other parameter's.
+# The second function is the gradient rule. Dense parameters are averaged over dp as always. An expert lives on one
+# rank of each ep group, replicated only over `edp` (dp / ep ranks); its gradient already holds its whole ep group's
+# tokens (the all-to-all brought them), so it is **summed over edp and divided by dp** (not edp): the gradient of the
+# global batch's mean loss, like every other parameter's.
 #
 # **Takeaway:** two all-to-alls per layer and their backwards; counts first, rows second; expert gradients
 # summed over their replicas and divided by the whole dp.
@@ -271,11 +258,10 @@ _common.show_source(marks.sync_axis)
 # ## 5. The all-to-all, counted and timed
 #
 # Training steps at ep = 2 (two processes) and ep = 4 (four), every collective counted by a `metrics.Recorder`
-# (`parallelize(cfg, mesh, recorder=...)`), each layer's `Exchange.rows` read after each step, and every rank's
-# tokens per expert (the routing). From the routing alone the rows are predicted *exactly*: rank $r$ sends to rank
-# $r'$ its counts for $r'$'s experts (`lesson.send_matrix`, `lesson.predicted_rows`). The Recorder counts each
-# call's whole buffer, the block a rank keeps for itself included, plus the counts ($8E$ bytes):
-# `lesson.predicted_a2a_bytes`. The balanced formula is the expectation, off by the routing's imbalance.
+# (`parallelize(cfg, mesh, recorder=...)`), each layer's `Exchange.rows` and every rank's tokens per expert read after
+# each step. The routing predicts the rows *exactly*: rank $r$ sends rank $r'$ its counts for $r'$'s experts
+# (`lesson.send_matrix`, `lesson.predicted_rows`). The Recorder counts each call's whole buffer, a rank's own block
+# included, plus the counts ($8E$ bytes): `lesson.predicted_a2a_bytes`. The balanced formula is the expectation.
 
 # %%
 run("bytes,scaling,parity", nproc=4)
@@ -302,13 +288,12 @@ for W, res in byt.items():
           f"(the routing is not perfectly balanced)")
 
 # %% [markdown]
-# The counting is exact: the all-to-all sends what the routing says, no more. The formula's
-# $4\,n_\text{tok}\,k\,h\,(ep-1)/ep$ elements per layer is what a balanced router costs; each rank sends more or less
-# as its tokens prefer remote or local experts (in a pair of ranks, what one sends in dispatch the other sends in
-# combine). Going from ep = 2 to 4 takes the remote share from 1/2 to 3/4 of the rows.
+# The all-to-all sends what the routing says, no more. The formula's $4\,n_\text{tok}\,k\,h\,(ep-1)/ep$ elements per
+# layer is a balanced router's cost; each rank sends more or less as its tokens prefer remote or local experts (in a
+# pair, what one sends in dispatch the other sends in combine). From ep = 2 to 4 the remote share goes from 1/2 to 3/4.
 #
-# **The timeline.** The last step at ep = 2 and 4, from the Recorder's timeline (collectives) and module hooks
-# (attention and each expert, forward and backward):
+# **The timeline.** The last step at ep = 2 and 4: collectives from the Recorder, attention and each expert from
+# module hooks:
 
 # %%
 for W, res in byt.items():
@@ -323,21 +308,20 @@ for W, res in byt.items():
           all(s["n_a2a"] == 5 * layers * micro for s in sh), f"{sh[0]['n_a2a']} = 5 x {layers} layers")
 
 # %% [markdown]
-# Each all-to-all is a synchronisation point: a rank cannot run its experts before every rank has sent its rows,
-# so the all-to-alls also absorb the ranks' differences in speed (the waiting is inside the red bars). Here they
-# are blocking — the experts wait for the dispatch, attention waits for the combine. Production systems overlap
-# them with compute: DeepSeek-V3's DualPipe runs one micro-batch's all-to-all under another's compute, and
-# Megatron-LM and DeepEP split the exchange to pipeline it with the experts; section 10 does it with `--ep-overlap`.
+# Each all-to-all is a synchronisation point: no rank runs its experts before every rank has sent its rows, so the
+# red bars also hold the ranks' differences in speed. Here they block (experts wait for the dispatch, attention for
+# the combine). Production systems overlap them: DeepSeek-V3's DualPipe runs one micro-batch's all-to-all under
+# another's compute; Megatron-LM and DeepEP pipeline the exchange with the experts; section 10 does it with
+# `--ep-overlap`.
 #
 # **Takeaway:** the bytes are the routing's, to the byte; the all-to-alls sit on the critical path unless the
 # schedule hides them.
 #
 # ## 6. Memory and throughput per rank against ep
 #
-# The same global batch (8 sequences of 64 tokens per rank), dp = 2 (then 4) with ep = 1 (every expert on every
-# rank: plain data parallelism), 2 and 4, one step of each layout in turn. Model states in fp32 with AdamW: 16
-# bytes per parameter held (weights, gradients, two moments) plus a 4-byte step counter per tensor; a rank holds
-# the dense part and $E/ep$ of every layer's experts (`lesson.model_state_parts`).
+# The same global batch (8 sequences of 64 tokens per rank), dp = 2 (then 4) with ep = 1 (plain data parallelism),
+# 2 and 4, one step of each in turn. fp32 AdamW states: 16 bytes per parameter held plus a 4-byte step counter per
+# tensor; a rank holds the dense part and $E/ep$ of every layer's experts (`lesson.model_state_parts`).
 
 # %%
 sca = {W: _common.load_json(OUT / f"scaling_ep{W}.json")["results"] for W in (2, 4)}
@@ -363,42 +347,37 @@ for W, res in sca.items():
 
 # %% [markdown]
 # Memory is exactly the formula: at ep = $E$ a rank holds one expert per layer, and tiny-moe's states shrink from
-# 22 to about 8 MiB — what makes Mixtral-sized models fit at all (section 7's widget). Throughput, honestly: on this
-# machine ep is **not** faster. Two CPU cores do the same FLOPs whichever rank holds an expert, and ep adds the
-# all-to-alls, the counts' round trip and the regrouping; the four-process runs put four processes on two cores. On GPUs the trade is different: without ep, every rank must
-# hold (and read from memory) all experts; with ep each expert's matmul gets the rows of the whole group (better
-# GPU utilisation for small batches), and the model fits. The cost is the all-to-all, which crosses nodes once ep
-# exceeds a node's GPUs — hence DeepSeek-V3's node-limited routing (each token's experts on at most 4 nodes).
+# 22 to about 8 MiB, what makes Mixtral-sized models fit at all (section 8's widget). Throughput: here ep is **not**
+# faster. Two cores do the same FLOPs wherever an expert lives, ep adds the all-to-alls, the counts and the
+# regrouping, and four processes share two cores. On GPUs, without ep every rank holds (and reads) all experts; with
+# ep each expert's matmul gets the whole group's rows (better utilisation for small batches), and the model fits.
+# The cost is the all-to-all, which crosses nodes once ep exceeds a node's GPUs, hence DeepSeek-V3's node-limited
+# routing (each token's experts on at most 4 nodes).
 #
 # **Takeaway:** ep divides the experts' memory by ep exactly; its price is two all-to-alls per layer.
 #
 # ## 7. Check it: expert parallelism trains like one process
 #
-# `picotron.train` at ep = 2 (dp = 2) on two processes, and ep = 4 (dp = 4), dp = 4 × ep = 2 (each expert on two
-# ranks: summed over edp) and ep = 2 × tp = 2 (each expert itself cut like an MLP) on four, against one process
-# with the same global batch (grad_acc × dp), fp32, same seed: per-step loss within $10^{-5}$ relative over 10
-# steps, the [parity standard](../../docs/reference.md#parity-standard). Unlike the dense lessons, both modes train
-# exactly 10 steps and we do not report a drift bound after them: the router is **discrete**.
+# `picotron.train` at ep = 2 (dp = 2) on two processes; ep = 4 (dp = 4), dp = 4 × ep = 2 (each expert on two ranks)
+# and ep = 2 × tp = 2 (each expert cut like an MLP) on four; against one process with the same global batch, fp32,
+# same seed: per-step loss within $10^{-5}$ relative over 10
+# steps, the [parity standard](../../docs/reference.md#parity-standard). Both modes train exactly 10 steps, with no
+# drift bound after them: the router is **discrete**.
 #
-# A rounding
-# difference in the last digit of a router logit can flip one token's second choice between two nearly equal
-# experts, and that token's output then changes by a finite amount. In a 20-step run (a longer cosine schedule,
-# hence larger early learning rates) ep2 × tp2 left the standard at step 9 ($2.9 \times 10^{-5}$, then
-# $4 \times 10^{-4}$ at step 10 and up to $3 \times 10^{-3}$ by step 17), and dp4 × ep2's gradient norm jumped by
-# $7 \times 10^{-2}$ at step 20, while the dense layers' rounding alone stays near $10^{-7}$: such jumps are
-# routing flips, not a wrong gradient (the first steps, and every gradient in `tests/test_expert_parallel.py`,
-# agree to $10^{-5}$).
+# A last-digit rounding difference in a router logit can flip one token's second choice between two nearly equal
+# experts, changing its output by a finite amount. In a 20-step run (longer cosine schedule, larger early learning
+# rates) ep2 × tp2 left the standard at step 9 ($2.9 \times 10^{-5}$, then $4 \times 10^{-4}$ at step 10, up to
+# $3 \times 10^{-3}$ by step 17), and dp4 × ep2's gradient norm jumped by $7 \times 10^{-2}$ at step 20, while the
+# dense layers' rounding stays near $10^{-7}$: routing flips, not a wrong gradient (the first steps, and every
+# gradient in `tests/test_expert_parallel.py`, agree to $10^{-5}$).
 #
-# The gradient
-# norm is global (every gradient of the model, each counted once), so it checks the gradients too; it is a sum of
-# squares whose order tensor parallelism changes, and after a few steps of AdamW it differs by more than the loss
-# does (ep2 × tp2 reached $1.6 \times 10^{-5}$ in one run), so we hold it to $10^{-4}$ — a hundred times below
-# what the trap produces at step 1.
+# The gradient norm is global (every gradient counted once), so it checks the gradients too; tensor parallelism
+# changes its order of summation, and after a few AdamW steps it differs more than the loss (ep2 × tp2 reached
+# $1.6 \times 10^{-5}$ in one run), so we hold it to $10^{-4}$, a hundred times below what the trap gives at step 1.
 #
-# **The trap.** An expert lives on fewer ranks than the dense weights, so it is tempting to average its gradient
-# over its own replicas (edp) as data parallelism averages over its group. But its gradient already sums the
-# tokens of the whole ep group: divided by edp (here 1) instead of dp (here 2), it is twice too large.
-# `lesson.experts_divided_by_edp` does exactly that.
+# **The trap.** It is tempting to average an expert's gradient over its own replicas (edp), as data parallelism
+# does over its group. But it already sums the whole ep group's tokens: divided by edp (here 1) instead of dp (here
+# 2), it is twice too large. `lesson.experts_divided_by_edp` does exactly that.
 
 # %%
 GRAD_TOL = 1e-4   # the gradient norm: a sum of squares over 1.4 M gradients, in another order under tp
@@ -432,24 +411,21 @@ check("expert gradients divided by edp: the loss leaves the reference", not bad[
       f"first over 1e-5 at step {bad['first_over']}, worst of steps 1-10 {bad['worst']:.1e}")
 
 # %% [markdown]
-# Every layout trains like one process to rounding. The wrong divisor is visible at once in the gradient norm
-# (the expert part of the gradient doubled); in the loss it is damped — AdamW divides each update by the
-# gradient's own running scale, so a gradient twice too large moves the weights almost as the right one would;
-# only the clipping (which sees the global norm) and Adam's early steps let it through, at the $10^{-4}$ level.
-# A trainer that checks only losses to $10^{-2}$ would miss it; the test suite compares every gradient
+# Every layout trains like one process to rounding. The wrong divisor shows at once in the gradient norm; in the loss
+# it is damped, since AdamW divides each update by the gradient's running scale: only clipping (which sees the global
+# norm) and Adam's early steps let it through, at the $10^{-4}$ level. A check of losses to $10^{-2}$ would miss it;
+# the suite compares every gradient
 # (`tests/test_expert_parallel.py::test_the_parity_check_catches_expert_gradients_divided_by_their_own_group`).
 #
 # **Takeaway:** expert parallelism is the same training; expert gradients are summed over edp and divided by dp.
 #
 # ## 8. Explore: experts, ep and capacity against memory and bytes per GPU
 #
-# Pick a model, the number of experts $E$, the choices per token $k$, ep and the capacity factor. Left: model states
-# per GPU (bf16 weights and gradients, fp32 AdamW master weights and moments: 16 bytes per parameter) for every ep
-# dividing $E$ (the chosen one dark); middle: the all-to-all bytes each GPU sends per step for 4096 tokens per GPU
-# (balanced, bf16); right: the fraction of choices dropped at capacity factor $\kappa$ if routing were uniformly
-# random. Questions: how many GPUs does Mixtral-8x7B's model state need at ep = 1, and at ep = 8? Why does the
-# all-to-all traffic hardly grow from ep = 4 to 8? What capacity factor keeps the drops under 1%? (Widgets need a live
-# kernel; a static viewer shows the default only.)
+# Pick a model, $E$, $k$, ep and the capacity factor. Left: model states per GPU (bf16 weights and gradients, fp32
+# master weights and moments: 16 bytes per parameter) for every ep dividing $E$; middle: all-to-all bytes each GPU
+# sends per step for 4096 tokens (balanced, bf16); right: choices dropped at $\kappa$ under uniform routing. How many
+# GPUs does Mixtral-8x7B's model state need at ep = 1, and at ep = 8? Why does the traffic hardly grow from ep = 4 to
+# 8? What $\kappa$ keeps drops under 1%? (Widgets need a live kernel.)
 
 # %%
 def draw(preset="mixtral-8x7b", E=8, k=2, ep=8, c=1.25):
@@ -480,35 +456,29 @@ check("the widget's numbers: Mixtral-8x7B's states, ep = 1 against ep = 8",
 #
 # ## 9. DeepSeek-V3's router: balance without an auxiliary loss
 #
-# The auxiliary loss balances the experts by adding a term to the loss, so its gradient reaches the router and
-# pulls its weights away from what the language-model loss wants: a large $\alpha$ balances well and costs
-# quality, a small one balances poorly (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
-# Mixture-of-Experts", arXiv:2408.15664). DeepSeek-V3 (technical report, arXiv:2412.19437, §2.1.2) routes
-# differently:
+# The auxiliary loss's gradient pulls the router away from what the language-model loss wants: a large $\alpha$
+# balances well and costs quality, a small one balances poorly (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing
+# Strategy for Mixture-of-Experts", arXiv:2408.15664). DeepSeek-V3 (arXiv:2412.19437, §2.1.2) routes differently:
 #
-# * **sigmoid affinities**: $\pi_e = \sigma(x \cdot w_e)$ for a token $x$ and expert $e$'s router row $w_e$, each
-#   expert scored on its own (no softmax over the experts); the gates are the chosen affinities normalised,
-#   $g_e = \pi_e / \sum_{e' \in \text{top-}k} \pi_{e'}$ (times `routed_scaling_factor`, 2.5 in the released config;
-#   1 here);
+# * **sigmoid affinities** $\pi_e = \sigma(x \cdot w_e)$, each expert scored on its own (no softmax); the gates are
+#   the chosen affinities normalised, $g_e = \pi_e / \sum_{e' \in \text{top-}k} \pi_{e'}$ (times
+#   `routed_scaling_factor`, 2.5 in the released config; 1 here);
 #
-# * **a bias for the choice only**: the top-$k$ is taken over $\pi_e + \mathrm{bias}_e$, but $\mathrm{bias}_e$ never
-#   enters the gates, so the loss, and hence every gradient, never sees it;
+# * **a bias for the choice only**: top-$k$ over $\pi_e + \mathrm{bias}_e$, but the bias never enters the gates, so
+#   no gradient sees it;
 #
 # * **the bias update** after each optimizer step: $\mathrm{bias}_e \mathrel{+}= \gamma \cdot
-#   \mathrm{sign}(\overline{\mathrm{load}} - \mathrm{load}_e)$, $\mathrm{load}_e$ the tokens that chose expert $e$ in
-#   the step, $\overline{\mathrm{load}}$ their mean over the experts: an overloaded expert becomes a little less
-#   attractive, an idle one a little more. The loads are counted over the **global** batch (summed over every
-#   data-parallel, cp and ep rank by `moe.step_stats`), so every replica's bias stays the same;
+#   \mathrm{sign}(\overline{\mathrm{load}} - \mathrm{load}_e)$, $\mathrm{load}_e$ the step's tokens choosing $e$,
+#   $\overline{\mathrm{load}}$ their mean over experts. Loads are counted over the **global** batch (summed over
+#   every dp, cp and ep rank by `moe.step_stats`), so every replica's bias stays the same;
 #
-# * **shared and fine-grained experts** (DeepSeekMoE, arXiv:2401.06066): $N_s$ shared experts that every token
-#   passes through, and more, smaller routed experts. `tiny-deepseek-moe` has 8 routed experts of $h_\text{ff} = 96$,
-#   top-3, and $N_s = 1$ shared:
-#   the same active width ($4 \times 96$) as `tiny-moe`'s $2 \times 192$;
+# * **shared and fine-grained experts** (DeepSeekMoE, arXiv:2401.06066): $N_s$ shared experts every token passes
+#   through, and more, smaller routed ones. `tiny-deepseek-moe`: 8 routed experts of $h_\text{ff} = 96$, top-3,
+#   $N_s = 1$: the same active width ($4 \times 96$) as `tiny-moe`'s $2 \times 192$;
 #
-# * **a small sequence-wise balance loss** beside it: "mainly" auxiliary-loss-free, the report still adds the
-#   aux loss's form computed over each sequence's tokens, with an "extremely small" $\alpha$ (0.0001 in its
-#   pre-training, §4.2), to prevent extreme imbalance inside one sequence. picotron does not build this term:
-#   its bias run below has no balance term in the loss at all.
+# * **a small sequence-wise balance loss**: the report still adds the aux loss's form over each sequence's tokens,
+#   with an "extremely small" $\alpha$ (0.0001 in pre-training, §4.2), against extreme imbalance inside a sequence.
+#   picotron does not build it: its bias run has no balance term in the loss.
 #
 # | piece | where |
 # |---|---|
@@ -517,11 +487,10 @@ check("the widget's numbers: Mixtral-8x7B's states, ep = 1 against ep = 8",
 # | $\mathrm{bias}_e \mathrel{+}= \gamma\,\mathrm{sign}(\overline{\mathrm{load}} - \mathrm{load}_e)$ on the step's global loads | `moe.update_bias`, called by `moe.step_stats` |
 # | options | `--router sigmoid --shared-experts 1 --expert-size 96 --bias-update-speed 0.001`, or `--preset tiny-deepseek-moe` |
 #
-# We train `tiny-deepseek-moe` at dp = ep = 2 three times on the same batches: without balancing, with the
-# auxiliary loss ($\alpha = 0.01$, as in section 3) and with the bias update. The report's $\gamma = 0.001$ is for a
-# run of hundreds of thousands of steps; over our 200 we take $\gamma = 0.01$. What we expect: the bias run's
-# busiest expert, over the last 10 steps, below the unbalanced run's; and the bias after the run exactly the sum
-# of the $\pm\gamma$ steps that the recorded loads prescribe.
+# We train `tiny-deepseek-moe` at dp = ep = 2 three times on the same batches: unbalanced, with the auxiliary loss
+# ($\alpha = 0.01$) and with the bias update. The report's $\gamma = 0.001$ suits hundreds of thousands of steps; for
+# our 200, $\gamma = 0.01$. Expected: the bias run's busiest expert (last 10 steps) below the unbalanced run's, and
+# the final bias exactly the sum of the $\pm\gamma$ steps the recorded loads prescribe.
 
 # %%
 run("router")
@@ -546,18 +515,15 @@ check("each bias moved by ±γ by the sign of its load error, every step", torch
 
 # %% [markdown]
 # Without balancing, the busiest expert settles at about 2.25 times the mean load; the auxiliary loss brings it to
-# 1.13, the bias update to 1.09 — as well, without a term in the loss: the gates, and so the gradients, are those of
-# an unbalanced router; only the choice moves. The update is the sign of the error, not its size, so each bias
-# walks by $\pm\gamma$ and hovers where its expert's load crosses the mean (here within $\pm 0.34$ after 200 steps).
+# 1.13, the bias update to 1.09, without a term in the loss: only the choice moves. The update is the error's sign,
+# so each bias walks by $\pm\gamma$ and hovers where its expert's load crosses the mean (within $\pm 0.34$ after 200
+# steps). The three losses stay within about 1% (2.21, 2.20, 2.23 over the last 10 steps): the quality gain Wang et
+# al. and DeepSeek-V3 claim for the bias was measured at billions of parameters. Here the bias buys the balance
+# itself (the busiest rank sets every step's pace) with no hyper-parameter traded against the loss.
 #
-# The three losses stay within about 1% of each other (2.21, 2.20, 2.23 over the last 10 steps): at this size and
-# length balance neither helps nor costs much; the quality gain that Wang et al. and the DeepSeek-V3 report claim
-# for the bias over the aux loss was measured on models of billions of parameters. What the bias buys here is the
-# balance itself (the busiest rank sets every step's pace) with no hyper-parameter traded against the loss.
-#
-# **Exercise 5.** `deepseek_router_step(logits, k, bias, gamma)` in `exercise.py`: the router's choice with the
-# bias, the gates without it, then the bias update from the batch's loads. The checker says when the bias leaked
-# into the gates, when the choice ignored it, when the update's sign is reversed or its step is not $\pm\gamma$:
+# **Exercise 5.** `deepseek_router_step(logits, k, bias, gamma)` in `exercise.py`: the choice with the bias, the
+# gates without it, then the bias update from the batch's loads. The checker says when the bias leaked into the
+# gates, the choice ignored it, or the update's sign is reversed or its step is not $\pm\gamma$:
 
 # %%
 import check as checker   # this folder's check.py
@@ -569,56 +535,51 @@ checker.check(["deepseek_router_step"])
 #
 # ## 10. The all-to-alls under compute (`--ep-overlap`)
 #
-# Section 5's timeline shows the price of the exchange: the experts wait for the dispatch, the next layer waits for
-# the combine, and nothing runs while the rows travel. The fix production systems use is to give the link and the
-# cores different work at the same time. DeepSeek-V3 (arXiv:2412.19437, §3.2.2) runs one micro-batch's
-# all-to-alls under another micro-batch's compute (DualPipe pairs a forward chunk with a backward chunk for this);
-# Megatron-LM has `--overlap-moe-expert-parallel-comm`. Ours does it inside one micro-batch, with **two parts**:
+# In section 5's timeline nothing runs while the rows travel. The fix: give the link and the cores different work at
+# once. DeepSeek-V3 (arXiv:2412.19437, §3.2.2) runs one micro-batch's all-to-alls under another's compute (DualPipe
+# pairs a forward chunk with a backward chunk); Megatron-LM has `--overlap-moe-expert-parallel-comm`. Ours works
+# inside one micro-batch, with **two parts**:
 #
-# 1. route, apply the capacity and compute the aux loss on the *whole* micro-batch, as before;
-# 2. cut the sorted rows in two: part 1 takes the first half (rounded up) of each expert's rows, part 2 the rest;
-#    both stay sorted by expert, so each is a dispatch of its own (one all-to-all of $2E$ counts for both);
-# 3. launch dispatch 1 and dispatch 2 at once; the shared expert (DeepSeek) runs while they travel; part 1's
-#    experts run as soon as dispatch 1 is in; combine 1 is launched and part 2's experts run under it; combine 2.
+# 1. route, apply the capacity and compute the aux loss on the *whole* micro-batch;
+# 2. cut the sorted rows in two: part 1 the first half (rounded up) of each expert's rows, part 2 the rest, each a
+#    dispatch of its own (one all-to-all of $2E$ counts for both);
+# 3. launch both dispatches; the shared expert runs while they travel; part 1's experts run once dispatch 1 is in;
+#    combine 1 is launched and part 2's experts run under it; combine 2.
 #
-# An expert's output for a row depends on that row alone, so the result is the unsplit layer's, to the rounding of
-# the matmuls (`tests/test_ep_overlap.py` checks the layer and the whole model against one process, and every
-# rank's order of launches and waits). The backward has the same shape: both combine-backwards launched, the shared
-# expert's backward under them, part 1's expert backward under part 2's all-to-all, and so on. One subtlety: data
-# parallelism counts each weight's gradient *hook* to know when a bucket is full, so the two parts' weight
-# gradients are summed first and handed to autograd once (`_accumulate_once`) — accumulated per part, the hook
-# would fire twice and a bucket would be all-reduced half-summed (the parity test caught exactly that).
+# An expert's output for a row depends on that row alone, so the result is the unsplit layer's to rounding
+# (`tests/test_ep_overlap.py` checks the layer and the model against one process, and every rank's order of launches
+# and waits). Backward has the same shape: both combine-backwards launched, the shared expert's backward under them,
+# part 1's expert backward under part 2's all-to-all, and so on. One subtlety: data parallelism counts gradient
+# *hooks* to know when a bucket is full, so the two parts' weight gradients are summed and handed to autograd once
+# (`_accumulate_once`); per part, the hook would fire twice and a bucket be all-reduced half-summed (the parity test
+# caught exactly that).
 #
-# **The formula.** With one part's all-to-all taking $a$ on the link (which carries one message at a time), one
-# part's experts $c$ and the shared expert $s$, the pass ends when combine 2 does; what it adds to the compute
-# $s + 2c$ is exposed (`planner.ep_overlap_exposed_seconds`):
+# **The formula.** With one part's all-to-all taking $a$ on the link (one message at a time), one part's experts $c$
+# and the shared expert $s$, the pass ends with combine 2; what it adds to the compute $s + 2c$ is exposed
+# (`planner.ep_overlap_exposed_seconds`):
 #
 # $$T_\text{exposed} = 2a - \min(s, a) \quad (c \ge a), \qquad 4a - 2c - s \quad (a \ge c \ge s), \qquad 4a \ \text{blocking}$$
 #
-# — the first dispatch (less the shared expert under it) and the last combine, which nothing follows, stay exposed;
-# each middle all-to-all hides under the other part's experts. The planner's time model charges this per MoE layer
-# and micro-batch for `ep-overlap` layouts (backward: the same with $2c$ and $2s$).
+# — the first dispatch (less the shared expert under it) and the last combine stay exposed; each middle all-to-all
+# hides under the other part's experts. The planner charges this per MoE layer and micro-batch for `ep-overlap`
+# layouts (backward: the same with $2c$ and $2s$).
 
 # %%
 _common.show_source(expert_parallel._TwoParts.forward)
 _common.show_source(planner.ep_overlap_exposed_seconds, "a, c, s, t = a2a_s")
 
 # %% [markdown]
-# **Measured.** Blocking and overlapped on the same run: `tiny-deepseek-moe` (8 fine-grained experts, top-3, one
-# shared expert) at dp = ep = 2, one step of each in turn, each exchange on its **own emulated link**
-# (`picotron.link.EmulatedLink`: every all-to-all still runs for real, then completes no earlier than
-# latency + the bytes this rank sends to the others / bandwidth; the waiting is a sleep, costing no core, as a NIC's
-# would). The link is sized so that one part's all-to-all takes about as long as one part's experts in the forward,
-# where there is most to hide. Every wait for a row all-to-all is timed: that is the exposed communication.
+# **Measured.** Blocking and overlapped, one step of each in turn: `tiny-deepseek-moe` at dp = ep = 2, each exchange
+# on its **own emulated link** (`picotron.link.EmulatedLink`: every all-to-all runs for real, then completes no
+# earlier than latency + the bytes this rank sends / bandwidth; the wait is a sleep, costing no core, as a NIC's
+# would). The link is sized so one part's all-to-all takes about as long as one part's experts in the forward. Every
+# wait for a row all-to-all is timed: the exposed communication.
 #
-# Part of
-# a wait can be for the *peer* (a rank that got there first waits for the other to launch its half: the cost of
-# imbalance, which section 5 saw too), so each wait is also cut at the moment the link had carried its message: the
-# time waited *for the link*, which is what the formula models. The formula is fed the measured $a$ (the link's time
-# per message) and the rank's work in each slot of each layer's pass, read off its launches and waits: $s$ from
-# launching dispatch 1 to waiting for it, $c$ from a part's arrival to the next wait, and $t$, what part 2 did after
-# launching its combine (the launch's own cost on a CPU; in the backward, accumulating the weights' gradients, placed
-# there on purpose), which hides part of the last combine (`tail_s`; 0 in the planner's GPU model).
+# Part of a wait can be for the *peer* (imbalance), so each wait is also cut where the link had carried its
+# message: the time waited *for the link*, which the formula models. It is fed the measured $a$ and the rank's work
+# per slot, read off its launches and waits: $s$ (dispatch 1's launch to its wait), $c$ (a part's arrival to the next
+# wait) and $t$, part 2's work after launching its combine (the launch itself; in backward, the gradients'
+# accumulation, placed there on purpose), which hides part of the last combine (`tail_s`; 0 in the GPU model).
 
 # %%
 run("overlap")
@@ -639,19 +600,16 @@ for name, ok, detail, busy in lesson.overlap_checks(ov):
     _common.check(name, ok, detail, busy)
 
 # %% [markdown]
-# The red bars shrink to where the formula puts them: in each layer's forward the first dispatch (partly under the
-# shared expert) and the last combine, in its backward the last dispatch-backward; the middle all-to-alls run under
-# the other part's experts, and the time waited for the link follows the formula. The *step*, though, is not faster by
-# the hidden time on this machine, and can be slower: on 2 CPU cores the compute, the real transfers (gloo's
-# threads, now running while the other rank computes) and the split's bookkeeping (twice the expert calls, twice the
-# launches) share the same cores, so each rank computes more slowly and waits longer for its peer (the pale part
-# of the bars).
+# The red bars shrink to where the formula puts them: in each forward the first dispatch (partly under the shared
+# expert) and the last combine, in backward the last dispatch-backward; the time waited for the link follows the
+# formula. The *step* is not faster by the hidden time here, and can be slower: on 2 cores the compute, gloo's
+# transfer threads and the split's bookkeeping (twice the expert calls and launches) share the cores, so each rank
+# computes more slowly and waits longer for its peer (the pale bars).
 #
-# What the emulated link shows is the schedule; what a step gains needs hardware that moves bytes
-# without the cores.
-# `benchmarks/ep_overlap_bench.py` measures the step time side by side, with and without an emulated link. On a GPU
-# the all-to-all has its own engine (NVLink, RDMA) and the exposed time the formula gives is what the step saves; the
-# planner's time model, for Mixtral-8x7B on one and on two H100 nodes:
+# The emulated link shows the schedule; a step's gain needs hardware that moves bytes without the cores.
+# `benchmarks/ep_overlap_bench.py` measures step time side by side, with and without an emulated link. On a GPU the
+# all-to-all has its own engine (NVLink, RDMA) and the formula's hidden time is what the step saves; the planner's
+# time model, for Mixtral-8x7B on one and on two H100 nodes:
 
 # %%
 from picotron.plan.hardware import GPUS
@@ -664,17 +622,16 @@ for text in ("dp8,ep8,zero1,mbs1,ga16", "dp16,ep8,tp2,sp,zero1,mbs1,ga16"):
 
 # %% [markdown]
 #
-# **NCCL.** Each layer's ep group sees, on every rank, the same all-to-alls in the same order — counts, dispatch 1,
-# dispatch 2, combine 1, combine 2; backward: combine-backward 1, 2, dispatch-backward 1, 2 — only *when* a rank
-# waits for them moves. Collectives on one communicator run in issue order, so two in flight are legal; and since
-# nothing on another group (dp's bucketed all-reduces, cp's, tp's) is issued between a launch and its wait in an
-# order that differs between ranks, the whole run fits one order across communicators. `tests/test_ep_overlap.py`
-# records every rank's communication on gloo and replays it under both of `picotron.nccl_rules`' models, with cp,
-# tp, pp, ZeRO-1 and full recomputation.
+# **NCCL.** Every rank issues each layer's all-to-alls in the same order (counts, dispatch 1, 2, combine 1, 2;
+# backward: combine-backward 1, 2, dispatch-backward 1, 2); only *when* a rank waits moves. Collectives on one
+# communicator run in issue order, so two in flight are legal, and nothing on another group (dp, cp, tp) is issued
+# between a launch and its wait in a rank-dependent order, so the run fits one order across communicators.
+# `tests/test_ep_overlap.py` replays every rank's recorded communication under both of `picotron.nccl_rules`'
+# models, with cp, tp, pp, ZeRO-1 and full recomputation.
 #
 # **Exercise 6.** `two_part_exposed(a, c, s)` in `exercise.py`: the schedule above, event by event, and what it
-# leaves exposed. The checker compares with the planner on both regimes and names the usual slips (the blocking
-# $4a$, a link that carries two messages at once, combine 2 forgotten, the closed form used outside its regime):
+# leaves exposed. The checker compares with the planner in both regimes and names the usual slips (the blocking
+# $4a$, a link carrying two messages at once, combine 2 forgotten, the closed form outside its regime):
 
 # %%
 import check as checker   # this folder's check.py
@@ -687,20 +644,19 @@ checker.check(["two_part_exposed"])
 # ## 11. Exercises
 # Open `lessons/08_expert_parallel/exercise.py`:
 #
-# 1. `top_k_route(logits, k)` — Mixtral's router: softmax in fp32, top-$k$, renormalise. The checker compares with
-#    `moe.route` for several $(n_\text{tok}, E, k)$, names the token and expert, and recognises weights not
+# 1. `top_k_route(logits, k)`: Mixtral's router (softmax in fp32, top-$k$, renormalise), against `moe.route` for
+#    several $(n_\text{tok}, E, k)$; the checker names the token and expert, and recognises weights not
 #    renormalised, raw logits as weights, the least probable experts, and a softmax over the wrong dimension.
 #
-# 2. `dispatch_permutation(experts, E)` — the order of the (token, choice) pairs sorted by expert, stable, and the
-#    counts. The checker names an expert whose pairs are out of token order (an unstable sort), token indices
-#    in place of pair indices, a descending sort, an expert missing from the counts.
+# 2. `dispatch_permutation(experts, E)`: the (token, choice) pairs' order sorted by expert, stable, and the counts;
+#    the checker names an unstable sort, token indices for pair indices, a descending sort, an expert missing.
 #
-# 3. `aux_loss(probs, experts, E)` — $E \sum_e f_e P_e$, value and gradient. The checker recognises Switch's $f$
-#    normalised by $k$ (balance would give 1), the missing factor $E$, $P$ averaged over the chosen experts
-#    only, and a loss no gradient crosses.
+# 3. `aux_loss(probs, experts, E)`: $E \sum_e f_e P_e$, value and gradient; the checker recognises $f$ normalised
+#    by $k$ (balance would give 1), the missing factor $E$, $P$ averaged over the chosen experts only, and a loss no
+#    gradient crosses.
 #
-# 4. `exchange_splits(counts, group)` — on every ep rank: the rows it sends to each rank and receives from each,
-#    after exchanging the counts (one collective). Run on 2 and 4 processes; the checker names the rank and peer.
+# 4. `exchange_splits(counts, group)`: on every ep rank, the rows it sends to and receives from each rank, after
+#    exchanging the counts (one collective); run on 2 and 4 processes, the checker names the rank and peer.
 #
 # 5. `deepseek_router_step(logits, k, bias, gamma)` — DeepSeek-V3's router and bias update (section 9).
 #
@@ -720,24 +676,21 @@ all_passed = checker.check()
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
-# | MoE, experts replicated (ep = 1) | every expert: $3E\,h\,h_\text{ff}$ per layer, states ×16 bytes | gradients all-reduced over dp (all experts) | the experts fit; small models |
-# | expert parallel, ep ranks | $E/ep$ experts per layer + the dense part | per layer and micro-batch: counts, then $4\,n_\text{tok}kh\,(ep-1)/ep$ elements in four all-to-alls (blocking; with `--ep-overlap` two parts, each under the other's experts) | the experts do not fit; ep within a node's fast links, or routing limited to few nodes |
-# | + capacity factor $\kappa$ | bounded expert work: fixed shapes | the same, bounded | static shapes (TPUs, CUDA graphs); accept some dropped tokens |
+# | MoE, experts replicated (ep = 1) | every expert: $3E\,h\,h_\text{ff}$ per layer, states ×16 bytes | gradients all-reduced over dp | the experts fit |
+# | expert parallel, ep ranks | $E/ep$ experts per layer + the dense part | per layer and micro-batch: counts, then $4\,n_\text{tok}kh\,(ep-1)/ep$ elements in four all-to-alls (hidden in part with `--ep-overlap`) | the experts do not fit; ep within a node, or routing limited to few nodes |
+# | + capacity factor $\kappa$ | bounded expert work | the same, bounded | static shapes (TPUs, CUDA graphs), some tokens dropped |
 #
-# **Its costs.** The all-to-alls are on the critical path and their sizes change every step (the counts travel
-# first); unbalanced routing makes the busiest rank everyone's pace, so the balance loss (or DeepSeek-V3's
-# bias update, section 9) is not optional. Expert gradients follow their own group (edp) and their own
-# divisor; ZeRO shards them over edp. Small experts give small matmuls: finer experts (DeepSeekMoE) need grouped
-# GEMM kernels.
+# **Its costs.** The all-to-alls are on the critical path and change size every step (the counts travel first);
+# the busiest rank sets everyone's pace, so balancing (loss or bias, section 9) is not optional. Expert gradients
+# have their own group (edp) and divisor; ZeRO shards them over edp. Finer experts (DeepSeekMoE) give small matmuls
+# that need grouped GEMM kernels.
 #
-# **What ours lacks** (what Megatron-LM, DeepSpeed-MoE, torchtitan and DeepEP add): grouped GEMM over the local
-# experts, DualPipe's overlap of one micro-batch's all-to-alls with another's compute (ours splits one micro-batch
-# in two parts, section 10), fp8 dispatch, token dropping
-# with padding to static shapes, DeepSeek-V3's group-limited routing (each token's experts on at most a few nodes)
-# and its multi-token prediction, expert-choice routing (Zhou et al. 2022, each expert picks its tokens), and
-# hierarchical (node-aware) all-to-alls. With context parallelism the aux loss's statistics are summed over the cp
-# ranks (one all-reduce of $2E$ numbers per layer); a finite capacity is refused there (its first-come order runs
-# along the whole sequence).
+# **What ours lacks** (what Megatron-LM, DeepSpeed-MoE, torchtitan and DeepEP add): grouped GEMM, DualPipe's
+# overlap across micro-batches (ours splits one micro-batch, section 10), fp8 dispatch, token dropping with padding
+# to static shapes, DeepSeek-V3's group-limited routing and multi-token prediction, expert-choice routing (Zhou et
+# al. 2022, each expert picks its tokens), and hierarchical (node-aware) all-to-alls. With context parallelism the
+# aux loss's statistics are summed over cp (one all-reduce of $2E$ numbers per layer); a finite capacity is refused
+# there (its first-come order runs along the whole sequence).
 #
 # **Sources.** Shazeer et al. 2017, "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts
 # Layer" (noisy top-$k$ gating, a balancing loss); Lepikhin et al. 2020, "GShard" (top-2, expert capacity, experts
