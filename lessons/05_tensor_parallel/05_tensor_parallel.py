@@ -7,12 +7,11 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 05 — Tensor parallelism: cut the matrices, not the batch
 #
-# Data parallelism and ZeRO (lessons 03 and 04) give every rank different *samples*: each rank still runs every layer
-# whole and keeps the activations of its micro-batch whole. **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019)
-# cuts the layers themselves: each of the $t$ ranks of a tensor-parallel group keeps $\frac1t$ of every weight
-# matrix and computes with it on the **same** tokens, exchanging partial results twice per layer forward and twice
-# backward. **Sequence parallelism** (Korthikanti et al. 2022) then cuts what tensor parallelism leaves whole — the
-# norms and the residual stream — along the sequence.
+# Data parallelism and ZeRO (lessons 03–04) give each rank different *samples*; each still runs every layer whole.
+# **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019) cuts the layers: each of $t$ ranks keeps $\frac1t$ of
+# every weight matrix and computes with it on the **same** tokens, exchanging partial results twice per layer each
+# way. **Sequence parallelism** (Korthikanti et al. 2022) cuts what it leaves whole, the norms and the residual
+# stream, along the sequence.
 #
 # | | each rank keeps | each rank computes | communication per layer |
 # |---|---|---|---|
@@ -20,11 +19,10 @@ edit this file, never the notebook.
 # | tensor parallel | $\frac1t$ of every matrix | $\frac1t$ of every matmul, on all the samples | 2 all-reduces of the $b\cdot s\cdot h$ activations forward, 2 backward |
 # | + sequence parallel | the same, and $\frac1t$ of the tokens between the blocks | the same, and $\frac1t$ of the norms | 2 all-gathers + 2 reduce-scatters forward and backward: the same bytes |
 #
-# We build it (`picotron/tensor_parallel.py`), count every collective of a layer against Megatron's pattern, measure
-# what each rank keeps against the formulas, time tp = 1, 2 and 4, race it against torch's DTensor tensor
-# parallelism, check that tp = 2 and 4 train exactly like one process, and combine it with data parallelism and
-# ZeRO-1 on a 2 × 2 grid of processes. The experiments are `experiment.py` in this folder, launched with `torchrun`;
-# `PICOTRON_FAST=1` gives a short run.
+# We build it (`picotron/tensor_parallel.py`), count a layer's collectives against Megatron's pattern, measure
+# memory against the formulas, time tp = 1, 2, 4, race torch's DTensor, check parity with one process, and run a
+# 2 × 2 grid with data parallelism and ZeRO-1. The experiments are this folder's `experiment.py`, launched with
+# `torchrun` (`PICOTRON_FAST=1`: a short run).
 
 # %%
 import sys
@@ -56,8 +54,8 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': 
 # %% [markdown]
 # ## 1. The problem: what ZeRO does not cut
 #
-# The activations autograd keeps for backward grow with the tokens of a micro-batch, and neither data parallelism nor
-# ZeRO touches them. Llama-3-8B with one sequence of 8,192 tokens per GPU, with the textbook formulas
+# The activations kept for backward grow with a micro-batch's tokens, and neither data parallelism nor ZeRO touches
+# them. Llama-3-8B with one 8,192-token sequence per GPU, by the textbook formulas
 # ([mixed-precision model states](../../docs/reference.md#model-states), 16 bytes per parameter; [Korthikanti's bf16
 # activations](../../docs/reference.md#activation-memory), $34\,sbh$ bytes per layer with flash attention; symbols as in
 # the course's [notation](../../docs/reference.md#notation)):
@@ -74,20 +72,19 @@ print(f"(ZeRO-3 over 8 GPUs instead: model states {16 * llama.num_params() / 8 /
       f"{lesson.memory_per_rank(llama, 1, seq_len=8192)['activations'] / GB:.1f} GB per GPU, and every layer gathered whole)")
 
 # %% [markdown]
-# At tp = 1 the activations of a single sequence fill almost half an 80 GB GPU before a weight is stored, and ZeRO-3
-# leaves them as they are. Tensor parallelism divides most of them by $t$ (everything inside the attention and MLP
-# blocks); sequence parallelism, as Megatron implements it, the rest.
+# At tp = 1 one sequence's activations fill almost half an 80 GB GPU, and ZeRO-3 leaves them. Tensor parallelism
+# divides most of them by $t$ (everything inside the attention and MLP blocks); Megatron's sequence parallelism the
+# rest.
 #
 # **Takeaway:** ZeRO shards the model states; to shrink the activations, cut the layers.
 #
 # ## 2. The idea
 #
-# **Column, then row.** A linear layer computes $Y = XA$ (PyTorch's `F.linear(x, W)`, $A = W^\top$). Cut $A$ by
-# **columns**, $A = [A_1 \mid A_2]$: rank $r$ computes $Y_r = X A_r$, its slice of the output features, from the whole
-# $X$ — no communication. An elementwise function (SwiGLU's $\mathrm{silu}(\text{gate}) \cdot \text{up}$) of a slice is
-# the slice of the function, so each rank goes on alone. The next layer $Z = YB$ (Megatron's letters: here $A$ and
-# $B$ are weight matrices, not the course's batch) has $B$ cut by **rows**, the rows that read each rank's slice:
-# $Z = Y_1B_1 + Y_2B_2$. Each rank computes one term; **one all-reduce** sums them.
+# **Column, then row.** A linear layer computes $Y = XA$ (`F.linear(x, W)`, $A = W^\top$). Cut $A$ by **columns**,
+# $A = [A_1 \mid A_2]$: rank $r$ computes its output features $Y_r = X A_r$ from the whole $X$, with no
+# communication. An elementwise function (SwiGLU's $\mathrm{silu}(\text{gate}) \cdot \text{up}$) of a slice is the
+# slice of the function. The next layer $Z = YB$ (Megatron's letters: weight matrices, not the course's batch) has
+# $B$ cut by **rows**: $Z = Y_1B_1 + Y_2B_2$. Each rank computes one term; **one all-reduce** sums them.
 #
 # ```
 #           x (whole, on every rank)
@@ -103,29 +100,28 @@ print(f"(ZeRO-3 over 8 GPUs instead: model states {16 * llama.num_params() / 8 /
 #           y (whole, on every rank)
 # ```
 #
-# Cut the first matrix by rows instead and its output is a partial sum; silu of a partial sum is not a partial sum of
-# anything, so a second all-reduce would be needed before the nonlinearity.
+# Cut the first matrix by rows instead and its output is a partial sum, and silu of a partial sum is not a partial
+# sum: a second all-reduce would be needed.
 
 # %% [markdown]
-# **Attention** is the same with heads: heads are independent, so rank $r$ takes whole heads — its rows of $W_q$,
-# $W_k$, $W_v$ (column-parallel) — and $W_o$ is row-parallel. Grouped-query attention shares each KV head among
-# several query heads, so $t$ must divide the KV heads $a_\text{kv}$ too (8 for Llama-3-8B, 3 for SmolLM-135M).
+# **Attention** is the same with heads: rank $r$ takes whole heads (its rows of $W_q$, $W_k$, $W_v$,
+# column-parallel), and $W_o$ is row-parallel. Grouped-query attention shares each KV head among several query
+# heads, so $t$ must divide the KV heads $a_\text{kv}$ too (8 for Llama-3-8B, 3 for SmolLM-135M).
 #
 # **f and g** are Megatron's conjugate pair of autograd functions ([reference](../../docs/reference.md#tensor-parallelism)):
-# $f$ where a tensor-parallel region begins, $g$ where it ends. Per layer one $g$ after attention and one after the
-# MLP (2 all-reduces forward), one $f$ before each in backward (2 all-reduces backward), each of the
-# $b\cdot s\cdot h$ activation: traffic proportional to the **tokens**, on the critical path (the next layer waits for
-# it). That is why tensor parallelism lives inside a node (NVLink, $t \le 8$).
+# $f$ where a tensor-parallel region begins, $g$ where it ends. Per layer: a $g$ after attention and after the MLP
+# (2 all-reduces forward), an $f$ before each (2 backward), each of the $b\cdot s\cdot h$ activation: traffic
+# proportional to the **tokens**, on the critical path. Hence tensor parallelism lives inside a node (NVLink, $t \le 8$).
 #
-# **The vocabulary** is cut too: rank $r$ keeps rows $[r\frac{n_\text{vocab}}{t}, (r+1)\frac{n_\text{vocab}}{t})$ of the embedding and of the LM
-# head, whose logits stay cut, $[b, s, \frac{n_\text{vocab}}{t}]$. The cross-entropy needs three all-reduces of one number per token (the
-# row maximum, the sum of exponentials, the target's logit), never the $b\cdot s\cdot n_\text{vocab}$ logits.
+# **The vocabulary** is cut too: rank $r$ keeps rows $[r\frac{n_\text{vocab}}{t}, (r+1)\frac{n_\text{vocab}}{t})$ of
+# the embedding and LM head, whose logits stay cut, $[b, s, \frac{n_\text{vocab}}{t}]$. The cross-entropy needs
+# three all-reduces of one number per token (row maximum, sum of exponentials, target's logit), never the logits.
 #
-# **Sequence parallelism.** Between the blocks the norms and the residual stream are whole on every rank: $t$ copies of
-# the same numbers, the same work $t$ times. An all-reduce is a reduce-scatter followed by an all-gather (lesson 02),
-# so leave a block with a **reduce-scatter** along the sequence (each rank keeps its $s/t$ tokens), run the norm and
-# the residual add on those, and enter the next block with an **all-gather**. Same bytes, the outside of the blocks
-# divided by $t$. What each rank of tp = 2 holds of our model:
+# **Sequence parallelism.** Between the blocks the norms and the residual stream are the same on every rank, computed
+# $t$ times. An all-reduce is a reduce-scatter then an all-gather (lesson 02), so leave a block with a
+# **reduce-scatter** along the sequence (each rank keeps $s/t$ tokens), run the norm and residual add on those, and
+# enter the next block with an **all-gather**: same bytes, the outside of the blocks divided by $t$. What each rank
+# of tp = 2 holds of our model:
 
 # %%
 lesson.plot_shards(mc, 2, title="tp=2, the 'small' model: one colour per rank"); plt.show()
@@ -148,9 +144,9 @@ _common.show_source(tensor_parallel.enter_tp)
 _common.show_source(tensor_parallel.leave_tp)
 
 # %% [markdown]
-# **The layers.** A column-parallel linear keeps rows of $W$; a row-parallel one keeps columns and leaves the region
-# with $g$. The input enters once per block, not once per layer: q, k and v read the same input, and three $f$'s
-# would all-reduce its gradient three times (a forward pre-hook on the attention and MLP blocks does it):
+# **The layers.** A column-parallel linear keeps rows of $W$; a row-parallel one keeps columns and ends with $g$. The
+# input enters through $f$ once per block (a forward pre-hook), not per layer: q, k and v would otherwise
+# all-reduce its gradient three times:
 
 # %%
 _common.show_source(tensor_parallel.ColumnParallelLinear.forward)
@@ -159,10 +155,9 @@ print()
 _common.show_source(tensor_parallel.apply, "for layer in model.layers:", "model.tie_weights()")
 
 # %% [markdown]
-# `apply` swaps the modules of a model built on the meta device, so the names stay those of the unsharded model and
-# `init_weights` draws each full tensor from (seed, name) and keeps this rank's slice: every layout starts from the
-# same weights, which is what makes the parity checks of sections 5 and 6 exact. The vocabulary-parallel embedding
-# and loss:
+# `apply` swaps the modules of a model built on the meta device, keeping the unsharded names; `init_weights` draws
+# each full tensor from (seed, name) and keeps this rank's slice, so every layout starts from the same weights (what
+# makes sections 5 and 6's parity exact). The vocabulary-parallel embedding and loss:
 
 # %%
 _common.show_source(tensor_parallel.VocabParallelEmbedding.forward)
@@ -182,18 +177,14 @@ _common.show_source(tensor_parallel.SequenceParallelRMSNorm.forward)
 #
 # ## 4. Run it
 #
-# Every experiment of this section runs at tp = the number of processes (dp = 1): every rank sees the same batch.
-# `_common.launch` gives each rank `OMP_NUM_THREADS = cores // nproc` threads: on a 2-core machine tp=1 runs 2
-# threads, tp=2 one per rank, and **tp=4 puts 4 ranks on 2 cores: oversubscribed**. So the ideal here is *flat*
-# throughput (the same cores, however the matmuls are split); on a GPU node, where each rank brings its own GPU, it
-# is $t\times$ one GPU's speed. (The experiments set `OMP_WAIT_POLICY=PASSIVE`: OpenMP threads that spin while
-# waiting for each other collapse when other programs share the cores.)
+# Every experiment here runs at tp = the number of processes (dp = 1): every rank sees the same batch. Each rank gets
+# `OMP_NUM_THREADS = cores // nproc` threads: on 2 cores tp=1 runs 2 threads, tp=2 one per rank, and **tp=4 puts 4
+# ranks on 2 cores: oversubscribed**. So the ideal here is *flat* throughput; on a GPU node, each rank with its own
+# GPU, it is $t\times$ one GPU's. (`OMP_WAIT_POLICY=PASSIVE`: spinning OpenMP threads collapse on shared cores.)
 #
-# Each variant is built and stepped as `picotron.train` does it: `parallelize(cfg, mesh)` gives this rank's shards,
-# the optimizer, the step schedule and the loss; a step is the schedule's forward and backward, the clipping, the
-# optimizer step. The variant builds its run once, on `mesh.recorded(recorder)` — the same process groups, with every
-# collective of the model and of the clipping counted and timed by one `metrics.Recorder`, on a timeline it shares
-# with the schedule's forward and backward:
+# Each variant is built and stepped as `picotron.train` does (`parallelize(cfg, mesh)`: shards, optimizer, step
+# schedule, loss), once, on `mesh.recorded(recorder)`: the same process groups, every collective of the model and
+# the clipping counted and timed by one `metrics.Recorder`, on the schedule's timeline:
 
 # %%
 _common.show_source(lesson.Variant.__init__, "self.recorder =", "self.recorder.timeline.record")
@@ -210,10 +201,9 @@ st = _common.load_json(OUT / "memory_tp1.json")["settings"]  # what the experime
 
 # %% [markdown]
 # ### (a) The collectives of a layer, counted
-# One training step of the model with 2 and with 4 layers; every all-reduce, all-gather and reduce-scatter counted
-# with its buffer size, in the phase it started in (`lesson.by_phase`). Per layer is the difference divided by 2;
-# bars are what was counted, black outlines Megatron's pattern (`lesson.megatron_pattern`), in units of one
-# $b\cdot s\cdot h$ activation:
+# One step with 2 and with 4 layers, every collective counted with its buffer size in the phase it started in
+# (`lesson.by_phase`); per layer is the difference over 2. Bars: counted; black outlines: Megatron's pattern
+# (`lesson.megatron_pattern`), in units of one $b\cdot s\cdot h$ activation:
 
 # %%
 def size(nb):
@@ -236,21 +226,19 @@ for t, res in comm.items():
 lesson.plot_comm(comm); plt.show()
 
 # %% [markdown]
-# Every layer makes exactly Megatron's collectives: without sp 2 all-reduces of the activation forward and 2
-# backward; with sp each becomes an all-gather entering a block and a reduce-scatter leaving it — twice the calls,
-# the same bytes (a ring all-reduce *is* a reduce-scatter plus an all-gather). With sp ours adds two small
-# all-reduces per layer, of the norm weights' gradients; Megatron collects those once per step. Outside the layers:
-# the embedding's all-reduce, the LM head's $f$, the loss's **three all-reduces of $b\cdot s$ numbers** — never the
-# logits — and, in the optimizer step, one all-reduce of one number: the squared gradient norm, for clipping.
+# Every layer makes exactly Megatron's collectives: without sp 2 all-reduces of the activation each way; with sp an
+# all-gather entering each block and a reduce-scatter leaving it (twice the calls, the same bytes). With sp ours adds
+# two small all-reduces per layer of the norm weights' gradients (Megatron: once per step). Outside the layers: the
+# embedding's all-reduce, the LM head's $f$, the loss's **three all-reduces of $b\cdot s$ numbers**, and one
+# all-reduce of one number for clipping.
 #
 # **Takeaway:** tensor parallelism sends *activations*, 4 times per layer, each one blocking the next layer; data
 # parallelism sends *gradients*, once per step, behind backward.
 #
 # ### (b) What each rank keeps
-# One step of every variant: the bytes autograd keeps for backward (counted as the trainer counts them: a
-# `metrics.ActivationPeak` listening to the step schedule's phases), credited to the part of the model that saved
-# them by one more forward under `PartCounter` (the two totals must agree), next to `lesson.activation_parts` (exact
-# for our code, term by term):
+# One step of every variant: the bytes autograd keeps (the trainer's `metrics.ActivationPeak`), credited to the part
+# that saved them by one more forward under `PartCounter` (the totals must agree), next to
+# `lesson.activation_parts` (exact for our code, term by term):
 
 # %%
 for t, res in memory.items():
@@ -270,25 +258,22 @@ print(f"kept whole on every rank without sp: {R / MiB:.2f} MiB per layer, the fl
       f"a layer measured: " + ", ".join(f"{k} {v / MiB:.2f} MiB" for k, v in per_layer.items()))
 
 # %% [markdown]
-# Our formula has Korthikanti's shape in fp32 bytes (twice his bf16 ones; a SwiGLU MLP of width $h_\text{ff} = 3h$; no dropout): a
-# part kept whole on every rank — the two norms and each block's input — plus the part inside the blocks, divided by
-# $t$: q, k, v, the attention output, the MLP intermediates. Measured and formula agree part by part on every rank.
+# Our formula has Korthikanti's shape in fp32 bytes (twice his bf16; SwiGLU of width $h_\text{ff} = 3h$; no
+# dropout): a part whole on every rank (the two norms, each block's input) plus the inside of the blocks divided by
+# $t$ (q, k, v, attention output, MLP intermediates). Measured and formula agree part by part on every rank.
 #
-# **What sequence parallelism did here, measured.** It divides the norms by $t$, as promised. But it does not divide
-# each block's input: the all-gathered $[b, s, h]$ tensor that q, k, v (and gate, up) multiply is kept for their weight
-# gradients — and our all-gather hands it over as a *transposed view*, so each of the five projections keeps its own
-# contiguous copy (`SP_INPUT_COPIES`: 3 in attention, 2 in the MLP, against 1 and 1 without sp).
+# **What sequence parallelism did here.** It divides the norms by $t$. But each block's all-gathered $[b, s, h]$
+# input, kept for the projections' weight gradients, comes out of our all-gather as a *transposed view*, so each of
+# the five projections keeps its own contiguous copy (`SP_INPUT_COPIES`: 3 in attention, 2 in the MLP, against 1
+# and 1 without sp).
 #
-# The per-layer totals
-# printed above show the result: at tp=2 a layer keeps *more* with sp than without (the norms shrink by less than the
-# three extra copies add); at tp=4 a layer keeps the same either way, and the whole model a little less with sp
-# (the final norm is cut too, section 5 checks it); a layer would save only beyond tp=4.
+# Hence, in the per-layer totals above: at tp=2 a layer keeps *more* with sp than without; at tp=4 the same either
+# way, and the whole model a little less with sp (the final norm is cut too; section 5 checks it); a layer would
+# save only beyond tp=4.
 #
-# Making the gathered input
-# contiguous once (or keeping activations as $[s, b, h]$, as Megatron does) would fix it; Megatron goes further and
-# keeps only the rank's own $s/t$ tokens of each block's input, gathering them **again in backward** — that is what
-# takes Korthikanti's sequence-parallel formula to $34\,sbh/t$. The parity test passes either way: only measuring
-# memory by part shows it.
+# A contiguous gathered input (or Megatron's $[s, b, h]$ layout) would fix it; Megatron also keeps only the rank's
+# own $s/t$ tokens of each block's input and gathers them **again in backward**, which takes Korthikanti's
+# sequence-parallel formula to $34\,sbh/t$. The parity test passes either way: only measuring memory by part shows it.
 #
 # And the model states, per rank:
 
@@ -301,15 +286,15 @@ for t, res in memory.items():
 lesson.plot_memory(memory); plt.show()
 
 # %% [markdown]
-# Every matrix is divided by $t$ and only the norm weights ($(2L+1)h$ numbers) stay whole, so parameters, gradients
-# and AdamW's moments all shrink by about $t$ — with no gathering before use, unlike ZeRO-3.
+# Only the norm weights ($(2L+1)h$ numbers) stay whole, so parameters, gradients and AdamW's moments shrink by about
+# $t$, with no gathering before use, unlike ZeRO-3.
 #
-# **Takeaway:** tp divides the model states by $t$ and the activations inside the blocks by $t$; the part between
-# the blocks stays whole unless sp cuts it — and ours only starts to pay for that at tp=4.
+# **Takeaway:** tp divides the model states and the activations inside the blocks by $t$; the part between the
+# blocks stays whole unless sp cuts it, and ours only pays for that at tp=4.
 #
 # ### (c) Throughput against tp
-# Steps of sp off and sp on, alternating, at each tp: the step time (the slowest rank's), tokens per second (the batch
-# is the same on every rank, so it is not multiplied by $t$) and the time spent inside collectives:
+# Steps with sp off and on, alternating, at each tp: the slowest rank's step time, tokens per second (the same batch
+# on every rank: not multiplied by $t$) and the time inside collectives:
 
 # %%
 for t, res in scaling.items():
@@ -322,21 +307,18 @@ print("relative to one process: " + ", ".join(f"{r['name']} {r['tokens_per_s'] /
 lesson.plot_scaling(scaling); plt.show()
 
 # %% [markdown]
-# What to expect on a 2-core machine (the lines above are this run's): tensor parallelism only costs. On an idle
-# machine one process with two threads is fastest and tp=2 reaches a fraction of it; sequence parallelism is slower
-# again, and tp=4 (four processes on two cores) slowest. Runs differ by 10% or more with the machine's load, FAST
-# ones more; when other programs keep the cores busy, the single process's two threads suffer most (a parallel
-# region waits for its slowest thread) and the order can change.
+# On 2 cores tensor parallelism only costs. On an idle machine one process with two threads is fastest, tp=2 reaches
+# a fraction of it, sp is slower again, tp=4 (four processes on two cores) slowest. Runs differ by 10% or more with
+# the load (FAST more); on busy cores the single process's two threads suffer most and the order can change.
 #
-# The right-hand plot says where the time goes: at tp=2 the part outside
-# collectives is about what one process needs — the same arithmetic, split over two processes instead of two
-# threads — and on top come the activation-sized all-reduces (their number per step and time per call are printed by
-# the experiment above). None of them can hide behind computation: each one's result is what the next layer reads.
-# With sp the same bytes take two calls, with a transpose on each side. At tp=4 a rank "inside a collective" is
-# mostly waiting for peers that have no core to run on: the orange bar measures the oversubscription.
+# The right-hand plot: at tp=2 the time outside collectives is about one process's (the same arithmetic over two
+# processes instead of two threads), plus the activation-sized all-reduces (count and time per call printed above).
+# None can hide: the next layer reads each one's result. With sp the same bytes take two calls, with a transpose on
+# each side. At tp=4 a rank "inside a collective" mostly waits for peers with no core: the orange bar measures the
+# oversubscription.
 #
-# What a CPU cannot show is the setting tensor parallelism is made for: each rank with its own GPU, the all-reduces
-# over NVLink. An estimate (not a measurement) of the counted pattern next to the compute of one layer, on H100s:
+# A CPU cannot show the setting tp is made for: each rank its own GPU, all-reduces over NVLink. An estimate (not a
+# measurement) of the counted pattern against one layer's compute, on H100s:
 
 # %%
 # An estimate, not a measurement: what the counted pattern costs next to the compute, per layer and token, on
@@ -353,19 +335,17 @@ for name, m in (("llama3-8b", llama), ("llama3-70b", llama70)):
               ", ".join(f"{sent / bw / compute:4.2f} over {link}" for link, bw in links.items()))
 
 # %% [markdown]
-# Inside a node, tp=8's all-reduces cost a fraction of a layer's compute, smaller for the larger model: the compute
-# per token grows as $h^2$, the traffic as $h$. Across nodes the same all-reduces take about as long as the compute,
-# or longer. Hence the rule everybody follows: tensor parallelism inside a node, $t \le 8$, the other dimensions
-# (data, pipeline) across nodes. (Megatron-LM measured 77% of linear weak scaling at 8-way tensor parallelism within
-# one DGX-2H node, Shoeybi et al. 2019; overlapping these collectives with the matmuls, "async TP", wins back more.)
+# Inside a node, tp=8's all-reduces cost a fraction of a layer's compute, smaller for the larger model (compute per
+# token grows as $h^2$, traffic as $h$). Across nodes they take about as long as the compute, or longer. Hence the
+# rule: tensor parallelism inside a node, $t \le 8$, data and pipeline across. (Megatron-LM measured 77% of linear
+# weak scaling at 8-way tp in one DGX-2H node, Shoeybi et al. 2019; "async TP", section 11, wins back more.)
 #
 # **Takeaway:** tp's collectives sit on the critical path: it pays only where the link is fast next to the compute.
 #
 # ### (d) Against torch's DTensor tensor parallelism
-# `torch.distributed.tensor.parallel.parallelize_module` with `ColwiseParallel` / `RowwiseParallel` plans (and
-# `SequenceParallel` on the norms, `loss_parallel` for the loss) is torch's own tensor parallelism: the same Megatron
-# layout, the same weights and batches, one step of ours and one of DTensor's in turn, with and without sp
-# (`benchmarks/tp_vs_dtensor.py`); the ratio of each round's step times is kept:
+# torch's own tensor parallelism, `parallelize_module` with `ColwiseParallel` / `RowwiseParallel` (`SequenceParallel`
+# on the norms, `loss_parallel`): the same layout, weights and batches, one step of each in turn, with and without
+# sp (`benchmarks/tp_vs_dtensor.py`), keeping each round's ratio:
 
 # %%
 run("dtensor")
@@ -387,29 +367,25 @@ for name, res in dt["runs"].items():
 lesson.plot_dtensor(dt); plt.show()
 
 # %% [markdown]
-# The ratios printed above vary from run to run (FAST mode's few rounds most; `benchmarks/tp_vs_dtensor.py` runs
-# longer). Both sides run the same layout, the same collectives and — the losses agree closely, printed above — the
-# same arithmetic. The likely difference (not profiled) is overhead per operation: DTensor converts the input and
-# output of every parallel layer in module hooks and sends each operation on a DTensor through its sharding
-# propagation, in Python; with layers this small on a CPU that is a large part of a step. We have not measured the
-# comparison on GPUs, where kernels are larger and run asynchronously to Python. Both keep the same parameters and
-# optimizer state per rank.
+# The ratios vary from run to run (FAST's few rounds most). Both run the same collectives and arithmetic (the losses
+# agree closely). The likely difference (not profiled) is per-operation overhead: DTensor converts every parallel
+# layer's input and output in module hooks and sends each operation through its sharding propagation, in Python,
+# a large part of a step with layers this small on a CPU. Unmeasured on GPUs, where kernels are larger and run
+# asynchronously to Python. Both keep the same parameters and optimizer state per rank.
 #
-# The right-hand panel compares both with the unsharded model on the same batches. Over many steps (the full
-# settings) expect the curves to part from it together, ours and DTensor's alike: the rounding of different
-# summation orders, amplified by training at a constant learning rate without warm-up. The trainer's runs in the next
-# section, with warm-up and decay, are held to the parity standard.
+# The right-hand panel compares both with the unsharded model. Over many steps (full settings) the curves part from
+# it together: different summation orders' rounding, amplified by a constant learning rate without warm-up. The
+# trainer's runs in section 5, with warm-up and decay, are held to the parity standard.
 #
 # **Takeaway:** the same Megatron layout, the same numbers; ours is a few hundred lines of autograd functions and
 # module swaps.
 #
 # ## 5. Check it: the same training as one process
 #
-# `picotron.train --tp 2` and `--tp 4`, with and without `--sp`, against one process with the same batch (tp does not
-# change the batch: every rank reads the same rows), fp32, same seed: per-step losses within $10^{-5}$ relative over
-# the first 10 steps, the [parity standard](../../docs/reference.md#parity-standard). The full settings train 20 steps;
-# the steps after the window are reported as drift against a looser bound of $10^{-3}$ (lesson 03, section 5 explains
-# why the curves part). (`tests/test_tensor_parallel.py` also checks every gradient slice against one process.)
+# `picotron.train --tp 2` and `--tp 4`, with and without `--sp`, against one process with the same batch (every tp
+# rank reads the same rows), fp32, same seed: losses within $10^{-5}$ relative over the first 10 steps, the
+# [parity standard](../../docs/reference.md#parity-standard); the full settings' later steps are drift, bounded by
+# $10^{-3}$ (lesson 03 §5). `tests/test_tensor_parallel.py` also checks every gradient slice.
 
 # %%
 run("parity", nproc=1)
@@ -489,10 +465,9 @@ for t in (2, 4):
 # ## 6. Process groups and a 2D run
 #
 # Real jobs combine strategies: tensor parallelism inside a node, data parallelism (or ZeRO) across. `picotron.mesh`
-# lays the ranks out on a grid, tp varying fastest — $\text{rank} = \text{dp\_rank}\cdot t + \text{tp\_rank}$ — so a
-# tp group is consecutive ranks, the GPUs of one node that launchers number consecutively. Each strategy talks only
-# to the ranks that differ from it in its own coordinate: `group_ranks(sizes, "tp")` are the ranks that agree on every
-# other axis. For dp = 2 × tp = 2, computed without any process:
+# lays the ranks on a grid, tp fastest ($\text{rank} = \text{dp\_rank}\cdot t + \text{tp\_rank}$), so a tp group is
+# consecutive ranks: one node's GPUs. `group_ranks(sizes, "tp")` are the ranks that agree on every other axis. For
+# dp = 2 × tp = 2, computed without any process:
 
 # %%
 sizes = dict(dp=2, tp=2)
@@ -503,10 +478,10 @@ print(f"dp groups {grid.group_ranks(sizes, 'dp')}: the same shard of the model, 
 lesson.plot_grid(sizes, micro_batch_size=2, grad_acc=2); plt.show()
 
 # %% [markdown]
-# Now for real: `picotron.train` with dp = 2, tp = 2 and ZeRO-1 over the dp groups on 4 processes, against one
-# process with the same global batch (the same rows: `picotron.data` numbers them by (dp rank, micro-step)). The tp
-# ranks of one replica read the same rows; the two replicas read different ones. Each rank reports its groups, the
-# rows its loader gave it (numbered as the single process reads them) and its model states:
+# Now for real: `picotron.train` with dp = 2, tp = 2 and ZeRO-1 over dp on 4 processes, against one process with
+# the same global batch (`picotron.data` numbers rows by (dp rank, micro-step)). A replica's tp ranks read the same
+# rows, the replicas different ones. Each rank reports its groups, its rows (numbered as the single process reads
+# them) and its model states:
 
 # %%
 run("grid", nproc=1)
@@ -542,24 +517,21 @@ check("ZeRO-1 over dp=2 halves each rank's optimizer state of its tp shard", abs
       f"{zero_opt / MiB:.2f} MiB per rank vs {alone / MiB:.2f} MiB for tp=2 alone (x{zero_opt / alone:.3f})")
 
 # %% [markdown]
-# The four processes train like one: tensor parallelism cuts the layers within each replica, ZeRO-1 cuts the
-# optimizer state across the replicas, and the loss of the global batch is the same number. The global batch is the
-# data-parallel product only — micro-batch × accumulation × dp — because the tp ranks of a replica work on the *same*
-# rows: adding tp ranks makes each step cheaper in memory, never bigger.
+# The four processes train like one. The global batch is micro-batch × accumulation × dp only: a replica's tp ranks
+# work on the *same* rows, so adding tp ranks makes a step cheaper in memory, never bigger.
 #
 # **Takeaway:** a 2D layout is two sets of process groups from one grid; tp groups share rows, dp groups share a
 # shard, and only dp multiplies the batch.
 #
 # ## 7. Explore: who holds what, for a real model
 #
-# `lesson.shard_shapes` computes every rank's shard without starting a process: it builds a one-layer copy of the
-# model on the **meta** device and runs `tensor_parallel.apply` over `Axis.alone("tp", t, r)`, a tp axis with no
-# process group, for each rank r. Pick a model and a degree: the figure cuts layer 0's matrices, the embedding and the
-# LM head into one colour per rank, the table gives each rank's shape and slice, and the bars show the memory per GPU
-# (textbook mixed precision, Korthikanti's activations) for every degree the model allows. A degree the model does
-# not allow gives `apply`'s error message (try tp=8 on SmolLM-135M: 3 KV heads). Questions: why is SmolLM-135M limited
-# to tp=3? At which tp does Llama-3-8B's training fit 80 GB with one 8,192-token sequence, with and without sp?
-# (Widgets need a live kernel; a static viewer shows the default only.)
+# `lesson.shard_shapes` computes every rank's shard without a process: a one-layer copy of the model on the **meta**
+# device, `tensor_parallel.apply` over `Axis.alone("tp", t, r)` (a tp axis with no process group) for each rank.
+# Pick a model and a degree: the figure colours layer 0's matrices, the embedding and the LM head by rank, the table
+# gives each rank's shape and slice, the bars the memory per GPU (textbook mixed precision, Korthikanti's
+# activations) for every allowed degree. A degree the model forbids gives `apply`'s error (try tp=8 on SmolLM-135M).
+# Why is SmolLM-135M limited to tp=3? At which tp does Llama-3-8B's training fit 80 GB with one 8,192-token
+# sequence, with and without sp? (Widgets need a live kernel.)
 
 # %%
 PRESETS = {"small (this lesson)": mc, **{p: ModelConfig.from_preset(p) for p in
@@ -610,17 +582,17 @@ _node.show("05_tensor_parallel")
 #    all-reduces of one number per token (the backward is given).
 #
 # The checker runs each on 2 and then 4 real processes, compares outputs **and gradients** with the unsharded
-# computation, counts your all-reduces against Megatron's pattern, and says which rank and tensor are wrong and what
-# that usually means ("missing all-reduce in backward of f", "summed twice", "each rank's own maximum", ...), or which
-# ranks hang and on which line.
+# computation, counts your all-reduces against Megatron's pattern, and names the wrong rank and tensor and the
+# usual cause ("missing all-reduce in backward of f", "summed twice", "each rank's own maximum", ...), or which
+# ranks hang on which line.
 #
 # 4. **A puzzle**, `plan(budget_mib)`: train this lesson's model on global batches of 8 sequences of 128 tokens, no
-#    data parallelism, with at most `budget_mib` MiB per rank (model states + activations, this lesson's formulas).
-#    Choose tp, sp and the micro-batch (the rest is accumulated) for the highest throughput — the fewest tp ranks,
-#    then the largest micro-batch, then sp off unless it is what makes a layout fit. Six budgets, most with a trap;
-#    the checker says what is wrong ("you counted the activations of all 8 sequences ...", "at tp=2 ours keeps MORE
-#    with sp ...") and runs the right answers that need tp > 1 for one real step, whose measured bytes must fit.
-#    Every layout, with the budgets:
+#    data parallelism, within `budget_mib` MiB per rank (model states + activations, this lesson's formulas).
+#    Choose tp, sp and the micro-batch (the rest accumulated) for the highest throughput: the fewest tp ranks, then
+#    the largest micro-batch, then sp off unless it makes a layout fit. Six budgets, most with a trap; the checker
+#    names the mistake ("you counted the activations of all 8 sequences ...", "at tp=2 ours keeps MORE with sp ...")
+#    and runs the right answers with tp > 1 for one real step, whose measured bytes must fit. Every layout, with the
+#    budgets:
 
 # %%
 lesson.plot_puzzle(); plt.show()
@@ -638,32 +610,29 @@ all_passed = checker.check(["f_and_g", "parallel_mlp", "vocab_parallel_cross_ent
 #
 # ## 10. Partitioned checkpoints: ZeRO-R inside the tp group
 #
-# Full recomputation (lesson 01, section 4c) keeps only each layer's input, $b\cdot s\cdot h$ numbers, and redoes the
-# layer in backward. Under tensor parallelism without sp that input is the same on every rank of the group: $t$
-# identical copies of every checkpoint. **Partitioned activation checkpointing** ($P_a$, one of the ZeRO-R
-# optimizations, Rajbhandari et al. 2020, §6.1) keeps only $\frac1t$ of it per rank and all-gathers the rest just
-# before the layer is recomputed (docs/reference.md, "Activation memory"):
+# Full recomputation (lesson 01, section 4c) keeps only each layer's input, $b\cdot s\cdot h$ numbers. Under tp
+# without sp that input is the same on every rank: $t$ copies of every checkpoint. **Partitioned activation
+# checkpointing** ($P_a$, ZeRO-R, Rajbhandari et al. 2020, §6.1) keeps $\frac1t$ of it per rank and all-gathers the
+# rest just before the recomputation (docs/reference.md, "Activation memory"):
 #
 # $$\text{checkpoints per rank} = \frac{L\,s\,b\,h\,q}{t}\ \text{bytes instead of}\ L\,s\,b\,h\,q,
 # \qquad\text{plus } L \text{ all-gathers of } s\,b\,h\,q \text{ bytes per micro-batch, in backward}$$
 #
-# ($q$ = 4 bytes in fp32; each rank receives $\frac{t-1}{t}$ of each all-gather). The price is small next to what the
-# layer already sends: with full recomputation a Megatron layer makes 6 all-reduces of $sbh$ (forward, recomputed
-# forward, backward), $12\,sbh$ sent per rank; one all-gather of $sbh$ adds under 10% (ZeRO, §8). It sits on the
-# critical path of the backward, though, like every tp collective.
+# ($q$ = 4 bytes in fp32; each rank receives $\frac{t-1}{t}$ of each all-gather). Small next to what the layer
+# already sends: with full recomputation a Megatron layer makes 6 all-reduces of $sbh$, $12\,sbh$ sent per rank; one
+# all-gather adds under 10% (ZeRO, §8). It sits on the backward's critical path, like every tp collective.
 #
-# **With sequence parallelism it comes for free.** sp keeps the layer inputs cut along the sequence (each rank its
-# $s/t$ tokens), so full recomputation already keeps $\frac1t$ of each checkpoint, and the all-gather that rebuilds the
-# tokens is the one each block makes anyway. Korthikanti et al. 2022, the paper of Megatron's sequence parallelism,
-# discuss the two side by side; Megatron-LM offers $P_a$ as `--distribute-saved-activations` and ignores it when sp is
-# on. Here `--recompute partitioned` refuses `--sp` (use `full`) and tp = 1 (nothing to partition); it combines with
-# dp, ZeRO, cp and pp (every stage's layers partition their own inputs: tests/test_tensor_parallel.py).
+# **With sequence parallelism it comes for free.** sp keeps the layer inputs cut along the sequence, so full
+# recomputation already keeps $\frac1t$ of each checkpoint, and the block's own all-gather rebuilds the tokens.
+# Korthikanti et al. 2022 discuss the two side by side; Megatron-LM offers $P_a$ as `--distribute-saved-activations`
+# and ignores it with sp. Here `--recompute partitioned` refuses `--sp` (use `full`) and tp = 1; it combines with
+# dp, ZeRO, cp and pp (tests/test_tensor_parallel.py).
 #
-# **The code.** `tensor_parallel.apply` gives the model a `HiddenSlices` over its tp axis: rank $r$ keeps the hidden
-# columns $[rh/t, (r+1)h/t)$ (always whole: $t$ divides the heads, so it divides $h$; Megatron cuts the flattened
-# tensor instead). The model hands torch's checkpoint the *piece*, which is what torch saves, and passes the whole
-# input to the first forward only; the recomputation in backward rebuilds it. The autograd graph is the forward's
-# own, so every gradient is full recomputation's, bit for bit:
+# **The code.** `tensor_parallel.apply` gives the model a `HiddenSlices`: rank $r$ keeps hidden columns
+# $[rh/t, (r+1)h/t)$ (whole: $t$ divides the heads, so $h$; Megatron cuts the flattened tensor instead). The model
+# hands torch's checkpoint the *piece*, which torch saves, and the whole input to the first forward only; the
+# recomputation rebuilds it. The autograd graph is the forward's own, so every gradient is full recomputation's, bit
+# for bit:
 
 # %%
 from picotron import model as llama
@@ -672,10 +641,9 @@ print()
 _common.show_source(tensor_parallel.HiddenSlices, "    def keep")
 
 # %% [markdown]
-# **Measured.** `experiment.py --only partitioned` builds the lesson's model with no, full and partitioned
-# recomputation, at 2 and at 4 layers, as `picotron.train` builds it; one step of each counts what autograd keeps
-# (the trainer's `ActivationPeak`; per layer: the difference between the two depths, over 2 layers), the recorder
-# counts the all-gathers of the last step, and the 4-layer variants take turns for the step times:
+# **Measured.** `experiment.py --only partitioned` builds the model with no, full and partitioned recomputation, at 2
+# and 4 layers; one step of each counts what autograd keeps (`ActivationPeak`; per layer: the depths' difference over
+# 2), the recorder counts the last step's all-gathers, and the 4-layer variants take turns for the step times:
 
 # %%
 TPS = (2,) if FAST else (1, 2, 4)  # FAST: one tp degree for the checks
@@ -709,13 +677,11 @@ for t, res in part.items():
           f"{len(rows['full']['losses'])} steps, losses equal bit for bit")
 
 # %% [markdown]
-# Each layer keeps exactly $4sbh/t$ bytes per rank, half of full recomputation's at tp = 2 and a quarter at tp = 4,
-# and each step makes exactly $L$ more all-gathers of a layer input, all in backward. The losses do not move by a bit:
-# the recomputation sees the same numbers, only gathered. Full recomputation is already far below no recomputation
-# (log scale), so on this model $P_a$ saves little in absolute terms: it matters when the checkpoints themselves
-# are what does not fit — long sequences, many layers, few tp ranks without sp. Partitioned does full's FLOPs plus
-# one all-gather and one concatenation per layer; the step times are this shared CPU's, where that difference is
-# within the noise (the ratios printed above): shown, not judged.
+# Each layer keeps exactly $4sbh/t$ bytes per rank (half of full recomputation's at tp = 2, a quarter at tp = 4),
+# and each step makes exactly $L$ more all-gathers, all in backward. The losses do not move by a bit. Full
+# recomputation is already far below none (log scale), so $P_a$ matters when the checkpoints themselves do not fit:
+# long sequences, many layers, few tp ranks without sp. It adds one all-gather and one concatenation per layer; on
+# this shared CPU the step times differ within the noise: shown, not judged.
 #
 # **Exercise 5** (`exercise.py`): `keep_my_piece(x, group)`, this rank's copy of its hidden columns, and
 # `rebuild_input(piece, group)`, the whole input back on every rank with one all-gather. The checker runs them on 2
@@ -733,9 +699,8 @@ partition_passed = checker.check(["partition"])
 #
 # ## 11. Async TP: the collective matmul
 #
-# Every tp collective so far blocks: with sp, each block starts with an all-gather of its input along the sequence and
-# ends with a reduce-scatter of its output, and the matmuls wait for the first and make the second wait. But a matmul
-# is row-wise in the tokens: the rows of $y = xW^\top$ that come from rank $r$'s chunk of tokens need only that chunk.
+# Every tp collective so far blocks: with sp the matmuls wait for the block's all-gather and make its reduce-scatter
+# wait. But a matmul is row-wise in the tokens: the rows of $y = xW^\top$ from rank $r$'s chunk need only that chunk.
 # **The collective matmul** (Wang et al. 2023, "Overlap Communication with Dependent Computation via
 # Decomposition", ASPLOS'23, §3; the JAX scaling book's collective-matmul example; torchtitan's async TP, which
 # reports 1.04–1.16× on H100s) cuts the all-gather into $t-1$ ring steps and multiplies the chunk that has arrived
@@ -748,23 +713,23 @@ partition_passed = checker.check(["partition"])
 # | 2 | $x_2W^\top$ | $x_3W^\top$ | $x_0W^\top$ | $x_1W^\top$ | the same again |
 # | 3 | $x_1W^\top$ | $x_2W^\top$ | $x_3W^\top$ | $x_0W^\top$ | nothing: every chunk has arrived |
 #
-# (rank $r$ multiplies chunk $(r-i) \bmod t$ at step $i$). The row-parallel side is the mirror image,
-# **matmul-reduce-scatter**: at step $i$ rank $r$ computes its partial sum of chunk $(r-i-1) \bmod t$, adds the running
-# sum its left neighbour sent, and passes it on; at the last step the chunk is its own, complete. Backward is the same
-# pair swapped: the input gradient of an all-gather-matmul is a matmul-reduce-scatter of $dy\,W$ (its weight
-# gradient $dy^\top x$ uses the gathered $x$ kept from forward), and the input gradient of a matmul-reduce-scatter is
-# an all-gather-matmul of $dy$ (each arriving chunk of $dy$ gives its rows of $dx$ and its share of $dW$). Same bytes as
-# the collectives they replace, $\frac{t-1}{t}$ of the buffer per rank, in $t-1$ messages. What stays exposed
+# (rank $r$ multiplies chunk $(r-i) \bmod t$ at step $i$). The row-parallel mirror, **matmul-reduce-scatter**: at
+# step $i$ rank $r$ computes its partial sum of chunk $(r-i-1) \bmod t$, adds the running sum from its left
+# neighbour, and passes it on; the last step completes its own chunk. Backward swaps the pair: an all-gather-matmul's
+# input gradient is a matmul-reduce-scatter of $dy\,W$ (its weight gradient $dy^\top x$ uses the gathered $x$ kept
+# from forward), and a matmul-reduce-scatter's is an all-gather-matmul of $dy$ (each arriving chunk gives its rows of
+# $dx$ and its share of $dW$). Same bytes as the collectives replaced, $\frac{t-1}{t}$ of the buffer per rank, in
+# $t-1$ messages. What stays exposed
 # ([docs/reference.md](../../docs/reference.md#finding-a-layout-the-planner), `planner.async_tp_exposed_seconds`):
 #
 # $$T_\text{exposed} = (t-1)\cdot\max\Big(0,\ \alpha + \frac{c}{\beta} - t_\text{chunk matmul}\Big)
 # \qquad\text{against}\qquad T_\text{blocking} = (t-1)\Big(\alpha + \frac{c}{\beta}\Big),
 # \qquad c = \frac{b\,s}{t}\,h\,q\ \text{bytes}$$
 #
-# per collective: a ring step costs only what its message takes beyond one chunk's matmul. Per layer there are 8 of
-# them (forward: the q/k/v and gate/up all-gather-matmuls, the o and down matmul-reduce-scatters; backward: the same
-# four, swapped), `planner.async_tp_layer_seconds`. q, k and v read one gathered input: one ring multiplies each
-# chunk by all three weights (gate and up alike), as torch's fused all-gather-matmul does.
+# per collective: a ring step costs only what its message takes beyond one chunk's matmul. A layer has 8 (forward:
+# q/k/v and gate/up all-gather-matmuls, o and down matmul-reduce-scatters; backward: the same four swapped),
+# `planner.async_tp_layer_seconds`. One ring multiplies each chunk by q, k and v's weights together (gate and up
+# alike), as torch's fused all-gather-matmul does.
 #
 # **The code** (`picotron/async_tp.py`; `--async-tp`, with `--sp`): the ring, and the all-gather-matmul built on it.
 
@@ -775,28 +740,25 @@ print()
 _common.show_source(async_tp.AllGatherMatmul.forward, "        def use(j, chunk, step):", "        ring_all_gather(")
 
 # %% [markdown]
-# **NCCL.** Each ring step is one batch (`Axis.exchange`: the send to the right and the receive from the left posted
-# together on the tp communicator); every rank posts the same steps in the same order and waits for each before it
-# posts anything on another group, so the steps never cross data parallelism's or the pipeline's traffic.
+# **NCCL.** Each ring step is one batch (`Axis.exchange`: send right and receive left posted together on the tp
+# communicator); every rank posts the same steps in the same order and waits for each before posting on another
+# group, so the steps never cross data parallelism's or the pipeline's traffic.
 #
 # `tests/test_async_tp.py` records every layout's communication (tp 2 and 4, dp × tp with ZeRO-1 and ZeRO-3, pp × tp
-# with 1F1B, interleaved, ZB-H1, ZB-V and DualPipe, cp × tp, dp × pp × tp) and replays it under both of NCCL's models —
-# one stream per communicator, and one order across communicators — and trains each against one process (the parity
-# standard). Under a split (zero-bubble) schedule the collective matmuls compute the input gradients in their rings
-# and hand the weight gradients to the schedule's store, for its W. FP8 is refused with one sentence: it replaces the
-# linears' matmul, which the collective matmul does itself.
+# with 1F1B, interleaved, ZB-H1, ZB-V and DualPipe, cp × tp, dp × pp × tp), replays it under both of NCCL's models
+# (one stream per communicator; one order across communicators) and trains each against one process. Under a split
+# (zero-bubble) schedule the rings compute the input gradients and hand the weight gradients to the schedule's store,
+# for its W. FP8 is refused: it replaces the linears' matmul, which the collective matmul does itself.
 #
-# **Measured.** `experiment.py --only asynctp` builds the lesson's layers twice on 2 ranks, blocking sp and async TP,
-# same weights, same batch, and times one forward + backward of each in turn. On a CPU the bytes between two
-# processes move through the very cores that multiply, and a local transfer is nearly free: nothing to hide.
+# **Measured.** `experiment.py --only asynctp` builds the layers twice on 2 ranks, blocking sp and async TP, same
+# weights and batch, and times one forward + backward of each in turn. On a CPU a local transfer is nearly free and
+# runs on the cores that multiply: nothing to hide.
 #
-# So every
-# collective and every ring step is held to an **emulated link** (`picotron.link`, as in lessons 03 and 04), chosen
-# so that one ring step's message takes twice one chunk's q/k/v matmul at the measured matmul rate: a model of a
-# link, labelled as such. The recorder times the blocking collectives, the ring steps and the `wait` phases (the
-# time a rank is blocked on a ring step: its exposed communication); the link logs when it carried each message, so
-# each blocked interval splits into the part spent waiting for the link (what the formula models) and the rest
-# (waiting for the other rank, and the transfer's own work on these cores):
+# So every collective and ring step is held to an **emulated link** (`picotron.link`, as in lessons 03 and 04), on
+# which one ring step's message takes twice one chunk's q/k/v matmul at the measured rate: a model of a link,
+# labelled as such. The recorder times the blocking collectives, the ring steps and the `wait` phases (a rank blocked
+# on a ring step: its exposed communication); the link logs when it carried each message, so each blocked interval
+# splits into waiting for the link (what the formula models) and the rest (the other rank, the transfer's own work):
 
 # %%
 run("asynctp", nproc=2)
@@ -839,24 +801,21 @@ check("overlapped: less of the communication is exposed than blocking",
        if emulated else ""))
 
 # %% [markdown]
-# **What was measured, and what not.** The same results, the same bytes; the blocking run waits for the link exactly
-# as long as the formula says, and the overlapped run waits for it far less: the chunks' matmuls hid most of each
-# message, more than the formula promises, because the chunk matmuls on this CPU run below the measured peak rate (a
-# longer matmul hides more).
+# **What was measured, and what not.** The same results and bytes; the blocking run waits for the link exactly as
+# long as the formula says, the overlapped run far less: the chunks' matmuls hid more than the formula promises,
+# because on this CPU they run below the measured peak rate (a longer matmul hides more).
 #
-# The time blocked in all is much larger than the wait for the link, in both runs: on 2 CPU
-# cores shared with other work the two ranks do not compute in step, so a collective or a ring step also waits for
-# the slower rank (its skew shows up as communication), and gloo's transfer itself runs on these cores.
+# The time blocked in all is much larger than the wait for the link, in both runs: on 2 shared cores the ranks do not
+# compute in step, so a collective also waits for the slower rank, and gloo's transfer runs on these cores.
 #
-# The step times move much less than
-# the exposed communication: the chunks' matmuls are $t$ times smaller (less efficient), the ring's bookkeeping
-# runs on the same cores, and the emulated link only sleeps. On this machine the throughput ratio (printed above)
-# moved between about 0.9 and 1.3 from one run to the next while we wrote this section, its quartiles wide: **the CPU
-# shows the mechanism, not a speed-up you could quote.**
+# The step times move much less than the exposed communication: the chunks' matmuls are $t$ times smaller (less
+# efficient), the ring's bookkeeping shares the cores, and the emulated link only sleeps. The throughput ratio moved
+# between about 0.9 and 1.3 from run to run while we wrote this, its quartiles wide: **the CPU shows the mechanism,
+# not a speed-up you could quote.**
 #
-# A GPU moves the bytes with NVLink's copy engines
-# while the tensor cores multiply, which is what the model describes. The planner's prediction for an 8-GPU H100 node
-# (NVLink 450 GB/s per direction, the planner's 60% of the bf16 peak; one micro-batch of 4,096 tokens, bf16):
+# A GPU moves the bytes with NVLink's copy engines while the tensor cores multiply, as the model describes. The
+# planner's prediction for an 8-GPU H100 node (NVLink 450 GB/s per direction, 60% of the bf16 peak; one micro-batch
+# of 4,096 tokens, bf16):
 
 # %%
 import dataclasses
@@ -874,11 +833,10 @@ for preset in ("llama3-8b", "llama3-70b"):
               f"{b_['total']:.2f} s -> {a_['total']:.2f} s (x{b_['total'] / a_['total']:.2f})")
 
 # %% [markdown]
-# At tp = 2 and 4 a chunk's matmul outlasts its message on NVLink and the model hides the communication entirely; at
-# tp = 8 the chunks are $t^2$ times smaller than the block's matmul and part of each message shows. The model's
-# 1.1–1.3× is an upper bound: it assumes the matmuls run at full speed while NCCL moves bytes, but on a GPU the two share
-# the SMs and the memory bandwidth, and the smaller chunk matmuls are less efficient — torchtitan measures 1.04–1.16×
-# on H100s (it fuses the rings with symmetric memory and copy engines to lose less).
+# At tp = 2 and 4 a chunk's matmul outlasts its message on NVLink and the model hides it all; at tp = 8 the chunks
+# are $t^2$ times smaller than the block's matmul and part of each message shows. The model's 1.1–1.3× is an upper
+# bound: on a GPU the matmuls and NCCL share the SMs and memory bandwidth, and small chunk matmuls are less
+# efficient; torchtitan measures 1.04–1.16× on H100s (fusing the rings with symmetric memory and copy engines).
 #
 # **Exercise 6** (`exercise.py`): `ring_steps(rank, n)`, the all-gather-matmul's order: which chunk rank `rank`
 # multiplies at each step, whom it sends to, whom it receives from. The checker tries 2, 3, 4 and 8 ranks and names
@@ -896,30 +854,28 @@ ring_passed = checker.check(["ring"])
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
-# | tensor parallel, degree $t$ | $\frac1t$ of every matrix and of its gradient and optimizer state; activations inside the blocks $/t$ | 4 all-reduces of $b\cdot s\cdot h$ per layer per step, blocking | the model (or one layer's activations) does not fit, **within a node** (NVLink), $t \le 8$ |
-# | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes as all-gathers and reduce-scatters (twice the calls) | with tp, when activations limit the micro-batch or sequence (ours: see below the table) |
-# | + partitioned checkpoints (ZeRO-R $P_a$, full recomputation, no sp) | each layer's checkpointed input $/t$ | + 1 all-gather of $b\cdot s\cdot h$ per layer in backward | with full recomputation when sp is not available; with sp the inputs are split already (section 10) |
-# | + async TP (the collective matmul, with sp) | the same | the same bytes in $t-1$ ring steps per collective, each under one chunk's matmul | when tp's collectives show in the step (tp = 8, short sequences; section 11) |
+# | tensor parallel, degree $t$ | $\frac1t$ of every matrix, its gradient and optimizer state; activations inside the blocks $/t$ | 4 blocking all-reduces of $b\cdot s\cdot h$ per layer per step | the model (or a layer's activations) does not fit; **within a node**, $t \le 8$ |
+# | + sequence parallel | also the norms and residual stream $/t$ (Megatron: everything) | the same bytes, twice the calls | with tp, when activations limit the micro-batch or sequence (ours: below) |
+# | + partitioned checkpoints (ZeRO-R $P_a$) | each layer's checkpointed input $/t$ | + 1 all-gather of $b\cdot s\cdot h$ per layer in backward | full recomputation without sp (section 10) |
+# | + async TP (with sp) | the same | the same bytes in $t-1$ ring steps per collective, each under a chunk's matmul | when tp's collectives show (tp = 8, short sequences; section 11) |
 #
-# Megatron's sequence parallelism saves memory at any $t$ for no extra bytes. Ours keeps extra copies of the gathered
-# input: at tp=2 on this CPU it kept *more* memory and ran slower (sections 4b, 4c); at tp=4 it saved a little, enough
-# for the puzzle's 23 MiB budget. For async TP, the model's 1.1–1.3× on an H100 node is its bound; torchtitan measures
-# 1.04–1.16×.
+# Megatron's sequence parallelism saves memory at any $t$ for no extra bytes. Ours, with its extra copies of the
+# gathered input, kept *more* at tp=2 and ran slower (sections 4b, 4c); at tp=4 it saved a little, enough for the
+# puzzle's 23 MiB budget.
 #
-# **Its costs.** The collectives carry activations, so they grow with the tokens per micro-batch, not with the model;
-# they cannot overlap the layer that needs their result; and each rank's matmuls get $t$ times thinner, which makes
-# GPUs less efficient. Across nodes it stops paying: tensor parallelism inside each node, data parallelism / ZeRO (and
-# pipeline parallelism) across — the grid of section 6. The degree is bounded by the model: $t$ must divide the
-# heads, the KV heads (unless they are replicated), the MLP width and the vocabulary.
+# **Its costs.** The collectives carry activations: they grow with the tokens per micro-batch, cannot overlap the
+# layer that needs them, and make each rank's matmuls $t$ times thinner (less efficient on GPUs). Across nodes it
+# stops paying: tp inside each node, data parallelism / ZeRO (and pipelines) across, section 6's grid. $t$ must
+# divide the heads, the KV heads (unless replicated), the MLP width and the vocabulary.
 #
-# **What ours lacks** (what Megatron-LM and torchtitan add): async TP with FP8 matmuls, and fused rings on symmetric
-# memory (ours posts one point-to-point batch per step); with sp
-# without async TP, a contiguous gathered input shared by the projections and, better, only the local tokens of each
-# block's input, re-gathered in backward; replicating KV heads to go beyond their number; fused kernels.
+# **What ours lacks** (Megatron-LM and torchtitan have it): async TP with FP8 matmuls; fused rings on symmetric
+# memory (ours posts one point-to-point batch per step); with sp without async TP, a contiguous gathered input shared
+# by the projections or, better, only the local tokens kept and re-gathered in backward; replicated KV heads;
+# fused kernels.
 #
-# **Next — lesson 06, context parallelism:** sequence parallelism cut the tokens only between the blocks; attention
-# still needs every token on every rank. Context parallelism cuts the sequence *through* attention: each rank keeps
-# its chunk of queries and passes the keys and values around a ring (ring attention).
+# **Next — lesson 06, context parallelism:** attention still needs every token on every rank. Context parallelism
+# cuts the sequence *through* attention: each rank keeps its chunk of queries and passes the keys and values around
+# a ring (ring attention).
 #
 # **Takeaway:** tensor parallelism buys memory with blocking communication; use it inside a node, only as far as the
 # model must be cut, and let data parallelism do the rest.
