@@ -43,9 +43,11 @@ FAST, OUT = _common.FAST, _common.run_dir("06_context_parallel")
 import experiment as lesson   # this folder's experiment.py: its measurements, formulas and plots
 MiB, GB = 2**20, 1e9
 
-def run(only, nproc=2):
+def run(only, nproc=2, hide=()):
     # torchrun --nproc_per_node nproc lessons/06_context_parallel/experiment.py --out OUT --only <only>
-    _common.run_experiment("06_context_parallel", only, nproc)
+    # prints what it printed, less the training chatter and the lines that start with one of `hide` (rows that the
+    # notebook prints itself, with the formula beside them, from the JSON)
+    _common.run_experiment("06_context_parallel", only, nproc, hide=_common.TRAINING_CHATTER + hide)
 
 check = _common.check   # prints ✓ or ✗ (or ?, only for a timing check on a machine measured busy) and counts it
 
@@ -586,7 +588,7 @@ _common.interactive(draw, lambda w: dict(cp=w.IntSlider(value=4, min=1, max=8, d
 # buffer on the cp axis (`lesson.SentBytes`), and `metrics.ActivationCounter` the bytes one forward keeps.
 
 # %%
-run("ulysses", nproc=4)   # cp = 2 (x dp = 2) and cp = 4, on the same 4 processes
+run("ulysses", nproc=4, hide=("cp=",))   # cp = 2 (x dp = 2) and cp = 4 on the same 4 processes; rows printed below
 uly = _common.load_json(OUT / "ulysses_cp4.json")["results"]["runs"]
 for res in uly:
     print(f"cp={res['cp']} x dp={res['dp']}, s={res['s']} ({res['s'] // res['cp']} tokens per rank), b={res['b']}, "
