@@ -7,19 +7,17 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 01 — A single device: where the memory of a training step goes
 #
-# Before we split training across many GPUs we need to know **what** has to be split. This lesson takes one
-# training step of our Llama apart on one device, byte by byte, and checks every formula against a measurement:
+# Before splitting training across GPUs we need to know **what** has to be split. This lesson takes one training
+# step of our Llama apart on one device and checks every formula against a measurement:
 #
 # * the **model states** (parameters, gradients, optimizer state) and the **activations** autograd keeps for backward,
 #   first **counted** tensor by tensor, then seen by the **allocator** over a whole step,
-# * the three tools that need no second device: **activation recomputation**, **gradient accumulation** and
-#   **bf16 mixed precision** — what each buys, and what it costs,
-# * **throughput**, **MFU** (model FLOPs utilisation, the yardstick of every later lesson) and a **profiler trace**
-#   of one step: where its time goes.
+# * three tools that need no second device: **activation recomputation**, **gradient accumulation**, **bf16 mixed
+#   precision**,
+# * **throughput**, **MFU** (model FLOPs utilisation, every later lesson's yardstick) and a **profiler trace**.
 #
-# The heavy lifting lives in `lessons/01_single_device/experiment.py` (the experiment, launched with `torchrun`) and
-# `picotron/planner.py` (the memory model). Set `PICOTRON_FAST=1` for a short run; the default settings are
-# the real lesson.
+# The experiment is `lessons/01_single_device/experiment.py` (launched with `torchrun`), the memory model
+# `picotron/planner.py`. `PICOTRON_FAST=1` gives a short run.
 
 # %%
 import dataclasses, sys
@@ -37,8 +35,7 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}")
 # %% [markdown]
 # ## 1. The problem: a model, its optimizer and its activations do not fit
 #
-# The back-of-the-envelope numbers (the course's [reference](../../docs/reference.md) gives each with its source; we check
-# each of them against measurement below):
+# The back-of-the-envelope numbers (sources in the course's [reference](../../docs/reference.md); checked below):
 #
 # * **model states** in bf16 mixed precision with Adam: bf16 params $2\Psi$ + bf16 grads $2\Psi$ + fp32 master
 #   weights $4\Psi$ + two fp32 Adam moments $8\Psi$ = **16 bytes per parameter**
@@ -63,14 +60,13 @@ for label, est in cases.items():
 lesson.plot_estimate(cases, title="textbook estimate: bf16 mixed precision + Adam, no recomputation"); plt.show()
 
 # %% [markdown]
-# Llama-3-8B does not fit even before the first activation: its model states alone are 16 bytes × 8.0 B parameters
-# (the printed line). SmolLM-1.7B fits with one sequence per step, but a useful batch (pre-training uses ~1-4 M
-# tokens per step, i.e. hundreds of sequences of 2048) is far out of reach: activations grow linearly with $b$ and,
-# without flash attention, quadratically with $s$. Everything later in the course — ZeRO, tensor, pipeline, context
-# parallelism — is about cutting one of these bars into pieces.
+# Llama-3-8B does not fit before the first activation: 16 bytes × 8.0 B parameters. SmolLM-1.7B fits one sequence
+# per step, but a useful batch (pre-training uses ~1-4 M tokens per step, hundreds of sequences of 2048) is far out
+# of reach: activations grow linearly with $b$ and, without flash attention, quadratically with $s$. The rest of the
+# course (ZeRO, tensor, pipeline, context parallelism) cuts one of these bars into pieces.
 #
 # **Takeaway:** model states are 16 bytes per parameter whatever the batch; activations scale with the batch and
-# the sequence. First we make sure we know the bars exactly.
+# the sequence.
 
 # %% [markdown]
 # ## 2. The idea and the formulas
@@ -82,16 +78,16 @@ lesson.plot_estimate(cases, title="textbook estimate: bf16 mixed precision + Ada
 # | textbook bf16 mixed precision + Adam | 2 | 2 | 4 (fp32 master) + 8 | **16** (20 with fp32 grad accumulation) |
 # | **our trainer**, `--dtype bf16` | 4 (fp32 master = the params) | 4 | 8 | **16**, + a 2-byte bf16 copy of each weight while it is in use |
 #
-# Our trainer (`picotron/train.py`) keeps parameters, gradients and Adam state in fp32 and runs the forward pass
-# under `torch.autocast(dtype=bfloat16)`: each matmul casts its weight and input to bf16 on the fly. So in our code
-# **bf16 does not shrink the model states**; it shrinks (part of) the activations and speeds up the matmuls on
-# hardware that has bf16 units. Mixed precision never saves model-state memory: the optimizer needs fp32 weights.
+# Our trainer (`picotron/train.py`) keeps parameters, gradients and Adam state in fp32 and runs the forward under
+# `torch.autocast(dtype=bfloat16)`, each matmul casting its weight and input to bf16 on the fly. So **bf16 does not
+# shrink the model states** (the optimizer needs fp32 weights); it shrinks part of the activations and speeds up the
+# matmuls on hardware with bf16 units.
 #
 # ### Activations: ask autograd what it keeps
-# Every op that needs its inputs (or outputs) for backward hands them to autograd, and a *saved-tensor hook*
-# sees each one. `saved_tensors_table` runs ONE decoder layer of the `tiny` model (h=128, 8 heads, 4 KV heads,
-# $h_\text{ff}=384$) on s=16, b=2 and lists them: the **counted saved tensors**. A storage saved twice is counted once;
-# parameters are not activations.
+# Every op that needs its inputs (or outputs) for backward hands them to autograd, and a *saved-tensor hook* sees
+# each one. `saved_tensors_table` runs ONE decoder layer of the `tiny` model (h=128, 8 heads, 4 KV heads,
+# $h_\text{ff}=384$) on s=16, b=2 and lists the **counted saved tensors** (a storage saved twice counts once;
+# parameters are not activations).
 
 # %%
 tiny = ModelConfig.from_preset("tiny")
@@ -114,9 +110,8 @@ lesson.print_table(rows)
 #
 # $$A_\text{layer}^\text{fp32} = sbh\,(32 + 8a_\text{kv}/a) + 16\,sbh_\text{ff} + sb\,(8 + 4a)\ \text{bytes.}$$
 #
-# Notice what is **not** there: no $s\times s$ matrix. The sdpa kernel here is flash-style: it keeps only the
-# logsumexp of each row and recomputes the attention scores in backward. `planner.activation_terms_per_layer`
-# encodes this; compare the counted sums by part with it (the ratios printed below):
+# No $s\times s$ matrix: the flash-style sdpa kernel keeps each row's logsumexp and recomputes the scores in
+# backward. `planner.activation_terms_per_layer` encodes this; the ratios below compare it with the counts by part:
 
 # %%
 def compare_parts(rows, mc, s, b, dtype="fp32", recompute="none"):
@@ -139,11 +134,10 @@ lesson.print_table([r for r in rows_eager if r["module"] == "self_attn" and r["b
 compare_parts(rows_eager, eager, 16, 2)
 
 # %% [markdown]
-# **Under bf16 autocast** three things change, all visible in the table below: the matmul inputs and outputs
-# are bf16 (2 bytes), but the RMSNorms still save fp32 (the residual stream stays fp32); the shared input of
-# q/k/v is cast **once per Linear**, so it is saved three times; and every Linear saves **the bf16 copy of its
-# weight** — 2 bytes per parameter kept alive until backward. That last term is exactly the "bf16 params $2\Psi$"
-# of the textbook recipe, showing up here as activations.
+# **Under bf16 autocast** three things change: matmul inputs and outputs are bf16, but the RMSNorms still save fp32
+# (the residual stream stays fp32); q/k/v's shared input is cast **once per Linear**, so saved three times; and every
+# Linear saves **the bf16 copy of its weight** until backward: the textbook's "bf16 params $2\Psi$", here as
+# activations.
 
 # %%
 rows_bf16 = lesson.saved_tensors_table(tiny, seq_len=16, batch=2, dtype="bf16")
@@ -183,14 +177,14 @@ for name, mc in [("GPT-like h=2048 a=16", ModelConfig(vocab_size=50257, hidden_s
               f"{ours['bf16 weight copies'] / 2**20:4.0f} MiB | ours/Korthikanti {acts / k:.2f}")
 
 # %% [markdown]
-# With eager attention we keep *more* than the textbook (fp32 norms and softmax, triple casts, the wider SwiGLU
-# saves); with flash-style sdpa the $s^2$ term disappears and we keep far less at long sequences (the last column).
+# With eager attention we keep *more* than the textbook (fp32 norms and softmax, triple casts, wider SwiGLU); with
+# sdpa the $s^2$ term disappears and we keep far less at long sequences.
 #
 # **Takeaway:** a textbook formula is only as good as its assumptions: count what *your* code saves.
 #
 # ## 3. Read the code
-# The decoder layer: two residual branches, each a pre-norm. `selective` wraps only `Attention.core` (where tokens
-# see each other, and where the $s^2$ work is) in `torch.utils.checkpoint`.
+# The decoder layer: two pre-norm residual branches. `selective` wraps only `Attention.core` (where tokens see each
+# other, the $s^2$ work) in `torch.utils.checkpoint`.
 
 # %%
 _common.show_source(DecoderLayer.forward)
@@ -207,11 +201,11 @@ _common.show_source(Llama.forward, "x = self.embed_tokens", "return self.lm_head
 
 # %% [markdown]
 # And one optimizer step. The step engine, `schedule.OneStage.run` (`picotron/schedule.py`), runs $m$ = `grad_acc`
-# micro-batches, each loss divided by $m$ so that the summed gradients are the gradients of the mean loss. It
-# measures nothing itself: `self.phases` names each micro-batch's forward and backward, and whoever measures listens
-# (`picotron/hooks.py`): the trainer counts the activations autograd saves, section 4 hands the phases to the profiler. (`no_sync` and `finish_sync` are for lesson 03: on one device the
-# model's wrapper, `Local`, has nothing to synchronise.) `picotron/train.py` calls it, clips the gradient norm and
-# steps AdamW:
+# micro-batches, each loss divided by $m$ so the summed gradients are the mean loss's. It measures nothing:
+# `self.phases` names each micro-batch's forward and backward, and listeners (`picotron/hooks.py`) measure: the
+# trainer counts saved activations, section 4 feeds the profiler. (`no_sync` and `finish_sync` are for lesson 03;
+# on one device `Local` has nothing to synchronise.) `picotron/train.py` calls it, clips the gradient norm and steps
+# AdamW:
 
 # %%
 _common.show_source(schedule.OneStage.run)
@@ -223,14 +217,13 @@ _common.show_source(trainer.one_step, "loss = run.schedule.run", "model.zero_gra
 # every memory term of section 2 lives somewhere in this loop.
 #
 # ## 4. Run it
-# Each part launches `lessons/01_single_device/experiment.py` under `torchrun --nproc_per_node 1` (the same command later
-# lessons use with N processes) and plots the JSON it writes.
+# Each part launches `experiment.py` under `torchrun --nproc_per_node 1` (later lessons: N processes) and plots the
+# JSON it writes.
 #
 # ### (a) Memory: counted vs planned
-# One real training step (AdamW included) per model size and sequence length. Nothing here asks the allocator yet:
-# parameters, gradients and optimizer state are **counted** by walking the tensors (`model.memory()`,
-# `metrics.optimizer_bytes`), activations are the **counted saved tensors** of the saved-tensor hook
-# (`metrics.ActivationCounter`, in the step engine). The planner predicts all four from the config alone.
+# One real training step (AdamW included) per model size and sequence length. Parameters, gradients and optimizer
+# state are **counted** by walking the tensors (`model.memory()`, `metrics.optimizer_bytes`), activations by the
+# saved-tensor hook (`metrics.ActivationCounter`). The planner predicts all four from the config alone.
 
 # %%
 _common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "memory"])
@@ -241,22 +234,19 @@ for r in memory:
 lesson.plot_memory(memory); plt.show()
 
 # %% [markdown]
-# The ratios say how well the planner predicts the counts: parameters, gradients and optimizer state (8 bytes per
-# parameter plus a 4-byte `step` counter per tensor) and the saved tensors, for our code on this torch version.
-# The saved tensors grow linearly with $s$ (and $b$) while the model states stay put; bf16 shrinks them by much
-# less than 2× — the fp32 norms, the fp32 log-softmax over the vocabulary and the bf16 weight copies see to that.
+# The ratios: planner against counts (optimizer state: 8 bytes per parameter plus a 4-byte `step` counter per
+# tensor). The saved tensors grow linearly with $s$ (and $b$), the model states stay put; bf16 shrinks them by much
+# less than 2× (fp32 norms, the fp32 log-softmax over the vocabulary, the bf16 weight copies).
 #
-# **Takeaway:** the planner knows every tensor our step keeps. But a count of tensors is not yet what the device
-# holds: (b) asks the allocator.
+# **Takeaway:** the planner knows every tensor our step keeps. But a count is not what the device holds: (b) asks
+# the allocator.
 #
 # ### (b) The allocator's view of one step
-# The device's allocator sees more than our counts: every temporary an operator creates and frees, gradients that
-# appear one by one during backward, AdamW's state created at the first `optimizer.step()`. `lesson.step_memory`
-# builds the `small` model and runs two training steps under `torch.profiler` with `profile_memory=True`, which
-# records every allocation and free on the device; their running sum is the memory in use. The data are loaded
-# before the profiler starts, so the sum is exactly what building and training the model allocates (Python, the
-# libraries and the dataset are not in it). Three variants: no recomputation, full recomputation, and the same
-# global batch as two micro-batches.
+# The allocator also sees every temporary, gradients appearing one by one in backward, and AdamW's state created at
+# the first `optimizer.step()`. `lesson.step_memory` builds the `small` model and runs two steps under
+# `torch.profiler` with `profile_memory=True`, which records every allocation and free; their running sum is the
+# memory in use (data loaded before, so only the model's allocations count). Three variants: no recomputation, full
+# recomputation, and the same global batch as two micro-batches.
 
 # %%
 _common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "allocator"])
@@ -283,39 +273,32 @@ for r in (r for r in allocator if r["cuda"]):  # on a GPU: the caching allocator
 lesson.plot_allocator_timeline(main); plt.show()
 
 # %% [markdown]
-# Read it left to right (the first lines above give the numbers). Building the model leaves exactly the counted
-# parameters. Each forward climbs by the counted saved tensors: what the saved-tensor hook counts *is* what the
-# allocator holds for backward. The backward walks back down: each saved tensor is freed once its node has run,
-# while gradients appear one by one, so the step ends its backward holding its start plus the gradients. In step 1
-# the optimizer phase jumps up by AdamW's two moments, created at its first step while the gradients are still
-# held; dropping the gradients (`zero_grad`) leaves parameters + optimizer state: step 2 starts higher by that state.
+# Left to right: building the model leaves exactly the counted parameters. Each forward climbs by the counted saved
+# tensors: what the hook counts *is* what the allocator holds. The backward walks down as saved tensors are freed
+# and gradients appear, ending at its start plus the gradients. In step 1 the optimizer jumps up by AdamW's two
+# moments; `zero_grad` then leaves parameters + optimizer state, so step 2 starts higher by that state.
 #
 # Why the peak is not the counted estimate (params + grads + optimizer + saved tensors):
-# * **gradients arrive during backward**, while the saved tensors leave: with one micro-batch only part of them exist
-#   at the peak, so the peak can stay below the estimate, which adds *all* gradients to *all* saved tensors;
-# * **temporaries**: at the peak some backward operator (named in the table) holds gradients of its inputs — MLP-wide
-#   ones in a layer, logits-sized ones ($4sb\,n_\text{vocab}$ bytes) at the loss;
-# * **full recomputation** runs each layer's forward again inside the backward: that layer's saved tensors come
-#   back, one layer at a time, on top of the count;
-# * **gradient accumulation**: the gradients of the first micro-batch stay through the second one's forward;
+# * **gradients arrive during backward** while saved tensors leave, so the peak can stay below the estimate;
+# * **temporaries**: at the peak a backward operator (named in the table) holds its inputs' gradients: MLP-wide in a
+#   layer, logits-sized ($4sb\,n_\text{vocab}$ bytes) at the loss;
+# * **full recomputation** brings each layer's saved tensors back, one layer at a time, during the backward;
+# * **gradient accumulation**: the first micro-batch's gradients stay through the second one's forward;
 # * **AdamW's state is created at the first optimizer step**: step 1's peak lacks it.
 #
-# `lesson.peak_bound` turns this into a rule of thumb: the estimate plus the backward's working set — one layer's
-# saved tensors (the gradients of what that layer saved), another layer's worth under full recomputation (the
-# attention block's under selective), and two logits-sized fp32 gradients. The figure below puts each variant's
-# peak between the counted tensors that must be there at the end of the forward and that bound. Section 5 checks
-# this bracket, and each boundary printed above against its count within 1%.
+# `lesson.peak_bound` is the rule of thumb: the estimate plus the backward's working set (one layer's saved
+# tensors, another layer's worth under full recomputation or the attention block's under selective, two
+# logits-sized fp32 gradients). The figure puts each peak between the tensors that must exist at the forward's end
+# and that bound; section 5 checks this bracket, and each boundary above against its count within 1%.
 
 # %%
 lesson.plot_allocator_peaks(allocator); plt.show()
 
 # %% [markdown]
-# The allocator adds its own overhead on a real device. On a GPU, PyTorch's caching allocator rounds every block
-# up (to multiples of 512 bytes) and keeps freed blocks for reuse, so `torch.cuda.max_memory_reserved` (what the
-# device sees taken) is above `max_memory_allocated`; run this notebook on a GPU and the first cell of (b) prints
-# both and saves a `torch.cuda.memory._record_memory_history` snapshot. On a CPU the process holds more still: Python, the
-# libraries, the dataset and malloc's free lists — compare the `peak` column of the trainer's lines in (e) (the
-# process's resident memory) with the MiB its model needs.
+# On a GPU, PyTorch's caching allocator rounds blocks up (to multiples of 512 bytes) and keeps freed ones, so
+# `torch.cuda.max_memory_reserved` exceeds `max_memory_allocated`; there (b)'s first cell prints both and saves a
+# `torch.cuda.memory._record_memory_history` snapshot. On a CPU the process holds more still (Python, libraries,
+# dataset, malloc's free lists): compare the `peak` column of (e)'s trainer lines with the MiB its model needs.
 #
 # **Takeaway:** the counts predict the allocator phase by phase; the peak is the count plus the backward's working
 # set. Plan with headroom, and measure with the allocator.
@@ -336,27 +319,23 @@ for impl in ("sdpa", "eager"):
 lesson.plot_recompute(recompute); plt.show()
 
 # %% [markdown]
-# **Full** recomputation keeps one tensor per layer and runs each layer's forward twice: forward+backward FLOPs go
-# from $6N$ to $8N$ per token, so expect a step up to about a third longer (the optimizer and the work outside the
-# layers dilute it; the `step time x` column is this run's, and a busy machine can stretch any one step far beyond
-# that).
+# **Full** recomputation keeps one tensor per layer and runs each forward twice: $6N$ to $8N$ FLOPs per token, so a
+# step up to about a third longer (diluted by the optimizer and work outside the layers; a busy machine can stretch
+# any one step far more).
 #
-# **Selective** drops only the attention core's saves and re-runs only the core. With eager attention that is
-# the $s^2$ part, a memory win that grows with $s$ (the percentages above), and its time cost is the core's share of
-# the layer, which grows with $s/h$: at long sequences in a small model the core is most of the layer and selective
-# costs nearly what full does. With flash-style sdpa, selective saves almost nothing: the kernel already recomputes
-# the scores — flash attention *is* selective recomputation. Timings on a shared CPU are noisy; the memory numbers
-# are exact.
+# **Selective** drops and re-runs only the attention core. With eager attention that is the $s^2$ part, a memory win
+# growing with $s$; its time cost is the core's share of the layer, growing with $s/h$ (at long sequences in a small
+# model, nearly full's). With sdpa it saves almost nothing: flash attention *is* selective recomputation. Timings on
+# a shared CPU are noisy; the memory numbers are exact.
 #
-# (`--recompute` has a fourth mode, `partitioned`: full recomputation whose kept layer inputs are split over the
-# tensor-parallel ranks, ZeRO-R's partitioned checkpoints; lesson 05, section 10.)
+# (A fourth mode, `--recompute partitioned`, splits the kept inputs over the tp ranks: lesson 05, section 10.)
 #
 # **Takeaway:** recomputation trades memory for FLOPs without changing a single gradient; recompute the part whose
 # memory is largest per FLOP (the $s^2$ scores), or everything when nothing else fits.
 #
 # ### (d) Gradient accumulation: a big batch in small pieces
-# One batch of $B$ sequences in one go, or $m$ micro-batches of $b = B/m$ with the loss divided by $m$ and gradients
-# summed in `p.grad`. The maths is the same, only the order of the float additions changes.
+# One batch of $B$ sequences at once, or $m$ micro-batches of $b = B/m$, each loss divided by $m$, gradients summed in
+# `p.grad`: the same maths, another order of float additions.
 
 # %%
 _common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "accumulate"])
@@ -369,11 +348,10 @@ for r in accumulate:
 lesson.plot_accumulate(accumulate); plt.show()
 
 # %% [markdown]
-# The saved tensors of one micro-batch drop by almost exactly $m$ (the `m=1 / …` column; only the RoPE tables do
-# not scale with $b$). The gradients agree up to fp32 rounding: expect differences around $10^{-7}$ of the
-# largest gradient, since only the order of the additions changes. The cost is time: $m$ passes of smaller matmuls
-# instead of one. On a GPU small micro-batches leave the tensor cores idle and pay $m$ times for every kernel
-# launch; on this CPU, at these sizes, the step times printed above may differ by little more than the noise.
+# The saved tensors drop by almost exactly $m$ (only the RoPE tables do not scale with $b$). The gradients agree to
+# about $10^{-7}$ of the largest. The cost is time: $m$ passes of smaller matmuls. On a GPU small micro-batches idle
+# the tensor cores and pay $m$ times for every kernel launch; on this CPU the step times may differ by little more
+# than the noise.
 #
 # **Takeaway:** gradient accumulation divides the activations by $m$ at the same global batch, exactly; it is the
 # first tool to reach for.
@@ -399,33 +377,29 @@ print(f"training loss of single batches: max |bf16 - fp32| {step_gaps[worst_step
 lesson.plot_precision(runs); plt.show()
 
 # %% [markdown]
-# The loss curves lie on top of each other: bf16 keeps fp32's exponent range, so no loss scaling is needed, and the
-# master weights stay fp32. Single steps can differ more: the two runs round differently, so after a few steps their
-# weights differ a little, and a small model at its peak learning rate has loss spikes that can hit one run and not
-# the other (a gradient norm far above its neighbours', pulled back by gradient clipping on the next step).
+# The loss curves lie on top of each other: bf16 keeps fp32's exponent range (no loss scaling) and the master
+# weights stay fp32. Single steps can differ more: the runs round differently, and a small model at its peak
+# learning rate has loss spikes that can hit one run and not the other (a gradient norm far above its neighbours',
+# pulled back by clipping).
 #
-# The line above gives this run's largest single-batch gap, where it was and the two gradient norms there; expect a
-# few hundredths typically, occasionally a few tenths on one batch, more often with short runs at a high learning
-# rate. So the check in section 5 compares the **validation loss** (the mean over held-out batches, measured every
-# quarter of the run), and the lines above show the single-batch differences next to it.
+# The line above gives the largest single-batch gap, where, and the two gradient norms there: typically a few
+# hundredths, occasionally a few tenths, more often in short runs at a high learning rate. So section 5 compares the
+# **validation loss** (the mean over held-out batches, every quarter of the run).
 #
-# Speed depends on the hardware: a GPU's tensor cores run bf16 matmuls several times faster than fp32, while a CPU
-# without bf16 units (most laptops) emulates bf16 and runs it many times *slower* — look at
-# the tokens/s bars for the device this notebook last ran on.
+# Speed depends on the hardware: tensor cores run bf16 matmuls several times faster than fp32; a CPU without bf16
+# units (most laptops) emulates it, many times *slower*: see the tokens/s bars.
 #
-# **Reading the MFU of the two runs.** The trainer's lines above give each run's MFU against the matmul peak *of its
-# own dtype*, measured on this device (its start-up line says which peak). Where bf16 is emulated, the bf16 peak is
-# many times below the fp32 one, so a bf16 run several times slower can show the same MFU as fp32. MFU says how close
-# a run comes to its own ceiling; to compare the two precisions, compare tokens/s.
+# **Reading the MFU of the two runs.** Each run's MFU is against the matmul peak *of its own dtype* measured here
+# (its start-up line says which). Where bf16 is emulated its peak is many times lower, so a much slower bf16 run can
+# show fp32's MFU. MFU says how close a run comes to its own ceiling; to compare precisions, compare tokens/s.
 #
 # **Takeaway:** bf16 autocast trains like fp32 and keeps fewer activation bytes; whether it is faster depends on the
 # hardware's bf16 units.
 #
 # ### (f) Throughput and MFU
-# MFU = achieved model FLOP/s ÷ peak FLOP/s, with the model's FLOPs counted as $6N + 12Lhs$ per token (PaLM,
-# appendix B; which parameters $N$ counts: [FLOPs per token](../../docs/reference.md#flops-per-token)). The peak is the
-# speed of one large matmul measured on this device (`metrics.measured_matmul_peak`): the honest ceiling. On a GPU the
-# datasheet peak is shown as well.
+# MFU = achieved model FLOP/s ÷ peak FLOP/s, the model's FLOPs $6N + 12Lhs$ per token (PaLM, appendix B; which
+# parameters $N$ counts: [FLOPs per token](../../docs/reference.md#flops-per-token)). The peak is one large matmul's
+# speed measured here (`metrics.measured_matmul_peak`); on a GPU the datasheet peak is shown too.
 
 # %%
 _common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "throughput"])
@@ -436,20 +410,18 @@ for r in throughput["results"]:
 lesson.plot_throughput(throughput["results"]); plt.show()
 
 # %% [markdown]
-# Expect bigger matrices to use the hardware better: small models spend a larger share of their time in
-# element-wise ops, Python and kernel launches, which do no "model FLOPs" (the MFU column above; (g) shows where
-# the time goes). Reference points: well-tuned LLM training reaches 35–55% MFU on H100 clusters ([published
-# figures](../../docs/reference.md#reference-points)).
+# Bigger matrices use the hardware better: small models spend more of their time in element-wise ops, Python and
+# kernel launches, which do no model FLOPs ((g) shows where). Well-tuned LLM training reaches 35–55% MFU on H100
+# clusters ([published figures](../../docs/reference.md#reference-points)).
 #
 # **Takeaway:** MFU is the share of the device's own matmul speed that goes into the model's FLOPs.
 #
 # ### (g) Where the time of a step goes: a profiler trace
-# `torch.profiler` also records when each operator ran. The experiment profiles one steady training step of the
-# `small` model (after a first step that created AdamW's state) and saves the trace as `trace_step.json` in the run
-# folder (the path is printed below). Open https://ui.perfetto.dev and drag the file in (or, in Chrome,
-# chrome://tracing → Load): the `forward`, `backward` and `optimizer` ranges come from the step engine's phase hooks,
-# each operator nested under them, with its shapes and duration on click. Below, each operator's **self time** (its
-# own, without the operators it calls; on a GPU the time of the kernels it launched) summed by phase.
+# `torch.profiler` also records when each operator ran. The experiment profiles one steady step of the `small` model
+# (after the step that created AdamW's state) into `trace_step.json` (path printed below). Drag it into
+# https://ui.perfetto.dev (or chrome://tracing → Load): the `forward`, `backward` and `optimizer` ranges come from the
+# phase hooks, each operator nested under them with its shapes and duration. Below, each operator's **self time**
+# (without the operators it calls; on a GPU its kernels' time) summed by phase.
 
 # %%
 _common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "trace"])
@@ -463,28 +435,25 @@ print(f"backward / forward: {phases['backward']['self_ms'] / phases['forward']['
 lesson.plot_trace(trace); plt.show()
 
 # %% [markdown]
-# Expect the backward to take about twice the forward: it computes the gradients of both the inputs and the
-# weights of every matmul ($4N$ FLOPs per token against $2N$). One step on a shared CPU is a noisy sample (any
-# other process can stretch either phase), so read the printed ratio as this run's, not as a law. The matrix
-# multiplications (`mm`) should lead both phases on a quiet machine; after them come the attention kernel,
-# element-wise work (norms, SwiGLU, RoPE), the autograd engine and Python between operators — time without model
-# FLOPs, which MFU counts against us. The optimizer is a thin slice: AdamW does a few element-wise operations per parameter, independent of
-# the batch. (The profiler itself adds a little to every operator.)
+# Expect the backward to take about twice the forward: gradients of both inputs and weights of every matmul ($4N$
+# FLOPs per token against $2N$); one step on a shared CPU is a noisy sample. The matmuls (`mm`) should lead both
+# phases; then the attention kernel, element-wise work (norms, SwiGLU, RoPE), the autograd engine and Python between
+# operators: time without model FLOPs, which MFU counts against us. The optimizer is a thin slice: a few
+# element-wise operations per parameter, independent of the batch. (The profiler adds a little to every operator.)
 #
 # **Takeaway:** a trace says which operators to make faster; on one device, for these models, that is mostly the
 # matmuls of forward and backward.
 #
 # ### (h) The trainer's own trace: `--profile`, opened in Perfetto
-# Every run of `picotron.train` can write such a trace of the steps you choose: `--profile 2:3` profiles optimizer
-# steps 2 and 3 (both included; step 1 pays for warm-up) and writes `OUT/traces/rank0.json`, with picotron's phases
-# as named ranges around torch's operators: `step N`, each micro-batch's `forward mb=i` and `backward mb=i`, the
-# gradient sync's `wait`, `clip grad norm` and `optimizer step` (and, in a parallel run, every collective with its
-# axis and bytes on rows of its own: lesson 09). The command line is
+# Any `picotron.train` run can write such a trace: `--profile 2:3` profiles optimizer steps 2 and 3 (step 1 pays for
+# warm-up) into `OUT/traces/rank0.json`, with picotron's phases as named ranges around torch's operators: `step N`,
+# `forward mb=i`, `backward mb=i`, the gradient sync's `wait`, `clip grad norm`, `optimizer step` (and, in a parallel
+# run, every collective with its axis and bytes on rows of its own: lesson 09):
 #
 #     python -m picotron.train --preset tiny --steps 3 --grad-acc 2 --profile 2:3 --out runs/profiled
 #
-# The experiment runs the same through `picotron.train` on the `small` model and reads the file back: the time of
-# each phase, summed over the two steps, next to the steps' time that `metrics.jsonl` measured on its own.
+# The experiment runs it on the `small` model and reads the file back: each phase's time over the two steps, next to
+# the step time `metrics.jsonl` measured on its own.
 
 # %%
 _common.launch("01_single_device/experiment.py", ["--out", OUT, "--only", "profile"], quiet=True)
@@ -501,20 +470,18 @@ print(f"CUDA memory snapshot: {prof['snapshot'] or 'not written (a CPU run: it r
 lesson.plot_profile(prof); plt.show()
 
 # %% [markdown]
-# Two clocks, one story: the phases the profiler timed make up nearly all of the `step_time` that `metrics.jsonl`
-# measured with `perf_counter` (the rest is fetching the batch, the loss's `.item()`, zeroing the gradients). A
-# step's range in the trace can be longer than its `step_time`: it also covers the bookkeeping after the clock
-# stops (the memory counts, and the matmul peak measured again when a step ran faster than it, section 4f). In Perfetto, press W/S to zoom and A/D to pan; click a range to see its
-# duration and, under it, the operators it ran; select a stretch of the timeline to get a table of what ran in it,
-# summed by name. Forward and backward dominate here as they did in (g); `optimizer step` and `clip grad norm`
-# are thin slices, and the `wait` (the gradient sync's end) is nothing on one device.
+# Two clocks, one story: the profiled phases make up nearly all of `metrics.jsonl`'s `perf_counter` `step_time` (the
+# rest: fetching the batch, the loss's `.item()`, zeroing gradients). A step's range can be longer than its
+# `step_time`: it covers bookkeeping after the clock stops (memory counts, the matmul peak re-measured when a step
+# beat it, section 4f). In Perfetto, W/S zoom, A/D pan; click a range for its duration and operators; select a
+# stretch for a table of what ran, by name. Forward and backward dominate as in (g); `optimizer step` and `clip
+# grad norm` are thin, and `wait` is nothing on one device.
 #
-# **On a GPU**, the run also writes `OUT/traces/memory_rank0.pickle`: the CUDA caching allocator's history over the
-# profiled steps (`torch.cuda.memory._record_memory_history`, every allocation and free with the Python stack
-# that made it). Drag it into https://pytorch.org/memory_viz: the *Active Memory Timeline* shows each tensor
-# alive over time as a band, so the saw-tooth of (b) appears with names: the activations piling up over the
-# forward, released by the backward, the gradients, AdamW's moments created at the first step. On this CPU run it
-# is not written (it records CUDA's allocator only), and on a GPU it is unmeasured: no GPU was lent when this was written.
+# **On a GPU** the run also writes `OUT/traces/memory_rank0.pickle`, the CUDA caching allocator's history
+# (`torch.cuda.memory._record_memory_history`: every allocation and free with its Python stack). In
+# https://pytorch.org/memory_viz the *Active Memory Timeline* shows (b)'s saw-tooth with names: activations piling
+# up in forward, released in backward, the gradients, AdamW's moments. Not written on a CPU; on a GPU unmeasured (no
+# GPU was lent when this was written).
 #
 # **Takeaway:** `--profile A:B` gives any training run a trace whose phases add up to the measured `step_time`; read
 # it in Perfetto to see which phase, and which operator inside it, to make faster.
@@ -566,18 +533,15 @@ check("--profile: the trace's phases are most of metrics.jsonl's step_time, neve
 # measurement; timings on a shared machine are shown, not asserted.
 #
 # ## 6. Explore
-# Pick a model, a sequence length, a micro-batch, the precision, recomputation and the attention kernel; the planner
-# redraws the memory of one device — its count of tensors, to which the backward's working set of section 4b comes on
-# top (widgets need a live kernel; a static viewer shows the default only). Questions to try:
-# at what sequence length does eager attention's $s^2$ term overtake the MLP for SmolLM-1.7B? How large a
-# micro-batch fits in 80 GB with full recomputation? Why does nothing help Llama-3-8B?
+# Pick a model, sequence length, micro-batch, precision, recomputation and attention kernel; the planner redraws one
+# device's memory (its count of tensors; section 4b's working set comes on top; widgets need a live kernel). At what
+# sequence length does eager attention's $s^2$ term overtake the MLP for SmolLM-1.7B? How large a micro-batch fits
+# in 80 GB with full recomputation? Why does nothing help Llama-3-8B?
 #
-# The widget draws the planner's model of *our* code (checked against the counts and the allocator in section 4), not section 1's
-# textbook formula, so its default (SmolLM-1.7B, $s$ = 2048, $b$ = 4) differs from the figure at the top. The model
-# states agree (16 bytes per parameter in both); the activations do not: Korthikanti's formula keeps the $s\times s$
-# attention scores (its $5as/h$ term, GPT-3 without flash attention), while our default attention (`sdpa`, a fused
-# kernel) keeps none, and our eager attention keeps them in fp32 and more copies than GPT-3 did. The line printed
-# below the cell compares all three.
+# The widget draws the planner's model of *our* code, not section 1's textbook formula, so its default (SmolLM-1.7B,
+# $s$ = 2048, $b$ = 4) differs from the top figure. Model states agree (16 bytes per parameter); activations do not:
+# Korthikanti keeps the $s\times s$ scores (his $5as/h$ term), our `sdpa` none, our eager attention more copies, in
+# fp32. The line below the cell compares all three.
 #
 # **Takeaway:** the planner answers "does it fit?" for any model in milliseconds, as long as it models your code.
 
@@ -636,9 +600,8 @@ _node.show("01_single_device")
 #    the micro-batches and the profiled steps. The checker gives it a trace with torch's operators inside the phases,
 #    metadata and the step ranges, and names the usual slips (microseconds, operators counted, steps counted).
 #
-# Then run the checker (here, or `./run.sh python lessons/01_single_device/check.py [name]`). Until you write them it reports
-# `NotImplementedError: not written yet`; a wrong answer comes with the expected value and, where it can tell, the
-# likely mistake.
+# Then run the checker (here, or `./run.sh python lessons/01_single_device/check.py [name]`). Until you write them it
+# reports `NotImplementedError: not written yet`; a wrong answer comes with the expected value and the likely mistake.
 
 # %%
 import check as checker   # this folder's check.py
@@ -662,8 +625,7 @@ all_passed = checker.check()
 #
 # Whatever the tool, plan with the count and leave room for the backward's working set (section 4b).
 #
-# **Takeaway:** none of these touches the **model states**: 16 bytes per parameter stay on the device whatever we do. Llama-3-8B
-# needs 128 GB of them; no single 80 GB GPU can train it. The rest of the course splits the work over many devices,
-# and they must talk: **lesson 02 builds the collectives** (broadcast, all-reduce, reduce-scatter, all-gather, …)
-# from point-to-point messages, then lesson 03 uses them for data parallelism and lesson 04 (ZeRO) shards exactly
-# the three model-state bars counted and measured here.
+# **Takeaway:** none of these touches the **model states**: 16 bytes per parameter, 128 GB for Llama-3-8B, more than
+# one 80 GB GPU. The rest of the course splits the work over devices that must talk: **lesson 02 builds the
+# collectives** from point-to-point messages, lesson 03 uses them for data parallelism, and lesson 04 (ZeRO) shards
+# the three model-state bars measured here.
