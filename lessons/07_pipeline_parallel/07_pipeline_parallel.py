@@ -7,12 +7,11 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 07 — Pipeline parallelism: cut the model by depth
 #
-# Tensor parallelism (lesson 05) cuts every layer and pays with blocking all-reduces of the activations, four per
-# layer: it lives inside a node. **Pipeline parallelism** cuts the model the other way, by depth: the $L$ layers are
-# split into $p$ consecutive **stages**, one per rank, and a step's batch into $m$ **micro-batches** that flow
-# through them. Between two stages travels one activation per micro-batch forward and its gradient backward —
-# point-to-point messages, few and small, which is why pipelines cross nodes. The price is time: a stage waiting
-# for its neighbour is idle, the **bubble**.
+# Tensor parallelism (lesson 05) pays four blocking all-reduces per layer: it lives inside a node. **Pipeline
+# parallelism** cuts the model by depth: the $L$ layers into $p$ consecutive **stages**, one per rank, and a step's
+# batch into $m$ **micro-batches** that flow through them. Between two stages travel one activation per micro-batch
+# forward and its gradient backward: few, small point-to-point messages, so pipelines cross nodes. The price is
+# time: a stage waiting for its neighbour idles, the **bubble**.
 #
 # | schedule | idea | bubble (fraction of the step) | activations alive on stage $r$ (micro-batches) |
 # |---|---|---|---|
@@ -28,16 +27,15 @@ edit this file, never the notebook.
 # Using Megatron-LM" (arXiv:2104.04473), §2.2.1 (1F1B with a flush, their default schedule) and §2.2.2 (interleaving:
 # its bubble, messages and memory); Narayanan et al. 2021b, "Memory-Efficient Pipeline-Parallel DNN Training" (ICML
 # 2021, arXiv:2006.09503), §3.2 (PipeDream-Flush); Korthikanti et al. 2022, "Reducing Activation Recomputation in
-# Large Transformer Models" (arXiv:2205.05198), §4.2.3 (the first stage's activations under interleaving). The first PipeDream (Narayanan et al. 2019, SOSP) ran 1F1B
-# without a flush, asynchronously, with stashed weight versions: a different training. The 1F1B taught here
-# flushes the pipeline at every step and trains exactly as one process does.
+# Large Transformer Models" (arXiv:2205.05198), §4.2.3 (the first stage's activations under interleaving). The first
+# PipeDream (Narayanan et al. 2019, SOSP) ran 1F1B without a flush, with stashed weight versions: a different
+# training. The 1F1B taught here flushes every step and trains exactly as one process does.
 #
-# Here schedules are **data**: one list of actions per rank (`picotron/pipeline_schedules.py`). A simulator runs any
-# list on an ideal machine and says why a wrong one cannot run; one executor runs any list on real processes. We
-# derive the bubble, draw every schedule simulated **and** measured on real processes, measure the activations each
-# stage keeps and the bytes it sends against the formulas, explain what interleaving and splitting the backward buy,
-# keep tied embeddings equal across stages, and check that every schedule trains exactly like one process. The
-# experiments are `experiment.py` in this folder, launched with `torchrun`; `PICOTRON_FAST=1` gives a short run.
+# Schedules are **data**: one list of actions per rank (`picotron/pipeline_schedules.py`). A simulator runs any list
+# on an ideal machine and says why a wrong one cannot run; one executor runs any list on real processes. We derive
+# the bubble, draw every schedule simulated **and** measured, measure activations and bytes against the formulas,
+# keep tied embeddings equal, and check parity with one process. The experiments are `experiment.py` here, launched
+# with `torchrun`; `PICOTRON_FAST=1` gives a short run.
 
 # %%
 import sys
@@ -90,18 +88,17 @@ print(f"what crosses a stage boundary per micro-batch of one {seq}-token sequenc
 #
 # ## 2. The idea: where the bubble comes from
 #
-# A micro-batch's forward goes stage $0 \to 1 \to \dots \to p-1$; its backward comes back. Stage $r$ cannot start
-# micro-batch 0 before the $r$ stages before it have finished theirs, and the last backward on stage 0 cannot
-# start before the last micro-batch has gone down the pipeline and come back up. Every stage does the same work,
-# $m(t_F + t_B)$, but the step lasts $(m + p - 1)(t_F + t_B)$: the first stage idles at the end for $(p-1)$
-# backward-and-forward times, the last stage at the start, and the ones between some of each. The idle fraction is
+# A micro-batch's forward goes stage $0 \to 1 \to \dots \to p-1$; its backward comes back. Stage $r$ waits for the
+# $r$ stages before it, and stage 0's last backward waits for the last micro-batch to go down and come back. Every
+# stage does $m(t_F + t_B)$ of work, but the step lasts $(m + p - 1)(t_F + t_B)$: the first stage idles $(p-1)$
+# forward-and-backward times at the end, the last at the start, the others some of each. The idle fraction is
 #
 # $$\text{bubble} = \frac{(p-1)(t_F+t_B)}{(m+p-1)(t_F+t_B)} = \frac{p-1}{m+p-1}.$$
 #
-# (GPipe §2.3 writes it this way; the Ultra-Scale Playbook and Megatron-LM divide the same idle time by the ideal
-# time $m(t_F+t_B)$ instead and get $\frac{p-1}{m}$: more micro-batches per step shrink it either way.) The
-# simulator runs the schedules on an ideal machine — each rank executes its list in order, an action starts when
-# the rank is free and its input has arrived, $t_F = 1$, $t_B = 2$ — here AFAB and 1F1B with $p = 4$, $m = 8$:
+# (GPipe §2.3; the Ultra-Scale Playbook and Megatron-LM divide the idle time by the ideal $m(t_F+t_B)$ instead:
+# $\frac{p-1}{m}$. More micro-batches shrink it either way.) The simulator: each rank runs its list in order, an
+# action starts when the rank is free and its input has arrived, $t_F = 1$, $t_B = 2$; here AFAB and 1F1B, $p = 4$,
+# $m = 8$:
 
 # %%
 for name in ("afab", "1f1b"):
@@ -112,22 +109,18 @@ for name in ("afab", "1f1b"):
           f"{sim.peak_alive}")
 
 # %% [markdown]
-# Same step time, same bubble — but AFAB keeps all $m$ micro-batches' activations on every stage until its first
-# backward, while 1F1B starts each backward as soon as it can: stage $r$ runs $p-r-1$ forwards (the warm-up: what
-# keeps it busy until micro-batch 0 comes back), then alternates, and never holds more than $p - r$ micro-batches.
-# 1F1B is AFAB's bubble at a fraction of its memory, which is why $m$ can then grow to shrink the bubble.
+# Same step, same bubble, but AFAB keeps all $m$ micro-batches' activations until its first backward, while 1F1B
+# starts each backward as soon as it can: stage $r$ runs $p-r-1$ warm-up forwards, then alternates, and never holds
+# more than $p - r$ micro-batches. AFAB's bubble at a fraction of its memory, so $m$ can grow to shrink the bubble.
 #
-# **Two ways to shrink the bubble further.** *Interleaving* (Megatron-LM): give each rank $v$ smaller chunks (rank
-# $r$ holds stages $r, r+p, \dots$); a micro-batch then crosses a rank in $t_F/v$, the pipeline fills $v$ times
-# faster, and the bubble is $\frac{p-1}{v\,m+p-1}$ — for more messages: Narayanan et al. 2021a §2.2.2 say the
-# communication "increases by $v$"; counting stage boundaries, $pv-1$ instead of $p-1$, gives this lesson's exact
-# factor $\frac{pv-1}{p-1}$, close to $v$ only for large $p$. *Splitting the
-# backward* (Zero Bubble): the backward of a linear layer is two matmuls, one for the input's gradient ($B$, which
-# the previous stage is waiting for) and one for the weight's ($W$, which nobody waits for).
-#
-# Run $B$ at once and
-# hold $W$ back to fill the slots where the rank would idle: with $t_F = t_B = t_W$ ZB-H1's bubble is $\frac{p-1}{3m+p-1}$ at
-# 1F1B's memory. Every schedule against the closed forms, $p = 4$, unit costs:
+# **Two ways to shrink the bubble further.** *Interleaving* (Megatron-LM): each rank holds $v$ smaller chunks
+# (stages $r, r+p, \dots$), the pipeline fills $v$ times faster, and the bubble is $\frac{p-1}{v\,m+p-1}$, for more
+# messages: Narayanan et al. 2021a §2.2.2 say communication "increases by $v$"; counting boundaries, $pv-1$ instead
+# of $p-1$, gives this lesson's exact factor $\frac{pv-1}{p-1}$, close to $v$ only for large $p$. *Splitting the
+# backward* (Zero Bubble): a linear layer's backward is two matmuls, the input's gradient ($B$, which the previous
+# stage waits for) and the weight's ($W$, which nobody waits for). Run $B$ at once and hold $W$ back to fill idle
+# slots: with $t_F = t_B = t_W$ ZB-H1's bubble is $\frac{p-1}{3m+p-1}$ at 1F1B's memory. Every schedule against the
+# closed forms, $p = 4$, unit costs:
 
 # %%
 print(f"{'m':>4} " + " ".join(f"{lesson.LABELS[n]:>18}" for n in lesson.SCHEDULES))
@@ -176,13 +169,12 @@ except ps.ScheduleError as e:
     print("ScheduleError:", e)
 
 # %% [markdown]
-# **The executor** (`Pipeline.run`, in `picotron/pipeline_parallel.py`) walks this rank's list. A forward receives its
-# input (or reads the tokens on stage 0), runs the chunk, sends the output on (or, on the last stage, computes the
-# loss divided by $m$); a backward receives the output's gradient, runs autograd from the stashed output, and sends
-# the input's gradient back. The messages are data too: `ps.with_messages` places each rank's sends and receives
-# between its actions (why, and in which order: "On a GPU pod" below), and the executor posts each one where its
-# list says. Each action is a named phase (`self.phases`, `picotron.hooks`): the executor measures nothing itself,
-# the experiments below listen to its phases with a timeline and an activation count:
+# **The executor** (`Pipeline.run`, `picotron/pipeline_parallel.py`) walks this rank's list. A forward receives its
+# input (stage 0: the tokens), runs the chunk, sends the output on (last stage: the loss divided by $m$); a backward
+# receives the output's gradient, runs autograd from the stashed output, and sends the input's gradient back. The
+# messages are data too: `ps.with_messages` places each rank's sends and receives between its actions ("On a GPU
+# pod" below says why). Each action is a named phase (`self.phases`, `picotron.hooks`) that the experiments listen
+# to with a timeline and an activation count:
 
 # %%
 print("1F1B, p = 2, m = 2, with its messages:", ps.with_messages(ps.build("1f1b", 2, 2)))
@@ -191,47 +183,29 @@ _common.show_source(pp.Pipeline._forward)
 _common.show_source(pp.Pipeline._backward)
 
 # %% [markdown]
-# **On a GPU pod: NCCL's rules.** gloo, this laptop's backend, matches each message by sender and tag and buffers
-# it; NCCL does neither. There a send or a receive blocks its stream until the partner's call runs. The single
-# `isend`/`irecv` between two ranks share one communicator and one CUDA stream, both directions mixed, executed in
-# the order they were posted. The first version of this executor posted each action's *next* receive before this
-# action's send, as single messages.
+# **On a GPU pod: NCCL's rules** ([reference](../../docs/reference.md#nccls-ordering-rules-what-gloo-forgives)).
+# gloo matches each message by sender and tag and buffers it; NCCL does neither: a send or receive blocks its stream
+# until the partner's call runs, and single `isend`/`irecv` between two ranks share one stream, both directions, in
+# the order posted. The first version of this executor posted each action's *next* receive before this action's
+# send. At $p = 2$, 1F1B, $m = 2$ (rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1), rank 0's stream held [send F0,
+# receive B0 (early), send F1] and rank 1's [receive F0, receive F1 (early), send B0]: after F0 each waits for a
+# message the other can only send from behind its own head. gloo ran it; a pod hangs until the watchdog kills it.
 #
-# At $p = 2$, 1F1B, $m = 2$ — rank 0 runs F0 F1 B0 B1, rank 1 runs F0 B0 F1 B1 —
-# rank 0's stream to rank 1 held [send F0, receive B0 (posted early), send F1] and rank 1's held [receive F0,
-# receive F1 (posted early), send B0]: after F0, each rank waits at the head of its stream for a message the other
-# can only send from behind its own head. gloo ran it without a word; a pod hangs until the watchdog kills the job.
+# The second version gave each *direction* its own group. But NCCL promises nothing about two communicators running
+# side by side; its user guide asks that "operations are submitted in the same order across ranks". Seen as ONE
+# queue per GPU, the toy order is the same deadlock: rank 0 waits in its receive of B0 for rank 1, which waits in its
+# receive of F1 for rank 0.
 #
-# The second version gave each *direction* a group of its own (0 → 1 for activations, 1 → 0 for gradients), each
-# message one batch on it. Per communicator, each stream now carries one direction in the order both ends post
-# it, and nothing crosses. But NCCL promises nothing about two communicators running side by side: its kernels
-# block while they wait for data, any CUDA call (a caching allocator's `cudaFree`, a `.item()`) may synchronise the
-# whole device, and a busy GPU may not fit two NCCL kernels at once.
-#
-# Its user guide ("Using multiple NCCL
-# communicators concurrently") asks that "operations are submitted in the same order across ranks", and says
-# streams running at once "might work ... but could break at any time". Seen as ONE queue per GPU, the same toy
-# order is the same deadlock: rank 0 posts *send F0* (0 → 1), *receive B0* (1 → 0, ahead), *send F1* (0 → 1);
-# rank 1 posts *receive F0*, *receive F1* (ahead), *send B0*. Rank 0 waits in its receive of B0 for rank 1, which
-# waits in its receive of F1 for rank 0.
-#
-# `picotron.nccl_rules` shows both without a GPU: it records every rank's messages and collectives (here on gloo)
-# and replays them as NCCL would run them — first each communicator on its own stream, then every rank's
-# operations on all its groups as one queue in the order it issued them, each meeting its peers' at the heads of
-# theirs — naming each rank's first stuck operation. Below: the two versions on a toy model (`nccl_order.py` in
-# this folder), then picotron's executor. Its fix makes the messages data: `ps.with_messages` (printed above) runs
-# the schedule on the ideal machine, where each message happens at one instant — the end of the action that makes
-# it — and gives every rank its sends and receives in the order of those instants.
-#
-# Every rank's list is then a
-# piece of one global order, so at each message both ends are at the head of their queues. Only the messages'
-# order matters, not where the computations fall between them, so each receive then moves up to just after the
-# rank's previous message (rank 1 above posts R F0 and R F1 before computing anything): the activation arrives
-# while the rank computes. torch's
-# `torch.distributed.pipelining` derives its SEND/RECV actions from a simulated order the same way; Megatron-LM
-# instead posts each step's pair ("send forward, receive backward") as one batch on one group — both keep every
-# rank's messages in one order the neighbours share. `tests/test_nccl_rules.py` replays every schedule at $p = 2$
-# and $4$, with ZeRO, tp and dp, and every layout of the parity matrix, under both rules.
+# `picotron.nccl_rules` shows both without a GPU: it records every rank's messages and collectives on gloo and
+# replays them as NCCL would (each communicator on its own stream, then all of a rank's groups as one queue), naming
+# each rank's first stuck operation. Below: the two versions on a toy model (`nccl_order.py` here), then picotron's
+# executor. Its fix: `ps.with_messages` (printed above) runs the schedule on the ideal machine, where each message
+# happens at the end of the action that makes it, and gives every rank its messages in the order of those instants:
+# pieces of one global order. Each receive then moves up to just after the rank's previous message (rank 1 above
+# posts R F0 and R F1 before computing), so activations arrive while the rank computes. `torch.distributed.pipelining`
+# derives its SEND/RECV the same way; Megatron-LM posts each step's send-forward/receive-backward pair as one batch.
+# `tests/test_nccl_rules.py` replays every schedule at $p = 2$ and $4$, with ZeRO, tp and dp, and every layout of the
+# parity matrix, under both rules.
 
 # %%
 from picotron import nccl_rules
@@ -257,11 +231,10 @@ check("NCCL's rules: the first version deadlocks on one communicator, the second
       f"{ours_verdict.ops} operations matched")
 
 # %% [markdown]
-# **Tied embeddings.** Small models often share one matrix between the embedding and the LM head. With a pipeline
-# they live on the first and the last stage: the last stage keeps its own copy, initialised equal, and after the
-# backward the two gradients are summed — one all-reduce between exactly those two ranks (Megatron's "embedding
-# group"; in memory when one rank holds both, as in the V shape) — so both copies take the same optimizer step
-# from the same values and stay equal forever:
+# **Tied embeddings.** Small models share one matrix between the embedding (first stage) and the LM head (last).
+# The last stage keeps its own copy, initialised equal; after the backward the two gradients are summed, one
+# all-reduce between exactly those two ranks (Megatron's "embedding group"; in memory when one rank holds both, as in
+# the V shape), so both copies take the same step and stay equal:
 
 # %%
 _common.show_source(pp.sync_tied)
@@ -272,29 +245,20 @@ _common.show_source(pp.sync_tied)
 #
 # ## 4. Run it
 #
-# The experiments run $p = 2$ processes: this machine has 2 cores, one per stage. ($p = 4$ would put four processes
-# on two cores: every measured time would mostly be waiting for a core — the simulator shows $p = 4$ instead.) The
-# model has 8 layers, 4 per stage (2 per chunk interleaved): the LM head over 256 byte tokens costs 8% of one layer,
-# so the stages cost nearly the same — what the closed forms assume. Each schedule is built as `picotron.train`
-# builds it (`parallelize` with `pp_schedule=...`) and its executor gets a `Timeline`: every action is an event on
-# its rank.
+# The experiments run $p = 2$ processes, one per core of this machine (the simulator shows $p = 4$). The model has 8
+# layers, 4 per stage (2 per chunk interleaved); the LM head over 256 byte tokens costs 8% of a layer, so the stages
+# cost nearly the same, as the closed forms assume. Each schedule is built as `picotron.train` builds it
+# (`parallelize` with `pp_schedule=...`) and its executor gets a `Timeline`: every action is an event on its rank.
 #
-# A forward that waits for its message waits *inside* its event, so the experiment also times each wait
-# and leaves it out of the busy time: **measured bubble = 1 − (sum over ranks of the compute time) / (ranks × the
-# step's length)**, from the first action's start to the last one's end. On a shared machine another program
-# sometimes takes a core (the rank is runnable but gets no CPU time: the experiment reads each action's CPU time) or
-# slows one down without taking it (the same action suddenly takes longer). Our stages cost the same, so on a quiet
-# machine every forward of a step takes about as long as every other; a step's *disturbance* (rank-time without a
-# core) plus its *spread* (the relative standard deviation of each kind of action's times) says how far it is from
-# that.
-#
-# Neither shows a message that arrives late because gloo's threads, which move it, waited for a core; so the
-# experiment also reads how much of the machine's cores *other programs* used during the step (`_common.LoadWindow`:
-# the cores' busy time from `/proc/stat` minus our processes' CPU time). It steps on, up to a limit, until a step
-# scores under 0.15 (disturbance + spread + that share), and keeps the shortest of those (a message that arrives late
-# lengthens a step without showing in its actions), or the quietest if none did. A bubble check that misses while
-# other programs held more than 10% of the cores prints **?** — inconclusive, rerun — instead of ✗: there the
-# machine, not the schedule, is in doubt. The other checks (bytes, memory, parity) are ✓ or ✗ however busy it is.
+# A forward waiting for its message waits *inside* its event, so each wait is timed and left out of the busy time:
+# **measured bubble = 1 − (sum over ranks of the compute time) / (ranks × the step's length)**. On a shared machine
+# another program may take a core (read from each action's CPU time) or slow one (the same action suddenly takes
+# longer): a step's *disturbance* (rank-time without a core) plus its *spread* (the relative standard deviation of
+# each kind of action's times) says how far it is from quiet. A message late because gloo's threads waited for a core
+# shows in neither, so the experiment also reads the cores' share used by *other programs* (`_common.LoadWindow`,
+# from `/proc/stat`). It steps on, up to a limit, until a step scores under 0.15 (the three summed), keeps the
+# shortest such step (or the quietest), and prints **?** (inconclusive, rerun) instead of ✗ for a bubble check that
+# misses while other programs held over 10% of the cores. The bytes, memory and parity checks are ✓ or ✗ regardless.
 
 # %%
 run("bubble,memory")
@@ -304,23 +268,21 @@ rows = bub["rows"]
 
 # %% [markdown]
 # ### (a) Every schedule, simulated and measured
-# $m = 8$ (ZB-V: the largest $m$ measured). Left: the simulator with unit costs ($t_F = 1$, $t_B = 2$; split:
-# $1, 1, 1$). Right: the kept measured step of the same schedule on two processes, in milliseconds, only the compute drawn (the white gaps are the bubble). The
-# number in a bar is its micro-batch; hatched bars are a rank's second chunk.
+# $m = 8$ (ZB-V: the largest $m$ measured). Left: the simulator, unit costs ($t_F = 1$, $t_B = 2$; split: $1, 1, 1$).
+# Right: the kept measured step on two processes, in milliseconds, compute only (white gaps: the bubble). A bar's
+# number is its micro-batch; hatched bars are a rank's second chunk.
 
 # %%
 lesson.plot_gantt_pairs(rows, m=8); plt.show()
 
 # %% [markdown]
-# The measured charts have the simulated shapes: AFAB's block of forwards then block of backwards, 1F1B's
-# alternation after one warm-up forward on rank 0, interleaving's narrower bars with two chunks, ZB-H1's W's filling
-# rank 0's end, ZB-V's V. What the simulator cannot know is the real costs: on this CPU a backward costs less than
-# twice a forward, and $B$, $W$ are not equal to $F$ (next section).
+# The measured charts have the simulated shapes (AFAB's blocks, 1F1B's alternation, interleaving's narrower bars,
+# ZB-H1's W's filling rank 0's end, ZB-V's V); the real costs differ: here a backward costs less than twice a forward,
+# and $B$, $W$ are not equal to $F$.
 #
 # ### (b) The bubble against $m$: measured, formula, and simulated with the measured costs
-# For the kept step the experiment also takes the mean compute time of each kind of action on each rank and chunk
-# and runs the simulator with those, messages instant: what the schedule would give on an ideal machine with *these*
-# costs.
+# The simulator is also run with the kept step's mean compute time per kind of action, rank and chunk, messages
+# instant: the schedule on an ideal machine with *these* costs.
 
 # %%
 print(f"{'schedule':<17}{'m':>3} {'measured':>9} {'formula':>8} {'sim, measured costs':>20} {'sim, unit':>10}   "
@@ -335,32 +297,24 @@ for r in rows:
 lesson.plot_bubbles(rows); plt.show()
 
 # %% [markdown]
-# How to read it. The closed forms assume equal stages, instant messages and — for ZB-H1 — $t_F = t_B = t_W$. For
-# AFAB, 1F1B and interleaving the ratio $t_B/t_F$ does not matter (the idle time and the work both scale with
-# $t_F + t_B$), so on equal stages the measurement should land on the formula; the printed disturbance and spread
-# say how quiet the kept step was.
+# How to read it. The closed forms assume equal stages, instant messages and, for ZB-H1, $t_F = t_B = t_W$. For
+# AFAB, 1F1B and interleaving $t_B/t_F$ does not matter (idle time and work both scale with $t_F + t_B$), so on equal
+# stages the measurement should land on the formula. The simulator with measured costs explains part of the rest: a
+# last stage a few percent slower (LM head, loss); for ZB-H1 a $W$ cheaper than $F$ (only the linear layers' weight
+# gradients are in $W$), leaving less to fill the bubble with; a rank slowed by another program for a whole run.
 #
-# The simulator with the
-# measured costs accounts for part of what remains: a stage a few percent slower (the last one runs the LM head and
-# the loss), and for ZB-H1 a $W$ cheaper than $F$ (attention's and the norms' backward are all in $B$; only the
-# linear layers' weight gradients are in $W$), which leaves less to fill the bubble with than the formula counts; and
-# when another program slowed one rank for a whole run, the measured costs carry that too. What it does not know is
-# the time between actions and the messages' delivery: gloo moves a message with its own threads, which need a core
-# while both ranks compute on our two, so a message sometimes arrives milliseconds after it was sent.
+# What it does not know is the messages' delivery: gloo's threads need a core while both ranks compute on our two,
+# so a message sometimes arrives milliseconds late. That costs most where actions are short and messages many:
+# interleaving's and ZB-V's measured bubbles sit a point or two above the simulated ones. (`experiment.latency_of`
+# measures the median delay of the messages a rank waited for; the row keeps that simulation as
+# `sim_measured_latency`, which overshoots, since most messages arrive before they are needed.) The printed
+# step-to-step range is the machine's noise. Right plot, $p = 4$ simulated: the bubble grows with $p$ for a given $m$,
+# so deeper pipelines need more micro-batches.
 #
-# That costs most
-# where actions are short and messages many — interleaving and ZB-V, whose measured bubble sits a point or two above
-# the simulated one. (`experiment.latency_of` measures the median delay of the messages a rank waited for, and the
-# row keeps the simulation with it as `sim_measured_latency`; applied to every message it overshoots, since most
-# arrive before they are needed.) The step-to-step range printed on the right is the noise of a shared machine; the
-# measured bubble comes from the quietest step. In the plot on the right, $p = 4$ from the simulator: the bubble grows with $p$ for a given
-# $m$, so deeper pipelines need more micro-batches.
-#
-# For ZB-H1 the equal-cost closed form does not describe this machine: $W$ takes about three quarters of $F$'s time
-# here. The same derivation with any costs (the step is $m(t_F+t_B+t_W) + (p-1)(t_F+t_B-t_W)$: the cool-down's
-# $W$'s fill all but $t_F + t_B - t_W$ of each idle slot, [reference](../../docs/reference.md#pipeline-parallelism))
-# gives `lesson.zb_h1_formula`; the checks below hold ZB-H1's measurement to that form with the measured $t_F$,
-# $t_B$, $t_W$, and print the equal-cost value beside it.
+# For ZB-H1, $W$ takes about three quarters of $F$'s time here. The same derivation with any costs (step $=
+# m(t_F+t_B+t_W) + (p-1)(t_F+t_B-t_W)$: the cool-down's $W$'s fill all but $t_F + t_B - t_W$ of each idle slot,
+# [reference](../../docs/reference.md#pipeline-parallelism)) gives `lesson.zb_h1_formula`; the checks hold ZB-H1's
+# measurement to it with the measured $t_F$, $t_B$, $t_W$, and print the equal-cost value beside it.
 
 # %%
 for r in rows:
@@ -402,24 +356,21 @@ check(f"interleaved, v={v_}: bytes sent per step = (pv-1)/(p-1) times 1F1B's (st
       f"not v = {v_}")
 
 # %% [markdown]
-# Interleaving halves the filling and draining ($v = 2$) and pays with more messages: every micro-batch now crosses
-# $pv - 1 = 3$ stage boundaries instead of $p - 1 = 1$, so $\frac{pv-1}{p-1}$ times 1F1B's bytes — the check's 3 here,
-# not $v = 2$: the factor tends to $v$ only for large $p$ (section (d)). This count is the lesson's own refinement:
-# Narayanan et al. 2021a (§2.2.2) state only that the amount of communication "increases by $v$".
+# Interleaving halves the filling and draining ($v = 2$) and pays with messages: each micro-batch crosses $pv - 1 = 3$
+# boundaries instead of $p - 1 = 1$, so $\frac{pv-1}{p-1}$ times 1F1B's bytes, 3 here, not $v = 2$ (section (d)); this
+# exact count is the lesson's refinement of Narayanan et al. 2021a's (§2.2.2) "increases by $v$".
 #
-# Splitting the
-# backward costs no extra bytes and no extra FLOPs — the two matmuls of a linear layer's backward are done once each,
-# at different times — but keeps each layer's input and output gradient alive from $B$ until $W$ (section (c)). ZB-V
-# combines both: two chunks per rank in a V, so rank 0 has work at both ends of the step, and the $W$'s fill what is
-# left; one of its boundaries (the V's turn) stays on one rank, in memory. On this CPU the fixed costs per action
-# (Python, a message, the timeline) weigh more in the smaller actions of interleaving and ZB-V than on a GPU.
+# Splitting the backward costs no extra bytes or FLOPs (each of the two matmuls runs once, at different times) but
+# keeps each layer's input and output gradient alive from $B$ until $W$ (section (c)). ZB-V combines both: two chunks
+# per rank in a V, so rank 0 has work at both ends, and the $W$'s fill the rest; the V's turn stays on one rank, in
+# memory. Per-action fixed costs (Python, a message, the timeline) weigh more here than on a GPU in the smaller
+# actions of interleaving and ZB-V.
 #
 # ### (c) Memory per stage
-# One more step per schedule ($m$ = the largest above) with every tensor autograd saves followed while it is alive:
-# a saved-tensor hook hands autograd a small holder, whose finalizer runs when autograd lets it go; the
-# weight-gradient store's stash (split schedules) is added. Each chunk's bytes per micro-batch are what its first
-# forward added; the schedule's prediction walks the rank's action list, adding a micro-batch's bytes at its F and
-# removing them at its B (split schedules: at its W).
+# One more step per schedule ($m$ = the largest above) follows every tensor autograd saves while it is alive (a
+# saved-tensor hook hands autograd a small holder whose finalizer runs when it is released), plus the split schedules'
+# weight-gradient stash. A chunk's bytes per micro-batch are what its first forward added; the prediction walks the
+# rank's list, adding them at F and removing them at B (split schedules: at W).
 
 # %%
 for row in mem["rows"]:
@@ -437,12 +388,10 @@ lesson.plot_memory(mem); plt.show()
 # chunk-forwards, and the first stage holds $p\left(1+\frac{p-1}{pv}\right)$ whole-stage micro-batches
 # (Korthikanti et al. 2022 §4.2.3, who write $m$ for our $v$), $2.5$ at $p = v = 2$.
 #
-# The executor's own count (`metrics.ActivationPeak` on
-# its phases, what `picotron.train` logs) is a third, independent reading: it follows the actions as they ran and
-# counts a micro-batch whole from F to its B (split schedules: its W). On the split schedules it shows what it
-# does not know: from $B$ to $W$ a micro-batch keeps its linear layers' inputs *and* their output gradients, not
-# what the forward saved; the prediction that counts those instead is the one the measurement follows, and the
-# executor's count is an upper bound.
+# The executor's own count (`metrics.ActivationPeak` on its phases, what `picotron.train` logs) is a third reading:
+# a micro-batch counted whole from its F to its B (split: its W). On split schedules it is an upper bound: from $B$
+# to $W$ a micro-batch keeps its linear layers' inputs and output gradients, not what the forward saved, and the
+# prediction counting those is the one the measurement follows.
 
 # %%
 m_mem = mem["rows"][0]["m"]
@@ -472,12 +421,11 @@ for row in mem["rows"]:
 
 # %% [markdown]
 # ### (d) Point-to-point bytes per step
-# A `metrics.Recorder` on the mesh counts the bytes the executor sends: each message goes through its link's
-# `Axis.exchange`, which reports to the recorder as every collective does (a receive too, with no bytes sent). The
-# second check below counts each rank's sends and receives of every measured step and holds them against a count
-# derived from the rank's action list alone (`experiment.messages_of`): a message the executor dropped, doubled or
-# kept in memory by mistake shows there. Every stage boundary carries each micro-batch's activation,
-# $b \cdot s \cdot h$ fp32 numbers, forward, and its gradient backward:
+# A `metrics.Recorder` on the mesh counts the bytes the executor sends (each message goes through its link's
+# `Axis.exchange`, which reports as every collective does). The second check holds each rank's sends and receives of
+# every measured step against a count from its action list alone (`experiment.messages_of`): a message dropped,
+# doubled or kept in memory shows there. Every boundary carries each micro-batch's activation, $b \cdot s \cdot h$
+# fp32 numbers, forward, and its gradient backward:
 # $2(S-1)\,m\,b\,s\,h \cdot 4$ bytes per step over all ranks with $S = p\,v$ stages ($2(S-2)$ for ZB-V, whose turn
 # stays on one rank):
 
@@ -499,9 +447,9 @@ for name in lesson.SCHEDULES:  # per rank: the messages the executor posted agai
           f"received) per rank {[tuple(x) for x in rs[-1]['messages'][-1]]}")
 
 # %% [markdown]
-# A few MiB per step, against tensor parallelism's four all-reduces of an activation per layer: the reason
-# pipelines are what goes between nodes. Interleaving multiplies it by $\frac{pv-1}{p-1}$: by 3 here ($p = v = 2$:
-# three boundaries instead of one), by $15/7 \approx 2.1$ at $p = 8$, $v = 2$ — towards $v$ as $p$ grows.
+# A few MiB per step, against tensor parallelism's four all-reduces per layer: why pipelines go between nodes.
+# Interleaving multiplies it by $\frac{pv-1}{p-1}$: 3 here, $15/7 \approx 2.1$ at $p = 8$, $v = 2$, towards $v$ as $p$
+# grows.
 #
 # **Takeaway:** on equal stages the measured bubble follows $\frac{p-1}{m+p-1}$ and its refinements; memory follows
 # the schedule's list; the traffic is exactly one activation per boundary and micro-batch each way.
@@ -509,10 +457,9 @@ for name in lesson.SCHEDULES:  # per rank: the messages the executor posted agai
 # ## 5. Check it: every schedule trains like one process
 #
 # `picotron.train` with `--pp 2` and each `--pp-schedule`, and 1F1B with tied embeddings, against one process with
-# the same global batch (the micro-batches of a step are the same rows, accumulated), fp32, same seed: per-step
-# losses within $10^{-5}$ relative over the first 10 steps, the [parity standard](../../docs/reference.md#parity-standard)
-# (the full settings train 20 steps; after step 10 the difference is reported as drift against $10^{-3}$, lesson 03
-# section 5). The references are trained by rank 0 alone, in its own process.
+# the same global batch (the same rows, accumulated), fp32, same seed: per-step losses within $10^{-5}$ relative over
+# the first 10 steps, the [parity standard](../../docs/reference.md#parity-standard) (full settings train 20 steps;
+# after step 10, drift against $10^{-3}$, lesson 03 section 5). Rank 0 trains the references alone.
 
 # %%
 run("parity")
@@ -533,19 +480,18 @@ check("tied embeddings: the first stage's and the last stage's copies are still 
       t["max_abs_diff"] == 0.0, f"{t['first']} (rank 0) vs {t['last']} (rank 1): max |difference| {t['max_abs_diff']}")
 
 # %% [markdown]
-# The losses differ from one process's only in the last digits: a pipeline changes where the layers run, not the
-# arithmetic (each micro-batch's loss is divided by $m$ on the last stage, as gradient accumulation does). The two
-# copies of the tied matrix are bit-for-bit equal after every step: same start, same summed gradient, same update.
+# The losses differ only in the last digits: a pipeline changes where layers run, not the arithmetic (each
+# micro-batch's loss is divided by $m$, as in gradient accumulation). The tied matrix's two copies are bit-for-bit
+# equal after every step.
 #
 # **Takeaway:** every schedule is the same training; they differ only in time and memory.
 #
 # ## 6. Explore: any schedule, any $p$, $m$, $v$
 #
-# The simulator with unit costs ($t_F = 1$, $t_B = 2$; split: $t_F = t_B = t_W = 1$): the Gantt chart, the bubble,
-# and the peak activations per rank in whole-stage micro-batches. Questions: at $p = 8$, how many micro-batches
-# does 1F1B need for a bubble under 10%, and interleaving with $v = 4$? Why does AFAB's memory bar grow with $m$
-# and 1F1B's not? What does ZB-V give at $m = p$? (Widgets need a live kernel; a static viewer shows the default
-# only. A schedule the settings do not allow — interleaved with $m$ not a multiple of $p$ — prints the rule.)
+# The simulator with unit costs ($t_F = 1$, $t_B = 2$; split: all 1): the Gantt chart, the bubble, and peak
+# activations per rank in whole-stage micro-batches. At $p = 8$, how many micro-batches does 1F1B need for a bubble
+# under 10%, and interleaving with $v = 4$? Why does AFAB's memory grow with $m$ and 1F1B's not? What does ZB-V give
+# at $m = p$? (Widgets need a live kernel; settings a schedule does not allow print the rule.)
 
 # %%
 def draw(schedule="1f1b", p=4, m=8, v=2):
@@ -574,26 +520,22 @@ _common.interactive(draw, lambda w: dict(schedule=w.Dropdown(options=list(ps.SCH
 # ## 7. DualPipe: feed the pipeline from both ends
 #
 # DeepSeek-V3 trains with **DualPipe** (DeepSeek-V3 technical report, §3.2.1, Figure 5 and Table 2; the Ultra-Scale
-# Playbook, "Zero Bubble and DualPipe"). The model is cut into $p$ stages as usual, but every rank holds **two**:
-# rank $r$ runs stage $r$ (chunk 0) and a copy of stage $p-1-r$ (chunk 1). Half the micro-batches enter at rank 0
-# and go down through the chunks 0; the other half enter at rank $p-1$ and go back up through the copies.
-#
-# Both ends
-# of the pipeline start working at once, so the warm-up of one direction is the other's cool-down. The backward is
-# split into $B$ and $W$ as in zero bubble, and a forward of one direction is paired with a backward of the other
-# — **F&B** — which on a GPU run overlapped (one's all-to-all hides behind the other's compute); here they run back
-# to back. Table 2 of the report gives, per rank:
+# Playbook, "Zero Bubble and DualPipe"). Every rank holds **two** of the $p$ stages: rank $r$ runs stage $r$ (chunk
+# 0) and a copy of stage $p-1-r$ (chunk 1). Half the micro-batches enter at rank 0 and go down through the chunks 0;
+# the other half enter at rank $p-1$ and go back up through the copies. Both ends start at once, so one direction's
+# warm-up is the other's cool-down. The backward is split into $B$ and $W$, and a forward of one direction is paired
+# with a backward of the other, **F&B**, overlapped on a GPU (one's all-to-all behind the other's compute), back to
+# back here. Table 2 of the report gives, per rank:
 #
 # $$\text{idle} = \left(\tfrac{p}{2}-1\right)\left(F\&B + B - 3W\right),\qquad \text{parameters } 2\times,\qquad
 # \text{activations of } p+1 \text{ micro-batches,}$$
 #
 # with $B$ the whole backward ($t_B + t_W$ here) and $F\&B$ the pair's time. The price is the copies: twice the
-# parameters, gradients and optimizer state, and after the backward each rank adds its mirror's gradients (rank $r$
-# and rank $p-1-r$ hold the same two stages: one exchange of both stages' gradients) so both copies take the same
-# step. `ps.dualpipe(p, m)` builds the lists (it needs $p$ even and $m$ even, $m \ge 2p$); `Schedule.where(stage,
-# mb)` now depends on the micro-batch's direction. The simulator reproduces Table 2 when each F&B pair runs as one
-# unit whose outputs leave at its end, as overlapped pairs do (`pairs=True`), with $t_F = t_B = t_W = 1$ and
-# $F\&B = 3$:
+# parameters, gradients and optimizer state, and after the backward mirror ranks ($r$ and $p-1-r$ hold the same two
+# stages) exchange both stages' gradients so both copies take the same step. `ps.dualpipe(p, m)` builds the lists
+# ($p$ even, $m$ even, $m \ge 2p$); `Schedule.where(stage, mb)` depends on the micro-batch's direction. The simulator
+# reproduces Table 2 when each F&B pair runs as one unit whose outputs leave at its end (`pairs=True`), with
+# $t_F = t_B = t_W = 1$ and $F\&B = 3$:
 
 # %%
 for p_ in (4, 8):
@@ -607,13 +549,12 @@ for p_ in (4, 8):
           f"{paired.makespan - 6 * p_:g} = {ps.dualpipe_idle(p_):g} time units, {max(paired.peak_alive)} micro-batches")
 
 # %% [markdown]
-# Run action by action, as on a CPU where nothing overlaps, each output leaves as soon as its own action ends, and the
-# idle time is half the formula's. At $p = 2$ the formula is 0 whatever the costs: each rank holds the whole model,
-# and the two directions fill each other's gaps exactly.
+# Run action by action, as on a CPU where nothing overlaps, each output leaves when its own action ends, and the idle
+# time is half the formula's. At $p = 2$ the formula is 0 whatever the costs: each rank holds the whole model, and the
+# two directions fill each other's gaps.
 #
-# The experiment times ZB-V and DualPipe on our two processes at $m = 16$ (FAST mode: 8), as section 4 timed the other
-# schedules, and counts the parameter bytes each rank holds under DualPipe and under 1F1B (built as
-# `picotron.train` builds them):
+# The experiment times ZB-V and DualPipe on two processes at $m = 16$ (FAST: 8), as section 4 did, and counts the
+# parameter bytes per rank under DualPipe and 1F1B:
 
 # %%
 run("dualpipe")
@@ -649,19 +590,15 @@ for p_ in (4, 8):  # deeper pipelines, from the simulator with this machine's co
 lesson.plot_dualpipe(dual["rows"], p=4, m=8); plt.show()
 
 # %% [markdown]
-# At $p = 2$ Table 2 says 0, and so does the simulator with any equal costs: each rank holds the whole model and
-# the two directions fill each other's gaps. What the measurement adds is this machine: the messages' delivery, and
-# ranks slowed unequally by other programs (then the simulator with the *measured* costs is no longer 0 either: the
-# kept step's costs differ between the two ranks). On a quiet step we measured about 1%; a step taken while other
-# programs held most of the cores measures far more, and the check prints ? rather than ✗.
+# At $p = 2$ Table 2 and the simulator with equal costs say 0. The measurement adds this machine: message delivery,
+# and ranks slowed unequally by other programs (then the simulator with *measured* costs is not 0 either). A quiet
+# step measured about 1%; a busy one far more, and the check prints ? rather than ✗.
 #
-# DualPipe's stages are
-# twice ZB-V's chunks (one stage per direction per rank instead of two half-stages), so its actions are longer and
-# fewer. What it pays is in the other two checks: twice the parameter bytes, and every step the copies'
-# gradients cross between mirror ranks — here many times the activations' traffic, since our micro-batches are
-# small; DeepSeek-V3 spreads it over its expert parallelism, whose 2x parameters are a small share of each rank. The
-# deeper pipelines (printed, simulated with this machine's costs) show the formula is not the whole story when
-# $t_F$, $t_B$ and $t_W$ differ: Table 2 is derived for pairs, and its value moves with how F&B overlaps.
+# DualPipe's stages are twice ZB-V's chunks, so its actions are longer and fewer. It pays in the other two checks:
+# twice the parameter bytes, and each step the copies' gradients cross between mirror ranks, here many times the
+# activations' traffic since our micro-batches are small (DeepSeek-V3 spreads it over its expert parallelism, whose
+# 2× parameters are a small share of each rank). The deeper pipelines (printed, simulated with this machine's costs) show Table 2 is
+# derived for pairs: when $t_F$, $t_B$, $t_W$ differ, its value moves with how F&B overlaps.
 #
 # **Takeaway:** DualPipe halves the warm-up by feeding the pipeline from both ends, and pays with a second copy of
 # every stage and its gradient exchange.
@@ -669,15 +606,14 @@ lesson.plot_dualpipe(dual["rows"], p=4, m=8); plt.show()
 # ## 8. Exercises
 # Open `lessons/07_pipeline_parallel/exercise.py`:
 #
-# 1. `one_f_one_b_rank(i, p, m)` — the 1F1B action list of stage $r$ (the argument `i`). The checker runs your list
-#    with the reference lists of the other stages in the simulator, for several $(p, m)$, and prints the simulator's
-#    sentence for the first problem (a deadlock naming who waits for what, a B before its F, a micro-batch missing or
-#    twice), then checks 1F1B's memory ($\le p - r$ micro-batches) and step time.
+# 1. `one_f_one_b_rank(i, p, m)`: the 1F1B action list of stage $r$ (the argument `i`), simulated with the other
+#    stages' reference lists for several $(p, m)$; the checker prints the simulator's sentence for the first problem
+#    (a deadlock naming who waits for what, a B before its F, a micro-batch missing or twice), then checks memory
+#    ($\le p - r$ micro-batches) and step time.
 #
-# 2. `forward_step(stage, x, prev, next, shape)` — one forward of a stage with its messages: receive the activation
-#    from the previous rank, compute, send the output on. Checked on 2 and 3 real processes: the checker names the
-#    rank that received the wrong tensor (or used its buffer before the message arrived) and the rank that hangs,
-#    with its line.
+# 2. `forward_step(stage, x, prev, next, shape)`: one forward with its messages (receive, compute, send on), on 2 and
+#    3 processes; the checker names the rank that received the wrong tensor (or used its buffer before the message
+#    arrived) and the rank that hangs, with its line.
 #
 # 3. `sync_tied_grads(embedding, head, group)` — make the gradients of the first and last stage's copies of a tied
 #    matrix equal to their sum. Checked on 1, 2 and 3 processes.
@@ -705,16 +641,14 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 # | + split backward (ZB-H1, ZB-V) | also each layer's input and output gradient from $B$ to $W$ | the same | the bubble matters and memory allows |
 # | DualPipe | $2\times$ the parameters (a copy of the mirror rank's stage), activations of $p+1$ micro-batches | the same activations, plus each stage's gradients between mirror ranks every step | $p$ even, $m \ge 2p$, and the F&B pairs can overlap communication (DeepSeek-V3's expert all-to-all) |
 #
-# **Its costs.** The bubble, $\frac{p-1}{m+p-1}$ of the time, unless $m$ is several times $p$ — and a larger $m$
-# means a larger global batch (or smaller micro-batches, which use a GPU less well). The stages must cost the same
-# (`split_layers` balances the FLOPs; the embedding and the LM head make the ends uneven). The first stage holds
-# the most activations. The loss exists on the last stage only (picotron broadcasts it for the log), and evaluation
-# and sampling must go through every stage.
+# **Its costs.** The bubble, $\frac{p-1}{m+p-1}$, unless $m$ is several times $p$, and a larger $m$ means a larger
+# global batch (or smaller micro-batches, which use a GPU less well). Stages must cost the same (`split_layers`
+# balances FLOPs; the embedding and LM head make the ends uneven). The first stage holds the most activations. The
+# loss exists on the last stage only (picotron broadcasts it for the log); evaluation and sampling cross every stage.
 #
-# **What ours lacks** (what Megatron-LM, torchtitan and DeepSeek's DualPipe add): overlapping the messages with
-# compute on GPUs (CUDA streams), ZB-H2 and automatic zero-bubble schedules (which trade memory for an empty bubble),
-# DualPipe's F&B pairs really overlapped (ours run back to back), recomputing activations only on the first stages, and unequal stages planned
-# from measured costs rather than FLOPs.
+# **What ours lacks** (Megatron-LM, torchtitan, DualPipe): messages overlapped with compute on GPUs (CUDA streams),
+# ZB-H2 and automatic zero-bubble schedules (memory for an empty bubble), F&B pairs really overlapped, recomputation
+# on the first stages only, and unequal stages planned from measured costs rather than FLOPs.
 #
 # **Next — lesson 08, expert parallelism:** the mixture-of-experts layer, whose experts live on different ranks and
 # whose tokens travel to them with an all-to-all.
