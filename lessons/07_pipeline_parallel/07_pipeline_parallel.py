@@ -199,7 +199,9 @@ _common.show_source(pp.Pipeline._backward)
 # `picotron.nccl_rules` shows both without a GPU: it records every rank's messages and collectives on gloo and
 # replays them as NCCL would (each communicator on its own stream, then all of a rank's groups as one queue), naming
 # each rank's first stuck operation. Below: the two versions on a toy model (`nccl_order.py` here), then picotron's
-# executor. Its fix: `ps.with_messages` (printed above) runs the schedule on the ideal machine, where each message
+# executor.
+#
+# Its fix: `ps.with_messages` (printed above) runs the schedule on the ideal machine, where each message
 # happens at the end of the action that makes it, and gives every rank its messages in the order of those instants:
 # pieces of one global order. Each receive then moves up to just after the rank's previous message (rank 1 above
 # posts R F0 and R F1 before computing), so activations arrive while the rank computes. `torch.distributed.pipelining`
@@ -254,8 +256,9 @@ _common.show_source(pp.sync_tied)
 # **measured bubble = 1 − (sum over ranks of the compute time) / (ranks × the step's length)**. On a shared machine
 # another program may take a core (read from each action's CPU time) or slow one (the same action suddenly takes
 # longer): a step's *disturbance* (rank-time without a core) plus its *spread* (the relative standard deviation of
-# each kind of action's times) says how far it is from quiet. A message late because gloo's threads waited for a core
-# shows in neither, so the experiment also reads the cores' share used by *other programs* (`_common.LoadWindow`,
+# each kind of action's times) says how far it is from quiet.
+#
+# A message late because gloo's threads waited for a core shows in neither, so the experiment also reads the cores' share used by *other programs* (`_common.LoadWindow`,
 # from `/proc/stat`). It steps on, up to a limit, until a step scores under 0.15 (the three summed), keeps the
 # shortest such step (or the quietest), and prints **?** (inconclusive, rerun) instead of ✗ for a bubble check that
 # misses while other programs held over 10% of the cores. The bytes, memory and parity checks are ✓ or ✗ regardless.
@@ -632,7 +635,7 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 # **Takeaway:** a schedule is right when its lists can run together; a stage is its receive, its compute and its
 # send; tied weights are one sum.
 #
-# ## 9. What it costs, when to use it, what comes next
+# ## 10. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
