@@ -62,10 +62,10 @@ DEVICES = ("auto", "cpu", "cuda")
 # lesson) and, where the count is the learner's choice, what PICOTRON_NPROC picks (docs/gpu_pods.md: "Lessons on a GPU pod").
 LESSONS = {
     "01_single_device": dict(nproc=(1,)),
-    "02_collectives": dict(nproc=(2, 3, 4)),
-    "03_data_parallel": dict(nproc=(1, 2, 4)),
-    "04_zero": dict(nproc=(1, 2, 4)),
-    "05_tensor_parallel": dict(nproc=(1, 2, 4)),
+    "02_collectives": dict(nproc=(2, 3, 4, 8), choose={4: "4 ranks", 8: "8 ranks"}),
+    "03_data_parallel": dict(nproc=(1, 2, 4, 8), choose={4: "dp4", 8: "dp8"}),
+    "04_zero": dict(nproc=(1, 2, 4, 8), choose={4: "dp4", 8: "dp8"}),
+    "05_tensor_parallel": dict(nproc=(1, 2, 4, 8), choose={4: "tp4", 8: "tp8, 8 KV heads"}),
     "06_context_parallel": dict(nproc=(2, 4), choose={8: "cp8"}),
     "07_pipeline_parallel": dict(nproc=(2,), choose={8: "pp8, 16 layers"}),
     "08_expert_parallel": dict(nproc=(2, 4), choose={8: "dp8-ep8, 8 experts"}),

@@ -30,7 +30,8 @@ import _common
 from picotron import collectives as C
 from picotron.model import ModelConfig
 
-FAST, OUT, NPROC = _common.FAST, _common.run_dir("02_collectives"), 4
+FAST, OUT = _common.FAST, _common.run_dir("02_collectives")
+NPROC = _common.nproc("02_collectives", 4)   # PICOTRON_NPROC=8: sections 2, 4 and 5 on 8 ranks (section 10)
 import experiment as lesson   # this folder's experiment.py: the measurements and the plots
 import check as checker       # this folder's check.py: the exercises' checker
 MiB, GB = 2**20, 1e9

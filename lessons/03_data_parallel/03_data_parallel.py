@@ -441,9 +441,9 @@ check(f"emulated: syncing every micro-batch waits {acc['k']}× as long as no_syn
 # device, the ideal is dp × the single-device throughput.
 
 # %%
-for n in (2, 4):
+for n in lesson.scaling_counts()[1:]:   # 2, 4; and 8 with PICOTRON_NPROC=8 (section 7)
     run("scaling", nproc=n)
-runs = {n: _common.load_json(OUT / f"scaling_dp{n}.json") for n in (1, 2, 4)}
+runs = {n: _common.load_json(OUT / f"scaling_dp{n}.json") for n in lesson.scaling_counts()}
 for n, r in runs.items():
     s = r["results"]
     print(f"dp={n}: {s['tokens_per_s']:8,.0f} tokens/s (median step), {s['threads']} thread(s) per rank | vs dp=1: ×{s['tokens_per_s'] / tps1:.2f} "
@@ -493,7 +493,7 @@ lesson.plot_memory(runs); plt.show()
 # micro-batch's gradient lost or counted twice — exceeds.
 
 # %%
-pairs = {f"dp={n} vs 1 process, grad_acc={n}": (runs[n]["results"]["loss"], one["references"][str(n)]) for n in (2, 4)}
+pairs = {f"dp={n} vs 1 process, grad_acc={n}": (runs[n]["results"]["loss"], one["references"][str(n)]) for n in list(runs)[1:]}
 for label, (dp, ref) in pairs.items():
     p = _common.parity(dp, ref)
     print(f"{label}: max relative loss difference over steps 1-{p['window']} {p['worst']:.1e}"
@@ -522,7 +522,7 @@ check("no_sync gives the same gradients", acc["max_grad_diff"] <= 1e-6 * max(1.0
 mems = [(n, m) for n, r in runs.items() for m in r["results"]["mem_by_rank"]]
 same = all(m[k] == mems[0][1][k] for _, m in mems for k in lesson.PARTS)
 check("memory per rank does not depend on dp", same, f"params+grads+optimizer {sum(mems[0][1][k] for k in lesson.PARTS[:3]) / MiB:.1f} MiB on each of "
-      f"{len(mems)} ranks in dp=1,2,4; activations {mems[0][1]['activations'] / MiB:.1f} MiB")
+      f"{len(mems)} ranks in dp={','.join(map(str, runs))}; activations {mems[0][1]['activations'] / MiB:.1f} MiB")
 
 # %% [markdown]
 # **Takeaway: data parallelism changes where the arithmetic runs, not its result (within the parity standard).**

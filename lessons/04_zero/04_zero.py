@@ -200,9 +200,9 @@ _common.show_source(lesson.Variant.step, "batches =", "self.model.zero_grad")
 # `planner.zero_model_state_bytes`. The same run counts the bytes on the wire, in (b):
 
 # %%
-run("stages", nproc=2)
-run("stages", nproc=4)
-stages = {n: _common.load_json(OUT / f"stages_dp{n}.json")["results"] for n in (2, 4)}
+for n in lesson.counts():   # 2, 4; and 8 with PICOTRON_NPROC=8 (section 10)
+    run("stages", nproc=n)
+stages = {n: _common.load_json(OUT / f"stages_dp{n}.json")["results"] for n in lesson.counts()}
 lesson.plot_memory(stages); plt.show()
 print(f"{'':<12}" + "".join(f"{k + ' MiB':>24}" for k in lesson.PARTS))
 for n, res in stages.items():
@@ -368,12 +368,11 @@ lesson.plot_fsdp(fsdp, fmem); plt.show()
 # drift, bounded by $10^{-3}$ (lesson 03 §5). `tests/test_zero.py` also checks gradients and parameters at dp = 2, 3, 4.
 
 # %%
-run("parity", nproc=1)
-run("parity", nproc=2)
-run("parity", nproc=4)
+for n in (1,) + lesson.counts():   # and dp = 8 with PICOTRON_NPROC=8
+    run("parity", nproc=n)
 refs = _common.load_json(OUT / "parity_dp1.json")["results"]["losses"]
 pairs = {}
-for n in (2, 4):
+for n in lesson.counts():
     for stage, losses in _common.load_json(OUT / f"parity_dp{n}.json")["results"]["losses"].items():
         pairs[f"dp={n} {lesson.STAGE_NAMES[int(stage)]}"] = (losses, refs[f"reference_acc{2 * n}"])
 for label, (got, ref) in pairs.items():

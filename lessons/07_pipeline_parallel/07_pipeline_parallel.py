@@ -635,7 +635,7 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 # **Takeaway:** a schedule is right when its lists can run together; a stage is its receive, its compute and its
 # send; tied weights are one sum.
 #
-# ## 10. What it costs, when to use it, what comes next
+# ## 9. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
