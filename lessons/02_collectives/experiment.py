@@ -660,6 +660,12 @@ def plot_ring_variants(ring):
 EXPERIMENTS = ("correctness", "trace", "ring", "bandwidth")
 
 
+def configs_at(nproc, fast=False):
+    """The Configs this lesson trains on `nproc` processes: none. Its experiments time collectives on buffers at the
+    world size torchrun gives them (the notebook's NPROC: 4, or 8 with PICOTRON_NPROC=8), with no training run."""
+    return []
+
+
 def main(argv=None):
     args, names, out = _common.cli("02_collectives", EXPERIMENTS, __doc__, argv=argv, extra=[
         (["--no-timing"], dict(action="store_true", help="ring: check results and bytes only"))])

@@ -308,28 +308,49 @@ def exp_accumulate(mesh, fast):
                 max_grad_diff=max((a - b).abs().max().item() for a, b in zip(*grads)))
 
 
-def exp_scaling(mesh, fast):
-    """picotron.train with dp = world size, the same micro-batch per rank (weak scaling); with one process also the
-    references with grad_acc = 2 and 4 (the same global batch as dp = 2 and 4) for the parity check."""
+def scaling_counts():
+    """The dp of the scaling runs: 1, 2 and 4, and 8 with PICOTRON_NPROC=8 (_common.nproc: one GPU node)."""
+    return (1, 2, 4) if _common.nproc("03_data_parallel", 4) == 4 else (1, 2, 4, 8)
+
+
+def scaling_configs(n, fast, mesh=None):
+    """The Configs of the scaling run at dp = n: the run itself, and with n = 1 also the references, one process
+    with grad_acc = 2, 4 (and 8) (the same global batch as those dp) for the parity check. On GPUs their sizes are
+    GPU_SETTINGS' scaling_* (the mesh's device decides, else _common.device())."""
     steps = 10 if fast else 30  # the parity standard compares 10 steps; the full run shows the drift after
     sized = all_settings(fast, mesh)
-    st = dict(size=sized["scaling_size"], seq_len=sized["scaling_seq_len"], micro_batch_size=sized["scaling_micro_batch_size"])
-    common = dict(steps=steps, seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], warmup_steps=2,
-                  log_every=steps, lr=3e-3)
+    common = dict(steps=steps, seq_len=sized["scaling_seq_len"], micro_batch_size=sized["scaling_micro_batch_size"],
+                  warmup_steps=2, log_every=steps, lr=3e-3)
+    run = make_cfg(sized["scaling_size"], dp=n, out=str(OUT / f"scaling_dp{n}"), **common)
+    refs = [make_cfg(sized["scaling_size"], grad_acc=acc, out=str(OUT / f"scaling_ref_acc{acc}"), **common)
+            for acc in scaling_counts()[1:]] if n == 1 else []
+    return [run] + refs
+
+
+def configs_at(nproc, fast=False):
+    """The Configs the lesson's main experiment (scaling) trains on `nproc` processes (tests/test_lesson_node.py
+    validates them at world size 8, as the trainer does before any process group exists)."""
+    return scaling_configs(nproc, fast)
+
+
+def exp_scaling(mesh, fast):
+    """picotron.train with dp = world size, the same micro-batch per rank (weak scaling); with one process also the
+    references with grad_acc = 2, 4 (and 8) (the same global batch as dp = 2, 4, 8) for the parity check."""
     n = mesh.world_size
-    cfg = make_cfg(st["size"], dp=n, out=str(OUT / f"scaling_dp{n}"), **common)
+    cfg, *refs = scaling_configs(n, fast, mesh)
     summary = trainer.train(cfg, mesh)
-    result = dict(settings=dict(st, steps=steps), dp=n, threads=torch.get_num_threads(), cores=os.cpu_count(),
+    st = dict(size=all_settings(fast, mesh)["scaling_size"], seq_len=cfg.seq_len,
+              micro_batch_size=cfg.micro_batch_size)
+    result = dict(settings=dict(st, steps=cfg.steps), dp=n, threads=torch.get_num_threads(), cores=os.cpu_count(),
                   mem_by_rank=gather(summary["mem"], mesh), references={})
     if mesh.rank == 0:
         history = metrics.read_metrics(cfg.out)[0]
         result.update(loss=[r["loss"] for r in history], step_times=[r["step_time"] for r in history])
         # tokens/s from the MEDIAN steady step (the trainer's summary uses the mean, which one slow step moves)
         result["tokens_per_s"] = cfg.tokens_per_step / statistics.median(result["step_times"][1:])
-    for acc in (2, 4) if n == 1 else ():
-        ref = make_cfg(st["size"], grad_acc=acc, out=str(OUT / f"scaling_ref_acc{acc}"), **common)
+    for ref in refs:
         trainer.train(ref, mesh)
-        result["references"][acc] = [r["loss"] for r in metrics.read_metrics(ref.out)[0]]
+        result["references"][ref.grad_acc] = [r["loss"] for r in metrics.read_metrics(ref.out)[0]]
     return result
 
 

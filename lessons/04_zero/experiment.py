@@ -129,9 +129,39 @@ def flat_layout(n, size="small"):
 
 
 # --------------------------------------------------------------------------------------------- experiments
+def counts():
+    """The dp of the stage comparison and the parity runs: 2 and 4, and 8 with PICOTRON_NPROC=8 (one GPU node)."""
+    return (2, 4) if _common.nproc("04_zero", 4) == 4 else (2, 4, 8)
+
+
+def stages_config(n, st):
+    """The Config the stage comparison builds its four variants from (Variant sets zero, dp_impl and bucket_mb)."""
+    return make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=n)
+
+
+def parity_configs(n, st, out):
+    """{name: Config} of the parity runs at dp = n: ZeRO-0..3 with 2 micro-batches per step; with n = 1 the
+    references with the same global batch (grad_acc = 2·dp) for every dp of counts()."""
+    common = dict(steps=st["parity_steps"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"],
+                  warmup_steps=2, log_every=st["parity_steps"], lr=3e-3, bucket_mb=BUCKET_MB)
+    runs = {f"reference_acc{2 * dp}": dict(grad_acc=2 * dp) for dp in counts()} if n == 1 else \
+        {stage: dict(dp=n, zero=stage, grad_acc=2) for stage in range(4)}
+    return {key: make_cfg(st["size"], out=str(Path(out) / f"parity_dp{n}_{key}"), **common, **kw)
+            for key, kw in runs.items()}
+
+
+def configs_at(nproc, fast=False):
+    """The Configs the lesson's main experiments train on `nproc` processes: the stage comparison's four (as Variant
+    builds them) and the parity runs (tests/test_lesson_node.py validates them at world size 8)."""
+    st = settings(fast)
+    base = stages_config(nproc, st)
+    stages = [dataclasses.replace(base, zero=s, dp_impl="bucket", bucket_mb=BUCKET_MB) for s in range(4)]
+    return stages + list(parity_configs(nproc, st, _common.run_dir("04_zero")).values())
+
+
 def exp_stages(mesh, st, out):
     """Every stage, one step of each in turn: the model states each rank keeps and the bytes per step."""
-    cfg = make_cfg(st["size"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"], dp=mesh.dp.size)
+    cfg = stages_config(mesh.dp.size, st)
     variants = [Variant(STAGE_NAMES[s], s, cfg, mesh) for s in range(4)]
     run_interleaved(variants, st["steps"], st["warmup"], mesh.dp_cp.group)
     rows = []
@@ -227,15 +257,10 @@ def exp_fsdp_memory(mesh, st, out):
 
 def exp_parity(mesh, st, out):
     """picotron.train with --zero 0..3 at dp = world size, 2 micro-batches per step; with one process, the
-    references with the same global batch (grad_acc = 2·dp) for dp = 2 and 4."""
+    references with the same global batch (grad_acc = 2·dp) for dp = 2 and 4 (and 8: counts())."""
     n = mesh.dp_cp.size
-    common = dict(steps=st["parity_steps"], seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"],
-                  warmup_steps=2, log_every=st["parity_steps"], lr=3e-3, bucket_mb=BUCKET_MB)
-    runs = {f"reference_acc{2 * dp}": dict(grad_acc=2 * dp) for dp in (2, 4)} if n == 1 else \
-        {stage: dict(dp=n, zero=stage, grad_acc=2) for stage in range(4)}
     losses = {}
-    for key, kw in runs.items():
-        cfg = make_cfg(st["size"], out=str(Path(out) / f"parity_dp{n}_{key}"), **common, **kw)
+    for key, cfg in parity_configs(n, st, out).items():
         trainer.train(cfg, mesh)
         if mesh.rank == 0:
             losses[key] = [r["loss"] for r in metrics.read_metrics(cfg.out)[0]]

@@ -45,9 +45,10 @@ def run(only, nproc=2, dp=1, hide=()):
 def check(name, ok, detail):
     print(f"{'✓' if ok else '✗'} {name}: {detail}")
 
-mc = ModelConfig.from_preset("tiny", **_common.SIZES["small"])
 st = lesson.settings(FAST)  # this machine's settings (the experiments pick the GPU ones on a GPU)
-print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': {mc.num_params() / 1e6:.2f} M parameters, "
+# the model of the main runs (PICOTRON_NPROC=8: 8 KV heads, section 8)
+mc = ModelConfig.from_preset("tiny", **_common.SIZES[st["size"]], **lesson.model_overrides())
+print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model '{st['size']}': {mc.num_params() / 1e6:.2f} M parameters, "
       f"h={mc.hidden_size}, {mc.num_attention_heads} heads, {mc.num_key_value_heads} KV heads, {mc.num_hidden_layers} layers; "
       f"batch {st['micro_batch_size']} x {st['seq_len']} tokens, the same on every tp rank")
 
@@ -192,11 +193,11 @@ _common.show_source(lesson.Variant.step, "self.recorder.reset()", "elapsed, call
 
 # %%
 run("memory,scaling", nproc=1)
-run("comm,memory,scaling", nproc=2)
-run("comm,memory,scaling", nproc=4)
-comm = {t: _common.load_json(OUT / f"comm_tp{t}.json")["results"] for t in (2, 4)}
-memory = {t: _common.load_json(OUT / f"memory_tp{t}.json")["results"] for t in (1, 2, 4)}
-scaling = {t: _common.load_json(OUT / f"scaling_tp{t}.json")["results"] for t in (1, 2, 4)}
+for t in lesson.tp_counts()[1:]:   # 2, 4; and 8 with PICOTRON_NPROC=8 (section 8)
+    run("comm,memory,scaling", nproc=t)
+comm = {t: _common.load_json(OUT / f"comm_tp{t}.json")["results"] for t in lesson.tp_counts()[1:]}
+memory = {t: _common.load_json(OUT / f"memory_tp{t}.json")["results"] for t in lesson.tp_counts()}
+scaling = {t: _common.load_json(OUT / f"scaling_tp{t}.json")["results"] for t in lesson.tp_counts()}
 st = _common.load_json(OUT / "memory_tp1.json")["settings"]  # what the experiments ran with
 
 # %% [markdown]
@@ -303,7 +304,7 @@ for t, res in scaling.items():
               f"(quartiles {1e3 * r['q1']:.0f}-{1e3 * r['q3']:.0f}), inside collectives {1e3 * r['comm_median']:5.1f} ms "
               f"({r['comm_median'] / r['median']:.0%})" + ("  [FAST: few steps]" if FAST else ""))
 one = scaling[1]["rows"][0]["tokens_per_s"]
-print("relative to one process: " + ", ".join(f"{r['name']} {r['tokens_per_s'] / one:.2f}x" for t in (2, 4) for r in scaling[t]["rows"]))
+print("relative to one process: " + ", ".join(f"{r['name']} {r['tokens_per_s'] / one:.2f}x" for t in list(scaling)[1:] for r in scaling[t]["rows"]))
 lesson.plot_scaling(scaling); plt.show()
 
 # %% [markdown]
@@ -454,7 +455,7 @@ check("tp=4: with sp the whole model keeps less (the final norm is cut too)", to
       f"{total['tp=4 + sp'] / MiB:.2f} vs {total['tp=4'] / MiB:.2f} MiB per rank")
 check("a layer's activations per rank: tp=1 > tp=2 > tp=4", per_layer["tp=1"] > per_layer["tp=2"] > per_layer["tp=4"],
       " > ".join(f"{per_layer[k] / MiB:.2f}" for k in ("tp=1", "tp=2", "tp=4")) + " MiB")
-for t in (2, 4):
+for t in list(memory)[1:]:
     one_p, got = (memory[k]["rows"][0]["states_by_rank"][0]["params"] for k in (1, t))
     check(f"tp={t}: parameters per rank shrink by about t", abs(one_p / got / t - 1) < 0.02, f"x{one_p / got:.2f}")
 

@@ -326,12 +326,33 @@ def slowest(values, mesh):
     return [max(r) for r in zip(*gather(values, mesh))]
 
 
+def tp_counts():
+    """The tp of the main runs (4(a)-(c): comm, memory, scaling): 1, 2 and 4, and 8 with PICOTRON_NPROC=8."""
+    return (1, 2, 4) if _common.nproc("05_tensor_parallel", 4) == 4 else (1, 2, 4, 8)
+
+
+def model_overrides():
+    """The model's changes for the main runs: with PICOTRON_NPROC=8, 8 KV heads (4 in SIZES), at every tp of them,
+    so that tp = 8 has a whole KV head per rank (rules.tp_shape_problem) and all the runs compare one model."""
+    return {"num_key_value_heads": 8} if max(tp_counts()) == 8 else {}
+
+
+def variant_configs(t, st, **kw):
+    """The Configs of the main runs at tp = t, sp off (and on, at t > 1)."""
+    return [make_cfg(st["size"], tp=t, sp=sp, seq_len=st["seq_len"], micro_batch_size=st["micro_batch_size"],
+                     **model_overrides(), **kw) for sp in ((False, True) if t > 1 else (False,))]
+
+
+def configs_at(nproc, fast=False):
+    """The Configs the lesson's main runs train on `nproc` processes (tests/test_lesson_node.py validates them at
+    world size 8)."""
+    return variant_configs(nproc, settings(fast))
+
+
 def variants(mesh, st, **kw):
     """The experiment's layouts on this mesh, sp off (and on, at tp > 1)."""
     t = mesh.tp.size
-    return [Variant(f"tp={t}" + " + sp" * sp, make_cfg(st["size"], tp=t, sp=sp, seq_len=st["seq_len"],
-                                                       micro_batch_size=st["micro_batch_size"], **kw), mesh)
-            for sp in ((False, True) if t > 1 else (False,))]
+    return [Variant(f"tp={t}" + " + sp" * cfg.sp, cfg, mesh) for cfg in variant_configs(t, st, **kw)]
 
 
 def _keys_to_str(d):
