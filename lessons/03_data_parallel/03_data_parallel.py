@@ -7,18 +7,17 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 03 — Data parallelism: many replicas, one gradient
 #
-# Lesson 01 trained on one device; lesson 02 built the collectives. Now we use the most important one, the
-# **all-reduce**, for the oldest and still most used way to train on many devices: every rank holds the whole
-# model, trains on its own slice of the batch, and the ranks **average their gradients** before each optimizer step.
+# Now we use lesson 02's **all-reduce** for the oldest and most used way to train on many devices: every rank holds
+# the whole model, trains on its own slice of the batch, and the ranks **average their gradients** before each
+# optimizer step.
 #
-# The maths is one line; the engineering is all about **time**: the all-reduce must hide behind the backward pass.
-# We build it in three steps and measure each — a naive hook per parameter, the same hook made asynchronous, and
-# gradient **buckets** — first on this CPU, then over an *emulated* network link, where overlap finally shows. Then
-# gradient accumulation without needless traffic (`no_sync`), a race against torch's `DistributedDataParallel`,
-# scaling from 1 to 4 ranks, and what data parallelism does *not* do: save memory.
+# The maths is one line; the engineering is about **time**: the all-reduce must hide behind backward. We build it in
+# three steps (a naive hook per parameter, the hook made asynchronous, gradient **buckets**) and measure each, on
+# this CPU and over an *emulated* link where overlap shows. Then `no_sync` for gradient accumulation, a race against
+# torch's `DistributedDataParallel`, scaling from 1 to 4 ranks, and what data parallelism does *not* do: save memory.
 #
 # The code is `picotron/data_parallel.py`; the experiments are `lessons/03_data_parallel/experiment.py`, launched with
-# `torchrun` on 2 (and 4) processes. `PICOTRON_FAST=1` gives a short run; the default settings are the real lesson.
+# `torchrun` on 2 (and 4) processes (`PICOTRON_FAST=1`: a short run).
 
 # %%
 import sys
@@ -45,8 +44,8 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': 
 # %% [markdown]
 # ## 1. The problem: one device is too slow
 #
-# One process trains our `small` model (the tiny preset widened to h=256, 4 layers) with `picotron.train` on all of
-# this machine's cores. (This launch also runs the single-process references that section 5 compares with.)
+# One process trains our `small` model (h=256, 4 layers) with `picotron.train` on all cores (and runs section 5's
+# single-process references).
 
 # %%
 run("scaling", nproc=1)
@@ -61,20 +60,19 @@ h100 = 0.40 * 989.5e12                       # one H100 at a good 40% MFU of its
 print(f"  Llama-3-8B, 15 T tokens: {flops:.1e} FLOPs; one H100 at 40% MFU: {flops / h100 / 3600 / 24 / 365:,.0f} years")
 
 # %% [markdown]
-# Even with perfect use of one GPU, a modern pre-training run would take decades (and lesson 01 showed that
-# Llama-3-8B's model states alone, 128 GB, would not fit). **Takeaway: we need many devices working on one step.**
+# Even at perfect use of one GPU, a modern pre-training run would take decades (and Llama-3-8B's 128 GB of model
+# states would not fit, lesson 01). **Takeaway: we need many devices working on one step.**
 #
 # ## 2. The idea and the formulas
 #
-# Split the global batch of $B$ sequences into $n$ slices (symbols: the course's
-# [notation](../../docs/reference.md#notation)). Rank $r$ holds a full copy of the model, runs forward and backward
-# on its $B/n$ sequences and gets $g_r$, the gradient of the mean loss $\mathcal{L}$ over its slice. The gradient of
-# the mean loss over the whole batch is the mean of the slices' gradients:
+# Split the global batch of $B$ sequences into $n$ slices ([notation](../../docs/reference.md#notation)). Rank $r$
+# holds a full copy of the model and gets $g_r$, the gradient of the mean loss $\mathcal{L}$ over its $B/n$
+# sequences. The whole batch's gradient is the mean of the slices':
 #
 # $$\nabla \mathcal{L}_{\text{batch}} = \frac1n\sum_{r=0}^{n-1} g_r .$$
 #
-# So after backward each rank calls **all-reduce** (sum, then divide by $n$), every rank holds the same gradient,
-# takes the same AdamW step, and the replicas stay identical, bit for bit. Nothing else is ever exchanged.
+# So after backward an **all-reduce** (sum, divide by $n$) gives every rank the same gradient and the same AdamW
+# step: the replicas stay identical, bit for bit. Nothing else is exchanged.
 #
 # ```
 # rank 0:  forward/backward on rows 0 .. B/n-1      -> g0 ─┐
@@ -110,30 +108,29 @@ print(f"latency α ≈ {1e6 * allreduce['latency_s']:.0f} µs, bus bandwidth ≈
       f"one by one ≈ {1e3 * t_each:.1f} ms")
 
 # %% [markdown]
-# Small messages cost the latency $\alpha$ whatever their size, large ones cost bytes/bandwidth. **Takeaway: sending
-# the gradients tensor by tensor pays $\alpha$ once per tensor (the two totals above); fewer, larger messages are cheaper.**
+# Small messages cost the latency $\alpha$, large ones bytes/bandwidth. **Takeaway: sending tensor by tensor pays
+# $\alpha$ per tensor (the two totals above); fewer, larger messages are cheaper.**
 #
 # **Hiding it behind backward.** Backward produces gradients from the last layer to the first, so the last layers'
-# gradients are final long before backward ends and their all-reduce can run *while* backward computes the earlier
-# layers. Group the gradients, in that order, into **buckets**; when a bucket is complete, start its all-reduce
-# asynchronously. With bucket $j$ ready at time $t_j$ and one link that carries one message at a time,
+# all-reduce can run *while* backward computes the earlier ones. Group the gradients, in that order, into
+# **buckets**, and start each bucket's all-reduce asynchronously when it is complete. With bucket $j$ ready at $t_j$
+# and a link carrying one message at a time,
 #
 # $$\text{start}_j = \max(t_j,\ \text{end}_{j-1}),\qquad \text{end}_j = \text{start}_j + \alpha + 2\tfrac{n-1}{n}\,\frac{\text{bytes}_j}{\text{bandwidth}},
 # \qquad \text{exposed} = \max(0,\ \text{end}_\text{last} - t_{\text{backward end}}).$$
 #
-# The **last** bucket is ready only when backward ends, so its all-reduce is always exposed. Tiny buckets pay
-# $\alpha$ many times; one huge bucket cannot start before backward ends. **Takeaway: the best bucket size is in
-# between** — section 4 measures it, section 6 lets you move it, exercise 4 asks you to compute it.
+# The **last** bucket is ready only when backward ends: its all-reduce is always exposed. Tiny buckets pay $\alpha$
+# many times; one huge bucket starts after backward. **Takeaway: the best bucket size is in between** (measured in
+# section 4, explored in 6, computed in exercise 4).
 #
-# **The rule of thumb.** Backward costs about $4\Psi$ FLOPs per token, the all-reduce moves $\approx 2\Psi$ gradient
-# values per rank whatever the batch. With $T$ tokens per rank, achieved FLOP/s $F$, link bandwidth $W$ bytes/s and
-# bf16 gradients (2 bytes), backward can hide the all-reduce when
+# **The rule of thumb.** Backward costs about $4\Psi$ FLOPs per token; the all-reduce moves $\approx 2\Psi$ values per
+# rank whatever the batch. With $T$ tokens per rank, achieved FLOP/s $F$, link bandwidth $W$ bytes/s and bf16
+# gradients, backward can hide the all-reduce when
 #
 # $$T\cdot\frac{4\Psi}{F} \ \ge\ \frac{2\cdot 2\Psi}{W} \iff T \ \ge\ \frac{F}{W}.$$
 #
-# It assumes the communication runs on hardware of its own, and it is a rule of thumb, not a law
-# ([reference](../../docs/reference.md#data-parallelism-hiding-the-all-reduce) gives the scaling-book estimate for an
-# H100 over NVLink):
+# It assumes communication hardware of its own ([reference](../../docs/reference.md#data-parallelism-hiding-the-all-reduce):
+# the scaling-book estimate for an H100 over NVLink):
 
 # %%
 for where, F, W in [("H100, NVLink, datasheet peak", 989.5e12, 450e9), ("H100, NVLink, 40% MFU", 0.4 * 989.5e12, 450e9),
@@ -145,20 +142,20 @@ for where, F, W in [("H100, NVLink, datasheet peak", 989.5e12, 450e9), ("H100, N
 #
 # ## 3. Read the code
 #
-# `picotron/data_parallel.py`. Both wrappers share a base that holds the axis they average over (`mesh.dp_cp`, dp × cp:
-# context-parallel ranks see other tokens of the same sequences, so their gradients are averaged too; the axis runs
-# the collectives), broadcasts rank 0's weights once, and owns `no_sync`. The naive wrapper is one hook:
+# `picotron/data_parallel.py`. Both wrappers share a base that holds the axis they average over (`mesh.dp_cp`: cp
+# ranks see other tokens of the same sequences, so they average too), broadcasts rank 0's weights once, and owns
+# `no_sync`. The naive wrapper is one hook:
 
 # %%
 _common.show_source(data_parallel.NaiveDataParallel)
 
 # %% [markdown]
 # `register_post_accumulate_grad_hook` fires once autograd has *added* this backward's contribution into `p.grad`
-# (after all uses of a shared weight). The all-reduce sums, so we divide first. It is **blocking**: backward stops at
-# each tensor until the message is through.
+# (after all uses of a shared weight). The all-reduce sums, so we divide first. It **blocks**: backward stops at each
+# tensor until the message is through.
 #
-# The bucketed version keeps the gradients in contiguous buffers. `p.grad` *is* a slice of its bucket's buffer, so
-# autograd accumulates straight into the memory we send — no copy (DDP calls this `gradient_as_bucket_view`):
+# The bucketed version keeps gradients in contiguous buffers: `p.grad` *is* a slice of its bucket, so autograd
+# accumulates straight into the memory we send (DDP's `gradient_as_bucket_view`):
 
 # %%
 _common.show_source(data_parallel._Bucket)
@@ -176,11 +173,10 @@ print()
 _common.show_source(data_parallel.DataParallel.finish_sync)
 
 # %% [markdown]
-# **Gradient accumulation** (lesson 01) runs $m$ micro-batches before one optimizer step. All-reducing after each
-# would send $m$ times the bytes for the same result (the sum of averages is the average of sums). `no_sync`
-# switches the hook's sending off. The step engine (`schedule.OneStage.run`, what `picotron/train.py` calls for each
-# optimizer step) wraps all micro-batches but the last in it and waits with `finish_sync()` at the end. Every
-# wrapper here, ZeRO's, and `Local` (one replica, nothing to send) speak that protocol, `GradSync`.
+# **Gradient accumulation** (lesson 01) runs $m$ micro-batches per optimizer step; all-reducing after each would
+# send $m$ times the bytes for the same result. `no_sync` switches sending off. The step engine
+# (`schedule.OneStage.run`) wraps all micro-batches but the last in it and waits with `finish_sync()`. Every wrapper
+# here, ZeRO's, and `Local` (nothing to send) speak that protocol, `GradSync`.
 
 # %%
 _common.show_source(data_parallel.GradSync.no_sync)
@@ -192,17 +188,16 @@ _common.show_source(schedule.OneStage.run)
 #
 # ## 4. Run it
 #
-# Every timed comparison runs all its variants **in one launch**, each on its own copy of the model (identical
-# weights), one step of each in turn with a barrier before every step and the order rotating, so slow drift of this
-# shared machine hits every variant alike. A step's time is the slowest rank's; "exposed" is a variant's step minus
-# the compute-only step **of the same round** (median and quartiles over the rounds). Two ranks on two cores.
+# Every timed comparison runs its variants **in one launch**, each on its own copy of the model, one step of each in
+# turn (barrier first, order rotating), so this shared machine's drift hits all alike. A step's time is the slowest
+# rank's; "exposed" is a variant's step minus the compute-only step **of the same round** (median and quartiles).
+# Two ranks on two cores.
 #
 # ### (a) Naive → overlap → buckets, on this CPU
-# Seven variants: **compute only** (each rank trains alone, nothing is sent — the floor), **naive**, and the
-# bucketed `DataParallel` with buckets of 0 (one per tensor, "overlap"), 0.25, 1, 4 and 25 MiB. Each rank records a
-# timeline: forward, backward and the wait after backward (`finish_sync`) from the step engine, each all-reduce from
-# launch to completion from a `metrics.Recorder` on the wrapper's axis, and the optimizer. A variant is the trainer's
-# own pieces, built the way `parallelize` builds them, and a step is the step engine, then AdamW:
+# Seven variants: **compute only** (nothing sent: the floor), **naive**, and the bucketed `DataParallel` with buckets
+# of 0 (one per tensor, "overlap"), 0.25, 1, 4 and 25 MiB. Each rank records a timeline: forward, backward, the wait
+# after backward (`finish_sync`), each all-reduce from launch to completion (a `metrics.Recorder` on the axis), the
+# optimizer. A variant is the trainer's own pieces, built as `parallelize` builds them:
 
 # %%
 _common.show_source(lesson.Variant.__init__, "axis = (", "self.schedule.phases.listen")
@@ -221,10 +216,9 @@ print("slowdown of backward against compute only's: " + ", ".join(
     f"{r['name']} {1e3 * (r['phases']['backward'] - base['phases']['backward']):+.1f} ms" for r in rows[1:]))
 
 # %% [markdown]
-# Two measures of what communication costs: **wait after backward** (from the end of backward to the end of
-# `finish_sync`: what was not hidden at all) and **exposed** (everything it costs, a slower backward included). The
-# Gantt chart shows one step of four variants on both ranks (compute row: forward, backward, wait, optimizer;
-# communication row: each all-reduce from launch to completion, one colour per bucket):
+# Two measures: **wait after backward** (end of backward to end of `finish_sync`: not hidden at all) and **exposed**
+# (everything communication costs, a slower backward included). The Gantt chart: one step of four variants on both
+# ranks (compute row: forward, backward, wait, optimizer; communication row: each all-reduce, one colour per bucket):
 
 # %%
 lesson.plot_timelines([by[k] for k in ("naive", "overlap", "bucket 1 MiB", "bucket 25 MiB")],
@@ -241,16 +235,14 @@ lesson.plot_phases(rows, title="where the time goes, gloo on this CPU"); plt.sho
 # * **bucket 1 MiB**: a handful of messages, most of them during backward.
 # * **bucket 25 MiB**: one bucket holds everything; it starts when backward is over, so all of it is a wait.
 #
-# And one thing a GPU does not have: **here communication is not free for the computation.** gloo adds and copies
-# the buffers with the same two cores that run backward, so on a quiet machine every overlapped all-reduce slows
-# backward down (the "slowdown of backward" line above, when the quartile spread printed with it is small) and the
-# exposed column stays well above zero whatever the bucket size. On a busy machine the noise can be as large as
-# these differences — slowdowns and exposures can even come out negative, which is noise, not a gain — and the two
-# ranks drift apart: the one that finishes backward first waits for the other. **Takeaway: on a CPU, overlapping communication only moves it onto the
-# cores backward needs.**
+# Unlike a GPU, **here communication is not free for the computation**: gloo adds and copies with the two cores that
+# run backward, so every overlapped all-reduce slows backward (the "slowdown of backward" line, when its quartile
+# spread is small) and the exposed column stays well above zero at every bucket size. On a busy machine the noise can
+# match these differences (negative values are noise, not a gain), and the rank that finishes backward first waits
+# for the other. **Takeaway: on a CPU, overlapping communication only moves it onto the cores backward needs.**
 #
 # ### (b) Exposed communication against bucket size, on this CPU
-# The same run against the overlap model of section 2, fed with the all-reduce fit and each variant's own backward:
+# The same run against section 2's overlap model, fed with the all-reduce fit and each variant's own backward:
 
 # %%
 lesson.plot_exposed(rows, tl["grad_tensor_bytes"], allreduce["latency_s"], allreduce["busbw"], N,
@@ -262,10 +254,9 @@ for name, mb, nb, (med, q1, q3), wait, bwd, model in lesson.exposed_rows(rows, t
           f"(model of the wait: {1e3 * model:4.1f} ms)")
 
 # %% [markdown]
-# The model, given the backward each variant actually had, comes close to the wait after it; what it does not model
-# is why backward got slower — here, the all-reduces' own work on backward's cores (and, on a busy machine, noise: the
-# quartiles). Backward covers the all-reduce's **time** from about this many tokens per rank — if only communication
-# cost no compute:
+# The model comes close to the wait after backward; it does not model why backward got slower (the all-reduces' work
+# on backward's cores, and noise). Backward would cover the all-reduce's **time** from about this many tokens per rank,
+# if communication cost no compute:
 
 # %%
 bwd_per_token = base["phases"]["backward"] / tokens_per_rank
@@ -276,12 +267,11 @@ print(f"backward: {1e6 * bwd_per_token:.1f} µs per token per rank; all-reduce o
 # **Takeaway: the rule of thumb needs communication hardware of its own, which this CPU does not have.**
 #
 # ### (c) Overlap made visible: an emulated link
-# A GPU cluster moves gradients with hardware of its own (NVLink, InfiniBand and the network cards), so backward keeps
-# its processors. To see that here we **emulate** such a link: `mesh.dp_cp.over(EmulatedLink(bandwidth, latency))`
-# (`picotron/link.py`) gives the same process group, whose all-reduces still run for real (the gradients are exact)
-# but complete no earlier than a ring all-reduce on that link would: latency + $2\frac{n-1}{n}$·bytes/bandwidth, one
-# message at a time. The waiting is a sleep, so it costs no core. It is a model of a network, and every plot of it
-# says so; on GPUs with a real interconnect you would run without it.
+# A GPU cluster moves gradients with hardware of its own (NVLink, InfiniBand, network cards), so backward keeps its
+# processors. We **emulate** such a link: `mesh.dp_cp.over(EmulatedLink(bandwidth, latency))` (`picotron/link.py`)
+# runs the all-reduces for real (exact gradients) but completes each no earlier than a ring on that link would:
+# latency + $2\frac{n-1}{n}$·bytes/bandwidth, one message at a time, waiting in a sleep that costs no core. A model
+# of a network, and every plot says so.
 #
 # We size the link from this machine, so that communication matters as much as it can while staying hideable:
 
@@ -289,12 +279,10 @@ print(f"backward: {1e6 * bwd_per_token:.1f} µs per token per rank; all-reduce o
 _common.show_source(lesson.choose_link)
 
 # %% [markdown]
-# Each rank also gets 4× the tokens (micro-batch 8): the real gloo copy still runs underneath and still takes these
-# cores for a while; with a 4× longer backward it is small next to the link's time — the $T \ge F/W$ of the rule of
-# thumb at work. The experiment measures a compute-only backward, chooses the link, and runs the same sweep over it
-# (plus 0.5 and 2 MiB). On a busy machine backward's time can move between the sizing and the timed rounds (both are
-# printed); the checks compare with the link's own time and with the model fed the measured backward, so they hold
-# either way.
+# Each rank also gets 4× the tokens (micro-batch 8), so the real gloo copy underneath is small next to the link's
+# time: $T \ge F/W$ at work. The experiment measures a compute-only backward, chooses the link, and runs the sweep
+# over it (plus 0.5 and 2 MiB). Backward's time can move between sizing and timed rounds on a busy machine (both
+# printed); the checks compare with the link's own time and the model fed the measured backward, so they hold anyway.
 
 # %%
 run("emulated")
@@ -314,12 +302,11 @@ lesson.plot_timelines([eby[k] for k in ("naive", "overlap", "bucket 1 MiB", "buc
                       title=f"one step (the last timed one), {N} ranks — {link['label']}"); plt.show()
 
 # %% [markdown]
-# Read the four against the link's numbers printed above. **naive** stalls backward for every message: all its link
-# time, 39 latencies and all the bytes, lands inside backward. **overlap** no longer stalls, but each of its 39
-# messages pays the latency; whatever does not fit into backward is still queued when it ends. **1 MiB buckets** keep
-# the link busy *during* backward; what is left is the last bucket and whatever queued behind it. **25 MiB** (one
-# bucket) starts when backward ends: the whole link time is exposed. (The table's "shorter wait": of the two ranks,
-# the one that finished backward last waits only for the link; the other also waits for it.)
+# Against the link's numbers above: **naive** stalls backward for every message (39 latencies and all the bytes,
+# inside backward). **overlap** does not stall, but each of its 39 messages pays the latency, and what does not fit
+# into backward is still queued when it ends. **1 MiB buckets** keep the link busy *during* backward, leaving the last
+# bucket and what queued behind it. **25 MiB** (one bucket) exposes the whole link time. (The table's "shorter wait"
+# is the rank that finished backward last: it waits only for the link.)
 
 # %%
 ex = lesson.exposed_rows(erows, em["grad_tensor_bytes"], link["latency"], link["bandwidth"], N)
@@ -330,11 +317,10 @@ for name, mb, nb, (med, q1, q3), wait, bwd, model in ex:
           f"shorter wait {1e3 * wait:6.1f} ms | model {1e3 * model:6.1f} ms")
 
 # %% [markdown]
-# The model (section 2's formula, `lesson.model_timeline`, given each variant's backward) follows the measured wait:
-# one bucket waits the whole link time, the middle sizes hide most of it, and per-tensor messages give some of the
-# gain back in latency — how much depends on 39 latencies against backward (both printed above). The exposure (step −
-# compute only) adds to the wait whatever slowed backward: the real copy underneath, and this machine's noise (the
-# quartile bars, wide on a busy machine). The checks, with their margins:
+# The model (`lesson.model_timeline`, given each variant's backward) follows the measured wait: one bucket waits the
+# whole link time, the middle sizes hide most of it, per-tensor messages give some back in latency (39 latencies
+# against backward, both printed). The exposure adds whatever slowed backward: the real copy underneath, and noise
+# (the quartile bars). The checks, with their margins:
 #
 # * one bucket must wait at least 80% of the link's time for all gradients (the link cannot be faster than itself;
 #   the bucket leaves from the last gradient's hook, a few milliseconds before backward returns, and those overlap);
@@ -344,9 +330,8 @@ for name, mb, nb, (med, q1, q3), wait, bwd, model in ex:
 #   on a busy machine: while both ranks sleep on the link, their compute has the cores to itself.)
 # * averaged over the bucket sizes, the measured wait must be within 25% of the link's total time of the model's.
 #
-# The experiment also reads how much of the machine's cores other programs used during the timed rounds
-# (`_common.LoadWindow`): a timing check that misses while they held more than 10% prints **?** (inconclusive: the
-# machine was busy, rerun) instead of ✗.
+# A timing check that misses while other programs held over 10% of the cores (`_common.LoadWindow`) prints **?**
+# (inconclusive: rerun) instead of ✗.
 
 # %%
 one_bucket, bucketed = ex[-1], ex[:-1]
@@ -374,9 +359,9 @@ check("emulated: the overlap model predicts the wait", gap <= 0.25 * link_total,
 # over NVLink or InfiniBand is that link.
 #
 # ### (d) Against torch's DistributedDataParallel
-# Same model, bucket size and batches, DDP with `gradient_as_bucket_view=True` like ours; one step of ours, one of
-# DDP, alternately (on this CPU, no emulated link). Each round gives a paired ratio (DDP's step time ÷ ours, i.e. our
-# throughput ÷ DDP's), so the spread shows how much to trust the median.
+# Same model, bucket size and batches, DDP with `gradient_as_bucket_view=True`; one step of each alternately (no
+# emulated link). Each round gives a paired ratio (DDP's step time ÷ ours); the spread says how far to trust the
+# median.
 
 # %%
 run("ddp")
@@ -388,19 +373,17 @@ for mb, r in ddp["ratios"].items():
 lesson.plot_ddp(ddp); plt.show()
 
 # %% [markdown]
-# DDP is the same design — buckets in reverse order, one asynchronous all-reduce per full bucket, gradients as bucket
-# views — written in C++ (its "Reducer"). The verdict above is this run's (FAST mode: 10 rounds; the full run: 100);
-# `benchmarks/dp_vs_ddp.py` runs longer and also tries dividing after the all-reduce. Where ours trails, look at what
-# DDP does in C++ and we do in Python: a hook call per tensor, autograd adding into a bucket we zeroed (DDP copies
-# each fresh gradient in, divided, in one pass), zeroing the buckets every step. **Takeaway: the design, not the
-# language, makes DDP fast; ours is the same design.**
+# DDP is the same design (buckets in reverse order, one asynchronous all-reduce per full bucket, gradients as bucket
+# views) in C++ (its "Reducer"). The verdict is this run's (FAST: 10 rounds; full: 100); `benchmarks/dp_vs_ddp.py`
+# runs longer and also tries dividing after the all-reduce. Where ours trails, look at what we do in Python: a hook
+# call per tensor, autograd adding into a zeroed bucket (DDP copies each gradient in, divided, in one pass), zeroing
+# the buckets every step. **Takeaway: the design, not the language, makes DDP fast; ours is the same design.**
 #
 # ### (e) Gradient accumulation: `no_sync`
-# Four micro-batches per step, one bucket: all-reduce only after the last one, or after every one — on this CPU and
-# over the emulated link of (c). Syncing every micro-batch has a trap: the next backward adds into the very buffers
-# still being all-reduced, so it must **wait** for them first (here the step engine runs once per micro-batch, each
-# loss divided by $m$, each run ending in `finish_sync`). The first version of this experiment forgot, and its
-# gradients were off by 10%. So first, one step of each from the same weights and batches: the gradients must agree.
+# Four micro-batches per step, one bucket: all-reduce after the last only, or after every one, on this CPU and over
+# (c)'s link. Syncing every micro-batch has a trap: the next backward adds into buffers still being all-reduced, so
+# it must **wait** first (here each micro-batch's run ends in `finish_sync`). This experiment's first version forgot,
+# and its gradients were off by 10%. So first, one step of each from the same weights: the gradients must agree.
 
 # %%
 run("accumulate", 2, "--link", f"{link['bandwidth']},{link['latency']}")
@@ -413,13 +396,11 @@ print(f"max |grad(no_sync) − grad(sync every micro-batch)| = {acc['max_grad_di
 lesson.plot_accumulate(acc, N); plt.show()
 
 # %% [markdown]
-# Same gradients (up to the order of float additions), a quarter of the bytes. The time panel's bars are each
-# variant's step minus compute only's in the same round. On this CPU `no_sync`'s extra is one all-reduce, a few
-# milliseconds, of the order of a shared machine's step-to-step noise: its bar can even dip **below zero**. No
-# variant can be faster than computing without communicating; a negative value is noise, and its quartile bar,
-# reaching across zero, says so. The diamonds, the waits after backward, are the clean signal: over the emulated link
-# a sync cannot take less than the link's time, so `no_sync` waits for it once per step and syncing every
-# micro-batch $m$ times, however noisy the machine (the check below).
+# Same gradients (up to the order of float additions), a quarter of the bytes. The bars are each step minus compute
+# only's in the same round; `no_sync`'s extra on this CPU is one all-reduce, a few milliseconds, within the noise, so
+# its bar can dip **below zero** (noise: its quartile bar crosses zero). The diamonds, the waits after backward, are
+# the clean signal: over the emulated link `no_sync` waits for the link once per step, syncing every micro-batch $m$
+# times, however noisy the machine (the check below).
 
 # %%
 ns, se = aby["no_sync, emulated"], aby["sync every micro-batch, emulated"]
@@ -434,11 +415,9 @@ check(f"emulated: syncing every micro-batch waits {acc['k']}× as long as no_syn
 # gradient accumulation also raises the tokens per all-reduce, the $T$ of the rule of thumb.**
 #
 # ### (f) Scaling from 1 to 2 to 4 ranks
-# `picotron.train` with `--dp 1, 2, 4`, the same micro-batch per rank (so the global batch grows with dp: weak
-# scaling). `_common.launch` gives each rank `OMP_NUM_THREADS = cores // nproc` threads: on this 2-core machine
-# dp=1 runs 2 threads, dp=2 one thread per rank, and **dp=4 puts 4 single-threaded ranks on 2 cores: oversubscribed**.
-# So here the ideal is *flat* (the same two cores, however split); on a GPU node, where every rank brings its own
-# device, the ideal is dp × the single-device throughput.
+# `picotron.train` with `--dp 1, 2, 4`, the same micro-batch per rank (weak scaling). Each rank gets
+# `OMP_NUM_THREADS = cores // nproc` threads: on 2 cores dp=1 runs 2 threads, dp=2 one per rank, and **dp=4 puts 4
+# ranks on 2 cores: oversubscribed**. So here the ideal is *flat*; on a GPU node it is dp × one device's throughput.
 
 # %%
 for n in lesson.scaling_counts()[1:]:   # 2, 4; and 8 with PICOTRON_NPROC=8 (section 7)
@@ -453,14 +432,12 @@ if runs[2]["results"]["tokens_per_s"] > 1.5 * tps1:
 lesson.plot_scaling(runs); plt.show()
 
 # %% [markdown]
-# On two cores dp=2 does the same arithmetic as dp=1, split between two processes instead of two threads, plus the
-# all-reduce; dp=4 time-shares the two cores between four processes and gloo's threads. What this measures is the
-# *overhead* of data parallelism on fixed hardware (the ratios above); the speed-up comes when every rank has its own
-# GPU (`torchrun --nproc_per_node 8 -m picotron.train --dp 8`). If the line above says dp=1 ran far slower, other jobs
-# shared the cores: dp=1's two threads meet at every parallel operation and wait for whichever was descheduled
-# (the experiment lets waiting threads sleep, `OMP_WAIT_POLICY=PASSIVE`, which limits but does not remove this),
-# while single-threaded ranks do not — a busy machine's artefact, not a gain of data parallelism. **Takeaway: data parallelism multiplies devices, not
-# cores.**
+# On two cores dp=2 does dp=1's arithmetic in two processes instead of two threads, plus the all-reduce; dp=4
+# time-shares the cores among four processes and gloo's threads. This measures data parallelism's *overhead* on
+# fixed hardware; the speed-up comes when every rank has its own GPU (`torchrun --nproc_per_node 8 -m picotron.train
+# --dp 8`). If dp=1 ran far slower, other jobs shared the cores: its two threads wait for each other at every
+# parallel operation (`OMP_WAIT_POLICY=PASSIVE` limits this), single-threaded ranks do not; a busy machine's
+# artefact, not a gain. **Takeaway: data parallelism multiplies devices, not cores.**
 #
 # ### (g) Memory per rank: unchanged
 # Each rank's parameters, gradients, AdamW state and activations, as the trainer measured them — every rank of every
@@ -484,13 +461,11 @@ lesson.plot_memory(runs); plt.show()
 # process sees with micro-batch $b$ and `grad_acc` = dp, so with fp32 and the same seed the per-step losses must agree
 # within $10^{-5}$ relative **for the first 10 steps** — only the order of the float additions differs.
 #
-# After that the curves may slowly part, and nothing is wrong: with four ranks the all-reduce adds the partial
-# gradients in another order than one process does, AdamW divides each update by the element's own gradient scale
-# (so last-bit differences on near-zero gradients become visible steps), and every step feeds the next. dp=2 tends
-# to stay bit-equal: each average is one addition of two halves, and $x + y = y + x$. How far the drift gets varies
-# from run to run (the reference records runs that stayed below $10^{-5}$ and runs that reached $10^{-4}$ in 30
-# steps), so the steps after the window are checked against a looser bound, $10^{-3}$, which a real bug — a
-# micro-batch's gradient lost or counted twice — exceeds.
+# After that the curves may slowly part, and nothing is wrong: with four ranks the all-reduce adds in another order,
+# AdamW divides each update by the element's own gradient scale (so last-bit differences on near-zero gradients
+# become visible steps), and every step feeds the next. dp=2 tends to stay bit-equal: $x + y = y + x$. The drift
+# varies by run (the reference records runs below $10^{-5}$ and runs reaching $10^{-4}$ in 30 steps), so later steps
+# are held to $10^{-3}$, which a real bug (a micro-batch's gradient lost or counted twice) exceeds.
 
 # %%
 pairs = {f"dp={n} vs 1 process, grad_acc={n}": (runs[n]["results"]["loss"], one["references"][str(n)]) for n in list(runs)[1:]}
@@ -529,13 +504,12 @@ check("memory per rank does not depend on dp", same, f"params+grads+optimizer {s
 #
 # ## 6. Explore: a model of the timeline
 #
-# `lesson.model_timeline` is section 2's formula as code: backward spread over the gradient tensors in proportion to
-# their size, buckets closing at the chosen size, one all-reduce at a time. It starts from the emulated link of 4(c)
-# and that run's compute-only backward, where the model was checked. Questions to try: why does the exposed time
-# never drop below the last bucket's all-reduce? At which bucket size does latency stop mattering? Set this CPU's
-# fit instead (the α and bandwidth of section 2). Switch to SmolLM-1.7B with bf16 gradients, an H100's backward (~0.2
-# s) and NVLink (450 GB/s, ~20 µs): how small a bucket is still fine? Then divide the bandwidth by 10 (crossing
-# nodes). (Widgets need a live kernel; a static viewer shows the default only.)
+# `lesson.model_timeline` is section 2's formula as code (backward spread over the tensors by size, buckets closing
+# at the chosen size, one all-reduce at a time), starting from 4(c)'s link and backward. Why does the exposed time
+# never drop below the last bucket's all-reduce? At which bucket size does latency stop mattering? Try this CPU's
+# fit (section 2's α and bandwidth). Then SmolLM-1.7B, bf16 gradients, an H100's backward (~0.2 s) and NVLink
+# (450 GB/s, ~20 µs): how small a bucket is still fine? Then a tenth of the bandwidth (crossing nodes). (Widgets
+# need a live kernel.)
 
 # %%
 import torch
@@ -595,12 +569,12 @@ _node.show("03_data_parallel")
 #    bucket size that gives the shortest step on a given link. Before coding, guess: on 4(c)'s link, on a link with
 #    20 ms of latency per message, and on one with 0.1 ms, which size wins — tiny, middle or huge buckets?
 #
-# The checker runs exercises 1–3 on 2 and 3 real processes with a different batch on each rank and compares every
-# rank's gradients with the mean computed in one process; it names the rank and the parameter that are wrong and what
-# the error looks like, the ranks that hang and the line where they wait, and whether your all-reduces overlap
-# backward. For the puzzle it compares your numbers with the lesson's model (naming the usual slips: the ring factor,
-# the latency, the queue), then trains with your choice over an emulated link sized as in 4(c) and measures what it
-# leaves to wait for. Until you write them it reports `NotImplementedError: not written yet`.
+# The checker runs exercises 1–3 on 2 and 3 real processes, a different batch on each rank, and compares every rank's
+# gradients with the mean computed in one process; it names the wrong rank and parameter and what the error looks
+# like, the ranks that hang and where, and whether your all-reduces overlap backward. For the puzzle it compares
+# your numbers with the lesson's model (naming the usual slips: the ring factor, the latency, the queue), then trains
+# with your choice over a link sized as in 4(c) and measures what is left to wait for. Until you write them it
+# reports `NotImplementedError: not written yet`.
 
 # %%
 import check as checker   # this folder's check.py
@@ -618,18 +592,16 @@ all_passed = checker.check()
 # | communication | one all-reduce of the gradients per optimizer step: $2\frac{n-1}{n}\Psi q$ bytes sent, independent of the batch | hidden behind backward when tokens per rank ≳ $F/W$ and the link has hardware of its own; `no_sync` makes it independent of gradient accumulation |
 # | compute | none extra (the division by $n$; on CPUs the reduction itself) | — |
 #
-# **Use it** always, as the outermost dimension: it is the simplest parallelism, it needs no change to the model,
-# and its traffic (once per step, overlapped) tolerates the slowest links, so it is what crosses nodes.
-# **Its limits:** the model states and one micro-batch's activations must fit on each device; and the global batch
-# grows with $n$ — beyond the critical batch size more data parallelism stops helping the optimisation, whatever
-# the throughput. **Practical points:** buckets of a few to 25 MiB (exercise 4 computes the best for a link); keep
-# every parameter used in every step (or a bucket never fills — DDP's `find_unused_parameters`); average over
-# dp × cp, also when dp = 1.
+# **Use it** always, as the outermost dimension: the simplest parallelism, no change to the model, and its traffic
+# (once per step, overlapped) tolerates the slowest links, so it crosses nodes. **Its limits:** the model states and
+# one micro-batch's activations must fit on each device; the global batch grows with $n$, and beyond the critical
+# batch size more data parallelism stops helping the optimisation. **Practical points:** buckets of a few to 25 MiB
+# (exercise 4); every parameter used in every step (or a bucket never fills: DDP's `find_unused_parameters`);
+# average over dp × cp, also when dp = 1.
 #
-# **Next — lesson 04, ZeRO:** the memory bars of section 4(g) are $n$ identical copies. ZeRO-1 gives each rank $1/n$
-# of the optimizer state (replace the all-reduce by a reduce-scatter of the gradients, update your shard, all-gather
-# the parameters — the same $2\Psi$ of traffic), ZeRO-2 also shards the gradients, ZeRO-3 the parameters too, for
-# ≈ $3\Psi$.
+# **Next — lesson 04, ZeRO:** section 4(g)'s bars are $n$ identical copies. ZeRO-1 gives each rank $1/n$ of the
+# optimizer state (reduce-scatter the gradients, update your shard, all-gather the parameters: the same $2\Psi$),
+# ZeRO-2 also shards the gradients, ZeRO-3 the parameters too, for ≈ $3\Psi$.
 #
 # **Takeaway:** data parallelism multiplies throughput for one gradient all-reduce per step, hidden behind backward,
 # but saves no memory: every rank still holds all the model states.
