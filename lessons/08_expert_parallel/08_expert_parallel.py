@@ -51,6 +51,7 @@ def check(name, ok, detail):
     print(f"{'✓' if ok else '✗'} {name}: {detail}")
 
 st = lesson.settings(FAST)
+EP = _common.nproc("08_expert_parallel", 4)   # the main run's processes: 4, or 8 with PICOTRON_NPROC=8 (ep = 8)
 mc = lesson.model_config(st)
 print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model: '{st['preset']}', {mc.num_hidden_layers} "
       f"layers, h={mc.hidden_size}, {mc.num_local_experts} experts of h_ff={mc.intermediate_size}, top-"
@@ -264,15 +265,15 @@ _common.show_source(marks.sync_axis)
 # included, plus the counts ($8E$ bytes): `lesson.predicted_a2a_bytes`. The balanced formula is the expectation.
 
 # %%
-run("bytes,scaling,parity", nproc=4)
-byt = {W: _common.load_json(OUT / f"bytes_ep{W}.json")["results"] for W in (2, 4)}
+run("bytes,scaling,parity", nproc=EP)
+byt = {W: _common.load_json(OUT / f"bytes_ep{W}.json")["results"] for W in (2, EP)}
 for W, res in byt.items():
     for s in res["steps"]:
         sent = [sum(m.values()) * res["hidden"] * 4 for m in s["measured"]]
         print(f"ep={W} step {s['step']}: sent to other ranks per rank {[round(b / MiB, 3) for b in sent]} MiB; "
               f"balanced formula {res['formula'] / MiB:.3f} MiB; Recorder's all-to-all bytes "
               f"{[round(b / MiB, 3) for b in s['a2a']]} MiB")
-lesson.plot_bytes([byt[2], byt[4]]); plt.show()
+lesson.plot_bytes([byt[2], byt[EP]]); plt.show()
 
 # %%
 for W, res in byt.items():
@@ -324,7 +325,7 @@ for W, res in byt.items():
 # tensor; a rank holds the dense part and $E/ep$ of every layer's experts (`lesson.model_state_parts`).
 
 # %%
-sca = {W: _common.load_json(OUT / f"scaling_ep{W}.json")["results"] for W in (2, 4)}
+sca = {W: _common.load_json(OUT / f"scaling_ep{W}.json")["results"] for W in (2, EP)}
 for W, res in sca.items():
     for ep, r in res["rows"].items():
         m = r["mem"][0]
@@ -332,7 +333,7 @@ for W, res in sca.items():
               f"{m['params'] / MiB:.2f} + grads {m['grads'] / MiB:.2f} + AdamW {m['optimizer'] / MiB:.2f}), formula "
               f"{r['formula'] / MiB:6.2f}; {r['tokens_per_s']:6.0f} tokens/s (median step {1e3 * r['step_s']:.0f} ms, "
               f"range {1e3 * min(r['times']):.0f}-{1e3 * max(r['times']):.0f})")
-lesson.plot_scaling([sca[2], sca[4]]); plt.show()
+lesson.plot_scaling([sca[2], sca[EP]]); plt.show()
 
 # %%
 for W, res in sca.items():
@@ -381,7 +382,7 @@ for W, res in sca.items():
 
 # %%
 GRAD_TOL = 1e-4   # the gradient norm: a sum of squares over 1.4 M gradients, in another order under tp
-par_ = {W: _common.load_json(OUT / f"parity_ep{W}.json")["results"] for W in (2, 4)}
+par_ = {W: _common.load_json(OUT / f"parity_ep{W}.json")["results"] for W in (2, EP)}
 pairs, norms = {}, {}
 for W, res in par_.items():
     for label, losses in res["losses"].items():
@@ -641,7 +642,21 @@ checker.check(["two_part_exposed"])
 # **Takeaway:** split the routed rows in two after routing, and each part's all-to-all hides under the other's
 # experts; only the first dispatch and the last combine stay on the critical path.
 #
-# ## 11. Exercises
+# ## 11. On an 8-GPU node you should see
+#
+# On a node the all-to-alls run over NVLink, every GPU reaching every other directly, and each rank computes on a GPU
+# of its own. `PICOTRON_NPROC=8` runs sections 5-7 at ep = 8, tiny-moe given 8 experts (ep must divide them). The
+# planner predicts the GPU-size run (8 sequences of 256 tokens per rank): the bytes, their time, the memory.
+
+# %%
+import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node, and the command that measures them
+_node.show("08_expert_parallel")
+
+# %% [markdown]
+# **Takeaway:** at ep = 8 a rank sends 7/8 of its rows away, yet on NVLink their time is mostly the 7 steps' latency
+# per all-to-all; the experts' memory falls by 8.
+#
+# ## 12. Exercises
 # Open `lessons/08_expert_parallel/exercise.py`:
 #
 # 1. `top_k_route(logits, k)`: Mixtral's router (softmax in fp32, top-$k$, renormalise), against `moe.route` for
@@ -672,7 +687,7 @@ all_passed = checker.check()
 # **Takeaway:** the router is three lines; the dispatch is a stable sort; the balance loss is a dot product of a
 # count and a mean; the exchange needs the counts before the rows.
 #
-# ## 12. What it costs, when to use it, what comes next
+# ## 13. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|

@@ -594,7 +594,21 @@ check("the widget's default: Llama 3 70B on 256 GPUs, the same plan as section 5
 # **Takeaway:** the best layout is not fixed by the model alone: the GPU count, the memory per GPU and the sequence
 # length each move it, and the planner ranks every layout again for each (its default here is section 5's plan).
 #
-# ## 7. Exercises
+# ## 7. On an 8-GPU node you should see
+#
+# One node of 8 GPUs holds the 8-process layout (`PICOTRON_NPROC=8`: pp2·cp2·tp2); the 16-process one needs two
+# nodes. Inside the node every axis runs over NVLink, so the grid's order (tp fastest, on neighbours) matters only
+# across nodes. The planner predicts the run at GPU size ($s$ = 512): memory, each axis's communication, the bubble.
+
+# %%
+import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node, and the command that measures them
+_node.show("09_all_together")
+
+# %% [markdown]
+# **Takeaway:** the tiny model fits many times over; its step is latency (tp's all-reduces lead) and 1F1B's 20%
+# bubble at $m = 4$, not FLOPs.
+#
+# ## 8. Exercises
 # Open `lessons/09_all_together/exercise.py`:
 #
 # 1. `place(rank, sizes)` — a rank's coordinates on a 4-D grid and its four groups. The checker compares every rank
@@ -632,7 +646,7 @@ all_passed = checker.check()
 # **Takeaway:** a layout is four integers and a rank order; the arithmetic (who is where, how many micro-batches,
 # how much of the step idles) is what every plan starts from.
 #
-# ## 8. What it costs, what ours lacks, what comes next
+# ## 9. What it costs, what ours lacks, what comes next
 #
 # | axis | divides | costs | keep it |
 # |---|---|---|---|

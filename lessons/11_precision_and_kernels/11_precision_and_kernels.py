@@ -780,7 +780,21 @@ check("the widget's default = section 2's measurement", abs(default_view["zero"]
 # **Takeaway:** what a cast does to a tensor depends on where its values sit in the format's window, and a scale
 # $2^j$ moves them there: the loss scale for fp16's gradients, $f_{\max}/\text{amax}$ for FP8.
 #
-# ## 10. Exercises
+# ## 10. On an 8-GPU node you should see
+#
+# This lesson has no 8-rank mode: its measurements run in one process, and section 3's two-process run counts each
+# recipe's bytes, whose ratios do not depend on the ranks. What a GPU changes is the hardware: bf16 tensor cores (15× the H100's fp32 peak), FP8
+# (twice bf16's), HBM at 3.35 TB/s. The planner predicts one H100; FP8 is not in its time model.
+
+# %%
+import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node, and the command that measures them
+_node.show("11_precision_and_kernels")
+
+# %% [markdown]
+# **Takeaway:** on an H100 bf16 is an order of magnitude faster than fp32; tiled attention per query head sits below
+# the ridge (memory-bound), per KV head above it.
+#
+# ## 11. Exercises
 # Open `lessons/11_precision_and_kernels/exercise.py`:
 #
 # 1. `online_softmax_attention(q, k, v, block)`: attention over blocks of keys with a running max, a running sum
@@ -806,7 +820,7 @@ import check as checker   # this folder's check.py
 all_passed = checker.check()
 
 # %% [markdown]
-# ## 11. What it costs, when to use it, what comes next
+# ## 12. What it costs, when to use it, what comes next
 #
 # | | model states per parameter | what it buys | what it costs |
 # |---|---|---|---|
