@@ -25,7 +25,8 @@ Where the lessons run, one setting read here and nowhere else (see "Lessons on a
     PICOTRON_DEVICE   auto (default) | cpu | cuda. auto: cuda when torch sees a GPU, else cpu. launch() hands the
                       choice to every process it starts: cuda + nccl with one GPU per process, or cpu + gloo.
     PICOTRON_NPROC    the processes of a lesson's main run where the lesson lets you choose (LESSONS[..]["choose"]:
-                      lesson 09's layout, 16 or 8); unset, each lesson runs its own counts (LESSONS), everywhere.
+                      8, one node's layout, in lessons 02-10; 16 or 8 in 09); unset, each lesson runs its own counts
+                      (LESSONS), everywhere. What 8 GPUs should show: lessons/_node.py.
     device(), gpu_count(), on_gpu()    the choice; gpu_count() calls no torch.cuda function but is_available() on a CPU
     nproc(lesson, default)             PICOTRON_NPROC, or the lesson's default
     sized(lesson, settings, fast)      a lesson's CPU settings with its GPU_SETTINGS row on top when on GPUs
