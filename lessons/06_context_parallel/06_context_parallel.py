@@ -52,6 +52,7 @@ def run(only, nproc=2, hide=()):
 check = _common.check   # prints ✓ or ✗ (or ?, only for a timing check on a machine measured busy) and counts it
 
 st = lesson.settings(FAST)
+C = _common.nproc("06_context_parallel", 4)   # the main runs' processes: 4, or 8 with PICOTRON_NPROC=8 (cp = 8)
 mc = lesson.model_config(st)
 print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model: the lessons' '{st['size']}' one, "
       f"{mc.num_hidden_layers} layers, {mc.num_params() / 1e6:.2f} M parameters, h={mc.hidden_size}, "
@@ -330,8 +331,8 @@ _common.show_source(cpm.bytes_per_step_formula, "block = ")
 
 # %%
 run("balance,train,parity", nproc=2)   # this section's runs and the next one's (section 5: parity)
-run("balance,train,parity", nproc=4)
-bal = {c: _common.load_json(OUT / f"balance_cp{c}.json")["results"] for c in (2, 4)}
+run("balance,train,parity", nproc=C)
+bal = {c: _common.load_json(OUT / f"balance_cp{c}.json")["results"] for c in (2, C)}
 for c, res in bal.items():
     print(f"cp={c}: a whole block {1e3 * res['t_all']:.1f} ms, a causal one {1e3 * res['t_causal']:.1f} ms (CPU, "
           f"forward + backward)")
@@ -339,7 +340,7 @@ for c, res in bal.items():
         print(f"  {layout:<11} per rank {[round(1e3 * x) for x in r['per_rank']['cpu']]} ms: max/min {r['ratio']:.2f}; "
               f"predicted {r['predicted_costs']:.2f} (blocks {r['predicted']:.2f}, with causal = 1/2 "
               f"{r['predicted_ideal']:.2f}); a call takes {1e3 * max(r['per_rank']['call']):.0f} ms (median)")
-lesson.plot_balance([bal[2], bal[4]]); plt.show()
+lesson.plot_balance([bal[2], bal[C]]); plt.show()
 
 # %%
 for c, res in bal.items():
@@ -417,7 +418,7 @@ check("cp=2, zig-zag: the K/V transfers hide under the compute", hidden <= 0.25 
 # backward's reduce-scatter.
 
 # %%
-trn = {c: _common.load_json(OUT / f"train_cp{c}.json")["results"] for c in (2, 4)}
+trn = {c: _common.load_json(OUT / f"train_cp{c}.json")["results"] for c in (2, C)}
 for c, res in trn.items():
     block = res["rows"]["ring, zigzag"]["formula_parts"]["block"]
     print(f"cp={c}, s={res['s']}, b={res['b']}, a_kv={res['kv_heads']}, d={res['head_dim']}, {res['layers']} layers: one "
@@ -452,7 +453,7 @@ for c, res in trn.items():
     print(f"cp={c} ({c} processes), s={res['s']}: " + "; ".join(
         f"{name} {r['tokens_per_s']:.0f} tokens/s (median {1e3 * r['step_s']:.0f} ms, steps {1e3 * min(r['times']):.0f}-"
         f"{1e3 * max(r['times']):.0f} ms)" for name, r in res["rows"].items()))
-lesson.plot_throughput([trn[2], trn[4]]); plt.show()
+lesson.plot_throughput([trn[2], trn[C]]); plt.show()
 
 # %% [markdown]
 # How to read it. Step times on this shared 2-core machine vary by tens of percent from one step to the next (the
@@ -488,7 +489,7 @@ lesson.plot_throughput([trn[2], trn[4]]); plt.show()
 # averages over dp only would do at dp = 1 (`lesson.not_averaged_over_cp`: no sync at all).
 
 # %%
-par = {c: _common.load_json(OUT / f"parity_cp{c}.json")["results"] for c in (2, 4)}
+par = {c: _common.load_json(OUT / f"parity_cp{c}.json")["results"] for c in (2, C)}
 pairs, spread = {}, {}
 for c, res in par.items():
     for label, losses in res["losses"].items():
@@ -588,8 +589,8 @@ _common.interactive(draw, lambda w: dict(cp=w.IntSlider(value=4, min=1, max=8, d
 # buffer on the cp axis (`lesson.SentBytes`), and `metrics.ActivationCounter` the bytes one forward keeps.
 
 # %%
-run("ulysses", nproc=4, hide=("cp=",))   # cp = 2 (x dp = 2) and cp = 4 on the same 4 processes; rows printed below
-uly = _common.load_json(OUT / "ulysses_cp4.json")["results"]["runs"]
+run("ulysses", nproc=C, hide=("cp=",))   # cp = 2 (x dp = 2) and cp = 4 on the same 4 processes (and 8 on 8); rows below
+uly = _common.load_json(OUT / f"ulysses_cp{C}.json")["results"]["runs"]
 for res in uly:
     print(f"cp={res['cp']} x dp={res['dp']}, s={res['s']} ({res['s'] // res['cp']} tokens per rank), b={res['b']}, "
           f"a={res['heads']}, "
@@ -641,7 +642,21 @@ check("same tokens per rank, cp 2 -> 4: the ring's bytes per rank grow by (3·4-
 # **Takeaway:** Ulysses swaps "every head, some tokens" for "some heads, every token" with an all-to-all; its bytes
 # per rank stay flat as $c$ grows with the sequence, and $c$ can be no larger than the heads.
 #
-# ## 8. Exercises
+# ## 8. On an 8-GPU node you should see
+#
+# On a node each rank has a GPU of its own, and K/V blocks travel over NVLink (about 450 GB/s a direction) instead of
+# through shared memory. `PICOTRON_NPROC=8` runs sections 4, 5 and 7 at $c = 8$. The planner predicts, for the train run
+# at GPU size ($s$ = 4,096): the ring hidden under the attention, Ulysses' all-to-alls exposed, zig-zag exactly balanced.
+
+# %%
+import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node, and the command that measures them
+_node.show("06_context_parallel")
+
+# %% [markdown]
+# **Takeaway:** over NVLink at $s$ = 4,096 the ring costs bytes, not time; Ulysses pays its all-to-alls in full. A
+# model this small spends much of a GPU step launching kernels, which the planner does not count: its times are floors.
+#
+# ## 9. Exercises
 # Open `lessons/06_context_parallel/exercise.py`:
 #
 # 1. `merge(out, lse, out_b, lse_b)` — the log-sum-exp merge. The checker compares it with softmax attention over
@@ -674,7 +689,7 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 # **Takeaway:** the merge is two weights that sum to 1; the layout is an index map; a ring step is "whose K/V do I
 # hold, and which of its chunks can my queries see".
 #
-# ## 9. What it costs, when to use it, what comes next
+# ## 10. What it costs, when to use it, what comes next
 #
 # | | per rank | communication | use it when |
 # |---|---|---|---|
