@@ -62,6 +62,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # What each lesson launches (its notebook's torchrun process counts, the same on CPU and GPUs: they are part of the
 # lesson) and, where the count is the learner's choice, what PICOTRON_NPROC picks (docs/gpu_pods.md: "Lessons on a GPU pod").
 LESSONS = {
+    "00_gpu_primer": dict(nproc=(1, 2)),
     "01_single_device": dict(nproc=(1,)),
     "02_collectives": dict(nproc=(2, 3, 4, 8), choose={4: "4 ranks", 8: "8 ranks"}),
     "03_data_parallel": dict(nproc=(1, 2, 4, 8), choose={4: "dp4", 8: "dp8"}),
@@ -79,6 +80,11 @@ LESSONS = {
 # experiments grow (a CPU-sized step is all launch latency on a GPU); the experiments that count bytes or compare
 # losses keep their CPU sizes (what they check does not depend on size). A row's "fast" entries apply in FAST mode.
 GPU_SETTINGS = {
+    "00_gpu_primer": dict(  # bf16 matmuls up to 8192 (the tensor cores), working sets past the 50 MB L2, a larger step
+        dtype="bf16", mm_sizes=(256, 512, 1024, 2048, 4096, 8192), big_mib=1024, tile_rows=4096,
+        sweep_bytes=[64 * 2**10 * 2**k for k in range(16)], launch_n=4096, launch_count=50, trace_seq_len=512,
+        trace_micro_batch_size=8, overlap_n=8192, overlap_reps=20, overlap_mib=512, overlap_dtype="bf16",
+        fast=dict(mm_sizes=(512, 2048, 8192), sweep_bytes=[64 * 2**10 * 4**k for k in range(8)])),
     "01_single_device": dict(  # throughput in bf16 at s = 1024, and the SmolLM models on top of the lessons' three
         throughput_sizes=("tiny", "small", "medium", "smollm-135m", "smollm-360m"), throughput_seq_len=1024,
         throughput_micro_batch_size=16, throughput_steps=20, throughput_dtype="bf16",
