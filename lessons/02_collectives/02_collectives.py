@@ -7,18 +7,16 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 02 — Collectives: all-reduce and friends, built from send and receive
 #
-# Every parallel strategy in this course is, underneath, a pattern of a handful of **collective** operations:
-# data parallelism all-reduces gradients, ZeRO reduce-scatters gradients and all-gathers parameters, tensor
-# parallelism all-reduces activations, expert parallelism all-to-alls tokens. `picotron/collectives.py` writes
-# all of them with nothing but point-to-point `send`/`recv`, with exactly `torch.distributed`'s arguments. This
-# lesson
+# Every parallel strategy in this course is a pattern of a few **collective** operations: data parallelism
+# all-reduces gradients, ZeRO reduce-scatters gradients and all-gathers parameters, tensor parallelism all-reduces
+# activations, expert parallelism all-to-alls tokens. `picotron/collectives.py` writes all of them with nothing but
+# point-to-point `send`/`recv`, with `torch.distributed`'s arguments. This lesson
 #
-# * draws what each collective does, from what our code actually produced on 4 processes;
-# * takes the **ring all-reduce** apart: step by step, in a dozen lines, then picotron's pipelined version and
-#   what its extra code buys;
+# * draws what each collective does, from what our code produced on 4 processes;
+# * takes the **ring all-reduce** apart: step by step, in a dozen lines, then picotron's pipelined version;
 # * measures every collective against the built-in (`gloo` here, `nccl` on GPUs), fits the **α–β model**
 #   $T = \alpha + \beta M$, and asks when a **tree** beats the ring (a puzzle for you);
-# * says what NCCL does on a real GPU node, and checks every claim it can.
+# * says what NCCL does on a real GPU node.
 #
 # The measurements live in `experiment.py` (launched with `torchrun`); `PICOTRON_FAST=1` runs short settings.
 
@@ -40,11 +38,10 @@ print(f"FAST={FAST}, {NPROC} processes, results in {OUT.relative_to(_common.ROOT
 # %% [markdown]
 # ## 1. The problem: n copies of a gradient must become one sum, everywhere
 #
-# Data parallelism runs the same model on $n$ devices (symbols: the course's
-# [notation](../../docs/reference.md#notation)); after the backward pass every device holds its own gradient
-# and every device needs their **sum** (the all-reduce). If every device has one link of bandwidth $B$ each way,
-# how long does it take — counting only the bytes, in units of $M/B$, the time to push the whole gradient
-# through one link once?
+# Data parallelism runs the same model on $n$ devices ([notation](../../docs/reference.md#notation)); after
+# backward each holds its own gradient and each needs their **sum** (the all-reduce). With one link of bandwidth
+# $B$ each way per device, how long does it take, counting only bytes, in units of $M/B$ (the whole gradient
+# through one link once)?
 #
 # * **star**: everybody sends to one rank, which adds and sends the sum back: $2(n-1)$ units at that rank.
 # * **binomial tree**: reduce up a tree in $\lceil\log_2 n\rceil$ rounds, broadcast down in as many, each round
@@ -65,18 +62,17 @@ lesson.plot_panels([dict(title="all-reduce: the bandwidth term", ylabel="time in
 plt.show()
 
 # %% [markdown]
-# The star's root drowns linearly in $n$ and the tree grows with $\log n$, while the ring stays flat: each link
-# carries a little under $2M$ each way whether 8 or 4096 devices share the work. Latency is the other half of the
-# story (section 6): the ring needs $2(n-1)$ steps one after the other, the tree only $2\lceil\log_2 n\rceil$.
+# The star's root grows linearly in $n$, the tree with $\log n$; the ring stays flat: each link carries a little
+# under $2M$ each way, on 8 or 4096 devices. Latency is the other half (section 6): the ring needs $2(n-1)$
+# sequential steps, the tree only $2\lceil\log_2 n\rceil$.
 #
-# **Takeaway:** only the ring's bandwidth term does not grow with $n$ — about $2M/B$ on any number of devices.
+# **Takeaway:** only the ring's bandwidth term does not grow with $n$: about $2M/B$ on any number of devices.
 #
 # ## 2. Eight collectives, drawn from a real run
-# The run below starts 4 processes with `torchrun`; each rank's tensor holds **encoded chunks** (rank $r$'s chunk
-# $j$ stores $2^r + 256j$, so any sum decodes back to *which ranks' which chunk* it contains). Each picture is what
-# **our** implementation produced — and, checked in the same run, exactly what the built-in produced. Colours are
-# ranks (a = rank 0, b = rank 1, …), the subscript is the chunk, stripes are sums. The first four only **move**
-# data, from one rank to all or from all to one:
+# 4 processes under `torchrun`; each rank's tensor holds **encoded chunks** (rank $r$'s chunk $j$ stores
+# $2^r + 256j$, so any sum decodes to *which ranks' which chunk* it contains). Each picture is what **our** code
+# produced, checked in the same run against the built-in. Colours are ranks (a = rank 0, …), the subscript the
+# chunk, stripes sums. The first four only **move** data, from one rank to all or all to one:
 
 # %%
 _common.launch("02_collectives/experiment.py", ["--out", OUT, "--only", "correctness,trace"], nproc=NPROC)
@@ -94,17 +90,15 @@ lesson.plot_collectives(pics, ["all_to_all", "reduce", "all_reduce", "reduce_sca
 print("ours == built-in on these pictures:", {name: p["equal_builtin"] for name, p in pics.items()})
 
 # %% [markdown]
-# Two identities to keep in mind for the rest of the course:
+# Two identities for the rest of the course:
 #
 # * **all-reduce = reduce-scatter + all-gather.** After a reduce-scatter rank $r$ holds the finished chunk $r$; an
-#   all-gather hands every finished chunk to everybody. ZeRO (lesson 04) stops half-way and all-gathers only when
-#   the full tensor is needed.
-# * **all-to-all is a transpose** of the (rank × chunk) grid: the pattern of expert parallelism.
+#   all-gather hands every chunk to everybody. ZeRO (lesson 04) stops half-way and all-gathers only when needed.
+# * **all-to-all is a transpose** of the (rank × chunk) grid: expert parallelism's pattern.
 #
-# What each one costs, with $n$ ranks, $M$ bytes in the nccl-tests convention (the whole buffer of all-reduce and
-# broadcast, the whole **output** of all-gather and gather, the whole **input** of reduce-scatter, scatter and
-# all-to-all), $\alpha$ the latency of one message and $\beta$ the time per byte of one link (sources in the
-# [reference](../../docs/reference.md#collectives-and-their-cost)):
+# Costs with $n$ ranks, $M$ bytes in the nccl-tests convention (all-reduce and broadcast: the buffer; all-gather
+# and gather: the **output**; reduce-scatter, scatter, all-to-all: the **input**), $\alpha$ one message's latency,
+# $\beta$ one link's time per byte ([reference](../../docs/reference.md#collectives-and-their-cost)):
 #
 # | collective | our algorithm | steps | bytes sent by each rank (busiest) | α–β time |
 # |---|---|---|---|---|
@@ -117,15 +111,15 @@ print("ours == built-in on these pictures:", {name: p["equal_builtin"] for name,
 # | naive all-reduce | tree reduce + tree broadcast | $2\lceil\log_2 n\rceil$ | $\lceil\log_2 n\rceil M$ (the root; it receives as much) | $2\lceil\log_2 n\rceil(\alpha + M\beta)$ |
 # | barrier | dissemination | $\lceil\log_2 n\rceil$ | 1 byte per step | $\lceil\log_2 n\rceil\alpha$ |
 #
-# **Takeaway:** eight operations, two families — the movers and the reducers — and every one of ours equals the
-# built-in on these pictures (the check above; section 8 checks far more inputs).
+# **Takeaway:** eight operations, two families (movers and reducers), and every one of ours equals the built-in
+# (section 8 checks far more inputs).
 #
 # ## 3. The ring all-reduce, step by step
-# Cut the tensor into $n$ chunks. Every rank sends only to its right neighbour and receives only from its left one.
+# Cut the tensor into $n$ chunks; every rank sends only to its right neighbour and receives from its left.
 # **Reduce-scatter** ($n-1$ steps): in step $j$ rank $r$ sends its running sum of chunk $(r-j-1) \bmod n$ and
-# *adds* the chunk $(r-j-2) \bmod n$ it receives; after $n-1$ steps rank $r$ owns the finished chunk $r$. The
-# trace below was **recorded** from `picotron.collectives.all_reduce` on 4 processes (every message intercepted,
-# with its data), not drawn by hand; a black border marks the chunk a rank received in that step.
+# *adds* the chunk $(r-j-2) \bmod n$ it receives; at the end rank $r$ owns the finished chunk $r$. The trace below
+# was **recorded** from `picotron.collectives.all_reduce` on 4 processes (every message intercepted); a black
+# border marks the chunk received in that step.
 
 # %%
 ring = trace["ring"]
@@ -142,10 +136,9 @@ print(f"recorded: {len(ring['frames']) - 1} steps = 2(n-1) for n = {n}; replayin
       f"all_reduce's own result: {ring['consistent']}")
 
 # %% [markdown]
-# One step at a time, with numbers: read rank $r$'s chunk $j$ as $10(r+1)+j$ (rank 0: 10 11 12 13, rank 1: 20 21
-# 22 23, …), so each recorded message and buffer shows the sum of the chunks it holds; the full sum of chunk $j$
-# is $100 + 4j$. Move the slider in a live kernel; a static viewer shows step 3, the last reduce-scatter step,
-# where every rank completes its own chunk.
+# One step at a time, with numbers: rank $r$'s chunk $j$ is $10(r+1)+j$ (rank 0: 10 11 12 13, rank 1: 20 21 22 23,
+# …); the full sum of chunk $j$ is $100 + 4j$. Move the slider in a live kernel; a static viewer shows step 3, the
+# last reduce-scatter step, where every rank completes its own chunk.
 
 # %%
 def show_step(step=3):
@@ -156,13 +149,11 @@ _common.interactive(show_step, lambda w: dict(step=w.IntSlider(value=3, min=0, m
 
 # %% [markdown]
 # ### Why the ring is bandwidth-optimal
-# Follow one element. In the end each of the $n$ ranks must hold a value that depends on all $n$ inputs, and every
-# message carries what its sender knows so far, one way. Bringing all contributions together somewhere takes
-# $n-1$ messages, spreading the result $n-1$ more: $2(n-1)$ in all (the *one-way gossip problem*; no schedule does
-# it with fewer). So for $M$ bytes the ranks together send at least $2(n-1)M$ bytes, and the busiest rank at least
-# the average, $2\frac{n-1}{n}M$. The ring hits that bound **on every rank at once** (Patarasuk & Yuan 2009 prove
-# the bound for all-reduce on a cluster). The recording counted the bytes each rank sent in every one of our
-# collectives:
+# Follow one element: each rank must end with a value depending on all $n$ inputs, and a message carries what its
+# sender knows so far. Gathering all contributions somewhere takes $n-1$ messages, spreading the result $n-1$
+# more: $2(n-1)$ (the *one-way gossip problem*; no schedule does fewer). So the ranks send at least $2(n-1)M$ bytes
+# together, the busiest at least $2\frac{n-1}{n}M$, and the ring hits that bound **on every rank at once**
+# (Patarasuk & Yuan 2009 prove it for all-reduce on a cluster). The bytes each rank sent in each of our collectives:
 
 # %%
 vol = trace["volume"]
@@ -177,18 +168,17 @@ print(f"\nring all-reduce: every rank sent {vol['all_reduce']['sent'][0]:,} B = 
 # **Takeaway:** $2(n-1)$ steps of one chunk each; every rank sends exactly the lower bound, $2\frac{n-1}{n}M$.
 #
 # ## 4. The ring in a dozen lines, then picotron's
-# Here is the whole algorithm with nothing else, from this lesson's `experiment.py`. Reduce-scatter and all-gather
-# use the same indices; only *add* becomes *copy*. Each step posts its send and its receive **before** waiting for
-# either: with a blocking `send` first on every rank, each could sit in its send while its neighbour sits in its
-# own, nobody receiving (whether it does depends on message size and backend — a bug that shows only sometimes).
+# The whole algorithm, from this lesson's `experiment.py`. Reduce-scatter and all-gather use the same indices; *add*
+# becomes *copy*. Each step posts its send and receive **before** waiting for either: with a blocking `send` first
+# on every rank, all could sit in their sends, nobody receiving (depending on message size and backend: a bug that
+# shows only sometimes).
 
 # %%
 _common.show_source(lesson.simple_ring_all_reduce)
 
 # %% [markdown]
-# Run it on 2, 3 and 4 processes, on integers (of length $n$, and of lengths $n$ does not divide) against the
-# built-in `all_reduce`; the recorder counts the bytes it sends. The 4-process run also times it (the figure after
-# picotron's code, below).
+# On 2, 3 and 4 processes, on integers (lengths $n$ divides and does not) against the built-in `all_reduce`, bytes
+# counted; the 4-process run also times it (figure below).
 
 # %%
 runs = {}
@@ -205,12 +195,11 @@ for k, r in runs.items():
 # Same result, same bytes. picotron's `all_reduce` runs the same two lists of steps (`_rs_steps`, `_ag_steps`)
 # through `_ring`, which adds three things:
 #
-# 1. **pipelining**: every chunk is cut into pieces of `PIECE_BYTES` that travel on their own — a piece of step
-#    $j+1$ leaves as soon as the same piece of step $j$ has arrived and been added, while the other pieces of step $j$
-#    are still in flight, so adding one piece overlaps receiving the next (what NCCL does with its slices);
-# 2. **one batch per exchange**: the send and the receive of (step, piece) are posted together as one
-#    `batch_isend_irecv` (`picotron/p2p.py`), in the same order on every rank — what NCCL needs (section 7 shows
-#    why, and what happens to the dozen-line version there);
+# 1. **pipelining**: chunks are cut into pieces of `PIECE_BYTES` that travel on their own; a piece of step $j+1$
+#    leaves once the same piece of step $j$ has arrived and been added, so adding one piece overlaps receiving the
+#    next (NCCL's slices);
+# 2. **one batch per exchange**: the send and receive of (step, piece) are posted as one `batch_isend_irecv`
+#    (`picotron/p2p.py`), in the same order on every rank, as NCCL needs (section 7);
 # 3. scratch buffers kept between calls (fresh memory costs a page fault per 4 KiB on the CPU).
 
 # %%
@@ -220,13 +209,11 @@ _common.show_source(C.all_reduce)
 _common.show_source(C._ring)
 
 # %% [markdown]
-# What to expect from them here. Pipelining can hide the additions behind the transfers — at best all $n-1$ chunk
-# additions of the reduce-scatter (the dashed line below, from the measured time of one addition) — and only
-# where something sits idle to overlap with. On this CPU the same cores that add also move the bytes (gloo copies
-# through the kernel's sockets), an addition is cheap next to a transfer, and chunks below `PIECE_BYTES` are not
-# cut at all: with $n = 4$ nothing changes up to $4\times$`PIECE_BYTES`. At small sizes, where a step is mostly
-# fixed costs, `_ring`'s longer Python per step (and a batch's bookkeeping) can cost more than pipelining saves. The simple ring is timed with a receive buffer it keeps
-# between calls, as picotron does, so the comparison is of the schedule (and the code that runs it) alone.
+# Pipelining can hide at best the reduce-scatter's $n-1$ chunk additions behind the transfers (the dashed line,
+# from one addition's measured time), and only where something sits idle. On this CPU the cores that add also move
+# the bytes, an addition is cheap next to a transfer, and chunks below `PIECE_BYTES` are not cut: at $n = 4$ nothing
+# changes up to $4\times$`PIECE_BYTES`. At small sizes `_ring`'s longer Python per step can cost more than
+# pipelining saves. The simple ring keeps its receive buffer between calls too, so only the schedule is compared.
 
 # %%
 lesson.plot_ring_variants(rv); plt.show()
@@ -245,9 +232,8 @@ print(f"(times in ms) pipelining cuts chunks only above n × PIECE_BYTES = {n * 
                                          for j in piped) or "No size measured here is that large."))
 
 # %% [markdown]
-# **Takeaway:** the ring itself is a dozen lines; the rest of `_ring` is scheduling. Pipelining pays where a step
-# is long and the hardware can overlap (a GPU's links move bytes while its SMs add); on
-# this CPU the last two columns above say what each bought, size by size.
+# **Takeaway:** the ring itself is a dozen lines; the rest of `_ring` is scheduling, which pays where a step is long
+# and the hardware overlaps (a GPU's links move bytes while its SMs add); the last two columns say what each bought.
 #
 # ### The binomial tree
 # Broadcast (and reduce, run backwards): relative to the root, a rank's parent is itself minus its lowest set bit,
@@ -263,14 +249,14 @@ _common.show_source(C.broadcast)
 # once per round.
 #
 # ## 5. Bandwidth against the built-in
-# The benchmark runs every collective, ours and `torch.distributed`'s, on the same buffers over message sizes,
-# alternating the two inside every repeat so that a disturbance hits both. A repeat's time is the slowest rank's
-# (after a barrier); we keep the median. Then, as nccl-tests reports it:
+# Every collective, ours and `torch.distributed`'s, on the same buffers over message sizes, alternating inside every
+# repeat so a disturbance hits both; a repeat's time is the slowest rank's (after a barrier), and we keep the median.
+# As nccl-tests reports it:
 #
 # $$\text{algbw} = \frac{M}{T}, \qquad \text{busbw} = \text{algbw}\cdot f(n),\quad f = \tfrac{2(n-1)}{n}\ \text{(all-reduce)},\ \tfrac{n-1}{n}\ \text{(all-gather, reduce-scatter, all-to-all, gather, scatter)},\ 1\ \text{(broadcast, reduce)}.$$
 #
-# busbw is the speed of the busiest link under the ring's traffic pattern, which makes numbers of different
-# collectives (and different $n$) comparable with each other and with the hardware's link speed.
+# busbw is the busiest link's speed under the ring's traffic, comparable across collectives, $n$ and the hardware's
+# link speed.
 
 # %%
 _common.launch("02_collectives/experiment.py", ["--out", OUT, "--only", "bandwidth"], nproc=NPROC, quiet=True)
@@ -294,13 +280,11 @@ print(f"\nmeasured: ring all-reduce busbw at {at // MiB} MiB on {bw['world_size'
 lesson.plot_ratio(bw); plt.show()
 
 # %% [markdown]
-# The curves, four collectives at a time: points are measurements, dashed lines the α–β model
-# $T = \alpha + \beta M$ fitted to them (least squares on the relative error, so small and large messages count
-# alike; the fitted α and 1/β are in the table above), drawn as the bus bandwidth it predicts,
-# $f(n)\,M/(\alpha+\beta M)$. The model's curve is flat near zero while $\alpha$ dominates, rises through
-# $M \approx \alpha/\beta$ and levels off at $f(n)/\beta$; the largest sizes measured here may not reach that
-# plateau. The tensor forms (`all_gather_into_tensor`, `reduce_scatter_tensor`) run the same rings as the list
-# forms: they are in the table and the bar chart.
+# Points are measurements, dashed lines the fitted α–β model (least squares on the relative error; α and 1/β in
+# the table above) as the bus bandwidth it predicts, $f(n)\,M/(\alpha+\beta M)$: flat near zero while $\alpha$
+# dominates, rising through $M \approx \alpha/\beta$, levelling at $f(n)/\beta$ (perhaps beyond the largest sizes
+# here). The tensor forms (`all_gather_into_tensor`, `reduce_scatter_tensor`) run the same rings as the list forms:
+# in the table and the bar chart.
 
 # %%
 lesson.plot_bandwidth(bw, ["all_reduce", "reduce_scatter", "all_gather", "all_to_all"]); plt.show()
@@ -309,12 +293,10 @@ lesson.plot_bandwidth(bw, ["all_reduce", "reduce_scatter", "all_gather", "all_to
 lesson.plot_bandwidth(bw, ["broadcast", "reduce", "gather", "scatter"]); plt.show()
 
 # %% [markdown]
-# Reading the CPU numbers: the "links" here are loopback TCP sockets, and the "reduction engine" is the same two
-# CPU cores that run all four processes, the kernel's socket copies and gloo's threads. So $\alpha$ is large (each
-# step needs the peer process to be *scheduled*, not just a wire to carry a packet) and $1/\beta$ is a memory-copy
-# rate, not a network's. The comparison between ours and the built-in is fair — same processes, same buffers, same
-# moment — but the absolute numbers say nothing about a GPU node: run this notebook on one and the same code
-# measures NCCL.
+# On this CPU the "links" are loopback TCP sockets, and the two cores run all four processes, the socket copies and
+# gloo's threads. So $\alpha$ is large (each step needs the peer process *scheduled*) and $1/\beta$ is a memory-copy
+# rate. Ours against the built-in is fair (same processes, buffers, moment), but the absolute numbers say nothing
+# about a GPU node, where the same code measures NCCL.
 #
 # **Takeaway:** every collective follows $T = \alpha + \beta M$ roughly; on a CPU, α is scheduling and 1/β a
 # memory-copy rate, so compare ours with the built-in, not with a GPU.
@@ -340,12 +322,11 @@ print(f"measured: the tree is faster than our ring at {len(ring_r['bytes']) - le
 # Below $M^*$ the tree wins. With 4 ranks the latency gap is small (6 steps against 4); with 512 it is 1022 against
 # 18, and the tree wins up to much larger messages.
 #
-# Compare $M^*$ for 4 ranks with the sizes above where the ring won: on this CPU they need not agree. The model gives every rank a link of its own; here four processes share two
-# cores and one memory bus, so what costs is the total of bytes copied — and both all-reduces copy the same total,
-# $2(n-1)M$ (the ring spreads it evenly over the ranks, the tree does not). And a tree hop needs two processes
-# scheduled, a ring step all of them (the cell's last line compares the two fits' α). So expect the measured tree
-# to keep up with the ring to larger sizes than the model says. (Our tree cuts messages above `PIECE_BYTES` into pieces, the
-# model's does not: above that size measurement and model can part.)
+# On this CPU $M^*$ for 4 ranks need not match where the ring won above. The model gives every rank its own link;
+# here four processes share two cores and one memory bus, so what costs is the total of bytes copied, the same
+# $2(n-1)M$ for both (the ring spreads it evenly, the tree does not). And a tree hop needs two processes scheduled,
+# a ring step all of them (the last line compares the fits' α). So expect the tree to keep up to larger sizes than
+# the model says. (Our tree cuts messages above `PIECE_BYTES` into pieces, the model's does not.)
 
 # %%
 n = bw["world_size"]
@@ -362,17 +343,16 @@ print(f"the tree's own fit: α = {tree_hop * 1e6:.0f} µs per hop, against {a * 
 lesson.plot_model((4, 8, 64, 512), a, b); plt.show()
 
 # %% [markdown]
-# A real library does not choose once and for all: it picks per call, by size and topology. A binomial tree's
-# root sends the whole message once per round, so its bandwidth term stays $\lceil\log_2 n\rceil M\beta$ however
-# it is pipelined; NCCL's *double binary tree* fixes that with two binary trees that each carry half the data,
-# every rank an inner node in at most one of them, so that no link carries much more than $M$ — a bandwidth term
-# near the ring's with a logarithmic latency.
+# A real library picks per call, by size and topology. A binomial tree's root sends the whole message once per
+# round, so its bandwidth term stays $\lceil\log_2 n\rceil M\beta$ however pipelined; NCCL's *double binary tree*
+# uses two binary trees each carrying half the data, every rank an inner node in at most one, so no link carries
+# much more than $M$: a bandwidth term near the ring's with a logarithmic latency.
 #
 # ### Puzzle (exercise 4)
-# With the α and β just measured on this machine, before computing anything: (a) 4 ranks all-reduce 64 KiB —
-# ring or tree, and by how much? (b) 64 ranks and 16 MiB? (c) 1024 ranks and 1 MiB? Then write `allreduce_time`
-# and `ring_or_tree` in `exercise.py`; this cell prints your function's answers (rerun it after editing), and
-# the checker (section 11) tests them against the model and against a real run of both algorithms.
+# With this machine's α and β, before computing anything: (a) 4 ranks all-reduce 64 KiB: ring or tree, and by how
+# much? (b) 64 ranks and 16 MiB? (c) 1024 ranks and 1 MiB? Then write `allreduce_time` and `ring_or_tree` in
+# `exercise.py`; this cell prints your answers (rerun it after editing), and the checker (section 11) tests them
+# against the model and a real run of both algorithms.
 
 # %%
 mine = checker.load(checker.LEARNER, "ex02")   # exercise.py, freshly imported
@@ -384,63 +364,57 @@ except NotImplementedError:
     print("exercise.py's ring_or_tree is not written yet: write it, then rerun this cell")
 
 # %% [markdown]
-# **Takeaway:** in the model, below $M^*$ latency rules and the tree wins, above it bandwidth rules and the ring
-# wins, and $M^*$ grows with $n$. The model assumes a link per rank, which this CPU does not have; the puzzle's
-# checker tests it where each message does cost $\alpha$ plus $\beta$ per byte (an emulated link).
+# **Takeaway:** in the model, below $M^*$ latency rules and the tree wins, above it the ring, and $M^*$ grows with
+# $n$. The model assumes a link per rank, which this CPU lacks; the puzzle's checker tests it over an emulated link.
 #
 # ## 7. What NCCL does on a real node
-# Everything above is what NCCL automates on GPUs. Facts worth knowing, hedged where they depend on versions:
+# NCCL automates all of the above on GPUs (details depend on versions):
 #
-# * **It detects the topology** (NVLink, NVSwitch, PCIe switches, NICs; `NCCL_TOPO_DUMP_FILE` writes what it
-#   found) and searches for **rings and trees** over it. On an 8-GPU NVSwitch node (DGX/HGX H100) every GPU reaches
-#   every other at full NVLink speed, so any ring order works; across nodes the rings and trees run over the NICs.
+# * **Topology.** It detects NVLink, NVSwitch, PCIe switches and NICs (`NCCL_TOPO_DUMP_FILE` writes what it found)
+#   and searches for **rings and trees** over them. On an 8-GPU NVSwitch node (DGX/HGX H100) every GPU reaches every
+#   other at full NVLink speed, so any ring order works; across nodes they run over the NICs.
 #
-# * **Channels.** NCCL runs several rings/trees in parallel, each a *channel* driven by its own CUDA thread block
-#   (on its own SM), each taking a slice of the buffer, so that all links and enough memory bandwidth are used.
-#   More channels cost more SMs taken from compute.
+# * **Channels.** Several rings/trees run in parallel, each a *channel* driven by its own CUDA thread block (its own
+#   SM) on a slice of the buffer, to use all links and enough memory bandwidth; more channels take more SMs from
+#   compute.
 #
-# * **Algorithms.** Ring and Tree (a pipelined *double binary tree* since NCCL 2.4, used mostly across nodes),
-#   CollNet (reductions inside InfiniBand switches, SHARP), and on H100-class systems with third-generation
-#   NVSwitch, **NVLS** (NVLink SHARP, NCCL ≥ 2.17): the switch itself adds the data of all GPUs and multicasts the
-#   result, which takes arithmetic off the GPUs and frees SMs for all-reduce; for all-gather and reduce-scatter it
-#   moves fewer bytes in total but promises no speed-up (NVIDIA/nccl issues #807, #1506). NVLSTree combines it
-#   with trees across nodes.
+# * **Algorithms.** Ring and Tree (a pipelined *double binary tree* since NCCL 2.4, mostly across nodes), CollNet
+#   (reductions inside InfiniBand switches, SHARP), and with third-generation NVSwitch **NVLS** (NVLink SHARP, NCCL ≥
+#   2.17): the switch adds all GPUs' data and multicasts the result, freeing SMs for all-reduce; for all-gather and
+#   reduce-scatter it moves fewer bytes but promises no speed-up (NVIDIA/nccl issues #807, #1506). NVLSTree adds
+#   trees across nodes.
 #
-# * **Protocols.** *Simple* moves large chunks and uses memory fences to signal completion: full bandwidth,
-#   highest latency. *LL* (low latency) writes 8-byte words of 4 bytes data + 4 bytes flag, so the receiver polls
-#   the flag instead of waiting for a fence: lowest latency, at most half the bandwidth. *LL128* uses 128-byte lines
-#   of 120 bytes data + 8 bytes flag (about 94% of the bandwidth), which is only safe where 128-byte stores arrive in
-#   order, so NCCL enables it only on platforms it has verified, e.g. NVLink (NVIDIA/nccl #281, #786).
+# * **Protocols.** *Simple*: large chunks, memory fences to signal completion; full bandwidth, highest latency. *LL*
+#   (low latency): 8-byte words of 4 bytes data + 4 bytes flag, polled by the receiver; lowest latency, at most half
+#   the bandwidth. *LL128*: 128-byte lines of 120 bytes data + 8 bytes flag (about 94% of the bandwidth), safe only
+#   where 128-byte stores arrive in order, so enabled only on verified platforms, e.g. NVLink (NVIDIA/nccl #281, #786).
 #
-# * **Tuning.** For every call NCCL's internal cost model — per algorithm and protocol, a latency plus a bandwidth
-#   term, like our α–β — picks the combination from the message size, the number of ranks per node and of nodes,
-#   and the measured link speeds: typically LL for small messages, Simple for large ones, LL128 in between where it
-#   is enabled, and tree or ring depending on size and topology — there is no fixed rule (NVIDIA/nccl #754).
-#   `NCCL_ALGO` and `NCCL_PROTO` force a choice (for debugging); `NCCL_DEBUG=INFO` prints the rings, trees and
-#   channels it built.
+# * **Tuning.** Per call, NCCL's cost model (per algorithm and protocol, latency plus bandwidth, like our α–β) picks
+#   from the message size, ranks per node, nodes and measured link speeds: typically LL for small messages, Simple
+#   for large, LL128 between where enabled, tree or ring by size and topology; no fixed rule (NVIDIA/nccl #754).
+#   `NCCL_ALGO` and `NCCL_PROTO` force a choice (for debugging); `NCCL_DEBUG=INFO` prints what it built.
 #
-# * **Measuring.** `nccl-tests` (`all_reduce_perf -b 1K -e 1G -f 2 -g 8`) reports `algbw` and `busbw` exactly as
-#   this lesson does; compare busbw with the NVLink or NIC speed. On 2 nodes Tree can show a busbw above the
-#   network's speed (the formula assumes ring traffic); force `NCCL_ALGO=Ring` to benchmark the network itself.
+# * **Measuring.** `nccl-tests` (`all_reduce_perf -b 1K -e 1G -f 2 -g 8`) reports `algbw` and `busbw` as this lesson
+#   does; compare busbw with the NVLink or NIC speed. On 2 nodes Tree can show a busbw above the network's speed (the
+#   formula assumes ring traffic); force `NCCL_ALGO=Ring` to benchmark the network itself.
 #
 # **Takeaway:** NCCL is this lesson's ring and tree, pipelined in slices over many channels, with an α–β-style cost
 # model choosing per call.
 #
 # ### The order of messages: why the dozen-line ring would hang on NCCL
-# gloo matches each message by sender and tag and buffers it; NCCL does neither. On NCCL the single
-# `isend`/`irecv` between two ranks share one communicator and one CUDA stream, both directions mixed, run in the
-# order posted; a receive holds the stream until its send arrives, and a send its receive (NCCL may buffer a small
-# one; the replay below never counts on it). And the first message between two ranks *creates* their
-# communicator, which blocks the host until the peer posts its own first message to us.
+# gloo matches each message by sender and tag and buffers it; NCCL does neither. The single `isend`/`irecv` between
+# two ranks share one communicator and one CUDA stream, both directions mixed, run in the order posted; a receive
+# holds the stream until its send arrives, and a send its receive (NCCL may buffer a small one; the replay below
+# never counts on it). And the first message between two ranks *creates* their communicator, blocking the host
+# until the peer posts its own first message to us.
 #
-# Section 4's ring posts
-# "send right, receive left" as two single messages: at $n = 2$ both ranks' streams start with a send to the
-# other, and at $n = 3$ every rank's first message (to its right) waits for its right neighbour, which waits for
-# its own right neighbour: a circle.
+# Section 4's ring posts "send right, receive left" as two single messages: at $n = 2$ both ranks' streams start
+# with a send to the other; at $n = 3$ every rank's first message waits for its right neighbour, which waits for its
+# own: a circle.
 #
-# `picotron.collectives` posts each step's send and receive as **one batch**
-# (`batch_isend_irecv`, `picotron/p2p.py`), in the same order on every rank: a batch runs on the group's own
-# communicator, made with the group, and meets the neighbours' batches whole.
+# `picotron.collectives` posts each step's send and receive as **one batch** (`batch_isend_irecv`,
+# `picotron/p2p.py`), in the same order on every rank: a batch runs on the group's own communicator and meets the
+# neighbours' batches whole.
 #
 # `picotron.nccl_rules` records every rank's messages on gloo and replays them under those rules, naming each
 # rank's first stuck operation (`nccl_order.py` in this folder runs both rings):
@@ -507,10 +481,9 @@ check("the exercise checker passes the reference solutions", solutions_pass,
 # of the additions), and each sends exactly the bytes its formula says: for the ring, the lower bound.
 #
 # ## 9. Explore: ring or tree?
-# Choose the number of devices, the latency of one message and the bandwidth of one link; the α–β model redraws
-# both all-reduces' time against message size. Try GPU-like values (a few µs of latency, tens to hundreds of GB/s
-# per link) against this CPU's, and find where the tree stops paying: it is always a question of $\alpha/\beta$, the
-# size at which sending the bytes costs as much as starting the message.
+# Choose the devices, one message's latency and one link's bandwidth; the α–β model redraws both all-reduces' time
+# against message size. Try GPU-like values (a few µs, tens to hundreds of GB/s per link) against this CPU's: where
+# the tree stops paying is a question of $\alpha/\beta$, the size at which the bytes cost as much as the start.
 
 # %%
 def draw_model(n=64, alpha_us=10.0, link_GBps=50.0):
@@ -556,13 +529,12 @@ _node.show("02_collectives")
 # only to its right neighbour"*, or, when ranks wait for each other forever, *"hang: ranks 0, 1 are still waiting
 # after 10 s"* with the line each one waits on.
 #
-# For 4 it compares your formulas with the model on many cases and
-# names the usual slips (*"that is one tree (a reduce or a broadcast); the naive all-reduce runs two"*), then runs
-# picotron's ring and tree on 4 processes over an emulated link — 20 ms per message, 20 MB/s, slow enough that this
-# busy CPU's own costs are small next to it — and checks your predicted times against the measured ones (within
-# ×0.9 to ×1.5: a busy machine only adds time) and your winner against the faster one. Run it here or as
-# `./run.sh python lessons/02_collectives/check.py [name]`; until you write them it reports `NotImplementedError: not
-# written yet`.
+# For 4 it compares your formulas with the model on many cases, naming the usual slips (*"that is one tree (a
+# reduce or a broadcast); the naive all-reduce runs two"*), then runs picotron's ring and tree on 4 processes over
+# an emulated link (20 ms per message, 20 MB/s: this CPU's own costs are small next to it) and checks your predicted
+# times against the measured ones (within ×0.9 to ×1.5: a busy machine only adds time) and your winner. Run it here
+# or as `./run.sh python lessons/02_collectives/check.py [name]`; until you write them it reports
+# `NotImplementedError: not written yet`.
 
 # %%
 all_passed = checker.check()
@@ -581,14 +553,14 @@ all_passed = checker.check()
 # | broadcast | $\lceil\log_2 n\rceil M$ (tree root) | initial weights; the loss from the last pipeline stage |
 # | send / recv | $M$ | pipeline parallelism (activations between stages), context parallelism (K/V around a ring) |
 #
-# * **Bandwidth**: large messages are what the ring is built for: $2M$ per rank whatever $n$. Bucket small tensors
-#   into large messages (lesson 03 does exactly this with gradients).
-# * **Latency**: $2(n-1)$ sequential steps. At small sizes or large $n$ trees win; a good library picks per call.
-# * **Overlap**: a collective is communication the GPU could hide behind computation; the next lessons overlap the
-#   gradient all-reduce with the backward pass.
+# * **Bandwidth**: the ring is built for large messages, $2M$ per rank whatever $n$; bucket small tensors into large
+#   messages (lesson 03 does, with gradients).
+# * **Latency**: $2(n-1)$ sequential steps; at small sizes or large $n$ trees win, and a good library picks per call.
+# * **Overlap**: a GPU can hide a collective behind computation; the next lessons overlap the gradient all-reduce
+#   with backward.
 #
 # Next, **lesson 03** uses `all_reduce` for data parallelism: $n$ replicas, one gradient sum per step, bucketed and
-# overlapped with backward — and checks that $n$ replicas train like one big batch.
+# overlapped with backward, training like one big batch.
 #
 # **Takeaway:** every later parallelism is one of these collectives on some group of ranks, costing about $\alpha$ per
 # step plus its bytes per rank times $\beta$: large messages, few steps and overlap are what the next lessons work for.
