@@ -7,13 +7,11 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 06 — Context parallelism: cut the sequence
 #
-# Data and tensor parallelism (lessons 03-05) leave one thing whole on every rank: the **sequence**, and so will
-# pipeline parallelism (lesson 07).
-# Activations grow with it, linearly with a flash-style attention, and at 32k or 128k tokens one sequence's
-# activations no longer fit a GPU, however the model is cut. **Context parallelism** cuts the sequence itself:
-# each of $c$ ranks holds $s/c$ of every sequence's tokens. Everything in a layer except attention works token by
-# token, so each rank runs it on its tokens alone. Attention needs every earlier token's key and value; the ranks
-# pass their K/V blocks around a **ring** while they compute, and merge the partial results exactly.
+# Data, tensor and pipeline parallelism (lessons 03-05, 07) leave the **sequence** whole on every rank. Activations
+# grow with it, and at 32k or 128k tokens one sequence's activations no longer fit a GPU, however the model is cut.
+# **Context parallelism** cuts the sequence: each of $c$ ranks holds $s/c$ of every sequence's tokens. All of a layer
+# but attention works token by token; attention needs every earlier token's key and value, so the ranks pass their
+# K/V blocks around a **ring** while they compute, and merge the partial results exactly.
 #
 # | piece | what it does | where |
 # |---|---|---|
@@ -23,12 +21,10 @@ edit this file, never the notebook.
 # | all-gather (the baseline, Llama 3's choice) | gather the whole K/V once, attend locally | `allgather_attention` |
 # | Ulysses (DeepSpeed's) | all-to-all: $s/c$ tokens of every head → every token of $a/c$ heads; attend locally; back | `ulysses_attention` |
 #
-# We measure why long sequences run out of memory and how cp divides it; derive the merge and watch the naive one
-# overflow; run the ring step by step; measure the causal imbalance of the plain layout and how zig-zag removes it;
-# read the code; time the ring with its transfers under the compute; count the bytes against the formula; compare
-# with the all-gather; check that cp trains exactly like one process — including the trap of cp without dp; and
-# measure Ulysses, which trades the ring for all-to-alls over heads.
-# The experiments are `experiment.py` in this folder, launched with `torchrun`; `PICOTRON_FAST=1` gives a short run.
+# We measure how cp divides the memory; derive the merge and watch the naive one overflow; run the ring by hand;
+# measure the causal imbalance and zig-zag's cure; time the ring's transfers under the compute and count its bytes;
+# check parity with one process, and the trap of cp without dp; and measure Ulysses, all-to-alls over heads. The
+# experiments are `experiment.py` here, launched with `torchrun`; `PICOTRON_FAST=1` gives a short run.
 
 # %%
 import sys
@@ -64,15 +60,13 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model: the less
 # Per layer, our Llama keeps for backward (fp32, flash-style attention; lesson 01 lists every tensor,
 # [reference](../../docs/reference.md#activation-memory); symbols: [notation](../../docs/reference.md#notation))
 # $A_\text{layer} = sbh\,(32 + 8a_\text{kv}/a) + 16\,sbh_\text{ff} + sb\,(8 + 4a)$ bytes: **linear in the sequence
-# length $s$** — and in the micro-batch $b$, which is already 1 for long sequences. Tensor parallelism divides part
-# of it, ZeRO divides the model states, pipeline parallelism (next lesson) will divide the layers; none divides $s$.
+# length $s$** and in the micro-batch $b$, already 1 for long sequences. Tensor parallelism divides part of it, ZeRO
+# the model states, pipeline parallelism the layers; none divides $s$.
 #
-# For a real model the lessons use the textbook count: Korthikanti et al. 2022 ("Reducing Activation Recomputation
-# in Large Transformer Models", arXiv:2205.05198, §4.1) find that a GPT layer in 16-bit precision keeps
-# $sbh\,(34 + 5as/h)$ bytes for backward. The $5as^2b$ part is the $s \times s$ attention scores; a flash-attention
-# kernel never stores them (nor does selective recomputation, §5), which leaves $34\,sbh$ per layer
-# (`planner.korthikanti_bytes_per_layer`). Llama-3-8B by that count (its $h$ and $L$ in a GPT layer's formula: an
-# estimate, not our trainer's bytes), the $L$ layers' activations alone, per GPU:
+# For a real model, the textbook count (Korthikanti et al. 2022, arXiv:2205.05198, §4.1): a GPT layer in 16-bit
+# precision keeps $sbh\,(34 + 5as/h)$ bytes; flash attention never stores the $5as^2b$ of scores, leaving $34\,sbh$
+# (`planner.korthikanti_bytes_per_layer`). Llama-3-8B by that count (an estimate, not our trainer's bytes), the $L$
+# layers' activations alone, per GPU:
 
 # %%
 llama8 = ModelConfig.from_preset("llama3-8b")
@@ -88,21 +82,18 @@ print(f"per layer at s = 8192: {textbook(8192) / L8 / GB:.2f} GB; with the score
       f"still keeps {textbook(131072, 'full') / GB:.1f} GB")
 
 # %% [markdown]
-# At 128k tokens one sequence needs several 80 GB GPUs' worth of activations, and even full recomputation (only
-# each layer's input kept) leaves tens of GB. Every term of this count grows with $s$, so $c$ ranks holding $s/c$
-# tokens each keep exactly $1/c$ of it: each row is its $c = 1$ column divided by $c$. What does not depend on $s$
-# (in our trainer, for one, the bf16 weight copies autocast saves) stays whole on every rank. Llama 3 405B's
-# 128k-token stage ran with $c = 16$, next to tensor parallelism 8 and pipeline parallelism 16 on 16,384 GPUs (Llama
-# Team 2024, Table 4).
+# At 128k tokens one sequence needs several 80 GB GPUs' worth of activations; even full recomputation leaves tens of
+# GB. Every term grows with $s$, so $c$ ranks holding $s/c$ tokens each keep exactly $1/c$ of it; what does not
+# depend on $s$ (in our trainer, autocast's bf16 weight copies) stays whole. Llama 3 405B's 128k-token stage ran with
+# $c = 16$, beside tp 8 and pp 16 on 16,384 GPUs (Llama Team 2024, Table 4).
 #
-# **Measured.** One forward of the lessons' small model through `parallelize` and the loader, as `picotron.train`
-# runs it, with every tensor autograd saves counted (`metrics.ActivationCounter`), at $c = 1, 2, 4$ on 4
-# processes (the other ranks: data parallel). The formula (`lesson.activation_parts`) is the project's count with
-# $s \to s/c$, plus what context parallelism changes: each rank's ids and targets are picked out of every row (new
-# tensors); the ring's output comes out as $[b, a, s/c, d]$ and `o_proj` reads it as $[b, s/c, h]$, a copy ($4bh\,s/c$
-# per layer); the all-gather keeps the **whole** sequence's K and V, and `sdpa` keeps its mask as fp32
-# $[s/c, s]$ — quadratic in $s$. Then the longest sequence whose activations fit a budget, by the formula, checked by
-# measuring it and the next length up.
+# **Measured.** One forward of the small model through `parallelize` and the loader, every tensor autograd saves
+# counted (`metrics.ActivationCounter`), at $c = 1, 2, 4$ on 4 processes (the rest: data parallel). The formula
+# (`lesson.activation_parts`) is the project's count with $s \to s/c$, plus what cp changes: each rank's ids and
+# targets picked out of every row (new tensors); the ring's $[b, a, s/c, d]$ output copied for `o_proj`'s
+# $[b, s/c, h]$ ($4bh\,s/c$ per layer); the all-gather's **whole** K and V, and `sdpa`'s fp32 $[s/c, s]$ mask,
+# quadratic in $s$. Then the longest sequence that fits a budget, by the formula, checked by measuring it and the
+# next length up.
 
 # %%
 run("memory", nproc=4)
@@ -135,10 +126,9 @@ for f in mem["fits"]:
               abs(f["s_max"] / one["s_max"] / f["cp"] - 1) < 0.1, f"{f['s_max']} / {one['s_max']} = {f['s_max'] / one['s_max']:.2f}")
 
 # %% [markdown]
-# The measurement is the formula to the byte, on every rank. Each rank of $c$ keeps $1/c$ of one process's
-# activations plus the ring's copy for `o_proj` (a few percent here; a library could lay the ring's output out as
-# `o_proj` reads it), so the longest sequence within a budget grows almost $c$-fold. The all-gather's extra grows
-# faster than $s$: the whole K/V (linear in $s$) and, with our `sdpa` call, an fp32 mask of $s/c \times s$.
+# The measurement is the formula to the byte, on every rank: $1/c$ of one process's activations plus the ring's copy
+# for `o_proj` (a few percent), so the longest sequence within a budget grows almost $c$-fold. The all-gather's extra
+# grows faster than $s$: the whole K/V, and with our `sdpa` call an fp32 $s/c \times s$ mask.
 #
 # **Takeaway:** activations grow with $s$, and context parallelism is the one cut that divides $s$: per rank
 # they fall to about $1/c$.
@@ -158,8 +148,8 @@ for f in mem["fits"]:
 # = \sum_j e^{\ell_j - \ell}\, o_j, \qquad \ell = \log \sum_j e^{\ell_j}.$$
 #
 # Merging two at a time: $\ell = \operatorname{logaddexp}(\ell_1, \ell_2)$ and $o = e^{\ell_1 - \ell}\, o_1 +
-# e^{\ell_2 - \ell}\, o_2$. The weights are at most 1 and sum to 1; $e^{\ell}$ itself is never formed. (This is FlashAttention's
-# online softmax, [reference](../../docs/reference.md#context-parallelism).) The library's `merge`:
+# e^{\ell_2 - \ell}\, o_2$: weights at most 1 that sum to 1; $e^{\ell}$ is never formed (FlashAttention's online
+# softmax, [reference](../../docs/reference.md#context-parallelism)). The library's `merge`:
 
 # %%
 _common.show_source(cpm.merge)
@@ -200,13 +190,12 @@ check("the log-sum-exp merge stays finite and right in fp32", bool(torch.isfinit
 
 # %% [markdown]
 # ### (b) The ring, step by step
-# Cut the sequence into $2c$ chunks; each rank holds two (which two: part (c)). Rank $r$ keeps its queries. At each
-# step it computes with the K/V block it holds, and meanwhile sends that block to rank $r+1$ and receives the next
-# from rank $r-1$. After step $j$ it has seen the K/V of ranks $r, r-1, \dots, r-j$; after $c$ steps, all of them.
-# Within a step, each (query chunk, key chunk) pair is one block: a key chunk *before* the query chunk is seen
-# whole (`all`), the chunk itself under the causal mask (`causal`, only at step 0: a rank's own block), a chunk
-# *after* it not at all (`none`: skipped, no compute). `lesson.ring_by_hand` runs exactly this in one process with
-# the library's `block_forward` and `merge` — the ring without its messages — for $c = 4$, zig-zag:
+# Cut the sequence into $2c$ chunks; each rank holds two (which two: part (c)) and keeps its queries. At each step
+# it computes with the K/V block it holds while sending it to rank $r+1$ and receiving the next from rank $r-1$;
+# after step $j$ it has seen the K/V of ranks $r, r-1, \dots, r-j$, after $c$ steps all of them. Each (query chunk, key chunk) pair is one block: a key chunk *before* the
+# query chunk is seen whole (`all`), the chunk itself under the causal mask (`causal`, step 0 only), a chunk *after*
+# it not at all (`none`: skipped). `lesson.ring_by_hand` runs this in one process with the library's `block_forward`
+# and `merge` (the ring without its messages), $c = 4$, zig-zag:
 
 # %%
 cp = 4
@@ -234,12 +223,11 @@ check("over the ring, every (query chunk, key chunk) pair with key <= query is c
 # with it, every rank adding its part, and arrive at their owner after a full turn.
 #
 # ### (c) Causal imbalance, and the zig-zag layout
-# With the causal mask, the last tokens attend to everything and the first to almost nothing. Cut the sequence in
-# order — rank $r$ holds chunks $2r$ and $2r+1$, the **contiguous** layout — and the last rank has all the work:
-# rank 0 only ever sees its own block, rank $c-1$ everything. The **zig-zag** layout gives rank $r$ chunks $r$ and
-# $2c-1-r$, one early and one late: every rank gets the same work. Counting blocks over a whole ring (a causal
-# block costs about half a whole one in a kernel that skips the masked half — the reference's count; ours computes
-# the whole block and masks it, so it counts one):
+# Under the causal mask the last tokens attend to everything, the first to almost nothing. Cut in order (rank $r$
+# holds chunks $2r$ and $2r+1$, the **contiguous** layout) and rank 0 only ever sees its own block, rank $c-1$
+# everything. The **zig-zag** layout gives rank $r$ chunks $r$ and $2c-1-r$, one early and one late: equal work.
+# Blocks over a whole ring (a causal block costs about half a whole one in a kernel that skips the masked half, the
+# reference's count; ours masks a whole block, so it counts one):
 
 # %%
 print(f"{'cp':>3} {'layout':<11} {'blocks per rank (causal = 1)':<34} {'max/min':>8}   "
@@ -257,9 +245,8 @@ check("contiguous: rank r computes 4r + 3 blocks (4r + 2 with causal = 1/2): the
           for c in range(1, 9) for r in range(c)), "cp = 1..8")
 
 # %% [markdown]
-# At every ring step the ranks exchange blocks, so a rank with less work waits for the slowest: the contiguous
-# layout runs at the pace of its last rank. Zig-zag costs nothing extra: the loader hands each rank its tokens with
-# their true positions (`positions`), which RoPE uses, and the ring never needs to know.
+# The ranks exchange blocks at every step, so contiguous runs at its last rank's pace. Zig-zag costs nothing: the
+# loader hands each rank its tokens with their true positions (`positions`) for RoPE, and the ring never knows.
 #
 # **Takeaway:** partial attentions merge exactly through their log-sum-exps; a ring of $c$ steps brings every
 # block to every rank; zig-zag makes the causal work equal.
@@ -275,37 +262,34 @@ _common.show_source(cpm.positions)
 _common.show_source(cpm.visibility)
 
 # %% [markdown]
-# One block, by hand (scores in fp32, the query heads grouped over their KV head so K/V are never repeated), and the
-# ring's forward: the next K/V block is started before this step's blocks are computed, and waited for after.
-# `phases` names each step's compute ("attention") and each wait, and measures nothing itself: section 4 listens
-# to them with a timeline (`core.phases.listen(timeline.record)`) and draws them.
+# One block (scores in fp32, query heads grouped over their KV head so K/V are never repeated), and the ring's
+# forward: the next K/V block is started before this step's blocks are computed, and waited for after. `phases`
+# names each step's compute and each wait; section 4 listens with a timeline (`core.phases.listen(timeline.record)`).
 
 # %%
 _common.show_source(cpm.block_forward, "b, a, cq, d", "return out.reshape")
 _common.show_source(cpm.RingAttention._forward, "ring, mine", "ctx.save_for_backward")
 
 # %% [markdown]
-# The exchange itself: a send to the next rank and a receive from the previous one, posted together as one batch
-# (`picotron.p2p.exchange`, a `batch_isend_irecv`) on gloo and NCCL alike — on NCCL two single messages could each
-# wait for the other's partner (lesson 02 replays that under NCCL's rules, and lesson 07 will again). It goes through the cp axis
-# (`Axis.exchange`), which reports every byte sent to a recorder when one is attached, as it does for collectives:
+# The exchange: a send to the next rank and a receive from the previous, posted as one batch
+# (`picotron.p2p.exchange`, a `batch_isend_irecv`): on NCCL two single messages could each wait for the other's
+# partner (lesson 02 replays that under NCCL's rules). It goes through the cp axis (`Axis.exchange`), which reports
+# every byte sent to a recorder when one is attached:
 
 # %%
 _common.show_source(cpm._Ring.start)
 
 # %% [markdown]
-# The backward: the K/V blocks make the same turn again; each step adds this rank's share to the gradient of the
-# block it holds, which travels on with the block (`dkv`), so every block's dK/dV arrive at its owner after a full
-# turn:
+# The backward: the K/V blocks turn again; each step adds this rank's share to the held block's gradient (`dkv`),
+# which travels with it home:
 
 # %%
 _common.show_source(cpm.RingAttention._backward, "for step in range(n):", "dkv = ring.finish(dkv_pending, n")
 
 # %% [markdown]
 # Wiring it in: `apply` swaps every layer's attention core (RoPE at the true positions, then ring or all-gather);
-# `parallelize` wraps the model for gradient averaging over **dp × cp** (`mesh.dp_cp`): the cp ranks hold the same
-# weights but see different tokens, so their gradients differ and must be averaged — section 5 shows what happens
-# when they are not.
+# `parallelize` averages gradients over **dp × cp** (`mesh.dp_cp`): cp ranks hold the same weights but see different
+# tokens (section 5: what happens otherwise).
 
 # %%
 _common.show_source(cpm.ContextParallelAttention.forward)
@@ -318,16 +302,11 @@ _common.show_source(cpm.bytes_per_step_formula, "block = ")
 # ## 4. Run it
 #
 # ### (a) Causal balance, measured on 2 and 4 processes
-# The attention core alone (the small model's: 8 query heads over 4 KV heads, $d = 32$), forward and backward, on a
-# sequence of 2048 tokens, each layout in turn, several repeats; each ring step's compute is an event on a timeline
-# listening to the core's phases. This machine has 2 cores: at $c = 2$ each rank has one; at $c = 4$ four processes
-# share two, so a rank spends part of each step waiting for a core.
-#
-# The events therefore also carry the **CPU time**
-# the rank's thread used, which waiting does not inflate, and each rank's time is the least over the repeats (the
-# quietest).
-# Prediction: the block counts of section 2(c) weighted by what a whole and a causal block cost, read off
-# zig-zag's own steps (a step after the first computes two whole blocks; step 0 two causal and one whole).
+# The attention core alone (8 query heads over 4 KV heads, $d = 32$), forward and backward, 2048 tokens, each layout
+# in turn, several repeats, each ring step's compute an event on a timeline. At $c = 4$ four processes share two
+# cores, so the events also carry the **CPU time** the rank used (which waiting does not inflate), and each rank's
+# time is the least over the repeats. Prediction: section 2(c)'s block counts weighted by what a whole and a causal
+# block cost, read off zig-zag's own steps (after the first, two whole blocks; step 0, two causal and one whole).
 
 # %%
 run("balance,train,parity", nproc=2)   # this section's runs and the next one's (section 5: parity)
@@ -359,25 +338,18 @@ for c, res in bal.items():
           all(a < b for a, b in zip(t, t[1:])), " < ".join(f"{1e3 * x:.0f}" for x in t) + f" ms{others}", busy)
 
 # %% [markdown]
-# Zig-zag's ranks do the same work; contiguous's work grows with the rank, and its slowest rank sets the pace. The
-# prediction weighs the block counts by what the blocks cost on this CPU — a causal block is *dearer* than a whole
-# one here (the same matmuls, plus building and applying the mask), so the ratio sits below the textbook's $2c - 1$,
-# which assumes a kernel that skips the masked half. How close the measurement comes depends on the machine: this
-# one has 2 cores shared with whatever else runs, and even CPU time is not immune (a rank that shares a core's
-# caches with another process computes more slowly), so a run's contiguous ratio moves by a few tenths around the
-# prediction, and at $c = 4$, four processes on two cores, by more (zig-zag's ranks, equal in work, can differ by a
-# third there).
-#
-# The order of the ranks and the size of the imbalance do not move. When other programs keep the
-# cores busy even the least of the repeats can be off: the experiment reads how much of the machine's cores other
-# programs used during each call (`_common.LoadWindow`: the cores' busy time from `/proc/stat` minus our processes'
-# CPU time), and a timing check that misses while they held more than 10% prints **?** — inconclusive, rerun —
-# instead of ✗. Counts of blocks and bytes are ✓ or ✗, busy or not.
+# Zig-zag's ranks do the same work; contiguous's grows with the rank, and its slowest sets the pace. Here a causal
+# block is *dearer* than a whole one (the same matmuls plus the mask), so the ratio sits below the textbook's
+# $2c - 1$, which assumes a kernel that skips the masked half. On 2 shared cores even CPU time is not immune (a
+# neighbour in a core's caches slows a rank): the contiguous ratio moves by a few tenths around the prediction, and
+# more at $c = 4$ (zig-zag's equal ranks can differ by a third there); the ranks' order and the imbalance's size do
+# not. The experiment reads other programs' share of the cores (`_common.LoadWindow`, from `/proc/stat`), and a
+# timing check that misses while they held over 10% prints **?** (inconclusive, rerun) instead of ✗. Counts of
+# blocks and bytes are ✓ or ✗, busy or not.
 #
 # ### (b) The timeline: K/V transfers under the compute
-# The quietest repeat at $c = 2$, from the core's phases: each ring step's compute (forward, then backward), the
-# waits, and, in grey, each K/V block from the moment the step starts sending it (just before its compute) until the
-# step waits for it (after its compute).
+# The quietest repeat at $c = 2$: each ring step's compute (forward, then backward), the waits, and in grey each K/V
+# block from the start of its send (before the step's compute) to its wait (after).
 
 # %%
 lesson.plot_ring_timeline(bal[2]); plt.show()
@@ -401,21 +373,18 @@ check("cp=2, zig-zag: the K/V transfers hide under the compute", hidden <= 0.25 
       f"{r2['layouts']['zigzag']['busy']:.0%} of the cores", _common.busy_reason(r2["layouts"]["zigzag"]["busy"]))
 
 # %% [markdown]
-# Each exchange starts before the step's compute and is waited for after it: the K/V arrive long before they are
-# needed (a block moves in about a millisecond; computing with it takes tens), so the ranks hardly wait for K/V at
-# all. A block carries $2a(s/c)/(a_\text{kv} \cdot 4)$ FLOPs of attention per byte sent, which grows with the tokens per rank:
-# long sequences, exactly where context parallelism is needed, are where the ring hides its traffic. The waits that
-# remain are the ranks waiting for *each other*. Zig-zag's are small; contiguous's rank 0 finishes its forward early
-# (nothing to compute after step 0) and spends much of the backward waiting for the dK/dV of the block that rank 1
-# is still working on.
+# The K/V arrive long before they are needed (a block moves in about a millisecond; computing with it takes tens).
+# A block carries $2a(s/c)/(a_\text{kv} \cdot 4)$ FLOPs of attention per byte sent, growing with the tokens per rank:
+# long sequences, where cp is needed, are where the ring hides its traffic. The waits that remain are ranks waiting
+# for *each other*: small in zig-zag; in contiguous, rank 0 finishes its forward early and waits in backward for the
+# dK/dV of the block rank 1 is still working on.
 #
 # ### (c) Bytes per step: counted against the formula
-# Training steps of the model at $c = 2$ and $c = 4$ (section (d)), a recorder on the axes counting what the
-# attention cores sent along cp (`lesson.SentBytes`).
-# A block is one rank's K and V: $2\,b\,a_\text{kv}\,(s/c)\,d$ numbers of the $a_\text{kv}$ KV heads (only those
-# travel: grouped-query attention pays $a/a_\text{kv}$ times less than repeated heads). Per layer and step each rank sends, ring: $c-1$ blocks
-# forward, $c-1$ again in backward, and $c$ dK/dV blocks (fp32); all-gather: $c-1$ in the gather, $c-1$ in its
-# backward's reduce-scatter.
+# Training steps at $c = 2$ and $c = 4$ (section (d)), a recorder counting what the attention cores sent along cp
+# (`lesson.SentBytes`). A block is one rank's K and V: $2\,b\,a_\text{kv}\,(s/c)\,d$ numbers (only the KV heads
+# travel: grouped-query attention pays $a/a_\text{kv}$ times less). Per layer and step each rank sends, ring: $c-1$
+# blocks forward, $c-1$ again in backward, and $c$ dK/dV blocks (fp32); all-gather: $c-1$ in the gather, $c-1$ in
+# its backward's reduce-scatter.
 
 # %%
 trn = {c: _common.load_json(OUT / f"train_cp{c}.json")["results"] for c in (2, C)}
@@ -441,12 +410,11 @@ for c, res in bal.items():
 
 # %% [markdown]
 # The ring sends $3c - 2$ blocks per layer where the all-gather sends $2(c - 1)$: its backward walks the ring again
-# rather than keeping every block (memory!) and returns the gradients in fp32. What the all-gather pays instead is
-# memory: all $c$ blocks at once (section 1).
+# rather than keeping every block, and returns fp32 gradients. The all-gather pays in memory: all $c$ blocks at once.
 #
 # ### (d) Throughput: ring against all-gather
-# The same training step (the small model, $s$ = the train settings', $b = 2$), the three variants one step of each
-# in turn, the median step.
+# The same training step (the small model, the train settings' $s$, $b = 2$), the three variants in turn, the median
+# step.
 
 # %%
 for c, res in trn.items():
@@ -456,21 +424,16 @@ for c, res in trn.items():
 lesson.plot_throughput([trn[2], trn[C]]); plt.show()
 
 # %% [markdown]
-# How to read it. Step times on this shared 2-core machine vary by tens of percent from one step to the next (the
-# range is printed; FAST mode runs only two steps of each), so only large differences mean something. The
-# all-gather tends to win here: after its one collective it calls PyTorch's fused attention kernel, while our ring
-# computes each block with plain matmuls and an explicit score matrix, in Python, block by block — a handicap of
-# this implementation, not of the ring. The ring's advantage is memory: it never holds more than two K/V blocks,
-# where the all-gather holds all $c$ (and, here, an $s/c \times s$ mask), which is what lets context parallelism
-# reach sequences the all-gather cannot hold.
+# Step times here vary by tens of percent (the range is printed; FAST runs two steps of each): only large differences
+# mean something. The all-gather tends to win: after one collective it calls PyTorch's fused attention, while our ring
+# computes each block with plain matmuls in Python, a handicap of this implementation, not of the ring. The ring's
+# advantage is memory: two K/V blocks at most, where the all-gather holds all $c$ (and here an $s/c \times s$ mask).
 #
-# Zig-zag against contiguous: a training step also runs everything
-# else, which cp divides evenly, so the balance of (a) shows less in a whole step than in the attention alone, and
-# at these lengths less than the noise; section (a)'s per-rank time is the clean measure. At $c = 4$ four processes
-# share two cores: those times are not a scaling result. On GPUs, with a flash-attention kernel per block and
-# NVLink between them, the ring's transfers hide once the tokens per rank are enough; Llama 3 chose the
-# all-gather because it handles any attention mask (documents packed into one sequence) simply, and because with
-# grouped-query attention K and V are small next to Q (Llama Team 2024, §3.3).
+# Zig-zag against contiguous: a step also runs everything else, which cp divides evenly, so (a)'s balance shows less
+# than the noise here; (a)'s per-rank time is the clean measure. $c = 4$ times are not a scaling result (four
+# processes, two cores). On GPUs, with a flash kernel per block and NVLink, the ring's transfers hide once the tokens
+# per rank are enough; Llama 3 chose the all-gather because it handles any attention mask (packed documents) simply,
+# and with grouped-query attention K and V are small next to Q (Llama Team 2024, §3.3).
 #
 # **Takeaway:** zig-zag balances the ranks; the transfers hide under the compute; the bytes are exactly the
 # formula's; the ring buys memory with a few more bytes than the all-gather.
@@ -479,14 +442,13 @@ lesson.plot_throughput([trn[2], trn[C]]); plt.show()
 #
 # `picotron.train` with `--cp 2` (zig-zag, contiguous, all-gather) on 2 processes, and `--cp 4` and `--cp 2 --dp 2`
 # on 4, against one process with the same global batch, fp32, same seed: per-step losses within $10^{-5}$
-# relative over the first 10 steps, the [parity standard](../../docs/reference.md#parity-standard) (the full
-# settings train 20 steps; after step 10 the difference is reported as drift against $10^{-3}$, lesson 03 section 5).
-# The references are trained by rank 0 alone. (These runs were launched in section 4.)
+# relative over the first 10 steps, the [parity standard](../../docs/reference.md#parity-standard) (full settings
+# train 20 steps; after step 10, drift against $10^{-3}$, lesson 03 section 5). Rank 0 trains the references alone;
+# the runs were launched in section 4.
 #
-# **The trap.** With dp = 1 there is "no data parallelism", and it is tempting to skip the gradient all-reduce. But
-# the cp ranks see different tokens of the same sequences: each one's gradient is the gradient of *its tokens'*
-# loss only. picotron averages over dp × cp (`mesh.dp_cp`), also when dp = 1. The last run does what a trainer that
-# averages over dp only would do at dp = 1 (`lesson.not_averaged_over_cp`: no sync at all).
+# **The trap.** With dp = 1 it is tempting to skip the gradient all-reduce. But each cp rank's gradient is that of
+# *its tokens'* loss only; picotron averages over dp × cp (`mesh.dp_cp`), also at dp = 1. The last run does what a
+# trainer averaging over dp only would do at dp = 1 (`lesson.not_averaged_over_cp`: no sync at all).
 
 # %%
 par = {c: _common.load_json(OUT / f"parity_cp{c}.json")["results"] for c in (2, C)}
@@ -519,22 +481,21 @@ check("not averaged over cp: the two ranks' weights drift apart", spread["not av
       f"max |difference| {spread['not averaged']:.1e} after {len(pairs['not averaged'][0])} steps")
 
 # %% [markdown]
-# Every layout and both implementations agree with one process to rounding: cutting the sequence changes where
-# attention's blocks are computed, not the arithmetic (a block merges in a different order than a single softmax,
-# hence the last digits). Without the average over cp the first step's *logged* loss still agrees — it is the mean
-# of the ranks' losses — but each rank then steps with half the picture: the weights of the two ranks part, and the
-# loss leaves the reference at step 2. The test suite keeps this trap closed
+# Every layout and both implementations agree with one process to rounding (blocks merge in a different order than
+# one softmax, hence the last digits). Without the average over cp, step 1's *logged* loss still agrees (the mean of
+# the ranks' losses), but each rank steps with half the picture: the ranks' weights part, and the loss leaves the
+# reference at step 2. The suite keeps this trap closed
 # (`tests/test_context_parallel.py::test_the_parity_check_catches_gradients_not_averaged_over_cp`).
 #
 # **Takeaway:** context parallelism is the same training; its gradients are averaged over dp × cp, always.
 #
 # ## 6. Explore: the ring, step by step, for any cp and layout
 #
-# The query chunk × key chunk grid of causal attention: at the chosen ring step, each block is coloured by the rank
-# that computes it (hatched: the causal diagonal), pale where it is computed at another step, white where it is in
-# the future (skipped). Right: each rank's blocks over the whole ring. Questions: at $c = 8$, contiguous, how many
-# steps does rank 0 idle? In zig-zag, why does each rank compute exactly two whole blocks at every step after the
-# first? Which step computes the diagonal? (Widgets need a live kernel; a static viewer shows the default only.)
+# The query chunk × key chunk grid of causal attention: at the chosen ring step each block is coloured by the rank
+# computing it (hatched: the causal diagonal), pale if computed at another step, white if skipped. Right: each rank's
+# blocks over the ring. At $c = 8$, contiguous, how many steps does rank 0 idle? In zig-zag, why does each rank
+# compute exactly two whole blocks at every step after the first? Which step computes the diagonal? (Widgets need a
+# live kernel.)
 
 # %%
 def draw(cp=4, layout="zigzag", step=1):
@@ -555,38 +516,34 @@ _common.interactive(draw, lambda w: dict(cp=w.IntSlider(value=4, min=1, max=8, d
 #
 # ## 7. Another way: Ulysses, an all-to-all from tokens to heads
 #
-# The ring keeps every rank's queries where they are and moves K/V. **Ulysses** (DeepSpeed-Ulysses, Jacobs et al.
-# 2023, [arXiv:2309.14509](https://arxiv.org/abs/2309.14509) §3) changes *what is split* for the length of the
-# attention: heads are as independent of each other as tokens are in the MLP. Each rank computes q, k, v for its
-# $s/c$ tokens and all heads; an **all-to-all** sends head group $j$ to rank $j$, so that every rank then holds the
-# *whole sequence* of $a/c$ heads; it runs ordinary causal attention over them (any kernel: flash attention as it
-# comes); a fourth all-to-all turns the output back into $s/c$ tokens of all heads for o_proj. Four all-to-alls per
-# layer forward (q, k, v, out), and four in backward: an all-to-all's gradient is the inverse all-to-all, which is
-# an all-to-all again. `picotron --cp-impl ulysses`, `ulysses_attention` in `picotron/context_parallel.py`.
+# The ring moves K/V. **Ulysses** (DeepSpeed-Ulysses, Jacobs et al. 2023,
+# [arXiv:2309.14509](https://arxiv.org/abs/2309.14509) §3) changes *what is split* during attention: heads are as
+# independent as tokens are in the MLP. Each rank computes q, k, v for its $s/c$ tokens and all heads; an
+# **all-to-all** sends head group $j$ to rank $j$, which then holds the *whole sequence* of $a/c$ heads and runs
+# ordinary causal attention (any kernel); a fourth all-to-all turns the output back into $s/c$ tokens of all heads for
+# o_proj. Four all-to-alls forward (q, k, v, out), four backward (an all-to-all's gradient is the inverse
+# all-to-all). `picotron --cp-impl ulysses`, `ulysses_attention` in `picotron/context_parallel.py`.
 #
 # In an all-to-all a rank keeps $1/c$ of its buffer and sends the rest. Per layer and step each rank sends
 #
 # $$B_{\text{Ulysses}} = 2 \cdot (2a + 2a_\text{kv}')\, b\, \tfrac{s}{c}\, d \cdot \tfrac{c-1}{c} \cdot 4 \text{ bytes}
 # \qquad\text{against}\qquad B_{\text{ring}} = (3c - 2) \cdot 2\, b\, a_\text{kv}\, \tfrac{s}{c}\, d \cdot 4,$$
 #
-# ($a_\text{kv}'$: the KV heads sent, see below). At a fixed number of tokens per rank — the way context parallelism is
-# used: twice the sequence, twice the ranks — Ulysses' bytes per rank approach a constant, $2(2a + 2a_\text{kv}') b (s/c) d$,
-# while the ring's grow with $c$: each rank sees every other rank's K/V. (The paper counts the same: a message of
-# $M$ over $c$ ranks costs each link $M/c$.) Ulysses sends q and the output too, so with few KV heads and small $c$
-# the ring can still send less; and it cannot hide its traffic under the compute, as the ring does (section 4(b)):
-# the attention waits for the all-to-all.
+# ($a_\text{kv}'$: the KV heads sent, below). At fixed tokens per rank (twice the sequence, twice the ranks), Ulysses'
+# bytes per rank approach a constant, $2(2a + 2a_\text{kv}') b (s/c) d$, while the ring's grow with $c$. (The paper
+# counts the same: a message of $M$ over $c$ ranks costs each link $M/c$.) Ulysses also sends q and the output, so
+# with few KV heads and small $c$ the ring can send less; and Ulysses cannot hide its traffic: attention waits for
+# the all-to-all.
 #
-# **The limit.** Each rank attends with $a/c$ whole heads, so $c$ must divide the query heads (per tensor-parallel
-# rank, with tp: the heads tp gave a rank are split again over cp). `picotron` refuses any other $c$ in one
-# sentence. Grouped-query attention with fewer KV heads than that: picotron *replicates* each KV head, to
-# $a_\text{kv}' = \mathrm{lcm}(a_\text{kv}, c)$ heads, so that every rank receives the KV heads its query heads read (DeepSpeed's
-# uneven-head variant is another answer). Ulysses cannot use more ranks than there are heads; the ring has no such
-# limit. With zig-zag the gathered sequence arrives in layout order (rank 0's two chunks, then rank 1's, ...):
-# picotron puts it in position order for the causal attention and back afterwards.
+# **The limit.** Each rank attends with $a/c$ whole heads, so $c$ must divide the query heads (per tp rank, with tp);
+# `picotron` refuses any other $c$ in one sentence. With fewer KV heads, picotron *replicates* each to
+# $a_\text{kv}' = \mathrm{lcm}(a_\text{kv}, c)$ heads so every rank receives those its query heads read (DeepSpeed's
+# uneven-head variant is another answer). No more ranks than heads; the ring has no such limit. With zig-zag the
+# gathered sequence arrives in layout order; picotron puts it in position order for the causal attention and back.
 #
-# The measurement: training steps of the model on 4 processes, at $c = 2$ (× dp 2) and $c = 4$, the same $s/c$
-# tokens per rank, the ring and Ulysses (zig-zag) one step of each in turn; the recorder counts every all-to-all's
-# buffer on the cp axis (`lesson.SentBytes`), and `metrics.ActivationCounter` the bytes one forward keeps.
+# The measurement: training steps on 4 processes, $c = 2$ (× dp 2) and $c = 4$, the same $s/c$ tokens per rank, ring
+# and Ulysses (zig-zag) in turn; the recorder counts every all-to-all's buffer on the cp axis (`lesson.SentBytes`),
+# `metrics.ActivationCounter` the bytes one forward keeps.
 
 # %%
 run("ulysses", nproc=C, hide=("cp=",))   # cp = 2 (x dp = 2) and cp = 4 on the same 4 processes (and 8 on 8); rows below
@@ -624,20 +581,16 @@ check("same tokens per rank, cp 2 -> 4: the ring's bytes per rank grow by (3·4-
       f"measured: ring {grow[2] / grow[0]:.2f}x, Ulysses {grow[3] / grow[1]:.2f}x")
 
 # %% [markdown]
-# The all-to-alls carry exactly the formula's bytes, and with the same tokens per rank the ring's traffic per rank
-# grows with $c$ while Ulysses' levels off at $(2a + 2a_\text{kv}') b (s/c) d$ per direction: at $c = 4$ ours already sends
-# less than half the ring's, and the gap widens with every doubling. Activation memory is the same: both keep q, k,
-# v and the output of attention, and the ring's $s/c$ tokens of $a$ heads are as many numbers as Ulysses' $s$ tokens
-# of $a/c$ heads (Ulysses also holds the whole sequence of its heads' K/V for the attention, the ring two blocks at a
-# time — a transient, not kept for backward).
+# The all-to-alls carry exactly the formula's bytes; with the same tokens per rank the ring's traffic grows with $c$
+# while Ulysses' levels off at $(2a + 2a_\text{kv}') b (s/c) d$ per direction: at $c = 4$ it already sends less than
+# half the ring's. Activation memory is the same: the ring's $s/c$ tokens of $a$ heads are as many numbers as
+# Ulysses' $s$ tokens of $a/c$ heads (Ulysses' whole-sequence K/V, like the ring's two blocks, is transient).
 #
-# Step times on this shared 2-core machine (the load is printed; four
-# processes share two cores) say little: Ulysses calls PyTorch's fused attention once where our ring
-# computes block by block in Python, so it tends to win here for that reason, not for its bytes. On GPUs the choice
-# is the bandwidth and the heads: Ulysses when the all-to-all runs over a fast, fully connected link (NVLink inside
-# a node) and $c \le$ the heads; the ring across nodes, for more ranks than heads, and where its transfers hide
-# under long blocks. The two compose (USP, Fang & Zhao 2024, [arXiv:2405.07719](https://arxiv.org/abs/2405.07719)):
-# Ulysses inside the node, the ring across.
+# Step times here (four processes on two cores) say little: Ulysses calls PyTorch's fused attention once where our
+# ring works block by block in Python. On GPUs the choice is bandwidth and heads: Ulysses over a fast, fully
+# connected link (NVLink in a node) with $c \le$ the heads; the ring across nodes, for more ranks than heads, where
+# its transfers hide under long blocks. The two compose (USP, Fang & Zhao 2024,
+# [arXiv:2405.07719](https://arxiv.org/abs/2405.07719)): Ulysses inside the node, the ring across.
 #
 # **Takeaway:** Ulysses swaps "every head, some tokens" for "some heads, every token" with an all-to-all; its bytes
 # per rank stay flat as $c$ grows with the sequence, and $c$ can be no larger than the heads.
@@ -659,24 +612,21 @@ _node.show("06_context_parallel")
 # ## 9. Exercises
 # Open `lessons/06_context_parallel/exercise.py`:
 #
-# 1. `merge(out, lse, out_b, lse_b)` — the log-sum-exp merge. The checker compares it with softmax attention over
-#    all keys (two and three blocks, float64), names the usual mistakes (the plain sum or mean of the outputs, the
-#    max of the lse's, the weights swapped) and the first wrong value, feeds it scores near 1000 in fp32 (where
-#    forming $e^{\ell}$ overflows), then runs picotron's real ring on 2 and 3 processes with your merge and names
-#    the rank whose output differs from full causal attention.
+# 1. `merge(out, lse, out_b, lse_b)`: the log-sum-exp merge, against softmax attention over all keys (two and three
+#    blocks, float64); the checker names the usual mistakes (the plain sum or mean, the max of the lse's, the weights
+#    swapped) and the first wrong value, feeds scores near 1000 in fp32 (where $e^{\ell}$ overflows), then runs
+#    picotron's ring on 2 and 3 processes with your merge and names the rank whose output differs.
 #
-# 2. `zigzag_positions(seq_len, cp, rank)` — the zig-zag index map: the positions a rank holds, which RoPE is
-#    given. The checker names the rank and position, and recognises the contiguous layout and chunks in the wrong
-#    order.
+# 2. `zigzag_positions(seq_len, cp, rank)`: the positions a rank holds (RoPE's input); the checker names the rank
+#    and position, and recognises the contiguous layout and chunks in the wrong order.
 #
-# 3. `step_blocks(rank, step, cp)` — which (query chunk, key chunk) blocks a rank computes at a ring step, and
-#    how (whole or causal). The checker names the rank, step and block, the ring turning the wrong way, a
-#    diagonal block computed whole, a block from the future.
+# 3. `step_blocks(rank, step, cp)`: which (query chunk, key chunk) blocks a rank computes at a ring step, whole or
+#    causal; the checker names the rank, step and block, a ring turning the wrong way, a diagonal block computed
+#    whole, a block from the future.
 #
-# 4. `heads_send_buffer(x, cp)` — Ulysses' all-to-all, the send side (section 7): this rank's tokens of all heads
-#    cut into one head group per destination rank. The checker plays the all-to-all between simulated ranks and
-#    names the usual mistakes: the rank axis not first, a reshape straight to the buffer's shape (no transpose: it
-#    cuts the batch), heads taken every $c$-th.
+# 4. `heads_send_buffer(x, cp)`: Ulysses' send side (section 7), this rank's tokens of all heads cut into one head
+#    group per destination; the checker plays the all-to-all between simulated ranks and names the rank axis not
+#    first, a reshape with no transpose (it cuts the batch), heads taken every $c$-th.
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:
 
@@ -698,17 +648,14 @@ _common.summary()   # this notebook's own checks, counted: ✓, ? and ✗
 # | + zig-zag | the same | the same | always with causal attention: it costs nothing |
 # | context parallel, Ulysses | $1/c$; the whole sequence of $a/c$ heads inside attention | per layer 8 all-to-alls, $2(2a + 2a_\text{kv}')b(s/c)d \cdot \frac{c-1}{c}$ numbers sent, not overlapped | a fast all-to-all (inside a node), $c \le$ the (per-tp-rank) query heads |
 #
-# **Its costs.** Gradients are averaged over dp × cp (the cp ranks are replicas for the weights). The ring's
-# transfers hide only while a block's attention takes longer than its transfer, so $s/c$ must stay large: cp
-# cannot go to hundreds on short sequences. Every rank holds the whole model: cp combines with tensor parallelism
-# (inside the node), pipeline parallelism and ZeRO, not instead of them. Document masking (several documents in one
-# sequence) breaks zig-zag's balance and needs per-block bookkeeping.
+# **Its costs.** Gradients are averaged over dp × cp. The ring's transfers hide only while a block's attention
+# outlasts its transfer, so $s/c$ must stay large. Every rank holds the whole model: cp combines with tp, pp and
+# ZeRO, not instead of them. Document masking (several documents in one sequence) breaks zig-zag's balance.
 #
-# **What ours lacks** (what Megatron-LM, torchtitan, ring-flash-attention and Llama 3's training add): a fused
-# flash-attention kernel per block (ours forms each block's scores), CUDA streams so the exchange really runs beside
-# the compute on a GPU, causal blocks that skip their masked half, hierarchical rings (inside then across nodes),
-# striped and document-aware layouts, Ulysses with uneven heads (a $c$ that does not divide the heads) and with its
-# all-to-alls overlapped with the projections, and the two combined (Ulysses inside a node, the ring across).
+# **What ours lacks** (Megatron-LM, torchtitan, ring-flash-attention, Llama 3's training): a fused flash kernel per
+# block, CUDA streams so the exchange really runs beside the compute, causal blocks that skip their masked half,
+# hierarchical rings, striped and document-aware layouts, Ulysses with uneven heads or with its all-to-alls
+# overlapped with the projections, and the two combined (Ulysses inside a node, the ring across).
 #
 # **Next — lesson 07, pipeline parallelism:** the layers cut into stages on different ranks, and the micro-batches
 # that flow through them; lesson 08 then moves tokens to experts on other ranks.
