@@ -166,8 +166,8 @@ print()
 _common.show_source(tensor_parallel.VocabParallelCrossEntropy)
 
 # %% [markdown]
-# With sp the norm weights are whole on every rank but each rank sees only its own tokens, so their gradients are
-# partial sums: the weight goes through $f$, whose backward all-reduces that gradient ($h$ numbers per norm):
+# With sp each rank sees only its own tokens, so the whole norm weights get partial gradients: the weight goes
+# through $f$, whose backward all-reduces them ($h$ numbers per norm):
 
 # %%
 _common.show_source(tensor_parallel.SequenceParallelRMSNorm.forward)
@@ -178,10 +178,9 @@ _common.show_source(tensor_parallel.SequenceParallelRMSNorm.forward)
 #
 # ## 4. Run it
 #
-# Every experiment here runs at tp = the number of processes (dp = 1): every rank sees the same batch. Each rank gets
-# `OMP_NUM_THREADS = cores // nproc` threads: on 2 cores tp=1 runs 2 threads, tp=2 one per rank, and **tp=4 puts 4
-# ranks on 2 cores: oversubscribed**. So the ideal here is *flat* throughput; on a GPU node, each rank with its own
-# GPU, it is $t\times$ one GPU's. (`OMP_WAIT_POLICY=PASSIVE`: spinning OpenMP threads collapse on shared cores.)
+# Every experiment here runs at tp = the number of processes (dp = 1): every rank sees the same batch. Threads are
+# shared out as in lesson 03 §4(f), so **tp=4 puts 4 ranks on 2 cores: oversubscribed**, and the ideal here is
+# *flat* throughput; on a GPU node, each rank with its own GPU, it is $t\times$ one GPU's.
 #
 # Each variant is built and stepped as `picotron.train` does (`parallelize(cfg, mesh)`: shards, optimizer, step
 # schedule, loss), once, on `mesh.recorded(recorder)`: the same process groups, every collective of the model and
@@ -312,14 +311,13 @@ lesson.plot_scaling(scaling); plt.show()
 # a fraction of it, sp is slower again, tp=4 (four processes on two cores) slowest. Runs differ by 10% or more with
 # the load (FAST more); on busy cores the single process's two threads suffer most and the order can change.
 #
-# The right-hand plot: at tp=2 the time outside collectives is about one process's (the same arithmetic over two
-# processes instead of two threads), plus the activation-sized all-reduces (count and time per call printed above).
-# None can hide: the next layer reads each one's result. With sp the same bytes take two calls, with a transpose on
-# each side. At tp=4 a rank "inside a collective" mostly waits for peers with no core: the orange bar measures the
-# oversubscription.
+# The right-hand plot: at tp=2 the time outside collectives is about one process's, plus the activation-sized
+# all-reduces (count and time per call printed above), none hidden: the next layer reads each result. With sp the
+# same bytes take two calls and two transposes. At tp=4 a rank "inside a collective" mostly waits for peers with no
+# core: the orange bar measures the oversubscription.
 #
-# A CPU cannot show the setting tp is made for: each rank its own GPU, all-reduces over NVLink. An estimate (not a
-# measurement) of the counted pattern against one layer's compute, on H100s:
+# A CPU cannot show tp's setting: each rank its own GPU, all-reduces over NVLink. An estimate (not a measurement) of
+# the counted pattern against one layer's compute, on H100s:
 
 # %%
 # An estimate, not a measurement: what the counted pattern costs next to the compute, per layer and token, on
@@ -630,10 +628,9 @@ all_passed = checker.check(["f_and_g", "parallel_mlp", "vocab_parallel_cross_ent
 # dp, ZeRO, cp and pp (tests/test_tensor_parallel.py).
 #
 # **The code.** `tensor_parallel.apply` gives the model a `HiddenSlices`: rank $r$ keeps hidden columns
-# $[rh/t, (r+1)h/t)$ (whole: $t$ divides the heads, so $h$; Megatron cuts the flattened tensor instead). The model
-# hands torch's checkpoint the *piece*, which torch saves, and the whole input to the first forward only; the
-# recomputation rebuilds it. The autograd graph is the forward's own, so every gradient is full recomputation's, bit
-# for bit:
+# $[rh/t, (r+1)h/t)$ ($t$ divides the heads, so $h$; Megatron cuts the flattened tensor). torch's checkpoint saves
+# the *piece*; the whole input goes to the first forward only, and the recomputation rebuilds it. The autograd
+# graph is the forward's own, so every gradient is full recomputation's, bit for bit:
 
 # %%
 from picotron import model as llama
@@ -703,9 +700,8 @@ partition_passed = checker.check(["partition"])
 # Every tp collective so far blocks: with sp the matmuls wait for the block's all-gather and make its reduce-scatter
 # wait. But a matmul is row-wise in the tokens: the rows of $y = xW^\top$ from rank $r$'s chunk need only that chunk.
 # **The collective matmul** (Wang et al. 2023, "Overlap Communication with Dependent Computation via
-# Decomposition", ASPLOS'23, §3; the JAX scaling book's collective-matmul example; torchtitan's async TP, which
-# reports 1.04–1.16× on H100s) cuts the all-gather into $t-1$ ring steps and multiplies the chunk that has arrived
-# while the next one travels:
+# Decomposition", ASPLOS'23, §3; the JAX scaling book's collective-matmul example; torchtitan's async TP) cuts the
+# all-gather into $t-1$ ring steps and multiplies the chunk that has arrived while the next one travels:
 #
 # | step $i$ | rank 0 | rank 1 | rank 2 | rank 3 | in flight meanwhile |
 # |---|---|---|---|---|---|
@@ -745,11 +741,11 @@ _common.show_source(async_tp.AllGatherMatmul.forward, "        def use(j, chunk,
 # communicator); every rank posts the same steps in the same order and waits for each before posting on another
 # group, so the steps never cross data parallelism's or the pipeline's traffic.
 #
-# `tests/test_async_tp.py` records every layout's communication (tp 2 and 4, dp × tp with ZeRO-1 and ZeRO-3, pp × tp
-# with 1F1B, interleaved, ZB-H1, ZB-V and DualPipe, cp × tp, dp × pp × tp), replays it under both of NCCL's models
-# (one stream per communicator; one order across communicators) and trains each against one process. Under a split
-# (zero-bubble) schedule the rings compute the input gradients and hand the weight gradients to the schedule's store,
-# for its W. FP8 is refused: it replaces the linears' matmul, which the collective matmul does itself.
+# `tests/test_async_tp.py` replays every layout's communication (tp; dp × tp with ZeRO-1/3; pp × tp with 1F1B,
+# interleaved, ZB-H1, ZB-V and DualPipe; cp × tp; dp × pp × tp) under both of NCCL's models (one stream per
+# communicator; one order across communicators) and trains each against one process. Under a split
+# (zero-bubble) schedule the rings hand the weight gradients to the schedule's store, for its W. FP8 is refused:
+# it replaces the linears' matmul, which the collective matmul does itself.
 #
 # **Measured.** `experiment.py --only asynctp` builds the layers twice on 2 ranks, blocking sp and async TP, same
 # weights and batch, and times one forward + backward of each in turn. On a CPU a local transfer is nearly free and
@@ -803,16 +799,13 @@ check("overlapped: less of the communication is exposed than blocking",
 
 # %% [markdown]
 # **What was measured, and what not.** The same results and bytes; the blocking run waits for the link exactly as
-# long as the formula says, the overlapped run far less: the chunks' matmuls hid more than the formula promises,
-# because on this CPU they run below the measured peak rate (a longer matmul hides more).
+# long as the formula says, the overlapped run far less (more than the formula promises: the chunk matmuls run below
+# the measured peak here, and a longer matmul hides more). The total time blocked is much larger in both runs: the
+# ranks do not compute in step on 2 shared cores, and gloo's transfer runs on them.
 #
-# The time blocked in all is much larger than the wait for the link, in both runs: on 2 shared cores the ranks do not
-# compute in step, so a collective also waits for the slower rank, and gloo's transfer runs on these cores.
-#
-# The step times move much less than the exposed communication: the chunks' matmuls are $t$ times smaller (less
-# efficient), the ring's bookkeeping shares the cores, and the emulated link only sleeps. The throughput ratio moved
-# between about 0.9 and 1.3 from run to run while we wrote this, its quartiles wide: **the CPU shows the mechanism,
-# not a speed-up you could quote.**
+# The step times move much less: the chunk matmuls are $t$ times smaller (less efficient), the ring's bookkeeping
+# shares the cores, the emulated link only sleeps. The throughput ratio moved between about 0.9 and 1.3 from run to
+# run while we wrote this: **the CPU shows the mechanism, not a speed-up you could quote.**
 #
 # A GPU moves the bytes with NVLink's copy engines while the tensor cores multiply, as the model describes. The
 # planner's prediction for an 8-GPU H100 node (NVLink 450 GB/s per direction, 60% of the bf16 peak; one micro-batch
