@@ -171,10 +171,9 @@ for hook in (zero3.Zero3._post_forward, zero3.Zero3._pre_backward, zero3.Zero3._
 # $\Psi$. The last *layer* is freed by `_post_forward` and gathered again at once (exercise 4 fixes that). Under
 # ZeRO-3 **every forward is collective**: evaluation and generation must run on every rank, or the others hang.
 #
-# **Who counts the bytes.** Every collective goes through the dp × cp `Axis`; the experiments pass
-# `mesh.dp_cp.recorded(recorder)`, whose `metrics.Recorder` sums each collective's whole buffer by kind and, given
-# a timeline, records when each ran. The hooks name each layer's forward and backward (`self.phases`), shown where
-# a listener is installed (`hooks.watch(model, listener=recorder.phase)`):
+# **Who counts the bytes.** The experiments pass `mesh.dp_cp.recorded(recorder)`, whose `metrics.Recorder` sums
+# each collective's whole buffer by kind and records when each ran; the hooks name each layer's forward and
+# backward (`self.phases`) for a listener (`hooks.watch(model, listener=recorder.phase)`):
 
 # %%
 _common.show_source(Axis.reduce_scatter_into)
@@ -456,9 +455,9 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
 # Herd of Models*, arXiv:2407.21783, §3.3.2). The pipeline changes *when*: a step runs $m \ge p$ micro-batches
 # through each chunk, interleaved with other chunks'.
 #
-# The contract is data parallelism's: the executor (`Pipeline.run`) knows the action after which a chunk's
-# gradients are whole (`Pipeline.final`: its last $B$, or $W$ in a split schedule) and runs every other backward
-# under `no_sync()`. ZeRO follows it ($\Psi_s$: one pipeline rank's parameters):
+# The executor (`Pipeline.run`) runs every backward but a chunk's last (`Pipeline.final`: its last $B$, or $W$ in a
+# split schedule) under `no_sync()`, as data parallelism expects. ZeRO follows ($\Psi_s$: one pipeline rank's
+# parameters):
 #
 # * **ZeRO-1** as before: one reduce-scatter at the chunk's last backward, one all-gather after the optimizer
 #   step. $\Psi_s + \Psi_s$ per step.
@@ -548,9 +547,8 @@ for dp, ds, cp in ((8, 4, 1), (4, 2, 1), (4, 2, 2)):
     print(f"dp={dp} cp={cp} --dp-shard {ds}: shard groups {shard}   replicate groups {replicate}")
 
 # %% [markdown]
-# With cp the shard group holds every cp rank of its dp coordinates (ZeRO already shards over dp × cp), and replicas
-# share the cp coordinate. The bytes each rank **sends** per step (one micro-batch; a ring sends $\frac{n-1}{n}$ of a
-# reduce-scatter's or all-gather's buffer and $\frac{2(n-1)}{n}$ of an all-reduce's; $\Psi$ fp32 parameters):
+# With cp the shard group holds its dp coordinates' cp ranks, and replicas share the cp coordinate. The bytes each
+# rank **sends** per step (one micro-batch, ring collectives, $\Psi$ fp32 parameters):
 #
 # $$\text{shard link: } \frac{n_s-1}{n_s}\,(\underbrace{\Psi}_{\text{RS}} + \underbrace{\Psi \text{ or } 2\Psi-\Psi_{root}}_{\text{AG: ZeRO-1/2 or 3}})\cdot 4
 # \qquad \text{replicate link: } \frac{2(n_r-1)}{n_r}\,\frac{\Psi}{n_s}\cdot 4$$
@@ -605,15 +603,12 @@ _common.check("the two communicators replay clean under NCCL's rules (ZeRO-3, dp
 # (ZeRO) or 2.2 (ZeRO-3); on a pod $n_s = 8$ makes it an eighth. The optimizer state per rank doubles from
 # `dp_shard` 4 to 2: that is HSDP's price.
 #
-# **Is it worth it on a pod?** The planner (`python -m picotron.plan`) tries every `dp_shard` whose shard group lies
-# in one node, charges the shard group's collectives at NVLink's bandwidth and the replicas' all-reduce at the
-# network's, and divides ZeRO's states by the shard group. For Llama 3 70B (seq 8192, 16M tokens per step) on H100s,
-# a node's dp ranks cannot hold the model ($16\Psi$ = 1.1 TB), but a node's **cp ranks** can (`dp_shard` = 1 with
-# cp 8), and its ZeRO then reduce-scatters on NVLink.
-#
-# Under a pipeline ZeRO reduce-scatters once per step (section 7), hidden only by the chunk's last backward;
-# ZeRO-2 and 3 hold the whole gradients until then, as ZeRO-1 does, so at the step's peak they save nothing over it:
-# the planner's best layouts are ZeRO-1 (ZeRO-2 ties). The planner:
+# **Is it worth it on a pod?** The planner (`python -m picotron.plan`) tries every `dp_shard` whose group lies in
+# one node, at NVLink's bandwidth within it and the network's across, with ZeRO's states divided by the group. For
+# Llama 3 70B (seq 8192, 16M tokens per step) on H100s, a node's dp ranks cannot hold the model ($16\Psi$ = 1.1 TB),
+# but a node's **cp ranks** can (`dp_shard` = 1 with cp 8), and its ZeRO then reduce-scatters on NVLink. Under a
+# pipeline ZeRO-2 and 3 save nothing over ZeRO-1 at the step's peak (section 7), so the best layouts are ZeRO-1
+# (ZeRO-2 ties):
 
 # %%
 from picotron import plan
