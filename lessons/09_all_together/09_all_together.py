@@ -7,9 +7,9 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 09 — All together: one grid, every strategy, and a plan for a real cluster
 #
-# Each lesson so far cut one thing. Real runs cut all of them at once: Llama 3 405B trained on 16,384 H100s as
-# tp 8 × pp 16 × dp 128 (Dubey et al. 2024, table 4), and its long-context phase added cp 16. Every GPU is one cell
-# of a 4-D grid and talks along its four axes, each axis with its own traffic and its own need for bandwidth:
+# Each lesson so far cut one thing; real runs cut all at once. Llama 3 405B trained on 16,384 H100s as tp 8 × pp 16 ×
+# dp 128 (Dubey et al. 2024, table 4), its long-context phase adding cp 16. Every GPU is a cell of a 4-D grid and
+# talks along four axes, each with its own traffic:
 #
 # | axis | cuts | what travels, how often | needs |
 # |---|---|---|---|
@@ -19,12 +19,11 @@ edit this file, never the notebook.
 # | dp, ZeRO (lessons 03, 04) | the batch (and the model states) | gradients once per step, under the backward | crosses nodes |
 # | ep (lesson 08) | the experts, carved out of dp | two all-to-alls of tokens per MoE layer | inside a node, or few nodes |
 #
-# We draw the grid from `picotron.mesh` — which rank talks to which, over which link; run one 4-D training on
-# real processes and draw every rank's step on one timeline, its bytes by axis against the formulas; check it
-# against one process, and read the whole parity matrix; check the memory and time model of `picotron.planner`
-# against measurements; and then use that model the way a training team does: for a model, a number of GPUs and a
+# We draw the grid (`picotron.mesh`); run one 4-D training and draw every rank's step on one timeline, its bytes by
+# axis against the formulas; check it and the whole parity matrix against one process; check `picotron.planner`'s
+# memory and time model against measurements; then use it as a training team does: for a model, GPUs and a
 # sequence length, find the layouts that fit, reach the global batch, and are fastest. The experiments are
-# `experiment.py` in this folder, launched with `torchrun`; `PICOTRON_FAST=1` gives a short run.
+# `experiment.py` here, launched with `torchrun`; `PICOTRON_FAST=1` gives a short run.
 
 # %%
 import sys
@@ -66,11 +65,10 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; the run: {lesso
 #
 # for coordinates $(r_\text{dp}, r_\text{pp}, r_\text{cp}, r_\text{tp})$ on a grid of sizes $(n, p, c, t)$: $n$ data-parallel
 # ranks, $p$ pipeline stages, context-parallel degree $c$, tensor-parallel degree $t$ (the course's
-# [notation](../../docs/reference.md#notation)). A **group** along an axis is every rank that
-# agrees with you on the three other coordinates (`mesh.group_ranks`); each strategy only talks inside its group.
-# Launchers (torchrun, Slurm) give consecutive ranks to the GPUs of one node, so the order decides which groups
-# stay inside a node: tp's groups are consecutive ranks, cp's are $t$ apart, pp's $c\,t$ apart, dp's $p\,c\,t$ apart.
-# One rank of the 16-rank grid dp2 × pp2 × cp2 × tp2:
+# [notation](../../docs/reference.md#notation)). A **group** along an axis is every rank that agrees with you on the
+# three other coordinates (`mesh.group_ranks`); each strategy talks only inside its group. Launchers give consecutive
+# ranks to one node's GPUs, so the order decides which groups stay inside a node: tp's are consecutive ranks, cp's
+# $t$ apart, pp's $c\,t$, dp's $p\,c\,t$. One rank of the 16-rank grid dp2 × pp2 × cp2 × tp2:
 
 # %%
 SIZES16 = dict(dp=2, pp=2, cp=2, tp=2)
@@ -82,10 +80,9 @@ for axis in lesson.AXES:
     print(f"  its {axis} group: {g}   ({lesson.WHAT_TRAVELS[axis]})")
 
 # %% [markdown]
-# Put those 16 ranks on nodes of 4 GPUs: a node is one row of the drawing. Each panel joins the groups of one axis,
-# green where a group stays inside a node (NVLink: H100 nodes give each GPU ~450 GB/s each way), orange where it
-# crosses nodes (InfiniBand: ~50 GB/s per GPU with one 400 Gb/s NIC per GPU), the link ratio that decides where
-# each strategy may go.
+# Those 16 ranks on nodes of 4 GPUs, a node per row. Each panel joins one axis's groups, green inside a node
+# (NVLink: ~450 GB/s each way per H100), orange across nodes (InfiniBand: ~50 GB/s per GPU with one 400 Gb/s NIC per
+# GPU): the ratio that decides where each strategy may go.
 
 # %%
 lesson.plot_grid4d(SIZES16, gpus_per_node=4); plt.show()
@@ -122,20 +119,18 @@ for name, sizes in (("Llama 3 405B, 8k context", dict(dp=128, pp=16, cp=1, tp=8)
         for a in lesson.AXES if sizes[a] > 1))
 
 # %% [markdown]
-# tp 8 fills a node exactly; everything else crosses the network. In the 128k-context phase cp's ring spans 16
-# nodes: each K/V block travels over InfiniBand, hidden under attention whose cost grows with $s^2$ while the
-# block grows with $s$ — long sequences are what make cp affordable across nodes.
+# tp 8 fills a node exactly; everything else crosses the network. In the 128k phase cp's ring spans 16 nodes: each
+# K/V block crosses InfiniBand, hidden under attention that grows with $s^2$ while the block grows with $s$.
 #
 # **Takeaway:** the rank order is a placement decision: tp fastest keeps the blocking all-reduces on NVLink, and
 # what crosses nodes is what overlaps (dp's gradients) or is small (pp's activations).
 #
 # ## 2. One 4-D run: every rank's step on one timeline
 #
-# The tiny model on real processes (gloo on this CPU): `picotron.train` for a few steps, then more steps built
-# the same way (`parallelize`) with a recorder on every axis and a timeline on the pipeline executor and on every
-# ring-attention core, then the same global batch on one process. In full mode that is dp2 × pp2 × cp2 × tp2,
-# 16 processes on 2 cores; FAST drops dp (pp2 × cp2 × tp2, 8 processes), the gradients then averaged over the cp
-# pair (dp × cp = 2).
+# The tiny model on real processes: `picotron.train` for a few steps, then more steps built the same way
+# (`parallelize`) with a recorder on every axis and a timeline on the pipeline executor and every ring-attention
+# core, then the same global batch on one process. Full mode: dp2 × pp2 × cp2 × tp2, 16 processes on 2 cores; FAST
+# drops dp (8 processes; gradients averaged over the cp pair).
 
 # %%
 run("run4d", nproc=W)
@@ -148,12 +143,10 @@ print(f"{res['name']}: {W} processes, the timed step took {1e3 * min(steps):.0f}
 lesson.plot_timeline4d(res); plt.show()
 
 # %% [markdown]
-# Read it by blocks of ranks. The first pipeline stage (pp0) runs 1F1B's warm-up forward, then alternates; the last
-# stage starts by waiting (green) for the first activation, and its forwards and backwards alternate from the
-# start. Inside every F and B the red bars are tensor parallelism's all-reduces — the densest traffic, a few per
-# layer and micro-batch — and the purple ones the ring-attention waits for the next K/V block. The gradients'
-# all-reduce over dp × cp (blue) comes once, after the last backward, then the gradient norm's all-reduce over
-# every rank (brown) and the optimizer step. Where each rank's time went:
+# Read it by blocks of ranks. Stage pp0 runs 1F1B's warm-up forward, then alternates; the last stage first waits
+# (green) for an activation, then alternates. Inside every F and B, red bars are tp's all-reduces (the densest
+# traffic), purple ones the ring's waits for K/V. The gradients' all-reduce over dp × cp (blue) comes once after the
+# last backward, then the gradient norm's over every rank (brown) and the optimizer step. Where each rank's time went:
 
 # %%
 lesson.plot_shares(res); plt.show()
@@ -164,10 +157,9 @@ print(f"over all ranks: compute {sum(s['compute'] for s in sh) / sum(s['step'] f
       f"{W} processes share {env['cores']} cores")
 
 # %% [markdown]
-# On this machine the communication share is mostly not the network: every process needs a core and all
-# of the run's processes share two, so a rank in an all-reduce is usually waiting for a partner that has no core. The bytes are
-# the part that carries over to GPUs. Each rank's bytes per step, by axis, against what the layout and the model's
-# shapes say (`lesson.bytes_formula`: tp's four all-reduces per layer and micro-batch plus the embedding's and the
+# Here the communication share is mostly not the network: all processes share two cores, so a rank in an all-reduce
+# usually waits for a partner with no core. The bytes are what carries over to GPUs: each rank's per step, by axis,
+# against `lesson.bytes_formula` (tp's four all-reduces per layer and micro-batch plus the embedding's and the
 # loss's; cp's ring blocks; pp's one activation per micro-batch; dp × cp's every gradient once):
 
 # %%
@@ -188,31 +180,26 @@ check(f"every rank's bytes per step, on every axis, are the formula's, to the by
       f"dp x cp {lesson.bytes_formula(res, res['timed'][0]['coords'])['dp_cp'] / MiB:.3f} MiB")
 
 # %% [markdown]
-# The formula and the run agree on every rank and axis. With the tiny model the tp all-reduces dominate the bytes
-# (activations of $b\,s\,h/c$ numbers, many times per layer) while the gradients cross once; at scale
-# the gradients are much larger ($4\Psi/(t\,p)$ bytes per GPU) but overlap the backward.
+# Formula and run agree on every rank and axis. Here tp's all-reduces dominate ($b\,s\,h/c$ numbers, many times per
+# layer); at scale the gradients are much larger ($4\Psi/(t\,p)$ bytes per GPU) but overlap the backward.
 #
 # **Takeaway:** every strategy keeps its own traffic on its own axis; one timeline shows them nested — tp and cp
 # inside every pipeline action, pp between them, dp at the end.
 #
 # ### 2b. The same view from the trainer's own trace, in Perfetto
 #
-# The timeline above comes from the lesson's recorder. Any run of `picotron.train` can write the same, as a trace
-# for https://ui.perfetto.dev: `--profile A:B` profiles optimizer steps A to B (both included) with torch.profiler,
-# picotron's phases (each micro-batch's F and B, `wait p2p` where a stage waits for its neighbour, the clip and the
-# optimizer step) as named ranges around torch's operators, and every collective on rows of its own with its axis
-# and bytes.
-#
-# Each rank writes `OUT/traces/rank{R}.json`; rank 0 then merges them into `OUT/traces/merged.json`, one
-# row per rank named by its place in the grid. The ranks' clocks: one machine's ranks share one; machines disagree by
-# milliseconds, so every rank leaves a barrier at the start of the range and marks the instant, and each machine's
-# events are shifted together onto its first rank's mark (`picotron/trace.py`; [traces](../../docs/reference.md#traces)).
-# A small run here, tp2 × pp2 on 4 processes, step 3 of 3 profiled:
+# Any `picotron.train` run can write the same as a trace for https://ui.perfetto.dev: `--profile A:B` profiles
+# optimizer steps A to B (both included) with torch.profiler, picotron's phases (each micro-batch's F and B, `wait
+# p2p`, the clip, the optimizer step) as named ranges around torch's operators, and every collective on rows of its
+# own with its axis and bytes. Each rank writes `OUT/traces/rank{R}.json`; rank 0 merges them into
+# `OUT/traces/merged.json`, a row per rank. Machines' clocks disagree by milliseconds, so every rank leaves a barrier
+# at the range's start and marks the instant, and each machine's events are shifted onto its first rank's mark
+# (`picotron/trace.py`; [traces](../../docs/reference.md#traces)). Here tp2 × pp2 on 4 processes, step 3 of 3:
 #
 #     python -m picotron.train --preset tiny --tp 2 --pp 2 --grad-acc 4 --steps 3 --profile 3 --out runs/traced
 #
-# Open `merged.json` in Perfetto (drag it in): four process rows, each with its Python thread (the phases, and
-# under them every operator) and its "picotron collectives" rows. Below, the same file drawn in this lesson's style.
+# Drag `merged.json` into Perfetto: four process rows, each with its Python thread (phases, operators under them)
+# and its "picotron collectives" rows. Below, the same file in this lesson's style.
 
 # %%
 import shutil
@@ -247,23 +234,18 @@ check("one machine, one clock: the merge shifted no rank", set(info["clock_offse
       f"offsets {info['clock_offsets_us']}")
 
 # %% [markdown]
-# The messages check is what a wrong clock breaks first: shift one rank by the milliseconds two machines' clocks
-# disagree by and its receives would end before their sends. In Perfetto, click a collective to read its axis and
-# bytes; select a stretch across the four rows to sum what each rank did in it. On a GPU each rank also writes
-# `memory_rank{R}.pickle` for https://pytorch.org/memory_viz (lesson 01, section 4h; unmeasured: no GPU was lent
-# when this was written).
+# A wrong clock breaks the messages check first: its receives would end before their sends. In Perfetto, click a
+# collective for its axis and bytes; select a stretch across the rows to sum each rank's work. On a GPU each rank also
+# writes `memory_rank{R}.pickle` for https://pytorch.org/memory_viz (lesson 01, section 4h; unmeasured here).
 #
 # ## 3. Check it: the 4-D run trains like one process
 #
-# The same seed, the same global batch (the one process accumulates dp × grad_acc micro-batches), fp32: the
-# per-step loss within $10^{-5}$ relative over the first 10 steps (the [parity standard](../../docs/reference.md#parity-standard)),
-# and after them within the drift bound $10^{-3}$. The gradient norm is a sum of squares over every gradient,
-# taken here in another order (slices over tp, stages over pp, each counted once from its marks). It is also the
-# most sensitive number of a step: once the weights differ in their last bits, a step whose gradient sits on a
-# sharp ridge (after a loss spike, say) amplifies that difference, and one step's norm can move by $10^{-4}$ (FAST
-# mode's run does, at step 8, with every loss still within $2\cdot10^{-6}$). We hold it to the drift bound
-# $10^{-3}$: a gradient left out or counted twice moves it by $10^{-2}$ or more (lesson 08's trap: $1.2\cdot10^{-2}$
-# at step 1).
+# Same seed, same global batch (the one process accumulates dp × grad_acc micro-batches), fp32: per-step loss within
+# $10^{-5}$ relative over the first 10 steps (the [parity standard](../../docs/reference.md#parity-standard)), then
+# within the drift bound $10^{-3}$. The gradient norm, a sum of squares taken here in another order, is a step's most
+# sensitive number: once weights differ in their last bits, a step on a sharp ridge amplifies it, and one norm can
+# move by $10^{-4}$ (FAST's run does, at step 8, every loss still within $2\cdot10^{-6}$). We hold it to $10^{-3}$: a
+# gradient left out or counted twice moves it by $10^{-2}$ or more (lesson 08's trap: $1.2\cdot10^{-2}$ at step 1).
 
 # %%
 GRAD_TOL = 1e-3
@@ -279,10 +261,9 @@ for line in _common.parity_checks(res["name"], got["losses"], ref["losses"], whe
 check(f"gradient norm {res['name']}", g_["ok"], f"within {GRAD_TOL:.0e} relative over steps 1-10: max {g_['worst']:.1e}")
 
 # %% [markdown]
-# What each rank holds, against the one process (bytes of the last step; activations: the peak of the pipeline's
-# stash). Model states divide by tp × pp (the norms' weights are copies on every tp rank); activations divide by
-# tp for the sharded parts, by cp for every token-wise tensor, and the 1F1B stash holds up to $p - r$ micro-batches
-# on stage $r$:
+# What each rank holds against the one process (last step; activations: the pipeline stash's peak). Model states
+# divide by tp × pp (norm weights are copies on every tp rank); activations by tp for the sharded parts, by cp for
+# every token-wise tensor, and the 1F1B stash holds up to $p - r$ micro-batches on stage $r$:
 
 # %%
 one = ref["mem"]
@@ -300,11 +281,10 @@ check("the parameters of one replica's tp x pp ranks add up to the model (+ the 
       f"norm vectors of {mc.hidden_size}")
 
 # %% [markdown]
-# **The whole matrix.** One 4-D run proves one layout. `tests/test_parity_matrix.py --parity-matrix` runs every
-# layout with dp, pp, cp, tp in {1, 2}, each with and without sequence parallelism (where tp = 2) and ZeRO-1 (where
-# dp·cp > 1), and ep = 2 on the MoE model: each against one process, every gradient of a step compared (ZeRO
-# shards, tp slices and experts gathered first), and the loss, gradient norm and validation loss of 3 steps. Its
-# last result, committed as `figures/09_parity_matrix.json`:
+# **The whole matrix.** `tests/test_parity_matrix.py --parity-matrix` runs every layout with dp, pp, cp, tp in
+# {1, 2}, with and without sp (where tp = 2) and ZeRO-1 (where dp·cp > 1), and ep = 2 on the MoE model, each against
+# one process: every gradient of a step (shards, slices and experts gathered first), and 3 steps' loss, gradient norm
+# and validation loss. Its last result, `figures/09_parity_matrix.json`:
 
 # %%
 matrix = _common.load_json(_common.ROOT / "figures" / "09_parity_matrix.json")
@@ -331,11 +311,10 @@ check("no variant is refused (experts with cp = 2 run too: their routing statist
 #
 # ## 4. The memory and time model, checked against the runs
 #
-# To plan a cluster we need, for a layout we cannot launch here, its memory per GPU and its step time:
-# `picotron.planner.memory_per_stage(mc, layout, seq_len, dtype, recipe)` and `picotron.plan.step_time(mc,
-# layout, seq_len, hw)` ([the reference](../../docs/reference.md#finding-a-layout-the-planner) derives both). With
-# recipe `"ours"` the memory model predicts what our trainer holds (fp32 states, our activations); with `"mixed"`,
-# the bf16 recipe a GPU run uses. First the 4-D run above, rank by rank:
+# To plan a cluster we need a layout's memory per GPU and step time: `picotron.planner.memory_per_stage(mc, layout,
+# seq_len, dtype, recipe)` and `picotron.plan.step_time(mc, layout, seq_len, hw)` ([the
+# reference](../../docs/reference.md#finding-a-layout-the-planner) derives both). Recipe `"ours"` predicts what our
+# trainer holds (fp32 states); `"mixed"`, the bf16 recipe of a GPU run. First the 4-D run above, rank by rank:
 
 # %%
 from picotron import plan
@@ -360,9 +339,8 @@ check("activations within 5% of the model", max(abs(x) for x in gaps) < 0.05,
       f"micro-batch alive that the model does not count under pp x cp")
 
 # %% [markdown]
-# Then 30 layouts measured one step each by `benchmarks/planner_memory.py` (every strategy alone and combined, 1 to
-# 8 processes; committed as `figures/09_planner_memory_ours.json`), the worst rank of each against its stage's
-# prediction:
+# Then 30 layouts measured by `benchmarks/planner_memory.py` (every strategy alone and combined, 1 to 8 processes;
+# `figures/09_planner_memory_ours.json`), each one's worst rank against its stage's prediction:
 
 # %%
 pm = _common.load_json(_common.ROOT / "figures" / "09_planner_memory_ours.json")
@@ -379,13 +357,12 @@ check("model states exact in every layout (the step counters aside)",
       "parameters and gradients to the byte")
 
 # %% [markdown]
-# **Time, on this machine.** What two cores can time honestly is two ranks, one thread each (never more processes
-# than cores). `benchmarks/planner_time.py` runs 20 layouts of one 6.4 M-parameter model, 16 sequences of 256 per step
-# (every strategy on two processes, and one process for reference), drops each run's first two steps, takes the
-# slowest rank per step and the median over steps and over three rounds. The planner sees this machine through
-# `plan.cpu_hardware`: the matmul peak measured on one thread, gloo's α and bandwidth fitted to all-reduces between the
-# two processes, and one efficiency fitted on the one-process run alone — every other prediction is the model's
-# (committed as `figures/09_planner_time.json`):
+# **Time, on this machine.** Two cores time two ranks honestly, one thread each. `benchmarks/planner_time.py` runs
+# 20 layouts of a 6.4 M-parameter model, 16 sequences of 256 per step (every strategy on two processes, and one
+# process for reference): the slowest rank per step, the median over steps (the first two dropped) and three rounds.
+# The planner sees this machine through `plan.cpu_hardware`: the one-thread matmul peak, gloo's α and bandwidth fitted
+# to all-reduces between the two processes, and one efficiency fitted on the one-process run alone; every other
+# prediction is the model's (`figures/09_planner_time.json`):
 
 # %%
 pt = _common.load_json(_common.ROOT / "figures" / "09_planner_time.json")
@@ -405,21 +382,19 @@ check("every predicted step time within 40% of the measured one", all(0.6 <= r["
       f"predicted / measured from {min(r['ratio'] for r in pt['rows']):.2f} to {max(r['ratio'] for r in pt['rows']):.2f}")
 
 # %% [markdown]
-# The model gets the big effects right — recomputation's extra forward, the pipeline schedules' bubbles in the order
-# the simulator gives, tp's per-layer all-reduces — and misses what is code rather than arithmetic: context
-# parallelism's blocked attention and log-sum-exp merges run slower than one fused attention call, which the model
-# (counting FLOPs) cannot see, and it assumes the ring's transfers hide under that attention; sequence
-# parallelism's reduce-scatter and all-gather cost more on gloo than the all-reduce they replace. Two busy cores are
-# also a little slower than one alone (shared memory bandwidth), so every two-process prediction leans optimistic.
+# The model gets the big effects right (recomputation's extra forward, the schedules' bubbles in the simulator's
+# order, tp's per-layer all-reduces) and misses what is code rather than arithmetic: cp's blocked attention runs
+# slower than one fused call, which counting FLOPs cannot see (and the model assumes the ring's transfers hide under
+# it); sp's reduce-scatter and all-gather cost more on gloo
+# than the all-reduce they replace. Two busy cores are a little slower than one (shared memory bandwidth), so every
+# two-process prediction leans optimistic.
 
 # %% [markdown]
-# **Time, against published runs.** A step-time model cannot be checked on two CPU cores for GPU clusters; what
-# can be checked is what others measured. Four runs whose layout and throughput were published, evaluated with
-# one efficiency for all, not tuned per run: `plan.EFFICIENCY` = 0.6, the share of the datasheet peak that the
-# layer's kernels are *assumed* to reach. It is an input of the model, not something it predicts: a round value
-# below the about 80% that one large bf16 matmul reaches on an H100 (the reference's
-# [MFU section](../../docs/reference.md#model-flops-utilisation)), for the smaller matmuls, attention and
-# elementwise kernels of a real layer:
+# **Time, against published runs.** Four runs whose layout and throughput were published, with one efficiency for
+# all, not tuned per run: `plan.EFFICIENCY` = 0.6, the share of the datasheet peak a layer's kernels are *assumed* to
+# reach. An input, not a prediction: a round value below the about 80% one large bf16 matmul reaches on an H100 (the
+# reference's [MFU section](../../docs/reference.md#model-flops-utilisation)), for a real layer's smaller matmuls,
+# attention and elementwise kernels:
 
 # %%
 pub = [(run, plan.evaluate_published(run, rank=False)) for run in plan.PUBLISHED]
@@ -434,42 +409,36 @@ check("the predicted throughput is within 25% of each published one", all(0.75 <
       ", ".join(f"{r['ratio']:.2f}x" for _, r in pub))
 
 # %% [markdown]
-# One efficiency for every run, and the predictions land within the ratios printed above of what was measured on
-# clusters of 384 to 16,384 GPUs. What a paper leaves out had to be assumed (the [reference](../../docs/reference.md#finding-a-layout-the-planner)
-# lists it: Llama 3's ZeRO stage and chunks per rank, for instance), and the model ignores what makes real runs
-# slower than their FLOPs (kernel efficiency by matmul shape, stragglers, contention between groups) except
-# through that one efficiency: it is optimistic where groups are small and many.
+# With one efficiency the predictions land within the printed ratios of what was measured on 384 to 16,384 GPUs.
+# What a paper leaves out was assumed (the [reference](../../docs/reference.md#finding-a-layout-the-planner) lists
+# it, e.g. Llama 3's ZeRO stage and chunks per rank), and the model ignores what slows real runs (kernel efficiency
+# by shape, stragglers, contention) except through that efficiency: it is optimistic where groups are small and many.
 #
 # **Takeaway:** model states are arithmetic and come out exact; activations depend on the code and come out
 # within a few percent; time is a model, good to tens of percent — enough to rank layouts, not to promise a number.
 #
 # ## 5. The decision procedure: SmolLM-1.7B, Llama 3 8B and 70B on 8 to 1,024 GPUs
 #
-# The Ultra-Scale Playbook's three steps, as a search (`plan.search`): every (dp, tp, pp, cp, ZeRO, sp,
-# micro-batch, recomputation, schedule) of the job that picotron's trainer runs (what it refuses, the search refuses
-# with the trainer's own sentence), tp at most a node.
+# The Ultra-Scale Playbook's three steps, as a search (`plan.search`) over every (dp, tp, pp, cp, ZeRO, sp,
+# micro-batch, recomputation, schedule) that picotron's trainer runs (what it refuses, the search refuses with the
+# trainer's sentence), tp at most a node.
 #
-# **(1)** Reject what does not fit the GPU's
-# memory (bf16 mixed precision) less a headroom: the model counts the model states and the activations, not the CUDA
-# context, NCCL's buffers or the allocator's fragmentation, which take several GiB of a real card, so the plan keeps
-# `plan.HEADROOM` = 10% of it free (71.7 of an H100's 79.6 GiB; `python -m picotron.plan` does the same, `--headroom
-# 0` to fill the card).
-#
-# Why that much: PyTorch's caching allocator keeps freed blocks reserved for reuse, so a
-# process holds more than its tensors and can fail to find one contiguous block while enough memory is free in
-# pieces (PyTorch documentation, "CUDA semantics", section "Memory management"); NCCL allocates its own buffers
-# outside PyTorch's allocator: `NCCL_BUFFSIZE`, "the buffer used by NCCL when communicating data between pairs of
-# GPUs", is 4 MiB by default (NCCL documentation, "Environment variables"), and a rank holds such buffers in every
-# communicator it belongs to — a 4-D layout gives each rank several.
+# **(1)** Reject what does not fit the GPU's memory (bf16 mixed precision) less a headroom: the model does not count
+# the CUDA context, NCCL's buffers or fragmentation, several GiB of a real card, so the plan keeps `plan.HEADROOM` =
+# 10% free (71.7 of an H100's 79.6 GiB; `python -m picotron.plan` too, `--headroom 0` to fill the card). PyTorch's
+# caching allocator keeps freed blocks reserved, so a process holds
+# more than its tensors and can fail to find one contiguous block while enough is free in pieces (PyTorch
+# documentation, "CUDA semantics", "Memory management"); NCCL allocates outside it: `NCCL_BUFFSIZE`, "the buffer used
+# by NCCL when communicating data between pairs of GPUs", is 4 MiB by default (NCCL documentation, "Environment
+# variables"), in every communicator a rank belongs to, and a 4-D layout gives each rank several.
 #
 # **(2)** Reject what does not run exactly the global batch (dp × micro-batch × accumulation sequences).
 # **(3)** Rank the rest by predicted tokens/s.
 #
-# The jobs: H100 80 GB (8 per node), each model at its
-# training context (SmolLM 2,048 tokens, Llama 3 8,192), 4M tokens per step. The MFU printed is the model's, and
-# its ceiling is the assumed efficiency: MFU = `plan.EFFICIENCY` × the share of the step spent computing (less with
-# recomputation's extra forward or unbalanced stages), so a layout with no exposed communication and no bubble shows
-# exactly 60%: the input, not a prediction (the dashed line of the left panel below).
+# The jobs: H100 80 GB (8 per node), each model at its training context (SmolLM 2,048 tokens, Llama 3 8,192), 4M
+# tokens per step. The printed MFU is the model's, capped by the assumed efficiency: `plan.EFFICIENCY` × the share of
+# the step spent computing (less with recomputation or unbalanced stages), so a layout with no exposed communication
+# and no bubble shows exactly 60%, the input (the left panel's dashed line).
 
 # %%
 GPU_COUNTS = (8, 64, 256, 1024)
@@ -526,19 +495,16 @@ print(f"SmolLM-1.7B on 1,024 GPUs: the fastest pure-dp layout, {pure[0]}, {pure[
       f"{best1k[2]['total']:.3f} s ({100 * best1k[2]['dp'] / best1k[2]['total']:.0f}% exposed)")
 
 # %% [markdown]
-# The procedure's answers follow the rules of thumb of lessons 03-07. A 1.7 B model fits on one GPU: data
-# parallelism (ZeRO to trim the optimizer state) is all it needs until the global batch runs out of sequences for
-# the GPUs — at 1,024 GPUs and 2,048 sequences a replica would get two, too little backward to hide the gradients'
-# all-reduce across nodes behind (the line above), and tensor parallelism inside the node takes over: fewer, larger
-# replicas. Llama 3 8B's model states need sharding or model parallelism from the start, and a 70B model's do not
-# fit 8 GPUs at all (the model states per model are printed below).
+# The answers follow lessons 03-07's rules of thumb. A 1.7 B model fits one GPU: data parallelism (ZeRO to trim the
+# optimizer state) suffices until the batch runs out of sequences; at 1,024 GPUs and 2,048 sequences a replica gets
+# two, too little backward to hide the gradients' all-reduce across nodes (the line above), and tensor parallelism
+# inside the node takes over. Llama 3 8B's model states need sharding or model parallelism from the start; a 70B
+# model's do not fit 8 GPUs at all (printed below).
 #
-# The headroom is not a detail: the fastest
-# layouts of Llama 3 70B on 256 GPUs fill the card to within a few hundred MiB, which a real run would not survive,
-# and keeping 10% free moves the answer to a pipelined layout a few percent slower. MFU falls as the GPUs grow for
-# a fixed global batch: fewer micro-batches per replica, so a larger bubble and less backward to hide the gradients
-# behind. Many layouts tie within a percent at the top (the same degrees with another ZeRO stage or micro-batch):
-# the ranking of close layouts is the model's weakest point.
+# The headroom matters: Llama 3 70B's fastest layouts on 256 GPUs fill the card to within a few hundred MiB, which a
+# real run would not survive; keeping 10% free moves the answer to a pipelined layout a few percent slower. MFU falls
+# as GPUs grow for a fixed global batch (fewer micro-batches per replica: a larger bubble, less backward to hide the
+# gradients). Many layouts tie within a percent at the top: ranking close layouts is the model's weakest point.
 
 # %%
 H100 = plan.GPUS["h100-80gb"].memory
@@ -554,12 +520,11 @@ for name in lesson.JOBS:
 #
 # ## 6. Explore: a model, GPUs, memory and a sequence length → ranked layouts
 #
-# Pick a model, the number of GPUs (H100s, 8 per node), the memory per GPU (the plan uses 90% of it, as above) and
-# the sequence length (4M tokens per step).
-# Left: the memory per GPU of the fastest layout of each shape, by part, against the budget; right: its predicted
-# step time by part (compute, tp, cp, pp's sends, the bubble, dp's exposed all-reduce). Questions: at what memory
-# does Llama 3 8B on 8 GPUs stop needing ZeRO-3? How does a 32k sequence change Llama 3 70B's best layout on 256
-# GPUs? (Widgets need a live kernel; a static viewer shows the default only.)
+# Pick a model, GPUs (H100s, 8 per node), memory per GPU (90% used, as above) and sequence length (4M tokens per
+# step). Left: memory per GPU of each shape's fastest layout, by part, against the budget; right: its predicted step
+# time by part (compute, tp, cp, pp's sends, the bubble, dp's exposed all-reduce). At what memory does Llama 3 8B on 8
+# GPUs stop needing ZeRO-3? How does a 32k sequence change Llama 3 70B's best layout on 256 GPUs? (Widgets need a
+# live kernel.)
 
 # %%
 MEMORY = {f"{hw.name} ({hw.memory / 2**30:.1f} GiB)": hw.memory / 2**30 for hw in plan.GPUS.values()}
@@ -611,30 +576,28 @@ _node.show("09_all_together")
 # ## 8. Exercises
 # Open `lessons/09_all_together/exercise.py`:
 #
-# 1. `place(rank, sizes)` — a rank's coordinates on a 4-D grid and its four groups. The checker compares every rank
-#    of five grids (up to 48 ranks) with `picotron.mesh`, names the rank, the axis and the group, and recognises dp
-#    numbered fastest, a group along the wrong axis and a group out of order.
+# 1. `place(rank, sizes)`: a rank's coordinates on a 4-D grid and its four groups, against `picotron.mesh` on five
+#    grids (up to 48 ranks); the checker names the rank, axis and group, and recognises dp numbered fastest, a group
+#    along the wrong axis and a group out of order.
 #
-# 2. `step_batch(global_batch_tokens, seq_len, micro_batch_size, sizes)` — sequences per step, micro-batches per
-#    replica, the tokens one rank holds of a micro-batch, and the 1F1B bubble; an impossible batch refused. The
-#    checker recognises the sequences divided over dp × cp or over every rank, the micro-batch forgotten, cp
-#    forgotten, and the bubble relative to the useful time.
+# 2. `step_batch(global_batch_tokens, seq_len, micro_batch_size, sizes)`: sequences per step, micro-batches per
+#    replica, a rank's tokens of a micro-batch, and the 1F1B bubble; an impossible batch refused. The checker
+#    recognises sequences divided over dp × cp or every rank, the micro-batch or cp forgotten, and the bubble relative
+#    to the useful time.
 #
-# 3. `memory_by_part(params, layout, activations, stage)` — one GPU's bytes by part in bf16 mixed precision, with
-#    ZeRO and 1F1B's micro-batches alive. Checked against `planner.memory_per_stage` on every stage of five layouts;
-#    the checker recognises the master copy forgotten, ZeRO over dp instead of dp × cp, a ZeRO stage that shards too
-#    much, and AFAB's or an uncapped count of micro-batches alive.
+# 3. `memory_by_part(params, layout, activations, stage)`: one GPU's bytes by part in bf16 mixed precision, with ZeRO
+#    and 1F1B's micro-batches alive, against `planner.memory_per_stage` on every stage of five layouts; the checker
+#    recognises the master copy forgotten, ZeRO over dp instead of dp × cp, a stage that shards too much, and AFAB's
+#    or an uncapped count of micro-batches.
 #
-# 4. `choose(candidates, memory_gib, step_seconds, budget_gib, global_seqs)` — the decision procedure on ten layouts
-#    of Llama 3 8B on 16 GPUs, with 71.7 GiB per GPU (an H100's 79.6 GiB less the 10% headroom of section 5) and
-#    with 35.6 GiB (an A100 40GB's 39.6 GiB less 10%). The checker names a layout kept that does not fit or does not
-#    run the batch, the wrong step for one that fails both, and a best chosen by memory or by a short step that does
-#    less work.
+# 4. `choose(candidates, memory_gib, step_seconds, budget_gib, global_seqs)`: the decision procedure on ten layouts
+#    of Llama 3 8B on 16 GPUs, at 71.7 GiB (an H100's 79.6 less 10%) and 35.6 GiB (an A100 40GB's 39.6 less 10%); the
+#    checker names a kept layout that does not fit or run the batch, the wrong step for one failing both, and a best
+#    chosen by memory or by a short step doing less work.
 #
-# 5. `clock_shifts(markers, hosts)` — the merged trace's one clock (section 2b): each rank's shift from the times its
-#    ranks left the start barrier and the machines they run on. The checker recognises every rank shifted by its
-#    own mark (which adds its lag in leaving the barrier), one shift for all machines, and a machine's last barrier
-#    leaver taken for its first.
+# 5. `clock_shifts(markers, hosts)`: the merged trace's clock (section 2b), each rank's shift from the times ranks
+#    left the start barrier and their machines; the checker recognises every rank shifted by its own mark (adding its
+#    lag), one shift for all machines, and a machine's last barrier leaver taken for its first.
 #
 # Until you write them, the checker reports `NotImplementedError: not written yet`:
 
@@ -650,33 +613,29 @@ all_passed = checker.check()
 #
 # | axis | divides | costs | keep it |
 # |---|---|---|---|
-# | tp | weights, and (with sp) activations, by $t$ | 4 collectives of $b\,s\,h$ per layer, blocking; with sp and `--async-tp` cut into $t$ ring steps under the matmuls (lesson 05) | inside a node ($t \le 8$) |
-# | cp | activations by $c$ | K/V around a ring, hidden under attention when $s$ is long; or Ulysses' 4 all-to-alls each way, exposed, their bytes falling as $1/c$ (heads per tp rank divisible by $c$) | inside a node, or across for very long $s$ |
-# | pp | weights and activations by stage | the bubble $\frac{p-1}{m+p-1}$ (needs $m \gg p$), stage balance; DualPipe: idle $(\frac{p}{2}-1)(t_{F\&B}+t_B-3t_W)$ for $2\times$ the parameters per rank | across nodes |
-# | dp / ZeRO | the batch; ZeRO: optimizer state, gradients, parameters by $n$ | gradients once per step (ZeRO-3: + parameters); HSDP (`--dp-shard`) shards within a group, a node, and all-reduces only $1/n_s$ of it across groups (lesson 04) | across nodes, as wide as the global batch allows |
-# | ep | experts by the ep degree | two all-to-alls per MoE layer; with `--ep-overlap` one half of the tokens travels while the other half computes (lesson 08) | inside a node, or routing limited to few nodes |
+# | tp | weights, and (with sp) activations, by $t$ | 4 blocking collectives of $b\,s\,h$ per layer; `--async-tp`: ring steps under the matmuls (lesson 05) | inside a node ($t \le 8$) |
+# | cp | activations by $c$ | the ring, hidden when $s$ is long; or Ulysses' exposed all-to-alls, bytes falling as $1/c$, $c$ dividing the heads | inside a node, or across for very long $s$ |
+# | pp | weights and activations by stage | the bubble $\frac{p-1}{m+p-1}$, stage balance; DualPipe: idle $(\frac{p}{2}-1)(t_{F\&B}+t_B-3t_W)$ for $2\times$ the parameters | across nodes |
+# | dp / ZeRO | the batch; ZeRO: states by $n$ | gradients once per step (ZeRO-3: + parameters); HSDP (`--dp-shard`) all-reduces $1/n_s$ across groups (lesson 04) | across nodes, as wide as the batch allows |
+# | ep | experts by ep | two all-to-alls per MoE layer, half hidden with `--ep-overlap` (lesson 08) | inside a node, or few nodes |
 #
 # **What ours lacks** against the published runs (Megatron-LM, torchtitan, DeepSpeed, Llama 3's own stack):
 #
-# - overlap that runs on the GPU's own schedule (ours overlaps tp's ring steps and the experts' all-to-alls from
-# Python, lessons 05 and 08, and is measured on CPUs only: Megatron and torchtitan fuse them into kernels and streams);
+# - overlap on the GPU's own schedule (ours overlaps tp's ring steps and the experts' all-to-alls from Python,
+# lessons 05 and 08, measured on CPUs only; Megatron and torchtitan use kernels and streams);
 #
 # - topology-aware collectives (NCCL's trees and NVLS, hierarchical all-reduce across nodes);
 #
-# - a planner calibrated on
-# the hardware it plans for (ours uses datasheet bandwidths and one assumed efficiency, and no layout of it has run
-# on a GPU);
+# - a planner calibrated on its hardware (ours: datasheet bandwidths, one assumed efficiency, no layout run on a GPU);
 #
 # - heterogeneous stages (embedding-heavy first or last stages);
 #
-# - FP8 as the large runs use it (lesson 11's
-# FP8 scales whole tensors, is simulated on CPUs, and hands back fp32 outputs, so the activations around it come
-# out larger than bf16's; DeepSeek-V3 scales tiles and blocks and caches activations in FP8);
+# - FP8 as the large runs use it (lesson 11's is simulated on CPUs and has not run on a GPU; DeepSeek-V3 also caches
+# activations and dispatches tokens in FP8);
 #
-# - and recovery that
-# replaces a failed machine (lesson 10 checkpoints, resumes exactly and survives a lost node from its peer's copy,
-# but torchrun restarts every rank on the same machines, with no spare to swap in; automation handled all but three
-# of Llama 3 405B's 419 unexpected interruptions: Dubey et al. 2024, §3.3.4).
+# - recovery that replaces a failed machine (lesson 10 checkpoints, resumes exactly and survives a lost node from its
+# peer's copy, but torchrun restarts every rank on the same machines; automation handled all but three of Llama 3
+# 405B's 419 unexpected interruptions: Dubey et al. 2024, §3.3.4).
 #
 # **Sources.** Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 # Megatron-LM" (the PTD-P layout, tp inside a node, the interleaved schedule); Korthikanti et al. 2022, "Reducing
