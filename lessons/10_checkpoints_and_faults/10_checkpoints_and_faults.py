@@ -8,20 +8,17 @@ lessons/_notebook.py): edit this file, never the notebook.
 # # Lesson 10 — Checkpoints that survive anything, and training that survives a lost rank
 #
 # A large run fails, routinely. Llama 3 405B's pre-training on up to 16,384 H100 GPUs saw 466 interruptions in a
-# 54-day window, 419 of them unexpected — one every 3 hours — about 78% of them hardware: GPUs, their HBM3 memory,
-# network links (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4). Training is synchronous: one lost
-# GPU stops all 16,384. What keeps such a run going is a checkpoint it can resume from exactly, written often
-# enough that little work is lost and cheaply enough that writing it costs little, and a launcher that restarts
-# the job by itself.
+# 54-day window, 419 unexpected (one every 3 hours), about 78% hardware: GPUs, their HBM3, network links (Dubey et
+# al. 2024, "The Llama 3 Herd of Models", section 3.3.4). Training is synchronous: one lost GPU stops all 16,384. What
+# keeps it going is a checkpoint it resumes from exactly, written often and cheaply, and a launcher that restarts the
+# job by itself.
 #
-# This lesson builds and measures that, on real processes: what must be saved for an exact resume (and what
-# breaks it); sharded checkpoints with an index, loadable into any other layout; atomic and asynchronous writes;
-# ranks killed with SIGKILL in the middle of a step and in the middle of a write, and the job finishing with the
-# loss of the run that never failed; the cost of saving against layout and model size, and against
-# `torch.distributed.checkpoint`; how often to checkpoint (Young and Daly) with a failure rate taken from the
-# Llama 3 run; and a second, faster level on the nodes' own disks, with nodes lost for real. The code is
-# `picotron/checkpoint.py` (saving), `picotron/reshard.py` (loading into any layout) and `picotron/faults.py`; the
-# experiments are `experiment.py` in this folder. `PICOTRON_FAST=1` gives a short run.
+# Built and measured here on real processes: what an exact resume needs; sharded checkpoints with an index, loadable
+# into any layout; atomic and asynchronous writes; ranks killed with SIGKILL mid-step and mid-write, the job still
+# finishing with the never-failed run's loss; the cost of saving, against `torch.distributed.checkpoint`; how often
+# to save (Young and Daly) at Llama 3's failure rate; and a faster second level on the nodes' own disks, with nodes
+# lost for real. Code: `picotron/checkpoint.py` (saving), `picotron/reshard.py` (loading into any layout),
+# `picotron/faults.py`; experiments: `experiment.py` here. `PICOTRON_FAST=1` gives a short run.
 
 # %%
 import json
@@ -46,19 +43,17 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}")
 # %% [markdown]
 # ## 1. What an exact resume needs
 #
-# After step $j$ the run's whole state is: the parameters, the optimizer's state (AdamW: two moments per parameter
-# and a step count), the learning rate (here a function of the step), the position in the data, and any random
-# number generator the step draws from. In picotron the batches are a pure function of (seed, step, rank) and the
-# model has no dropout, so the data position is the step and no generator is used in training; each rank's RNG
-# state is saved anyway. In fp32 that is $4 + 4 + 4 = 12$ bytes per parameter. (The mixed-precision recipe of
-# lesson 04 holds 16 in memory; its checkpoint needs the fp32 master weights and the moments, again 12: the bf16
-# copy and the gradients follow from them; the formulas and their sources: [the reference](../../docs/reference.md#checkpoints-and-failures);
-# the symbols: the course's [notation](../../docs/reference.md#notation).)
+# After step $j$ the run's state is the parameters, the optimizer's state (AdamW: two moments and a step count), the
+# learning rate (a function of the step here), the data position, and any random generator the step draws from. In
+# picotron batches are a pure function of (seed, step, rank) and there is no dropout, so the data position is the
+# step; each rank's RNG state is saved anyway. In fp32 that is $4 + 4 + 4 = 12$ bytes per parameter (mixed precision
+# holds 16 in memory, but the bf16 copy and gradients follow from the fp32 masters and moments: again 12; formulas
+# and sources: [the reference](../../docs/reference.md#checkpoints-and-failures); symbols: the
+# [notation](../../docs/reference.md#notation)).
 #
-# The experiment: one run of `picotron.train` (one process, 2 micro-batches per step), a checkpoint in the middle,
-# and four runs resumed from it — in the same layout; resharded to two processes (dp2 + ZeRO-1, the same global
-# batch); with another data seed (the data position lost); and from a copy of the checkpoint with Adam's moments
-# and step count stripped out.
+# The experiment: one `picotron.train` run (one process, 2 micro-batches per step), a checkpoint in the middle, and
+# four runs resumed from it: same layout; resharded to dp2 + ZeRO-1 (same global batch); another data seed; and
+# Adam's moments and step count stripped out.
 
 # %%
 resume = lesson.resume_demo(OUT / "resume", FAST)
@@ -79,24 +74,20 @@ check("what breaks it shows", rel["another data seed"] > 1e-3 and rel["no optimi
       f"another data seed {rel['another data seed']:.1e}, no optimizer state {rel['no optimizer state']:.1e}")
 
 # %% [markdown]
-# Resuming in the same layout is exact, bit for bit: the same values go through the same operations in the same
-# order. Resharded, the values loaded are identical (section 3 compares them element by element), but the next
-# steps sum in another order (a ZeRO reduce-scatter over two ranks instead of one process's accumulation), so the
-# losses agree to the parity tolerance, as any two layouts do (lesson 09). Another seed changes the batches from
-# the resume on: the curve is plausible but it is another run. Without Adam's state the first update after the
-# resume is a fresh Adam's: its moments start at zero and its bias correction at step 1, so the step size jumps —
-# the loss at the resume step itself is still equal (it is computed before the update).
+# The same layout resumes bit for bit. Resharded, the loaded values are identical (section 3 compares them), but the
+# next steps sum in another order (a reduce-scatter over two ranks), so the losses agree to the parity tolerance, as
+# any two layouts do (lesson 09). Another seed is a plausible curve of another run. Without Adam's state the first
+# update is a fresh Adam's (moments at zero, bias correction at step 1), so the step size jumps; the loss at the
+# resume step itself, computed before the update, still agrees.
 #
-# **Takeaway:** parameters alone are not a checkpoint. Exactness needs the optimizer state, the step (the learning
-# rate and the data position follow from it here) and the generators; the reduction order is the only thing a
-# new layout changes.
+# **Takeaway:** parameters alone are not a checkpoint: exactness needs the optimizer state, the step and the
+# generators; a new layout changes only the reduction order.
 #
 # ## 2. One file per rank, and an index
 #
-# A rank writes only what it alone holds, so the ranks write in parallel and nothing is written twice: the
-# values of each tensor the optimizer updates on this rank (ZeRO: its pieces), the moments, and an index that
-# says where each one sits in the full model. The whole model's names are the same in every layout (layers keep
-# their global numbers, experts theirs), so a name plus a box is an address:
+# A rank writes only what it alone holds (the tensors its optimizer updates, ZeRO: its pieces; the moments), in
+# parallel, nothing twice, with an index of where each sits in the full model. Names are the same in every layout
+# (layers and experts keep their global numbers), so a name plus a box is an address:
 
 # %%
 folder = checkpoint.latest(str(OUT / "resume" / "resharded_to_dp2_+_ZeRO-1"))
@@ -117,29 +108,27 @@ _common.show_source(checkpoint.placements)
 _common.show_source(checkpoint.Slice.cut)
 
 # %% [markdown]
-# The rule "who writes" is the one that counts each gradient element once in global-norm clipping
-# (`marks.counted_here`): the rank whose coordinate is 0 along every dimension the tensor is replicated over. So
-# with plain data parallelism rank 0 writes everything and the others nothing; with ZeRO each writes its $1/n$;
-# with tp each writes its slice, and rank 0 the replicated norms too.
+# "Who writes" is the rule that counts each gradient element once in global-norm clipping (`marks.counted_here`):
+# the rank at coordinate 0 along every dimension the tensor is replicated over. Plain data parallelism: rank 0 writes
+# everything; ZeRO: each its $1/n$; tp: each its slice, rank 0 the replicated norms too.
 #
-# **Takeaway:** each rank writes only what it alone holds, addressed by a global name and a box, so the ranks write
-# in parallel, nothing is written twice, and the files do not depend on the layout that wrote them.
+# **Takeaway:** each rank writes only what it alone holds, addressed by a global name and a box: in parallel, nothing
+# twice, files independent of the layout that wrote them.
 #
 # ## 3. Resharding: a checkpoint of one layout loads into any other
 #
-# Loading (`picotron.reshard`) does not care who wrote what. Each rank of the new layout computes the same (name, offsets, box, flat)
-# of every tensor *it* holds; then, one parameter at a time, it assembles the full tensor from the pieces that
-# carry that name (reading only those, memory-mapped) and cuts its own slice out. The extra memory is one full
-# parameter and its moments.
+# Loading (`picotron.reshard`) does not care who wrote what. Each rank of the new layout computes the (name, offsets,
+# box, flat) of every tensor *it* holds; then, one parameter at a time, assembles the full tensor from the pieces of
+# that name (memory-mapped) and cuts its slice out. Extra memory: one full parameter and its moments.
 
 # %%
 _common.show_source(reshard.load, "reader = Reader", "after()")
 
 # %% [markdown]
-# The round trip: train 2 steps at one layout and save; load at another and save again; consolidate both
-# checkpoints and compare every parameter, every moment and Adam's step, element by element. (FAST: one pair;
-# full: six, from 8 processes to 4, ZeRO-3 to one process, cp·pp to dp, tp + sp + ZeRO-2 to an interleaved
-# pipeline, a mixture of experts from ep to tp; tests/test_checkpoint.py runs seven.)
+# The round trip: train 2 steps at one layout and save; load at another and save again; consolidate both and compare
+# every parameter, moment and Adam's step, element by element. (FAST: one pair; full: six, from 8 processes to 4,
+# ZeRO-3 to one process, cp·pp to dp, tp + sp + ZeRO-2 to an interleaved pipeline, an MoE from ep to tp;
+# tests/test_checkpoint.py runs seven.)
 
 # %%
 trips = lesson.round_trips(OUT / "trips", FAST)
@@ -155,17 +144,15 @@ check("reshard round trips", all(r["differ"] == 0 for r in trips) and trips,
 #
 # ## 4. Atomic writes, and ranks that die
 #
-# A write can be cut short at any moment: a rank killed half way through its file must not leave a checkpoint
-# that looks complete. The protocol: every rank writes into `step_000120.tmp/`, each file as `.part`, flushed and
-# `fsync`ed, then renamed; after a barrier, rank 0 renames the folder to `step_000120/` and then replaces the
-# pointer `latest` (written to a temporary file, `fsync`ed, renamed). A rename within one file system is atomic
-# (POSIX), so whatever moment the crash comes at, `latest` names a complete checkpoint — the old one or the new one.
+# A rank killed half way through its file must not leave a checkpoint that looks complete. The protocol: every rank
+# writes into `step_000120.tmp/`, each file as `.part`, flushed, `fsync`ed, renamed; after a barrier, rank 0 renames
+# the folder to `step_000120/`, then replaces the pointer `latest` (temporary file, `fsync`, rename). A rename within
+# one file system is atomic (POSIX), so whenever the crash comes, `latest` names a complete checkpoint, old or new.
 #
-# And the job must end when a rank dies, not hang: its peers wait in a collective that will never complete.
-# torchrun watches its workers: when one exits, it stops the others. With `--max-restarts N` it starts every rank
-# again; the restarted ranks see `TORCHELASTIC_RESTART_COUNT` > 0, act as `--resume`, and load the newest
-# complete checkpoint. `--faults` injects real deaths (SIGKILL, no goodbye): here rank 1 mid-step, then rank 0 in
-# the middle of writing a checkpoint, then rank 1 again, in three successive attempts.
+# And the job must end when a rank dies, not hang in a collective that never completes. torchrun stops the other
+# workers when one exits; with `--max-restarts N` it starts every rank again, and ranks that see
+# `TORCHELASTIC_RESTART_COUNT` > 0 act as `--resume`, loading the newest complete checkpoint. `--faults` injects real
+# deaths (SIGKILL): rank 1 mid-step, then rank 0 mid-write, then rank 1 again, in three successive attempts.
 
 # %%
 demo = lesson.fault_demo(OUT / "faults", FAST)
@@ -186,19 +173,18 @@ check("no hang", demo["seconds"][1] < 600, f"{demo['seconds'][1]:.0f} s for thre
       f"(the run without faults: {demo['seconds'][0]:.0f} s)")
 
 # %% [markdown]
-# Each restart repeats the steps since the newest complete checkpoint: the work lost is the time since that
-# checkpoint plus the restart itself (here: starting processes and measuring the matmul peak; on a cluster:
-# scheduling, loading, warming up). A kill *during* a write loses more: the checkpoint being written never counts.
+# Each restart repeats the steps since the newest complete checkpoint: the work lost is that time plus the restart
+# (here: starting processes, measuring the matmul peak; on a cluster: scheduling, loading, warming up). A kill
+# *during* a write loses more: that checkpoint never counts.
 #
 # **Takeaway:** atomic renames make "the newest complete checkpoint" well defined; a launcher that restarts, and a
 # trainer that resumes by itself, turn a dead rank into lost minutes instead of a lost run.
 #
 # ## 5. What saving costs: bytes per rank, time, and asynchronous writes
 #
-# On two processes, for each layout and model size: one training step, then a synchronous save and a load
-# (the slowest rank's time), and every rank's bytes. Then the same steps with no checkpoint, a synchronous one and
-# an asynchronous one every few steps. Then our save and load against `torch.distributed.checkpoint` (DCP) on the
-# same tensors, in turn.
+# On two processes, per layout and model size: one step, a synchronous save and a load (the slowest rank's time),
+# every rank's bytes. Then steps with no checkpoint, a synchronous and an asynchronous one every few steps. Then our
+# save and load against `torch.distributed.checkpoint` (DCP) on the same tensors, in turn.
 
 # %%
 out = _common.launch("10_checkpoints_and_faults/experiment.py", ["--out", OUT], nproc=N, quiet=True)
@@ -222,9 +208,9 @@ check(f"ZeRO: each rank writes 1/{N}", all(abs(b["bytes"] - 12 * r["params"] / N
       "within the padding of the flat units (a few elements per unit)")
 
 # %% [markdown]
-# Saving and loading cost about as much in every layout, and grow with the model: the bytes are the same, only
-# who writes them changes. Data parallelism alone is the one layout where one rank writes everything — the others
-# idle — and where a real cluster would split the writing over the replicas.
+# Saving and loading cost about the same in every layout and grow with the model: the same bytes, different
+# writers. Plain data parallelism is the one layout where one rank writes everything; a real cluster would split
+# that over the replicas.
 
 # %%
 asy = _common.load_json(OUT / "async.json")["results"]
@@ -257,19 +243,15 @@ print(f"saving added {cost_sync:.2f} s to the run synchronously (its pauses: {st
          f", on {cores} cores shared by the writer thread and the two trainers"))
 
 # %% [markdown]
-# A synchronous save stops training for the copy *and* the write (the first printed line with saves); an
-# asynchronous one stops it only to copy the tensors to host memory, and a thread writes them while training goes
-# on; the next save (and the end of training) waits for it first — never two writes at once. The writer
-# coordinates over a process group of its own (gloo), so its barriers never interleave with the training's
-# collectives. On a GPU the copy is a device-to-host transfer and the write then costs the GPUs nothing.
+# A synchronous save stops training for the copy *and* the write; an asynchronous one only for the copy to host
+# memory, while a thread writes; the next save (and the end of training) waits for it first, never two writes at
+# once. The writer has its own process group (gloo), so its barriers never interleave with the training's
+# collectives. On a GPU the copy is a device-to-host transfer and the write costs the GPUs nothing.
 #
-# On this
-# machine it is not free (the last line above says how much of the synchronous cost it hid): the two training
-# processes already keep both cores busy, so the writer thread runs only by taking a core from a trainer. The write
-# takes longer beside the training than alone (compare the two write times printed), and the steps it overlaps
-# can stretch. In the full run (a larger model, longer writes) that cost can eat most of what the thread hides. The
-# timeline shows both: the thin orange bar under the asynchronous row is the write, the green steps above it run
-# beside it.
+# Here it is not free (the last line above says how much of the synchronous cost it hid): the two trainers keep both
+# cores busy, so the writer takes a core from one; the write takes longer beside training than alone (the two
+# printed write times), and the steps it overlaps stretch, in the full run eating most of what it hides. Timeline:
+# the thin orange bar under the asynchronous row is the write, the green steps above run beside it.
 
 # %%
 dcp = _common.load_json(OUT / "dcp.json")["results"]
@@ -280,18 +262,18 @@ for r in dcp:
           f"DCP {r['bytes']['dcp']:,}")
 
 # %% [markdown]
-# DCP writes the same tensors (it keeps a replicated tensor once, as we do; for tp the split tensors get one key
-# per rank, which is what DCP needs without DTensors). The ratios are medians of rounds alternating the order,
-# on this machine; on a cluster file system what dominates is the bandwidth of the writes, not the library.
+# DCP writes the same tensors (a replicated tensor once, as we do; tp's split tensors one key per rank, as DCP
+# needs without DTensors). The ratios are medians of rounds alternating the order; on a cluster file system the
+# write bandwidth dominates, not the library.
 #
 # **Takeaway:** a checkpoint's bytes are 12 per parameter (weights or master weights, two moments), shared over
 # the ranks that hold distinct values; asynchronous saving hides the write, not the copy.
 #
 # ## 6. How often to checkpoint: Young and Daly
 #
-# Write a checkpoint every $T$ seconds of work, each costing $C$ seconds; failures arrive at random, on average
-# every $\theta$ seconds (the mean time between failures); a restart costs $R$. Per unit of time we lose $C/T$ to saving, and per failure half an interval
-# of redone work on average plus the restart: the share of time lost is, to first order,
+# A checkpoint every $T$ seconds of work costs $C$ seconds; failures arrive at random every $\theta$ seconds on
+# average (the MTBF); a restart costs $R$. We lose $C/T$ to saving, and per failure half an interval of redone work
+# plus the restart: to first order the share of time lost is
 #
 # $$\text{waste}(T) \approx \frac{C}{T} + \frac{T/2 + R}{\theta}, \qquad \text{minimised at } T^* = \sqrt{2C\theta}
 # \quad \text{(Young 1974)}.$$
@@ -334,10 +316,9 @@ check("the first-order model against the simulation", abs(model[4] - at_young) <
       f"saves and restarts, and counts lost work as if failures never cluster)")
 
 # %% [markdown]
-# **From what we measured.** Section 5 measured this machine's save: its write bandwidth is the largest model's
-# bytes over its synchronous save time. Llama 3's checkpoints held 1 MB to 4 GB per GPU (Dubey et al. 2024,
-# section 3.3.1): a 4 GB shard at the bandwidth measured here, and at the copy to host memory alone (what an
-# asynchronous save pauses for), gives the interval a 16,384-GPU job should use:
+# **From what we measured.** Section 5's write bandwidth is the largest model's bytes over its synchronous save time.
+# Llama 3's checkpoints held 1 MB to 4 GB per GPU (Dubey et al. 2024, section 3.3.1): a 4 GB shard at that bandwidth,
+# and at the copy to host memory alone (an asynchronous save's pause), gives a 16,384-GPU job's interval:
 
 # %%
 big = max(cost, key=lambda r: r["params"])
@@ -355,14 +336,12 @@ check("measured cost -> interval", 0 < lesson.daly(4e9 / bandwidth, M) < lesson.
       "Daly's interval is a little shorter than Young's, both far shorter than M")
 
 # %% [markdown]
-# **Two levels.** Most failures take out one node while its neighbours live. A copy of each rank's shard in a
-# peer node's memory is cheap to write (a network transfer, no file system) and survives those; disk is needed
-# only for what takes out the pair (or the whole job). With a share $\rho$ of failures recoverable from the peer's
-# copy, each level gets its own Young interval for the failures it serves: $T_1 = \sqrt{2C_1M/\rho}$,
-# $T_2 = \sqrt{2C_2M/(1-\rho)}$ (the idea of multi-level checkpointing, Moody et al. 2010, "SCR"; Gemini, Wang et al.
-# 2023, keeps checkpoints in CPU memory of other machines for LLM training). Move the sliders: the number of GPUs,
-# the two costs, the share $\rho$. (picotron's trainer has the two levels, with the peer's copy on the next node's local
-# disk: section 7 loses nodes for real.)
+# **Two levels.** Most failures take out one node while its neighbours live. A copy of each rank's shard in a peer
+# node's memory is cheap to write (a network transfer) and survives those; disk is needed only when the pair (or the
+# job) is lost. With a share $\rho$ of failures recoverable from the peer's copy, each level gets its own Young
+# interval: $T_1 = \sqrt{2C_1M/\rho}$, $T_2 = \sqrt{2C_2M/(1-\rho)}$ (multi-level checkpointing, Moody et al. 2010,
+# "SCR"; Gemini, Wang et al. 2023, keeps checkpoints in other machines' CPU memory). Sliders: GPUs, the two costs,
+# $\rho$. (picotron's trainer keeps the peer's copy on the next node's local disk: section 7.)
 
 # %%
 def draw(gpus=16384, c_disk=60.0, c_memory=2.0, restart=300.0, p=0.9):
@@ -393,27 +372,23 @@ _common.interactive(draw, lambda w: dict(
 #
 # ## 7. Two levels, built: a lost node, and what it costs
 #
-# picotron's trainer has the two levels (`--local-save-every K1` in front of `--save-every K2`,
-# `picotron/checkpoint.py`). **Level 1**, every $K_1$ steps: each rank writes its *whole* state (replicas
-# included, so that it can restore itself alone) to its node's local folder, and sends the same bytes to the rank
-# in its place on the next node, which writes them to *its* local folder — a ring of nodes, one batch of messages
-# each way. **Level 2**, every $K_2$ steps: the shared folder of sections 2–5 (a step that is a multiple of $K_2$
-# writes level 2 only: it survives everything level 1 does). Here a "node" is one process (`--ranks-per-node 1`)
-# and its local disk a folder `OUT/local/node_N`; `--faults lose-node@STEP:rN` deletes that folder and then kills
-# the rank — a machine lost with its disk.
+# `--local-save-every K1` in front of `--save-every K2` (`picotron/checkpoint.py`). **Level 1**, every $K_1$ steps:
+# each rank writes its *whole* state (replicas included, to restore itself alone) to its node's local folder, and
+# sends the same bytes to the rank in its place on the next node, which writes them locally: a ring of nodes, one
+# batch of messages each way. **Level 2**, every $K_2$ steps: the shared folder of sections 2–5 (a multiple of $K_2$
+# writes level 2 only). Here a "node" is one process (`--ranks-per-node 1`), its local disk `OUT/local/node_N`;
+# `--faults lose-node@STEP:rN` deletes that folder, then kills the rank: a machine lost with its disk.
 #
-# On the restart every rank reports the level-1 steps it holds, its own shard and the copy it keeps for the
-# previous node (one all-gather, the same answer everywhere); the newest step newer than level 2's at which every
-# rank's shard survives, on its own node or the next, wins; a rank whose shard was lost gets it back from the next
-# node, and a copy that was lost is sent again. Else level 2.
+# On restart every rank reports the level-1 steps it holds, its own shard and the copy it keeps for the previous
+# node (one all-gather); the newest step newer than level 2's at which every rank's shard survives, on its node or the
+# next, wins; a lost shard comes back from the next node, a lost copy is sent again. Else level 2.
 #
-# **The model.** A failure during step $j$ redoes the steps since the newest surviving checkpoint, at step $j_0$:
-# $j - j_0$ of them, the killed one included. Spread evenly over an interval of $K$ steps that is $(K+1)/2$ on average —
-# section 6's $T/2$ plus the killed step — with $K = K_1$ when the lost node's peer survives and $K = K_2$ when
-# only level 2 does; in seconds, that many steps plus the restart $R$ (Moody et al. 2010 model each level this
-# way). The experiment: dp2 + ZeRO-1 as two nodes, level 2 every $K_2$ steps, a node lost at every step of one
-# level-2 interval (FAST: at its last step), with level 1 every $K_1$ steps and without; each restart is timed
-# from the kill to the killed step done again.
+# **The model.** A failure during step $j$ redoes the $j - j_0$ steps since the newest surviving checkpoint $j_0$,
+# the killed one included: $(K+1)/2$ on average over an interval of $K$ steps (section 6's $T/2$ plus the killed
+# step), $K = K_1$ when the lost node's peer survives, $K_2$ otherwise; in seconds, that many steps plus the restart
+# $R$ (as Moody et al. 2010 model each level). The experiment: dp2 + ZeRO-1 as two nodes, level 2 every $K_2$ steps, a
+# node lost at every step of one level-2 interval (FAST: its last), with and without level 1 every $K_1$; each
+# restart timed from the kill to the killed step done again.
 
 # %%
 lv = lesson.levels_demo(OUT / "levels", FAST)
@@ -452,15 +427,14 @@ check("both faulty runs end on the same losses, bit for bit",
       f"({len(ref)} steps)")
 
 # %% [markdown]
-# The steps redone follow the level that survived: with the peer's copy, never more than $K_1$; without it, up to
-# $K_2$. The seconds hardly follow them here: compare the printed median step with the printed seconds from a kill
-# to the killed step done again. A restart (starting the processes, building the model, measuring the matmul peak,
-# on a busy machine) lasts as long as many steps of this small model, so $R$ dominates — the hatched share is the
-# work redone. On a cluster a step takes seconds and an interval minutes,
-# the other way round, and level 1 turns $(K_2+1)/2$ steps of work lost per lost node into $(K_1+1)/2$.
+# The steps redone follow the surviving level: with the peer's copy never more than $K_1$, without it up to $K_2$.
+# The seconds hardly follow them here (compare the printed median step with the seconds from kill to redone step): a
+# restart (processes, model, matmul peak, on a busy machine) lasts many small steps, so $R$ dominates; the hatched
+# share is the work redone. On a cluster a step takes seconds and an interval minutes, and level 1 turns $(K_2+1)/2$
+# steps lost per lost node into $(K_1+1)/2$.
 #
-# And what each level costs to write (the trainer's `summary` line in `metrics.jsonl` keeps, per level, the mean
-# seconds to copy the state to host memory and to write it):
+# What each level costs to write (the trainer's `summary` line in `metrics.jsonl` keeps, per level, the mean seconds
+# to copy the state to host memory and to write it):
 
 # %%
 saves = lv["runs"]["level 1"]["saves"] or {}
@@ -477,11 +451,10 @@ if not FAST:  # larger models: a level-1 save (own folder + the peer's copy) aga
               f"{1e3 * r['level2_s']:.0f} ms ({r['held']['2'] / MiB:.0f} MiB in the shared folder)")
 
 # %% [markdown]
-# On this machine level 1 is the *slower* one: both levels write to the same disk, and level 1 writes twice the
-# bytes (each rank's state and the copy it keeps for the other) and sends half of them through gloo's sockets, on
-# the same two cores. Its point is where it writes on a cluster: each node's own NVMe drive, all nodes in
-# parallel, and one transfer to a neighbour over the network, instead of every rank at once through the shared
-# file system — which is why $C_1 \ll C_2$ in section 6's model, and why level 1 can be written far more often.
+# Here level 1 is the *slower*: both levels write to the same disk, and level 1 writes twice the bytes (its state and
+# its peer's copy) and sends half through gloo's sockets on the same two cores. On a cluster it writes to each node's
+# own NVMe drive, all nodes in parallel, plus one transfer to a neighbour, instead of every rank through the shared
+# file system: hence $C_1 \ll C_2$ in section 6's model, and level 1 far more often.
 #
 # **Takeaway:** a copy on the next node turns a lost node into $(K_1+1)/2$ steps redone instead of $(K_2+1)/2$;
 # the shared folder stays the last resort, for a node lost together with its peer.
@@ -503,13 +476,13 @@ _node.show("10_checkpoints_and_faults")
 # ## 9. Exercises
 # Open `lessons/10_checkpoints_and_faults/exercise.py`:
 #
-# 1. `cut(full, offsets, box, flat)` — a rank's values from a full tensor and its index entry. The checker uses
-#    the entries of real layouts (tp boxes along either dimension, ZeRO ranges inside them), names the entry and
-#    element, and recognises a flat range taken from the whole tensor instead of the box.
+# 1. `cut(full, offsets, box, flat)`: a rank's values from a full tensor and its index entry, on real layouts'
+#    entries (tp boxes along either dimension, ZeRO ranges inside them); the checker names the entry and element, and
+#    recognises a flat range taken from the whole tensor instead of the box.
 #
-# 2. `assemble(shape, pieces)` — the full tensor from the pieces, in any order; a missing piece must raise
-#    ValueError naming an element, not load as zeros. The checker recognises a box written through a strided view
-#    that never reached the tensor.
+# 2. `assemble(shape, pieces)`: the full tensor from the pieces, in any order; a missing piece must raise ValueError
+#    naming an element, not load as zeros; the checker recognises a box written through a strided view that never
+#    reached the tensor.
 #
 # 3. `interval(cost, mtbf)` — Young's and Daly's intervals; the checker recognises $\sqrt{CM}$ (no factor 2) and
 #    Daly without its $-C$.
@@ -535,12 +508,11 @@ all_passed = checker.check()
 # | level 1: the node's disk and a peer's (`--local-save-every`) | each rank's whole state, twice (its node, the next) | the whole write (or the copy, `--async-save`) | a lost node whose neighbour lives |
 # | consolidated (one file, e.g. for export) | the same, through one rank | gather + write | — a format for others, not for resuming |
 #
-# **What ours lacks** (what torch.distributed.checkpoint, Megatron's distributed checkpointing, and the large
-# labs' systems add): writing through several threads and files per rank, storage backends (S3, GCS), DTensor
-# placements instead of our index (the same idea), deduplication across replicas chosen by bandwidth, checkpoints
-# in peers' *memory* (ours go to the peers' local disks), detecting hangs and slow ranks (NCCL's flight recorder,
-# heartbeats) and swapping out bad nodes before a restart, and elastic restarts at a different world size (our
-# checkpoints reshard, but torchrun restarts the same layout).
+# **What ours lacks** (torch.distributed.checkpoint, Megatron's distributed checkpointing, the large labs' systems):
+# several threads and files per rank, storage backends (S3, GCS), DTensor placements (the same idea as our index),
+# deduplication across replicas chosen by bandwidth, checkpoints in peers' *memory* (ours: their local disks),
+# detecting hangs and slow ranks (NCCL's flight recorder, heartbeats), swapping out bad nodes before a restart, and
+# elastic restarts at another world size (our checkpoints reshard, but torchrun restarts the same layout).
 #
 # **Sources.** Young 1974, "A first order approximation to the optimum checkpoint interval" (CACM 17(9));
 # Daly 2006, "A higher order estimate of the optimum checkpoint interval for restart dumps" (FGCS 22(3));
