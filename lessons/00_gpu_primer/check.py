@@ -46,78 +46,82 @@ def call(report, what, fn, *args):
     return False, None
 
 
-def intensity_slips(m, n, k, elem):
-    """What the usual slips give for this shape: {hint: their value}."""
-    flops = 2 * m * n * k
-    return {
-        "forgot the factor 2: each of the k terms of an output is a multiply AND an add": flops / 2 /
-        (elem * (m * k + k * n + m * n)),
-        "counted C's bytes twice: C is only written, not read (it starts empty)": flops / (elem * (m * k + k * n + 2 * m * n)),
-        "left C's bytes out: the result is written to main memory too": flops / (elem * (m * k + k * n)),
-        "counted elements, not bytes: multiply the element count by elem": flops / (m * k + k * n + m * n),
-        "divided by elem twice, or multiplied the FLOPs by elem": flops / (elem * elem * (m * k + k * n + m * n)),
-        "bytes over FLOPs: intensity is FLOPs per byte": elem * (m * k + k * n + m * n) / flops,
-    }
+def judge(report, cases, fn, want, slips, unit):
+    """Run the learner's `fn` on every (what, args) of `cases` against `want(*args)`. On a wrong answer, report the
+    first case it got wrong, with the hint of the slip (`slips`: {hint: what that slip computes}) that gives every
+    answer it returned (else every wrong one): one slip can agree with the reference on some cases. True if all hold."""
+    results = []
+    for what, args in cases:
+        done, got = call(report, what, fn, *args)
+        if not done:
+            return False
+        results.append((args, got, what))
+    wrong = [r for r in results if not close(r[1], want(*r[0]))]
+    if not wrong:
+        return True
+    hint = next((h for group in (results, wrong) for h, f in slips.items()
+                 if all(close(got, f(*args)) for args, got, _ in group)), "")
+    args, got, what = wrong[0]
+    report.fail(what, f"got {got!r}, expected {want(*args):.6g} {unit}" + (f" — {hint}" if hint else ""))
+    return False
+
+
+def _bytes(m, n, k):
+    return m * k + k * n + m * n  # elements of A, B and C
+
+
+INTENSITY_SLIPS = {
+    "forgot the factor 2: each of the k terms of an output is a multiply AND an add":
+        lambda m, n, k, e: m * n * k / (e * _bytes(m, n, k)),
+    "counted C's bytes twice: C is only written, not read (it starts empty)":
+        lambda m, n, k, e: 2 * m * n * k / (e * (_bytes(m, n, k) + m * n)),
+    "left C's bytes out: the result is written to main memory too":
+        lambda m, n, k, e: 2 * m * n * k / (e * (m * k + k * n)),
+    "counted elements, not bytes: multiply the element count by elem":
+        lambda m, n, k, e: 2 * m * n * k / _bytes(m, n, k),
+    "divided by elem twice, or multiplied the FLOPs by elem":
+        lambda m, n, k, e: 2 * m * n * k / (e * e * _bytes(m, n, k)),
+    "bytes over FLOPs: intensity is FLOPs per byte": lambda m, n, k, e: e * _bytes(m, n, k) / (2 * m * n * k),
+}
+ATTAINABLE_SLIPS = {
+    "took the max: the roof is the LOWER of the two limits (min)": lambda p, b, i: max(p, b * i),
+    "bandwidth × intensity alone: above the ridge the peak caps it": lambda p, b, i: b * i,
+    "the peak alone: below the ridge the bandwidth limits it (bandwidth × intensity)": lambda p, b, i: p,
+    "divided by the intensity: bytes/s × FLOPs/byte = FLOP/s, multiply": lambda p, b, i: min(p, b / i),
+}
+SECONDS_SLIPS = {
+    "added the two times: overlapped, they do not add; the longer one decides (max)": lambda f, q, p, b: f / p + q / b,
+    "took the shorter time: the operation is done only when both its FLOPs and its bytes are (max)":
+        lambda f, q, p, b: min(f / p, q / b),
+    "the compute time alone: a memory-bound operation waits for its bytes": lambda f, q, p, b: f / p,
+    "the memory time alone: a compute-bound operation waits for its FLOPs": lambda f, q, p, b: q / b,
+}
 
 
 def check_intensity(mod, report):
-    for m, n, k, elem in SHAPES:
-        what = f"intensity(m={m}, n={n}, k={k}, elem={elem})"
-        done, got = call(report, what, mod.intensity, m, n, k, elem)
-        if not done:
-            return
-        want = hardware.intensity("matmul", (m, n, k), elem)
-        if close(got, want):
-            continue
-        hint = next((h for h, v in intensity_slips(m, n, k, elem).items() if close(got, v)), "")
-        report.fail(what, f"got {got!r}, expected {want:.6g} FLOP/byte" + (f" — {hint}" if hint else ""))
-        return
-    report.ok("intensity", f": {len(SHAPES)} shapes, e.g. 4096³ in bf16: "
-                           f"{hardware.intensity('matmul', (4096, 4096, 4096), 2):.0f} FLOP/byte")
+    cases = [(f"intensity(m={m}, n={n}, k={k}, elem={e})", (m, n, k, e)) for m, n, k, e in SHAPES]
+    if judge(report, cases, mod.intensity, lambda m, n, k, e: hardware.intensity("matmul", (m, n, k), e),
+             INTENSITY_SLIPS, "FLOP/byte"):
+        report.ok("intensity", f": {len(SHAPES)} shapes, e.g. 4096³ in bf16: "
+                               f"{hardware.intensity('matmul', (4096, 4096, 4096), 2):.0f} FLOP/byte")
 
 
 def check_attainable(mod, report):
-    for peak, bw in DEVICES:
-        for i in INTENSITIES:
-            what = f"attainable(peak={peak:.4g}, bandwidth={bw:.4g}, intensity={i})"
-            done, got = call(report, what, mod.attainable, peak, bw, i)
-            if not done:
-                return
-            want = hardware.roofline(peak, bw, i)
-            if close(got, want):
-                continue
-            slips = {"took the max: the roof is the LOWER of the two limits (min)": max(peak, bw * i),
-                     "bandwidth × intensity alone: above the ridge the peak caps it": bw * i,
-                     "the peak alone: below the ridge the bandwidth limits it (bandwidth × intensity)": peak,
-                     "divided by the intensity: bytes/s × FLOPs/byte = FLOP/s, multiply": min(peak, bw / i)}
-            hint = next((h for h, v in slips.items() if close(got, v)), "")
-            report.fail(what, f"got {got!r}, expected {want:.6g} FLOP/s" + (f" — {hint}" if hint else ""))
-            return
-    ridge = hardware.ridge(*DEVICES[0])
-    report.ok("attainable", f": {len(DEVICES) * len(INTENSITIES)} cases; the H100's ridge in bf16 is {ridge:.0f} FLOP/byte")
+    cases = [(f"attainable(peak={p:.4g}, bandwidth={b:.4g}, intensity={i})", (p, b, i))
+             for p, b in DEVICES for i in INTENSITIES]
+    if judge(report, cases, mod.attainable, hardware.roofline, ATTAINABLE_SLIPS, "FLOP/s"):
+        report.ok("attainable", f": {len(cases)} cases; the H100's ridge in bf16 is "
+                                f"{hardware.ridge(*DEVICES[0]):.0f} FLOP/byte")
 
 
 def check_min_seconds(mod, report):
-    for peak, bw in DEVICES:
-        for m, n, k, elem in SHAPES:
-            flops, moved = hardware.op_cost("matmul", (m, n, k), elem)
-            what = f"min_seconds(flops={flops:,}, nbytes={moved:,}, peak={peak:.4g}, bandwidth={bw:.4g})"
-            done, got = call(report, what, mod.min_seconds, flops, moved, peak, bw)
-            if not done:
-                return
-            want = flops / hardware.roofline(peak, bw, flops / moved)
-            if close(got, want):
-                continue
-            slips = {"added the two times: overlapped, they do not add; the longer one decides (max)":
-                     flops / peak + moved / bw,
-                     "took the shorter time: the operation is done only when both its FLOPs and its bytes are (max)":
-                     min(flops / peak, moved / bw),
-                     "the compute time alone: a memory-bound operation waits for its bytes": flops / peak,
-                     "the memory time alone: a compute-bound operation waits for its FLOPs": moved / bw}
-            hint = next((h for h, v in slips.items() if close(got, v)), "")
-            report.fail(what, f"got {got!r} s, expected {want:.6g} s" + (f" — {hint}" if hint else ""))
-            return
-    report.ok("min_seconds", f": {len(DEVICES) * len(SHAPES)} cases, = FLOPs / attainable FLOP/s")
+    cases = []
+    for p, b in DEVICES:
+        for m, n, k, e in SHAPES:
+            f, q = hardware.op_cost("matmul", (m, n, k), e)
+            cases.append((f"min_seconds(flops={f:,}, nbytes={q:,}, peak={p:.4g}, bandwidth={b:.4g})", (f, q, p, b)))
+    if judge(report, cases, mod.min_seconds, lambda f, q, p, b: f / hardware.roofline(p, b, f / q), SECONDS_SLIPS, "s"):
+        report.ok("min_seconds", f": {len(cases)} cases, = FLOPs / attainable FLOP/s")
 
 
 CHECKS = {"intensity": check_intensity, "attainable": check_attainable, "min_seconds": check_min_seconds}

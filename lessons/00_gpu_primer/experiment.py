@@ -206,6 +206,9 @@ def exp_trace(mesh, fast, out):
                 micro_batch_size=cfg.micro_batch_size, **timeline(events, *step))
 
 
+PHASES = ("forward", "backward", "wait", "clip grad norm", "optimizer step")  # picotron's ranges in a one-process step
+
+
 def timeline(events, start, end):
     """The rows of one step of a Chrome trace, times in ms from the step's start: picotron's phases, the CPU
     thread's top-level operators, the GPU's kernels (one row per stream) and the CUDA runtime's waits (a
@@ -214,8 +217,8 @@ def timeline(events, start, end):
         return (e["ts"] - start) / 1e3, (e["ts"] + e.get("dur", 0.0) - start) / 1e3
 
     inside = [e for e in events if e.get("ph") == "X" and start <= e.get("ts", -1) <= end]
-    phases = [(e["name"], *ms(e)) for e in inside if e.get("cat") == "user_annotation" and not
-              e["name"].startswith(("step ", "picotron:"))]
+    phases = [(e["name"], *ms(e)) for e in inside if e.get("cat") == "user_annotation" and
+              e["name"].startswith(PHASES)]
     ops = top_level([e for e in inside if e.get("cat") == "cpu_op"])
     kernels = [e for e in inside if e.get("cat") == "kernel"]
     streams = sorted({e.get("args", {}).get("stream", e.get("tid")) for e in kernels}, key=str)
