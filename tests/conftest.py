@@ -70,7 +70,7 @@ def run_notebook(monkeypatch):
 TIERS = {
     "default": "every module and strategy: each parity layout at 2-4 processes (three at 8), every rule's message, "
                "the main job, collectives, the NCCL replays, the lessons' experiments' own functions",
-    "lessons": "the eleven notebooks executed in FAST mode, the exercise checkers on the solutions and on wrong "
+    "lessons": "the twelve notebooks executed in FAST mode, the exercise checkers on the solutions and on wrong "
                "answers, the lessons under load",
     "heavy": "more processes on the default tier's code paths: the whole parity matrix (up to 16 processes), every "
              "schedule at pp = 4, 8-process collectives, more reshard pairs, the benchmarks' smoke runs",

@@ -214,7 +214,7 @@ else:
 # %% [markdown]
 # ## 4. Why communication can hide under compute
 #
-# NCCL launches its collectives on **a stream of its own**. While the compute stream runs the backward's matmuls,
+# torch runs NCCL's collectives on **a stream of its own**. While the compute stream runs the backward's matmuls,
 # the NCCL stream can all-reduce the gradients computed earlier. `dist.all_reduce(x, async_op=True)` returns a
 # handle at once; `handle.wait()` makes the *current stream* wait for it (not the CPU). gloo, on CPUs, does the same
 # with a thread of its own. Below, each of 2 processes runs matmuls alone, an all-reduce alone, then both: the
