@@ -214,9 +214,8 @@ _common.show_source(precision.MasterWeights.step)
 
 # %% [markdown]
 # `MasterWeights` casts every gradient to fp32, steps the fp32 masters and rounds them into the bf16 (or fp16)
-# parameters, each one `torch._foreach_*` call over all tensors (on a GPU a few fused kernels, not hundreds); the fp32
-# gradients live only during the step. What low-precision parameters buy: half the bytes wherever parameters or
-# gradients travel (ZeRO-3's gathers, the all-reduce), and smaller activations. The experiment: one step of each
+# parameters, each one `torch._foreach_*` call over all tensors (a few GPU kernels, not hundreds). Low-precision
+# parameters buy half the bytes wherever parameters or gradients travel, and smaller activations. The experiment: one step of each
 # recipe on the tiny preset (0.85 M parameters, 8 × 128 tokens), every category of bytes measured; then one step on
 # 2 processes at dp = 2, bucketed all-reduce and ZeRO-3, each collective's bytes counted by a `metrics.Recorder`.
 
@@ -464,12 +463,11 @@ check("promotion every 128 products bounds the limited accumulator", acc[-1]["ne
       f"{min(r['promoted'] for r in acc):.1e} to {max(r['promoted'] for r in acc):.1e}); fp32 {acc[-1]['fp32']:.1e}")
 
 # %% [markdown]
-# A float format is forgiving: up to about $10^3$–$10^4$ the outlier only pushes the other elements down the window,
-# and they keep their 3 mantissa bits (INT8's uniform grid would leave them a bit or two: the case LLM.int8() and
-# SmoothQuant address). Past E4M3's span (448 down to $2^{-9}$: 17.8 binades) one scale per tensor flushes the rest,
-# and per-tensor E5M2 survives only by trading precision for range; 1 × 128 tiles keep E4M3's error for the other
-# tokens because a token outlier is alone in its tiles. A channel outlier sits in one tile of *every* token, and only
-# each row's other tiles are spared (SmoothQuant moves such scales into the weight).
+# A float format is forgiving: up to about $10^3$–$10^4$ the outlier only pushes the others down the window, keeping
+# their 3 mantissa bits (INT8's uniform grid would leave a bit or two). Past E4M3's span (448 down to $2^{-9}$: 17.8
+# binades) one scale per tensor flushes the rest, and per-tensor E5M2 survives by trading precision for range; tiles
+# keep E4M3's error for the other tokens, since a token outlier is alone in its tiles. A channel outlier sits in one
+# tile of *every* token, sparing only each row's other tiles (SmoothQuant moves such scales into the weight).
 #
 # Right panel: a 14-bit accumulator (modelled: it chops what it cannot hold; positive products, the worst case)
 # drifts in proportion to $K$; restarted every 128 products and summed in fp32, its error stays at one slice's,
@@ -508,10 +506,10 @@ check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_byt
       f"{wd.numel() * wd.element_size()} bytes")
 
 # %% [markdown]
-# Per matmul the fine-grained recipe is the more accurate on these tensors (E4M3 gradients, a scale per tile), even
-# after wgrad's requantized $x$. In training both FP8 recipes drift from fp32 by a percent or so, most at a loss spike
-# (the worst step printed): a 0.13 M-parameter model on one seed cannot rank them, and without outliers one scale per
-# tensor already fits. Tiles pay where outliers live, in large models over long runs: DeepSeek validated the recipe
+# Per matmul the fine-grained recipe is the more accurate here (E4M3 gradients, a scale per tile). In training both
+# FP8 recipes drift from fp32 by a percent or so, most at a loss spike (the worst step printed): one small model on
+# one seed cannot rank them, and without outliers one scale per tensor fits. Tiles pay where outliers live, in large
+# models over long runs: DeepSeek validated the recipe
 # against bf16 on two smaller MoE models over about 10¹² tokens (relative loss difference below 0.25%, section 3.3,
 # appendix B.1), then trained DeepSeek-V3 (671 B parameters) with it.
 #
@@ -639,8 +637,8 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 # ## 7. Fused kernels: RMSNorm and SwiGLU
 #
 # RMSNorm ($y = x/\sqrt{\text{mean}(x^2) + \epsilon} \cdot w$) and SwiGLU ($\text{silu}(g) \cdot u$) do a few FLOPs per
-# element; written in PyTorch each op is a kernel that reads its inputs from memory and writes its output back. The
-# op-by-op RMSNorm forward moves $7Rh + 6R + h$ elements ($R$ rows of $h$): $x^2$ (read $Rh$, write $Rh$), its
+# element; unfused, each op reads its inputs from memory and writes its output back. The op-by-op RMSNorm forward
+# moves $7Rh + 6R + h$ elements ($R$ rows of $h$): $x^2$ (read $Rh$, write $Rh$), its
 # mean ($Rh$ in, $R$ out), $+\epsilon$ and rsqrt ($2R$ each), $x \cdot \text{rstd}$ ($Rh + R$ in, $Rh$ out), $\cdot\, w$
 # ($Rh + h$ in, $Rh$ out). A fused kernel reads $x$ and $w$ and writes $y$ (and one rstd per row): $2Rh + h$. The
 # experiment counts the plain ops' bytes (dispatch mode, forward and backward) against `picotron/kernels.py`'s fused
