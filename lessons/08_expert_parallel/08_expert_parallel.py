@@ -348,12 +348,10 @@ for W, res in sca.items():
 
 # %% [markdown]
 # Memory is exactly the formula: at ep = $E$ a rank holds one expert per layer, and tiny-moe's states shrink from
-# 22 to about 8 MiB, what makes Mixtral-sized models fit at all (section 8's widget). Throughput: here ep is **not**
-# faster. Two cores do the same FLOPs wherever an expert lives, ep adds the all-to-alls, the counts and the
-# regrouping, and four processes share two cores. On GPUs, without ep every rank holds (and reads) all experts; with
-# ep each expert's matmul gets the whole group's rows (better utilisation for small batches), and the model fits.
-# The cost is the all-to-all, which crosses nodes once ep exceeds a node's GPUs, hence DeepSeek-V3's node-limited
-# routing (each token's experts on at most 4 nodes).
+# 22 to about 8 MiB, what makes Mixtral-sized models fit (section 8's widget). Throughput: here ep is **not** faster
+# (the same FLOPs on two cores, plus the all-to-alls and regrouping). On GPUs, ep gives each expert's matmul the whole
+# group's rows (better utilisation for small batches) and the model fits; its all-to-all crosses nodes once ep
+# exceeds a node's GPUs, hence DeepSeek-V3's node-limited routing (each token's experts on at most 4 nodes).
 #
 # **Takeaway:** ep divides the experts' memory by ep exactly; its price is two all-to-alls per layer.
 #
@@ -516,11 +514,10 @@ check("each bias moved by ±γ by the sign of its load error, every step", torch
 
 # %% [markdown]
 # Without balancing, the busiest expert settles at about 2.25 times the mean load; the auxiliary loss brings it to
-# 1.13, the bias update to 1.09, without a term in the loss: only the choice moves. The update is the error's sign,
-# so each bias walks by $\pm\gamma$ and hovers where its expert's load crosses the mean (within $\pm 0.34$ after 200
-# steps). The three losses stay within about 1% (2.21, 2.20, 2.23 over the last 10 steps): the quality gain Wang et
-# al. and DeepSeek-V3 claim for the bias was measured at billions of parameters. Here the bias buys the balance
-# itself (the busiest rank sets every step's pace) with no hyper-parameter traded against the loss.
+# 1.13, the bias update to 1.09 with no term in the loss. Each bias walks by $\pm\gamma$ and hovers where its expert's
+# load crosses the mean (within $\pm 0.34$ after 200 steps). The three losses stay within about 1% (2.21, 2.20, 2.23
+# over the last 10 steps): the quality gain Wang et al. and DeepSeek-V3 claim for the bias was measured at billions of parameters. Here it buys
+# the balance itself with no hyper-parameter traded against the loss.
 #
 # **Exercise 5.** `deepseek_router_step(logits, k, bias, gamma)` in `exercise.py`: the choice with the bias, the
 # gates without it, then the bias update from the batch's loads. The checker says when the bias leaked into the
@@ -548,9 +545,8 @@ checker.check(["deepseek_router_step"])
 #    combine 1 is launched and part 2's experts run under it; combine 2.
 #
 # An expert's output for a row depends on that row alone, so the result is the unsplit layer's to rounding
-# (`tests/test_ep_overlap.py` checks the layer and the model against one process, and every rank's order of launches
-# and waits). Backward has the same shape: both combine-backwards launched, the shared expert's backward under them,
-# part 1's expert backward under part 2's all-to-all, and so on. One subtlety: data parallelism counts gradient
+# (`tests/test_ep_overlap.py` checks the layer, the model, and every rank's order of launches and waits). Backward has
+# the same shape, mirrored. One subtlety: data parallelism counts gradient
 # *hooks* to know when a bucket is full, so the two parts' weight gradients are summed and handed to autograd once
 # (`_accumulate_once`); per part, the hook would fire twice and a bucket be all-reduced half-summed (the parity test
 # caught exactly that).
