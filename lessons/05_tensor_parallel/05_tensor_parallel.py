@@ -717,11 +717,11 @@ partition_passed = checker.check(["partition"])
 # from forward), and a matmul-reduce-scatter's is an all-gather-matmul of $dy$ (each arriving chunk gives its rows of
 # $dx$ and its share of $dW$). Same bytes as the collectives replaced, $\frac{t-1}{t}$ of the buffer per rank, in
 # $t-1$ messages. What stays exposed
-# ([docs/reference.md](../../docs/reference.md#finding-a-layout-the-planner), `planner.async_tp_exposed_seconds`):
+# ([docs/reference.md](../../docs/reference.md#sequence-parallelism), `planner.async_tp_exposed_seconds`):
 #
-# $$T_\text{exposed} = (t-1)\cdot\max\Big(0,\ \alpha + \frac{c}{\beta} - t_\text{chunk matmul}\Big)
-# \qquad\text{against}\qquad T_\text{blocking} = (t-1)\Big(\alpha + \frac{c}{\beta}\Big),
-# \qquad c = \frac{b\,s}{t}\,h\,q\ \text{bytes}$$
+# $$T_\text{exposed} = (t-1)\cdot\max\Big(0,\ \alpha + \beta M - t_\text{chunk matmul}\Big)
+# \qquad\text{against}\qquad T_\text{blocking} = (t-1)\big(\alpha + \beta M\big),
+# \qquad M = \frac{b\,s}{t}\,h\,q\ \text{bytes}$$
 #
 # per collective: a ring step costs only what its message takes beyond one chunk's matmul. A layer has 8 (forward:
 # q/k/v and gate/up all-gather-matmuls, o and down matmul-reduce-scatters; backward: the same four swapped),
