@@ -60,11 +60,11 @@ print(f"FAST={FAST}, measuring {DEVICE} ({st['dtype']}), {torch.get_num_threads(
 
 # %%
 window = _common.LoadWindow()
-roof = lesson.roofline(st, DEVICE)
+roof = lesson.measure_roofline(st, DEVICE)
 busy = _common.busy_reason(_common.others_share([window.stop()]))
-peak, bw, ridge = roof["peak"], roof["bandwidth"], roof["ridge"]
+peak, bw, ridge_here = roof["peak"], roof["bandwidth"], roof["ridge"]
 print(f"measured peak P = {peak / 1e9:,.0f} GFLOP/s (the best matmul), main-memory bandwidth B = {bw / GB:,.1f} GB/s "
-      f"(a {roof['big_mib']} MiB copy, read + written): ridge P/B = {ridge:.1f} FLOP/byte")
+      f"(a {roof['big_mib']} MiB copy, read + written): ridge P/B = {ridge_here:.1f} FLOP/byte")
 print(f"{'operation':<34}{'I, FLOP/byte':>13}{'GFLOP/s':>10}{'roof':>10}{'of roof':>9}")
 points = [(f"matmul {p['n']}³", p) for p in roof["matmuls"]] + [
     ("add, x + y", roof["add"]), ("RMSNorm, whole tensor", roof["norm"]),
@@ -81,8 +81,8 @@ check("every operation lies under the measured roof", all(x <= 1.25 for _, x in 
       + " of min(P, B·I) (25% allowed for timing noise)", busy)
 low = [roof["add"], roof["norm"], roof["tiled"]]
 check("the add and the norm are memory-bound: below the ridge, under a tenth of the peak",
-      all(p["intensity"] < ridge and p["rate"] < 0.1 * peak for p in low),
-      ", ".join(f"I = {p['intensity']:.3g} at {p['rate'] / peak:.1%} of P" for p in low) + f"; ridge {ridge:.1f}", busy)
+      all(p["intensity"] < ridge_here and p["rate"] < 0.1 * peak for p in low),
+      ", ".join(f"I = {p['intensity']:.3g} at {p['rate'] / peak:.1%} of P" for p in low) + f"; ridge {ridge_here:.1f}", busy)
 add_share = roof["add"]["rate"] / hardware.roofline(peak, bw, roof["add"]["intensity"])
 check("the add streams at the memory's speed: at least half of B × I", add_share >= 0.5,
       f"{roof['add']['bandwidth'] / GB:.1f} GB/s moved, {add_share:.0%} of its roof", busy)
@@ -100,7 +100,7 @@ for key in ("a100-80gb", "h100-80gb", "h200"):
     hw = hardware.GPUS[key]
     print(f"{hw.name:<16} {hw.peak / 1e12:6.1f} TFLOP/s bf16 / {hardware.HBM_BANDWIDTH[key] / 1e12:5.2f} TB/s HBM = "
           f"ridge {hardware.ridge(hw.peak, hardware.HBM_BANDWIDTH[key]):5.0f} FLOP/byte")
-print(f"this {DEVICE.type}: {peak / 1e9:,.0f} GFLOP/s / {bw / GB:.1f} GB/s = ridge {ridge:.1f} FLOP/byte (measured)")
+print(f"this {DEVICE.type}: {peak / 1e9:,.0f} GFLOP/s / {bw / GB:.1f} GB/s = ridge {ridge_here:.1f} FLOP/byte (measured)")
 
 # %% [markdown]
 # Near 300 FLOPs per byte: a bf16 matmul needs $n/3 > 295$, so $n$ above about 900, to be compute-bound on an H100.

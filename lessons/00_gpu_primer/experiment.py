@@ -132,7 +132,7 @@ def measure_norm(rows, h, dtype, device, repeats, tile_rows=None):
     return _point("rmsnorm", (rows, h), x.element_size(), seconds, how=how, tile_rows=tile_rows)
 
 
-def roofline(st, device):
+def measure_roofline(st, device):
     """Section 1: the matmuls, the main-memory copy, the add and the norm (whole and tiled), on `device`."""
     elem = torch.tensor([], dtype=DTYPES[st["dtype"]]).element_size()
     big = st["big_mib"] * MiB
