@@ -109,8 +109,9 @@ def lesson_03():
     rows = []
     for n in (1, 2, 4, RANKS):
         t = step_time(mc, Layout(dp=n, micro_batch_size=b), s, hw, dtype="fp32")
-        rows.append(Row(f"step time, dp={n}, {row['scaling_size']}, fp32, {b}x{s} tokens/rank",
-                        f"{ms(t['total'])}, exposed all-reduce {share(t['dp'], t['total'])}", TIME_MODEL))
+        rows.append(Row(f"step, dp={n}, {row['scaling_size']}, fp32, {b}x{s} tokens/rank",
+                        f"{ms(t['total'])}, {t['tokens_per_s']:,.0f} tokens/s, all-reduce exposed "
+                        f"{share(t['dp'], t['total'])}", TIME_MODEL))
     grads = 4 * mc.num_params()
     whole = ring_time("all_reduce", RANKS, grads, *link(hw, RANKS))
     rows.append(Row(f"gradient all-reduce, {grads / MiB:.0f} MiB, 8 ranks", ms(whole),
@@ -172,12 +173,8 @@ def command(lesson):
 
 COMMANDS = {lesson: command(lesson) for lesson in _common.LESSONS}
 
-try:  # lessons 06-11 (helper module of its own)
-    from _node_late import PREDICTORS as _late
-except ModuleNotFoundError as e:  # only while _node_late.py is being written
-    if e.name != "_node_late":
-        raise
-    _late = {}
+from _node_late import PREDICTORS as _late  # noqa: E402  (lessons 06-11, in a module of their own)
+
 PREDICTORS.update(_late)
 
 
