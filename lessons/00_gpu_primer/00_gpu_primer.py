@@ -80,8 +80,8 @@ check("every operation lies under the measured roof", all(x <= 1.25 for _, x in 
       "highest " + ", ".join(f"{n} {x:.0%}" for n, x in sorted(under, key=lambda t: -t[1])[:2])
       + " of min(P, B·I) (25% allowed for timing noise)", busy)
 low = [roof["add"], roof["norm"], roof["tiled"]]
-check("the add and the norm are memory-bound: below the ridge, under a tenth of the peak",
-      all(p["intensity"] < ridge_here and p["rate"] < 0.1 * peak for p in low),
+check("the add and the norm are memory-bound: below the ridge, under a quarter of the peak",
+      all(p["intensity"] < ridge_here and p["rate"] < 0.25 * peak for p in low),
       ", ".join(f"I = {p['intensity']:.3g} at {p['rate'] / peak:.1%} of P" for p in low) + f"; ridge {ridge_here:.1f}", busy)
 add_share = roof["add"]["rate"] / hardware.roofline(peak, bw, roof["add"]["intensity"])
 check("the add streams at the memory's speed: at least half of B × I", add_share >= 0.5,
@@ -90,8 +90,9 @@ check("the add streams at the memory's speed: at least half of B × I", add_shar
 # %% [markdown]
 # Read the plot from left to right. The add sits on the sloped part of the roof: it moves 12 bytes (fp32) for one
 # FLOP and runs at memory speed. The norm's intensity is a little higher. Yet the whole-tensor norm falls far below
-# its roof: it is five kernels, each streaming the whole tensor through main memory, so it moves several times the
-# bytes counted here. Section 2 keeps those passes on chip. The matmuls sit right of the ridge and near the peak.
+# its roof: it is six kernels (`kernels.rms_norm_plain`), four of which read the whole tensor from main memory
+# and three write one as large, so it moves several times the bytes counted here. Section 2 keeps those passes on chip.
+# The matmuls sit right of the ridge and near the peak.
 #
 # A GPU's ridge is far to the right. For an H100 SXM in bf16, `hardware.ridge` of the datasheet figures gives:
 
@@ -138,7 +139,7 @@ check("a working set that fits a cache copies faster than main memory", fastest[
 #
 # The on-chip levels are many times faster than HBM (NVIDIA publishes no single figure for them; unmeasured here).
 # A kernel that keeps its data on chip between steps moves only its inputs and outputs through HBM. That is a
-# **fused** kernel. The whole-tensor norm above is five kernels and five trips through main memory. The same
+# **fused** kernel. The whole-tensor norm above makes four trips through main memory. The same
 # arithmetic a tile at a time (this CPU: tiles that fit its cache; a GPU: picotron's Triton kernel, one row per
 # program) makes one trip:
 
@@ -235,7 +236,9 @@ serial, both = ov["compute_s"] + ov["comm_s"], ov["both_s"]
 hidden = (serial - both) / ov["comm_s"]
 ov_busy = _common.busy_reason(ov["others_share"])
 print(f"{ov['backend']}: matmuls {ov['compute_s'] * 1e3:.1f} ms + all-reduce of {ov['mib']} MiB {ov['comm_s'] * 1e3:.1f} ms "
-      f"= {serial * 1e3:.1f} ms one after the other; together {both * 1e3:.1f} ms: {hidden:.0%} of the all-reduce hidden")
+      f"= {serial * 1e3:.1f} ms one after the other; together {both * 1e3:.1f} ms: {min(hidden, 1):.0%} of the all-reduce "
+      f"hidden (medians of {len(ov['times']['both'])} trials" + ("; together ran faster than the matmuls alone: the "
+      "machine's load changed between runs)" if hidden > 1 else ")"))
 check("overlapping never costs more than running one after the other", both <= 1.1 * serial,
       f"{both * 1e3:.1f} ms against {serial * 1e3:.1f} ms (10% allowed)", ov_busy)
 check("part of the all-reduce hides under the matmuls", hidden >= 0.2,
@@ -284,7 +287,7 @@ check("the exercise checker passes the reference solutions", solutions_pass,
 #
 # ## 6. On an H100 you should see
 # Predictions from the datasheet figures (`hardware.GPUS`, `hardware.HBM_BANDWIDTH`), unmeasured. A measured peak
-# is lower: a large bf16 matmul reaches about 0.7-0.8 of the datasheet's.
+# is lower: a large bf16 matmul reaches about 0.8 of the datasheet's (`plan/hardware.py`).
 
 # %%
 P, B = H100.peak, hardware.HBM_BANDWIDTH["h100-80gb"]

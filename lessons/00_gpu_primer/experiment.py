@@ -14,6 +14,7 @@ Every formula (FLOPs and bytes of an operation, the ridge, the roof) is picotron
 Timings are the best of a few repeats, each bracketed by a device synchronisation (metrics.sync) on a GPU.
 """
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,10 +49,12 @@ def settings(fast):
 
 
 # ------------------------------------------------------------------------------------------- timing
-def best_seconds(fn, device, repeats=5, inner=1):
-    """The fastest of `repeats` timings of `inner` calls of fn() (after one call to warm up), per call, each timing
-    bracketed by a device synchronisation: on a GPU, the time the kernels took, not the time to queue them."""
-    fn()
+def best_seconds(fn, device, repeats=5, inner=1, warm=True):
+    """The fastest of `repeats` timings of `inner` calls of fn() (after one call to warm up, if `warm`), per call,
+    each timing bracketed by a device synchronisation: on a GPU, the time the kernels took, not the time to queue
+    them."""
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(repeats):
         metrics.sync(device)
@@ -83,68 +86,85 @@ def measure_matmuls(sizes, dtype, device, repeats):
     return out
 
 
-def measure_copy(nbytes, device, repeats, dtype="fp32"):
-    """A copy of `nbytes` into a buffer allocated beforehand: bytes read + written per second."""
+def copy_job(nbytes, device, dtype="fp32"):
+    """A copy of `nbytes` into a buffer allocated beforehand (bytes read + written): (fn, kind, shape, elem, extra)."""
     dt = DTYPES[dtype]
-    elem = torch.tensor([], dtype=dt).element_size()
-    n = max(1, nbytes // elem)
+    n = max(1, nbytes // torch.tensor([], dtype=dt).element_size())
     src = torch.ones(n, device=device, dtype=dt)
     dst = torch.empty_like(src)
-    moved = 2 * n * elem
-    inner = 1 if device.type == "cpu" and moved >= 64 * MiB else max(1, (256 * MiB if device.type == "cuda" else
-                                                                         64 * MiB) // moved)
-    seconds = best_seconds(lambda: dst.copy_(src), device, repeats, inner)
-    return _point("copy", (n,), elem, seconds)
+    return (lambda: dst.copy_(src)), "copy", (n,), src.element_size(), {}
 
 
-def measure_add(n, dtype, device, repeats):
+def add_job(n, dtype, device):
     """z = x + y into a buffer allocated beforehand: 1 FLOP for 3 elements moved."""
     dt = DTYPES[dtype]
     x, y = (torch.randn(n, device=device, dtype=dt) for _ in range(2))
     z = torch.empty_like(x)
-    return _point("add", (n,), x.element_size(), best_seconds(lambda: torch.add(x, y, out=z), device, repeats))
+    return (lambda: torch.add(x, y, out=z)), "add", (n,), x.element_size(), {}
 
 
-def measure_norm(rows, h, dtype, device, repeats, tile_rows=None):
-    """picotron's RMSNorm arithmetic (kernels.rms_norm_plain, the model's: square, mean, rsqrt, scale, weight, each a
-    kernel of its own that streams the whole tensor) over rows × h, on the whole tensor at once (`tile_rows` None);
-    or kept on chip: on a CPU a tile of `tile_rows` rows at a time into an output allocated beforehand (each tile's
-    temporaries stay in the cache), on a GPU picotron's fused Triton kernel (kernels.rms_norm, one row per program,
-    held in registers: x read once, y written once)."""
+def norm_job(rows, h, dtype, device, tile_rows=None):
+    """picotron's RMSNorm arithmetic (kernels.rms_norm_plain, the model's: square, mean, add, rsqrt, scale, weight,
+    each a kernel of its own; four of them stream the whole tensor) over rows × h, on the whole tensor at once
+    (`tile_rows` None); or kept on chip: on a CPU a tile of `tile_rows` rows at a time into an output allocated
+    beforehand (each tile's temporaries stay in the cache), on a GPU picotron's fused Triton kernel (kernels.rms_norm,
+    one row per program, held in registers: x read once, y written once)."""
     dt = DTYPES[dtype]
     x = torch.randn(rows, h, device=device, dtype=dt)
     w = torch.ones(h, device=device, dtype=dt)
     y = torch.empty_like(x)
 
     def whole():
-        return kernels.rms_norm_plain(x, w, 1e-5)
+        with torch.no_grad():
+            return kernels.rms_norm_plain(x, w, 1e-5)
 
     def tiled():
-        for i in range(0, rows, tile_rows):
-            y[i:i + tile_rows] = kernels.rms_norm_plain(x[i:i + tile_rows], w, 1e-5)
+        with torch.no_grad():
+            for i in range(0, rows, tile_rows):
+                y[i:i + tile_rows] = kernels.rms_norm_plain(x[i:i + tile_rows], w, 1e-5)
 
     def fused():
-        return kernels.rms_norm(x, w, 1e-5, impl="auto")
+        with torch.no_grad():
+            return kernels.rms_norm(x, w, 1e-5, impl="auto")
 
     how = "whole" if not tile_rows else "fused" if device.type == "cuda" else "tiled"
-    with torch.no_grad():
-        seconds = best_seconds(dict(whole=whole, tiled=tiled, fused=fused)[how], device, repeats)
-    return _point("rmsnorm", (rows, h), x.element_size(), seconds, how=how, tile_rows=tile_rows)
+    return dict(whole=whole, tiled=tiled, fused=fused)[how], "rmsnorm", (rows, h), x.element_size(), \
+        dict(how=how, tile_rows=tile_rows)
+
+
+def measure_interleaved(jobs, device, repeats):
+    """Time each job (name -> job) `repeats` times, the jobs taking turns (a shared machine's changing load hits
+    them alike), each timing synchronised; {name: _point of its fastest}."""
+    for fn, *_ in jobs.values():
+        fn()
+    best = {name: float("inf") for name in jobs}
+    for _ in range(repeats):
+        for name, (fn, *_) in jobs.items():
+            best[name] = min(best[name], best_seconds(fn, device, repeats=1, warm=False))
+    return {name: _point(kind, shape, elem, best[name], **extra) for name, (_, kind, shape, elem, extra) in jobs.items()}
+
+
+def measure_copy(nbytes, device, repeats, dtype="fp32"):
+    """The copy of `copy_job` timed alone, with enough copies a timing to be measurable (small buffers)."""
+    fn, kind, shape, elem, _ = copy_job(nbytes, device, dtype)
+    moved = 2 * shape[0] * elem
+    inner = max(1, (256 * MiB if device.type == "cuda" else 64 * MiB) // moved)
+    return _point(kind, shape, elem, best_seconds(fn, device, repeats, inner))
 
 
 def measure_roofline(st, device):
-    """Section 1: the matmuls, the main-memory copy, the add and the norm (whole and tiled), on `device`."""
+    """Section 1: the matmuls, then the main-memory copy, the add and the norm (whole and on chip) taking turns."""
     elem = torch.tensor([], dtype=DTYPES[st["dtype"]]).element_size()
     big = st["big_mib"] * MiB
     rows = big // (st["norm_h"] * elem)
     mm = measure_matmuls(st["mm_sizes"], st["dtype"], device, st["repeats"])
-    copy = measure_copy(big, device, st["repeats"], st["dtype"])
-    add = measure_add(big // elem, st["dtype"], device, st["repeats"])
-    norm = measure_norm(rows, st["norm_h"], st["dtype"], device, st["repeats"])
-    tiled = measure_norm(rows, st["norm_h"], st["dtype"], device, st["repeats"], st["tile_rows"])
+    r = measure_interleaved(dict(copy=copy_job(big, device, st["dtype"]), add=add_job(big // elem, st["dtype"], device),
+                                 norm=norm_job(rows, st["norm_h"], st["dtype"], device),
+                                 tiled=norm_job(rows, st["norm_h"], st["dtype"], device, st["tile_rows"])),
+                            device, st["repeats"])
     peak = max(p["rate"] for p in mm)
-    return dict(matmuls=mm, copy=copy, add=add, norm=norm, tiled=tiled, peak=peak, bandwidth=copy["bandwidth"],
-                ridge=hardware.ridge(peak, copy["bandwidth"]), device=str(device), dtype=st["dtype"],
+    return dict(matmuls=mm, **r, peak=peak, bandwidth=r["copy"]["bandwidth"],
+                ridge=hardware.ridge(peak, r["copy"]["bandwidth"]), device=str(device), dtype=st["dtype"],
                 big_mib=st["big_mib"])
 
 
@@ -254,7 +274,7 @@ def top_level(ops):
 def exp_overlap(mesh, fast, out):
     """On every rank: `reps` matmuls of n×n alone, an all-reduce of `mib` MiB alone, and both at once (the
     all-reduce started with async_op=True, the matmuls run, then wait()), interleaved trial by trial; the slowest
-    rank's time of each, best over trials, and the machine's load from other programs while it ran."""
+    rank's time of each, the median over trials, and the machine's load from other programs while it ran."""
     st = _common.sized("00_gpu_primer", settings(fast), fast, mesh.device.type)
     dev, dt = mesh.device, DTYPES[st["overlap_dtype"]]
     a = torch.randn(st["overlap_n"], st["overlap_n"], device=dev, dtype=dt)
@@ -285,18 +305,20 @@ def exp_overlap(mesh, fast, out):
 
     for fn in (compute, comm, both):  # warm up: thread pools, the communicator's buffers
         timed(fn)
-    window, best = _common.LoadWindow(), {}
-    for _ in range(st["overlap_trials"]):
+    window, times = _common.LoadWindow(), {"compute": [], "comm": [], "both": [], "wait": []}
+    for _ in range(st["overlap_trials"]):  # the three in turn, trial after trial: a machine's drift hits all alike
         for name, fn in (("compute", compute), ("comm", comm), ("both", both)):
             seconds, waited = timed(fn)
-            slowest = max(_common.gather(seconds, mesh))
-            if slowest < best.get(name, (float("inf"),))[0]:
-                best[name] = (slowest, max(_common.gather(waited, mesh)) if waited is not None else None)
+            times[name].append(max(_common.gather(seconds, mesh)))  # the slowest rank's
+            if waited is not None:
+                times["wait"].append(max(_common.gather(waited, mesh)))
     share = _common.others_share(_common.gather(window.stop(), mesh))
-    _common.say(mesh, f"overlap: compute {best['compute'][0] * 1e3:.1f} ms, all-reduce {best['comm'][0] * 1e3:.1f} ms, "
-                      f"both {best['both'][0] * 1e3:.1f} ms (wait() {best['both'][1] * 1e3:.1f} ms)")
-    return dict(compute_s=best["compute"][0], comm_s=best["comm"][0], both_s=best["both"][0],
-                wait_s=best["both"][1], others_share=share, n=st["overlap_n"], reps=st["overlap_reps"],
+    med = {name: statistics.median(values) for name, values in times.items()}
+    _common.say(mesh, f"overlap: compute {med['compute'] * 1e3:.1f} ms, all-reduce {med['comm'] * 1e3:.1f} ms, "
+                      f"both {med['both'] * 1e3:.1f} ms (wait() {med['wait'] * 1e3:.1f} ms); medians of "
+                      f"{st['overlap_trials']} trials")
+    return dict(compute_s=med["compute"], comm_s=med["comm"], both_s=med["both"], wait_s=med["wait"], times=times,
+                others_share=share, n=st["overlap_n"], reps=st["overlap_reps"],
                 mib=st["overlap_mib"], backend=mesh.backend, device=dev.type, threads=torch.get_num_threads())
 
 
