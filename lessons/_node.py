@@ -97,7 +97,7 @@ def lesson_02():
             Row(f"all-gather, {big // MiB} MiB in all, 8 ranks", ms(ring_time("all_gather", RANKS, big, alpha, bw)),
                 "plan.ring_time"),
             Row(f"all-reduce, {small // 1024} KiB, 8 ranks", ms(ring_time("all_reduce", RANKS, small, alpha, bw)),
-                "plan.ring_time: 14 steps of α"),
+                "plan.ring_time: latency-bound"),
             Row("tree vs ring, small messages", "not modelled", "the planner's collectives are rings only")]
 
 
