@@ -49,9 +49,11 @@ FAST, OUT = _common.FAST, _common.run_dir("07_pipeline_parallel")
 import experiment as lesson   # this folder's experiment.py: its measurements, simulator helpers and plots
 MiB, GB = 2**20, 1e9
 
-def run(only, nproc=2):
+def run(only, nproc=2, hide=()):
     # torchrun --nproc_per_node nproc lessons/07_pipeline_parallel/experiment.py --out OUT --only <only>
-    _common.run_experiment("07_pipeline_parallel", only, nproc)
+    # prints what it printed, less the training chatter and the lines that start with one of `hide` (rows that the
+    # notebook prints itself from the JSON)
+    _common.run_experiment("07_pipeline_parallel", only, nproc, hide=_common.TRAINING_CHATTER + hide)
 
 check = _common.check   # prints ✓ or ✗ (or ?, only for a timing check on a machine measured busy) and counts it
 
@@ -564,7 +566,7 @@ for p_ in (4, 8):
 # parameter bytes per rank under DualPipe and 1F1B:
 
 # %%
-run("dualpipe", nproc=P)
+run("dualpipe", nproc=P, hide=tuple(lesson.LABELS[n] + " " for n in ("zb-v", "dualpipe")))  # its rows: printed below
 dual = _common.load_json(OUT / f"dualpipe_pp{P}.json")["results"]
 zbv, dp = (next(r for r in dual["rows"] if r["name"] == n) for n in ("zb-v", "dualpipe"))
 for r in (zbv, dp):
