@@ -130,5 +130,9 @@ def test_checker_names_each_slip(tmp_path, slip):
 # ------------------------------------------------------------------------------------- the notebook
 def test_notebook_runs_in_fast_mode(run_notebook):
     text = run_notebook("00_gpu_primer")
-    assert "✗" not in text, text
-    assert text.count("✓") >= 8
+    # a timing check may say "?" (inconclusive) where the machine was measured busy; any other mark is ✓ or ✗
+    marks = _common.tally(text)
+    assert not marks["failed"], text
+    assert marks["passed"] + len(marks["inconclusive"]) == 10, text
+    assert "the exercise checker passes the reference solutions" in text and "NotImplementedError: not written yet" in text
+    assert "picotron | Mesh" not in text and "USDT" not in text  # no trainer banner, no profiler chatter
