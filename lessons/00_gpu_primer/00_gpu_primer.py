@@ -195,9 +195,10 @@ print(f"step 2: {tr['step_ms']:.0f} ms; the CPU thread ran operators {tr['ops_ms
       f"operators); GPU kernels {tr['kernels_ms']:.0f} ms on {tr['n_streams']} stream(s); waits {tr['waits_ms']:.1f} ms")
 lesson.plot_timeline(tr); plt.show()
 if tr["device"] == "cuda":
-    check("on a GPU the kernels run on streams of their own, after the CPU launched them", tr["n_kernels"] > 0 and
-          tr["last_kernel_ms"] >= tr["last_launch_ms"], f"{tr['n_kernels']} kernels on {tr['n_streams']} stream(s); the "
-          f"last kernel ended {tr['last_kernel_ms'] - tr['last_launch_ms']:.1f} ms after the last launch")
+    lead = None if tr["last_launch_ms"] is None else tr["last_kernel_ms"] - tr["last_launch_ms"]
+    check("on a GPU the kernels run on streams of their own, after the CPU launched them",
+          tr["n_kernels"] > 0 and lead is not None and lead >= 0, f"{tr['n_kernels']} kernels on {tr['n_streams']} "
+          f"stream(s); the last kernel ended {lead if lead is not None else float('nan'):.1f} ms after the last launch")
 else:
     check("on a CPU the operators run on the thread that launched them and fill the step", tr["n_kernels"] == 0
           and tr["ops_ms"] >= 0.8 * tr["step_ms"], f"no device rows; operators {tr['ops_ms'] / tr['step_ms']:.0%} of "

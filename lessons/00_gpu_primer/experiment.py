@@ -240,7 +240,9 @@ def timeline(events, start, end):
     phases = [(e["name"], *ms(e)) for e in inside if e.get("cat") == "user_annotation" and
               e["name"].startswith(PHASES)]
     ops = top_level([e for e in inside if e.get("cat") == "cpu_op"])
-    kernels = [e for e in inside if e.get("cat") == "kernel"]
+    # the GPU runs behind the CPU: a kernel the step launched may start after the step's CPU range has closed (the
+    # trace holds this one step: every kernel from its start on is the step's)
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel" and e.get("ts", -1) >= start]
     streams = sorted({e.get("args", {}).get("stream", e.get("tid")) for e in kernels}, key=str)
     waits = [e for e in inside if e.get("cat") == "cuda_runtime" and e.get("dur", 0) > 50 and
              ("Synchronize" in e["name"] or "Memcpy" in e["name"])]
