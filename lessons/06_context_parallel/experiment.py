@@ -5,6 +5,7 @@ formulas and plots.
     torchrun --nproc_per_node 2 lessons/06_context_parallel/experiment.py [--only balance,train,parity]
     torchrun --nproc_per_node 4 lessons/06_context_parallel/experiment.py --only memory,balance,train,parity
     torchrun --nproc_per_node 4 lessons/06_context_parallel/experiment.py --only ulysses    # cp = 2 (x dp 2) and 4
+    torchrun --nproc_per_node 8 lessons/06_context_parallel/experiment.py --only balance,train,parity,ulysses  # cp = 8
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_cp<c>.json (c = the world size). memory: the bytes autograd keeps in one forward of one

@@ -3,6 +3,7 @@ picotron.train runs it), and the notebook's simulator helpers and plots.
 
     torchrun --nproc_per_node 2 lessons/07_pipeline_parallel/experiment.py [--only bubble,memory,parity,dualpipe]
         [--schedules afab,1f1b,...]   # bubble: only these schedules (default: all)
+    torchrun --nproc_per_node 8 lessons/07_pipeline_parallel/experiment.py   # pp = 8, 16 layers (at_world)
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_pp<p>.json. dualpipe: ZB-V and DualPipe timed as in bubble at one m, and the parameter

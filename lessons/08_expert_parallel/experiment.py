@@ -4,6 +4,7 @@ and the notebook's formulas and plots.
 
     torchrun --nproc_per_node 2 lessons/08_expert_parallel/experiment.py [--only balance,bytes,scaling,parity,router,overlap]
     torchrun --nproc_per_node 4 lessons/08_expert_parallel/experiment.py --only bytes,scaling,parity
+    torchrun --nproc_per_node 8 lessons/08_expert_parallel/experiment.py --only bytes,scaling,parity  # 8 experts
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>_ep<W>.json (W = the world size). balance: picotron.train on tiny-moe at dp = ep = 2,

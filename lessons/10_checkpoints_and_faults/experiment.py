@@ -2,6 +2,7 @@
 Saver, load and consolidate, `picotron.train` with --faults and --max-restarts), and the lesson's formulas.
 
     torchrun --nproc_per_node 2 lessons/10_checkpoints_and_faults/experiment.py [--only cost,async,dcp,levels]
+    torchrun --nproc_per_node 8 lessons/10_checkpoints_and_faults/experiment.py    # cost, async, dcp at 8 (layouts)
     PICOTRON_FAST=1 ...    # short settings (the notebook's FAST mode)
 
 Rank 0 writes OUT/<name>.json. cost: for each model size and layout on 2 ranks, one training step, then a
