@@ -567,8 +567,8 @@ for s in [2**i for i in range(8, 17)]:
 peak = metrics.measured_matmul_peak(torch.device("cpu"))
 bandwidth = lesson.memory_bandwidth()
 balance = {f"this CPU: {peak / 1e9:.0f} GFLOP/s / {bandwidth / 1e9:.0f} GB/s = {peak / bandwidth:.1f}": peak / bandwidth,
-           f"H100 SXM datasheet: 989 TFLOP/s / 3.35 TB/s = {lesson.H100['flops'] / lesson.H100['bandwidth']:.0f}":
-           lesson.H100["flops"] / lesson.H100["bandwidth"]}
+           f"H100 SXM datasheet: {lesson.H100['flops'] / 1e12:.0f} TFLOP/s / {lesson.H100['bandwidth'] / 1e12:.2f} TB/s "
+           f"= {lesson.H100_RIDGE:.0f}": lesson.H100_RIDGE}
 times, saved = lesson.time_attention(("sdpa", "eager", "flash"), st["attn_seqs"], repeats=st["repeats"])
 lesson.plot_attention(rows, times, saved, balance, cfg); plt.show()
 print(f"  this CPU: matmul peak {peak / 1e9:.0f} GFLOP/s (fp32, metrics.measured_matmul_peak), copy bandwidth "
@@ -595,7 +595,7 @@ top = rows[-1]
 limits = dict(naive_intensity=128 / 2, per_q_head_intensity=2 * 128 / 2, tiled_intensity=2 * 32 * 128 / (8 * 2))
 check("intensities reach their limits: naive and per-query-head tiled below the H100's ~295, per-KV-head above",
       all(abs(top[k] - v) / v < 0.05 for k, v in limits.items())
-      and top["naive_intensity"] < top["per_q_head_intensity"] < 295 < top["tiled_intensity"],
+      and top["naive_intensity"] < top["per_q_head_intensity"] < lesson.H100_RIDGE < top["tiled_intensity"],
       f"at s = {top['s']}: naive {top['naive_intensity']:.1f} FLOP/byte (→ d/elem = 64); tiled, K/V per query head "
       f"(Triton, FlashAttention-2) {top['per_q_head_intensity']:.1f} (→ 2B_q/elem = 128), K/V per KV head "
       f"(flash_attention) {top['tiled_intensity']:.0f} (→ 2aB_q/(a_kv·elem) = 512)")

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from picotron import fp8, fp8_blockwise, kernels, metrics, precision  # noqa: E402
+from picotron.plan import hardware  # noqa: E402
 from picotron.config import Config  # noqa: E402
 from picotron.marks import clip_grad_norm  # noqa: E402
 from picotron.mesh import Mesh  # noqa: E402
@@ -49,8 +50,10 @@ MINI = dict(preset="tiny", hidden_size=64, intermediate_size=192, num_hidden_lay
 V = 4096
 COLORS = {"fp32": "#4c72b0", "bf16": "#55a868", "bf16-params": "#8c8c8c", "fp16": "#dd8452", "fp8": "#c44e52",
           "fp8-blockwise": "#937860", "E4M3": "#c44e52", "E5M2": "#8172b2"}
-# H100 SXM datasheet (dense bf16 tensor-core peak; HBM3 bandwidth): the balance point of section 6.
-H100 = dict(flops=989e12, bandwidth=3.35e12)
+# H100 SXM datasheet (dense bf16 tensor-core peak; HBM3 bandwidth), from plan.hardware, their one home: the balance
+# point of section 6 (lesson 00 measures this machine's).
+H100 = dict(flops=hardware.GPUS["h100-80gb"].peak, bandwidth=hardware.HBM_BANDWIDTH["h100-80gb"])
+H100_RIDGE = hardware.ridge(H100["flops"], H100["bandwidth"])
 
 
 def settings(fast):
