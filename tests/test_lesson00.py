@@ -4,6 +4,7 @@ exercise checker (solutions pass; stubs and each usual slip are named), and the 
 Timings are never asserted here: the notebook's checks judge them, with `?` on a busy machine.
 """
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -79,6 +80,27 @@ def test_launch_and_wait_on_the_cpu_runs_as_it_is_called():
     assert r["total_s"] == pytest.approx(r["launch_s"] + r["item_s"]) and r["count"] == 3 and r["work_s"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_tiled_norm_computes_the_models_norm(dtype):
+    """The tiled norm (buffers reused tile after tile, a last tile shorter than the rest) gives rms_norm_plain's
+    output, so the speed-up it shows is the same arithmetic kept in the cache, not less arithmetic."""
+    import torch
+
+    from picotron import kernels
+
+    torch.manual_seed(0)
+    x = (torch.randn(100, 64) * 3 + 1).to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]))
+    w = torch.empty(64).uniform_(0.5, 2).to(x.dtype)
+    threads = torch.get_num_threads()
+    got = lesson.rms_norm_tiled(x, w, torch.empty_like(x), tile_rows=32)
+    assert torch.get_num_threads() == threads  # the one-thread tiles hand the threads back
+    want = kernels.rms_norm_plain(x, w, 1e-5)
+    tol = 1e-2 if dtype == "bf16" else 1e-6
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    fn, kind, shape, elem, extra = lesson.norm_job(100, 64, dtype, torch.device("cpu"), tile_rows=32)
+    assert (kind, shape, extra["how"]) == ("rmsnorm", (100, 64), "tiled") and fn() is None
+
+
 def test_gpu_settings_only_change_cpu_settings():
     row = dict(_common.GPU_SETTINGS["00_gpu_primer"])
     fast = row.pop("fast")
@@ -133,6 +155,7 @@ def test_notebook_runs_in_fast_mode(run_notebook):
     # a timing check may say "?" (inconclusive) where the machine was measured busy; any other mark is ✓ or ✗
     marks = _common.tally(text)
     assert not marks["failed"], text
-    assert marks["passed"] + len(marks["inconclusive"]) == 10, text
+    # the overlap's "part hides" is judged only where each of its 2 ranks has a core to spare for gloo's thread
+    assert marks["passed"] + len(marks["inconclusive"]) == 10 + ((os.cpu_count() or 1) >= 4), text
     assert "the exercise checker passes the reference solutions" in text and "NotImplementedError: not written yet" in text
     assert "picotron | Mesh" not in text and "USDT" not in text  # no trainer banner, no profiler chatter

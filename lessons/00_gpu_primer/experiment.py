@@ -35,11 +35,11 @@ SETTINGS = {
     "fast": dict(dtype="fp32", mm_sizes=(64, 128, 256, 512), big_mib=64, norm_h=2048, tile_rows=32,
                  sweep_bytes=[16 * KiB * 4**k for k in range(8)], repeats=3, launch_n=256, launch_count=40,
                  trace_seq_len=64, trace_micro_batch_size=4, overlap_n=256, overlap_reps=40, overlap_mib=16, overlap_dtype="fp32",
-                 overlap_trials=3),
+                 overlap_trials=9),
     "full": dict(dtype="fp32", mm_sizes=(64, 128, 256, 512, 1024), big_mib=128, norm_h=2048, tile_rows=32,
                  sweep_bytes=[16 * KiB * 2**k for k in range(15)], repeats=5, launch_n=256, launch_count=80,
                  trace_seq_len=128, trace_micro_batch_size=4, overlap_n=256, overlap_reps=80, overlap_mib=32, overlap_dtype="fp32",
-                 overlap_trials=5),
+                 overlap_trials=9),
 }
 
 
@@ -103,6 +103,34 @@ def add_job(n, dtype, device):
     return (lambda: torch.add(x, y, out=z)), "add", (n,), x.element_size(), {}
 
 
+def rms_norm_tiled(x, w, out, tile_rows, eps=1e-5):
+    """kernels.rms_norm_plain's arithmetic (in fp32) over x (rows × h) `tile_rows` rows at a time into `out`, on one
+    thread, each tile's temporaries in two buffers allocated once, so that they stay in the core's cache.
+
+    Why so: a fresh tensor per tile goes through malloc, which may hand each one new pages from the OS (a page fault
+    per 4 KiB, zeroed): that ran slower than the whole-tensor norm on CI (x0.7). And a tile is too little work to
+    split: with OMP_WAIT_POLICY=PASSIVE (lessons/_common.py) each small operator on 2 threads waits for the second to
+    wake, x0.7 again. The whole-tensor norm it is compared with runs on every thread."""
+    rows, h = x.shape
+    sq = torch.empty(tile_rows, h, device=x.device, dtype=torch.float32)
+    ms = torch.empty(tile_rows, 1, device=x.device, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for i in range(0, rows, tile_rows):
+                n = min(tile_rows, rows - i)
+                xt, s, m = x[i:i + n], sq[:n], ms[:n]
+                torch.mul(xt, xt, out=s)
+                torch.mean(s, -1, keepdim=True, out=m)
+                m.add_(eps).rsqrt_()
+                torch.mul(xt, m, out=s)
+                out[i:i + n].copy_(s.mul_(w))  # cast back to x's dtype on the way out
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def norm_job(rows, h, dtype, device, tile_rows=None):
     """picotron's RMSNorm arithmetic (kernels.rms_norm_plain, the model's: square, mean, add, rsqrt, scale, weight,
     each a kernel of its own; four of them stream the whole tensor) over rows × h, on the whole tensor at once
@@ -119,9 +147,7 @@ def norm_job(rows, h, dtype, device, tile_rows=None):
             return kernels.rms_norm_plain(x, w, 1e-5)
 
     def tiled():
-        with torch.no_grad():
-            for i in range(0, rows, tile_rows):
-                y[i:i + tile_rows] = kernels.rms_norm_plain(x[i:i + tile_rows], w, 1e-5)
+        rms_norm_tiled(x, w, y, tile_rows)
 
     def fused():
         with torch.no_grad():
@@ -292,11 +318,13 @@ def exp_overlap(mesh, fast, out):
         dist.all_reduce(buf)
 
     def both():
+        t = time.perf_counter()
         work = dist.all_reduce(buf, async_op=True)  # gloo: its own thread; NCCL: its own stream
+        call = time.perf_counter() - t
         compute()
         t = time.perf_counter()
         work.wait()
-        return time.perf_counter() - t
+        return call, time.perf_counter() - t
 
     def timed(fn):
         dist.barrier()
@@ -308,21 +336,23 @@ def exp_overlap(mesh, fast, out):
 
     for fn in (compute, comm, both):  # warm up: thread pools, the communicator's buffers
         timed(fn)
-    window, times = _common.LoadWindow(), {"compute": [], "comm": [], "both": [], "wait": []}
+    window, times = _common.LoadWindow(), {"compute": [], "comm": [], "both": [], "call": [], "wait": []}
     for _ in range(st["overlap_trials"]):  # the three in turn, trial after trial: a machine's drift hits all alike
         for name, fn in (("compute", compute), ("comm", comm), ("both", both)):
-            seconds, waited = timed(fn)
+            seconds, parts = timed(fn)
             times[name].append(max(_common.gather(seconds, mesh)))  # the slowest rank's
-            if waited is not None:
-                times["wait"].append(max(_common.gather(waited, mesh)))
+            if parts is not None:
+                for part, value in zip(("call", "wait"), parts):
+                    times[part].append(max(_common.gather(value, mesh)))
     share = _common.others_share(_common.gather(window.stop(), mesh))
     med = {name: statistics.median(values) for name, values in times.items()}
     _common.say(mesh, f"overlap: compute {med['compute'] * 1e3:.1f} ms, all-reduce {med['comm'] * 1e3:.1f} ms, "
                       f"both {med['both'] * 1e3:.1f} ms (wait() {med['wait'] * 1e3:.1f} ms); medians of "
                       f"{st['overlap_trials']} trials")
-    return dict(compute_s=med["compute"], comm_s=med["comm"], both_s=med["both"], wait_s=med["wait"], times=times,
-                others_share=share, n=st["overlap_n"], reps=st["overlap_reps"],
-                mib=st["overlap_mib"], backend=mesh.backend, device=dev.type, threads=torch.get_num_threads())
+    return dict(compute_s=med["compute"], comm_s=med["comm"], both_s=med["both"], call_s=med["call"],
+                wait_s=med["wait"], times=times, others_share=share, n=st["overlap_n"], reps=st["overlap_reps"],
+                mib=st["overlap_mib"], backend=mesh.backend, device=dev.type, threads=torch.get_num_threads(),
+                cores=os.cpu_count(), ranks=mesh.world_size)
 
 
 # ------------------------------------------------------------------------------------ plots (for the notebook)
