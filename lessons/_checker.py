@@ -162,17 +162,19 @@ def entry_points(description, exercises, check_one, learner, solutions, timeout_
 
 
 def cli(argv, description, check, exercises, learner, solutions, timeout_s):
-    """The command line every checker shares: [names ...] [--solutions | --module FILE] [--timeout S]."""
+    """The command line every checker shares: [names ...] [--solutions | --module FILE] [--timeout S] (--timeout
+    only where the exercises launch processes: timeout_s not None)."""
     import argparse
 
     p = argparse.ArgumentParser(description=description)
     p.add_argument("names", nargs="*", help=f"exercises to check (default all): {', '.join(exercises)}")
     p.add_argument("--solutions", action="store_true", help="check the reference solutions")
     p.add_argument("--module", help=f"check this file instead of {Path(learner).relative_to(Path(learner).parents[2])}")
-    p.add_argument("--timeout", type=float, default=timeout_s, help="seconds before a launch counts as a hang")
+    if timeout_s is not None:  # None: the exercises run in this process, nothing is launched
+        p.add_argument("--timeout", type=float, default=timeout_s, help="seconds before a launch counts as a hang")
     args = p.parse_args(argv)
     module = solutions if args.solutions else args.module
-    return 0 if check(args.names, module, args.timeout) else 1
+    return 0 if check(args.names, module, getattr(args, "timeout", timeout_s)) else 1
 
 
 def rendezvous(n, key):

@@ -7,7 +7,6 @@
 From the lesson's notebook: `import check as checker; checker.check()` (returns True when everything passes).
 Exit status 0 when every check passes, 1 otherwise.
 """
-import argparse
 import math
 import sys
 import traceback
@@ -16,7 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # lessons/: _checker, which puts the repository root on sys.path too
 
-from _checker import check_all, load  # noqa: E402
+from _checker import entry_points, load  # noqa: E402
 
 from picotron.plan import hardware  # noqa: E402
 
@@ -135,18 +134,9 @@ def check_one(name, path, report):
     CHECKS[name](mod, report)
 
 
-def check(names=None, module=None):
-    """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
-    return check_all(names, Path(module).resolve() if module else LEARNER, list(CHECKS), check_one, "ex00")
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Check lesson 00's exercises.")
-    p.add_argument("names", nargs="*", help=f"exercises to check (default all): {', '.join(CHECKS)}")
-    p.add_argument("--solutions", action="store_true", help="check the reference solutions")
-    p.add_argument("--module", help="check this file instead of lessons/00_gpu_primer/exercise.py")
-    args = p.parse_args(argv)
-    return 0 if check(args.names, SOLUTIONS if args.solutions else args.module) else 1
+# the in-process exercises take no timeout: check_one ignores the shared command line's --timeout
+check, main = entry_points("Check lesson 00's exercises (in this process).", list(CHECKS), lambda name, path, report, timeout_s: check_one(name, path, report),
+                           LEARNER, SOLUTIONS, None, "ex00")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ The puzzle, plan_step, is checked twice: by the planner (the global batch unchan
 budget) and by a short real run on the CPU (the allocator's peak within the budget, tokens/s beside the
 reference choice's). Which choice is fastest is decided by the rule the exercise states, not by the timing.
 """
-import argparse
 import dataclasses
 import itertools
 import sys
@@ -23,7 +22,7 @@ sys.path.insert(0, str(HERE.parent))  # lessons/: _checker, which puts the repos
 sys.path.insert(0, str(HERE))  # this lesson's experiment.py (the allocator measurement, peak_bound)
 
 import torch  # noqa: E402
-from _checker import check_all, load  # noqa: E402
+from _checker import entry_points, load  # noqa: E402
 
 import experiment as lesson  # noqa: E402
 from picotron import metrics, planner  # noqa: E402
@@ -404,18 +403,9 @@ def check_one(name, path, report):
     CHECKS[name](mod, ref, report)
 
 
-def check(names=None, module=None):
-    """Check the named exercises (default: all) of `module` (a path; default: your exercise file)."""
-    return check_all(names, Path(module).resolve() if module else LEARNER, list(CHECKS), check_one, "ex01")
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Check lesson 01's exercises.")
-    p.add_argument("names", nargs="*", help=f"exercises to check (default all): {', '.join(CHECKS)}")
-    p.add_argument("--solutions", action="store_true", help="check the reference solutions")
-    p.add_argument("--module", help="check this file instead of lessons/01_single_device/exercise.py")
-    args = p.parse_args(argv)
-    return 0 if check(args.names, SOLUTIONS if args.solutions else args.module) else 1
+# the in-process exercises take no timeout: check_one ignores the shared command line's --timeout
+check, main = entry_points("Check lesson 01's exercises (in this process).", list(CHECKS), lambda name, path, report, timeout_s: check_one(name, path, report),
+                           LEARNER, SOLUTIONS, None, "ex01")
 
 
 if __name__ == "__main__":
