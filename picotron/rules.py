@@ -51,15 +51,17 @@ def tp_shape_problem(mc, tp, padded=False):
     the heads only (a trainer that pads the MLP columns and the vocabulary to a multiple of tp, as Megatron-LM)."""
     sizes = [("num_attention_heads", mc.num_attention_heads), ("num_key_value_heads", mc.num_key_value_heads)]
     sizes += [] if padded else [("intermediate_size", mc.intermediate_size), ("vocab_size", mc.vocab_size)]
-    good = "{" + ", ".join(str(d) for d in range(1, min(mc.num_attention_heads, 64) + 1)
-                           if all(n % d == 0 for _, n in sizes)) + "}"
+    def good():  # the fix the sentence offers (made only for a sentence: the planner asks this ~10^5 times a search)
+        return "{" + ", ".join(str(d) for d in range(1, min(mc.num_attention_heads, 64) + 1)
+                               if all(n % d == 0 for _, n in sizes)) + "}"
+
     if tp > mc.num_key_value_heads:
         return (f"tp={tp} is more than num_key_value_heads={mc.num_key_value_heads} (every tensor-parallel rank "
-                f"needs at least one whole KV head, and KV heads are not replicated); pick tp in {good} or a model "
+                f"needs at least one whole KV head, and KV heads are not replicated); pick tp in {good()} or a model "
                 f"with at least {tp} KV heads.")
     for name, n in sizes:
         if n % tp:
-            return f"tp={tp} does not divide {name}={n}; pick tp in {good}."
+            return f"tp={tp} does not divide {name}={n}; pick tp in {good()}."
     return None
 
 
