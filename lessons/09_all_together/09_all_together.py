@@ -550,7 +550,8 @@ _common.interactive(draw, lambda w: dict(
     seq_len=w.SelectionSlider(options=[2048, 4096, 8192, 16384, 32768, 131072], value=8192, description="sequence")))
 
 # %%
-jw = lesson.decide("llama3-70b", 256)
+w_model, w_gpus, w_memory, w_seq = draw.__defaults__  # the widget's own settings, given explicitly
+jw = lesson.decide(w_model, w_gpus, memory_gib=w_memory, seq_len=w_seq)
 check("the widget's default: Llama 3 70B on 256 GPUs, the same plan as section 5's",
       str(jw["plan"].ranked[0][0]) == str(j70[256]["plan"].ranked[0][0]) if 256 in j70 else bool(jw["plan"].ranked),
       f"best {jw['plan'].ranked[0][0]}, {len(jw['plan'].ranked)} layouts fit")

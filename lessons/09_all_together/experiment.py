@@ -11,6 +11,7 @@ every rank's events of the last one (pipeline actions, ring attention and its wa
 the pipeline's receives, clipping, the optimizer step), every collective's bytes by axis; then one process with the
 same global batch (grad_acc x dp micro-batches) on rank 0, the reference of the parity check.
 """
+import functools
 import math
 import os
 import sys
@@ -345,12 +346,14 @@ def reason_class(why):
     return "shape"
 
 
+@functools.lru_cache(maxsize=64)  # a search takes seconds; the notebook and its widget ask some jobs twice
 def decide(name, gpus, memory_gib=None, seq_len=None, tokens=GLOBAL_TOKENS, gpu="h100-80gb", headroom=None):
     """picotron.plan.search for one job: the model, GPUs (8 per node), memory per GPU (default the GPU's) of which a
     layout may use all but `headroom` (default plan.HEADROOM, 10%: the CUDA context, NCCL's buffers, the allocator's
     fragmentation, as `python -m picotron.plan` keeps), the sequence (default the model's training context) and the
     global batch in tokens. Returns the plan, the card and the hardware as the search saw it (`hw`: its usable
-    memory), the job, the rejections counted by step, and the first rejected candidate in the search's order."""
+    memory), the job, the rejections counted by step, and the first rejected candidate in the search's order.
+    Cached: the same arguments return the same dict (read it, never change it)."""
     from dataclasses import replace
 
     from picotron import plan
