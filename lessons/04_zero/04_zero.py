@@ -8,8 +8,8 @@ edit this file, never the notebook.
 # # Lesson 04 — ZeRO: stop keeping n copies
 #
 # With data parallelism every rank keeps **all** the parameters, gradients and AdamW state: $n$ identical copies of
-# $16\Psi$ bytes (lesson 03's last chart). ZeRO (Rajbhandari et al., 2020) shards one more of the three over the
-# $n$ ranks at each of three stages ([notation](../../docs/reference.md#notation)):
+# $16\Psi$ bytes (lesson 03's last chart). ZeRO (Rajbhandari et al., 2020) shards one more of the three over the $n$
+# ranks at each stage ([notation](../../docs/reference.md#notation)):
 #
 # | stage | each rank keeps | bytes per rank (our fp32 recipe) | traffic per step |
 # |---|---|---|---|
@@ -18,12 +18,12 @@ edit this file, never the notebook.
 # | ZeRO-2 | also $\frac1n$ of the gradients | $4\Psi + (4\Psi + 8\Psi)/n$ | the same ≈ $2\Psi$ |
 # | ZeRO-3 | also $\frac1n$ of the parameters | $(4\Psi + 4\Psi + 8\Psi)/n$ | two all-gathers + a reduce-scatter ≈ $3\Psi$ |
 #
-# We build all three (`picotron/zero.py`, `picotron/zero3.py`), measure memory and bytes against these formulas,
-# watch ZeRO-3's all-gathers hide behind compute (on this CPU and over an emulated link), race ZeRO-3 against
-# torch's FSDP2, and check that every stage trains like one process. Then ZeRO under a pipeline, HSDP, and Muon.
+# We build all three (`picotron/zero.py`, `picotron/zero3.py`), measure memory and bytes against these formulas, watch
+# ZeRO-3's all-gathers hide behind compute, race it against torch's FSDP2 and check that every stage trains like one
+# process; then ZeRO with a pipeline, HSDP and Muon.
 #
-# The experiments are `lessons/04_zero/experiment.py`, launched with `torchrun` on 1, 2 and 4 processes
-# (`PICOTRON_FAST=1`: a short run).
+# The experiments, `lessons/04_zero/experiment.py`, run under `torchrun` on 1, 2 and 4 processes (`PICOTRON_FAST=1`: a
+# short run).
 
 # %%
 import sys
@@ -50,7 +50,7 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model 'small': 
 # %% [markdown]
 # ## 1. The problem: model states do not fit
 #
-# Lesson 01's model states of real models, per GPU under each stage, with the
+# Model states per GPU of real models (lesson 01) under each stage, with the
 # [mixed-precision recipe](../../docs/reference.md#model-states) ($2\Psi + 2\Psi + 12\Psi$), on 8 and 64 GPUs:
 
 # %%
@@ -66,17 +66,15 @@ for name, p in SIZES.items():
               "  ".join(f"{lesson.STAGE_NAMES[s]} {per[s]['total'] / 1e9:7.1f} GB" for s in range(4)))
 
 # %% [markdown]
-# Plain data parallelism needs Llama-3-8B's 128 GB of model states on every GPU, however many there are; ZeRO-3
-# over 8 GPUs needs 16 GB on each.
-#
-# **Takeaway:** data parallelism's memory per GPU does not fall as GPUs are added; ZeRO's does, for some
-# communication — and this lesson shows why that price is small.
+# **Takeaway:** data parallelism's memory per GPU does not fall as GPUs are added (Llama-3-8B: 128 GB of model states
+# on every GPU); ZeRO's does (ZeRO-3 over 8 GPUs: 16 GB each), at a price in communication that this lesson shows is
+# small.
 #
 # ## 2. The idea
 #
 # **ZeRO-1.** After the all-reduce, $n$ ranks take the same AdamW step on identical state. Instead, cut every
-# parameter vector into $n$ chunks; rank $r$ keeps Adam's moments for chunk $r$ only, updates it, and everybody
-# exchanges the updated chunks. AdamW is **elementwise**, so the result is exactly data parallelism's.
+# parameter vector into $n$ chunks: rank $r$ keeps Adam's moments for chunk $r$ only and updates that chunk, then the
+# ranks exchange the updated chunks. AdamW is **elementwise**, so the result is exactly data parallelism's.
 #
 # The all-reduce is a **reduce-scatter followed by an all-gather** (lesson 02); ZeRO-1 puts the optimizer step
 # *between* the two halves:
@@ -103,8 +101,8 @@ for name, p in SIZES.items():
 _common.show_source(zero.FlatUnit)
 
 # %% [markdown]
-# Our small model's ZeRO-3 units at dp = 3 (cutting runs no collective). Three does not divide a layer's size, so
-# each layer gets one element of padding, hence the zoom on a layer's last positions:
+# Our small model's ZeRO-3 units at dp = 3 (cutting runs no collective). Three does not divide a layer's size, so each
+# layer gets one element of padding (zoomed in on a layer's end):
 
 # %%
 layout = lesson.flat_layout(3)
@@ -113,14 +111,14 @@ for u in layout:
     print(f"{u['name']:<8} {u['numel']:>9,} elements = 3 × {u['chunk']:,} − {u['padded'] - u['numel']} padding")
 
 # %% [markdown]
-# **Takeaway:** ZeRO is one idea applied three times — keep $\frac1n$ of a flat, padded vector and fetch or
-# scatter the rest with one collective when it is needed.
+# **Takeaway:** ZeRO is one idea applied three times: keep $\frac1n$ of a flat, padded vector; fetch or scatter the
+# rest with one collective when needed.
 #
 # ## 3. Read the code
 #
-# **Stages 1 and 2** (`ZeroDataParallel`): lesson 03's buckets, but a complete bucket launches a
-# **reduce-scatter** instead of an all-reduce. Stage 1 keeps the full gradient buffer (gradient accumulation adds
-# into it under `no_sync`); stage 2 keeps only the chunk, and every micro-batch reduce-scatters into it:
+# **Stages 1 and 2** (`ZeroDataParallel`): lesson 03's buckets, but a complete bucket launches a **reduce-scatter**
+# instead of an all-reduce. Stage 1 keeps the full gradient buffer (gradient accumulation adds into it under
+# `no_sync`); stage 2 keeps only the chunk, reduce-scattering into it every micro-batch:
 
 # %%
 _common.show_source(zero.ZeroDataParallel._grad_ready)
@@ -129,8 +127,8 @@ _common.show_source(zero.ShardedGradSync._send_gradients)
 
 # %% [markdown]
 # The optimizer never sees a full tensor: `optimizer_groups()` hands AdamW 1-D views of this rank's chunk (one piece
-# per tensor it touches). `ShardedOptimizer.step()` runs AdamW on those pieces, then all-gathers the updated chunks
-# in place into the buffers the parameters are views of — the training loop is unchanged:
+# per tensor it touches). `ShardedOptimizer.step()` runs AdamW on those pieces, then all-gathers the updated chunks in
+# place into the buffers the parameters are views of:
 
 # %%
 _common.show_source(zero.ShardedGradSync.optimizer_groups)
@@ -143,8 +141,8 @@ _common.show_source(zero.ZeroDataParallel.gather_updated_params)
 # **Gradient clipping** needs the *whole* gradient's norm: all-reduce the chunks' squared norms (one number), then
 # scale every chunk; forgetting it trains silently wrong
 # ([reference](../../docs/reference.md#gradient-clipping-when-gradients-are-sharded)). ZeRO **marks** its pieces as
-# sharded over dp × cp; `marks.clip_grad_norm` sums a marked gradient over the ranks and counts an unmarked one on
-# one rank only:
+# sharded over dp × cp; `marks.clip_grad_norm` sums a marked gradient over the ranks, an unmarked one on one rank
+# only:
 
 # %%
 _common.show_source(zero.ShardedGradSync._make_pieces)
@@ -155,8 +153,8 @@ _common.show_source(marks.clip_grad_norm)
 # **Stage 3** (`zero3.Zero3`): one unit per layer plus a *root* unit (embedding, final norm, LM head). A unit's flat
 # buffer is freed by resizing its storage to 0 bytes and refilled by an all-gather; the parameters stay views of it,
 # so what autograd saved stays valid. Four hooks: before a layer's forward (gather, prefetch the next), after it
-# (free; hook its output's gradient), when backward reaches it (gather again, prefetch the previous), and after its
-# last parameter gradient (reduce-scatter, free):
+# (free; hook its output's gradient), when backward reaches it (gather again, prefetch the previous), after its last
+# parameter gradient (reduce-scatter, free):
 
 # %%
 _common.show_source(zero3.Zero3._use)
@@ -171,9 +169,9 @@ for hook in (zero3.Zero3._post_forward, zero3.Zero3._pre_backward, zero3.Zero3._
 # $\Psi$. The last *layer* is freed by `_post_forward` and gathered again at once (exercise 4 fixes that). Under
 # ZeRO-3 **every forward is collective**: evaluation and generation must run on every rank, or the others hang.
 #
-# **Who counts the bytes.** The experiments pass `mesh.dp_cp.recorded(recorder)`, whose `metrics.Recorder` sums
-# each collective's whole buffer by kind and records when each ran; the hooks name each layer's forward and
-# backward (`self.phases`) for a listener (`hooks.watch(model, listener=recorder.phase)`):
+# **Who counts the bytes.** A `metrics.Recorder`, passed as `mesh.dp_cp.recorded(recorder)`, sums each collective's
+# whole buffer by kind and records when it ran; the hooks name each layer's forward and backward (`self.phases`) for
+# it (`hooks.watch(model, listener=recorder.phase)`):
 
 # %%
 _common.show_source(Axis.reduce_scatter_into)
@@ -181,8 +179,8 @@ print()
 _common.show_source(metrics.Recorder.collective, "def collective", "self.log.append")
 
 # %% [markdown]
-# Each variant is built as `picotron.train` builds a run, `parallelize(cfg, mesh, recorder=...)`, and steps the same
-# way: forward, backward, gradient sync, clipping, optimizer step (ZeRO-1/2: with its all-gather), `zero_grad`:
+# Each variant is built and stepped as `picotron.train` does (`parallelize(cfg, mesh, recorder=...)`): forward,
+# backward, gradient sync, clipping, optimizer step (ZeRO-1/2: with its all-gather), `zero_grad`:
 
 # %%
 _common.show_source(lesson.Variant.step, "batches =", "self.model.zero_grad")
@@ -195,8 +193,8 @@ _common.show_source(lesson.Variant.step, "batches =", "self.model.zero_grad")
 #
 # ### (a) What every rank keeps, at dp = 2 and 4
 # Every stage (stage 0: lesson 03's `DataParallel`) on its own copy of the model, one step each in turn. Each rank
-# reports the parameter, gradient and optimizer bytes it holds after the gradient sync, next to
-# `planner.zero_model_state_bytes`. The same run counts the bytes on the wire, in (b):
+# reports the parameter, gradient and optimizer bytes it holds after the gradient sync, beside
+# `planner.zero_model_state_bytes`; the same run counts the bytes on the wire for (b):
 
 # %%
 for n in lesson.counts():   # 2, 4; and 8 with PICOTRON_NPROC=8 (section 10)
@@ -214,11 +212,10 @@ for n, res in stages.items():
 print("each cell: rank 0 measured (formula, worst relative difference over all ranks)")
 
 # %% [markdown]
-# Each bar matches its formula within the worst difference printed: Adam's 4-byte step counters, and padding.
+# Every bar matches its formula, up to Adam's 4-byte step counters and padding (the worst difference printed).
 #
-# The formula leaves out two things. First, the **buffers in flight**, which do not shrink with $n$: ZeRO-2 keeps up
-# to two flat gradient buckets in flight; ZeRO-3 holds whole gathered layers while they compute (plus the prefetched
-# one) and a layer's gradient buffer; the root stays gathered throughout:
+# The formula leaves out two things. First, the **buffers in flight**, which do not shrink with $n$: up to two flat
+# gradient buckets for ZeRO-2; whole gathered layers and the root for ZeRO-3:
 
 # %%
 for n, res in stages.items():
@@ -233,12 +230,12 @@ for n, res in stages.items():
 
 # %% [markdown]
 # ZeRO-3's peak is three layers and twice the root: in backward, the layer computing, the one prefetched and a
-# gradient buffer, plus the root and its gradient. With our 4 layers that is most of the model; with 32 or 80 it
-# is a small fraction. Second, **activations**: ZeRO does not touch them (recomputation, lesson 01, and
-# tensor, sequence and context parallelism, lessons 05–06, do).
+# gradient buffer, plus the root and its gradient; with our 4 layers that is most of the model, with 32 or 80 a small
+# fraction. Second, **activations**: ZeRO does not touch them (recomputation, lesson 01, and tensor, sequence and
+# context parallelism, lessons 05–06, do).
 #
-# **Takeaway:** the model states fall exactly as the formula says; ZeRO adds a few whole units in flight, which
-# matters only when the model has few units.
+# **Takeaway:** the model states fall exactly as the formula says; ZeRO adds a few whole units in flight, which matter
+# only in a model with few units.
 #
 # ### (b) The bytes on the wire
 # The bytes each variant's collectives cover per step (DP's all-reduce counted as a ring's reduce-scatter plus
@@ -261,10 +258,9 @@ for n, res in stages.items():
 # time only if hidden behind compute.
 #
 # ### (c) ZeRO-3's timeline: prefetch on and off
-# Every rank records, for ZeRO-3 with and without prefetch (steps alternating), each layer's forward and backward
-# and each collective from launch to completion. Without prefetch a layer waits for its all-gather; with prefetch
-# it was launched while the previous layer computed. Each rank computes more tokens than in (a) (first line
-# printed), so that a layer computes longer than its parameters take to arrive. First on gloo alone:
+# For ZeRO-3 with and without prefetch (steps alternating), every rank records each layer's forward and backward and
+# each collective from launch to completion. Each rank computes more tokens than in (a) (first line printed), so that
+# a layer computes longer than its parameters take to arrive. First on gloo alone:
 
 # %%
 run("timeline")
@@ -291,23 +287,24 @@ lesson.plot_timeline(tl["rows"], title="ZeRO-3 on gloo, 2 processes on this CPU:
 # %% [markdown]
 # With prefetch the all-gather of layer $j+1$ (orange) sits under the forward of layer $j$ (blue), in backward the
 # gather of layer $j-1$ under the backward of layer $j$ (green), and a layer's reduce-scatter (red) under the next
-# layer's backward. Without prefetch the orange bars sit *between* the compute bars. (gloo's reduce-scatter has no
-# completion callback: its end is seen only when we wait, so those bars are paler and too long.)
+# layer's backward. Without prefetch the orange bars sit *between* the compute bars: each layer waits for its gather.
+# (gloo's reduce-scatter has no completion callback: its end is seen only when we wait, so those bars are paler and
+# too long.)
 #
-# The last line printed compares the gathering prefetch hid with what the step gained, between each variant's
-# fastest step (the least disturbed; the quartiles show the noise, the paired median is a second opinion). On this
-# CPU expect a much smaller gain than what was hidden, often none; a noisy run can show a gain by chance (then the
-# two estimates disagree). gloo moves the bytes with the same two cores that compute, so a hidden all-gather still
-# slows the layer beside it. On a GPU the transfer has its own engine and links, and the hidden time is saved.
+# The last line compares the gathering prefetch hid with what it gained between each variant's fastest step (the least
+# disturbed); the quartiles show the noise, the paired median is a second opinion. On this CPU expect a gain much
+# smaller than what was hidden, often none (a chance gain shows as two disagreeing estimates): gloo moves the bytes
+# with the same two cores that compute, so a hidden all-gather still slows the layer beside it. On a GPU the transfer
+# has its own engine and links, and the hidden time is saved.
 #
-# **Takeaway:** prefetch hides the all-gathers on this CPU, but hiding is not saving when the transfer competes
-# with the compute for the same cores.
+# **Takeaway:** prefetch hides the all-gathers on this CPU, but hiding is not saving when the transfer competes with
+# compute for the same cores.
 #
 # ### (c′) The same timeline over an emulated link
-# The same run over an **emulated link** (`picotron/link.py`): every collective still runs on gloo (exact results)
-# but completes no earlier than a ring would on a link of the given bandwidth and latency, waiting in a sleep that
-# leaves the cores to compute. The bandwidth makes a layer's all-gather take four fifths of its forward as measured
-# above (first line below): short enough to hide, slow enough that the real local transfer is a small part:
+# The same run over an **emulated link** (`picotron/link.py`): each collective still runs on gloo (exact results) but
+# completes no earlier than a ring would on a link of the given bandwidth and latency, sleeping meanwhile so the cores
+# can compute. The bandwidth makes a layer's all-gather take four fifths of its measured forward (first line below):
+# short enough to hide, long enough that the real local transfer is a small part:
 
 # %%
 link = tl["link"]
@@ -318,14 +315,12 @@ lesson.plot_timeline(tl["link_rows"], title=f"ZeRO-3 over an {link['label']} (co
                                            f"link's time): one step of rank 0"); plt.show()
 
 # %% [markdown]
-# Here the picture is the textbook one: without prefetch each layer idles through its all-gather; with prefetch the
-# gathers run under the previous layer's compute and the fastest step gains a large part of what was hidden (last
-# line; section 5 checks for at least a quarter; on a busy machine the gain can even exceed it). Two gathers stay
-# exposed: the first layer's at the forward's start, and the last layer's at the backward's start, right after its
-# forward freed it.
+# Now the picture is the textbook one: prefetch puts the gathers under the previous layer's compute, and the fastest
+# step gains a large part of what was hidden (last line; on a busy machine even more). Two gathers stay exposed: the
+# first layer's at the forward's start, and the last layer's re-gather at the backward's start (section 3).
 #
 # **Takeaway:** prefetch turns ZeRO-3's extra all-gathers into hidden work when the transfer does not compete with
-# compute — true on GPUs, emulated here; the last layer's re-gather is waste that exercise 4 removes.
+# compute: true on GPUs, emulated here.
 #
 # ### (d) Against torch's FSDP2
 # `torch.distributed.fsdp.fully_shard` is torch's ZeRO-3, with our units (one call per layer, one on the model).
@@ -350,11 +345,11 @@ lesson.plot_fsdp(fsdp, fmem); plt.show()
 # The model states are identical, byte for byte. The peaks are a few times the model states (ratios printed):
 # activations, the logits and their gradient, autograd's temporaries, the allocator's slack.
 #
-# The throughput ratio varies with this machine's load: run `python benchmarks/repeat.py --runs 5 zero_vs_fsdp.py`
-# on a quiet one before quoting it. Both run the same collectives. Where ours is faster, it is overhead: FSDP2,
+# The throughput ratio varies with this machine's load: run `python benchmarks/repeat.py --runs 5 zero_vs_fsdp.py` on
+# a quiet one before quoting it. Both run the same collectives; where ours is faster, the gap is overhead. FSDP2,
 # built for GPUs, copies every chunk into and out of a separate all-gather buffer and runs more Python and autograd
-# machinery around the backward, on the two cores that also compute; ours gathers straight into the parameters'
-# buffer and lets autograd accumulate straight into the buffer the reduce-scatter sends.
+# machinery around the backward, on the two cores that also compute; ours gathers straight into the parameters' buffer
+# and lets autograd accumulate into the buffer the reduce-scatter sends.
 #
 # **Takeaway:** the same algorithm, the same memory; on a CPU the bookkeeping around the collectives decides the
 # speed.
@@ -381,11 +376,11 @@ for label, (got, ref) in pairs.items():
 lesson.plot_parity(pairs); plt.show()
 
 # %% [markdown]
-# Every claim of this lesson that is not a timing, as a number, and the timing claims with wide margins: prefetch
-# must put at least 30 points more of the layer all-gathers' time under compute, and over the emulated link the
-# fastest step must gain at least a quarter of the gathering prefetch hid (the real gloo transfer under the sleep
-# still takes some core time; a quarter leaves room for that and a busy machine). If one of these misses while other
-# programs held over 10% of the cores (`_common.LoadWindow`), it prints **?** (inconclusive: rerun) instead of ✗.
+# Every claim of this lesson that is not a timing is checked as a number; the timing claims, with wide margins:
+# prefetch must put at least 30 points more of the layer all-gathers' time under compute, and over the emulated link
+# the fastest step must gain at least a quarter of the gathering prefetch hid (gloo's real transfer under the sleep
+# still takes some core time; a quarter leaves room for that and a busy machine). A timing check that misses while
+# other programs held over 10% of the cores (`_common.LoadWindow`) prints **?** (inconclusive: rerun), not ✗.
 
 # %%
 check = _common.check   # prints ✓ or ✗ (or ?, only for a timing check on a machine measured busy) and counts it
@@ -450,17 +445,17 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
 # ## 7. ZeRO with a pipeline
 #
 # Pipeline parallelism (lesson 07) cuts the model by depth, data parallelism copies each stage, ZeRO shards the
-# copies. Llama 3 405B trained so: FSDP (ZeRO-3) as the dp dimension of a tp · cp · pp · dp layout, keeping the
-# weights gathered after the forward so the backward needs no second all-gather (Dubey et al. 2024, *The Llama 3
-# Herd of Models*, arXiv:2407.21783, §3.3.2). The pipeline changes *when*: a step runs $m \ge p$ micro-batches
-# through each chunk, interleaved with other chunks'.
+# copies, as in Llama 3 405B's training: FSDP (ZeRO-3) as the dp dimension of a tp · cp · pp · dp layout, weights kept
+# gathered after the forward so the backward needs no second all-gather (Dubey et al. 2024, *The Llama 3 Herd of
+# Models*, arXiv:2407.21783, §3.3.2). The pipeline changes *when*: a step runs $m \ge p$ micro-batches through each
+# chunk, interleaved with other chunks'.
 #
 # The executor (`Pipeline.run`) runs every backward but a chunk's last (`Pipeline.final`: its last $B$, or $W$ in a
 # split schedule) under `no_sync()`, as data parallelism expects. ZeRO follows ($\Psi_s$: one pipeline rank's
 # parameters):
 #
-# * **ZeRO-1** as before: one reduce-scatter at the chunk's last backward, one all-gather after the optimizer
-#   step. $\Psi_s + \Psi_s$ per step.
+# * **ZeRO-1** as before: one reduce-scatter at the chunk's last backward, one all-gather after the optimizer step:
+#   $\Psi_s + \Psi_s$ per step.
 #
 # * **ZeRO-2** holds the chunk's whole gradients through the step ($4\Psi_s$ bytes here) and reduce-scatters them
 #   once: $\Psi_s + \Psi_s$. Reduce-scattering every micro-batch, as without a pipeline, would send $m\Psi_s$, and
@@ -517,16 +512,15 @@ import check as checker   # this folder's check.py
 checker.check(["pp_traffic"])
 
 # %% [markdown]
-# **Takeaway:** with a pipeline the sharded stages follow the schedule's last backward: one reduce-scatter per
-# chunk per step, and ZeRO-3 keeps a chunk's layers gathered through the step (resharding would cost $2m$ times
-# the traffic).
+# **Takeaway:** under a pipeline the sharded stages follow the schedule's last backward: one reduce-scatter per chunk
+# per step; ZeRO-3 keeps a chunk's layers gathered through the step (resharding costs $2m$ times the traffic).
 #
 # ## 8. HSDP: shard within a node, replicate across nodes
 #
-# ZeRO over all $n$ dp ranks runs at the speed of the group's slowest link: on a pod, the network between nodes
-# (about 50 GB/s per H100 against NVLink's 450). ZeRO-3 there all-gathers **every layer, forward and backward,
-# every micro-batch**, over the slow link. **HSDP** (hybrid sharded data parallelism) shards over a smaller group
-# and replicates that sharded model:
+# ZeRO over all $n$ dp ranks runs at the speed of the group's slowest link: on a pod, the network between nodes (about
+# 50 GB/s per H100 against NVLink's 450), over which ZeRO-3 all-gathers **every layer, forward and backward, every
+# micro-batch**. **HSDP** (hybrid sharded data parallelism) shards over a smaller group and replicates that sharded
+# model:
 #
 # * the dp ranks are cut into blocks of $n_s$ = `dp_shard` consecutive ranks (with their cp ranks): a **shard group**,
 #   typically one node. ZeRO (any stage) runs within it, on NVLink;
@@ -547,17 +541,17 @@ for dp, ds, cp in ((8, 4, 1), (4, 2, 1), (4, 2, 2)):
     print(f"dp={dp} cp={cp} --dp-shard {ds}: shard groups {shard}   replicate groups {replicate}")
 
 # %% [markdown]
-# With cp the shard group holds its dp coordinates' cp ranks, and replicas share the cp coordinate. The bytes each
-# rank **sends** per step (one micro-batch, ring collectives, $\Psi$ fp32 parameters):
+# With cp, replicas share the cp coordinate. The bytes each rank **sends** per step (one micro-batch, ring
+# collectives, $\Psi$ fp32 parameters):
 #
 # $$\text{shard link: } \frac{n_s-1}{n_s}\,(\underbrace{\Psi}_{\text{RS}} + \underbrace{\Psi \text{ or } 2\Psi-\Psi_{root}}_{\text{AG: ZeRO-1/2 or 3}})\cdot 4
 # \qquad \text{replicate link: } \frac{2(n_r-1)}{n_r}\,\frac{\Psi}{n_s}\cdot 4$$
 #
-# (`planner.hsdp_bytes_per_step`). At $n_s = n$ it is plain ZeRO; at $n_s = 1$, data parallelism's all-reduce, all
-# on the replicate link. The code is four lines in `ShardedGradSync`: after the last reduce-scatter, each unit's
-# gradient shard is all-reduced over the replicas and divided by all $n$ batch shards (not $n_s$). Every rank starts
-# them in the units' order after the shard group's collectives are done: one order across the two communicators, as
-# NCCL asks (tests/test_hsdp.py replays it):
+# (`planner.hsdp_bytes_per_step`). At $n_s = n$ it is plain ZeRO; at $n_s = 1$, data parallelism's all-reduce, all on
+# the replicate link. The code is four lines in `ShardedGradSync`: after the last reduce-scatter, each unit's gradient
+# shard is all-reduced over the replicas and divided by all $n$ batch shards (not $n_s$). Every rank starts them in
+# the units' order after the shard group's collectives, so the two communicators see one order, as NCCL asks
+# (tests/test_hsdp.py replays it):
 
 # %%
 _common.show_source(zero.ShardedGradSync._all_reduce_replicas)
@@ -599,16 +593,15 @@ _common.check("the two communicators replay clean under NCCL's rules (ZeRO-3, dp
 
 # %% [markdown]
 # The shard link carries ZeRO's usual $\frac{n_s-1}{n_s}$ share, the replicate link $\frac{1}{n_s}$ of data
-# parallelism's all-reduce: at dp = 4 = 2 × 2, half a model's bytes cross the "network" per step instead of 1.5
-# (ZeRO) or 2.2 (ZeRO-3); on a pod $n_s = 8$ makes it an eighth. The optimizer state per rank doubles from
-# `dp_shard` 4 to 2: that is HSDP's price.
+# parallelism's all-reduce: at dp = 4 = 2 × 2, half a model's bytes cross the "network" per step instead of 1.5 (ZeRO)
+# or 2.2 (ZeRO-3); on a pod $n_s = 8$ makes it an eighth. The price: the optimizer state per rank doubles from
+# `dp_shard` 4 to 2.
 #
-# **Is it worth it on a pod?** The planner (`python -m picotron.plan`) tries every `dp_shard` whose group lies in
-# one node, at NVLink's bandwidth within it and the network's across, with ZeRO's states divided by the group. For
-# Llama 3 70B (seq 8192, 16M tokens per step) on H100s, a node's dp ranks cannot hold the model ($16\Psi$ = 1.1 TB),
-# but a node's **cp ranks** can (`dp_shard` = 1 with cp 8), and its ZeRO then reduce-scatters on NVLink. Under a
-# pipeline ZeRO-2 and 3 save nothing over ZeRO-1 at the step's peak (section 7), so the best layouts are ZeRO-1
-# (ZeRO-2 ties):
+# **Is it worth it on a pod?** The planner (`python -m picotron.plan`) tries every `dp_shard` whose group lies in one
+# node (NVLink within, the network across, ZeRO's states divided by the group). For Llama 3 70B (seq 8192, 16M tokens
+# per step) on H100s, a node's dp ranks cannot hold the model ($16\Psi$ = 1.1 TB), but a node's **cp ranks** can
+# (`dp_shard` = 1 with cp 8), and its ZeRO then reduce-scatters on NVLink. Under a pipeline ZeRO-2 and 3 save nothing
+# over ZeRO-1 at the step's peak (section 7), so the best layouts use ZeRO-1 (ZeRO-2 ties):
 
 # %%
 from picotron import plan
@@ -714,21 +707,20 @@ _common.check("gather and owner train alike (the same update, computed elsewhere
 
 # %% [markdown]
 # Gather all-gathers every bucket holding a hidden matrix (here nearly the whole model: the embedding shares buckets
-# with the layers), and every rank runs all the Newton–Schulz FLOPs; owner sends about half of the hidden matrices'
-# bytes at n = 4, and each rank runs about a quarter of the FLOPs. On this CPU Newton–Schulz is most of Muon's step,
-# so dividing it is what owner buys; on a GPU in bf16 the bytes matter more (unmeasured here). The losses are one
+# with the layers), and every rank runs all the Newton–Schulz FLOPs; at n = 4 owner sends about half of the hidden
+# matrices' bytes, and each rank runs about a quarter of the FLOPs. On this CPU Newton–Schulz is most of Muon's step,
+# so dividing it is what owner buys; on a GPU in bf16 the bytes matter more (unmeasured here). The losses match one
 # process's (tests/test_muon.py: dp, ZeRO-1/2/3, tp, pp, both designs, 1e-5), and the tests replay both exchanges
 # under NCCL's rules (same collectives, order and sizes on every rank).
 #
-# **Takeaway:** a matrix optimizer undoes ZeRO's "cut anywhere": each matrix must meet once per step, on every
-# rank (gather) or on one owner (two all-to-alls of about $\Psi_{muon}/n$, $1/n$ of the compute); exercise 9
-# assigns the owners.
+# **Takeaway:** a matrix optimizer undoes ZeRO's "cut anywhere": each matrix must meet once per step, on every rank
+# (gather) or on one owner (about $2\Psi_{muon}/n$ bytes, $1/n$ of the compute); exercise 9 assigns the owners.
 #
 # ## 10. On an 8-GPU node you should see
-# Over 8 GPUs the model states per GPU shrink towards $16\Psi/8$ as the stages rise, while the activations stay:
-# for the medium model at 8 × 512 tokens they are most of each GPU's memory, so ZeRO saves little there. ZeRO-3 sends
-# 1.5× ZeRO-0's bytes; the time model hides them all under compute on NVLink. `PICOTRON_NPROC=8` adds dp = 8 to the
-# stage comparison of 4(a) and to the parity runs of section 5.
+# Over 8 GPUs the model states per GPU shrink towards $16\Psi/8$ as the stages rise, while the activations stay: for
+# the medium model at 8 × 512 tokens they are most of each GPU's memory, so ZeRO saves little there. ZeRO-3 sends 1.5×
+# ZeRO-0's bytes, all hidden under compute on NVLink in the time model. `PICOTRON_NPROC=8` adds dp = 8 to the stage
+# comparison of 4(a) and the parity runs of section 5.
 
 # %%
 import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node
@@ -749,8 +741,8 @@ _node.show("04_zero")
 #
 # Then two things section 4 found, made into code (each a small subclass of `zero3.Zero3`):
 #
-# 4. `KeepLastLayer._post_forward` — keep the last layer gathered from its forward to its backward: the timelines
-#    show it freed and gathered again at once; one all-gather of a layer less per micro-batch;
+# 4. `KeepLastLayer._post_forward` — keep the last layer gathered from its forward to its backward (the timelines show
+#    it freed and re-gathered at once): one all-gather of a layer less per micro-batch;
 # 5. `Bf16Gather._gather` / `_wait` — all-gather a bf16 copy of each shard and widen it into the fp32 buffer: half
 #    the all-gather bytes, the fp32 shards still the master copy.
 #
@@ -766,15 +758,15 @@ _node.show("04_zero")
 # 9. `owner_of(sizes, n)` — section 9's owners: give each matrix (its size in elements) to one of $n$ ranks so that
 #    the largest load, the Newton–Schulz work of the slowest rank, is as small as the largest-first rule makes it.
 #
-# The checker runs exercise 1 on many sizes, 2 to 5 on 2 and then 3 real processes (3 brings padding), comparing
-# every rank with an answer computed another way: in one process (1–3), or against the plain `Zero3`, all-gathers
-# counted by a `metrics.Recorder` (4–5: the same losses exactly; bf16 within the bound it prints).
+# The checker runs exercise 1 on many sizes, 2 to 5 on 2 and then 3 real processes (3 brings padding), comparing every
+# rank with an answer computed another way: in one process (1–3), or by the plain `Zero3` with all-gathers counted by
+# a `metrics.Recorder` (4–5: the same losses exactly; bf16 within the bound it prints).
 #
-# For 6 it checks your plans against the formulas, then trains each for one step on 2 ranks and compares the
-# measured memory with your budget; 7, 8 and 9 on many cases in one process (8 against `picotron.mesh.shard_groups`,
-# 9 against `planner.owner_of`'s largest load). Each failure names the mistake (a sum instead of a mean, a chunk at
-# the wrong offset, the last layer gathered twice, an fp32 all-gather, a plan that does not fit or moves more bytes
-# than it must, ...). Until you write them it reports `NotImplementedError: not written yet`.
+# It checks 6's plans against the formulas, then trains each for one step on 2 ranks and compares the measured memory
+# with your budget; 7, 8 and 9 run on many cases in one process (8 against `picotron.mesh.shard_groups`, 9 against
+# `planner.owner_of`'s largest load). Each failure names the mistake (a sum instead of a mean, a chunk at the wrong
+# offset, the last layer gathered twice, an fp32 all-gather, a plan over budget or moving bytes it need not, ...).
+# Until you write them it reports `NotImplementedError: not written yet`.
 #
 # **Takeaway:** what FSDP2 adds over plain ZeRO-3 is a few lines each; checking bytes and numbers on real ranks is
 # what makes them right.
@@ -789,7 +781,7 @@ all_passed = checker.check()
 # | | per rank | cost |
 # |---|---|---|
 # | ZeRO-1 | optimizer state $/n$ | nothing: the same $2\Psi$ as DP, the optimizer's work $/n$ |
-# | ZeRO-2 | + gradients $/n$ (plus two buckets in flight) | nothing more in bytes; with gradient accumulation a reduce-scatter per micro-batch where DP and ZeRO-1 send once per step (under a pipeline ZeRO-2 too, section 7) |
+# | ZeRO-2 | + gradients $/n$ (plus two buckets in flight) | nothing more in bytes, but with gradient accumulation a reduce-scatter per micro-batch, not once per step like DP and ZeRO-1 (under a pipeline ZeRO-2 too, section 7) |
 # | ZeRO-3 | + parameters $/n$ (plus a few whole units in flight) | $\approx 3\Psi$ per micro-batch: 1.5× DP's traffic, in latency-bound per-layer collectives that must be prefetched to hide |
 # | HSDP | any stage's states $/n_s$ instead of $/n$ | the stage's traffic within the shard group (a node), plus $\frac{2(n_r-1)}{n_r}\Psi/n_s$ across the replicas |
 # | Muon on ZeRO | less (one momentum instead of two moments) | gather: $\approx\frac{n-1}{n}\Psi$ more per step, all of Newton–Schulz everywhere; owner: $\approx 2\Psi_{muon}/n$, $1/n$ of it |
