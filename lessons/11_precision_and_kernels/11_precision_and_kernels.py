@@ -7,21 +7,20 @@ lessons/_notebook.py): edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 11 — Precision and kernels: fewer bits per number, fewer trips to memory
 #
-# An H100 multiplies bf16 matrices at about 989 TFLOP/s, FP8 at about 1,979 (dense), fp32 at about 67, and moves
-# 3.35 TB/s to and from its memory: ~300 bf16 FLOPs per byte that arrives (NVIDIA H100 SXM datasheet). Hence two
-# things every large run does. Numbers are stored and multiplied in 16 or 8 bits, with fp32 master weights, loss
-# scaling and per-tensor scales so that training does not notice. And an operation with few FLOPs per byte runs at
-# memory speed, so attention and the small layers between the matmuls are tiled and fused to keep their
-# intermediates on chip.
+# An H100 multiplies bf16 matrices at about 989 TFLOP/s, FP8 at about 1,979 (dense), fp32 at about 67, and moves 3.35
+# TB/s to and from memory: ~300 bf16 FLOPs per byte that arrives (NVIDIA H100 SXM datasheet). Hence two habits of
+# every large run. Numbers are stored and multiplied in 16 or 8 bits, with fp32 master weights, loss scaling and
+# per-tensor scales so that training does not notice. And since an operation with few FLOPs per byte runs at memory
+# speed, attention and the small layers between matmuls are tiled and fused to keep their intermediates on chip.
 #
-# Measured here: the formats' range and rounding; fp16 failing and loss scaling repairing it; what each `--dtype`
-# recipe keeps and sends; FP8's per-tensor scales and DeepSeek-V3's per-tile ones; attention's bytes against a
-# machine's balance, and the tiled online softmax; fused RMSNorm, SwiGLU and `torch.compile`; a profile of one step.
+# Measured here, in order: the formats' range and rounding; fp16 and loss scaling; each `--dtype` recipe's memory and
+# traffic; FP8 scaled per tensor and per tile; attention's bytes and the tiled online softmax; fused kernels; a
+# profile of one step.
 #
 # Code: `picotron/precision.py`, `fp8.py`, `fp8_blockwise.py`, `kernels.py`; measurements: `experiment.py` here;
 # formulas and sources: [the reference](../../docs/reference.md#precision-and-kernels); symbols: the
-# [notation](../../docs/reference.md#notation). `PICOTRON_FAST=1` gives a short run. Everything runs on this CPU;
-# where a GPU differs, the text says so.
+# [notation](../../docs/reference.md#notation). `PICOTRON_FAST=1` gives a short run. Everything runs on this CPU; the
+# text says where a GPU differs.
 
 # %%
 import math
@@ -47,17 +46,16 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; torch {torch.__
 # ## 1. Five number formats, measured by casting
 #
 # A binary float with $w_e$ exponent bits and $w_m$ mantissa bits stores $\pm 1.f \times 2^{z - \text{bias}}$ ($z$ the
-# stored exponent) with bias $= 2^{w_e-1} - 1$. Its **range** runs from the smallest normal number $2^{1 - \text{bias}}$
-# to the largest, $(2 - 2^{-w_m})\,2^{2^{w_e} - 2 - \text{bias}}$ (the top exponent is kept for inf and NaN); below the
-# smallest normal the *subnormals* $0.f \times 2^{1-\text{bias}}$ reach down to $2^{1-\text{bias}-w_m}$ with fewer and
-# fewer significant bits. Its **precision**: rounding to nearest moves any number inside the normal range by at most
+# stored exponent), bias $= 2^{w_e-1} - 1$. Its **range** runs from the smallest normal number $2^{1 - \text{bias}}$
+# to the largest, $(2 - 2^{-w_m})\,2^{2^{w_e} - 2 - \text{bias}}$ (the top exponent is kept for inf and NaN); below
+# the smallest normal the *subnormals* $0.f \times 2^{1-\text{bias}}$ reach down to $2^{1-\text{bias}-w_m}$ with ever
+# fewer significant bits. Its **precision**: rounding to nearest moves any number in the normal range by at most
 # $u = 2^{-(w_m+1)}$ of itself (the unit roundoff). FP8's E4M3 (torch's `float8_e4m3fn`, "finite") has no infinities
 # and one NaN pattern, so its top exponent holds numbers too, up to $1.75 \cdot 2^8 = 448$ (IEEE 754-2019; Goldberg
 # 1991; Micikevicius et al. 2022 for FP8).
 #
 # The experiment: these formulas against `torch.finfo`; then values spread evenly in $\log_2$ over the range and
-# beyond, cast into the format and back: the smallest positive survivor, the worst relative error inside the normal
-# range, and what happens below and above.
+# beyond, cast to the format and back.
 
 # %%
 print(f"{'format':<6} {'e':>2} {'m':>3} {'largest':>11} {'smallest normal':>16} {'smallest subnormal':>19} "
@@ -81,12 +79,11 @@ for name, (dtype, e, m, _) in lesson.FORMATS.items():
           f"below half the smallest subnormal: 0; above the largest: {got['above_max']}")
 
 # %% [markdown]
-# Right panel: inside its normal range every format keeps the same *relative* error whatever the magnitude —
-# $2^{-24}$ for fp32, $2^{-8}$ for bf16 (0.4%), $2^{-11}$ for fp16, 6% and 12% for the FP8 formats — and outside it
-# the error climbs to 100% (flushed to 0) or to infinity. bf16 is fp32 with 16 mantissa bits cut off: the same range
-# ($10^{\pm 38}$), about 2.4 significant decimal digits instead of 7.2. fp16 spans only 40 binades, $6 \cdot 10^{-8}$
-# to 65,504; E4M3 18, E5M2 32. (torch's cast to `float8_e4m3fn` saturates at 448 on this build; fp16 and E5M2
-# overflow to inf.)
+# Right panel: inside the normal range the *relative* error is the same at every magnitude — $2^{-24}$ for fp32,
+# $2^{-8}$ for bf16 (0.4%), $2^{-11}$ for fp16, 6% and 12% for the FP8 formats — and outside it climbs to 100%
+# (flushed to 0) or infinity. bf16 is fp32 with 16 mantissa bits cut off: the same range ($10^{\pm 38}$), about 2.4
+# significant decimal digits instead of 7.2. fp16 spans only 40 binades, $6 \cdot 10^{-8}$ to 65,504; E4M3 18,
+# E5M2 32. (On this build torch's cast to `float8_e4m3fn` saturates at 448; fp16 and E5M2 overflow to inf.)
 #
 # **Takeaway:** a format is a window of binades with a fixed relative precision inside. Low precision fails on a
 # value outside the window (flushed to zero, or inf), or an update smaller than half a step of its number.
@@ -99,10 +96,10 @@ for name, (dtype, e, m, _) in lesson.FORMATS.items():
 # propagate backwards. The fix (Micikevicius et al. 2017, section 3.2): multiply the loss by $S$ before backward,
 # moving every gradient up $\log_2 S$ binades, and divide by $S$ in fp32 before the update.
 #
-# To see what fp16 sees in a real run we train MINI (the tiny preset cut to 2 layers of width 64, 0.13 M parameters)
-# on micro-batches of 256 tokens and divide each mean loss by $V = 4096$: the gradient is exactly that of **one
-# micro-batch of a step of $V$ times more tokens** (~$10^6$). First every decoder submodule's output gradient, captured
-# by hooks: in fp32 (the true values), then in fp16 without scaling and with $S = 2^{16}$ (the scaler's start).
+# We train MINI (the tiny preset cut to 2 layers of width 64, 0.13 M parameters) on 256-token micro-batches, dividing
+# each mean loss by $V = 4096$: the gradient is exactly that of **one micro-batch of a step of $V$ times more tokens**
+# (~$10^6$). First, every decoder submodule's output gradient (captured by hooks) in fp32, the true values, then in
+# fp16 unscaled and with $S = 2^{16}$.
 
 # %%
 g32 = lesson.activation_grads("fp32")
@@ -127,10 +124,9 @@ check("S = 2^16 moves them into the window", bands_s["zero"] < 0.01 and bands_s[
       f"scaled fp16 backward")
 
 # %% [markdown]
-# Now training, with `picotron.train`'s steps (lr schedule, global gradient norm, loss-scale update, no
-# `optimizer.step()` on overflow) and the loss divided by $V$: fp32, fp16 without loss scaling (`--loss-scale none`)
-# and fp16 with dynamic loss scaling (the default). fp16 is the whole recipe: fp16 parameters and gradients, fp32
-# master weights and moments (section 3).
+# Now training with `picotron.train`'s steps (lr schedule, global gradient norm, loss-scale update, no
+# `optimizer.step()` on overflow), loss divided by $V$: fp32, then fp16 (fp16 parameters and gradients, fp32 master
+# weights and moments: section 3) with `--loss-scale none` and with dynamic loss scaling (the default).
 
 # %%
 runs = {"fp32": lesson.train_curve(st["fp16_steps"], v=lesson.V),
@@ -154,14 +150,14 @@ check("fp16 with dynamic loss scaling trains like fp32", worst < 5e-3 and not an
       f"to 2^-11), final {dyn['loss'][-1]:.3f} vs {ref['loss'][-1]:.3f}; no overflow at S = {dyn['final_scale']:g}")
 
 # %% [markdown]
-# Without scaling the run does not diverge: it learns from the gradients that survive, and lags behind fp32
-# throughout. With $S = 2^{16}$ it is fp32's to within fp16's rounding: the division by $S$ happens *in fp32*, on the
-# master weights' side, so it cannot underflow.
+# Without scaling the run does not diverge: it learns from the gradients that survive and lags fp32 throughout. With
+# $S = 2^{16}$ it matches fp32 to within fp16's rounding: the division by $S$ happens *in fp32*, on the master
+# weights' side, where it cannot underflow.
 #
-# **Dynamic loss scaling.** Too small an $S$ loses gradients, too large overflows (fp16's largest number is 65,504),
-# and the right one drifts, so $S$ is found by trial: a step whose gradients hold an inf or NaN is skipped and halves
-# $S$; `growth_interval` clean steps in a row double it (torch's `GradScaler`, picotron's `LossScaler`: start $2^{16}$,
-# growth after 2,000). Here from an absurd $S = 2^{30}$, on MINI's plain loss, with a growth interval of 10:
+# **Dynamic loss scaling.** Too small an $S$ loses gradients, too large overflows (past 65,504), and the right one
+# drifts, so $S$ is found by trial: a step whose gradients hold an inf or NaN is skipped and halves $S$;
+# `growth_interval` clean steps in a row double it (torch's `GradScaler`, picotron's `LossScaler`: start $2^{16}$,
+# growth after 2,000). Here from an absurd $S = 2^{30}$, on MINI's plain loss, growth interval 10:
 
 # %%
 _common.show_source(precision.LossScaler.update)
@@ -193,17 +189,17 @@ check("S halves on every skipped step and doubles after 10 clean ones", S == rul
 #
 # ## 3. What each recipe keeps in memory, and sends
 #
-# `--dtype` picks a recipe (`picotron/precision.py`). Its bytes per parameter $\Psi$ for the model states (no
-# sharding), from the ZeRO paper's accounting (Rajbhandari et al. 2019, section 3.1):
+# `--dtype` picks a recipe (`picotron/precision.py`). Bytes per parameter $\Psi$ of its model states (no sharding), in
+# the ZeRO paper's accounting (Rajbhandari et al. 2019, section 3.1):
 #
 # | recipe | parameters | gradients | optimizer | total |
 # |---|---:|---:|---:|---:|
 # | fp32, bf16 (autocast), fp8 | 4 | 4 | 8 (two moments) | 16 |
 # | bf16-params, fp16 | 2 | 2 | 4 (fp32 master) + 8 | 16 |
 #
-# Low-precision parameters do not shrink the model states: the optimizer needs an fp32 copy to add small updates
-# to. bf16's neighbours of 1.0 are $1 - 2^{-8}$ and $1 + 2^{-7}$, so an update of $3 \cdot 10^{-4}$ (a learning rate
-# times Adam's ~unit step) to a bf16 weight of 1.0 changes nothing:
+# Low-precision parameters do not shrink the model states: the optimizer needs an fp32 copy to add small updates to.
+# bf16's neighbours of 1.0 are $1 - 2^{-8}$ and $1 + 2^{-7}$, so an update of $3 \cdot 10^{-4}$ (a learning rate times
+# Adam's ~unit step) to a bf16 weight of 1.0 changes nothing:
 
 # %%
 w = torch.tensor(1.0, dtype=torch.bfloat16)
@@ -214,10 +210,10 @@ _common.show_source(precision.MasterWeights.step)
 
 # %% [markdown]
 # `MasterWeights` casts every gradient to fp32, steps the fp32 masters and rounds them into the bf16 (or fp16)
-# parameters, each one `torch._foreach_*` call over all tensors (a few GPU kernels, not hundreds). Low-precision
-# parameters buy half the bytes wherever parameters or gradients travel, and smaller activations. The experiment: one step of each
-# recipe on the tiny preset (0.85 M parameters, 8 × 128 tokens), every category of bytes measured; then one step on
-# 2 processes at dp = 2, bucketed all-reduce and ZeRO-3, each collective's bytes counted by a `metrics.Recorder`.
+# parameters, each a single `torch._foreach_*` call over all tensors (a few GPU kernels, not hundreds). The
+# experiment: one step of each recipe on the tiny preset (0.85 M parameters, 8 × 128 tokens), all its bytes measured;
+# then one step at dp = 2 (2 processes), with bucketed all-reduce and with ZeRO-3, each collective's bytes counted by
+# a `metrics.Recorder`.
 
 # %%
 mem = lesson.recipe_memory()
@@ -269,15 +265,14 @@ check("and data parallelism all-reduces bf16 gradients in half, bf16 autocast's 
       f"{half['dp2']['all_reduce']:,} bytes (bf16-params) vs {full['dp2']['all_reduce']:,} (fp32 and bf16 autocast)")
 
 # %% [markdown]
-# Every recipe holds 16 bytes per parameter of model states, 4 + 4 + 8 or 2 + 2 + 12. What differs is the
-# activations (bf16 autocast keeps its matmuls' inputs in bf16, plus a bf16 copy of each weight, lesson 01; bf16
-# parameters need no copies) and the traffic: bf16 autocast moves fp32 through every collective, bf16-params half.
+# What differs between recipes is the activations (bf16 autocast keeps its matmuls' inputs in bf16, plus a bf16 copy
+# of each weight, lesson 01; bf16 parameters need no copies) and the traffic: bf16 autocast moves fp32 through every
+# collective, bf16-params half the bytes.
 #
 # FP8 saves fewer activation bytes than bf16 autocast: its linears save the E4M3 input and weight copy
-# (`ctx.save_for_backward` in `picotron/fp8.py`), one byte where autocast saves two, plus a 4-byte scale each, and
-# return bf16 as autocast does, so everything else is saved as under autocast. The "by dtype" line shows the bf16
-# matmul inputs become about half as many one-byte ones. Had `fp8_linear` returned its *input's* dtype (fp32 here),
-# every tensor after a linear would be saved in fp32, and FP8 would save more than autocast, not less.
+# (`ctx.save_for_backward` in `picotron/fp8.py`), one byte where autocast saves two (plus a 4-byte scale each), and
+# return bf16 as autocast does, so the rest is saved as under autocast. Had `fp8_linear` returned its *input's* dtype
+# (fp32 here), every tensor after a linear would be saved in fp32, and FP8 would save more than autocast.
 #
 # **Takeaway:** mixed precision is about speed, activations and bandwidth; the model states stay at 16 bytes per
 # parameter, and only sharding (ZeRO) divides them.
@@ -285,14 +280,14 @@ check("and data parallelism all-reduces bf16 gradients in half, bf16 autocast's 
 # ## 4. FP8: per-tensor scales, E4M3 forward, E5M2 backward
 #
 # FP8's windows are narrow (section 1), so each operand of an FP8 matmul is multiplied by its own scale before the
-# cast, and the product divided by both scales afterwards (`picotron/fp8.py`, current scaling):
+# cast and the product divided by both scales afterwards (`picotron/fp8.py`, current scaling):
 #
 # $$\sigma = \frac{f_{\max}}{\max|t|}, \qquad t_q = \text{fp8}\big(\text{clamp}(t \cdot \sigma, \pm f_{\max})\big), \qquad
 # x\,w^\top \approx \frac{x_q\, w_q^\top}{\sigma_x\, \sigma_w}$$
 #
 # so the largest element lands on the format's largest number (448 or 57,344). Three tensors of MINI after 10 steps
-# (layer 1's `down_proj` input, the SwiGLU product; its weight; the gradient at its output), quantized with and
-# without the scale, in each format:
+# (layer 1's `down_proj` input, the SwiGLU product; its weight; the gradient at its output), quantized in each format
+# with and without the scale:
 
 # %%
 _common.show_source(fp8.quantize)
@@ -332,17 +327,16 @@ check("gradients spread over more binades than activations", spread["gradient"] 
       f"{E4['binades']:.0f}, E5M2's: {E5['binades']:.0f})")
 
 # %% [markdown]
-# After scaling, E4M3's 18 binades hold all three tensors (the "binades" column), at twice E5M2's precision. Why
-# E5M2 for gradients, then? The right panel: over layers and steps the gradients' scale moves over many more binades
-# than the activations'. The original FP8 recipes (Micikevicius et al. 2022; Transformer Engine's "HYBRID") used
-# *delayed* scaling, from past steps' amaxes, and E5M2's 14 extra binades keep a tensor whose amax fell since from
-# underflowing. With *current* scaling (ours: each tensor's own, each call) the margin matters less: DeepSeek-V3
-# (section 3.3) uses E4M3 everywhere (section 5). Unscaled, the gradient (amax below $2^{-10}$, half E4M3's smallest
-# subnormal) falls out of E4M3.
+# Scaled, E4M3 holds all three tensors at twice E5M2's precision; unscaled, the gradient (amax below $2^{-10}$, half
+# E4M3's smallest subnormal) falls out. Why E5M2 for gradients, then? Right panel: over layers and steps the
+# gradients' scale moves over many more binades than the activations'. The original FP8 recipes (Micikevicius et al.
+# 2022; Transformer Engine's "HYBRID") used *delayed* scaling, from past steps' amaxes, and E5M2's 14 extra binades
+# keep a tensor whose amax has since fallen from underflowing. With *current* scaling (ours: each tensor's own, each
+# call) the margin matters less: DeepSeek-V3 (section 3.3) uses E4M3 everywhere (section 5).
 #
-# The FP8 linear layer: the three matmuls of $y = x W^\top$, E4M3 operands forward, an E5M2 gradient backward. On
-# this CPU they are simulated exactly (FP8 operands cast back to fp32: a product of two FP8 numbers is exact in fp32);
-# on an H100 `torch._scaled_mm` runs them on the FP8 tensor cores.
+# The FP8 linear layer: the three matmuls of $y = x W^\top$, E4M3 operands forward, an E5M2 gradient backward,
+# simulated exactly on this CPU (FP8 operands cast back to fp32, where a product of two FP8 numbers is exact) and run
+# by `torch._scaled_mm` on an H100's FP8 tensor cores.
 
 # %%
 x2, g2 = tensors["activation"].flatten(0, 1), tensors["gradient"].flatten(0, 1)
@@ -375,7 +369,7 @@ check("FP8 training follows fp32", dev["fp8"] < 3e-2 and curves["fp8"]["loss"][-
 # %% [markdown]
 # Here FP8 is slower (the simulation works in fp32). On an H100 the decoder's matmuls would run at up to twice the
 # bf16 rate (datasheet ratio, unmeasured); a step gains less (casts, amax reductions and the bf16 parts do not speed
-# up), and more as the model grows and its large matmuls dominate.
+# up), more as the model grows and its large matmuls dominate.
 #
 # **Takeaway:** FP8 works because each tensor gets its own scale; E4M3 where precision matters, E5M2 where the
 # range must absorb a stale scale; the rest of the model stays in higher precision.
@@ -393,16 +387,16 @@ check("FP8 training follows fp32", dev["fp8"] < 3e-2 and curves["fp8"]["loss"][-
 # x W^\top \approx \sum_{j=1}^{\lceil K/128 \rceil} \big(x_{q,j}\, W_{q,j}^\top\big) \cdot d_{x,j}\, d_{W,j}$$
 #
 # ($d$ is the *dequantizing* factor, $t \approx t_q\,d$, the reciprocal of section 4's $\sigma$.) The scales change
-# every 128 elements of the contraction axis $K$, so the product is assembled slice by slice, each partial sum times
-# its two scales, added to an fp32 accumulator. That also fixes a hardware limit ("Increasing Accumulation
-# Precision"): Hopper's FP8 tensor cores keep about 14 bits of their running sum (measured on H800), so DeepSeek's
-# kernel copies it to fp32 registers every $N_C = 128$ products, the **promotion interval**.
+# every 128 elements of the contraction axis $K$, so the product is summed slice by slice, each partial sum times its
+# two scales, into an fp32 accumulator. That also fixes a hardware limit ("Increasing Accumulation Precision"):
+# Hopper's FP8 tensor cores keep about 14 bits of their running sum (measured on H800), so DeepSeek's kernel copies it
+# to fp32 registers every $N_C = 128$ products, the **promotion interval**.
 #
 # With a window per tile, E4M3 serves every tensor, gradients included ("we adopt the E4M3 format on all tensors").
 # Backward tiles along the axis it contracts: dgrad ($g\,W$) takes $g$ in 1 × 128 tiles; wgrad ($g^\top x$, over the
-# tokens) takes $g$ and $x$ in **128 × 1** tiles, $x$'s obtained by dequantizing the saved 1 × 128 tiles, transposing
-# and re-quantizing (section 3.5.2). `picotron/fp8_blockwise.py` does this; `--dtype fp8 --fp8-recipe blockwise`
-# trains with it. MINI's widths (64, 192) are not multiples of 128: a row's last tile is shorter, scaled on its own.
+# tokens) takes $g$ and $x$ in **128 × 1** tiles, $x$'s made by dequantizing the saved 1 × 128 tiles, transposing and
+# re-quantizing (section 3.5.2). `picotron/fp8_blockwise.py` implements this (`--dtype fp8 --fp8-recipe blockwise`).
+# MINI's widths (64, 192) are not multiples of 128: a row's shorter last tile gets its own scale.
 #
 # First, section 4's tensors, and the activation with one outlier added (a token or a channel times 10 to 10⁶),
 # quantized with one scale per tensor and per tile; the error is over the *other* elements:
@@ -466,13 +460,13 @@ check("promotion every 128 products bounds the limited accumulator", acc[-1]["ne
 # A float format is forgiving: up to about $10^3$–$10^4$ the outlier only pushes the others down the window, keeping
 # their 3 mantissa bits (INT8's uniform grid would leave a bit or two). Past E4M3's span (448 down to $2^{-9}$: 17.8
 # binades) one scale per tensor flushes the rest, and per-tensor E5M2 survives by trading precision for range; tiles
-# keep E4M3's error for the other tokens, since a token outlier is alone in its tiles. A channel outlier sits in one
-# tile of *every* token, sparing only each row's other tiles (SmoothQuant moves such scales into the weight).
+# keep E4M3's error for the other tokens, a token outlier being alone in its tiles. A channel outlier sits in one tile
+# of *every* token, sparing only each row's other tiles (SmoothQuant moves such scales into the weight).
 #
-# Right panel: a 14-bit accumulator (modelled: it chops what it cannot hold; positive products, the worst case)
-# drifts in proportion to $K$; restarted every 128 products and summed in fp32, its error stays at one slice's,
-# whatever $K$. DeepSeek reports about 2% at $K = 4096$ on H800 without promotion; the model shows the mechanism,
-# not their hardware.
+# Right panel: a 14-bit accumulator (modelled: it chops what it cannot hold; positive products, the worst case) drifts
+# in proportion to $K$; restarted every 128 products and summed in fp32, its error stays at one slice's, whatever $K$.
+# DeepSeek reports about 2% at $K = 4096$ on H800 without promotion; our model shows the mechanism, not their
+# hardware.
 #
 # Tiles cost one fp32 scale per 128 one-byte elements, $4/128 = 3.1\%$ more activation bytes ($4\lceil K/128 \rceil
 # / K$ with a ragged tail), $4/128^2$ for weights. The training curves, same seed, same batches:
@@ -506,12 +500,11 @@ check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_byt
       f"{wd.numel() * wd.element_size()} bytes")
 
 # %% [markdown]
-# Per matmul the fine-grained recipe is the more accurate here (E4M3 gradients, a scale per tile). In training both
-# FP8 recipes drift from fp32 by a percent or so, most at a loss spike (the worst step printed): one small model on
-# one seed cannot rank them, and without outliers one scale per tensor fits. Tiles pay where outliers live, in large
-# models over long runs: DeepSeek validated the recipe
-# against bf16 on two smaller MoE models over about 10¹² tokens (relative loss difference below 0.25%, section 3.3,
-# appendix B.1), then trained DeepSeek-V3 (671 B parameters) with it.
+# In training both FP8 recipes drift from fp32 by a percent or so, most at a loss spike (the worst step printed): one
+# small model on one seed cannot rank them, and without outliers one scale per tensor fits. Tiles pay where outliers
+# live, in large models over long runs: DeepSeek validated the recipe against bf16 on two smaller MoE models over
+# about 10¹² tokens (relative loss difference below 0.25%, section 3.3, appendix B.1), then trained DeepSeek-V3 (671 B
+# parameters) with it.
 #
 # On Hopper, `torch.nn.functional.scaled_mm` computes blockwise products (`BlockWise1x128`, `BlockWise128x128`);
 # picotron calls it for the three GEMMs when shapes are multiples of 128. No GPU has run that code yet: correctness
@@ -540,18 +533,17 @@ check("the scales cost 4·⌈K/128⌉/K bytes per element (planner.fp8_scale_byt
 _common.show_source(kernels._flash_forward, "for q0 in range", "lse[..., q0:q1]")
 
 # %% [markdown]
-# This is FlashAttention-2's loop order (Dao 2023): each query tile reads its $Q$ once and the K/V tiles it sees,
-# and writes $O$ and one log-sum-exp per row, so traffic grows as $s^2/B_q$, not $s^2$. (FlashAttention-1, Dao et al.
-# 2022, Algorithm 1, loops over K/V tiles outside, rewriting each $O$ tile once per K/V tile.) With grouped-query
-# attention, who loads a K/V tile matters: `flash_attention` handles a group's $a/a_\text{kv}$ query heads together,
-# once per KV head; the Triton kernel (`picotron/flash_triton.py`), like FlashAttention-2, runs one program per
-# (query tile, query head), each loading its own copy.
+# This is FlashAttention-2's loop order (Dao 2023): each query tile reads its $Q$ once and the K/V tiles it sees, and
+# writes $O$ and one log-sum-exp per row, so traffic grows as $s^2/B_q$, not $s^2$. (FlashAttention-1, Dao et al.
+# 2022, Algorithm 1, puts the K/V loop outside, rewriting each $O$ tile once per K/V tile.) With grouped-query
+# attention, who loads a K/V tile matters: `flash_attention` loads it once per KV head, for the group's
+# $a/a_\text{kv}$ query heads together; the Triton kernel (`picotron/flash_triton.py`), like FlashAttention-2, runs
+# one program per (query tile, query head), each loading its own copy.
 #
-# The experiment: `attention_bytes` for a Llama-3-8B-like layer (32 query heads, 8 KV heads, $d = 128$, bf16, tiles
-# of 128) against $s$; the same count *measured* on `kernels.flash_attention` by a dispatch mode that watches the
-# tiles it loads and writes; the intensity (K/V per KV head and per query head) against this CPU's balance (measured
-# matmul peak over copy bandwidth) and the H100's; then our three implementations timed, their saved activations
-# counted.
+# The experiment, for a Llama-3-8B-like layer (32 query heads, 8 KV heads, $d = 128$, bf16, tiles of 128):
+# `attention_bytes` against $s$, checked on `kernels.flash_attention` by a dispatch mode that watches the tiles it
+# loads and writes; the intensity (K/V loaded per KV head, or per query head) against the balance (matmul peak over
+# copy bandwidth) of this CPU, measured, and of the H100; our three implementations' times and saved activations.
 
 # %%
 cfg = dict(b=1, a=32, kv=8, d=128, elem=2, block=128, label="32 heads, 8 KV heads, d = 128, bf16")
@@ -612,23 +604,22 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
       f"{', '.join(f'{r:.2f}x' for r in lin)}")
 
 # %% [markdown]
-# At long $s$ both counts are dominated by their $s^2$ terms: naive $4bas^2$ elements against tiled
-# $2ba_\text{kv}d \cdot s^2/(2B_q)$ (causal: each query tile reads half the keys on average), a ratio of
-# $4aB_q/(a_\text{kv}d)$ = 16 for this layer, where the printed ratios level off. The tiles `flash_attention` loads
-# and writes, watched op by op, equal `attention_bytes` to the byte.
+# At long $s$ both counts are dominated by their $s^2$ terms: naive $4bas^2$ elements against tiled $2ba_\text{kv}d
+# \cdot s^2/(2B_q)$ (causal: each query tile reads half the keys on average), a ratio of $4aB_q/(a_\text{kv}d)$ = 16
+# for this layer, where the printed ratios level off.
 #
-# The naive intensity tends to $d/\text{elem}$ = 64. The tiled one's depends on who loads K and V: once per KV head
-# it tends to $2aB_q/(a_\text{kv}\cdot\text{elem})$ = 512, once per query head (the Triton kernel, FlashAttention-2)
-# to $2B_q/\text{elem}$ = 128, below the H100's ~295: against main memory, one program per query head with
-# $B_q = 128$ is still memory-bound in bf16. Larger query tiles raise the bound (on-chip memory limits them); K/V
-# tiles the GPU's cache serves to several programs of a group move it towards the per-KV-head count (unmeasured).
+# The naive intensity tends to $d/\text{elem}$ = 64; the tiled one to $2aB_q/(a_\text{kv}\cdot\text{elem})$ = 512 if K
+# and V are loaded once per KV head, but to $2B_q/\text{elem}$ = 128 if once per query head (the Triton kernel,
+# FlashAttention-2): below the H100's ~295, so against main memory that kernel, with $B_q = 128$, is still
+# memory-bound in bf16. Larger query tiles raise the bound (on-chip memory limits them); K/V tiles that the GPU's
+# cache serves to several programs of a group move it towards the per-KV-head count (unmeasured).
 #
 # Times: a CPU core's balance is a few FLOPs per byte, so even the naive form is not starved here: `sdpa` (PyTorch's
 # fused kernel) is fastest, `eager` falls behind as $s$ grows ($s^2$ fp32 scores), and our `flash`, a Python loop of
 # small ops, pays per tile. On a GPU tiling in one kernel wins: FlashAttention-2 runs 3–10× faster than standard
-# PyTorch attention, up to 73% of an A100's peak (Dao 2023, section 4.1). Memory holds everywhere: `eager` saves the
-# $s\times s$ probabilities (×4 when $s$ doubles); `flash` and `sdpa` save $Q, K, V$, the output and one log-sum-exp
-# per row, and recompute them.
+# PyTorch attention, up to 73% of an A100's peak (Dao 2023, section 4.1). The memory saving holds everywhere: `eager`
+# saves the $s\times s$ probabilities (×4 when $s$ doubles); `flash` and `sdpa` save $Q, K, V$, the output and one
+# log-sum-exp per row, and recompute the probabilities.
 #
 # **Takeaway:** count bytes, not FLOPs: below the machine's balance an operation runs at memory speed. Tiling keeps
 # the $s^2$ intermediates on chip, the online softmax makes tiles mergeable; whether the kernel then crosses the
@@ -636,13 +627,13 @@ check("eager's saved activations grow as s², flash's as s", all(3.6 < r < 4.4 f
 #
 # ## 7. Fused kernels: RMSNorm and SwiGLU
 #
-# RMSNorm ($y = x/\sqrt{\text{mean}(x^2) + \epsilon} \cdot w$) and SwiGLU ($\text{silu}(g) \cdot u$) do a few FLOPs per
-# element; unfused, each op reads its inputs from memory and writes its output back. The op-by-op RMSNorm forward
-# moves $7Rh + 6R + h$ elements ($R$ rows of $h$): $x^2$ (read $Rh$, write $Rh$), its
-# mean ($Rh$ in, $R$ out), $+\epsilon$ and rsqrt ($2R$ each), $x \cdot \text{rstd}$ ($Rh + R$ in, $Rh$ out), $\cdot\, w$
-# ($Rh + h$ in, $Rh$ out). A fused kernel reads $x$ and $w$ and writes $y$ (and one rstd per row): $2Rh + h$. The
-# experiment counts the plain ops' bytes (dispatch mode, forward and backward) against `picotron/kernels.py`'s fused
-# kernels, checks `torch.compile`'s version against the plain one, and times both.
+# RMSNorm ($y = x/\sqrt{\text{mean}(x^2) + \epsilon} \cdot w$) and SwiGLU ($\text{silu}(g) \cdot u$) do a few FLOPs
+# per element; unfused, each op reads its inputs from memory and writes its output back. The op-by-op RMSNorm forward
+# moves $7Rh + 6R + h$ elements ($R$ rows of $h$): $x^2$ (read $Rh$, write $Rh$), its mean ($Rh$ in, $R$ out),
+# $+\epsilon$ and rsqrt ($2R$ each), $x \cdot \text{rstd}$ ($Rh + R$ in, $Rh$ out), $\cdot\, w$ ($Rh + h$ in, $Rh$
+# out). A fused kernel reads $x$ and $w$ and writes $y$ (and one rstd per row): $2Rh + h$. The experiment counts the
+# plain ops' bytes (dispatch mode, forward and backward) against `picotron/kernels.py`'s fused kernels, then checks
+# and times `torch.compile`'s version against the plain one.
 
 # %%
 R = st["fused_rows"]
@@ -700,9 +691,9 @@ check("--compile trains the same model", rel < 1e-5 and len(compiled[True][0]["l
       f"rounds in another order); the two compiled runs equal to the bit")
 
 # %% [markdown]
-# On a model this small a compiled step is not much faster: its time is dispatch overhead, which compiling trims,
-# and matmuls, which it does not change. On a GPU, where every small op costs a launch and a round trip to memory,
-# compiling pays more; the first step pays the compilation (seconds to minutes).
+# On a model this small a compiled step is not much faster: its time is dispatch overhead, which compiling trims, and
+# matmuls, which it does not change. On a GPU, where every small op costs a launch and a round trip to memory,
+# compiling pays more, after a first step that pays for the compilation (seconds to minutes).
 #
 # **Takeaway:** fuse what is memory-bound; let the compiler do it where it can, write the kernel (Triton, CUDA)
 # where it cannot — attention was the case that needed a new algorithm, not just fusion.
@@ -710,7 +701,7 @@ check("--compile trains the same model", rel < 1e-5 and len(compiled[True][0]["l
 # ## 8. Where a step's time goes: a profile
 #
 # `torch.profiler` records every operator a step runs, with its time excluding its children ("self" time) and, for
-# matmuls, the FLOPs it did. One training step of picotron's tiny preset (8 × 128 tokens), after one step of warm-up:
+# matmuls, its FLOPs. One training step of picotron's tiny preset (8 × 128 tokens), after one warm-up step:
 
 # %%
 prof = lesson.profile_step()
@@ -733,20 +724,20 @@ check("self times partition the step", total <= 1.05 * prof["wall"],
 # %% [markdown]
 # The matmuls dominate, as they should on a CPU; attention (SDPA's fused kernels) and the elementwise ops and norms
 # share most of the rest; the optimizer (its ops and the `mul_`, `lerp_`, `addcdiv_` it calls, grouped by name) is
-# small at this size. On a GPU (`ProfilerActivity.CUDA`) the matmuls shrink (tensor cores), so the memory-bound
-# kernels (norms, activations, casts, the optimizer) take a larger share. `prof.export_chrome_trace(...)` opens in
-# Perfetto as a timeline.
+# small at this size. On a GPU (`ProfilerActivity.CUDA`) tensor cores shrink the matmuls, so the memory-bound kernels
+# (norms, activations, casts, the optimizer) take a larger share. `prof.export_chrome_trace(...)` opens in Perfetto as
+# a timeline.
 #
-# **Takeaway:** a profile, not a guess, says where a step's time goes: here the matmuls (whose FLOPs the profiler
-# counts as exactly 6 × linear parameters × tokens); on a GPU the memory-bound kernels' share grows, and that share is
-# what fusion and FP8's fewer bytes go after.
+# **Takeaway:** a profile, not a guess, says where a step's time goes: here the matmuls; on a GPU more to the
+# memory-bound kernels, the share that fusion and FP8's fewer bytes go after.
 #
 # ## 9. Explore: a format, a tensor, a scale
 #
-# Pick a format, one of the model's tensors, and a scale $2^j$ applied before the cast: its values' histogram over
-# the format's window, and what the cast does to them. What loss scale puts all section-2 gradients (loss / V) into
-# fp16's normal range, and what scale makes them overflow? Which tensors fit E4M3 unscaled? For FP8, what is the error
-# at the per-tensor scale $f_{\max}/\text{amax}$ (printed), and at half and twice it? (Widgets need a live kernel.)
+# Pick a format, one of the model's tensors, and a scale $2^j$ applied before the cast, and see the values' histogram
+# over the format's window and what the cast does to them. What loss scale puts all section-2 gradients (loss / V)
+# into fp16's normal range, and what scale makes them overflow? Which tensors fit E4M3 unscaled? For FP8, what is the
+# error at the per-tensor scale $f_{\max}/\text{amax}$ (printed), and at half and twice it? (Widgets need a live
+# kernel.)
 
 # %%
 VIEW = {"activation gradients (loss / V)": g32, "activation (down_proj input)": tensors["activation"],
@@ -780,9 +771,9 @@ check("the widget's default = section 2's measurement", abs(default_view["zero"]
 #
 # ## 10. On an 8-GPU node you should see
 #
-# This lesson has no 8-rank mode: its measurements run in one process, and section 3's two-process run counts each
-# recipe's bytes, whose ratios do not depend on the ranks. What a GPU changes is the hardware: bf16 tensor cores (15× the H100's fp32 peak), FP8
-# (twice bf16's), HBM at 3.35 TB/s. The planner predicts one H100; FP8 is not in its time model.
+# This lesson has no 8-rank mode: it measures in one process, and section 3's byte ratios do not depend on the number
+# of ranks. What a GPU changes is the hardware (the H100 figures at the top: bf16 at 15× fp32's peak). The planner
+# predicts one H100; FP8 is not in its time model.
 
 # %%
 import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node, and the command that measures them
@@ -798,7 +789,7 @@ _node.show("11_precision_and_kernels")
 # 1. `online_softmax_attention(q, k, v, block)`: attention over blocks of keys with a running max, a running sum
 #    and a rescaled accumulator, returning the output and the log-sum-exp. Checked against the whole softmax for
 #    blocks from 1 to more than the keys and scores around ±1000; the checker names the block size and row, and
-#    recognises an accumulator (or sum) not rescaled, a missing final division, lse without its max, and overflow.
+#    recognises an unrescaled accumulator (or sum), a missing final division, lse without its max, and overflow.
 #
 # 2. `update(scale, clean_steps, overflow, ...)`: one step of dynamic loss scaling, run in sequences against
 #    `precision.LossScaler`; the checker names the first wrong step and recognises a clean-step count an overflow
@@ -836,25 +827,25 @@ all_passed = checker.check()
 # the casts hide behind them. Flash attention and fused kernels are always on in practice (SDPA picks a flash kernel
 # on a GPU; `torch.compile` fuses the rest).
 #
-# **On a GPU: what each path cost, and why.** One H200 (torch 2.11, CUDA 13), SmolLM-360M at $s = 2048$,
-# micro-batch 4, *before* this lesson's GPU paths were rewritten: `--dtype bf16` 69,800 tokens/s (25.9% of the
-# measured matmul peak), level with transformers' Llama (70,100); `--compile` 98,100 (1.41×: the elementwise ops
-# fused); `--kernels triton` 1.08× (two of those fusions by hand); `--dtype bf16-params` 0.89× (the fp32 master copy
-# updated one tensor at a time: hundreds of small launches ate what half the bytes saved); `--dtype fp8` 0.44× (scales,
-# casts and fp32 outputs as separate kernels, the fp32 outputs saved for backward); `--attn-impl flash` 0.011× (a
-# handful of small kernels per tile).
+# **On a GPU: what each path cost, and why.** One H200 (torch 2.11, CUDA 13), SmolLM-360M at $s = 2048$, micro-batch
+# 4, *before* this lesson's GPU paths were rewritten: `--dtype bf16` 69,800 tokens/s (25.9% of the measured matmul
+# peak), level with transformers' Llama (70,100); `--compile` 98,100 (1.41×: the elementwise ops fused);
+# `--kernels triton` 1.08× (two of those fusions by hand); `--dtype bf16-params` 0.89× (the fp32 master copy updated
+# one tensor at a time: hundreds of small launches ate what half the bytes saved); `--dtype fp8` 0.44× (scales, casts
+# and fp32 outputs as separate kernels, the fp32 outputs saved for backward); `--attn-impl flash` 0.011× (a handful of
+# small kernels per tile).
 #
 # Each cause is now addressed (foreach kernels for the master copy; FP8 linears that return bf16 and use
 # `torch._scaled_mm` on sm89+; a Triton kernel, `picotron/flash_triton.py`, for `--attn-impl flash`), but unmeasured
-# on a GPU: `python benchmarks/mfu_table.py` measures every row again at the SmolLM-360M and 1.7B shapes, beside
-# transformers' Llama, with MFU of the measured and the datasheet peak.
+# on a GPU: `python benchmarks/mfu_table.py` re-measures every row at the SmolLM-360M and 1.7B shapes, beside
+# transformers' Llama, with MFU against the measured and the datasheet peak.
 #
-# **What ours lacks.** FP8 is simulated on CPUs and uses `torch._scaled_mm` only on sm89+ (the blockwise recipe's
-# sm90 path, for shapes that are multiples of 128, never run on a GPU); no per-32-element scales (Blackwell's MXFP8),
-# no amax history, none of DeepSeek's other FP8 savings (FP8 activations cached between layers, FP8 all-to-all
-# dispatch). The Triton flash attention follows FlashAttention-2, not FlashAttention-3's Hopper features (warp
-# specialisation, asynchronous copies, FP8), and its GPU speed is unmeasured. Production stacks also fuse the
-# cross-entropy with the LM head (the logits never exist), RoPE, and the optimizer step.
+# **What ours lacks.** FP8 is simulated on CPUs and uses `torch._scaled_mm` only on sm89+ (the blockwise sm90 path has
+# never run on a GPU, section 5); no per-32-element scales (Blackwell's MXFP8), no amax history, none of DeepSeek's
+# other FP8 savings (FP8 activations cached between layers, FP8 all-to-all dispatch). The Triton flash attention
+# follows FlashAttention-2, without FlashAttention-3's Hopper features (warp specialisation, asynchronous copies,
+# FP8). Production stacks also fuse the cross-entropy with the LM head (the logits never exist), RoPE, and the
+# optimizer step.
 #
 # **Sources.** IEEE 754-2019; Goldberg 1991, "What Every Computer Scientist Should Know About Floating-Point
 # Arithmetic"; Micikevicius et al. 2017, "Mixed Precision Training" (loss scaling, master weights); Micikevicius et
@@ -868,9 +859,8 @@ all_passed = checker.check()
 # norm). Formulas and links: [the reference](../../docs/reference.md#precision-and-kernels).
 #
 # **Next:** on a GPU, `python benchmarks/kernels_bench.py` times these kernels and recipes against the alternatives
-# (paired rounds, ratios with quartiles; `--gpu-attention-only`: our Triton flash attention against SDPA's),
-# `python benchmarks/mfu_table.py` redoes the MFU table, and `--dtype`, `--attn-impl flash`, `--kernels` /
-# `--compile` switch them on in any training run.
+# (paired rounds, ratios with quartiles; `--gpu-attention-only`: our Triton flash attention against SDPA's), and
+# `--dtype`, `--attn-impl flash`, `--kernels` / `--compile` switch them on in any training run.
 #
 # **Takeaway:** spend bits where the numbers need them (fp32 for the optimizer, bf16 or FP8 for the matmuls, a scale
 # per tensor) and trips to memory only where data must go: tile, fuse, and measure bytes as carefully as FLOPs.
