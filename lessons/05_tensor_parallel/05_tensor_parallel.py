@@ -7,11 +7,11 @@ edit this file, never the notebook.
 # %% [markdown]
 # # Lesson 05 — Tensor parallelism: cut the matrices, not the batch
 #
-# Data parallelism and ZeRO (lessons 03–04) give each rank different *samples*; each still runs every layer whole.
+# Data parallelism and ZeRO (lessons 03–04) give each rank different *samples*, each running every layer whole.
 # **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019) cuts the layers: each of $t$ ranks keeps $\frac1t$ of
-# every weight matrix and computes with it on the **same** tokens, exchanging partial results twice per layer each
-# way. **Sequence parallelism** (Korthikanti et al. 2022) cuts what it leaves whole, the norms and the residual
-# stream, along the sequence.
+# every weight matrix and uses it on the **same** tokens, exchanging partial results twice per layer each way.
+# **Sequence parallelism** (Korthikanti et al. 2022) cuts the rest, the norms and the residual stream, along the
+# sequence.
 #
 # | | each rank keeps | each rank computes | communication per layer |
 # |---|---|---|---|
@@ -19,10 +19,9 @@ edit this file, never the notebook.
 # | tensor parallel | $\frac1t$ of every matrix | $\frac1t$ of every matmul, on all the samples | 2 all-reduces of the $b\cdot s\cdot h$ activations forward, 2 backward |
 # | + sequence parallel | the same, and $\frac1t$ of the tokens between the blocks | the same, and $\frac1t$ of the norms | 2 all-gathers + 2 reduce-scatters forward and backward: the same bytes |
 #
-# We build it (`picotron/tensor_parallel.py`), count a layer's collectives against Megatron's pattern, measure
-# memory against the formulas, time tp = 1, 2, 4, race torch's DTensor, check parity with one process, and run a
-# 2 × 2 grid with data parallelism and ZeRO-1. The experiments are this folder's `experiment.py`, launched with
-# `torchrun` (`PICOTRON_FAST=1`: a short run).
+# We build it (`picotron/tensor_parallel.py`), count its collectives, measure its memory, time it at tp = 1, 2, 4 and
+# against torch's DTensor, check parity with one process, and run a 2 × 2 grid with data parallelism and ZeRO-1 (this
+# folder's `experiment.py` under `torchrun`; `PICOTRON_FAST=1`: a short run).
 
 # %%
 import sys
@@ -55,11 +54,11 @@ print(f"FAST={FAST}, results in {OUT.relative_to(_common.ROOT)}; model '{st['siz
 # %% [markdown]
 # ## 1. The problem: what ZeRO does not cut
 #
-# The activations kept for backward grow with a micro-batch's tokens, and neither data parallelism nor ZeRO touches
-# them. Llama-3-8B with one 8,192-token sequence per GPU, by the textbook formulas
-# ([mixed-precision model states](../../docs/reference.md#model-states), 16 bytes per parameter; [Korthikanti's bf16
-# activations](../../docs/reference.md#activation-memory), $34\,sbh$ bytes per layer with flash attention; symbols as in
-# the course's [notation](../../docs/reference.md#notation)):
+# The activations kept for backward grow with a micro-batch's tokens, and ZeRO does not cut them. Llama-3-8B with one
+# 8,192-token sequence per GPU, by the textbook formulas ([mixed-precision model
+# states](../../docs/reference.md#model-states), 16 bytes per parameter; [Korthikanti's bf16
+# activations](../../docs/reference.md#activation-memory), $34\,sbh$ bytes per layer with flash attention; symbols as
+# in the course's [notation](../../docs/reference.md#notation)):
 
 # %%
 llama = ModelConfig.from_preset("llama3-8b")
@@ -73,19 +72,18 @@ print(f"(ZeRO-3 over 8 GPUs instead: model states {16 * llama.num_params() / 8 /
       f"{lesson.memory_per_rank(llama, 1, seq_len=8192)['activations'] / GB:.1f} GB per GPU, and every layer gathered whole)")
 
 # %% [markdown]
-# At tp = 1 one sequence's activations fill almost half an 80 GB GPU, and ZeRO-3 leaves them. Tensor parallelism
-# divides most of them by $t$ (everything inside the attention and MLP blocks); Megatron's sequence parallelism the
-# rest.
+# At tp = 1 one sequence's activations fill almost half an 80 GB GPU. Tensor parallelism divides most of them by $t$
+# (everything inside the attention and MLP blocks); Megatron's sequence parallelism, the rest.
 #
 # **Takeaway:** ZeRO shards the model states; to shrink the activations, cut the layers.
 #
 # ## 2. The idea
 #
 # **Column, then row.** A linear layer computes $Y = XA$ (`F.linear(x, W)`, $A = W^\top$). Cut $A$ by **columns**,
-# $A = [A_1 \mid A_2]$: rank $r$ computes its output features $Y_r = X A_r$ from the whole $X$, with no
-# communication. An elementwise function (SwiGLU's $\mathrm{silu}(\text{gate}) \cdot \text{up}$) of a slice is the
-# slice of the function. The next layer $Z = YB$ (Megatron's letters: weight matrices, not the course's batch) has
-# $B$ cut by **rows**: $Z = Y_1B_1 + Y_2B_2$. Each rank computes one term; **one all-reduce** sums them.
+# $A = [A_1 \mid A_2]$: rank $r$ computes its output features $Y_r = X A_r$ from the whole $X$, without
+# communication, and an elementwise function of them (SwiGLU's $\mathrm{silu}(\text{gate}) \cdot \text{up}$) stays on
+# the rank. Cut the next layer's $B$ (Megatron's letters: weights, not the course's batch) by **rows**,
+# $Z = YB = Y_1B_1 + Y_2B_2$: each rank computes one term; **one all-reduce** sums them.
 #
 # ```
 #           x (whole, on every rank)
@@ -101,35 +99,35 @@ print(f"(ZeRO-3 over 8 GPUs instead: model states {16 * llama.num_params() / 8 /
 #           y (whole, on every rank)
 # ```
 #
-# Cut the first matrix by rows instead and its output is a partial sum, and silu of a partial sum is not a partial
-# sum: a second all-reduce would be needed.
+# By rows instead, the first matrix would give a partial sum, and silu of a partial sum is not one, so a second
+# all-reduce would be needed.
 
 # %% [markdown]
 # **Attention** is the same with heads: rank $r$ takes whole heads (its rows of $W_q$, $W_k$, $W_v$,
-# column-parallel), and $W_o$ is row-parallel. Grouped-query attention shares each KV head among several query
-# heads, so $t$ must divide the KV heads $a_\text{kv}$ too (8 for Llama-3-8B, 3 for SmolLM-135M).
+# column-parallel); $W_o$ is row-parallel. Grouped-query attention shares each KV head among several query heads, so
+# $t$ must also divide the KV heads $a_\text{kv}$ (8 for Llama-3-8B, 3 for SmolLM-135M).
 #
-# **f and g** are Megatron's conjugate pair of autograd functions ([reference](../../docs/reference.md#tensor-parallelism)):
-# $f$ where a tensor-parallel region begins, $g$ where it ends. Per layer: a $g$ after attention and after the MLP
-# (2 all-reduces forward), an $f$ before each (2 backward), each of the $b\cdot s\cdot h$ activation: traffic
-# proportional to the **tokens**, on the critical path. Hence tensor parallelism lives inside a node (NVLink, $t \le 8$).
+# **f and g** are Megatron's conjugate pair of autograd functions
+# ([reference](../../docs/reference.md#tensor-parallelism)): $f$ opens a tensor-parallel region, $g$ closes it. Each
+# layer has a $g$ after attention and after the MLP (2 all-reduces forward) and an $f$ before each (2 backward), each
+# of a $b\cdot s\cdot h$ activation: traffic that grows with the **tokens**, on the critical path, hence inside a
+# node (NVLink, $t \le 8$).
 #
 # **The vocabulary** is cut too: rank $r$ keeps rows $[r\frac{n_\text{vocab}}{t}, (r+1)\frac{n_\text{vocab}}{t})$ of
 # the embedding and LM head, whose logits stay cut, $[b, s, \frac{n_\text{vocab}}{t}]$. The cross-entropy needs
 # three all-reduces of one number per token (row maximum, sum of exponentials, target's logit), never the logits.
 #
-# **Sequence parallelism.** Between the blocks the norms and the residual stream are the same on every rank, computed
-# $t$ times. An all-reduce is a reduce-scatter then an all-gather (lesson 02), so leave a block with a
-# **reduce-scatter** along the sequence (each rank keeps $s/t$ tokens), run the norm and residual add on those, and
-# enter the next block with an **all-gather**: same bytes, the outside of the blocks divided by $t$. What each rank
-# of tp = 2 holds of our model:
+# **Sequence parallelism.** Between the blocks every rank computes the same norms and residual stream. An all-reduce
+# is a reduce-scatter then an all-gather (lesson 02), so leave a block with a **reduce-scatter** along the sequence
+# (each rank keeps $s/t$ tokens), run the norm and residual add on those, and enter the next block with an
+# **all-gather**: same bytes, the outside of the blocks divided by $t$. Each rank's share of our model at tp = 2:
 
 # %%
 lesson.plot_shards(mc, 2, title="tp=2, the 'small' model: one colour per rank"); plt.show()
 
 # %% [markdown]
-# **Takeaway:** column-parallel then row-parallel costs one all-reduce per block each way; every matrix, the
-# embedding and the LM head included, is cut, and only the norm weights stay whole.
+# **Takeaway:** column-parallel then row-parallel costs one all-reduce per block each way; every matrix is cut, the
+# embedding and LM head included; only the norm weights stay whole.
 #
 # ## 3. Read the code
 #
@@ -146,8 +144,8 @@ _common.show_source(tensor_parallel.leave_tp)
 
 # %% [markdown]
 # **The layers.** A column-parallel linear keeps rows of $W$; a row-parallel one keeps columns and ends with $g$. The
-# input enters through $f$ once per block (a forward pre-hook), not per layer: q, k and v would otherwise
-# all-reduce its gradient three times:
+# input enters through $f$ once per block (a forward pre-hook), not per layer, or q, k and v would all-reduce its
+# gradient three times:
 
 # %%
 _common.show_source(tensor_parallel.ColumnParallelLinear.forward)
@@ -156,9 +154,9 @@ print()
 _common.show_source(tensor_parallel.apply, "for layer in model.layers:", "model.tie_weights()")
 
 # %% [markdown]
-# `apply` swaps the modules of a model built on the meta device, keeping the unsharded names; `init_weights` draws
-# each full tensor from (seed, name) and keeps this rank's slice, so every layout starts from the same weights (what
-# makes sections 5 and 6's parity exact). The vocabulary-parallel embedding and loss:
+# `apply` swaps the modules of a meta-device model, keeping the unsharded names; `init_weights` draws each full
+# tensor from (seed, name) and keeps this rank's slice, so every layout starts from the same weights (hence sections
+# 5 and 6's exact parity). The vocabulary-parallel embedding and loss:
 
 # %%
 _common.show_source(tensor_parallel.VocabParallelEmbedding.forward)
@@ -166,7 +164,7 @@ print()
 _common.show_source(tensor_parallel.VocabParallelCrossEntropy)
 
 # %% [markdown]
-# With sp each rank sees only its own tokens, so the whole norm weights get partial gradients: the weight goes
+# With sp each rank sees only its own tokens, so the whole norm weights get partial gradients: the weight passes
 # through $f$, whose backward all-reduces them ($h$ numbers per norm):
 
 # %%
@@ -178,13 +176,13 @@ _common.show_source(tensor_parallel.SequenceParallelRMSNorm.forward)
 #
 # ## 4. Run it
 #
-# Every experiment here runs at tp = the number of processes (dp = 1): every rank sees the same batch. Threads are
-# shared out as in lesson 03 §4(f), so **tp=4 puts 4 ranks on 2 cores: oversubscribed**, and the ideal here is
-# *flat* throughput; on a GPU node, each rank with its own GPU, it is $t\times$ one GPU's.
+# Every experiment here runs at tp = the number of processes (dp = 1), all ranks on the same batch. With threads
+# shared as in lesson 03 §4(f), **tp=4 puts 4 ranks on 2 cores: oversubscribed**. The ideal here is *flat*
+# throughput; on a GPU node, a GPU per rank, $t\times$ one GPU's.
 #
-# Each variant is built and stepped as `picotron.train` does (`parallelize(cfg, mesh)`: shards, optimizer, step
-# schedule, loss), once, on `mesh.recorded(recorder)`: the same process groups, every collective of the model and
-# the clipping counted and timed by one `metrics.Recorder`, on the schedule's timeline:
+# Each variant is built and stepped once as `picotron.train` does (`parallelize(cfg, mesh)`: shards, optimizer, step
+# schedule, loss) on `mesh.recorded(recorder)`: the same process groups, with one `metrics.Recorder` counting and
+# timing every collective on the schedule's timeline:
 
 # %%
 _common.show_source(lesson.Variant.__init__, "self.recorder =", "self.recorder.timeline.record")
@@ -201,9 +199,9 @@ st = _common.load_json(OUT / "memory_tp1.json")["settings"]  # what the experime
 
 # %% [markdown]
 # ### (a) The collectives of a layer, counted
-# One step with 2 and with 4 layers, every collective counted with its buffer size in the phase it started in
+# One step with 2 and with 4 layers, each collective counted with its buffer size in the phase it started in
 # (`lesson.by_phase`); per layer is the difference over 2. Bars: counted; black outlines: Megatron's pattern
-# (`lesson.megatron_pattern`), in units of one $b\cdot s\cdot h$ activation:
+# (`lesson.megatron_pattern`), in $b\cdot s\cdot h$ activations:
 
 # %%
 def size(nb):
@@ -226,19 +224,18 @@ for t, res in comm.items():
 lesson.plot_comm(comm); plt.show()
 
 # %% [markdown]
-# Every layer makes exactly Megatron's collectives: without sp 2 all-reduces of the activation each way; with sp an
-# all-gather entering each block and a reduce-scatter leaving it (twice the calls, the same bytes). With sp ours adds
-# two small all-reduces per layer of the norm weights' gradients (Megatron: once per step). Outside the layers: the
-# embedding's all-reduce, the LM head's $f$, the loss's **three all-reduces of $b\cdot s$ numbers**, and one
-# all-reduce of one number for clipping.
+# Each layer makes exactly Megatron's collectives (with sp twice the calls, the same bytes), plus, with sp, two small
+# all-reduces per layer of the norm weights' gradients (Megatron: once per step). Outside the layers: the embedding's
+# all-reduce, the LM head's $f$, the loss's **three all-reduces of $b\cdot s$ numbers** and, for clipping, one
+# all-reduce of one number.
 #
 # **Takeaway:** tensor parallelism sends *activations*, 4 times per layer, each one blocking the next layer; data
 # parallelism sends *gradients*, once per step, behind backward.
 #
 # ### (b) What each rank keeps
-# One step of every variant: the bytes autograd keeps (the trainer's `metrics.ActivationPeak`), credited to the part
-# that saved them by one more forward under `PartCounter` (the totals must agree), next to
-# `lesson.activation_parts` (exact for our code, term by term):
+# One step of every variant: the bytes autograd keeps (`metrics.ActivationPeak`), credited to the part that saved
+# them by one more forward under `PartCounter` (the totals must agree), against `lesson.activation_parts` (exact for
+# our code, term by term):
 
 # %%
 for t, res in memory.items():
@@ -258,24 +255,21 @@ print(f"kept whole on every rank without sp: {R / MiB:.2f} MiB per layer, the fl
       f"a layer measured: " + ", ".join(f"{k} {v / MiB:.2f} MiB" for k, v in per_layer.items()))
 
 # %% [markdown]
-# Our formula has Korthikanti's shape in fp32 bytes (twice his bf16; SwiGLU of width $h_\text{ff} = 3h$; no
-# dropout): a part whole on every rank (the two norms, each block's input) plus the inside of the blocks divided by
-# $t$ (q, k, v, attention output, MLP intermediates). Measured and formula agree part by part on every rank.
+# Our formula has Korthikanti's shape in fp32 bytes (twice his bf16; SwiGLU of width $h_\text{ff} = 3h$; no dropout):
+# a part whole on every rank (the two norms, each block's input) plus the blocks' inside over $t$ (q, k, v, attention
+# output, MLP intermediates), and it matches the measurement part by part, on every rank.
 #
-# **What sequence parallelism did here.** It divides the norms by $t$. But each block's all-gathered $[b, s, h]$
-# input, kept for the projections' weight gradients, comes out of our all-gather as a *transposed view*, so each of
-# the five projections keeps its own contiguous copy (`SP_INPUT_COPIES`: 3 in attention, 2 in the MLP, against 1
-# and 1 without sp).
+# **What sequence parallelism did here.** It divides the norms by $t$, but our all-gather leaves each block's
+# gathered $[b, s, h]$ input (kept for the projections' weight gradients) as a *transposed view*, so each of the five
+# projections keeps its own contiguous copy (`SP_INPUT_COPIES`: 3 in attention, 2 in the MLP, against 1 and 1 without
+# sp). Per layer, sp therefore keeps *more* at tp=2, the same at tp=4 (the whole model a little less: the final norm
+# is cut too; section 5 checks it), and would save only beyond tp=4.
 #
-# Hence, in the per-layer totals above: at tp=2 a layer keeps *more* with sp than without; at tp=4 the same either
-# way, and the whole model a little less with sp (the final norm is cut too; section 5 checks it); a layer would
-# save only beyond tp=4.
+# A contiguous gathered input (or Megatron's $[s, b, h]$ layout) would fix it. Megatron also keeps only each rank's
+# $s/t$ tokens of a block's input and gathers them **again in backward**: Korthikanti's $34\,sbh/t$. The parity test
+# passes either way; only measuring memory by part shows it.
 #
-# A contiguous gathered input (or Megatron's $[s, b, h]$ layout) would fix it; Megatron also keeps only the rank's
-# own $s/t$ tokens of each block's input and gathers them **again in backward**, which takes Korthikanti's
-# sequence-parallel formula to $34\,sbh/t$. The parity test passes either way: only measuring memory by part shows it.
-#
-# And the model states, per rank:
+# The model states per rank:
 
 # %%
 for t, res in memory.items():
@@ -287,14 +281,14 @@ lesson.plot_memory(memory); plt.show()
 
 # %% [markdown]
 # Only the norm weights ($(2L+1)h$ numbers) stay whole, so parameters, gradients and AdamW's moments shrink by about
-# $t$, with no gathering before use, unlike ZeRO-3.
+# $t$, with no gathering before use (unlike ZeRO-3).
 #
-# **Takeaway:** tp divides the model states and the activations inside the blocks by $t$; the part between the
-# blocks stays whole unless sp cuts it, and ours only pays for that at tp=4.
+# **Takeaway:** tp divides the model states and the activations inside the blocks by $t$; the part between the blocks
+# stays whole unless sp cuts it, which ours only pays for at tp=4.
 #
 # ### (c) Throughput against tp
-# Steps with sp off and on, alternating, at each tp: the slowest rank's step time, tokens per second (the same batch
-# on every rank: not multiplied by $t$) and the time inside collectives:
+# Steps with sp off and on, alternating, at each tp: the slowest rank's step time, tokens per second (every rank has
+# the same batch: not multiplied by $t$) and time inside collectives:
 
 # %%
 for t, res in scaling.items():
@@ -307,17 +301,17 @@ print("relative to one process: " + ", ".join(f"{r['name']} {r['tokens_per_s'] /
 lesson.plot_scaling(scaling); plt.show()
 
 # %% [markdown]
-# On 2 cores tensor parallelism only costs. On an idle machine one process with two threads is fastest, tp=2 reaches
-# a fraction of it, sp is slower again, tp=4 (four processes on two cores) slowest. Runs differ by 10% or more with
-# the load (FAST more); on busy cores the single process's two threads suffer most and the order can change.
+# On 2 cores tensor parallelism only costs: on an idle machine one process with two threads is fastest, tp=2 reaches
+# a fraction of it, sp less, the oversubscribed tp=4 least. Runs differ by 10% or more with the load (FAST more);
+# busy cores hurt the single process's two threads most and can change the order.
 #
-# The right-hand plot: at tp=2 the time outside collectives is about one process's, plus the activation-sized
-# all-reduces (count and time per call printed above), none hidden: the next layer reads each result. With sp the
-# same bytes take two calls and two transposes. At tp=4 a rank "inside a collective" mostly waits for peers with no
-# core: the orange bar measures the oversubscription.
+# Right-hand plot: at tp=2 the time outside collectives is about one process's, with the activation-sized all-reduces
+# on top, none hidden (the next layer reads each result). With sp the same bytes take two calls and two transposes.
+# At tp=4 a rank "inside a collective" mostly waits for peers that have no core: the orange bar measures
+# oversubscription.
 #
-# A CPU cannot show tp's setting: each rank its own GPU, all-reduces over NVLink. An estimate (not a measurement) of
-# the counted pattern against one layer's compute, on H100s:
+# A CPU cannot show tp's real setting, a GPU per rank linked by NVLink. An estimate of the counted pattern against
+# one layer's compute on H100s:
 
 # %%
 # An estimate, not a measurement: what the counted pattern costs next to the compute, per layer and token, on
@@ -334,10 +328,10 @@ for name, m in (("llama3-8b", llama), ("llama3-70b", llama70)):
               ", ".join(f"{sent / bw / compute:4.2f} over {link}" for link, bw in links.items()))
 
 # %% [markdown]
-# Inside a node, tp=8's all-reduces cost a fraction of a layer's compute, smaller for the larger model (compute per
-# token grows as $h^2$, traffic as $h$). Across nodes they take about as long as the compute, or longer. Hence the
-# rule: tensor parallelism inside a node, $t \le 8$, data and pipeline across. (Megatron-LM measured 77% of linear
-# weak scaling at 8-way tp in one DGX-2H node, Shoeybi et al. 2019; "async TP", section 11, wins back more.)
+# Inside a node tp=8's all-reduces cost a fraction of a layer's compute, less for the larger model (compute per token
+# grows as $h^2$, traffic as $h$); across nodes, about as much as the compute or more. Hence tp inside a node,
+# $t \le 8$, data and pipeline across. (Megatron-LM measured 77% of linear weak scaling at 8-way tp in one DGX-2H
+# node, Shoeybi et al. 2019; "async TP", section 11, wins back more.)
 #
 # **Takeaway:** tp's collectives sit on the critical path: it pays only where the link is fast next to the compute.
 #
@@ -367,24 +361,23 @@ lesson.plot_dtensor(dt); plt.show()
 
 # %% [markdown]
 # The ratios vary from run to run (FAST's few rounds most). Both run the same collectives and arithmetic (the losses
-# agree closely). The likely difference (not profiled) is per-operation overhead: DTensor converts every parallel
-# layer's input and output in module hooks and sends each operation through its sharding propagation, in Python,
-# a large part of a step with layers this small on a CPU. Unmeasured on GPUs, where kernels are larger and run
-# asynchronously to Python. Both keep the same parameters and optimizer state per rank.
+# agree closely). The likely difference (not profiled) is DTensor's per-operation overhead in Python (module hooks
+# converting each parallel layer's input and output, sharding propagation for every operation), a large part of a
+# step for layers this small on a CPU; unmeasured on GPUs, where kernels are larger and run asynchronously to Python.
 #
-# The right-hand panel compares both with the unsharded model. Over many steps (full settings) the curves part from
-# it together: different summation orders' rounding, amplified by a constant learning rate without warm-up. The
-# trainer's runs in section 5, with warm-up and decay, are held to the parity standard.
+# Right-hand panel: over many steps (full settings) both part from the unsharded model together, by rounding from
+# different summation orders amplified by a constant learning rate without warm-up. Section 5's trainer runs, with
+# warm-up and decay, are held to the parity standard.
 #
 # **Takeaway:** the same Megatron layout, the same numbers; ours is a few hundred lines of autograd functions and
 # module swaps.
 #
 # ## 5. Check it: the same training as one process
 #
-# `picotron.train --tp 2` and `--tp 4`, with and without `--sp`, against one process with the same batch (every tp
-# rank reads the same rows), fp32, same seed: losses within $10^{-5}$ relative over the first 10 steps, the
-# [parity standard](../../docs/reference.md#parity-standard); the full settings' later steps are drift, bounded by
-# $10^{-3}$ (lesson 03 §5). `tests/test_tensor_parallel.py` also checks every gradient slice.
+# `picotron.train --tp 2` and `--tp 4`, with and without `--sp`, against one process with the same batch, fp32, same
+# seed: losses within $10^{-5}$ relative over the first 10 steps, the [parity
+# standard](../../docs/reference.md#parity-standard); the full settings' later steps are drift, bounded by $10^{-3}$
+# (lesson 03 §5). `tests/test_tensor_parallel.py` also checks every gradient slice.
 
 # %%
 run("parity", nproc=1)
@@ -458,15 +451,15 @@ for t in list(memory)[1:]:
     check(f"tp={t}: parameters per rank shrink by about t", abs(one_p / got / t - 1) < 0.02, f"x{one_p / got:.2f}")
 
 # %% [markdown]
-# **Takeaway:** tp = 2 and 4, with and without sp, train like one process; everything else above — collectives,
-# bytes, parameters — matches its formula exactly.
+# **Takeaway:** tp = 2 and 4, with and without sp, train like one process; collectives, bytes and parameters match
+# their formulas exactly.
 #
 # ## 6. Process groups and a 2D run
 #
-# Real jobs combine strategies: tensor parallelism inside a node, data parallelism (or ZeRO) across. `picotron.mesh`
-# lays the ranks on a grid, tp fastest ($\text{rank} = \text{dp\_rank}\cdot t + \text{tp\_rank}$), so a tp group is
-# consecutive ranks: one node's GPUs. `group_ranks(sizes, "tp")` are the ranks that agree on every other axis. For
-# dp = 2 × tp = 2, computed without any process:
+# Real jobs put tensor parallelism inside a node and data parallelism (or ZeRO) across. `picotron.mesh` lays the
+# ranks on a grid, tp fastest ($\text{rank} = \text{dp\_rank}\cdot t + \text{tp\_rank}$), so a tp group is
+# consecutive ranks, one node's GPUs; `group_ranks(sizes, "tp")` are the ranks agreeing on every other axis. For dp =
+# 2 × tp = 2, without any process:
 
 # %%
 sizes = dict(dp=2, tp=2)
@@ -477,10 +470,9 @@ print(f"dp groups {grid.group_ranks(sizes, 'dp')}: the same shard of the model, 
 lesson.plot_grid(sizes, micro_batch_size=2, grad_acc=2); plt.show()
 
 # %% [markdown]
-# Now for real: `picotron.train` with dp = 2, tp = 2 and ZeRO-1 over dp on 4 processes, against one process with
-# the same global batch (`picotron.data` numbers rows by (dp rank, micro-step)). A replica's tp ranks read the same
-# rows, the replicas different ones. Each rank reports its groups, its rows (numbered as the single process reads
-# them) and its model states:
+# `picotron.train` with dp = 2, tp = 2 and ZeRO-1 over dp on 4 processes, against one process with the same global
+# batch (`picotron.data` numbers rows by (dp rank, micro-step)). Each rank reports its groups, its rows (numbered as
+# the single process reads them) and its model states:
 
 # %%
 run("grid", nproc=1)
@@ -516,21 +508,20 @@ check("ZeRO-1 over dp=2 halves each rank's optimizer state of its tp shard", abs
       f"{zero_opt / MiB:.2f} MiB per rank vs {alone / MiB:.2f} MiB for tp=2 alone (x{zero_opt / alone:.3f})")
 
 # %% [markdown]
-# The four processes train like one. The global batch is micro-batch × accumulation × dp only: a replica's tp ranks
-# work on the *same* rows, so adding tp ranks makes a step cheaper in memory, never bigger.
+# A replica's tp ranks share rows, the replicas do not, so the global batch is micro-batch × accumulation × dp only:
+# more tp ranks make a step cheaper in memory, never bigger.
 #
 # **Takeaway:** a 2D layout is two sets of process groups from one grid; tp groups share rows, dp groups share a
 # shard, and only dp multiplies the batch.
 #
 # ## 7. Explore: who holds what, for a real model
 #
-# `lesson.shard_shapes` computes every rank's shard without a process: a one-layer copy of the model on the **meta**
-# device, `tensor_parallel.apply` over `Axis.alone("tp", t, r)` (a tp axis with no process group) for each rank.
-# Pick a model and a degree: the figure colours layer 0's matrices, the embedding and the LM head by rank, the table
-# gives each rank's shape and slice, the bars the memory per GPU (textbook mixed precision, Korthikanti's
-# activations) for every allowed degree. A degree the model forbids gives `apply`'s error (try tp=8 on SmolLM-135M).
-# Why is SmolLM-135M limited to tp=3? At which tp does Llama-3-8B's training fit 80 GB with one 8,192-token
-# sequence, with and without sp? (Widgets need a live kernel.)
+# `lesson.shard_shapes` computes every rank's shard without a process: `tensor_parallel.apply` on a one-layer
+# **meta**-device copy of the model, over `Axis.alone("tp", t, r)` (a tp axis with no process group). Pick a model
+# and a degree: layer 0's matrices, the embedding and the LM head coloured by rank, each rank's shapes and slices,
+# and the memory per GPU (textbook mixed precision, Korthikanti's activations) at every allowed degree; a forbidden
+# one gives `apply`'s error (try tp=8 on SmolLM-135M). Why is SmolLM-135M limited to tp=3? At which tp does
+# Llama-3-8B's training fit 80 GB with one 8,192-token sequence, with and without sp? (Widgets need a live kernel.)
 
 # %%
 PRESETS = {"small (this lesson)": mc, **{p: ModelConfig.from_preset(p) for p in
@@ -555,21 +546,20 @@ _common.interactive(draw, lambda w: dict(model=w.Dropdown(options=list(PRESETS),
                                          capacity_gb=w.FloatSlider(value=80, min=8, max=192, step=8, description="GB per GPU")))
 
 # %% [markdown]
-# **Takeaway:** the degree is bounded by the model (heads, KV heads, vocabulary), and the memory it buys is a formula
-# you can evaluate before renting a GPU.
+# **Takeaway:** the model bounds the degree (heads, KV heads, vocabulary), and the memory it buys is a formula you
+# can evaluate before renting a GPU.
 #
 # ## 8. On an 8-GPU node you should see
-# tp's four all-reduces per layer sit on the critical path: nothing hides them, NVLink or not. For the medium model
-# at 8 × 1,024 tokens the time model predicts the step falling with tp but the all-reduces' share rising towards
-# half of it at tp = 8. tp = 8 needs a whole KV head per rank, so `PICOTRON_NPROC=8` trains the medium model with
-# 8 KV heads, at tp = 1, 2, 4 and 8, in 4(a)'s runs.
+# For the medium model at 8 × 1,024 tokens the time model predicts a step falling with tp but the all-reduces' share
+# rising towards half at tp = 8. tp = 8 needs a whole KV head per rank, so `PICOTRON_NPROC=8` gives the medium model
+# 8 KV heads and trains it at tp = 1, 2, 4 and 8 in 4(a)'s runs.
 
 # %%
 import _node   # lessons/_node.py: the planner's predictions for one 8×H100 node
 _node.show("05_tensor_parallel")
 
 # %% [markdown]
-# **Takeaway:** tensor parallelism cuts memory and compute per GPU, but its communication grows in share with $t$:
+# **Takeaway:** tensor parallelism cuts memory and compute per GPU, but its communication's share grows with $t$:
 # keep it inside a node, and at 8 expect a large part of the step in all-reduces.
 #
 # ## 9. Exercises
@@ -580,10 +570,9 @@ _node.show("05_tensor_parallel")
 # 3. `vocab_parallel_cross_entropy(logits, targets)` — the loss from this rank's vocabulary columns, with three
 #    all-reduces of one number per token (the backward is given).
 #
-# The checker runs each on 2 and then 4 real processes, compares outputs **and gradients** with the unsharded
-# computation, counts your all-reduces against Megatron's pattern, and names the wrong rank and tensor and the
-# usual cause ("missing all-reduce in backward of f", "summed twice", "each rank's own maximum", ...), or which
-# ranks hang on which line.
+# The checker runs each on 2, then 4 real processes, compares outputs **and gradients** with the unsharded
+# computation, counts your all-reduces against Megatron's pattern, and names the wrong rank, tensor and usual cause
+# ("missing all-reduce in backward of f", "summed twice", ...) or which ranks hang on which line.
 #
 # 4. **A puzzle**, `plan(budget_mib)`: train this lesson's model on global batches of 8 sequences of 128 tokens, no
 #    data parallelism, within `budget_mib` MiB per rank (model states + activations, this lesson's formulas).
@@ -609,28 +598,28 @@ all_passed = checker.check(["f_and_g", "parallel_mlp", "vocab_parallel_cross_ent
 #
 # ## 10. Partitioned checkpoints: ZeRO-R inside the tp group
 #
-# Full recomputation (lesson 01, section 4c) keeps only each layer's input, $b\cdot s\cdot h$ numbers. Under tp
-# without sp that input is the same on every rank: $t$ copies of every checkpoint. **Partitioned activation
-# checkpointing** ($P_a$, ZeRO-R, Rajbhandari et al. 2020, §6.1) keeps $\frac1t$ of it per rank and all-gathers the
-# rest just before the recomputation (docs/reference.md, "Activation memory"):
+# Full recomputation (lesson 01, section 4c) keeps only each layer's input, $b\cdot s\cdot h$ numbers, the same on
+# every rank under tp without sp: $t$ copies of every checkpoint. **Partitioned activation checkpointing** ($P_a$,
+# ZeRO-R, Rajbhandari et al. 2020, §6.1) keeps $\frac1t$ of it per rank and all-gathers the rest just before the
+# recomputation (docs/reference.md, "Activation memory"):
 #
 # $$\text{checkpoints per rank} = \frac{L\,s\,b\,h\,q}{t}\ \text{bytes instead of}\ L\,s\,b\,h\,q,
 # \qquad\text{plus } L \text{ all-gathers of } s\,b\,h\,q \text{ bytes per micro-batch, in backward}$$
 #
-# ($q$ = 4 bytes in fp32; each rank receives $\frac{t-1}{t}$ of each all-gather). Small next to what the layer
-# already sends: with full recomputation a Megatron layer makes 6 all-reduces of $sbh$, $12\,sbh$ sent per rank; one
-# all-gather adds under 10% (ZeRO, §8). It sits on the backward's critical path, like every tp collective.
+# ($q$ = 4 bytes in fp32; each rank receives $\frac{t-1}{t}$ of each all-gather.) Small next to the layer's own
+# traffic: with full recomputation a Megatron layer makes 6 all-reduces of $sbh$ ($12\,sbh$ sent per rank), and the
+# all-gather adds under 10% (ZeRO, §8), on the backward's critical path like every tp collective.
 #
-# **With sequence parallelism it comes for free.** sp keeps the layer inputs cut along the sequence, so full
+# **With sequence parallelism it comes for free:** sp keeps the layer inputs cut along the sequence, so full
 # recomputation already keeps $\frac1t$ of each checkpoint, and the block's own all-gather rebuilds the tokens.
-# Korthikanti et al. 2022 discuss the two side by side; Megatron-LM offers $P_a$ as `--distribute-saved-activations`
-# and ignores it with sp. Here `--recompute partitioned` refuses `--sp` (use `full`) and tp = 1; it combines with
+# Korthikanti et al. 2022 discuss the two side by side; Megatron-LM offers $P_a$ (`--distribute-saved-activations`)
+# but ignores it with sp. Here `--recompute partitioned` refuses `--sp` (use `full`) and tp = 1, and combines with
 # dp, ZeRO, cp and pp (tests/test_tensor_parallel.py).
 #
 # **The code.** `tensor_parallel.apply` gives the model a `HiddenSlices`: rank $r$ keeps hidden columns
 # $[rh/t, (r+1)h/t)$ ($t$ divides the heads, so $h$; Megatron cuts the flattened tensor). torch's checkpoint saves
-# the *piece*; the whole input goes to the first forward only, and the recomputation rebuilds it. The autograd
-# graph is the forward's own, so every gradient is full recomputation's, bit for bit:
+# the *piece*; only the first forward gets the whole input, which the recomputation rebuilds. The autograd graph is
+# the forward's own, so every gradient is full recomputation's, bit for bit:
 
 # %%
 from picotron import model as llama
@@ -640,8 +629,8 @@ _common.show_source(tensor_parallel.HiddenSlices, "    def keep")
 
 # %% [markdown]
 # **Measured.** `experiment.py --only partitioned` builds the model with no, full and partitioned recomputation, at 2
-# and 4 layers; one step of each counts what autograd keeps (`ActivationPeak`; per layer: the depths' difference over
-# 2), the recorder counts the last step's all-gathers, and the 4-layer variants take turns for the step times:
+# and 4 layers. One step of each measures what autograd keeps (`ActivationPeak`; per layer: the depths' difference
+# over 2) and the recorder counts the last step's all-gathers; the 4-layer variants take turns for step times:
 
 # %%
 TPS = (2,) if FAST else (1, 2, 4)  # FAST: one tp degree for the checks
@@ -675,33 +664,31 @@ for t, res in part.items():
           f"{len(rows['full']['losses'])} steps, losses equal bit for bit")
 
 # %% [markdown]
-# Each layer keeps exactly $4sbh/t$ bytes per rank (half of full recomputation's at tp = 2, a quarter at tp = 4),
-# and each step makes exactly $L$ more all-gathers, all in backward. The losses do not move by a bit. Full
-# recomputation is already far below none (log scale), so $P_a$ matters when the checkpoints themselves do not fit:
-# long sequences, many layers, few tp ranks without sp. It adds one all-gather and one concatenation per layer; on
-# this shared CPU the step times differ within the noise: shown, not judged.
+# Full recomputation is already far below none (log scale), so $P_a$ matters when the checkpoints themselves do not
+# fit: long sequences, many layers, few tp ranks without sp. Its cost, one all-gather and concatenation per layer, is
+# lost in this shared CPU's noise: shown, not judged.
 #
 # **Exercise 5** (`exercise.py`): `keep_my_piece(x, group)`, this rank's copy of its hidden columns, and
 # `rebuild_input(piece, group)`, the whole input back on every rank with one all-gather. The checker runs them on 2
 # and 4 processes and names the mistake: the sequence cut instead of the hidden dimension, another rank's columns, a
-# view where a copy was needed (a view keeps the whole input alive), pieces stacked along the batch as
-# `all_gather_into_tensor` leaves them, or put back in the wrong order.
+# view instead of a copy (keeping the whole input alive), pieces stacked along the batch as `all_gather_into_tensor`
+# leaves them, or put back in the wrong order.
 
 # %%
 import check as checker   # this folder's check.py
 partition_passed = checker.check(["partition"])
 
 # %% [markdown]
-# **Takeaway:** where tp leaves copies, ZeRO-R removes them for one all-gather each; sequence parallelism removes the
-# same copies with no extra collective, which is why Megatron uses it instead whenever it can.
+# **Takeaway:** where tp leaves copies, ZeRO-R removes them for one all-gather each; sequence parallelism removes
+# them with no extra collective, which is why Megatron uses it instead whenever it can.
 #
 # ## 11. Async TP: the collective matmul
 #
 # Every tp collective so far blocks: with sp the matmuls wait for the block's all-gather and make its reduce-scatter
 # wait. But a matmul is row-wise in the tokens: the rows of $y = xW^\top$ from rank $r$'s chunk need only that chunk.
-# **The collective matmul** (Wang et al. 2023, "Overlap Communication with Dependent Computation via
-# Decomposition", ASPLOS'23, §3; the JAX scaling book's collective-matmul example; torchtitan's async TP) cuts the
-# all-gather into $t-1$ ring steps and multiplies the chunk that has arrived while the next one travels:
+# **The collective matmul** (Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition",
+# ASPLOS'23, §3; the JAX scaling book's collective-matmul example; torchtitan's async TP) cuts the all-gather into
+# $t-1$ ring steps, multiplying each arrived chunk while the next travels:
 #
 # | step $i$ | rank 0 | rank 1 | rank 2 | rank 3 | in flight meanwhile |
 # |---|---|---|---|---|---|
@@ -711,13 +698,13 @@ partition_passed = checker.check(["partition"])
 # | 3 | $x_1W^\top$ | $x_2W^\top$ | $x_3W^\top$ | $x_0W^\top$ | nothing: every chunk has arrived |
 #
 # (rank $r$ multiplies chunk $(r-i) \bmod t$ at step $i$). The row-parallel mirror, **matmul-reduce-scatter**: at
-# step $i$ rank $r$ computes its partial sum of chunk $(r-i-1) \bmod t$, adds the running sum from its left
-# neighbour, and passes it on; the last step completes its own chunk. Backward swaps the pair: an all-gather-matmul's
-# input gradient is a matmul-reduce-scatter of $dy\,W$ (its weight gradient $dy^\top x$ uses the gathered $x$ kept
-# from forward), and a matmul-reduce-scatter's is an all-gather-matmul of $dy$ (each arriving chunk gives its rows of
-# $dx$ and its share of $dW$). Same bytes as the collectives replaced, $\frac{t-1}{t}$ of the buffer per rank, in
-# $t-1$ messages. What stays exposed
-# ([docs/reference.md](../../docs/reference.md#sequence-parallelism), `planner.async_tp_exposed_seconds`):
+# step $i$ rank $r$ computes its partial sum of chunk $(r-i-1) \bmod t$, adds the running sum from its left neighbour
+# and passes it on; the last step completes its own chunk. Backward swaps the pair: an all-gather-matmul's input
+# gradient is a matmul-reduce-scatter of $dy\,W$ (its weight gradient $dy^\top x$ uses the gathered $x$ kept from
+# forward); a matmul-reduce-scatter's is an all-gather-matmul of $dy$ (each arriving chunk gives its rows of $dx$ and
+# its share of $dW$). Same bytes as the replaced collectives, $\frac{t-1}{t}$ of the buffer per rank, in $t-1$
+# messages. What stays exposed ([docs/reference.md](../../docs/reference.md#sequence-parallelism),
+# `planner.async_tp_exposed_seconds`):
 #
 # $$T_\text{exposed} = (t-1)\cdot\max\Big(0,\ \alpha + \beta M - t_\text{chunk matmul}\Big)
 # \qquad\text{against}\qquad T_\text{blocking} = (t-1)\big(\alpha + \beta M\big),
@@ -737,25 +724,25 @@ print()
 _common.show_source(async_tp.AllGatherMatmul.forward, "        def use(j, chunk, step):", "        ring_all_gather(")
 
 # %% [markdown]
-# **NCCL.** Each ring step is one batch (`Axis.exchange`: send right and receive left posted together on the tp
-# communicator); every rank posts the same steps in the same order and waits for each before posting on another
-# group, so the steps never cross data parallelism's or the pipeline's traffic.
+# **NCCL.** Each ring step is one batch (`Axis.exchange`: send right and receive left, posted together on the tp
+# communicator). Every rank posts the same steps in the same order and waits for each before posting on another
+# group, so they never cross data parallelism's or the pipeline's traffic.
 #
 # `tests/test_async_tp.py` replays every layout's communication (tp; dp × tp with ZeRO-1/3; pp × tp with 1F1B,
 # interleaved, ZB-H1, ZB-V and DualPipe; cp × tp; dp × pp × tp) under both of NCCL's models (one stream per
-# communicator; one order across communicators) and trains each against one process. Under a split
-# (zero-bubble) schedule the rings hand the weight gradients to the schedule's store, for its W. FP8 is refused:
-# it replaces the linears' matmul, which the collective matmul does itself.
+# communicator; one order across communicators) and trains each against one process. Under a split (zero-bubble)
+# schedule the rings hand the weight gradients to the schedule's store for its W. FP8 is refused: it replaces the
+# linears' matmul, which the collective matmul does itself.
 #
-# **Measured.** `experiment.py --only asynctp` builds the layers twice on 2 ranks, blocking sp and async TP, same
-# weights and batch, and times one forward + backward of each in turn. On a CPU a local transfer is nearly free and
-# runs on the cores that multiply: nothing to hide.
+# **Measured.** `experiment.py --only asynctp` builds the layers twice on 2 ranks, blocking sp and async TP, with the
+# same weights and batch, and times one forward + backward of each in turn. A CPU's local transfer is nearly free and
+# runs on the cores that multiply, leaving nothing to hide, so every collective and ring step is held to an
+# **emulated link** (`picotron.link`, as in lessons 03 and 04) on which a ring step's message takes twice one chunk's
+# q/k/v matmul at the measured rate: a model of a link.
 #
-# So every collective and ring step is held to an **emulated link** (`picotron.link`, as in lessons 03 and 04), on
-# which one ring step's message takes twice one chunk's q/k/v matmul at the measured rate: a model of a link,
-# labelled as such. The recorder times the blocking collectives, the ring steps and the `wait` phases (a rank blocked
-# on a ring step: its exposed communication); the link logs when it carried each message, so each blocked interval
-# splits into waiting for the link (what the formula models) and the rest (the other rank, the transfer's own work):
+# The recorder times the blocking collectives, the ring steps and the `wait` phases (a rank blocked on a ring step:
+# its exposed communication); the link logs when it carried each message, splitting each blocked interval into
+# waiting for the link (what the formula models) and the rest (the other rank, the transfer's own work):
 
 # %%
 run("asynctp", nproc=2)
@@ -798,18 +785,17 @@ check("overlapped: less of the communication is exposed than blocking",
        if emulated else ""))
 
 # %% [markdown]
-# **What was measured, and what not.** The same results and bytes; the blocking run waits for the link exactly as
-# long as the formula says, the overlapped run far less (more than the formula promises: the chunk matmuls run below
-# the measured peak here, and a longer matmul hides more). The total time blocked is much larger in both runs: the
-# ranks do not compute in step on 2 shared cores, and gloo's transfer runs on them.
+# **What was measured, and what not.** The blocking run waits for the link exactly as long as the formula says, the
+# overlapped run far less, even less than the formula predicts (the chunk matmuls run below the measured peak here,
+# and a longer matmul hides more). Both are blocked much longer in total (on 2 shared cores the ranks do not compute
+# in step, and gloo's transfer runs on them). Step times move much less: the chunk matmuls are $t$ times smaller
+# (less efficient), the ring's bookkeeping shares the cores, the emulated link only sleeps. The throughput ratio
+# ranged from about 0.9 to 1.3 across runs while we wrote this: **the CPU shows the mechanism, not a speed-up you
+# could quote.**
 #
-# The step times move much less: the chunk matmuls are $t$ times smaller (less efficient), the ring's bookkeeping
-# shares the cores, the emulated link only sleeps. The throughput ratio moved between about 0.9 and 1.3 from run to
-# run while we wrote this: **the CPU shows the mechanism, not a speed-up you could quote.**
-#
-# A GPU moves the bytes with NVLink's copy engines while the tensor cores multiply, as the model describes. The
-# planner's prediction for an 8-GPU H100 node (NVLink 450 GB/s per direction, 60% of the bf16 peak; one micro-batch
-# of 4,096 tokens, bf16):
+# On a GPU, NVLink's copy engines move the bytes while the tensor cores multiply, as the model assumes. The planner's
+# prediction for an 8-GPU H100 node (NVLink 450 GB/s per direction, 60% of the bf16 peak; one micro-batch of 4,096
+# tokens, bf16):
 
 # %%
 import dataclasses
@@ -827,22 +813,22 @@ for preset in ("llama3-8b", "llama3-70b"):
               f"{b_['total']:.2f} s -> {a_['total']:.2f} s (x{b_['total'] / a_['total']:.2f})")
 
 # %% [markdown]
-# At tp = 2 and 4 a chunk's matmul outlasts its message on NVLink and the model hides it all; at tp = 8 the chunks
-# are $t^2$ times smaller than the block's matmul and part of each message shows. The model's 1.1–1.3× is an upper
-# bound: on a GPU the matmuls and NCCL share the SMs and memory bandwidth, and small chunk matmuls are less
-# efficient; torchtitan measures 1.04–1.16× on H100s (fusing the rings with symmetric memory and copy engines).
+# At tp = 2 and 4 a chunk's matmul outlasts its message on NVLink and the model hides it all; at tp = 8 chunks are
+# $t^2$ times smaller than the block's matmul and part of each message shows. The model's 1.1–1.3× is an upper bound:
+# on a GPU the matmuls and NCCL share the SMs and memory bandwidth, and small chunk matmuls are less efficient.
+# torchtitan measures 1.04–1.16× on H100s, fusing the rings with symmetric memory and copy engines.
 #
-# **Exercise 6** (`exercise.py`): `ring_steps(rank, n)`, the all-gather-matmul's order: which chunk rank `rank`
-# multiplies at each step, whom it sends to, whom it receives from. The checker tries 2, 3, 4 and 8 ranks and names
-# the mistake (the chunks passed the wrong way, a message too many, another rank's chunk first, the wrong neighbour).
+# **Exercise 6** (`exercise.py`): `ring_steps(rank, n)`, the all-gather-matmul's order: at each step, which chunk
+# rank `rank` multiplies and whom it sends to and receives from. The checker tries 2, 3, 4 and 8 ranks and names the
+# mistake (chunks passed the wrong way, a message too many, another rank's chunk first, the wrong neighbour).
 
 # %%
 ring_passed = checker.check(["ring"])
 
 # %% [markdown]
-# **Takeaway:** the collective matmul does not send fewer bytes; it gives each message a matmul to hide under. It pays
-# where a chunk's matmul is at least as long as a chunk's message: large hidden sizes, long sequences, few tp ranks, a
-# fast link.
+# **Takeaway:** the collective matmul sends no fewer bytes; it hides each message under a matmul, and pays where a
+# chunk's matmul lasts at least as long as its message: large hidden sizes, long sequences, few tp ranks, a fast
+# link.
 #
 # ## 12. What it costs, when to use it, what comes next
 #
@@ -858,14 +844,14 @@ ring_passed = checker.check(["ring"])
 # puzzle's 23 MiB budget.
 #
 # **Its costs.** The collectives carry activations: they grow with the tokens per micro-batch, cannot overlap the
-# layer that needs them, and make each rank's matmuls $t$ times thinner (less efficient on GPUs). Across nodes it
-# stops paying: tp inside each node, data parallelism / ZeRO (and pipelines) across, section 6's grid. $t$ must
-# divide the heads, the KV heads (unless replicated), the MLP width and the vocabulary.
+# layer that needs them, and leave each rank $t$ times thinner matmuls (less efficient on GPUs). Across nodes tp
+# stops paying (section 4c). $t$ must divide the heads, the KV heads (unless replicated), the MLP width and the
+# vocabulary.
 #
 # **What ours lacks** (Megatron-LM and torchtitan have it): async TP with FP8 matmuls; fused rings on symmetric
-# memory (ours posts one point-to-point batch per step); with sp without async TP, a contiguous gathered input shared
-# by the projections or, better, only the local tokens kept and re-gathered in backward; replicated KV heads;
-# fused kernels.
+# memory (ours posts one point-to-point batch per step); with sp but no async TP, a contiguous gathered input shared
+# by the projections or, better, only the local tokens kept and re-gathered in backward; replicated KV heads; fused
+# kernels.
 #
 # **Next — lesson 06, context parallelism:** attention still needs every token on every rank. Context parallelism
 # cuts the sequence *through* attention: each rank keeps its chunk of queries and passes the keys and values around
