@@ -51,6 +51,7 @@ def tp_shape_problem(mc, tp, padded=False):
     the heads only (a trainer that pads the MLP columns and the vocabulary to a multiple of tp, as Megatron-LM)."""
     sizes = [("num_attention_heads", mc.num_attention_heads), ("num_key_value_heads", mc.num_key_value_heads)]
     sizes += [] if padded else [("intermediate_size", mc.intermediate_size), ("vocab_size", mc.vocab_size)]
+
     def good():  # the fix the sentence offers (made only for a sentence: the planner asks this ~10^5 times a search)
         return "{" + ", ".join(str(d) for d in range(1, min(mc.num_attention_heads, 64) + 1)
                                if all(n % d == 0 for _, n in sizes)) + "}"

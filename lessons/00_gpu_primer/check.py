@@ -126,7 +126,7 @@ def check_min_seconds(mod, report):
 CHECKS = {"intensity": check_intensity, "attainable": check_attainable, "min_seconds": check_min_seconds}
 
 
-def check_one(name, path, report):
+def check_one(name, path, report, timeout_s=None):  # in this process: no timeout to apply
     mod = load(path, "ex00")
     if not hasattr(mod, name):
         report.fail(name, f"{Path(path).name} has no function {name}")
@@ -134,9 +134,8 @@ def check_one(name, path, report):
     CHECKS[name](mod, report)
 
 
-# the in-process exercises take no timeout: check_one ignores the shared command line's --timeout
-check, main = entry_points("Check lesson 00's exercises (in this process).", list(CHECKS), lambda name, path, report, timeout_s: check_one(name, path, report),
-                           LEARNER, SOLUTIONS, None, "ex00")
+check, main = entry_points("Check lesson 00's exercises (in this process).", list(CHECKS), check_one, LEARNER,
+                           SOLUTIONS, None, "ex00")
 
 
 if __name__ == "__main__":

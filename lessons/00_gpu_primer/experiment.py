@@ -13,6 +13,7 @@ Each writes OUT/<name>.json (OUT: runs/lessons/00_gpu_primer/), which the notebo
 Every formula (FLOPs and bytes of an operation, the ridge, the roof) is picotron.plan.hardware's; this file measures.
 Timings are the best of a few repeats, each bracketed by a device synchronisation (metrics.sync) on a GPU.
 """
+import contextlib
 import os
 import statistics
 import sys
@@ -103,6 +104,17 @@ def add_job(n, dtype, device):
     return (lambda: torch.add(x, y, out=z)), "add", (n,), x.element_size(), {}
 
 
+@contextlib.contextmanager
+def num_threads(n):
+    """torch's intra-op threads set to `n` inside the block, given back after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def rms_norm_tiled(x, w, out, tile_rows, eps=1e-5):
     """kernels.rms_norm_plain's arithmetic (in fp32) over x (rows × h) `tile_rows` rows at a time into `out`, on one
     thread, each tile's temporaries in two buffers allocated once, so that they stay in the core's cache.
@@ -114,20 +126,15 @@ def rms_norm_tiled(x, w, out, tile_rows, eps=1e-5):
     rows, h = x.shape
     sq = torch.empty(tile_rows, h, device=x.device, dtype=torch.float32)
     ms = torch.empty(tile_rows, 1, device=x.device, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            for i in range(0, rows, tile_rows):
-                n = min(tile_rows, rows - i)
-                xt, s, m = x[i:i + n], sq[:n], ms[:n]
-                torch.mul(xt, xt, out=s)
-                torch.mean(s, -1, keepdim=True, out=m)
-                m.add_(eps).rsqrt_()
-                torch.mul(xt, m, out=s)
-                out[i:i + n].copy_(s.mul_(w))  # cast back to x's dtype on the way out
-    finally:
-        torch.set_num_threads(threads)
+    with num_threads(1), torch.no_grad():
+        for i in range(0, rows, tile_rows):
+            n = min(tile_rows, rows - i)
+            xt, s, m = x[i:i + n], sq[:n], ms[:n]
+            torch.mul(xt, xt, out=s)
+            torch.mean(s, -1, keepdim=True, out=m)
+            m.add_(eps).rsqrt_()
+            torch.mul(xt, m, out=s)
+            out[i:i + n].copy_(s.mul_(w))  # cast back to x's dtype on the way out
     return out
 
 
@@ -308,17 +315,18 @@ def exp_overlap(mesh, fast, out):
     dev, dt = mesh.device, DTYPES[st["overlap_dtype"]]
     # on a CPU the all-reduce needs a core of its own to hide: gloo's thread copies and adds the bytes. launch()
     # gives each rank cores // ranks threads; where that is 2 or more, the matmuls leave one of them to gloo
-    cores = os.cpu_count() or 1
-    if dev.type == "cpu" and torch.get_num_threads() > 1:
-        torch.set_num_threads(torch.get_num_threads() - 1)
-    spare = dev.type != "cpu" or cores >= mesh.world_size * (torch.get_num_threads() + 1)
+    cores, mm_threads = os.cpu_count() or 1, torch.get_num_threads()
+    if dev.type == "cpu":
+        mm_threads = max(1, mm_threads - 1)
+    spare = dev.type != "cpu" or cores >= mesh.world_size * (mm_threads + 1)
     a = torch.randn(st["overlap_n"], st["overlap_n"], device=dev, dtype=dt)
     c = torch.empty_like(a)
     buf = torch.ones(st["overlap_mib"] * MiB // a.element_size(), device=dev, dtype=dt)
 
     def compute():
-        for _ in range(st["overlap_reps"]):
-            torch.mm(a, a, out=c)
+        with num_threads(mm_threads):
+            for _ in range(st["overlap_reps"]):
+                torch.mm(a, a, out=c)
 
     def comm():
         dist.all_reduce(buf)
@@ -357,7 +365,7 @@ def exp_overlap(mesh, fast, out):
                       f"{st['overlap_trials']} trials")
     return dict(compute_s=med["compute"], comm_s=med["comm"], both_s=med["both"], call_s=med["call"],
                 wait_s=med["wait"], times=times, others_share=share, n=st["overlap_n"], reps=st["overlap_reps"],
-                mib=st["overlap_mib"], backend=mesh.backend, device=dev.type, threads=torch.get_num_threads(),
+                mib=st["overlap_mib"], backend=mesh.backend, device=dev.type, threads=mm_threads,
                 cores=cores, ranks=mesh.world_size, spare=spare)
 
 
